@@ -1,0 +1,31 @@
+# Two commands matter: `make serve` and `make test`. Both install into .venv first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install test serve bench clean
+
+install: $(STAMP)
+
+# torch is pinned and installed first on its own: `pip install torch==2.13.0` takes the CPU wheel on
+# CPU-only machines (local wheel cache) and the CUDA build from the index on GPU machines. Installing it
+# first keeps the resolver from pulling a newer CUDA torch through a dependency.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest tests
+
+serve: install
+	$(PY) -m vlserve serve --host 127.0.0.1 --port 8000
+
+bench: install
+	$(PY) benchmarks/offline_throughput.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

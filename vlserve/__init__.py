@@ -1,0 +1,1 @@
+"""vlserve: serving engine for vision-language models."""

@@ -1,0 +1,97 @@
+"""Qwen2 decoder with multimodal RoPE (M-RoPE), as used by Qwen2-VL and Qwen2.5-VL.
+
+Tokens arrive flattened across the batch: `[T, hidden]` with `positions` `[3, T]` (temporal, height, width).
+Attention is paged (see vlserve.runner.attention); the model itself holds no cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from vlserve.models.hf_config import TextConfig
+from vlserve.models.layers import GatedMLP, RMSNorm, apply_rotary
+from vlserve.runner.attention import AttentionMetadata, paged_attention
+
+
+class MRotaryEmbedding(nn.Module):
+    """Rotary angles where each frequency band follows one of the (t, h, w) position axes.
+
+    `mrope_section` splits the head_dim/2 frequencies into bands: the first band rotates with the temporal
+    position, the second with the row, the third with the column. For text all three positions are equal,
+    which makes it plain 1D RoPE.
+    """
+
+    def __init__(self, head_dim: int, theta: float, mrope_section: tuple[int, ...]):
+        super().__init__()
+        # Plain attributes, not buffers: they must stay fp32 whatever dtype the weights are cast to, and
+        # survive meta-device construction. Copied to the positions' device on first use.
+        cpu = torch.device("cpu")  # explicit: construction may run under a meta-device context
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=cpu) / head_dim))
+        # axis_of_band[j] = which position axis drives frequency j
+        axis = torch.cat([torch.full((n,), i % 3, dtype=torch.long, device=cpu) for i, n in enumerate(mrope_section)])
+        self._tables = {torch.device("cpu"): (inv_freq, axis)}
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.device not in self._tables:
+            self._tables[positions.device] = tuple(t.to(positions.device) for t in self._tables[torch.device("cpu")])
+        inv_freq, axis = self._tables[positions.device]
+        freqs = positions.unsqueeze(-1).float() * inv_freq  # [3, T, head_dim/2]
+        freqs = freqs.gather(0, axis.view(1, 1, -1).expand(1, freqs.shape[1], -1)).squeeze(0)
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class Qwen2Attention(nn.Module):
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=True)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.scale = self.head_dim**-0.5
+
+    def forward(self, x, cos, sin, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(T, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(T, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        return self.o_proj(paged_attention(q, k, v, kv_cache, meta, self.scale))
+
+
+class Qwen2DecoderLayer(nn.Module):
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Qwen2Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, "silu", bias=False)
+
+    def forward(self, x, cos, sin, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen2TextModel(nn.Module):
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Qwen2DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
+
+    def forward(
+        self,
+        inputs_embeds: torch.Tensor,  # [T, hidden]
+        positions: torch.Tensor,  # [3, T]
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        cos, sin = self.rotary(positions, inputs_embeds.dtype)
+        h = inputs_embeds
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            h = layer(h, cos, sin, kv_cache, meta)
+        return self.norm(h)

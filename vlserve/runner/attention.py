@@ -1,0 +1,84 @@
+"""Paged attention over a flat batch of tokens, written with torch's scaled_dot_product_attention.
+
+Layout of one layer's KV cache: `[2, num_blocks * block_size, num_kv_heads, head_dim]` (K then V); a token's
+slot is `block_id * block_size + offset`. The runner builds one `AttentionMetadata` per step and every layer
+reuses it, so per-layer work is only the cache write, a gather and the SDPA calls.
+
+Tokens of a step are ordered decode-first: the first `num_decode_tokens` tokens each belong to a different
+sequence with exactly one new token, and are attended in one batched, padded SDPA call. Every other sequence
+(a prefill chunk) gets its own SDPA call with a causal mask that also sees its cached prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSpan:
+    start: int  # first row of this sequence in the flat token batch
+    num_tokens: int  # tokens computed this step
+    context_slots: torch.Tensor | None  # [ctx_len] slots of prefix + this chunk; None when there is no prefix
+    mask: torch.Tensor | None  # [num_tokens, ctx_len] bool, True = may attend; None when there is no prefix
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V is written
+    num_decode_tokens: int = 0
+    decode_slots: torch.Tensor | None = None  # [num_decode, max_ctx] slots to gather (padding -> slot 0)
+    decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_ctx] bool
+    prefills: list[PrefillSpan] = field(default_factory=list)
+
+
+def build_prefill_span(start: int, num_tokens: int, context_len: int, slots: torch.Tensor | None) -> PrefillSpan:
+    """`context_len` counts the cached prefix plus this chunk; `slots` holds all of their slots."""
+    if context_len == num_tokens:
+        return PrefillSpan(start, num_tokens, None, None)
+    prefix = context_len - num_tokens
+    q_pos = torch.arange(num_tokens, device=slots.device).unsqueeze(1) + prefix
+    k_pos = torch.arange(context_len, device=slots.device).unsqueeze(0)
+    return PrefillSpan(start, num_tokens, slots, k_pos <= q_pos)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, num_heads, head_dim]
+    k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+
+    out = torch.empty_like(q)
+    nd = meta.num_decode_tokens
+    if nd:
+        # GQA without repeating K/V: the query heads sharing a KV head become that head's "query rows".
+        qd = q[:nd].view(nd, num_kv_heads, group, head_dim)
+        kd = k_cache[meta.decode_slots].transpose(1, 2)  # [nd, kv_heads, ctx, head_dim]
+        vd = v_cache[meta.decode_slots].transpose(1, 2)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
+        out[:nd] = od.reshape(nd, num_heads, head_dim)
+    for span in meta.prefills:
+        rows = slice(span.start, span.start + span.num_tokens)
+        qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, n, head_dim]
+        if span.context_slots is None:
+            ks, vs = k[rows], v[rows]
+        else:
+            ks, vs = k_cache[span.context_slots], v_cache[span.context_slots]
+        ks = ks.transpose(0, 1).unsqueeze(0)
+        vs = vs.transpose(0, 1).unsqueeze(0)
+        os_ = F.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=span.mask, is_causal=span.mask is None, scale=scale, enable_gqa=group > 1
+        )
+        out[rows] = os_.squeeze(0).transpose(0, 1)
+    return out.view(num_tokens, num_heads * head_dim)
