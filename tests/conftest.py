@@ -1,0 +1,49 @@
+"""Shared fixtures: tiny random checkpoints made once per session, transformers references, test images."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from vlserve.tools.tiny_model import make_tiny_model
+
+ARCHES = ("qwen2_vl", "qwen2_5_vl")
+IMG = "<|vision_start|><|image_pad|><|vision_end|>"
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory):
+    """arch -> folder of a tiny random checkpoint (initializer_range 0.15 so pictures change the output)."""
+    made = {}
+
+    def get(arch: str, size: str = "tiny"):
+        if (arch, size) not in made:
+            made[arch, size] = make_tiny_model(tmp_path_factory.mktemp(f"{arch}-{size}"), arch=arch, size=size)
+        return made[arch, size]
+
+    return get
+
+
+def noise_image(width: int, height: int, seed: int, mode: str = "RGB") -> Image.Image:
+    rng = np.random.default_rng(seed)
+    img = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8), "RGB")
+    if mode == "RGBA":
+        alpha = Image.fromarray(rng.integers(0, 256, (height, width), dtype=np.uint8), "L")
+        img = img.convert("RGBA")
+        img.putalpha(alpha)
+        return img
+    return img.convert(mode) if mode != "RGB" else img
+
+
+def assert_pool_full(llm) -> None:
+    """No block leaked: after all requests finished every KV block is free and nothing is left queued."""
+    sched = llm.engine.core.scheduler
+    sched.kv.pool.check_integrity()
+    assert sched.kv.pool.num_free == sched.kv.pool.num_blocks
+    assert not sched.running and not sched.waiting and not sched.requests
+    assert len(sched.encoder_cache) == 0
+    assert not llm.engine.core.runner.encoder_outputs or not sched.has_unfinished

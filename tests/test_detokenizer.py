@@ -1,0 +1,169 @@
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from vlserve.processing.detokenizer import IncrementalDetokenizer
+from vlserve.sampling_params import SamplingParams
+
+REPLACEMENT = "\ufffd"
+TEXT = "héllo 世界 🙂 and 🙃 ñandú 日本, hello world STOP here"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    # Byte-level BPE with a tiny vocabulary: most non-ASCII characters stay
+    # split across several byte tokens, which is what we want to exercise.
+    sentences = ["héllo 世界 🙂 hello world", "the quick brown fox", "héllo again, world! 世界"] * 3
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<eos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(sentences, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
+def feed(detok, ids, step=1):
+    deltas, stop = [], None
+    for i in range(0, len(ids), step):
+        stop = detok.update(ids[i : i + step])
+        deltas.append(detok.get_next_delta())
+        if stop is not None:
+            break
+    deltas.append(detok.finish())
+    return deltas, stop
+
+
+def test_multibyte_chars_are_split_in_this_vocab(tokenizer):
+    ids = tokenizer.encode(TEXT)
+    assert any(REPLACEMENT in tokenizer.decode([i]) for i in ids)
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 7])
+def test_incremental_matches_full_decode(tokenizer, step):
+    ids = tokenizer.encode(TEXT)
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("prompt: "), SamplingParams())
+    deltas, stop = feed(detok, ids, step)
+    assert stop is None
+    assert detok.output_text == tokenizer.decode(ids) == TEXT
+    assert "".join(deltas) == TEXT
+    assert all(REPLACEMENT not in d for d in deltas)
+
+
+def test_no_replacement_char_ever_in_output_text(tokenizer):
+    ids = tokenizer.encode(TEXT)
+    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams())
+    for i in ids:
+        detok.update([i])
+        assert REPLACEMENT not in detok.output_text
+        assert TEXT.startswith(detok.output_text)
+
+
+def test_special_tokens_skipped_or_kept(tokenizer):
+    ids = tokenizer.encode("hello") + [tokenizer.eos_token_id]
+    skip = IncrementalDetokenizer(tokenizer, [], SamplingParams())
+    keep = IncrementalDetokenizer(tokenizer, [], SamplingParams(skip_special_tokens=False))
+    for i in ids:
+        skip.update([i])
+        keep.update([i])
+    assert skip.output_text == "hello"
+    assert keep.output_text == "hello<eos>"
+
+
+def test_stop_string_cuts_output(tokenizer):
+    ids = tokenizer.encode(TEXT)
+    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=["STOP"]))
+    deltas, stop = feed(detok, ids)
+    assert stop == "STOP" and detok.stop_string == "STOP"
+    expected = TEXT[: TEXT.index("STOP")]
+    assert detok.output_text == expected
+    assert "".join(deltas) == expected
+    # Nothing after a stop is ever emitted.
+    assert detok.update(tokenizer.encode(" more")) is None
+    assert detok.output_text == expected and detok.get_next_delta() == ""
+
+
+def test_include_stop_str_in_output(tokenizer):
+    ids = tokenizer.encode(TEXT)
+    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop="STOP", include_stop_str_in_output=True))
+    deltas, stop = feed(detok, ids, step=3)
+    expected = TEXT[: TEXT.index("STOP") + 4]
+    assert stop == "STOP" and detok.output_text == expected == "".join(deltas)
+
+
+def test_stop_string_spanning_tokens(tokenizer):
+    ids = tokenizer.encode(TEXT)
+    stop_str = "界 🙂 a"  # spans several tokens, including split multi-byte ones
+    start = TEXT.index(stop_str)
+    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=["zzz", stop_str]))
+    n_fed = 0
+    stop = None
+    for i in ids:
+        n_fed += 1
+        stop = detok.update([i])
+        if stop:
+            break
+    assert stop == stop_str
+    # It spans tokens: the text before the last token fed holds part of it, not all.
+    assert len(tokenizer.decode(ids[: n_fed - 1])) < start + len(stop_str)
+    assert len(tokenizer.decode(ids[: n_fed - 1]).rstrip(REPLACEMENT)) > start
+    assert detok.output_text == TEXT[:start]
+
+
+def test_earliest_stop_wins(tokenizer):
+    ids = tokenizer.encode("the quick brown fox")
+    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=["fox", "quick"]))
+    stop = detok.update(ids)  # all at once: both match in the same update
+    assert stop == "quick" and detok.output_text == "the "
+
+
+def test_holdback_hides_partial_stop_string(tokenizer):
+    text = "hello world, hello wor"
+    ids = tokenizer.encode(text)
+    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=["world!"]))
+    streamed = ""
+    for i in ids:
+        assert detok.update([i]) is None
+        streamed += detok.get_next_delta()
+        # Last len("world!") - 1 = 5 chars stay hidden while running.
+        assert streamed == detok.output_text[: max(0, len(detok.output_text) - 5)]
+    assert detok.output_text == text
+    assert streamed == text[:-5]
+    assert detok.finish() == text[-5:]
+    assert detok.get_next_delta() == ""
+
+
+def test_no_holdback_without_stop_or_with_include(tokenizer):
+    ids = tokenizer.encode("hello world")
+    for params in (SamplingParams(), SamplingParams(stop="xyz", include_stop_str_in_output=True)):
+        detok = IncrementalDetokenizer(tokenizer, [], params)
+        detok.update(ids)
+        assert detok.get_next_delta() == "hello world"
+
+
+def test_stop_strings_ignored_until_min_tokens(tokenizer):
+    ids = tokenizer.encode("hello world hello world")
+    params = SamplingParams(stop="world", min_tokens=4)
+    assert len(tokenizer.encode("hello world")) < 4
+    detok = IncrementalDetokenizer(tokenizer, [], params)
+    stop = None
+    for i in ids:
+        stop = detok.update([i])
+        if stop:
+            break
+    assert stop == "world"
+    assert detok.output_text == "hello world hello "
+
+
+def test_incomplete_trailing_char_not_emitted(tokenizer):
+    ids = tokenizer.encode("ok 🙃")
+    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams())
+    detok.update(ids[:-1])  # last byte of the emoji missing
+    # The space may share a token with the emoji's first bytes, so "ok" or "ok ".
+    assert detok.output_text in ("ok", "ok ")
+    detok.update(ids[-1:])
+    assert detok.output_text == "ok 🙃"

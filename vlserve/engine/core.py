@@ -1,0 +1,68 @@
+"""The engine core: scheduler + model runner, advanced one step at a time.
+
+`step()` is the whole loop body: schedule() -> execute() -> update_from_output(). This object is what runs
+in the engine process once the server splits front end and engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from vlserve.config import VlserveConfig
+from vlserve.engine.messages import EngineCoreOutput
+from vlserve.engine.request import Request, RequestStatus
+from vlserve.models.loader import load_model
+from vlserve.runner.model_runner import ModelRunner
+from vlserve.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, cfg: VlserveConfig, model: torch.nn.Module | None = None):
+        self.cfg = cfg
+        t0 = time.perf_counter()
+        model = model or load_model(cfg.model_path, cfg.model, cfg.dtype, cfg.device)
+        self.runner = ModelRunner(cfg, model)
+        self.scheduler = Scheduler(cfg)
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        logger.info("engine ready in %.1fs: %s on %s, %s, %d KV blocks x %d tokens", time.perf_counter() - t0,
+                    cfg.model.architecture, cfg.device, str(cfg.dtype).removeprefix("torch."), cfg.num_kv_blocks,
+                    cfg.block_size)
+
+    def add_request(self, req: Request) -> None:
+        self.scheduler.add_request(req)
+        self.prompt_tokens_total += req.num_prompt_tokens
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def stop_requests(self, request_ids: list[str]) -> None:
+        """Finished by the front end (a stop string matched): same clean-up as an abort, reported as stop."""
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def step(self) -> list[EngineCoreOutput]:
+        sched = self.scheduler.schedule()
+        sampled, logprobs = self.runner.execute(sched)
+        outputs = self.scheduler.update_from_output(sched, sampled, logprobs)
+        self.generation_tokens_total += len(outputs)
+        return outputs
+
+    def get_metrics(self) -> dict[str, float]:
+        s = self.scheduler
+        return {
+            "num_requests_running": len(s.running),
+            "num_requests_waiting": len(s.waiting),
+            "kv_cache_usage_perc": s.kv.usage,
+            "num_preemptions_total": s.num_preemptions,
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "generation_tokens_total": self.generation_tokens_total,
+        }

@@ -1,0 +1,55 @@
+"""OpenAI-format chat messages -> messages the chat template understands + the media they reference."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vlserve.errors import InvalidInputError
+
+ROLES = {"system", "user", "assistant", "tool", "developer"}
+
+
+def _image_source(part: dict) -> Any:
+    value = part.get("image_url")
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url:
+        raise InvalidInputError("an image_url part needs an 'image_url': {'url': ...}")
+    return url.removeprefix("file://") if url.startswith("file://") else url
+
+
+def parse_chat_messages(messages: list[dict]) -> tuple[list[dict], list[Any]]:
+    """Returns template-ready messages (image parts as {"type": "image"}) and the image sources in order.
+
+    The offline API resolves sources itself (data URLs, local paths, PIL images); the HTTP server passes
+    its own fetched images instead.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise InvalidInputError("messages must be a non-empty list")
+    rendered, images = [], []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or msg.get("role") not in ROLES:
+            raise InvalidInputError(f"messages[{i}] needs a 'role' among {sorted(ROLES)}")
+        content = msg.get("content")
+        if content is None or isinstance(content, str):
+            rendered.append({"role": msg["role"], "content": content or ""})
+            continue
+        if not isinstance(content, list):
+            raise InvalidInputError(f"messages[{i}].content must be a string or a list of parts")
+        parts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                parts.append({"type": "text", "text": str(part.get("text", ""))})
+            elif kind == "image_url":
+                images.append(_image_source(part))
+                parts.append({"type": "image"})
+            elif kind == "image_pil" or kind == "image":
+                src = part.get("image_pil", part.get("image"))
+                if src is None:
+                    raise InvalidInputError(f"messages[{i}].content[{j}]: '{kind}' part without an image")
+                images.append(src)
+                parts.append({"type": "image"})
+            else:
+                raise InvalidInputError(f"messages[{i}].content[{j}]: unsupported content part type {kind!r}")
+        rendered.append({"role": msg["role"], "content": parts})
+    return rendered, images

@@ -1,0 +1,85 @@
+"""Prompt (text or token ids, plus pictures) -> engine `Request`: tokenize, preprocess, expand, positions."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from vlserve.config import VlserveConfig
+from vlserve.engine.request import MultiModalItem, Request
+from vlserve.errors import InvalidInputError
+from vlserve.media.image import ImageProcessorConfig, load_image, preprocess_image
+from vlserve.processing.mrope import MRopeItem, expand_placeholders, mrope_positions
+from vlserve.sampling_params import SamplingParams
+
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def _as_list(value: Any) -> list:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+class InputProcessor:
+    def __init__(self, cfg: VlserveConfig, tokenizer, image_cfg: ImageProcessorConfig):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.image_cfg = image_cfg
+        self.vocab_size = cfg.model.text.vocab_size
+
+    def tokenize(self, prompt: dict | str) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            prompt = {"prompt": prompt}
+        if not isinstance(prompt, dict):
+            raise InvalidInputError(f"a prompt must be a string or a dict, got {type(prompt).__name__}")
+        if "prompt_token_ids" in prompt:
+            ids = list(prompt["prompt_token_ids"])
+            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidInputError(f"prompt_token_ids holds ids outside the vocabulary: {bad[:5]}")
+            return prompt.get("prompt"), ids
+        text = prompt.get("prompt")
+        if not isinstance(text, str):
+            raise InvalidInputError("prompt dict needs a 'prompt' string or 'prompt_token_ids'")
+        return text, self.tokenizer.encode(text)
+
+    def process(
+        self,
+        request_id: str,
+        prompt: dict | str,
+        params: SamplingParams,
+        mm_processor_kwargs: dict | None = None,
+    ) -> tuple[str | None, Request]:
+        text, token_ids = self.tokenize(prompt)
+        if not token_ids:
+            raise InvalidInputError("the prompt is empty")
+        mm_data = prompt.get("multi_modal_data") or {} if isinstance(prompt, dict) else {}
+        unknown = set(mm_data) - {"image"}
+        if unknown:
+            raise InvalidInputError(f"unsupported multi_modal_data kinds: {sorted(unknown)} (supported: image)")
+        images = _as_list(mm_data.get("image"))
+        limit = self.cfg.limit_mm_per_prompt.get("image", 0)
+        if len(images) > limit:
+            raise InvalidInputError(f"{len(images)} images in one prompt; at most {limit} allowed (limit_mm_per_prompt)")
+        items = self._images(images, mm_processor_kwargs or {})
+        mcfg = self.cfg.model
+        token_ids, offsets = expand_placeholders(token_ids, mcfg.image_token_id, [p.num_embed_tokens for p in items])
+        merge = mcfg.vision.spatial_merge_size
+        positions, delta = mrope_positions(
+            token_ids, [MRopeItem(off, p.grid_thw) for off, p in zip(offsets, items)], merge
+        )
+        mm_items = [
+            MultiModalItem(off, p.num_embed_tokens, p.pixel_values, p.grid_thw) for off, p in zip(offsets, items)
+        ]
+        req = Request(request_id, token_ids, params, mcfg.eos_token_ids, mm_items, positions, delta)
+        return text, req
+
+    def _images(self, images: Sequence[Any], kwargs: dict) -> list:
+        unknown = set(kwargs) - {"min_pixels", "max_pixels"}
+        if unknown:
+            raise InvalidInputError(f"unsupported mm_processor_kwargs: {sorted(unknown)} (supported: min_pixels, max_pixels)")
+        return [
+            preprocess_image(load_image(img), self.image_cfg, kwargs.get("min_pixels"), kwargs.get("max_pixels"))
+            for img in images
+        ]

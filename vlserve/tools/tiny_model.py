@@ -1,0 +1,284 @@
+"""Create small random Qwen2-VL / Qwen2.5-VL checkpoints in the Hugging Face layout, fully offline.
+
+The weights come from transformers' own model classes, so the folder is exactly what
+`from_pretrained` expects; the tokenizer is a freshly trained byte-level BPE (see bpe_tokenizer.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+from transformers import (
+    GenerationConfig,
+    PreTrainedModel,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2VLConfig,
+    Qwen2VLForConditionalGeneration,
+)
+
+from vlserve.errors import InvalidInputError
+from vlserve.tools.bpe_tokenizer import build_tokenizer, save_tokenizer, special_token_ids
+
+ARCHES: dict[str, tuple[type, type]] = {
+    "qwen2_vl": (Qwen2VLConfig, Qwen2VLForConditionalGeneration),
+    "qwen2_5_vl": (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration),
+}
+
+# OpenAI CLIP normalisation, which both Qwen2-VL and Qwen2.5-VL use.
+CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+
+
+@dataclass(frozen=True)
+class SizeSpec:
+    """Shape of one model size. `vit_*` describe the vision tower; `hidden` etc. the language model."""
+
+    bpe_vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    mrope_section: tuple[int, int, int]
+    vit_width: int
+    vit_heads: int
+    vit_depth_2: int  # Qwen2-VL ViT depth
+    vit_depth_25: int  # Qwen2.5-VL ViT depth
+    vit_intermediate_25: int  # Qwen2.5-VL gated-MLP width (Qwen2-VL uses mlp_ratio 4)
+    fullatt_blocks_25: tuple[int, ...]
+    max_pixels: int
+    dtype: torch.dtype
+    init_range: float  # default initializer_range
+    tie_embeddings: bool
+
+
+SIZES: dict[str, SizeSpec] = {
+    # A large init range makes the random model sensitive to its image input, which tests rely on.
+    "tiny": SizeSpec(1000, 64, 2, 4, 2, 128, (2, 3, 3), 32, 2, 2, 4, 64, (1, 3), 28 * 28 * 256,
+                     torch.float32, 0.15, False),
+    "small": SizeSpec(1000, 128, 4, 4, 2, 256, (4, 6, 6), 64, 4, 2, 4, 128, (1, 3), 28 * 28 * 256,
+                      torch.float32, 0.15, False),
+    # Real proportions (head_dim 128, GQA 4:1) for benchmarks; ~240M parameters.
+    "medium": SizeSpec(8000, 1024, 12, 8, 2, 4096, (16, 24, 24), 640, 10, 8, 8, 1728, (3, 7), 1003520,
+                       torch.bfloat16, 0.02, True),
+}
+
+PATCH_SIZE = 14
+TEMPORAL_PATCH_SIZE = 2
+MERGE_SIZE = 2
+MIN_PIXELS = 56 * 56
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple
+
+
+def _check_spec(spec: SizeSpec) -> None:
+    head_dim = spec.hidden // spec.heads
+    if sum(spec.mrope_section) * 2 != head_dim:
+        raise ValueError(f"mrope_section {spec.mrope_section} must sum to head_dim/2 = {head_dim // 2}")
+    # The vision 2-D rotary embedding splits each head into (h, w) halves of cos/sin pairs.
+    if (spec.vit_width // spec.vit_heads) % 4:
+        raise ValueError("vision head_dim must be divisible by 4")
+
+
+def _vision_config(arch: str, spec: SizeSpec, init_range: float) -> dict[str, Any]:
+    common = {
+        "num_heads": spec.vit_heads,
+        "in_channels": 3,
+        "patch_size": PATCH_SIZE,
+        "temporal_patch_size": TEMPORAL_PATCH_SIZE,
+        "spatial_merge_size": MERGE_SIZE,
+        "initializer_range": init_range,
+    }
+    if arch == "qwen2_vl":
+        # In Qwen2-VL `hidden_size` is the merger's output width (= LM hidden), `embed_dim` the ViT width.
+        return {**common, "embed_dim": spec.vit_width, "hidden_size": spec.hidden, "depth": spec.vit_depth_2,
+                "mlp_ratio": 4, "hidden_act": "quick_gelu"}
+    # In Qwen2.5-VL `hidden_size` is the ViT width and `out_hidden_size` the merger's output width.
+    return {**common, "hidden_size": spec.vit_width, "out_hidden_size": spec.hidden,
+            "intermediate_size": spec.vit_intermediate_25, "depth": spec.vit_depth_25,
+            "fullatt_block_indexes": list(spec.fullatt_blocks_25), "window_size": 112,
+            "hidden_act": "silu", "tokens_per_second": 2}
+
+
+def _model_config(arch: str, spec: SizeSpec, vocab_size: int, ids: dict[str, int], init_range: float) -> Any:
+    token_ids = {
+        "bos_token_id": ids["<|endoftext|>"],
+        "eos_token_id": ids["<|im_end|>"],
+        "pad_token_id": ids["<|endoftext|>"],
+    }
+    text = {
+        "vocab_size": vocab_size,
+        "hidden_size": spec.hidden,
+        "intermediate_size": spec.intermediate,
+        "num_hidden_layers": spec.layers,
+        "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.kv_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "initializer_range": init_range,
+        "rope_parameters": {"rope_type": "default", "mrope_section": list(spec.mrope_section),
+                            "rope_theta": 1000000.0},
+        **token_ids,
+    }
+    config_cls = ARCHES[arch][0]
+    return config_cls(
+        text_config=text,
+        vision_config=_vision_config(arch, spec, init_range),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=spec.tie_embeddings,
+        # Duplicated at the top level because flat (hub-style) readers look for them there.
+        **token_ids,
+    )
+
+
+def _preprocessor_config(max_pixels: int) -> dict[str, Any]:
+    return {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "min_pixels": MIN_PIXELS,
+        "max_pixels": max_pixels,
+        "size": {"shortest_edge": MIN_PIXELS, "longest_edge": max_pixels},
+        "patch_size": PATCH_SIZE,
+        "temporal_patch_size": TEMPORAL_PATCH_SIZE,
+        "merge_size": MERGE_SIZE,
+        "image_mean": CLIP_MEAN,
+        "image_std": CLIP_STD,
+        "resample": 3,  # PIL bicubic
+        "do_resize": True,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "do_convert_rgb": True,
+    }
+
+
+def _check_saved(out_dir: Path, arch: str, init_range: float) -> None:
+    """Re-read what landed on disk: right architecture, and weights with the std we asked for."""
+    config = json.loads((out_dir / "config.json").read_text())
+    expected = [ARCHES[arch][1].__name__]
+    if config.get("architectures") != expected:
+        raise RuntimeError(f"config.json architectures {config.get('architectures')} != {expected}")
+    # One text and one vision matrix: proves initializer_range reached both sub-configs.
+    probes = ("model.layers.0.self_attn.q_proj.weight", "visual.blocks.0.attn.qkv.weight")
+    found: dict[str, float] = {}
+    for shard in sorted(out_dir.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            for name in probes:
+                if name in f.keys():
+                    found[name] = f.get_tensor(name).float().std().item()
+    for name in probes:
+        std = found.get(name)
+        if std is None:
+            raise RuntimeError(f"{name} missing from the saved checkpoint")
+        if not 0.8 * init_range < std < 1.2 * init_range:
+            raise RuntimeError(f"{name} has std {std:.4f}, expected about {init_range}")
+
+
+def make_tiny_model(
+    out_dir: str | Path,
+    arch: str = "qwen2_vl",
+    size: str = "tiny",
+    seed: int = 0,
+    initializer_range: float | None = None,
+) -> Path:
+    """Write a random, loadable HF checkpoint (weights, config, tokenizer, processor) to `out_dir`."""
+    if arch not in ARCHES:
+        raise InvalidInputError(f"arch must be one of {sorted(ARCHES)}, got {arch!r}")
+    if size not in SIZES:
+        raise InvalidInputError(f"size must be one of {sorted(SIZES)}, got {size!r}")
+    if initializer_range is not None and not (
+        isinstance(initializer_range, (int, float)) and math.isfinite(initializer_range) and initializer_range > 0
+    ):
+        raise InvalidInputError(f"initializer_range must be a positive number, got {initializer_range!r}")
+    spec = SIZES[size]
+    _check_spec(spec)
+    init_range = spec.init_range if initializer_range is None else float(initializer_range)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+
+    with tqdm(total=4, desc=f"make-tiny-model {arch}/{size}", unit="step", leave=False) as bar:
+        bar.set_postfix_str("tokenizer")
+        tokenizer = build_tokenizer(spec.bpe_vocab)
+        ids = special_token_ids(tokenizer)
+        vocab_size = _round_up(len(tokenizer), 64)  # GPU-friendly embedding rows, like Qwen's padding
+        save_tokenizer(tokenizer, out)
+        bar.update()
+
+        bar.set_postfix_str("weights")
+        config = _model_config(arch, spec, vocab_size, ids, init_range)
+        with torch.random.fork_rng(devices=[]):  # seed our init without disturbing the caller's RNG
+            torch.manual_seed(seed)
+            model: PreTrainedModel = ARCHES[arch][1](config).eval()
+        if spec.dtype != torch.float32:
+            model.to(spec.dtype)  # save_pretrained records the model's dtype in config.json
+        n_params = sum(p.numel() for p in model.parameters())
+        bar.update()
+
+        bar.set_postfix_str("save")
+        model.save_pretrained(str(out), safe_serialization=True)
+        # Qwen2-VL stops on <|im_end|> in chat and on <|endoftext|> for raw text.
+        GenerationConfig(
+            bos_token_id=ids["<|endoftext|>"],
+            eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
+            pad_token_id=ids["<|endoftext|>"],
+        ).save_pretrained(str(out))
+        (out / "preprocessor_config.json").write_text(json.dumps(_preprocessor_config(spec.max_pixels), indent=2))
+        bar.update()
+
+        bar.set_postfix_str("verify")
+        _check_saved(out, arch, init_range)
+        bar.update()
+
+    tqdm.write(f"make-tiny-model: {arch}/{size} {n_params / 1e6:.2f}M params, "
+               f"{time.perf_counter() - start:.1f}s -> {out}", file=sys.stderr)
+    return out
+
+
+def count_parameters(model_dir: str | Path) -> int:
+    """Number of stored weight elements (a tied lm_head is not stored, so it is not counted)."""
+    total = 0
+    for shard in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            for name in f.keys():
+                total += math.prod(f.get_slice(name).get_shape())
+    return total
+
+
+def _run_cli(args: argparse.Namespace) -> int:
+    try:
+        make_tiny_model(args.out, arch=args.arch, size=args.size, seed=args.seed)
+    except InvalidInputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def register_cli(subparsers: Any) -> None:
+    """Add `make-tiny-model OUT --arch ... [--size ...] [--seed N]` to an argparse subparsers object."""
+    parser = subparsers.add_parser(
+        "make-tiny-model",
+        help="write a small random Qwen2-VL / Qwen2.5-VL checkpoint (offline)",
+        description="Create a random HF-format checkpoint with a freshly trained BPE tokenizer.",
+    )
+    parser.add_argument("out", metavar="OUT", help="output folder (created if missing)")
+    parser.add_argument("--arch", choices=sorted(ARCHES), required=True)
+    parser.add_argument("--size", choices=list(SIZES), default="tiny")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.set_defaults(func=_run_cli)
