@@ -22,7 +22,7 @@ test: install
 	$(PY) -m pytest tests
 
 serve: install
-	$(PY) -m vlserve serve --host 127.0.0.1 --port 8000
+	$(PY) -m vlserve demo  # the HTTP server (`vlserve serve`) arrives with issue [3/5]
 
 bench: install
 	$(PY) benchmarks/offline_throughput.py

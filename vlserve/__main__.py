@@ -1,0 +1,5 @@
+import sys
+
+from vlserve.cli import main
+
+sys.exit(main())

@@ -1,0 +1,36 @@
+"""`vlserve <command>`: each command module registers its own subparser."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from vlserve.entrypoints import demo
+from vlserve.errors import VlserveError
+from vlserve.tools import tiny_model
+
+COMMANDS = [demo.register_cli, tiny_model.register_cli]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vlserve", description="Serve vision-language models.")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for register in COMMANDS:
+        register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except VlserveError as e:
+        logging.getLogger("vlserve").error("%s", e)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
