@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from vlserve.errors import InvalidInputError
+from vlserve.errors import InvalidInputError, ModelLoadError
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -205,8 +205,14 @@ class ImageProcessorConfig:
 
     @classmethod
     def from_pretrained(cls, folder: str | os.PathLike) -> "ImageProcessorConfig":
-        with open(Path(folder) / "preprocessor_config.json", encoding="utf-8") as f:
-            return cls.from_dict(json.load(f))
+        path = Path(folder) / "preprocessor_config.json"
+        if not path.is_file():
+            raise ModelLoadError(f"{folder}: no preprocessor_config.json (the image processor settings)")
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ModelLoadError(f"{path}: invalid JSON ({e})") from e
+        return cls.from_dict(raw)
 
 
 def _three_floats(v: Any) -> tuple[float, float, float]:

@@ -83,7 +83,10 @@ def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig, device: torch.devi
 def weight_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise ModelLoadError(f"{index}: not a valid safetensors index ({type(e).__name__}: {e})") from e
         missing = [s for s in shards if not (folder / s).is_file()]
         if missing:
             raise ModelLoadError(f"{folder}: shards listed in {index.name} are missing: {', '.join(missing)}")
@@ -105,9 +108,19 @@ def our_name(ckpt_name: str) -> tuple[str, str | None]:
     return ckpt_name, None
 
 
-def _shard_view(param: torch.Tensor, shard: str | None, size: int) -> torch.Tensor:
+def _shard_view(model: nn.Module, name: str, param: torch.Tensor, shard: str) -> torch.Tensor:
+    """The rows of fused parameter `name` that checkpoint piece `shard` fills.
+
+    Offsets and sizes come from the model (never from the incoming tensor), so a piece of the wrong size
+    fails the shape check instead of landing silently in its neighbour's rows.
+    """
     total = param.shape[0]
-    offset = {None: 0, "q": 0, "k": total - 2 * size, "v": total - size, "gate": 0, "up": total // 2}[shard]
+    if shard in ("gate", "up"):
+        half = total // 2
+        return param.narrow(0, 0 if shard == "gate" else half, half)
+    attn = model.get_submodule(name.rsplit(".", 2)[0])  # "...self_attn.qkv_proj.weight" -> the attention module
+    q, kv = attn.q_size, attn.kv_size
+    offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard]
     return param.narrow(0, offset, size)
 
 
@@ -141,7 +154,7 @@ def load_weights(model: nn.Module, folder: Path, files: list[Path] | None = None
                     param = params[name].data
                     if name.endswith("patch_embed.proj.weight"):
                         tensor = tensor.reshape(tensor.shape[0], -1)  # Conv3d kernel -> Linear
-                    target = _shard_view(param, shard, tensor.shape[0]) if shard else param
+                    target = _shard_view(model, name, param, shard) if shard else param
                     if target.shape != tensor.shape:
                         raise ModelLoadError(
                             f"{file.name}: '{key}' has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"

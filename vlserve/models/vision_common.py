@@ -97,8 +97,9 @@ def varlen_attention(q, k, v, plan: VarlenPlan) -> torch.Tensor:
         return out.transpose(1, 2)[plan.valid]
     outs = []
     for qs, ks, vs in zip(*(x.split(plan.lengths) for x in (q, k, v))):
-        o = F.scaled_dot_product_attention(qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1))
-        outs.append(o.transpose(0, 1))
+        # 4D [1, heads, len, hd]: torch's CPU flash kernel takes it; 3D inputs fall back to a ~2.5x slower path
+        qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (qs, ks, vs))
+        outs.append(F.scaled_dot_product_attention(qs, ks, vs).squeeze(0).transpose(0, 1))
     return torch.cat(outs)
 
 

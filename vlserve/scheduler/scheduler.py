@@ -43,10 +43,15 @@ class Scheduler:
             raise InvalidInputError(
                 f"prompt ({req.num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds the model's "
                 f"maximum context length ({cfg.max_model_len} tokens)")
-        if self.kv.blocks_needed(req.num_prompt_tokens + max_tokens) > self.kv.pool.num_blocks:
+        # Without max_tokens a request may grow to max_model_len: that must fit too, or it would preempt itself
+        # forever once the pool is full.
+        unbounded = req.params.max_tokens is None
+        total = max(cfg.max_model_len, req.num_prompt_tokens) if unbounded else req.num_prompt_tokens + max_tokens
+        if self.kv.blocks_needed(total) > self.kv.pool.num_blocks:
             raise InvalidInputError(
-                f"request needs more KV cache ({req.num_prompt_tokens + max_tokens} tokens) than the whole pool holds "
-                f"({self.kv.pool.num_blocks * self.kv.block_size} tokens)")
+                f"request needs more KV cache ({total} tokens) than the whole pool holds "
+                f"({self.kv.pool.num_blocks * self.kv.block_size} tokens)"
+                + ("; max_tokens is unset, so it may grow to max_model_len: set max_tokens" if unbounded else ""))
         for item in req.mm_items:
             if item.num_tokens > cfg.max_num_encoder_input_tokens:
                 raise InvalidInputError(

@@ -1,0 +1,142 @@
+"""Offline throughput: vlserve vs transformers `generate` on the same mixed picture workload, same run.
+
+Workload: requests with one picture each (several sizes, some pictures repeated), prompts and output lengths
+that vary. transformers runs static batches (left-padded, every batch generates until its longest request is
+done; only each request's own tokens are counted) at a few batch sizes and we report its best.
+
+    .venv/bin/python benchmarks/offline_throughput.py [--model DIR] [--num-requests 24] [--hf-batch-sizes 1,4,8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+IMG = "<|vision_start|><|image_pad|><|vision_end|>"
+SIZES = [(224, 224), (448, 448), (336, 252), (280, 420)]
+QUESTIONS = [
+    "Describe the picture.",
+    "What objects can you see, and what colours do they have? Answer in detail.",
+    "Is there any text in this image? If so, transcribe it exactly and explain what it means.",
+    "Write a short story inspired by this picture, with a beginning, a middle and an end.",
+]
+
+
+def make_workload(n: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    pictures = []
+    for i in range(max(2, n * 2 // 3)):  # about a third of the requests reuse an earlier picture
+        w, h = SIZES[i % len(SIZES)]
+        arr = np.random.default_rng(seed * 1000 + i).integers(0, 256, (h, w, 3), dtype=np.uint8)
+        pictures.append(Image.fromarray(arr, "RGB"))
+    work = []
+    for i in range(n):
+        pic = pictures[i] if i < len(pictures) else pictures[rng.randrange(len(pictures))]
+        q = QUESTIONS[rng.randrange(len(QUESTIONS))]
+        prompt = f"<|im_start|>user\n{IMG}{q}<|im_end|>\n<|im_start|>assistant\n"
+        work.append({"prompt": prompt, "image": pic, "max_tokens": rng.randint(32, 96)})
+    return work
+
+
+def run_vlserve(model: str, work: list[dict], dtype: str, **engine_args) -> tuple[float, int]:
+    from vlserve import LLM, SamplingParams
+
+    llm = LLM(model, dtype=dtype, **engine_args)
+    warm = make_workload(2, seed=99)  # warm-up on other pictures (so no cache could help the timed run)
+    llm.generate([{"prompt": w["prompt"], "multi_modal_data": {"image": [w["image"]]}} for w in warm],
+                 SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    prompts = [{"prompt": w["prompt"], "multi_modal_data": {"image": [w["image"]]}} for w in work]
+    params = [SamplingParams(temperature=0.0, max_tokens=w["max_tokens"], ignore_eos=True) for w in work]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    return dt, sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+class HFRunner:
+    def __init__(self, model: str, dtype: torch.dtype):
+        from transformers import AutoConfig, AutoTokenizer, Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        arch = AutoConfig.from_pretrained(model).architectures[0]
+        cls = Qwen2_5_VLForConditionalGeneration if arch.startswith("Qwen2_5") else Qwen2VLForConditionalGeneration
+        self.model = cls.from_pretrained(model, dtype=dtype).eval()
+        self.tok = AutoTokenizer.from_pretrained(model)
+        self.ip = Qwen2VLImageProcessorPil.from_pretrained(model)
+        self.image_token = self.model.config.image_token_id
+
+    @torch.no_grad()
+    def generate_batch(self, batch: list[dict]) -> int:
+        proc = self.ip(images=[w["image"] for w in batch], return_tensors="pt")
+        counts = iter((proc["image_grid_thw"].prod(-1) // 4).tolist())
+        seqs = []
+        for w in batch:
+            ids = self.tok.encode(w["prompt"])
+            seqs.append([t for tok in ids for t in ([tok] * next(counts) if tok == self.image_token else [tok])])
+        longest = max(map(len, seqs))
+        pad = self.tok.pad_token_id
+        input_ids = torch.tensor([[pad] * (longest - len(s)) + s for s in seqs])
+        mask = torch.tensor([[0] * (longest - len(s)) + [1] * len(s) for s in seqs])
+        new = max(w["max_tokens"] for w in batch)
+        self.model.generate(input_ids=input_ids, attention_mask=mask, pixel_values=proc["pixel_values"],
+                            image_grid_thw=proc["image_grid_thw"], mm_token_type_ids=(input_ids == self.image_token).int(),
+                            max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=pad)
+        return sum(w["max_tokens"] for w in batch)  # what the users asked for; the padding tokens are waste
+
+    def run(self, work: list[dict], batch_size: int) -> tuple[float, int]:
+        self.generate_batch(make_workload(2, seed=99)[:batch_size])  # warm-up
+        t0, tokens = time.perf_counter(), 0
+        for i in range(0, len(work), batch_size):
+            tokens += self.generate_batch(work[i : i + batch_size])
+        return time.perf_counter() - t0, tokens
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="checkpoint folder (default: a medium random Qwen2-VL made in a temp dir)")
+    ap.add_argument("--arch", default="qwen2_vl")
+    ap.add_argument("--num-requests", type=int, default=24)
+    ap.add_argument("--hf-batch-sizes", default="4,8")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--max-num-seqs", type=int, default=32)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    args = ap.parse_args()
+    torch.set_num_threads(torch.get_num_threads())
+
+    model = args.model
+    if model is None:
+        from vlserve.tools.tiny_model import make_tiny_model
+
+        model = str(make_tiny_model(Path(tempfile.mkdtemp()) / "medium", arch=args.arch, size="medium"))
+    work = make_workload(args.num_requests)
+    print(f"workload: {len(work)} requests, one picture each, {sum(w['max_tokens'] for w in work)} output tokens; "
+          f"dtype {args.dtype}, {torch.get_num_threads()} threads")
+
+    dt, tokens = run_vlserve(model, work, args.dtype, max_num_seqs=args.max_num_seqs,
+                             max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gb=1.0)
+    ours = tokens / dt
+    print(f"vlserve        : {tokens} tokens in {dt:6.2f}s = {ours:7.1f} tok/s  ({len(work) / dt:.2f} req/s)")
+    if args.skip_hf:
+        return
+    hf = HFRunner(model, getattr(torch, args.dtype))
+    best = 0.0
+    for bs in [int(b) for b in args.hf_batch_sizes.split(",")]:
+        dt, tokens = hf.run(work, bs)
+        print(f"transformers b={bs:<3}: {tokens} tokens in {dt:6.2f}s = {tokens / dt:7.1f} tok/s")
+        best = max(best, tokens / dt)
+    print(f"ratio vlserve / best transformers = {ours / best:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
