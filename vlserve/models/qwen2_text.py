@@ -54,10 +54,11 @@ class Qwen2Attention(nn.Module):
 
     def forward(self, x, cos, sin, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(T, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(T, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x).view(T, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        # q and k heads are adjacent in the fused projection: rotate them in one pass
+        qk = apply_rotary(qkv[:, : self.num_heads + self.num_kv_heads], cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.num_heads + self.num_kv_heads :]
         return self.o_proj(paged_attention(q, k, v, kv_cache, meta, self.scale))
 
 
