@@ -45,5 +45,5 @@ def assert_pool_full(llm) -> None:
     sched.kv.pool.check_integrity()
     assert sched.kv.pool.num_free == sched.kv.pool.num_blocks
     assert not sched.running and not sched.waiting and not sched.requests
-    assert len(sched.encoder_cache) == 0
-    assert not llm.engine.core.runner.encoder_outputs or not sched.has_unfinished
+    sched.encoder_cache.check_integrity()
+    assert not any(sched.encoder_cache._holders.values()), "an encoder-cache entry is still referenced"

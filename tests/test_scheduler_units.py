@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from vlserve.cache.block_pool import BlockPool
-from vlserve.cache.encoder_cache import item_key
 from vlserve.cache.kv_manager import KVCacheManager
 from vlserve.config import EngineArgs, resolve_config
 from vlserve.engine.request import MultiModalItem, Request, RequestStatus
@@ -27,7 +26,8 @@ def base_cfg(tiny_ckpt):
 
 def _cfg(base_cfg, **kw):
     defaults = dict(num_kv_blocks=64, block_size=4, max_num_batched_tokens=16, max_num_seqs=8,
-                    max_model_len=256, max_num_encoder_input_tokens=64, disable_chunked_mm_input=False)
+                    max_model_len=256, max_num_encoder_input_tokens=64, disable_chunked_mm_input=False,
+                    encoder_cache_size=0, enable_prefix_caching=False)  # caches: tests/test_caching.py
     return dataclasses.replace(base_cfg, **{**defaults, **kw})
 
 
@@ -218,10 +218,10 @@ def test_preemption_releases_encoder_cache(base_cfg):
     s.add_request(b)
     _step(s, _budget_check)  # a: its 12-token prompt
     out, _ = _step(s, _budget_check)  # a: 1 decode token, b: 11 tokens -> b's item encoded, only partly computed
-    assert out.encode == [(b, 0)] and item_key(b, 0) in s.encoder_cache
+    assert out.encode == [(b, 0)] and b.mm_items[0].mm_hash in s.encoder_cache
     out = s.schedule()  # b needs 2 more blocks for its last 9 prompt tokens, 1 is free: b (last) is preempted
     assert out.preempted == [b.request_id]
-    assert item_key(b, 0) in out.free_encoder_keys and item_key(b, 0) not in s.encoder_cache
+    assert b.mm_items[0].mm_hash in out.free_encoder_keys and b.mm_items[0].mm_hash not in s.encoder_cache
     assert [c.req for c in out.chunks] == [a]
     s.update_from_output(out, {a.request_id: TOKEN})
     steps = _drain(s, _budget_check)
@@ -260,7 +260,7 @@ def test_abort_while_step_runs_ignores_its_result(base_cfg):
     assert s.update_from_output(out, {r.request_id: TOKEN}) == []
     assert r.num_output_tokens == 0
     # the runner is told to drop the encoder output on the next step
-    assert item_key(r, 0) in s.schedule().free_encoder_keys
+    assert r.mm_items[0].mm_hash in s.schedule().free_encoder_keys
     _assert_all_free(s)
 
 
@@ -361,7 +361,7 @@ def test_encoder_outputs_released_once_item_is_computed(base_cfg):
     s = Scheduler(_cfg(base_cfg, max_num_batched_tokens=6))
     r = _req(20, max_tokens=2, items=[(2, 8)])
     s.add_request(r)
-    key = item_key(r, 0)
+    key = r.mm_items[0].mm_hash
     out, _ = _step(s)  # tokens 0..6: item encoded, partly computed
     assert out.encode == [(r, 0)] and key in s.encoder_cache
     out, _ = _step(s)  # tokens 6..12: item finished

@@ -63,6 +63,10 @@ class EngineCore:
             "num_requests_waiting": len(s.waiting),
             "kv_cache_usage_perc": s.kv.usage,
             "num_preemptions_total": s.num_preemptions,
+            "prefix_cache_queries_total": s.kv.prefix_queries,
+            "prefix_cache_hits_total": s.kv.prefix_hits,
+            "encoder_cache_queries_total": s.encoder_cache.queries,
+            "encoder_cache_hits_total": s.encoder_cache.hits,
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
         }

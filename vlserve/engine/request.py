@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,7 +33,9 @@ class MultiModalItem:
     num_tokens: int  # placeholder length = number of embeddings the encoder produces
     pixel_values: torch.Tensor  # [patches, patch_dim]
     grid_thw: tuple[int, int, int]
-    mm_hash: str = ""
+    # Content hash (encoder-cache key, part of prefix-cache keys). Unknown content gets a unique id, so
+    # items without a hash are never shared by mistake.
+    mm_hash: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     @property
     def end(self) -> int:
@@ -67,6 +70,10 @@ class Request:
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.generator: torch.Generator | None = None  # set by the runner when params.seed is given
+        self.block_hashes: list[bytes] = []  # prefix-cache hashes of full blocks (see cache.block_hash)
+        self.block_keys: list[tuple] = []  # the content each of those hashes stands for
+        self.num_cached_blocks = 0  # leading blocks already registered in the prefix cache
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
 
     def fork(self, request_id: str, params: SamplingParams) -> "Request":
         """Another sample of the same prompt (n > 1): shares the processed inputs, nothing else."""

@@ -17,15 +17,16 @@ def _image_source(part: dict) -> Any:
     return url.removeprefix("file://") if url.startswith("file://") else url
 
 
-def parse_chat_messages(messages: list[dict]) -> tuple[list[dict], list[Any]]:
-    """Returns template-ready messages (image parts as {"type": "image"}) and the image sources in order.
+def parse_chat_messages(messages: list[dict]) -> tuple[list[dict], list[Any], list[str | None]]:
+    """Returns template-ready messages (image parts as {"type": "image"}), the image sources in order, and
+    each image's optional user-given `uuid` (stands in for the content hash).
 
     The offline API resolves sources itself (data URLs, local paths, PIL images); the HTTP server passes
     its own fetched images instead.
     """
     if not isinstance(messages, list) or not messages:
         raise InvalidInputError("messages must be a non-empty list")
-    rendered, images = [], []
+    rendered, images, uuids = [], [], []
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict) or msg.get("role") not in ROLES:
             raise InvalidInputError(f"messages[{i}] needs a 'role' among {sorted(ROLES)}")
@@ -42,14 +43,16 @@ def parse_chat_messages(messages: list[dict]) -> tuple[list[dict], list[Any]]:
                 parts.append({"type": "text", "text": str(part.get("text", ""))})
             elif kind == "image_url":
                 images.append(_image_source(part))
+                uuids.append(part.get("uuid"))
                 parts.append({"type": "image"})
             elif kind == "image_pil" or kind == "image":
                 src = part.get("image_pil", part.get("image"))
                 if src is None:
                     raise InvalidInputError(f"messages[{i}].content[{j}]: '{kind}' part without an image")
                 images.append(src)
+                uuids.append(part.get("uuid"))
                 parts.append({"type": "image"})
             else:
                 raise InvalidInputError(f"messages[{i}].content[{j}]: unsupported content part type {kind!r}")
         rendered.append({"role": msg["role"], "content": parts})
-    return rendered, images
+    return rendered, images, uuids

@@ -71,9 +71,14 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = []
         for conv in conversations:
-            rendered, images = parse_chat_messages(conv)
+            rendered, images, uuids = parse_chat_messages(conv)
             text = render_chat(self.tokenizer, rendered, add_generation_prompt, chat_template)
-            prompts.append({"prompt": text, "multi_modal_data": {"image": images}} if images else {"prompt": text})
+            prompt = {"prompt": text}
+            if images:
+                prompt["multi_modal_data"] = {"image": images}
+                if any(uuids):
+                    prompt["multi_modal_uuids"] = {"image": uuids}
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm, mm_processor_kwargs)
 
     def get_metrics(self) -> dict[str, float]:

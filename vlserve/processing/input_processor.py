@@ -8,7 +8,8 @@ from typing import Any
 from vlserve.config import VlserveConfig
 from vlserve.engine.request import MultiModalItem, Request
 from vlserve.errors import InvalidInputError
-from vlserve.media.image import ImageProcessorConfig, load_image, preprocess_image
+from vlserve.media.hashing import hash_image, hash_user_id
+from vlserve.media.image import ImageProcessorConfig, load_image, preprocess_image, resolve_pixel_limits
 from vlserve.processing.mrope import MRopeItem, expand_placeholders, mrope_positions
 from vlserve.sampling_params import SamplingParams
 
@@ -62,7 +63,10 @@ class InputProcessor:
         limit = self.cfg.limit_mm_per_prompt.get("image", 0)
         if len(images) > limit:
             raise InvalidInputError(f"{len(images)} images in one prompt; at most {limit} allowed (limit_mm_per_prompt)")
-        items = self._images(images, mm_processor_kwargs or {})
+        uuids = _as_list((prompt.get("multi_modal_uuids") or {}).get("image")) if isinstance(prompt, dict) else []
+        if uuids and len(uuids) != len(images):
+            raise InvalidInputError(f"{len(uuids)} image uuids for {len(images)} images")
+        items, hashes = self._images(images, uuids, mm_processor_kwargs or {})
         mcfg = self.cfg.model
         token_ids, offsets = expand_placeholders(token_ids, mcfg.image_token_id, [p.num_embed_tokens for p in items])
         merge = mcfg.vision.spatial_merge_size
@@ -70,16 +74,22 @@ class InputProcessor:
             token_ids, [MRopeItem(off, p.grid_thw) for off, p in zip(offsets, items)], merge
         )
         mm_items = [
-            MultiModalItem(off, p.num_embed_tokens, p.pixel_values, p.grid_thw) for off, p in zip(offsets, items)
+            MultiModalItem(off, p.num_embed_tokens, p.pixel_values, p.grid_thw, h)
+            for off, p, h in zip(offsets, items, hashes)
         ]
         req = Request(request_id, token_ids, params, mcfg.eos_token_ids, mm_items, positions, delta)
         return text, req
 
-    def _images(self, images: Sequence[Any], kwargs: dict) -> list:
+    def _images(self, images: Sequence[Any], uuids: Sequence[str | None], kwargs: dict) -> tuple[list, list[str]]:
         unknown = set(kwargs) - {"min_pixels", "max_pixels"}
         if unknown:
             raise InvalidInputError(f"unsupported mm_processor_kwargs: {sorted(unknown)} (supported: min_pixels, max_pixels)")
-        return [
-            preprocess_image(load_image(img), self.image_cfg, kwargs.get("min_pixels"), kwargs.get("max_pixels"))
-            for img in images
-        ]
+        min_px, max_px = resolve_pixel_limits(self.image_cfg, kwargs.get("min_pixels"), kwargs.get("max_pixels"))
+        params = {"min_pixels": min_px, "max_pixels": max_px}  # what changes the encoder's output
+        processed, hashes = [], []
+        for i, src in enumerate(images):
+            img = load_image(src)
+            uid = uuids[i] if uuids else None
+            hashes.append(hash_user_id(str(uid), params) if uid else hash_image(img, params))
+            processed.append(preprocess_image(img, self.image_cfg, min_px, max_px))
+        return processed, hashes

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from vlserve.cache.encoder_cache import item_key
 from vlserve.config import VlserveConfig
 from vlserve.engine.messages import TokenLogprobs
 from vlserve.engine.request import Request
@@ -47,7 +46,7 @@ class ModelRunner:
         pixels = torch.cat([it.pixel_values for it in mm]).to(self.device, non_blocking=True)
         embeds = self.model.encode_images(pixels, [it.grid_thw for it in mm])
         for (req, idx), emb in zip(items, embeds):
-            self.encoder_outputs[item_key(req, idx)] = emb
+            self.encoder_outputs[req.mm_items[idx].mm_hash] = emb
 
     # ---- inputs --------------------------------------------------------------------------------------------
     def _slots(self, req: Request, start: int, end: int) -> torch.Tensor:
@@ -124,7 +123,7 @@ class ModelRunner:
             for idx in c.req.items_overlapping(c.start, c.end):
                 item = c.req.mm_items[idx]
                 lo, hi = max(c.start, item.offset), min(c.end, item.end)
-                emb = self.encoder_outputs[item_key(c.req, idx)]
+                emb = self.encoder_outputs[item.mm_hash]
                 embeds[row + lo - c.start : row + hi - c.start] = emb[lo - item.offset : hi - item.offset]
             row += c.num_tokens
         return embeds

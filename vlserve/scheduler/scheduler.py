@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from vlserve.cache.encoder_cache import EncoderCacheManager, item_key
+from vlserve.cache.encoder_cache import EncoderCacheManager
 from vlserve.cache.kv_manager import KVCacheManager
 from vlserve.config import VlserveConfig
 from vlserve.engine.messages import EngineCoreOutput, TokenLogprobs
@@ -22,8 +22,8 @@ from vlserve.scheduler.output import ScheduledChunk, SchedulerOutput
 class Scheduler:
     def __init__(self, cfg: VlserveConfig):
         self.cfg = cfg
-        self.kv = KVCacheManager(cfg.num_kv_blocks, cfg.block_size)
-        self.encoder_cache = EncoderCacheManager()
+        self.kv = KVCacheManager(cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.encoder_cache = EncoderCacheManager(cfg.encoder_cache_size)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -53,6 +53,10 @@ class Scheduler:
                 f"({self.kv.pool.num_blocks * self.kv.block_size} tokens)"
                 + ("; max_tokens is unset, so it may grow to max_model_len: set max_tokens" if unbounded else ""))
         for item in req.mm_items:
+            if not self.encoder_cache.fits_ever(item.num_tokens):
+                raise InvalidInputError(
+                    f"a multimodal item needs {item.num_tokens} embedding tokens, more than the whole encoder cache "
+                    f"(encoder_cache_size={cfg.encoder_cache_size}); send a smaller image")
             if item.num_tokens > cfg.max_num_encoder_input_tokens:
                 raise InvalidInputError(
                     f"a multimodal item needs {item.num_tokens} embedding tokens, more than the per-step encoder "
@@ -76,7 +80,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and token_budget > 0:
             req = self.running[i]
-            n, encode = self._plan_chunk(req, token_budget, encoder_budget)
+            n, encode = self._plan_chunk(req, req.num_computed_tokens, token_budget, encoder_budget)
             if n == 0:
                 i += 1
                 continue
@@ -86,7 +90,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                self._commit(req, n, encode, out)
+                self._commit(req, req.num_computed_tokens, n, encode, out)
                 token_budget -= n
                 encoder_budget -= sum(req.mm_items[k].num_tokens for k in encode)
                 i += 1
@@ -96,39 +100,59 @@ class Scheduler:
         # Admit waiting requests only when nothing was preempted: if blocks were short just now, they still are.
         while self.waiting and token_budget > 0 and not out.preempted and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[0]
-            n, encode = self._plan_chunk(req, token_budget, encoder_budget)
-            if n == 0 or not self.kv.allocate_slots(req, n):
+            cached = self.kv.find_cached_prefix(req)
+            start = len(cached) * self.kv.block_size
+            n, encode = self._plan_chunk(req, start, token_budget, encoder_budget)
+            if n == 0 or not self.kv.allocate_slots(req, n, cached):
                 break
+            self.kv.record_lookup(req, start)
+            req.num_cached_tokens = start
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            self._commit(req, n, encode, out)
+            self._commit(req, start, n, encode, out)
             token_budget -= n
             encoder_budget -= sum(req.mm_items[k].num_tokens for k in encode)
         return out
 
-    def _plan_chunk(self, req: Request, token_budget: int, encoder_budget: int) -> tuple[int, list[int]]:
-        """How many tokens of `req` to compute now, and which of its items must be encoded for them."""
-        start = req.num_computed_tokens
+    def _plan_chunk(self, req: Request, start: int, token_budget: int, encoder_budget: int) -> tuple[int, list[int]]:
+        """How many tokens of `req` to compute from `start`, and which of its items must be encoded for them.
+
+        Pure: nothing is reserved here; `_commit` does that once the KV blocks are secured.
+        """
+        cache = self.encoder_cache
         end = start + min(req.num_tokens - start, token_budget)
         encode: list[int] = []
+        new_hashes: set[str] = set()
+        available = {req.mm_items[i].mm_hash for i in req.items_overlapping(start, end) if req.mm_items[i].mm_hash in cache}
+        new_tokens = 0
         for idx in req.items_overlapping(start, end):
             item = req.mm_items[idx]
-            split = item.end > end
-            needs_encoding = item_key(req, idx) not in self.encoder_cache
-            if (split and self.cfg.disable_chunked_mm_input) or (needs_encoding and item.num_tokens > encoder_budget):
+            needs_encoding = item.mm_hash not in available and item.mm_hash not in new_hashes
+            too_big = needs_encoding and (
+                item.num_tokens > encoder_budget or not cache.can_allocate(new_tokens + item.num_tokens, available))
+            if too_big or (item.end > end and self.cfg.disable_chunked_mm_input):
                 end = max(start, item.offset)  # stop right before this item; it goes whole in a later step
                 break
             if needs_encoding:
                 encoder_budget -= item.num_tokens
+                new_tokens += item.num_tokens
+                new_hashes.add(item.mm_hash)
                 encode.append(idx)
         return end - start, encode
 
-    def _commit(self, req: Request, n: int, encode: list[int], out: SchedulerOutput) -> None:
-        out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
+    def _commit(self, req: Request, start: int, n: int, encode: list[int], out: SchedulerOutput) -> None:
+        out.chunks.append(ScheduledChunk(req, start, n))
+        cache = self.encoder_cache
+        pending = [i for i in req.items_overlapping(start, start + n) if not cache.holds(req, i) and i not in encode]
+        # Hold cached entries first so making room for new ones can never evict them.
+        for idx in [i for i in pending if req.mm_items[i].mm_hash in cache]:
+            cache.lookup(req, idx)
         for idx in encode:
-            self.encoder_cache.add(req, idx)
+            out.free_encoder_keys.extend(cache.allocate(req, idx))
             out.encode.append((req, idx))
+        for idx in [i for i in pending if not cache.holds(req, i)]:  # same picture again in this request
+            cache.lookup(req, idx)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.kv.free(req)
@@ -153,9 +177,10 @@ class Scheduler:
             if req.status.finished:  # aborted while the step ran
                 continue
             req.num_computed_tokens = chunk.end
-            for idx, item in enumerate(req.mm_items):
-                if item.end <= req.num_computed_tokens and (key := self.encoder_cache.release(req, idx)):
-                    self._freed_encoder_keys.append(key)
+            self.kv.cache_full_blocks(req)
+            for idx in req.items_overlapping(chunk.start, chunk.end):
+                if req.mm_items[idx].end <= chunk.end:
+                    self._freed_encoder_keys.extend(self.encoder_cache.release(req, idx))
             if req.request_id not in sampled:
                 continue
             token = sampled[req.request_id]
