@@ -29,8 +29,9 @@ class PrefillSpan:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V is written
     num_decode_tokens: int = 0
-    decode_slots: torch.Tensor | None = None  # [num_decode, max_ctx] slots to gather (padding -> slot 0)
-    decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_ctx] bool
+    block_size: int = 16
+    decode_blocks: torch.Tensor | None = None  # [num_decode * max_blocks] block ids to gather (padding -> 0)
+    decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
@@ -64,8 +65,11 @@ def paged_attention(
     if nd:
         # GQA without repeating K/V: the query heads sharing a KV head become that head's "query rows".
         qd = q[:nd].view(nd, num_kv_heads, group, head_dim)
-        kd = k_cache[meta.decode_slots].transpose(1, 2)  # [nd, kv_heads, ctx, head_dim]
-        vd = v_cache[meta.decode_slots].transpose(1, 2)
+        # Whole blocks via index_select: contiguous copies, ~10x faster than per-slot advanced indexing.
+        shape = (nd, -1, num_kv_heads, head_dim)
+        blocks = (-1, meta.block_size, num_kv_heads, head_dim)
+        kd = k_cache.view(blocks).index_select(0, meta.decode_blocks).view(shape).transpose(1, 2)
+        vd = v_cache.view(blocks).index_select(0, meta.decode_blocks).view(shape).transpose(1, 2)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
         out[:nd] = od.reshape(nd, num_heads, head_dim)
     for span in meta.prefills:
@@ -74,7 +78,7 @@ def paged_attention(
         if span.context_slots is None:
             ks, vs = k[rows], v[rows]
         else:
-            ks, vs = k_cache[span.context_slots], v_cache[span.context_slots]
+            ks, vs = k_cache.index_select(0, span.context_slots), v_cache.index_select(0, span.context_slots)
         ks = ks.transpose(0, 1).unsqueeze(0)
         vs = vs.transpose(0, 1).unsqueeze(0)
         os_ = F.scaled_dot_product_attention(

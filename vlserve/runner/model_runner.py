@@ -64,19 +64,19 @@ class ModelRunner:
             parts.append((torch.arange(max(start, p), end) + req.mrope_delta).expand(3, -1))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
-    def _decode_metadata(self, decode: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Slots to write, padded gather slots and mask for single-token rows, built for all rows at once."""
+    def _decode_metadata(self, decode: list[ScheduledChunk], meta: AttentionMetadata) -> torch.Tensor:
+        """Block table, mask and write slots for all single-token rows at once; returns the write slots."""
         bs = self.block_size
         ctx = torch.tensor([c.end for c in decode])
         max_blocks = max(len(c.req.block_ids) for c in decode)
         table = torch.zeros(len(decode), max_blocks, dtype=torch.long)
         for row, c in enumerate(decode):
             table[row, : len(c.req.block_ids)] = torch.tensor(c.req.block_ids)
-        pos = torch.arange(int(ctx.max()))
-        gather = table[:, pos // bs] * bs + pos % bs
-        valid = pos.unsqueeze(0) < ctx.unsqueeze(1)
-        write = gather[torch.arange(len(decode)), ctx - 1]
-        return write, torch.where(valid, gather, 0), valid[:, None, None, :]
+        pos = torch.arange(max_blocks * bs)
+        meta.decode_blocks = table.view(-1)
+        meta.decode_mask = (pos.unsqueeze(0) < ctx.unsqueeze(1))[:, None, None, :]
+        last = ctx - 1
+        return table[torch.arange(len(decode)), last // bs] * bs + last % bs
 
     def _prepare(self, chunks: list[ScheduledChunk]):
         decode = [c for c in chunks if c.num_tokens == 1]
@@ -87,11 +87,11 @@ class ModelRunner:
             token_ids.extend(c.req.token_ids[c.start : c.end])
         positions = torch.cat([self._positions(c.req, c.start, c.end) for c in ordered], dim=1)
 
-        meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), num_decode_tokens=len(decode))
+        meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), num_decode_tokens=len(decode),
+                                 block_size=self.block_size)
         slot_parts = []
         if decode:
-            write, meta.decode_slots, meta.decode_mask = self._decode_metadata(decode)
-            slot_parts.append(write)
+            slot_parts.append(self._decode_metadata(decode, meta))
         row = len(decode)
         for c in prefill:
             ctx_slots = self._slots(c.req, 0, c.end)
@@ -106,8 +106,8 @@ class ModelRunner:
         if dev.type == "cpu":
             return meta
         meta.slot_mapping = meta.slot_mapping.to(dev, non_blocking=True)
-        if meta.decode_slots is not None:
-            meta.decode_slots = meta.decode_slots.to(dev, non_blocking=True)
+        if meta.decode_blocks is not None:
+            meta.decode_blocks = meta.decode_blocks.to(dev, non_blocking=True)
             meta.decode_mask = meta.decode_mask.to(dev, non_blocking=True)
         for span in meta.prefills:
             if span.context_slots is not None:
