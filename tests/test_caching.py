@@ -167,12 +167,11 @@ def test_same_picture_in_every_form_hits_one_entry(llm, tmp_path):
     assert len(set(hashes)) == 1, hashes
 
     before = _metrics(llm)
-    outs = _gen(llm, [_req(f"Form {i}: {IMG}", [src]) for i, src in enumerate(forms)])
+    _gen(llm, [_req(f"Form {i}: {IMG}", [src]) for i, src in enumerate(forms)])
     d = _delta(before, _metrics(llm))
     assert d["encoder_cache_queries_total"] == len(forms)
     assert d["encoder_cache_hits_total"] == len(forms) - 1
     assert hashes[0] in _hashes_in_cache(llm)
-    assert len({tuple(o.outputs[0].token_ids) for o in outs}) >= 1
 
     # Other pixel limits change the preprocessing, hence the hash: a miss.
     kw = {"min_pixels": 28 * 28 * 4, "max_pixels": 28 * 28 * 8}
@@ -296,9 +295,9 @@ def test_encoder_cache_size_zero(path):
 # ---- 9: uuids ------------------------------------------------------------------------------------------------
 def test_same_uuid_means_same_item(llm):
     before = _metrics(llm)
-    (a,) = _gen(llm, _req(f"Uuid test {IMG}", [noise_image(120, 90, 901)], uuids=["pic-42"]))
+    _gen(llm, _req(f"Uuid test {IMG}", [noise_image(120, 90, 901)], uuids=["pic-42"]))
     mid = _metrics(llm)
-    (b,) = _gen(llm, _req(f"Uuid test, other words {IMG}", [noise_image(120, 90, 902)], uuids=["pic-42"]))
+    _gen(llm, _req(f"Uuid test, other words {IMG}", [noise_image(120, 90, 902)], uuids=["pic-42"]))
     d1, d2 = _delta(before, mid), _delta(mid, _metrics(llm))
     assert d1["encoder_cache_hits_total"] == 0
     assert d2["encoder_cache_hits_total"] == 1 and d2["encoder_cache_queries_total"] == 1
