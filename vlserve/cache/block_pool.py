@@ -76,10 +76,6 @@ class BlockPool:
             del self._cached[h]
             del self._key_of[b]
 
-    def reset_prefix_cache(self) -> None:
-        for b in list(self._hash_of):
-            self._evict(b)
-
     def check_integrity(self) -> None:
         """Free exactly when unreferenced; the hash map and the per-block hashes agree."""
         for b in range(self.num_blocks):

@@ -13,7 +13,7 @@ from vlserve.engine.llm_engine import LLMEngine
 from vlserve.entrypoints.chat_messages import parse_chat_messages
 from vlserve.errors import InvalidInputError
 from vlserve.outputs import RequestOutput
-from vlserve.processing.input_processor import _as_list
+from vlserve.processing.input_processor import as_list
 from vlserve.processing.tokenizer import render_chat
 from vlserve.sampling_params import SamplingParams
 
@@ -90,7 +90,7 @@ class LLM:
             return [SamplingParams()] * n
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * n
-        params = _as_list(sampling_params)
+        params = as_list(sampling_params)
         if len(params) != n:
             raise InvalidInputError(f"{len(params)} sampling params for {n} prompts")
         return params

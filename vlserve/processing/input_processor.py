@@ -16,7 +16,7 @@ from vlserve.sampling_params import SamplingParams
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
-def _as_list(value: Any) -> list:
+def as_list(value: Any) -> list:
     if value is None:
         return []
     return list(value) if isinstance(value, (list, tuple)) else [value]
@@ -59,11 +59,11 @@ class InputProcessor:
         unknown = set(mm_data) - {"image"}
         if unknown:
             raise InvalidInputError(f"unsupported multi_modal_data kinds: {sorted(unknown)} (supported: image)")
-        images = _as_list(mm_data.get("image"))
+        images = as_list(mm_data.get("image"))
         limit = self.cfg.limit_mm_per_prompt.get("image", 0)
         if len(images) > limit:
             raise InvalidInputError(f"{len(images)} images in one prompt; at most {limit} allowed (limit_mm_per_prompt)")
-        uuids = _as_list((prompt.get("multi_modal_uuids") or {}).get("image")) if isinstance(prompt, dict) else []
+        uuids = as_list((prompt.get("multi_modal_uuids") or {}).get("image")) if isinstance(prompt, dict) else []
         if uuids and len(uuids) != len(images):
             raise InvalidInputError(f"{len(uuids)} image uuids for {len(images)} images")
         items, hashes = self._images(images, uuids, mm_processor_kwargs or {})

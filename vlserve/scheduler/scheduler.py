@@ -187,7 +187,7 @@ class Scheduler:
             req.token_ids.append(token)
             status = self._check_stop(req, token)
             new_lp = [logprobs[req.request_id]] if logprobs and req.request_id in logprobs else None
-            out = EngineCoreOutput(req.request_id, [token], new_lp)
+            out = EngineCoreOutput(req.request_id, [token], new_lp, num_cached_tokens=req.num_cached_tokens)
             if status is not None:
                 self._finish(req, status)
                 out.finish_reason, out.stop_reason = status.value, req.stop_reason
