@@ -1,12 +1,52 @@
-"""Exceptions vlserve raises on purpose. User mistakes subclass InvalidInputError (an HTTP 400 later)."""
+"""Exceptions vlserve raises on purpose. Each carries the HTTP status the server answers with."""
 
 
 class VlserveError(Exception):
     """Base class of every error vlserve raises deliberately."""
 
+    http_status = 500
+    error_type = "InternalServerError"
+
 
 class InvalidInputError(VlserveError, ValueError):
     """The request itself is wrong: bad image, bad parameter, prompt too long, ..."""
+
+    http_status = 400
+    error_type = "BadRequestError"
+
+
+class MediaTooLargeError(InvalidInputError):
+    """Media over a size limit: download bytes, decoded pixels (decompression bombs)."""
+
+    http_status = 413
+    error_type = "PayloadTooLargeError"
+
+
+class MediaFetchError(InvalidInputError):
+    """A media URL was refused by policy or could not be fetched (bad status, timeout, unreachable)."""
+
+
+class AuthenticationError(VlserveError):
+    http_status = 401
+    error_type = "AuthenticationError"
+
+
+class NotFoundError(VlserveError):
+    """Unknown model name, unknown route."""
+
+    http_status = 404
+    error_type = "NotFoundError"
+
+
+class ServiceUnavailableError(VlserveError):
+    """The server cannot take the request now: engine dead, waiting queue full, no encoder."""
+
+    http_status = 503
+    error_type = "ServiceUnavailableError"
+
+
+class EngineDeadError(ServiceUnavailableError):
+    """The engine-core process is gone; nothing more can be generated."""
 
 
 class ModelLoadError(VlserveError):

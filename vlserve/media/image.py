@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from vlserve.errors import InvalidInputError, ModelLoadError
+from vlserve.errors import InvalidInputError, MediaTooLargeError, ModelLoadError
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -93,7 +93,7 @@ def _decode(fp: Any, max_pixels_decoded: int, what: str) -> Image.Image:
     try:
         img = Image.open(fp)  # reads only the header: size is known before any pixel is decoded
     except Image.DecompressionBombError as e:  # PIL's own (larger) limit tripped in open()
-        raise InvalidInputError(f"{what}: {e}") from None
+        raise MediaTooLargeError(f"{what}: {e}") from None
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
         raise InvalidInputError(f"{what} is not a decodable image ({e.__class__.__name__})") from None
     _check_decoded_size(img.width, img.height, max_pixels_decoded)
@@ -101,7 +101,7 @@ def _decode(fp: Any, max_pixels_decoded: int, what: str) -> Image.Image:
         img.load()
         return to_rgb(_apply_exif_orientation(img))
     except Image.DecompressionBombError as e:
-        raise InvalidInputError(f"{what}: {e}") from None
+        raise MediaTooLargeError(f"{what}: {e}") from None
     except (OSError, ValueError, SyntaxError, EOFError) as e:  # truncated / corrupt payload
         raise InvalidInputError(f"{what} could not be decoded: {e}") from None
 
@@ -119,7 +119,7 @@ def _check_decoded_size(width: int, height: int, max_pixels_decoded: int) -> Non
     if width <= 0 or height <= 0:
         raise InvalidInputError(f"image has empty size {width}x{height}")
     if width * height > max_pixels_decoded:
-        raise InvalidInputError(
+        raise MediaTooLargeError(
             f"image is {width}x{height} = {width * height} pixels, more than the {max_pixels_decoded} allowed"
         )
 
