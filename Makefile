@@ -21,8 +21,9 @@ $(STAMP): pyproject.toml
 test: install
 	$(PY) -m pytest tests
 
+# Extra flags go through ARGS, e.g. make serve ARGS="--model Qwen/Qwen2-VL-2B-Instruct --dtype bfloat16"
 serve: install
-	$(PY) -m vlserve demo  # the HTTP server (`vlserve serve`) arrives with issue [3/5]
+	$(PY) -m vlserve serve --host 127.0.0.1 --port 8000 $(ARGS)
 
 bench: install
 	$(PY) benchmarks/offline_throughput.py

@@ -6,11 +6,13 @@ import argparse
 import logging
 import sys
 
+from vlserve.bench import cli as bench_cli
 from vlserve.entrypoints import demo
+from vlserve.entrypoints.openai import cli as serve_cli
 from vlserve.errors import VlserveError
 from vlserve.tools import tiny_model
 
-COMMANDS = [demo.register_cli, tiny_model.register_cli]
+COMMANDS = [serve_cli.register_cli, demo.register_cli, tiny_model.register_cli, bench_cli.register_cli]
 
 
 def build_parser() -> argparse.ArgumentParser:

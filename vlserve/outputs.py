@@ -33,3 +33,4 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache

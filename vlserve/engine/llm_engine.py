@@ -7,6 +7,7 @@ import itertools
 from vlserve.config import EngineArgs, VlserveConfig, resolve_config
 from vlserve.engine.core import EngineCore
 from vlserve.engine.output_processor import OutputProcessor
+from vlserve.engine.request import Request
 from vlserve.errors import InvalidInputError
 from vlserve.media.image import ImageProcessorConfig
 from vlserve.outputs import RequestOutput
@@ -25,6 +26,14 @@ def child_params(params: SamplingParams, n: int) -> list[SamplingParams]:
     return [msgspec.structs.replace(one, seed=None if params.seed is None else params.seed + i) for i in range(n)]
 
 
+def fan_out(template: Request, params: SamplingParams, request_id: str) -> tuple[list[Request], dict[str, SamplingParams]]:
+    """One processed prompt -> the engine requests for its n samples (ids "i_<id>" when n > 1)."""
+    children = child_params(params, params.n)
+    child_ids = [request_id if params.n == 1 else f"{i}_{request_id}" for i in range(params.n)]
+    reqs = [template.fork(cid, cp) for cid, cp in zip(child_ids, children)]
+    return reqs, dict(zip(child_ids, children))
+
+
 class LLMEngine:
     def __init__(self, args: EngineArgs):
         self.cfg: VlserveConfig = resolve_config(args)
@@ -40,10 +49,8 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise InvalidInputError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         request_id = request_id or str(next(self._ids))
-        children = child_params(params, params.n)
-        child_ids = [request_id if params.n == 1 else f"{i}_{request_id}" for i in range(params.n)]
-        text, first = self.input_processor.process(child_ids[0], prompt, children[0], mm_processor_kwargs)
-        reqs = [first] + [first.fork(cid, cp) for cid, cp in zip(child_ids[1:], children[1:])]
+        text, template = self.input_processor.process(request_id, prompt, params, mm_processor_kwargs)
+        reqs, children = fan_out(template, params, request_id)
         added = []
         try:
             for req in reqs:
@@ -52,7 +59,7 @@ class LLMEngine:
         except Exception:
             self.core.abort_requests(added)
             raise
-        self.output_processor.add(request_id, text, reqs[0].prompt_token_ids, dict(zip(child_ids, children)))
+        self.output_processor.add(request_id, text, template.prompt_token_ids, children)
         return request_id
 
     def abort_request(self, request_id: str) -> None:

@@ -45,6 +45,14 @@ class OutputProcessor:
     def num_unfinished(self) -> int:
         return len(self._parents)
 
+    @property
+    def num_unfinished_children(self) -> int:
+        """Engine requests still running (n > 1 fans one request out to n of them)."""
+        return len(self._parent_of)
+
+    def parent_of(self, child_id: str) -> str | None:
+        return self._parent_of.get(child_id)
+
     def process(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         """Returns the request outputs that changed, and child ids the engine must stop (stop string hit)."""
         changed: dict[str, RequestOutput] = {}
@@ -56,6 +64,7 @@ class OutputProcessor:
             parent = self._parents[parent_id]
             child = parent.children[co.request_id]
             out = child.output
+            parent.out.num_cached_tokens = max(parent.out.num_cached_tokens, co.num_cached_tokens)
             out.token_ids.extend(co.new_token_ids)
             if co.new_logprobs and out.logprobs is not None:
                 self._add_logprobs(out, co)

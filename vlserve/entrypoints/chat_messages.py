@@ -14,15 +14,16 @@ def _image_source(part: dict) -> Any:
     url = value.get("url") if isinstance(value, dict) else value
     if not isinstance(url, str) or not url:
         raise InvalidInputError("an image_url part needs an 'image_url': {'url': ...}")
-    return url.removeprefix("file://") if url.startswith("file://") else url
+    return url  # load_image reads data: URLs and file:// paths; the server fetches the rest first
 
 
-def parse_chat_messages(messages: list[dict]) -> tuple[list[dict], list[Any], list[str | None]]:
+def parse_chat_messages(messages: list[dict], allow_python_objects: bool = True,
+                        ) -> tuple[list[dict], list[Any], list[str | None]]:
     """Returns template-ready messages (image parts as {"type": "image"}), the image sources in order, and
     each image's optional user-given `uuid` (stands in for the content hash).
 
-    The offline API resolves sources itself (data URLs, local paths, PIL images); the HTTP server passes
-    its own fetched images instead.
+    The offline API resolves sources itself (data URLs, local paths, PIL images). The HTTP server passes
+    `allow_python_objects=False`: only `image_url` parts, whose URLs it fetches under its media policy.
     """
     if not isinstance(messages, list) or not messages:
         raise InvalidInputError("messages must be a non-empty list")
@@ -45,7 +46,7 @@ def parse_chat_messages(messages: list[dict]) -> tuple[list[dict], list[Any], li
                 images.append(_image_source(part))
                 uuids.append(part.get("uuid"))
                 parts.append({"type": "image"})
-            elif kind == "image_pil" or kind == "image":
+            elif kind in ("image_pil", "image") and allow_python_objects:
                 src = part.get("image_pil", part.get("image"))
                 if src is None:
                     raise InvalidInputError(f"messages[{i}].content[{j}]: '{kind}' part without an image")

@@ -9,7 +9,8 @@ from vlserve.config import VlserveConfig
 from vlserve.engine.request import MultiModalItem, Request
 from vlserve.errors import InvalidInputError
 from vlserve.media.hashing import hash_image, hash_user_id
-from vlserve.media.image import ImageProcessorConfig, load_image, preprocess_image, resolve_pixel_limits
+from vlserve.media.image import (DEFAULT_MAX_PIXELS_DECODED, ImageProcessorConfig, load_image, preprocess_image,
+                                 resolve_pixel_limits)
 from vlserve.processing.mrope import MRopeItem, expand_placeholders, mrope_positions
 from vlserve.sampling_params import SamplingParams
 
@@ -28,6 +29,7 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.image_cfg = image_cfg
         self.vocab_size = cfg.model.text.vocab_size
+        self.max_pixels_decoded = DEFAULT_MAX_PIXELS_DECODED  # bigger pictures are refused before decoding
 
     def tokenize(self, prompt: dict | str) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -88,7 +90,7 @@ class InputProcessor:
         params = {"min_pixels": min_px, "max_pixels": max_px}  # what changes the encoder's output
         processed, hashes = [], []
         for i, src in enumerate(images):
-            img = load_image(src)
+            img = load_image(src, self.max_pixels_decoded)
             uid = uuids[i] if uuids else None
             hashes.append(hash_user_id(str(uid), params) if uid else hash_image(img, params))
             processed.append(preprocess_image(img, self.image_cfg, min_px, max_px))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from vlserve.errors import ModelLoadError
+from vlserve.errors import InvalidInputError, ModelLoadError
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +23,12 @@ def load_tokenizer(folder: Path):
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
                 chat_template: str | None = None) -> str:
+    from jinja2 import TemplateError
+
     if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
-        raise ModelLoadError("this model has no chat template; use generate() with a formatted prompt")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         chat_template=chat_template)
+        raise InvalidInputError("this model has no chat template; send a formatted prompt instead")
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             chat_template=chat_template)
+    except TemplateError as e:  # a user-given template, or messages the model's template refuses
+        raise InvalidInputError(f"the chat template failed on these messages: {e}") from None

@@ -8,6 +8,8 @@ that sample → sampler.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from vlserve.config import VlserveConfig
@@ -32,6 +34,7 @@ class ModelRunner:
             for _ in range(t.num_layers)
         ]
         self.encoder_outputs: dict[str, torch.Tensor] = {}
+        self.encoder_seconds: list[float] = []  # one entry per ViT call; the engine core drains it into metrics
         self.sampler = Sampler()
 
     # ---- encoder -----------------------------------------------------------------------------------------
@@ -42,9 +45,13 @@ class ModelRunner:
     def run_encoder(self, items: list[tuple[Request, int]]) -> None:
         if not items:
             return
+        t0 = time.perf_counter()
         mm = [req.mm_items[idx] for req, idx in items]
         pixels = torch.cat([it.pixel_values for it in mm]).to(self.device, non_blocking=True)
         embeds = self.model.encode_images(pixels, [it.grid_thw for it in mm])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # so the latency below is the encoder's, not the launch's
+        self.encoder_seconds.append(time.perf_counter() - t0)
         for (req, idx), emb in zip(items, embeds):
             self.encoder_outputs[req.mm_items[idx].mm_hash] = emb
 
