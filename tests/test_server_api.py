@@ -315,3 +315,12 @@ def test_full_waiting_queue_answers_503(server):
     assert refused.status_code == 503 and "overloaded" in refused.json()["error"]["message"]
     _wait_idle(server)
     assert server.post("/v1/chat/completions", json=_chat()).status_code == 200
+
+
+def test_uuid_stands_in_for_the_picture(server, client):
+    before = server.metrics()
+    for seed in (41, 42):  # different pixels, same uuid: the second is served from the encoder cache
+        client.chat.completions.create(
+            messages=user(image_part(data_url(noise_image(50, 50, seed)), uuid="sku-123"), "Hi"), **greedy(2))
+    after = server.metrics()
+    assert after["vlserve:encoder_cache_hits_total"] - before["vlserve:encoder_cache_hits_total"] == 1

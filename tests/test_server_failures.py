@@ -61,3 +61,20 @@ def test_dead_engine_gives_503_not_a_hang(server):
     assert "engine" in httpx.get(server.url + "/health").json()["error"]["message"]
     r = server.post("/v1/chat/completions", json={"messages": user("hi"), "max_tokens": 2})
     assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailableError"
+
+
+def test_a_model_that_fails_to_load_exits_cleanly_before_listening(tiny_ckpt, tmp_path):
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.server_utils import free_port
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_ckpt("qwen2_vl"), broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # the engine process fails to load
+    proc = subprocess.run([sys.executable, "-m", "vlserve", "serve", "--model", str(broken), "--port",
+                           str(free_port())], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "engine core failed to start" in proc.stderr and "Traceback" not in proc.stderr.split("ERROR vlserve:")[-1]

@@ -106,7 +106,8 @@ def run_engine_core(args_json: bytes, input_addr: str, output_addr: str, log_lev
     try:
         core = EngineCore(resolve_config(decode_args(args_json)))
     except Exception as e:  # noqa: BLE001 - any start-up failure must reach the front-end as a message
-        logger.exception("engine core failed to start")
+        if not isinstance(e, VlserveError):  # ours have clear messages; anything else needs its traceback
+            logger.exception("engine core failed to start")
         outputs.send_multipart(framer.encode(EngineFailed(f"{type(e).__name__}: {e}")))
         return
     outputs.send_multipart(framer.encode(EngineReady(core.cfg.num_kv_blocks, core.cfg.max_model_len)))

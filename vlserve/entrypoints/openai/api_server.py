@@ -51,26 +51,27 @@ class ServerArgs:
                            timeout_s=self.media_fetch_timeout)
 
 
-def build_app(engine_args: EngineArgs, server: ServerArgs) -> FastAPI:
-    model_name = server.served_model_name or engine_args.model
-    state: dict = {}
+def make_engine(engine_args: EngineArgs, server: ServerArgs) -> AsyncLLM:
+    """Resolves the config and loads the tokenizer (clear errors here, before anything listens)."""
+    engine = AsyncLLM(engine_args, server.served_model_name or engine_args.model,
+                      max_waiting_requests=server.max_waiting_requests, media_threads=server.media_threads,
+                      log_requests=not server.disable_log_requests, log_level=server.log_level)
+    engine.input_processor.max_pixels_decoded = server.max_image_pixels
+    return engine
+
+
+def build_app(engine: AsyncLLM, server: ServerArgs) -> FastAPI:
+    """The app around a started engine; the engine's lifetime is the caller's (see `serve`)."""
+    model_name = engine.model_name
+    fetcher = MediaFetcher(server.media_policy())
+    state = {"engine": engine, "chat": OpenAIServingChat(engine, fetcher, model_name),
+             "completion": OpenAIServingCompletion(engine, fetcher, model_name)}
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
-        engine = AsyncLLM(engine_args, model_name, max_waiting_requests=server.max_waiting_requests,
-                          media_threads=server.media_threads, log_requests=not server.disable_log_requests,
-                          log_level=server.log_level)
-        engine.input_processor.max_pixels_decoded = server.max_image_pixels
-        await engine.start()
-        fetcher = MediaFetcher(server.media_policy())
-        state.update(engine=engine, chat=OpenAIServingChat(engine, fetcher, model_name),
-                     completion=OpenAIServingCompletion(engine, fetcher, model_name))
         logger.info("serving %r on http://%s:%d", model_name, server.host, server.port)
-        try:
-            yield
-        finally:
-            await fetcher.aclose()
-            await engine.shutdown()
+        yield
+        await fetcher.aclose()
 
     app = FastAPI(title="vlserve", version=vlserve.__version__, lifespan=lifespan)
     install_error_handlers(app)
@@ -114,3 +115,18 @@ def build_app(engine_args: EngineArgs, server: ServerArgs) -> FastAPI:
         return JSONResponse({"version": vlserve.__version__})
 
     return app
+
+
+async def serve(engine_args: EngineArgs, server: ServerArgs) -> None:
+    """Engine first (a model that fails to load never opens the port), then uvicorn until Ctrl-C."""
+    import uvicorn
+
+    engine = make_engine(engine_args, server)
+    await engine.start()
+    try:
+        app = build_app(engine, server)
+        config = uvicorn.Config(app, host=server.host, port=server.port, log_level=server.log_level.lower(),
+                                access_log=False, timeout_graceful_shutdown=5)
+        await uvicorn.Server(config).serve()
+    finally:
+        await engine.shutdown()

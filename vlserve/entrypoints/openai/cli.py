@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import logging
 import os
@@ -45,10 +46,8 @@ def server_args_from(ns: argparse.Namespace) -> ServerArgs:
 
 
 def run(ns: argparse.Namespace) -> int:
-    import uvicorn
-
     from vlserve.entrypoints.demo import demo_checkpoint
-    from vlserve.entrypoints.openai.api_server import build_app
+    from vlserve.entrypoints.openai.api_server import serve
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per media fetch is noise
     server = server_args_from(ns)
@@ -59,10 +58,7 @@ def run(ns: argparse.Namespace) -> int:
         logger.warning("no --model given: serving a RANDOM demo checkpoint (%s) as %r; it answers with random "
                        "text. To serve a real model: vlserve serve --model Qwen/Qwen2-VL-2B-Instruct (hub id or "
                        "local folder)", model, server.served_model_name)
-    engine_args = engine_args_from(ns, model=model)
-    app = build_app(engine_args, server)
-    uvicorn.run(app, host=server.host, port=server.port, log_level=server.log_level.lower(), access_log=False,
-                timeout_graceful_shutdown=5)
+    asyncio.run(serve(engine_args_from(ns, model=model), server))
     return 0
 
 
