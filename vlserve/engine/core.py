@@ -15,6 +15,7 @@ from vlserve.config import VlserveConfig
 from vlserve.engine.messages import EngineCoreOutput
 from vlserve.engine.request import Request, RequestStatus
 from vlserve.models.loader import load_model
+from vlserve.models.packed_linear import packed_linear_supported
 from vlserve.runner.model_runner import ModelRunner
 from vlserve.scheduler.scheduler import Scheduler
 
@@ -26,6 +27,8 @@ class EngineCore:
         self.cfg = cfg
         t0 = time.perf_counter()
         model = model or load_model(cfg.model_path, cfg.model, cfg.dtype, cfg.device)
+        if packed_linear_supported(cfg.device, cfg.dtype) and hasattr(model, "pack_for_cpu"):
+            logger.info("packed %d linears into oneDNN's layout", model.pack_for_cpu())
         self.runner = ModelRunner(cfg, model)
         self.scheduler = Scheduler(cfg)
         self.prompt_tokens_total = 0

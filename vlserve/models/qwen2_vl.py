@@ -38,5 +38,17 @@ class Qwen2VLForGeneration(nn.Module):
         return self.language_model(inputs_embeds, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.lm_head.weight if self.lm_head is not None else self.language_model.embed_tokens.weight
-        return hidden @ weight.t()
+        if self.lm_head is not None:
+            return self.lm_head(hidden)
+        return hidden @ self.language_model.embed_tokens.weight.t()  # tied embeddings
+
+    def pack_for_cpu(self) -> int:
+        """Prepacked oneDNN weights for every linear, the tied LM head included (a packed copy of the
+        embedding table: the vocab projection is the biggest matrix of a decode step)."""
+        from vlserve.models.packed_linear import PackedLinear, pack_linears
+
+        swapped = pack_linears(self)
+        if self.language_model is not None and self.lm_head is None:
+            self.lm_head = PackedLinear(self.language_model.embed_tokens.weight, None)
+            swapped += 1
+        return swapped
