@@ -13,6 +13,7 @@ from vlserve.models.hf_config import ModelConfig, load_model_config
 from vlserve.models.loader import resolve_dtype, resolve_model_path
 
 DEFAULT_KV_CACHE_GB = 2.0
+DEFAULT_MM_LIMITS = {"image": 8, "video": 1}  # kinds a user does not name keep these
 
 
 @dataclass
@@ -30,7 +31,9 @@ class EngineArgs:
     encoder_cache_size: int = 16384
     max_num_encoder_input_tokens: int = 16384
     disable_chunked_mm_input: bool = False
-    limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": 8, "video": 1})
+    limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_MM_LIMITS))
+    max_video_frames: int = 32
+    enable_mm_embeds: bool = False
     seed: int = 0
 
     @classmethod
@@ -56,6 +59,8 @@ class VlserveConfig:
     max_num_encoder_input_tokens: int
     disable_chunked_mm_input: bool
     limit_mm_per_prompt: dict[str, int]
+    max_video_frames: int
+    enable_mm_embeds: bool
     seed: int
 
     @property
@@ -77,7 +82,7 @@ def _positive(name: str, value: int | float | None) -> None:
 
 def resolve_config(args: EngineArgs) -> VlserveConfig:
     for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks",
-                 "kv_cache_memory_gb"):
+                 "kv_cache_memory_gb", "max_video_frames"):
         _positive(name, getattr(args, name))
     if args.encoder_cache_size < 0 or args.max_num_encoder_input_tokens <= 0:
         raise InvalidInputError("encoder_cache_size must be >= 0 and max_num_encoder_input_tokens > 0")
@@ -91,8 +96,8 @@ def resolve_config(args: EngineArgs) -> VlserveConfig:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
         encoder_cache_size=args.encoder_cache_size, max_num_encoder_input_tokens=args.max_num_encoder_input_tokens,
-        disable_chunked_mm_input=args.disable_chunked_mm_input, limit_mm_per_prompt=dict(args.limit_mm_per_prompt),
-        seed=args.seed,
+        disable_chunked_mm_input=args.disable_chunked_mm_input, limit_mm_per_prompt={**DEFAULT_MM_LIMITS, **args.limit_mm_per_prompt},
+        max_video_frames=args.max_video_frames, enable_mm_embeds=args.enable_mm_embeds, seed=args.seed,
     )
     cfg = VlserveConfig(num_kv_blocks=1, **partial)
     if args.num_kv_blocks is not None:

@@ -31,11 +31,12 @@ class MultiModalItem:
 
     offset: int  # index of the first placeholder token in the prompt
     num_tokens: int  # placeholder length = number of embeddings the encoder produces
-    pixel_values: torch.Tensor  # [patches, patch_dim]
+    pixel_values: torch.Tensor | None  # [patches, patch_dim]; None when `embeddings` are given
     grid_thw: tuple[int, int, int]
     # Content hash (encoder-cache key, part of prefix-cache keys). Unknown content gets a unique id, so
     # items without a hash are never shared by mistake.
     mm_hash: str = field(default_factory=lambda: uuid.uuid4().hex)
+    embeddings: torch.Tensor | None = None  # [num_tokens, hidden], precomputed: the ViT is skipped
 
     @property
     def end(self) -> int:

@@ -31,7 +31,8 @@ class WireMMItem(msgspec.Struct, array_like=True):
     num_tokens: int
     grid_thw: tuple[int, int, int]
     mm_hash: str
-    pixel_values: TensorRef
+    pixel_values: TensorRef | None
+    embeddings: TensorRef | None = None
 
 
 # ---- front-end -> engine core ---------------------------------------------------------------------------
@@ -139,15 +140,21 @@ def tensor_from(ref: TensorRef, frames: list) -> torch.Tensor:
 
 def request_to_wire(req: Request) -> tuple[AddRequest, list[torch.Tensor]]:
     tensors: list[torch.Tensor] = []
-    items = [WireMMItem(it.offset, it.num_tokens, tuple(it.grid_thw), it.mm_hash, tensor_ref(it.pixel_values, tensors))
-             for it in req.mm_items]
+    def ref(t: torch.Tensor | None) -> TensorRef | None:
+        return None if t is None else tensor_ref(t, tensors)
+
+    items = [WireMMItem(it.offset, it.num_tokens, tuple(it.grid_thw), it.mm_hash, ref(it.pixel_values),
+                        ref(it.embeddings)) for it in req.mm_items]
     msg = AddRequest(req.request_id, req.prompt_token_ids, req.params, list(req.eos_token_ids), items,
                      tensor_ref(req.mrope_positions, tensors), req.mrope_delta, req.arrival_time)
     return msg, tensors
 
 
 def request_from_wire(msg: AddRequest, frames: list) -> Request:
-    items = [MultiModalItem(it.offset, it.num_tokens, tensor_from(it.pixel_values, frames), tuple(it.grid_thw),
-                            it.mm_hash) for it in msg.mm_items]
+    def tensor(ref: TensorRef | None) -> torch.Tensor | None:
+        return None if ref is None else tensor_from(ref, frames)
+
+    items = [MultiModalItem(it.offset, it.num_tokens, tensor(it.pixel_values), tuple(it.grid_thw), it.mm_hash,
+                            tensor(it.embeddings)) for it in msg.mm_items]
     return Request(msg.request_id, msg.prompt_token_ids, msg.params, tuple(msg.eos_token_ids), items,
                    tensor_from(msg.mrope_positions, frames), msg.mrope_delta, msg.arrival_time)

@@ -20,6 +20,8 @@ HELP = {
     "max_num_encoder_input_tokens": "most embedding tokens encoded in one step",
     "disable_chunked_mm_input": "never split an image's placeholder run across steps",
     "limit_mm_per_prompt": "most items per prompt, e.g. image=8,video=1",
+    "max_video_frames": "most frames sampled from one video (a request may ask for fewer via mm_processor_kwargs)",
+    "enable_mm_embeds": "accept precomputed image embeddings (image_embeds parts / multi_modal_data)",
     "seed": "engine seed",
 }
 

@@ -71,14 +71,8 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = []
         for conv in conversations:
-            rendered, images, uuids = parse_chat_messages(conv)
-            text = render_chat(self.tokenizer, rendered, add_generation_prompt, chat_template)
-            prompt = {"prompt": text}
-            if images:
-                prompt["multi_modal_data"] = {"image": images}
-                if any(uuids):
-                    prompt["multi_modal_uuids"] = {"image": uuids}
-            prompts.append(prompt)
+            chat = parse_chat_messages(conv)
+            prompts.append(chat.prompt(render_chat(self.tokenizer, chat.messages, add_generation_prompt, chat_template)))
         return self.generate(prompts, sampling_params, use_tqdm, mm_processor_kwargs)
 
     def get_metrics(self) -> dict[str, float]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import blake3
+import torch
 from PIL import Image
 
 
@@ -24,4 +25,21 @@ def hash_user_id(uuid: str, params: dict) -> str:
     """A caller-provided id stands in for the content (vLLM's `uuid` convention); params still matter."""
     h = blake3.blake3(f"uuid|{uuid}|".encode())
     h.update(json.dumps(params, sort_keys=True).encode())
+    return h.hexdigest(length=16)
+
+
+def hash_video(frames: list, params: dict) -> str:
+    """The sampled frames (what the encoder sees before resizing) plus the settings that shaped them."""
+    h = blake3.blake3()
+    h.update(f"video|{len(frames)}|{frames[0].shape}|".encode())
+    h.update(json.dumps(params, sort_keys=True).encode())
+    for f in frames:
+        h.update(memoryview(f.tobytes()))
+    return h.hexdigest(length=16)
+
+
+def hash_embeddings(embeds, grid_thw: tuple[int, int, int]) -> str:
+    """Precomputed embeddings are their own content: equal tensors share encoder and prefix cache entries."""
+    h = blake3.blake3(f"embeds|{tuple(grid_thw)}|{embeds.dtype}|{tuple(embeds.shape)}|".encode())
+    h.update(memoryview(embeds.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()))
     return h.hexdigest(length=16)

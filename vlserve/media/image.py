@@ -56,7 +56,7 @@ def load_image(source: ImageSource, max_pixels_decoded: int = DEFAULT_MAX_PIXELS
         return _open_path(Path(source), max_pixels_decoded)
     if isinstance(source, str):
         if _DATA_URL.match(source):
-            return _decode(io.BytesIO(_b64decode(source[source.index(",") + 1 :])), max_pixels_decoded, "data URL")
+            return _decode(io.BytesIO(decode_base64(source[source.index(",") + 1 :])), max_pixels_decoded, "data URL")
         if source.startswith("data:"):
             raise InvalidInputError("data URL must look like 'data:image/<type>;base64,<data>'")
         if source.startswith(("http://", "https://")):
@@ -65,7 +65,7 @@ def load_image(source: ImageSource, max_pixels_decoded: int = DEFAULT_MAX_PIXELS
     raise InvalidInputError(f"unsupported image source type {type(source).__name__}")
 
 
-def _b64decode(data: str) -> bytes:
+def decode_base64(data: str) -> bytes:
     # Tolerate whitespace/newlines, url-safe alphabet and missing padding; reject anything else.
     data = re.sub(r"\s+", "", data).replace("-", "+").replace("_", "/")
     data += "=" * (-len(data) % 4)

@@ -51,6 +51,9 @@ class VisionConfig:
     window_size: int  # 0 = no window attention (Qwen2-VL)
     fullatt_block_indexes: tuple[int, ...]
     tokens_per_second: float
+    # Qwen2.5-VL spaces video frames on the temporal M-RoPE axis by real time (second_per_grid_t *
+    # tokens_per_second); Qwen2-VL by one position per merged frame.
+    time_scaled_video: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -137,6 +140,7 @@ def _vision_config(raw: dict, architecture: str, text: TextConfig) -> VisionConf
         window_size=v.get("window_size", 112) if windowed else 0,
         fullatt_block_indexes=tuple(v.get("fullatt_block_indexes", (7, 15, 23, 31))) if windowed else (),
         tokens_per_second=float(v.get("tokens_per_second", 2)),
+        time_scaled_video=windowed,
     )
 
 

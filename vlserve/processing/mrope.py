@@ -51,21 +51,34 @@ def expand_placeholders(
 
     Returns the expanded ids and, for each item, the index of its first copy in them.
     """
-    pad_positions = [i for i, tok in enumerate(token_ids) if tok == pad_token_id]
-    if len(pad_positions) != len(num_tokens):
-        raise InvalidInputError(
-            f"prompt has {len(pad_positions)} placeholder token(s) (id {pad_token_id}) "
-            f"but {len(num_tokens)} media item(s) were provided"
-        )
+    ids, offsets = expand_all_placeholders(token_ids, {pad_token_id: num_tokens})
+    return ids, offsets[pad_token_id]
+
+
+def expand_all_placeholders(
+    token_ids: Sequence[int], num_tokens: dict[int, Sequence[int]]
+) -> tuple[list[int], dict[int, list[int]]]:
+    """Several kinds at once (image and video pads interleaved): the k-th pad of kind `pad_id` becomes
+    `num_tokens[pad_id][k]` copies. Returns the expanded ids and each kind's item offsets in them."""
+    wanted = {pad: list(ns) for pad, ns in num_tokens.items()}
+    found = {pad: sum(1 for tok in token_ids if tok == pad) for pad in wanted}
+    for pad, ns in wanted.items():
+        if found[pad] != len(ns):
+            raise InvalidInputError(
+                f"prompt has {found[pad]} placeholder token(s) (id {pad}) but {len(ns)} media item(s) were provided"
+            )
     out: list[int] = []
-    offsets: list[int] = []
+    offsets: dict[int, list[int]] = {pad: [] for pad in wanted}
     prev = 0
-    for pos, n in zip(pad_positions, num_tokens):
+    for pos, tok in enumerate(token_ids):
+        if tok not in wanted:
+            continue
+        n = wanted[tok][len(offsets[tok])]
         if n <= 0:
             raise InvalidInputError(f"a media item must occupy at least one token, got {n}")
         out.extend(token_ids[prev:pos])  # slices keep the whole thing O(len(output))
-        offsets.append(len(out))
-        out.extend([pad_token_id] * n)
+        offsets[tok].append(len(out))
+        out.extend([tok] * n)
         prev = pos + 1
     out.extend(token_ids[prev:])
     return out, offsets

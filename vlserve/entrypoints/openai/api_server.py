@@ -37,6 +37,7 @@ class ServerArgs:
     allowed_media_domains: tuple[str, ...] = ()
     allow_private_media_urls: bool = False
     max_media_bytes: int = 20 * 2**20
+    max_video_bytes: int = 200 * 2**20
     media_fetch_timeout: float = 10.0
     max_image_pixels: int = DEFAULT_MAX_PIXELS_DECODED
     max_waiting_requests: int | None = None
@@ -44,11 +45,11 @@ class ServerArgs:
     disable_log_requests: bool = False
     log_level: str = "INFO"
 
-    def media_policy(self) -> MediaPolicy:
+    def media_policy(self, max_bytes: int | None = None) -> MediaPolicy:
         return MediaPolicy(allowed_local_media_path=self.allowed_local_media_path,
                            allowed_media_domains=tuple(self.allowed_media_domains),
-                           allow_private_media_urls=self.allow_private_media_urls, max_bytes=self.max_media_bytes,
-                           timeout_s=self.media_fetch_timeout)
+                           allow_private_media_urls=self.allow_private_media_urls,
+                           max_bytes=max_bytes or self.max_media_bytes, timeout_s=self.media_fetch_timeout)
 
 
 def make_engine(engine_args: EngineArgs, server: ServerArgs) -> AsyncLLM:
@@ -63,15 +64,17 @@ def make_engine(engine_args: EngineArgs, server: ServerArgs) -> AsyncLLM:
 def build_app(engine: AsyncLLM, server: ServerArgs) -> FastAPI:
     """The app around a started engine; the engine's lifetime is the caller's (see `serve`)."""
     model_name = engine.model_name
-    fetcher = MediaFetcher(server.media_policy())
-    state = {"engine": engine, "chat": OpenAIServingChat(engine, fetcher, model_name),
-             "completion": OpenAIServingCompletion(engine, fetcher, model_name)}
+    fetchers = {"image": MediaFetcher(server.media_policy()),
+                "video": MediaFetcher(server.media_policy(max_bytes=server.max_video_bytes))}
+    state = {"engine": engine, "chat": OpenAIServingChat(engine, fetchers, model_name),
+             "completion": OpenAIServingCompletion(engine, fetchers, model_name)}
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         logger.info("serving %r on http://%s:%d", model_name, server.host, server.port)
         yield
-        await fetcher.aclose()
+        for fetcher in fetchers.values():
+            await fetcher.aclose()
 
     app = FastAPI(title="vlserve", version=vlserve.__version__, lifespan=lifespan)
     install_error_handlers(app)

@@ -29,7 +29,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="only fetch media from these domains (and their subdomains); default: any")
     p.add_argument("--allow-private-media-urls", action="store_true",
                    help="allow media URLs that resolve to private, loopback or link-local addresses (SSRF risk)")
-    p.add_argument("--max-media-bytes", type=int, default=d.max_media_bytes, help="largest media download")
+    p.add_argument("--max-media-bytes", type=int, default=d.max_media_bytes, help="largest picture download")
+    p.add_argument("--max-video-bytes", type=int, default=d.max_video_bytes, help="largest video download")
     p.add_argument("--media-fetch-timeout", type=float, default=d.media_fetch_timeout, help="seconds per fetch")
     p.add_argument("--max-image-pixels", type=int, default=d.max_image_pixels,
                    help="largest decoded picture (width x height); bigger ones are refused before decoding")

@@ -31,9 +31,9 @@ SSE_DONE = sse("[DONE]")
 class OpenAIServing:
     id_prefix = "req"
 
-    def __init__(self, engine: AsyncLLM, fetcher: MediaFetcher, model_name: str):
+    def __init__(self, engine: AsyncLLM, fetchers: dict[str, MediaFetcher], model_name: str):
         self.engine = engine
-        self.fetcher = fetcher
+        self.fetchers = fetchers  # media kind -> fetcher
         self.model_name = model_name
 
     def check_model(self, name: str | None) -> None:
@@ -57,9 +57,15 @@ class OpenAIServing:
                                     f"{prompt.num_tokens} tokens and max_tokens is {requested}: reduce one of them")
         return requested
 
-    async def fetch_media(self, urls: list) -> list:
-        """All of a request's media fetched concurrently under the server's URL policy."""
-        return list(await asyncio.gather(*(self.fetcher.fetch(u) for u in urls)))
+    async def fetch_media(self, kind: str, sources: list) -> list:
+        """A request's URLs of one kind fetched concurrently under the server's URL policy (its own size
+        limit per kind); embedding entries pass through untouched."""
+        fetcher = self.fetchers[kind]
+
+        async def one(src):
+            return await fetcher.fetch(src) if isinstance(src, str) else src
+
+        return list(await asyncio.gather(*(one(s) for s in sources)))
 
     async def until_done_or_disconnect(self, raw: HTTPRequest, work: Awaitable):
         """Runs `work`; if the client goes away first, cancels it (which aborts the request in the engine)."""

@@ -53,18 +53,16 @@ class OpenAIServingChat(OpenAIServing):
         return JSONResponse(self._response(request_id, final, top_k or 0))
 
     async def _prepare(self, body: ChatCompletionRequest, arrival: float) -> PreparedPrompt:
-        messages, urls, uuids = parse_chat_messages(body.messages, allow_python_objects=False)
-        limit = self.engine.cfg.limit_mm_per_prompt.get("image", 0)
-        if len(urls) > limit:
-            raise InvalidInputError(f"{len(urls)} images in one request; at most {limit} allowed "
-                                    f"(--limit-mm-per-prompt image={limit})")
-        text = render_chat(self.engine.tokenizer, messages, body.add_generation_prompt, body.chat_template)
-        prompt: dict = {"prompt": text}
-        if urls:
-            prompt["multi_modal_data"] = {"image": await self.fetch_media(urls)}
-            if any(uuids):
-                prompt["multi_modal_uuids"] = {"image": uuids}
-        return await self.engine.prepare(prompt, body.mm_processor_kwargs, arrival)
+        chat = parse_chat_messages(body.messages, allow_python_objects=False)
+        for kind, items in chat.media.items():  # before any download
+            limit = self.engine.cfg.limit_mm_per_prompt.get(kind, 0)
+            if len(items) > limit:
+                raise InvalidInputError(f"{len(items)} {kind}s in one request; at most {limit} allowed "
+                                        f"(--limit-mm-per-prompt {kind}={limit})")
+        text = render_chat(self.engine.tokenizer, chat.messages, body.add_generation_prompt, body.chat_template)
+        for kind, items in chat.media.items():
+            chat.media[kind] = await self.fetch_media(kind, items)
+        return await self.engine.prepare(chat.prompt(text), body.mm_processor_kwargs, arrival)
 
     def _response(self, request_id: str, out: RequestOutput, top_k: int) -> dict:
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
