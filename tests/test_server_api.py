@@ -13,6 +13,7 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 
 from tests.conftest import noise_image
 from tests.server_utils import RemoteServer
@@ -79,7 +80,8 @@ def server(ckpt, media_dir):
                       "--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting-requests", str(MAX_WAITING),
                       "--allow-private-media-urls", "--allowed-local-media-path", str(media_dir),
                       "--max-media-bytes", str(MAX_MEDIA_BYTES), "--max-image-pixels", "1000000",
-                      "--limit-mm-per-prompt", "image=3", "--served-model-name", "tiny", api_key=KEY) as srv:
+                      "--limit-mm-per-prompt", "image=3", "--served-model-name", "tiny", "--enable-mm-embeds",
+                      api_key=KEY) as srv:
         yield srv
 
 
@@ -178,6 +180,12 @@ def test_logprobs_in_chat(client):
 
 
 # ---- bad input ----------------------------------------------------------------------------------------------
+def _b64_safetensors(t) -> str:
+    from safetensors.torch import save
+
+    return base64.b64encode(save({"image_embeds": t.contiguous()})).decode()
+
+
 def _big_noise_png() -> str:
     return data_url(noise_image(400, 400, 11))  # ~480 KB of incompressible noise > MAX_MEDIA_BYTES
 
@@ -186,6 +194,10 @@ def _bomb_png() -> str:
     from PIL import Image
 
     return data_url(Image.new("RGB", (1200, 1000), (10, 20, 30)))  # 1.2 MP > --max-image-pixels, tiny file
+
+
+def _video_url(data: bytes) -> str:
+    return "data:video/mp4;base64," + base64.b64encode(data).decode()
 
 
 def _chat(**over) -> dict:
@@ -215,6 +227,13 @@ BAD_REQUESTS = {
     "top_logprobs too many": (_chat(logprobs=True, top_logprobs=50), 400),
     "stream_options without stream": (_chat(stream_options={"include_usage": True}), 400),
     "unknown model": (_chat(model="gpt-17"), 404),
+    "bytes that are not a video": (_chat(messages=user({"type": "video_url", "video_url": {
+        "url": _video_url(b"not a video at all")}})), 400),
+    "too many videos": (_chat(messages=user(*[{"type": "video_url", "video_url": {"url": _video_url(b"x")}}] * 2)), 400),
+    "embeddings of the wrong shape": (_chat(messages=user({"type": "image_embeds", "image_grid_thw": [1, 4, 4],
+                                                           "image_embeds": _b64_safetensors(torch.zeros(3, 3))})), 400),
+    "embeddings that are not safetensors": (_chat(messages=user({"type": "image_embeds", "image_grid_thw": [1, 4, 4],
+                                                                 "image_embeds": "cGlja2xl"})), 400),
     "media over max bytes": (_chat(messages=user(image_part(_big_noise_png()))), 413),
     "decompression bomb": (_chat(messages=user(image_part(_bomb_png()))), 413),
 }
@@ -324,3 +343,30 @@ def test_uuid_stands_in_for_the_picture(server, client):
             messages=user(image_part(data_url(noise_image(50, 50, seed)), uuid="sku-123"), "Hi"), **greedy(2))
     after = server.metrics()
     assert after["vlserve:encoder_cache_hits_total"] - before["vlserve:encoder_cache_hits_total"] == 1
+
+
+def test_video_by_data_url_and_http_matches_offline(client, offline, image_host, media_dir):
+    from tests.test_video import clip_frames, encode_video
+
+    mp4 = encode_video(clip_frames(8, seed=3), fps=4)
+    (media_dir / "clip.mp4").write_bytes(mp4)
+    messages = user({"type": "video_url", "video_url": {"url": _video_url(mp4)}}, "What happens?")
+    resp = client.chat.completions.create(messages=messages, **greedy())
+    assert resp.choices[0].message.content == offline_chat(offline, messages)[0]
+    over_http = client.chat.completions.create(
+        messages=user({"type": "video_url", "video_url": {"url": f"{image_host}/clip.mp4"}}, "What happens?"),
+        **greedy())
+    assert over_http.choices[0].message.content == resp.choices[0].message.content
+
+
+def test_image_embeddings_part_matches_the_picture(client, offline):
+    from tests.test_mm_embeds import vit_embeddings
+
+    image = noise_image(84, 56, 12)
+    emb, grid = vit_embeddings(offline, image)
+    as_picture = client.chat.completions.create(messages=user(image_part(data_url(image)), "Hi"), **greedy())
+    as_embeds = client.chat.completions.create(messages=user(
+        {"type": "image_embeds", "image_embeds": _b64_safetensors(emb), "image_grid_thw": list(grid)}, "Hi"),
+        **greedy())
+    assert as_embeds.choices[0].message.content == as_picture.choices[0].message.content
+    assert as_embeds.usage.prompt_tokens == as_picture.usage.prompt_tokens

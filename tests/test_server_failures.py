@@ -33,6 +33,12 @@ def test_private_and_loopback_media_urls_are_refused_by_default(server):
     assert ok.status_code == 200
 
 
+def test_image_embeddings_are_refused_unless_enabled(server):
+    part = {"type": "image_embeds", "image_embeds": "AAAA", "image_grid_thw": [1, 4, 4]}
+    r = server.post("/v1/chat/completions", json={"messages": user(part), "max_tokens": 2})
+    assert r.status_code == 400 and "enable-mm-embeds" in r.json()["error"]["message"]
+
+
 def test_dead_engine_gives_503_not_a_hang(server):
     in_flight: dict = {"lines": []}
     streaming = threading.Event()
