@@ -20,6 +20,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop(proc: subprocess.Popen) -> None:
+    """Ctrl-C first (the process shuts its children down in order), then kill."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, name: str, read_log) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode}:\n{read_log()}")
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{name} not healthy after {timeout}s:\n{read_log()}")
+
+
 class RemoteServer:
     def __init__(self, model: Path | str, *args: str, api_key: str | None = None, timeout: float = 180):
         self.port = free_port()
@@ -34,18 +59,11 @@ class RemoteServer:
         self._wait_healthy(timeout)
 
     def _wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.read_log()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.close()
-        raise RuntimeError(f"server not healthy after {timeout}s:\n{self.read_log()}")
+        try:
+            wait_healthy(self.proc, self.url + "/health", timeout, "server", self.read_log)
+        except RuntimeError:
+            self.close()
+            raise
 
     def read_log(self) -> str:
         return Path(self.log.name).read_text()
@@ -78,13 +96,7 @@ class RemoteServer:
         raise RuntimeError("no engine process")
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop(self.proc)
         self.log.close()
 
     def __enter__(self):
@@ -92,3 +104,39 @@ class RemoteServer:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class RoleProcess:
+    """Any `python -m vlserve <role> ...` process with an HTTP /health, for the disaggregation tests."""
+
+    def __init__(self, name: str, args: list[str], health_url: str, timeout: float = 180, env: dict | None = None):
+        self.name, self.health_url = name, health_url
+        self.log = tempfile.NamedTemporaryFile("w+", prefix=f"vlserve-{name}-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen([sys.executable, "-m", "vlserve", *args], stdout=self.log,
+                                     stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+        self.timeout = timeout
+
+    def wait_healthy(self) -> "RoleProcess":
+        wait_healthy(self.proc, self.health_url, self.timeout, self.name, self.read_log)
+        return self
+
+    def read_log(self) -> str:
+        return Path(self.log.name).read_text()
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+    def close(self) -> None:
+        stop(self.proc)
+        self.log.close()
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Prometheus text -> {name{labels}: value}."""
+    out = {}
+    for line in httpx.get(url, timeout=10).text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out

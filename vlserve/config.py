@@ -35,6 +35,7 @@ class EngineArgs:
     max_video_frames: int = 32
     enable_mm_embeds: bool = False
     seed: int = 0
+    load_vision: bool = True  # False on a disaggregated language server (not a CLI flag)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -62,6 +63,7 @@ class VlserveConfig:
     max_video_frames: int
     enable_mm_embeds: bool
     seed: int
+    load_vision: bool
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -98,6 +100,7 @@ def resolve_config(args: EngineArgs) -> VlserveConfig:
         encoder_cache_size=args.encoder_cache_size, max_num_encoder_input_tokens=args.max_num_encoder_input_tokens,
         disable_chunked_mm_input=args.disable_chunked_mm_input, limit_mm_per_prompt={**DEFAULT_MM_LIMITS, **args.limit_mm_per_prompt},
         max_video_frames=args.max_video_frames, enable_mm_embeds=args.enable_mm_embeds, seed=args.seed,
+        load_vision=args.load_vision,
     )
     cfg = VlserveConfig(num_kv_blocks=1, **partial)
     if args.num_kv_blocks is not None:

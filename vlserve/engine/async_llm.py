@@ -8,6 +8,7 @@ dead engine process: pending requests then fail with 503 instead of hanging, and
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import multiprocessing
 import shutil
@@ -99,6 +100,8 @@ class AsyncLLM:
         self.proc: multiprocessing.Process | None = None
         self._tasks: list[asyncio.Task] = []
         self._in_framer, self._out_framer = Framer(EngineInput), Framer(EngineMessage)
+        self.remote_encoder = None  # a DisaggClient on a disaggregated language server
+        self._prep_ids = itertools.count()
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -164,10 +167,17 @@ class AsyncLLM:
                       arrival: float | None = None) -> PreparedPrompt:
         """Tokenize + decode + preprocess on the thread pool (the event loop keeps serving meanwhile)."""
         self.check_accepting()
+        arrival = arrival if arrival is not None else time.monotonic()
+        if self.remote_encoder is not None and isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+            # Disaggregated: an encoder service fetches, preprocesses, tokenizes and encodes; rows come back.
+            req = await self.remote_encoder.encode(f"prep-{next(self._prep_ids)}", prompt["prompt"],
+                                                   prompt["multi_modal_data"], prompt.get("multi_modal_uuids") or {},
+                                                   mm_processor_kwargs or {})
+            return PreparedPrompt(prompt["prompt"], req, arrival)
         loop = asyncio.get_running_loop()
         text, req = await loop.run_in_executor(self.executor, self.input_processor.process, "template", prompt,
                                                SamplingParams(), mm_processor_kwargs)
-        return PreparedPrompt(text, req, arrival if arrival is not None else time.monotonic())
+        return PreparedPrompt(text, req, arrival)
 
     def check_accepting(self) -> None:
         if self.dead_reason is not None:

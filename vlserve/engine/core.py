@@ -26,7 +26,7 @@ class EngineCore:
     def __init__(self, cfg: VlserveConfig, model: torch.nn.Module | None = None):
         self.cfg = cfg
         t0 = time.perf_counter()
-        model = model or load_model(cfg.model_path, cfg.model, cfg.dtype, cfg.device)
+        model = model or load_model(cfg.model_path, cfg.model, cfg.dtype, cfg.device, with_vision=cfg.load_vision)
         if packed_linear_supported(cfg.device, cfg.dtype) and hasattr(model, "pack_for_cpu"):
             logger.info("packed %d linears into oneDNN's layout", model.pack_for_cpu())
         self.runner = ModelRunner(cfg, model)

@@ -36,9 +36,14 @@ def parse_limits(text: str) -> dict[str, int]:
     return limits
 
 
+NOT_FLAGS = {"load_vision"}  # set by the role a process plays, not by users
+
+
 def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True) -> None:
     for f in dataclasses.fields(EngineArgs):
         flag = "--" + f.name.replace("_", "-")
+        if f.name in NOT_FLAGS:
+            continue
         if f.name == "model":
             parser.add_argument(flag, required=model_required, default=None, help="model folder or hub id")
         elif f.name == "enable_prefix_caching":

@@ -120,16 +120,28 @@ def build_app(engine: AsyncLLM, server: ServerArgs) -> FastAPI:
     return app
 
 
-async def serve(engine_args: EngineArgs, server: ServerArgs) -> None:
-    """Engine first (a model that fails to load never opens the port), then uvicorn until Ctrl-C."""
+async def serve(engine_args: EngineArgs, server: ServerArgs, disagg=None) -> None:
+    """Engine first (a model that fails to load never opens the port), then uvicorn until Ctrl-C.
+
+    With `disagg` (DisaggOptions) this is a language server: media requests go to encoder services.
+    """
     import uvicorn
 
     engine = make_engine(engine_args, server)
     await engine.start()
+    client = None
     try:
+        if disagg is not None:
+            from vlserve.disagg.language_client import make_language_client
+
+            client = make_language_client(engine, disagg, f"{server.host}:{server.port}")
+            await client.start()
+            engine.remote_encoder = client
         app = build_app(engine, server)
         config = uvicorn.Config(app, host=server.host, port=server.port, log_level=server.log_level.lower(),
                                 access_log=False, timeout_graceful_shutdown=5)
         await uvicorn.Server(config).serve()
     finally:
+        if client is not None:
+            await client.stop()
         await engine.shutdown()

@@ -59,12 +59,22 @@ def run(ns: argparse.Namespace) -> int:
         logger.warning("no --model given: serving a RANDOM demo checkpoint (%s) as %r; it answers with random "
                        "text. To serve a real model: vlserve serve --model Qwen/Qwen2-VL-2B-Instruct (hub id or "
                        "local folder)", model, server.served_model_name)
+    if ns.disagg:
+        from vlserve.disagg.cli import run_all_roles
+
+        return run_all_roles(ns, model)
     asyncio.run(serve(engine_args_from(ns, model=model), server))
     return 0
 
 
 def register_cli(subparsers) -> None:
+    from vlserve.disagg.cli import add_disagg_args
+
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(p, model_required=False)
     add_server_args(p)
+    p.add_argument("--disagg", action="store_true",
+                   help="run a bootstrap, --num-encoders encoders and a language server here, as separate processes")
+    p.add_argument("--num-encoders", type=int, default=1)
+    add_disagg_args(p)
     p.set_defaults(func=run)

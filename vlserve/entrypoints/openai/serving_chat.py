@@ -60,8 +60,9 @@ class OpenAIServingChat(OpenAIServing):
                 raise InvalidInputError(f"{len(items)} {kind}s in one request; at most {limit} allowed "
                                         f"(--limit-mm-per-prompt {kind}={limit})")
         text = render_chat(self.engine.tokenizer, chat.messages, body.add_generation_prompt, body.chat_template)
-        for kind, items in chat.media.items():
-            chat.media[kind] = await self.fetch_media(kind, items)
+        if self.engine.remote_encoder is None:  # disaggregated: the encoder fetches under its own policy
+            for kind, items in chat.media.items():
+                chat.media[kind] = await self.fetch_media(kind, items)
         return await self.engine.prepare(chat.prompt(text), body.mm_processor_kwargs, arrival)
 
     def _response(self, request_id: str, out: RequestOutput, top_k: int) -> dict:

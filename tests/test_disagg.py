@@ -1,0 +1,199 @@
+"""Encode/language disaggregation end to end, every role its own process on loopback, through the openai client:
+1E+1L and 2E+1L token-identical to the aggregated engine, forced resume, an encoder killed mid-run, a
+restarted encoder rejoining, and fault injection at p=0.3 — with every embedding buffer block back at the end."""
+
+from __future__ import annotations
+
+import base64
+import io
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from tests.conftest import noise_image
+from tests.server_utils import RoleProcess, free_port, scrape
+from vlserve import LLM, SamplingParams
+
+HB = "0.3"  # heartbeat interval: failures are noticed within about a second
+N_TOKENS = 8
+
+
+def data_url(img) -> str:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def picture_chat(*seeds: int, text: str = "What is this?") -> list[dict]:
+    parts = [{"type": "image_url", "image_url": {"url": data_url(noise_image(56 + 8 * (s % 4), 56, s))}} for s in seeds]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+class Cluster:
+    def __init__(self, ckpt, languages: dict[str, list[str]], encoder_env: dict | None = None):
+        self.ckpt, self.encoder_env = ckpt, encoder_env or {}
+        port = free_port()
+        self.bootstrap_url = f"127.0.0.1:{port}"
+        self.procs = [RoleProcess("bootstrap", ["bootstrap", "--port", str(port), "--heartbeat-interval", HB],
+                                  f"http://{self.bootstrap_url}/health")]
+        self.common = ["--model", str(ckpt), "--dtype", "float32", "--max-model-len", "2048", "--limit-mm-per-prompt",
+                       "image=4", "--bootstrap", self.bootstrap_url, "--heartbeat-interval", HB,
+                       "--heartbeat-failure-threshold", "3"]
+        self.encoders: dict[str, RoleProcess] = {}
+        self.languages: dict[str, RoleProcess] = {}
+        self.start_encoder("A", wait=False)
+        for name, extra in languages.items():
+            port = free_port()
+            self.languages[name] = RoleProcess(f"language-{name}", ["language", *self.common, "--port", str(port),
+                                                                    *extra], f"http://127.0.0.1:{port}/health")
+            self.procs.append(self.languages[name])
+        for p in self.procs:
+            p.wait_healthy()
+
+    def start_encoder(self, name: str, wait: bool = True) -> RoleProcess:
+        port = free_port()
+        enc = RoleProcess(f"encoder-{name}", ["encode", *self.common, "--port", str(port), "--data-port",
+                                              str(free_port())], f"http://127.0.0.1:{port}/health", env=self.encoder_env)
+        enc.metrics_url = f"http://127.0.0.1:{port}/metrics"
+        self.encoders[name] = enc
+        self.procs.append(enc)
+        return enc.wait_healthy() if wait else enc
+
+    def client(self, lang: str) -> openai.OpenAI:
+        client = openai.OpenAI(base_url=self.languages[lang].health_url.replace("/health", "/v1"), api_key="x",
+                               max_retries=0, timeout=60)
+        client.served_model = str(self.ckpt)
+        return client
+
+    def metrics(self, lang: str) -> dict[str, float]:
+        return scrape(self.languages[lang].health_url.replace("/health", "/metrics"))
+
+    def wait_encoders(self, lang: str, n: int, timeout: float = 20) -> None:
+        deadline = time.monotonic() + timeout
+        while self.metrics(lang)["vlserve:encoders_available"] != n:
+            assert time.monotonic() < deadline, f"language {lang} never saw {n} encoders"
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        for p in reversed(self.procs):
+            p.close()
+
+
+def buffers_all_free(metrics: dict[str, float], role: str) -> bool:
+    free = metrics[f'vlserve:embedding_buffer_free_blocks{{role="{role}"}}']
+    return free == metrics[f'vlserve:embedding_buffer_total_blocks{{role="{role}"}}'] and free > 0
+
+
+def wait_buffers_free(fetch, role: str, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while not buffers_all_free(fetch(), role):
+        assert time.monotonic() < deadline, f"{role} embedding buffers leaked: {fetch()}"
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_ckpt):
+    return LLM(str(tiny_ckpt("qwen2_vl")), dtype="float32", max_model_len=2048, limit_mm_per_prompt={"image": 4})
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_ckpt):
+    c = Cluster(tiny_ckpt("qwen2_vl"), {"main": [], "small": ["--embedding-default-allocate-tokens", "16"]})
+    yield c
+    c.close()
+
+
+def expected_text(offline: LLM, messages) -> str:
+    out = offline.chat(messages, SamplingParams(temperature=0, max_tokens=N_TOKENS, min_tokens=N_TOKENS), use_tqdm=False)
+    return out[0].outputs[0].text
+
+
+def ask(client: openai.OpenAI, messages) -> str:
+    resp = client.chat.completions.create(model=client.served_model, messages=messages, max_tokens=N_TOKENS,
+                                          temperature=0, extra_body={"min_tokens": N_TOKENS})
+    return resp.choices[0].message.content
+
+
+CASES = {"one image": picture_chat(1), "three images": picture_chat(2, 3, 4, text="Compare."),
+         "text only": [{"role": "user", "content": "Just text, no pictures."}]}
+
+
+@pytest.mark.parametrize("lang", ["main", "small"])
+def test_1e1l_matches_aggregated_and_small_buffers_resume(cluster, offline, lang):
+    cluster.wait_encoders(lang, 1)
+    before = cluster.metrics(lang)
+    for name, messages in CASES.items():
+        assert ask(cluster.client(lang), messages) == expected_text(offline, messages), name
+    after = cluster.metrics(lang)
+    resumes = 'vlserve:embedding_transfer_resumes_total{role="language"}'
+    success = 'vlserve:embedding_transfers_total{role="language",state="success"}'
+    assert after[success] - before[success] == 2  # text-only never touched an encoder
+    assert (after[resumes] > before[resumes]) == (lang == "small")  # 16 tokens are never enough for a picture
+    wait_buffers_free(lambda: cluster.metrics(lang), "language")
+
+
+def test_2e1l_spreads_work_over_both_encoders(cluster, offline):
+    cluster.start_encoder("B")
+    cluster.wait_encoders("main", 2)
+    chats = [picture_chat(100 + i) for i in range(10)]
+    with ThreadPoolExecutor(5) as pool:
+        got = list(pool.map(lambda m: ask(cluster.client("main"), m), chats))
+    assert got == [expected_text(offline, m) for m in chats]
+    for name in ("A", "B"):
+        m = scrape(cluster.encoders[name].metrics_url)
+        assert m['vlserve:embedding_transfers_total{role="encode",state="success"}'] > 0, f"encoder {name} idle"
+        wait_buffers_free(lambda: scrape(cluster.encoders[name].metrics_url), "encode")
+
+
+def test_encoder_killed_mid_run_gives_retries_or_clean_errors(cluster, offline):
+    chats = [picture_chat(200 + i, text="Again?") for i in range(12)]
+
+    def one(messages):
+        try:
+            return ask(cluster.client("main"), messages)
+        except openai.APIStatusError as e:
+            assert e.status_code == 503, e
+            return e
+
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(one, m) for m in chats]
+        time.sleep(0.15)
+        cluster.encoders["B"].kill()
+        results = [f.result(timeout=60) for f in futures]
+    for messages, got in zip(chats, results):
+        assert isinstance(got, Exception) or got == expected_text(offline, messages)
+    cluster.wait_encoders("main", 1)
+    wait_buffers_free(lambda: cluster.metrics("main"), "language")
+    assert ask(cluster.client("main"), CASES["one image"]) == expected_text(offline, CASES["one image"])
+
+
+def test_restarted_encoder_rejoins_through_the_bootstrap(cluster, offline):
+    restarted = cluster.start_encoder("B2")
+    cluster.wait_encoders("main", 2)
+    chats = [picture_chat(300 + i) for i in range(8)]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda m: ask(cluster.client("main"), m), chats))
+    assert got == [expected_text(offline, m) for m in chats]
+    assert scrape(restarted.metrics_url)['vlserve:embedding_transfers_total{role="encode",state="success"}'] > 0
+
+
+def test_fault_injection_each_request_correct_or_clean_error(tiny_ckpt, offline):
+    faulty = Cluster(tiny_ckpt("qwen2_vl"), {"main": []}, encoder_env={"VLSERVE_TRANSFER_FAILURE_PROB": "0.3"})
+    try:
+        faulty.wait_encoders("main", 1)
+        ok = failed = 0
+        for i in range(50):
+            messages = picture_chat(400 + i % 7)
+            try:
+                assert ask(faulty.client("main"), messages) == expected_text(offline, messages)
+                ok += 1
+            except openai.APIStatusError as e:
+                assert e.status_code == 503 and "injected" in str(e), e
+                failed += 1
+        assert ok and failed, (ok, failed)
+        wait_buffers_free(lambda: faulty.metrics("main"), "language")
+        wait_buffers_free(lambda: scrape(faulty.encoders["A"].metrics_url), "encode")
+    finally:
+        faulty.close()

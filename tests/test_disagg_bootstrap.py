@@ -1,0 +1,251 @@
+"""Bootstrap registry: endpoints with a fake clock, the client's retry/re-register, and the real CLI process."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from vlserve.disagg.bootstrap import BootstrapClient, InstanceInfo, build_bootstrap_app, new_instance_id
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _reg(iid: str, role: str = "encode", address: str = "10.0.0.1:5555", **kw) -> dict:
+    return {"instance_id": iid, "role": role, "address": address, **kw}
+
+
+def _ids(resp: httpx.Response) -> list[str]:
+    assert resp.status_code == 200, resp.text
+    return [i["instance_id"] for i in resp.json()["instances"]]
+
+
+def _client(app) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://registry")
+
+
+class RecordingTransport(httpx.AsyncBaseTransport):
+    """Wraps a transport: records (path, status) and fails the first `fail_first` calls like a dead registry."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport, fail_first: int = 0) -> None:
+        self.inner, self.fail_first, self.calls = inner, fail_first, []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if self.fail_first > 0:
+            self.fail_first -= 1
+            self.calls.append((request.url.path, None))
+            raise httpx.ConnectError("connection refused", request=request)
+        resp = await self.inner.handle_async_request(request)
+        self.calls.append((request.url.path, resp.status_code))
+        return resp
+
+
+async def _wait_for(pred, timeout: float = 2.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.005)
+
+
+def test_register_list_heartbeat_deregister():
+    async def main():
+        clock = FakeClock()
+        app = build_bootstrap_app(heartbeat_interval=1.0, failure_threshold=3, clock=clock)
+        async with _client(app) as c:
+            r = await c.post("/register", json=_reg("e1", capacity=4, http_address="10.0.0.1:8001"))
+            assert r.status_code == 200 and r.json() == {"instance_id": "e1", "heartbeat_interval": 1.0}
+            assert (await c.post("/register", json=_reg("l1", role="language"))).status_code == 200
+            assert _ids(await c.get("/instances")) == ["e1", "l1"]
+            info = (await c.get("/instances", params={"role": "encode"})).json()["instances"][0]
+            assert info == {"instance_id": "e1", "role": "encode", "address": "10.0.0.1:5555",
+                            "http_address": "10.0.0.1:8001", "capacity": 4, "load": 0}
+
+            r = await c.post("/heartbeat", json={"instance_id": "e1", "load": 3})
+            assert r.status_code == 200
+            assert (await c.get("/instances", params={"role": "encode"})).json()["instances"][0]["load"] == 3
+            assert (await c.post("/heartbeat", json={"instance_id": "nope", "load": 0})).status_code == 404
+
+            # Re-registering the same id replaces the entry, no duplicate.
+            await c.post("/register", json=_reg("e1", address="10.0.0.9:5555"))
+            inst = (await c.get("/instances", params={"role": "encode"})).json()["instances"]
+            assert [i["address"] for i in inst] == ["10.0.0.9:5555"]
+
+            assert (await c.delete("/instances/e1")).status_code == 200
+            assert (await c.delete("/instances/e1")).status_code == 404
+            assert _ids(await c.get("/instances")) == ["l1"]
+            assert (await c.get("/health")).status_code == 200
+    asyncio.run(main())
+
+
+def test_validation_errors_are_400_json():
+    async def main():
+        app = build_bootstrap_app(clock=FakeClock())
+        async with _client(app) as c:
+            for body in (_reg("x", role="decoder"), _reg("x", address=""), {"role": "encode"}):
+                r = await c.post("/register", json=body)
+                assert r.status_code == 400, body
+                err = r.json()["error"]
+                assert set(err) >= {"message", "type", "code"} and err["code"] == 400
+            r = await c.post("/register", content=b"{not json", headers={"content-type": "application/json"})
+            assert r.status_code == 400
+            assert (await c.post("/heartbeat", json={"load": 1})).status_code == 400
+            assert (await c.get("/instances", params={"role": "bogus"})).status_code == 400
+            assert _ids(await c.get("/instances")) == []
+    asyncio.run(main())
+
+
+def test_list_by_role():
+    async def main():
+        app = build_bootstrap_app(clock=FakeClock())
+        async with _client(app) as c:
+            for iid, role in [("e1", "encode"), ("l1", "language"), ("e2", "encode")]:
+                await c.post("/register", json=_reg(iid, role=role))
+            assert _ids(await c.get("/instances", params={"role": "encode"})) == ["e1", "e2"]
+            assert _ids(await c.get("/instances", params={"role": "language"})) == ["l1"]
+            assert _ids(await c.get("/instances")) == ["e1", "l1", "e2"]
+    asyncio.run(main())
+
+
+def test_silent_instance_dropped_after_threshold(caplog):
+    async def main():
+        clock = FakeClock()
+        app = build_bootstrap_app(heartbeat_interval=1.0, failure_threshold=3, clock=clock)
+        async with _client(app) as c:
+            await c.post("/register", json=_reg("quiet"))
+            await c.post("/register", json=_reg("chatty", role="language"))
+            clock.now += 2.5
+            await c.post("/heartbeat", json={"instance_id": "chatty", "load": 1})
+            clock.now += 0.5  # quiet: 3.0s silent, exactly the limit, still alive
+            assert _ids(await c.get("/instances")) == ["quiet", "chatty"]
+            clock.now += 0.6  # quiet: 3.6s > 3.0s -> dropped; chatty: 1.1s -> alive
+            with caplog.at_level(logging.INFO, logger="vlserve.disagg.bootstrap"):
+                assert _ids(await c.get("/instances")) == ["chatty"]
+            assert any("instance quiet (encode, 10.0.0.1:5555) dropped: no heartbeat for 3.6s" in m
+                       for m in caplog.messages)
+            # A dropped instance's heartbeat is told to register again.
+            assert (await c.post("/heartbeat", json={"instance_id": "quiet", "load": 0})).status_code == 404
+    asyncio.run(main())
+
+
+def test_client_reregisters_after_being_dropped():
+    async def main():
+        clock = FakeClock()
+        app = build_bootstrap_app(heartbeat_interval=1.0, failure_threshold=3, clock=clock)
+        transport = RecordingTransport(httpx.ASGITransport(app=app))
+        info = InstanceInfo(instance_id=new_instance_id(), role="encode", address="127.0.0.1:7000")
+        load = {"n": 0}
+        client = BootstrapClient("registry:8998", info, heartbeat_interval=0.01,
+                                 load_fn=lambda: load["n"], transport=transport)
+        await client.start()
+        assert client.registrations == 1
+        assert [i.instance_id for i in await client.list_instances("encode")] == [info.instance_id]
+        assert await client.list_instances("language") == []
+
+        load["n"] = 5  # heartbeats carry load_fn()
+        await _wait_for(lambda: ("/heartbeat", 200) in transport.calls)
+        await asyncio.sleep(0.03)
+        assert (await client.list_instances())[0].load == 5
+
+        # Silence beyond the threshold: the registry drops it; the next heartbeat's 404 re-registers it.
+        clock.now += 10.0
+        await _wait_for(lambda: ("/heartbeat", 404) in transport.calls)
+        await _wait_for(lambda: client.registrations == 2)
+        assert transport.calls.count(("/register", 200)) == 2
+        assert [i.instance_id for i in await client.list_instances("encode")] == [info.instance_id]
+
+        await client.stop()
+        assert transport.calls[-1] == (f"/instances/{info.instance_id}", 200)
+        assert app.state.instances == {}
+    asyncio.run(main())
+
+
+def test_client_start_retries_until_registry_answers(caplog):
+    async def main():
+        app = build_bootstrap_app(clock=FakeClock())
+        transport = RecordingTransport(httpx.ASGITransport(app=app), fail_first=2)
+        info = InstanceInfo(instance_id=new_instance_id(), role="language", address="127.0.0.1:7001")
+        client = BootstrapClient("http://registry:8998/", info, heartbeat_interval=0.01, transport=transport)
+        with caplog.at_level(logging.WARNING, logger="vlserve.disagg.bootstrap"):
+            await client.start()
+        assert [c[1] for c in transport.calls[:3]] == [None, None, 200]
+        warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 2 and all(r.exc_info is None for r in warnings)  # no tracebacks
+        assert [i.instance_id for i in await client.list_instances()] == [info.instance_id]
+        await client.stop(deregister=False)
+        assert info.instance_id in app.state.instances  # left to expire
+    asyncio.run(main())
+
+
+def test_client_survives_registry_outage():
+    async def main():
+        app = build_bootstrap_app(clock=FakeClock())
+        transport = RecordingTransport(httpx.ASGITransport(app=app))
+        info = InstanceInfo(instance_id=new_instance_id(), role="encode", address="127.0.0.1:7002")
+        client = BootstrapClient("registry", info, heartbeat_interval=0.01, transport=transport)
+        await client.start()
+        transport.fail_first = 3  # registry down for three heartbeats...
+        app.state.instances.clear()  # ...and comes back empty, like a restart
+        await _wait_for(lambda: client.registrations == 2)
+        assert info.instance_id in app.state.instances
+        await client.stop()
+    asyncio.run(main())
+
+
+def test_client_refused_registration_raises():
+    async def main():
+        app = build_bootstrap_app(clock=FakeClock())
+        info = InstanceInfo(instance_id=new_instance_id(), role="decoder", address="127.0.0.1:7003")
+        client = BootstrapClient("registry", info, transport=httpx.ASGITransport(app=app))
+        with pytest.raises(ValueError, match="refused"):
+            await client.start()
+        await client.stop(deregister=False)
+    asyncio.run(main())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_real_bootstrap_process():
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "vlserve", "bootstrap", "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 20
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode()
+            try:
+                if httpx.get(f"{base}/health", timeout=0.5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "registry did not come up"
+            time.sleep(0.05)
+        r = httpx.post(f"{base}/register", json=_reg("real-1", role="language", address="127.0.0.1:9000"))
+        assert r.status_code == 200 and r.json()["heartbeat_interval"] == 1.0
+        assert _ids(httpx.get(f"{base}/instances", params={"role": "language"})) == ["real-1"]
+        assert httpx.post(f"{base}/heartbeat", json={"instance_id": "real-1", "load": 2}).status_code == 200
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+    assert proc.returncode in (0, -15)

@@ -1,0 +1,258 @@
+"""Bootstrap registry for encode/language disaggregation.
+
+Encoder processes (role "encode") and language-model servers (role "language") register with one
+registry process, heartbeat, and look each other up. The registry keeps everything in memory: after a
+restart it is empty, and the clients' heartbeats (404 -> re-register) fill it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Callable
+
+import httpx
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+log = logging.getLogger("vlserve.disagg.bootstrap")
+
+ROLES = ("encode", "language")
+
+
+class InstanceInfo(msgspec.Struct):
+    instance_id: str            # unique per process start (the client makes it: uuid4 hex)
+    role: str                   # "encode" | "language"
+    address: str                # host:port of its data endpoint (ZeroMQ), opaque to the registry
+    http_address: str = ""      # host:port of its HTTP endpoint (health/metrics), opaque
+    capacity: int = 1           # how many requests it takes at once (opaque hint)
+    load: int = 0               # requests in flight, updated by heartbeats
+
+
+class Heartbeat(msgspec.Struct):
+    instance_id: str
+    load: int = 0
+
+
+def new_instance_id() -> str:
+    return uuid.uuid4().hex
+
+
+def _json(obj, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(obj), status_code=status, media_type="application/json")
+
+
+def _error(message: str, status: int) -> Response:
+    err_type = {400: "BadRequestError", 404: "NotFoundError"}.get(status, "InternalServerError")
+    return _json({"error": {"message": message, "type": err_type, "code": status}}, status)
+
+
+def build_bootstrap_app(heartbeat_interval: float = 1.0, failure_threshold: int = 3,
+                        clock: Callable[[], float] = time.monotonic) -> FastAPI:
+    """The registry as an ASGI app; `clock` is injectable so tests move time without sleeping."""
+    timeout = heartbeat_interval * failure_threshold
+    # instance_id -> [info, last_seen]; insertion order keeps listings stable.
+    instances: dict[str, list] = {}
+    app = FastAPI(title="vlserve bootstrap registry")
+    app.state.instances = instances
+
+    def prune() -> None:
+        # Lazy expiry: every request first drops whoever has been silent too long, so no timer task is needed.
+        now = clock()
+        for iid, (info, seen) in list(instances.items()):
+            if now - seen > timeout:
+                del instances[iid]
+                log.info("instance %s (%s, %s) dropped: no heartbeat for %.1fs",
+                         iid, info.role, info.address, now - seen)
+
+    @app.middleware("http")
+    async def _prune_first(request: Request, call_next):
+        prune()
+        return await call_next(request)
+
+    @app.post("/register")
+    async def register(request: Request) -> Response:
+        try:
+            info = msgspec.json.decode(await request.body(), type=InstanceInfo)
+        except (msgspec.ValidationError, msgspec.DecodeError) as e:
+            return _error(f"invalid registration: {e}", 400)
+        if info.role not in ROLES:
+            return _error(f"role must be one of {list(ROLES)}, got {info.role!r}", 400)
+        if not info.address.strip():
+            return _error("address must not be empty", 400)
+        if not info.instance_id:
+            return _error("instance_id must not be empty", 400)
+        known = info.instance_id in instances
+        instances[info.instance_id] = [info, clock()]
+        log.info("instance %s (%s, %s) %s", info.instance_id, info.role, info.address,
+                 "re-registered" if known else "registered")
+        return _json({"instance_id": info.instance_id, "heartbeat_interval": heartbeat_interval})
+
+    @app.post("/heartbeat")
+    async def heartbeat(request: Request) -> Response:
+        try:
+            hb = msgspec.json.decode(await request.body(), type=Heartbeat)
+        except (msgspec.ValidationError, msgspec.DecodeError) as e:
+            return _error(f"invalid heartbeat: {e}", 400)
+        entry = instances.get(hb.instance_id)
+        if entry is None:
+            # Unknown or dropped: the 404 tells the client to register again.
+            return _error(f"unknown instance {hb.instance_id!r}; register again", 404)
+        entry[0].load = hb.load
+        entry[1] = clock()
+        return _json({"instance_id": hb.instance_id})
+
+    @app.get("/instances")
+    async def list_instances(role: str | None = None) -> Response:
+        if role is not None and role not in ROLES:
+            return _error(f"role must be one of {list(ROLES)}, got {role!r}", 400)
+        found = [info for info, _ in instances.values() if role is None or info.role == role]
+        return _json({"instances": found})
+
+    @app.delete("/instances/{instance_id}")
+    async def deregister(instance_id: str) -> Response:
+        entry = instances.pop(instance_id, None)
+        if entry is None:
+            return _error(f"unknown instance {instance_id!r}", 404)
+        log.info("instance %s (%s, %s) deregistered", instance_id, entry[0].role, entry[0].address)
+        return _json({"instance_id": instance_id, "removed": True})
+
+    @app.get("/health")
+    async def health() -> Response:
+        return _json({"status": "ok", "instances": len(instances)})
+
+    return app
+
+
+def _base_url(url: str) -> str:
+    url = url.strip().rstrip("/")
+    return url if "://" in url else f"http://{url}"
+
+
+class BootstrapClient:
+    """Registers one instance, heartbeats in the background, re-registers whenever the registry forgets it."""
+
+    def __init__(self, url: str, info: InstanceInfo, heartbeat_interval: float = 1.0,
+                 load_fn: Callable[[], int] | None = None,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.url = _base_url(url)
+        self.info = info
+        self.heartbeat_interval = heartbeat_interval
+        self.load_fn = load_fn
+        self._interval = heartbeat_interval
+        self._http = httpx.AsyncClient(base_url=self.url, transport=transport,
+                                       timeout=max(2.0, 2 * heartbeat_interval))
+        self._task: asyncio.Task | None = None
+        self._connected = False
+        self.registrations = 0  # how many times the registry accepted us (observability, tests)
+
+    def _load(self) -> int:
+        return int(self.load_fn()) if self.load_fn is not None else self.info.load
+
+    async def _register_once(self) -> None:
+        """One attempt; raises httpx.HTTPError on transport trouble, ValueError when the registry refuses."""
+        self.info.load = self._load()
+        resp = await self._http.post("/register", content=msgspec.json.encode(self.info),
+                                     headers={"content-type": "application/json"})
+        if 400 <= resp.status_code < 500:
+            raise ValueError(f"registry refused {self.info.instance_id}: {resp.status_code} {resp.text}")
+        resp.raise_for_status()
+        server_interval = resp.json().get("heartbeat_interval")
+        # Beat at least as often as the registry expects, or it would drop us between beats.
+        if isinstance(server_interval, (int, float)) and server_interval > 0:
+            self._interval = min(self.heartbeat_interval, float(server_interval))
+        self.registrations += 1
+        self._connected = True
+
+    async def start(self) -> None:
+        """Registers (retrying until the registry answers), then heartbeats in a background task."""
+        while True:
+            try:
+                await self._register_once()
+                break
+            except httpx.HTTPError as e:
+                # Expected while the registry is starting: one warning line per try, no traceback.
+                log.warning("bootstrap registry %s not reachable (%s: %s); retrying in %.1fs",
+                            self.url, type(e).__name__, e, self.heartbeat_interval)
+                await asyncio.sleep(self.heartbeat_interval)
+        log.info("registered %s (%s, %s) with %s", self.info.instance_id, self.info.role,
+                 self.info.address, self.url)
+        self._task = asyncio.create_task(self._heartbeat_loop(), name="bootstrap-heartbeat")
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval)
+            try:
+                await self._beat()
+            except asyncio.CancelledError:
+                raise
+            except (httpx.HTTPError, ValueError) as e:
+                # Keep trying forever: a restarted registry must get everyone back.
+                if self._connected:
+                    log.warning("heartbeat to %s failed (%s: %s); will keep trying",
+                                self.url, type(e).__name__, e)
+                self._connected = False
+            except Exception:
+                log.exception("unexpected heartbeat error")  # never let the loop die silently
+
+    async def _beat(self) -> None:
+        body = msgspec.json.encode(Heartbeat(self.info.instance_id, self._load()))
+        resp = await self._http.post("/heartbeat", content=body, headers={"content-type": "application/json"})
+        if resp.status_code == 404:
+            log.info("registry %s forgot %s; registering again", self.url, self.info.instance_id)
+            await self._register_once()
+            return
+        resp.raise_for_status()
+        if not self._connected:
+            log.info("heartbeats to %s resumed", self.url)
+        self._connected = True
+
+    async def list_instances(self, role: str | None = None) -> list[InstanceInfo]:
+        params = {"role": role} if role is not None else None
+        resp = await self._http.get("/instances", params=params)
+        resp.raise_for_status()
+        return msgspec.json.decode(resp.content, type=dict[str, list[InstanceInfo]])["instances"]
+
+    async def stop(self, deregister: bool = True) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        if deregister:
+            try:
+                resp = await self._http.delete(f"/instances/{self.info.instance_id}")
+                if resp.status_code not in (200, 404):
+                    log.warning("deregistering %s: %s", self.info.instance_id, resp.status_code)
+            except httpx.HTTPError as e:
+                # Not fatal: the registry drops us after the heartbeat timeout anyway.
+                log.warning("could not deregister %s from %s (%s)", self.info.instance_id, self.url, e)
+        await self._http.aclose()
+
+
+def register_cli(subparsers) -> None:
+    p = subparsers.add_parser("bootstrap", help="run the registry where encode and language instances meet")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8998)
+    p.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds between client heartbeats")
+    p.add_argument("--failure-threshold", type=int, default=3,
+                   help="missed heartbeats after which an instance is dropped")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import uvicorn
+
+    if args.heartbeat_interval <= 0 or args.failure_threshold < 1:
+        raise SystemExit("--heartbeat-interval must be > 0 and --failure-threshold >= 1")
+    app = build_bootstrap_app(args.heartbeat_interval, args.failure_threshold)
+    log.info("bootstrap registry on http://%s:%d (drop after %.1fs without heartbeat)",
+             args.host, args.port, args.heartbeat_interval * args.failure_threshold)
+    # log_config=None: keep the logging set up by vlserve.cli instead of uvicorn's own.
+    uvicorn.run(app, host=args.host, port=args.port, access_log=False, log_config=None)
+    return 0
