@@ -8,6 +8,7 @@ import base64
 import io
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import openai
 import pytest
@@ -131,6 +132,14 @@ def test_1e1l_matches_aggregated_and_small_buffers_resume(cluster, offline, lang
     success = 'vlserve:embedding_transfers_total{role="language",state="success"}'
     assert after[success] - before[success] == 2  # text-only never touched an encoder
     assert (after[resumes] > before[resumes]) == (lang == "small")  # 16 tokens are never enough for a picture
+    # The encoder's mm_hash reaches the block hashes: asking again hits the prefix cache through the picture.
+    client = cluster.client(lang)
+    resp = client.chat.completions.create(model=client.served_model, messages=CASES["one image"], max_tokens=1)
+
+    def hits(m):
+        return sum(v for k, v in m.items() if k.startswith("vlserve:prefix_cache_hits_total"))
+
+    assert hits(cluster.metrics(lang)) - hits(after) == (resp.usage.prompt_tokens - 1) // 16 * 16  # all full blocks
     wait_buffers_free(lambda: cluster.metrics(lang), "language")
 
 
@@ -197,3 +206,38 @@ def test_fault_injection_each_request_correct_or_clean_error(tiny_ckpt, offline)
         wait_buffers_free(lambda: scrape(faulty.encoders["A"].metrics_url), "encode")
     finally:
         faulty.close()
+
+
+def test_serve_disagg_runs_every_role_and_ctrl_c_stops_them_all(tiny_ckpt, offline):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.server_utils import wait_healthy
+
+    port = free_port()
+    log = open(os.devnull, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "vlserve", "serve", "--disagg", "--num-encoders", "2", "--model",
+                             str(tiny_ckpt("qwen2_vl")), "--dtype", "float32", "--max-model-len", "2048", "--port",
+                             str(port), "--limit-mm-per-prompt", "image=4", "--heartbeat-interval", HB],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_healthy(proc, f"http://127.0.0.1:{port}/health", 180, "serve --disagg", lambda: "")
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        assert len(children) == 4  # bootstrap, 2 encoders, language
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        client.served_model = str(tiny_ckpt("qwen2_vl"))
+        deadline = time.monotonic() + 20
+        while scrape(f"http://127.0.0.1:{port}/metrics")["vlserve:encoders_available"] < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert ask(client, CASES["one image"]) == expected_text(offline, CASES["one image"])
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+        for pid in children:
+            assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()

@@ -213,16 +213,16 @@ class DisaggClient:
         queue: asyncio.Queue = asyncio.Queue()
         enc.transfers[(request_id, tid)] = queue
         enc.in_flight += 1
-        self.metrics.state(TransferState.BOOTSTRAPPING)
+        enter = self._state_logger(request_id, tid, enc)
+        enter(TransferState.BOOTSTRAPPING)
         t0 = time.perf_counter()
         blocks: list[int] = []
         pieces: list = []  # rows kept from earlier (partial) chunks
-        done = False
         try:
             blocks = await self._allocate(self.opts.default_allocate_tokens)
             await enc.sock.send(self.codec.enc.encode(EncodeRequest(
                 request_id, tid, prompt, media, uuids, mm_kwargs or {}, blocks, self.buffers.spec.block_tokens)))
-            self.metrics.state(TransferState.WAITING_FOR_INPUT)
+            enter(TransferState.WAITING_FOR_INPUT)
             while True:
                 try:
                     got = await asyncio.wait_for(queue.get(), self.opts.transfer_timeout)
@@ -236,7 +236,7 @@ class DisaggClient:
                         raise InvalidInputError(msg.message)
                     raise EncoderFailure(msg.message)
                 header: TransferChunk = msg
-                self.metrics.state(TransferState.TRANSFERRING)
+                enter(TransferState.TRANSFERRING)
                 rows = self.transport.read_chunk(header, frames)
                 self.buffers.scatter(blocks, 0, rows.embeddings, rows.fill_ids, rows.positions)
                 self.metrics.bytes(sum(t.numel() * t.element_size() for t in (rows.embeddings, rows.fill_ids,
@@ -247,15 +247,14 @@ class DisaggClient:
                 blocks = []
                 sent = header.start_token + header.num_tokens
                 if not header.partial:
-                    done = True
-                    self.metrics.state(TransferState.SUCCESS)
+                    enter(TransferState.SUCCESS)
                     self.metrics.transfer_latency.observe(time.perf_counter() - t0)
                     return self._assemble(request_id, header, pieces, params)
                 self.metrics.resume()
                 blocks = await self._allocate(header.total_tokens - sent)
                 await enc.sock.send(self.codec.enc.encode(ResumeRequest(request_id, tid, sent, blocks)))
         except BaseException:
-            self.metrics.state(TransferState.FAILED)
+            enter(TransferState.FAILED)
             if enc.alive:  # let the encoder drop what it staged for us
                 await enc.sock.send(self.codec.enc.encode(AbortTransfer(request_id, tid)))
             raise
@@ -263,8 +262,13 @@ class DisaggClient:
             self._free(blocks)
             enc.in_flight -= 1
             enc.transfers.pop((request_id, tid), None)
-            if not done:
-                logger.debug("transfer %s/%d ended without success", request_id, tid)
+
+    def _state_logger(self, request_id: str, tid: int, enc: EncoderConn):
+        """Counts each state in the metrics and shows the transitions in debug logs."""
+        def enter(state: TransferState) -> None:
+            self.metrics.state(state)
+            logger.debug("transfer %s/%d via %s: %s", request_id, tid, enc.info.address, state.value)
+        return enter
 
     def _assemble(self, request_id: str, header: TransferChunk, pieces: list, params) -> Request:
         emb = torch.cat([p[0] for p in pieces])

@@ -1,0 +1,132 @@
+"""Disaggregated vs aggregated serving on one machine, same image-heavy load, same run.
+
+Setups: `vlserve serve` (aggregated), `serve --disagg --num-encoders 1` (1E+1L), the same with 2 encoders
+(2E+1L), and 1E+1L with a 16-token default allocation so every request resumes (resume overhead). Each gets the
+same `vlserve bench serve` load (fresh pictures, so encoders really work). Also measures the ZeroMQ transport's
+loopback bandwidth for embedding rows, receiver scatter included.
+
+On a 2-core machine every process shares the same two cores: disaggregation cannot add compute here, so these
+numbers show its overhead (transfers, extra processes), not its scaling.
+
+    .venv/bin/python benchmarks/disagg.py [--model DIR] [--num-prompts 24] [--max-concurrency 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+import zmq
+import zmq.asyncio
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.server_utils import free_port, scrape, wait_healthy  # noqa: E402
+from vlserve.disagg.buffers import BufferSpec, EmbeddingBuffers  # noqa: E402
+from vlserve.disagg.messages import ItemMeta, TransferChunk  # noqa: E402
+from vlserve.disagg.transport import Codec, Rows, ZmqTransport  # noqa: E402
+
+
+def run_setup(name: str, model: str, extra: list[str], encoders: int, bench: list[str]) -> dict:
+    port = free_port()
+    cmd = [sys.executable, "-m", "vlserve", "serve", "--model", model, "--dtype", "bfloat16", "--port", str(port),
+           "--max-model-len", "4096", "--disable-log-requests", *extra]
+    log = tempfile.NamedTemporaryFile("w+", prefix=f"disagg-{name}-", suffix=".log", delete=False)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, url + "/health", 300, name, lambda: Path(log.name).read_text()[-3000:])
+        deadline = time.monotonic() + 60
+        while encoders and scrape(url + "/metrics").get("vlserve:encoders_available", 0) < encoders:
+            assert time.monotonic() < deadline, "encoders never joined"
+            time.sleep(0.2)
+        result = Path(tempfile.mkdtemp()) / "result.json"
+        subprocess.run([sys.executable, "-m", "vlserve", "--log-level", "WARNING", "bench", "serve", "--base-url", url,
+                        "--result-file", str(result), "--disable-tqdm", *bench], check=True, stdout=subprocess.DEVNULL)
+        out = json.loads(result.read_text())["metrics"]
+        m = scrape(url + "/metrics")
+        out["transfer_bytes"] = m.get('vlserve:embedding_transfer_bytes_total{role="language"}', 0.0)
+        out["resumes"] = m.get('vlserve:embedding_transfer_resumes_total{role="language"}', 0.0)
+        return out
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+async def transport_bandwidth(tokens: int = 512, hidden: int = 1024, rounds: int = 64) -> float:
+    """GB/s of embedding rows over loopback TCP through ZmqTransport, receiver decode + block scatter included."""
+    ctx = zmq.asyncio.Context()
+    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    port = free_port()
+    router.bind(f"tcp://127.0.0.1:{port}")
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+    await dealer.send(b"hello")
+    peer, _ = await router.recv_multipart()
+    transport, codec = ZmqTransport(), Codec()
+    buffers = EmbeddingBuffers(BufferSpec(16, hidden, torch.bfloat16), 4 * tokens // 16)
+    rows = Rows(torch.randn(tokens, hidden).bfloat16(), torch.arange(tokens), torch.zeros(3, tokens, dtype=torch.long))
+    blocks = buffers.allocate(tokens)
+    header = TransferChunk("r", 0, 0, tokens, tokens, 0, [ItemMeta(0, tokens, (1, 2, 2), "h")], blocks, False,
+                           "bfloat16", hidden)
+    t0 = time.perf_counter()
+    sent = 0
+    for _ in range(rounds):
+        sent += await transport.send_chunk(router, peer, header, rows)
+        frames = await dealer.recv_multipart()
+        h = codec.to_language.decode(frames[0])
+        got = transport.read_chunk(h, frames[1:])
+        buffers.scatter(blocks, 0, got.embeddings, got.fill_ids, got.positions)
+    dt = time.perf_counter() - t0
+    router.close(0)
+    dealer.close(0)
+    ctx.term()
+    return sent / dt / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", help="checkpoint folder (default: a medium random Qwen2-VL made in a temp dir)")
+    ap.add_argument("--num-prompts", type=int, default=24)
+    ap.add_argument("--max-concurrency", type=int, default=8)
+    args = ap.parse_args()
+    model = args.model
+    if model is None:
+        from vlserve.tools.tiny_model import make_tiny_model
+
+        model = str(make_tiny_model(Path(tempfile.mkdtemp()) / "medium", arch="qwen2_vl", size="medium"))
+    bench = ["--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.max_concurrency), "--image-sizes",
+             "448x448,336x336", "--images-per-request", "2", "--input-len", "16", "--output-len", "16", "--seed", "1"]
+    setups = [("aggregated", [], 0), ("1E+1L", ["--disagg", "--num-encoders", "1"], 1),
+              ("2E+1L", ["--disagg", "--num-encoders", "2"], 2),
+              ("1E+1L resume", ["--disagg", "--num-encoders", "1", "--embedding-default-allocate-tokens", "16"], 1)]
+    results = {}
+    for name, extra, encoders in setups:
+        print(f"[{name}] running", flush=True)
+        results[name] = run_setup(name, model, extra, encoders, bench)
+    base = results["aggregated"]
+    print(f"\n{'setup':<14}{'req/s':>8}{'out tok/s':>11}{'TTFT p50':>10}{'TTFT p99':>10}{'vs aggr.':>10}"
+          f"{'MB moved':>10}{'resumes':>9}")
+    for name, r in results.items():
+        print(f"{name:<14}{r['request_throughput']:>8.2f}{r['output_throughput']:>11.1f}{r['median_ttft_ms']:>8.0f}ms"
+              f"{r['p99_ttft_ms']:>8.0f}ms{r['request_throughput'] / base['request_throughput']:>9.2f}x"
+              f"{r['transfer_bytes'] / 1e6:>10.1f}{r['resumes']:>9.0f}")
+    print(f"\nZeroMQ loopback transfer of embedding rows (512 tokens x 1024 bf16 per chunk, scatter included): "
+          f"{asyncio.run(transport_bandwidth()):.2f} GB/s")
+
+
+if __name__ == "__main__":
+    main()
