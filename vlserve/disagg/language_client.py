@@ -56,6 +56,7 @@ class EncoderConn:
     info: InstanceInfo
     sock: zmq.asyncio.Socket
     in_flight: int = 0
+    last_used: float = 0.0  # ties on load go to the encoder idle longest, so sequential work spreads too
     missed: int = 0
     alive: bool = True
     transfers: dict[tuple[str, int], asyncio.Queue] = field(default_factory=dict)
@@ -160,7 +161,7 @@ class DisaggClient:
         for e in live:  # the encoder that saw this media has it cached, unless it is much busier
             if e.info.instance_id == preferred and e.in_flight <= least + 1:
                 return e
-        return min(live, key=lambda e: e.in_flight)
+        return min(live, key=lambda e: (e.in_flight, e.last_used))
 
     async def encode(self, request_id: str, prompt: str, media: dict, uuids: dict, mm_kwargs: dict,
                      params: SamplingParams | None = None) -> Request:
@@ -213,6 +214,7 @@ class DisaggClient:
         queue: asyncio.Queue = asyncio.Queue()
         enc.transfers[(request_id, tid)] = queue
         enc.in_flight += 1
+        enc.last_used = time.monotonic()
         enter = self._state_logger(request_id, tid, enc)
         enter(TransferState.BOOTSTRAPPING)
         t0 = time.perf_counter()
