@@ -24,7 +24,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import torch
 import zmq
 import zmq.asyncio

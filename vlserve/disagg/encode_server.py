@@ -133,9 +133,9 @@ class EncodeServer:
             blocks = self.buffers.allocate(out.num_tokens)
             if blocks is None:
                 raise VlserveError("the encoder's staging buffer is full; retry later")
-            self.buffers.scatter(blocks, 0, out.embeddings, out.fill_ids, out.positions)
             key = (peer, req.request_id, req.transfer_id)
-            self.pending[key] = _Pending(blocks, out, time.monotonic(), req.block_tokens)
+            self.pending[key] = _Pending(blocks, out, time.monotonic(), req.block_tokens)  # _drop frees it
+            self.buffers.scatter(blocks, 0, out.embeddings, out.fill_ids, out.positions)
             await self._send_chunk(peer, key, 0, req.block_ids, req.block_tokens)
         except asyncio.CancelledError:
             raise
@@ -159,7 +159,12 @@ class EncodeServer:
         if key not in self.pending:
             await self._send(peer, TransferFailed(msg.request_id, msg.transfer_id, "nothing to resume (expired?)"))
             return
-        await self._send_chunk(peer, key, msg.start_token, msg.block_ids, self.pending[key].receiver_block_tokens)
+        try:
+            await self._send_chunk(peer, key, msg.start_token, msg.block_ids, self.pending[key].receiver_block_tokens)
+        except Exception as e:  # noqa: BLE001 - e.g. a bad start offset from the receiver
+            self._drop(key)
+            self.metrics.state(TransferState.FAILED)
+            await self._send(peer, TransferFailed(msg.request_id, msg.transfer_id, f"resume failed: {e}"))
 
     async def _send_chunk(self, peer: bytes, key, start: int, block_ids: list[int], block_tokens: int) -> None:
         p = self.pending[key]

@@ -163,8 +163,7 @@ class DisaggClient:
                 return e
         return min(live, key=lambda e: (e.in_flight, e.last_used))
 
-    async def encode(self, request_id: str, prompt: str, media: dict, uuids: dict, mm_kwargs: dict,
-                     params: SamplingParams | None = None) -> Request:
+    async def encode(self, request_id: str, prompt: str, media: dict, uuids: dict, mm_kwargs: dict) -> Request:
         key = _media_key(media)
         tried: set[str] = set()
         last: Exception | None = None
@@ -174,7 +173,7 @@ class DisaggClient:
                 break
             tried.add(enc.info.instance_id)
             try:
-                req = await self._transfer(enc, request_id, prompt, media, uuids, mm_kwargs, params)
+                req = await self._transfer(enc, request_id, prompt, media, uuids, mm_kwargs)
                 self.affinity[key] = enc.info.instance_id
                 self.affinity.move_to_end(key)
                 while len(self.affinity) > AFFINITY_ENTRIES:
@@ -209,7 +208,7 @@ class DisaggClient:
             self._block_freed.set()
 
     async def _transfer(self, enc: EncoderConn, request_id: str, prompt: str, media: dict, uuids: dict,
-                        mm_kwargs: dict, params) -> Request:
+                        mm_kwargs: dict) -> Request:
         tid = next(self._ids)
         queue: asyncio.Queue = asyncio.Queue()
         enc.transfers[(request_id, tid)] = queue
@@ -251,7 +250,7 @@ class DisaggClient:
                 if not header.partial:
                     enter(TransferState.SUCCESS)
                     self.metrics.transfer_latency.observe(time.perf_counter() - t0)
-                    return self._assemble(request_id, header, pieces, params)
+                    return self._assemble(request_id, header, pieces)
                 self.metrics.resume()
                 blocks = await self._allocate(header.total_tokens - sent)
                 await enc.sock.send(self.codec.enc.encode(ResumeRequest(request_id, tid, sent, blocks)))
@@ -272,7 +271,7 @@ class DisaggClient:
             logger.debug("transfer %s/%d via %s: %s", request_id, tid, enc.info.address, state.value)
         return enter
 
-    def _assemble(self, request_id: str, header: TransferChunk, pieces: list, params) -> Request:
+    def _assemble(self, request_id: str, header: TransferChunk, pieces: list) -> Request:
         emb = torch.cat([p[0] for p in pieces])
         fill_ids = torch.cat([p[1] for p in pieces]).tolist()
         positions = torch.cat([p[2] for p in pieces], dim=1)
@@ -280,7 +279,7 @@ class DisaggClient:
             raise EncoderFailure(f"received {len(fill_ids)} of {header.total_tokens} tokens")
         items = [MultiModalItem(it.offset, it.num_tokens, None, tuple(it.grid_thw), it.mm_hash,
                                 emb[it.offset:it.offset + it.num_tokens].clone()) for it in header.items]
-        return Request(request_id, fill_ids, params or SamplingParams(), self.cfg.model.eos_token_ids, items,
+        return Request(request_id, fill_ids, SamplingParams(), self.cfg.model.eos_token_ids, items,
                        positions, header.mrope_delta)
 
 

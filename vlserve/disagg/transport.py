@@ -17,7 +17,7 @@ import zmq
 import zmq.asyncio
 
 from vlserve.disagg.messages import EncoderToLanguage, LanguageToEncoder, TransferChunk
-from vlserve.engine.wire import _DTYPES
+from vlserve.engine.wire import DTYPES, tensor_from_bytes
 
 
 @dataclass
@@ -54,16 +54,12 @@ class ZmqTransport(Transport):
         return sum(p.nbytes for p in payload)
 
     def read_chunk(self, header, frames) -> Rows:
-        n, dtype = header.num_tokens, _DTYPES.get(header.embed_dtype)
+        n, dtype = header.num_tokens, DTYPES.get(header.embed_dtype)
         if dtype is None or len(frames) != 3:
             raise ValueError(f"malformed chunk for {header.request_id}")
-
-        def tensor(frame, dt, shape):
-            data = bytearray(frame)
-            return torch.frombuffer(data, dtype=dt).reshape(shape) if data else torch.empty(shape, dtype=dt)
-
-        return Rows(tensor(frames[0], dtype, (n, header.hidden)), tensor(frames[1], torch.int64, (n,)),
-                    tensor(frames[2], torch.int64, (3, n)))
+        return Rows(tensor_from_bytes(frames[0], dtype, (n, header.hidden)),
+                    tensor_from_bytes(frames[1], torch.int64, (n,)),
+                    tensor_from_bytes(frames[2], torch.int64, (3, n)))
 
 
 TRANSPORTS: dict[str, type[Transport]] = {"zmq": ZmqTransport}

@@ -14,7 +14,7 @@ from vlserve.engine.messages import EngineCoreOutput
 from vlserve.engine.request import MultiModalItem, Request
 from vlserve.sampling_params import SamplingParams
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
+DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8)}
 
 
@@ -131,11 +131,15 @@ def tensor_ref(t: torch.Tensor, tensors: list[torch.Tensor]) -> TensorRef:
 
 
 def tensor_from(ref: TensorRef, frames: list) -> torch.Tensor:
-    dtype = _DTYPES.get(ref.dtype)
+    dtype = DTYPES.get(ref.dtype)
     if dtype is None or not 0 < ref.frame < len(frames):
         raise ValueError(f"bad tensor reference {ref}")
-    data = bytearray(frames[ref.frame])  # one copy into writable memory that the tensor then owns
-    return torch.frombuffer(data, dtype=dtype).reshape(ref.shape) if data else torch.empty(ref.shape, dtype=dtype)
+    return tensor_from_bytes(frames[ref.frame], dtype, ref.shape)
+
+
+def tensor_from_bytes(frame, dtype: torch.dtype, shape) -> torch.Tensor:
+    data = bytearray(frame)  # one copy into writable memory that the tensor then owns
+    return torch.frombuffer(data, dtype=dtype).reshape(shape) if data else torch.empty(shape, dtype=dtype)
 
 
 def request_to_wire(req: Request) -> tuple[AddRequest, list[torch.Tensor]]:

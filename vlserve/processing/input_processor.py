@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,8 +21,6 @@ from vlserve.media.video import VideoOptions, load_video, preprocess_video
 from vlserve.processing.mrope import MRopeItem, expand_all_placeholders, mrope_positions
 from vlserve.sampling_params import SamplingParams
 
-IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
-VIDEO_PLACEHOLDER = "<|vision_start|><|video_pad|><|vision_end|>"
 MM_KWARGS = {"min_pixels", "max_pixels", "fps", "max_frames", "total_pixels"}
 EMBED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
