@@ -17,7 +17,8 @@ from tests.conftest import noise_image
 from tests.server_utils import RoleProcess, free_port, scrape
 from vlserve import LLM, SamplingParams
 
-HB = "0.3"  # heartbeat interval: failures are noticed within about a second
+HB = "0.3"  # heartbeat interval; with a threshold of 10 a dead encoder is noticed within ~3 s
+THRESHOLD = "10"  # tolerant enough that a loaded 2-core machine never drops a live encoder
 N_TOKENS = 8
 
 
@@ -37,11 +38,12 @@ class Cluster:
         self.ckpt, self.encoder_env = ckpt, encoder_env or {}
         port = free_port()
         self.bootstrap_url = f"127.0.0.1:{port}"
-        self.procs = [RoleProcess("bootstrap", ["bootstrap", "--port", str(port), "--heartbeat-interval", HB],
+        self.procs = [RoleProcess("bootstrap", ["bootstrap", "--port", str(port), "--heartbeat-interval", HB,
+                                   "--failure-threshold", THRESHOLD],
                                   f"http://{self.bootstrap_url}/health")]
         self.common = ["--model", str(ckpt), "--dtype", "float32", "--max-model-len", "2048", "--limit-mm-per-prompt",
                        "image=4", "--bootstrap", self.bootstrap_url, "--heartbeat-interval", HB,
-                       "--heartbeat-failure-threshold", "3"]
+                       "--heartbeat-failure-threshold", THRESHOLD]
         self.encoders: dict[str, RoleProcess] = {}
         self.languages: dict[str, RoleProcess] = {}
         self.start_encoder("A", wait=False)

@@ -72,6 +72,7 @@ class DisaggClient:
         self.ctx = zmq.asyncio.Context.instance()
         self.encoders: dict[str, EncoderConn] = {}
         self.affinity: OrderedDict[str, str] = OrderedDict()  # media key -> encoder id that saw it
+        self.dropped: dict[str, float] = {}  # encoder id -> when we dropped it
         self.bootstrap = BootstrapClient(opts.bootstrap, self_info, opts.heartbeat_interval,
                                          load_fn=lambda: sum(e.in_flight for e in self.encoders.values()))
         self._ids = itertools.count()
@@ -100,9 +101,16 @@ class DisaggClient:
                 logger.warning("could not list encoders: %s", e)
 
     async def _refresh(self) -> None:
+        """The registry is for discovery only: an encoder is dropped when it stops answering our pings, not
+        when the registry loses sight of it (a slow heartbeat or a registry restart must not cut live work)."""
         listed = {i.instance_id: i for i in await self.bootstrap.list_instances("encode")}
+        # A dead encoder stays listed until the registry times it out too: do not reconnect to it meanwhile.
+        # One still heartbeating to the registry long after we dropped it is alive after all: take it back.
+        quarantine = 2 * self.opts.failure_threshold * self.opts.heartbeat_interval
+        now = time.monotonic()
+        self.dropped = {iid: t for iid, t in self.dropped.items() if now - t < quarantine}
         for iid, info in listed.items():
-            if iid not in self.encoders:
+            if iid not in self.encoders and iid not in self.dropped:
                 sock = self.ctx.socket(zmq.DEALER)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.connect(f"tcp://{info.address}")
@@ -110,9 +118,6 @@ class DisaggClient:
                 enc.reader = asyncio.create_task(self._read(enc))
                 self.encoders[iid] = enc
                 logger.info("encoder %s joined (%s)", iid[:8], info.address)
-        for iid, enc in list(self.encoders.items()):
-            if iid not in listed:
-                self._drop(enc, "left the registry")
 
     async def _ping_loop(self) -> None:
         nonce = itertools.count()
@@ -129,6 +134,7 @@ class DisaggClient:
         if self.encoders.pop(enc.info.instance_id, None) is None:
             return
         enc.alive = False
+        self.dropped[enc.info.instance_id] = time.monotonic()
         logger.warning("encoder %s (%s) dropped: %s", enc.info.instance_id[:8], enc.info.address, why)
         for q in enc.transfers.values():
             q.put_nowait(EncoderFailure(f"encoder {enc.info.address} {why}"))
