@@ -12,8 +12,8 @@ import pytest
 
 from tests.conftest import IMG, assert_pool_full, noise_image
 from vlserve import LLM, SamplingParams
-from vlserve.cache.block_pool import BlockPool
-from vlserve.errors import InvalidInputError
+from vlserve.engine.block_pool import BlockPool
+from vlserve.core.errors import InvalidInputError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 ARCH = "qwen2_vl"

@@ -9,7 +9,7 @@ import pytest
 
 from tests.conftest import assert_pool_full, noise_image
 from vlserve import LLM, SamplingParams
-from vlserve.errors import InvalidInputError
+from vlserve.core.errors import InvalidInputError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 QUESTION = "What is in this picture?"

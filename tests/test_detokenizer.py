@@ -2,8 +2,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from vlserve.processing.detokenizer import IncrementalDetokenizer
-from vlserve.sampling_params import SamplingParams
+from vlserve.frontend.detokenizer import IncrementalDetokenizer
+from vlserve.core.sampling_params import SamplingParams
 
 REPLACEMENT = "\ufffd"
 TEXT = "héllo 世界 🙂 and 🙃 ñandú 日本, hello world STOP here"

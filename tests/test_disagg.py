@@ -39,17 +39,18 @@ class Cluster:
         port = free_port()
         self.bootstrap_url = f"127.0.0.1:{port}"
         self.procs = [RoleProcess("bootstrap", ["bootstrap", "--port", str(port), "--heartbeat-interval", HB,
-                                   "--failure-threshold", THRESHOLD],
+                                   "--heartbeat-failure-threshold", THRESHOLD],
                                   f"http://{self.bootstrap_url}/health")]
-        self.common = ["--model", str(ckpt), "--dtype", "float32", "--max-model-len", "2048", "--limit-mm-per-prompt",
-                       "image=4", "--bootstrap", self.bootstrap_url, "--heartbeat-interval", HB,
-                       "--heartbeat-failure-threshold", THRESHOLD]
+        self.common = ["--model", str(ckpt), "--dtype", "float32", "--limit-mm-per-prompt", "image=4", "--bootstrap",
+                       self.bootstrap_url, "--heartbeat-interval", HB]
         self.encoders: dict[str, RoleProcess] = {}
         self.languages: dict[str, RoleProcess] = {}
         self.start_encoder("A", wait=False)
         for name, extra in languages.items():
             port = free_port()
             self.languages[name] = RoleProcess(f"language-{name}", ["language", *self.common, "--port", str(port),
+                                                                    "--max-model-len", "2048",
+                                                                    "--heartbeat-failure-threshold", THRESHOLD,
                                                                     *extra], f"http://127.0.0.1:{port}/health")
             self.procs.append(self.languages[name])
         for p in self.procs:

@@ -9,7 +9,7 @@ import pytest
 
 from tests.conftest import IMG, assert_pool_full, noise_image
 from vlserve import LLM, SamplingParams
-from vlserve.errors import InvalidInputError
+from vlserve.core.errors import InvalidInputError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 GOOD = ["Hello, how are you?", {"prompt": f"Look {IMG} here", "multi_modal_data": {"image": noise_image(56, 84, 1)}}]

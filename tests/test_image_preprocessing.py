@@ -1,4 +1,4 @@
-"""vlserve.media.image against transformers' Qwen2VLImageProcessorPil and smart_resize."""
+"""vlserve.frontend.media.image against transformers' Qwen2VLImageProcessorPil and smart_resize."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf_smart_resize
 
-from vlserve.errors import InvalidInputError
-from vlserve.media.image import (
+from vlserve.core.errors import InvalidInputError
+from vlserve.frontend.media.image import (
     ImageProcessorConfig,
     load_image,
     preprocess_image,

@@ -13,9 +13,9 @@ from safetensors.torch import load_file, save_file
 
 from tests.conftest import ARCHES, IMG, noise_image
 from vlserve import LLM, SamplingParams
-from vlserve.errors import ModelLoadError, UnsupportedModelError, VlserveError
-from vlserve.models.hf_config import load_model_config, parse_model_config
-from vlserve.models.loader import load_model, resolve_dtype
+from vlserve.core.errors import ModelLoadError, UnsupportedModelError, VlserveError
+from vlserve.model.hf_config import load_model_config, parse_model_config
+from vlserve.model.loader import load_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 SUPPORTED = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
@@ -292,14 +292,6 @@ def test_dtype(base, dtype, expected):
     assert {kv.dtype for kv in llm.engine.core.runner.kv_caches} == {expected}
     out = llm.generate(_prompts(), SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 3 for o in out)
-
-
-def test_auto_dtype_of_half_checkpoint_on_cpu(base):
-    cfg = dataclasses.replace(load_model_config(base), checkpoint_dtype="float16")
-    assert resolve_dtype("auto", cfg, torch.device("cpu")) == torch.bfloat16  # fp16 is slow on CPU
-    assert resolve_dtype("float16", cfg, torch.device("cpu")) == torch.float16  # unless asked for
-    cfg = dataclasses.replace(cfg, checkpoint_dtype="bfloat16")
-    assert resolve_dtype("auto", cfg, torch.device("cpu")) == torch.bfloat16
 
 
 @pytest.mark.parametrize("bad", ["float64", "fp32", "int8", ""])

@@ -1,4 +1,4 @@
-"""vlserve.processing.mrope against transformers 5.23 `get_rope_index` on tiny Qwen2-VL / Qwen2.5-VL models."""
+"""vlserve.frontend.mrope against transformers 5.23 `get_rope_index` on tiny Qwen2-VL / Qwen2.5-VL models."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLModel, Qwen2VLConfig, Qwen2VLModel
 
-from vlserve.errors import InvalidInputError
-from vlserve.processing.mrope import MRopeItem, expand_placeholders, mrope_positions
+from vlserve.core.errors import InvalidInputError
+from vlserve.frontend.mrope import MRopeItem, expand_placeholders, mrope_positions
 
 IMAGE, VIDEO, V_START, V_END = 290, 291, 292, 293
 MERGE = 2

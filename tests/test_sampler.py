@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from vlserve.runner.sampler import Sampler, SamplingMetadata
-from vlserve.sampling_params import SamplingParams
+from vlserve.engine.sampler import Sampler, SamplingMetadata
+from vlserve.core.sampling_params import SamplingParams
 
 V = 50
 EOS = 7
@@ -167,14 +167,14 @@ def test_repetition_penalty_numbers():
     logits = torch.tensor([[2.0, -2.0, 1.0, -1.0, 0.5]])
     params = [SamplingParams(temperature=0, repetition_penalty=2.0)]
     meta = build(params, prompts=[[0, 1]], outputs=[[2, 2]])
-    from vlserve.runner.sampler import _apply_penalties
+    from vlserve.engine.sampler import _apply_penalties
     out = logits.clone()
     _apply_penalties(out, meta)
     assert out.tolist() == [[1.0, -4.0, 0.5, -1.0, 0.5]]
 
 
 def test_frequency_and_presence_penalty_numbers():
-    from vlserve.runner.sampler import _apply_penalties
+    from vlserve.engine.sampler import _apply_penalties
     logits = torch.zeros(2, 5)
     params = [
         SamplingParams(frequency_penalty=0.5, presence_penalty=1.0),

@@ -1,8 +1,8 @@
 import msgspec
 import pytest
 
-from vlserve.errors import InvalidInputError
-from vlserve.sampling_params import SamplingParams
+from vlserve.core.errors import InvalidInputError
+from vlserve.core.sampling_params import SamplingParams
 
 
 def test_defaults_match_vllm():

@@ -8,13 +8,14 @@ import itertools
 import pytest
 import torch
 
-from vlserve.cache.block_pool import BlockPool
-from vlserve.cache.kv_manager import KVCacheManager
-from vlserve.config import EngineArgs, resolve_config
-from vlserve.engine.request import MultiModalItem, Request, RequestStatus
-from vlserve.errors import InvalidInputError
-from vlserve.sampling_params import SamplingParams
-from vlserve.scheduler.scheduler import Scheduler
+from vlserve.engine.block_pool import BlockPool
+from vlserve.engine.kv_cache_manager import KVCacheManager
+from vlserve.core.config import EngineArgs
+from vlserve.engine.config import resolve_config
+from vlserve.core.request import MultiModalItem, Request, RequestStatus
+from vlserve.core.errors import InvalidInputError
+from vlserve.core.sampling_params import SamplingParams
+from vlserve.engine.scheduler import Scheduler
 
 TOKEN = 7  # what every simulated step "samples"; never an EOS id of the tiny model
 

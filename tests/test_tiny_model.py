@@ -15,10 +15,11 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer, Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from vlserve.errors import InvalidInputError
+from vlserve.core.errors import InvalidInputError
 from vlserve.tools import tiny_model
 from vlserve.tools.bpe_tokenizer import SPECIAL_TOKENS
-from vlserve.tools.tiny_model import make_tiny_model, register_cli
+from vlserve.tools.cli import register_cli
+from vlserve.tools.tiny_model import make_tiny_model
 
 ARCHES = ("qwen2_vl", "qwen2_5_vl")
 MODEL_CLASSES = {"qwen2_vl": Qwen2VLForConditionalGeneration, "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration}

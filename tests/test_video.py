@@ -15,9 +15,9 @@ from PIL import Image
 from tests.conftest import ARCHES, IMG, assert_pool_full, noise_image
 from tests.hf_reference import HFReference
 from vlserve import LLM, SamplingParams
-from vlserve.errors import InvalidInputError
-from vlserve.media.image import ImageProcessorConfig
-from vlserve.media.video import VideoOptions, frame_indices, load_video, preprocess_video
+from vlserve.core.errors import InvalidInputError
+from vlserve.frontend.media.image import ImageProcessorConfig
+from vlserve.frontend.media.video import VideoOptions, frame_indices, load_video, preprocess_video
 
 VID = "<|vision_start|><|video_pad|><|vision_end|>"
 MAX_NEW = 10

@@ -1,8 +1,18 @@
-"""vlserve: serving engine for vision-language models (Qwen2-VL, Qwen2.5-VL)."""
+"""vlserve: serving engine for vision-language models (Qwen2-VL, Qwen2.5-VL).
 
-from vlserve.entrypoints.llm import LLM
-from vlserve.outputs import CompletionOutput, RequestOutput
-from vlserve.sampling_params import SamplingParams
+`import vlserve` stays light: `LLM` (and with it torch) is imported on first use.
+"""
+
+from vlserve.core.outputs import CompletionOutput, RequestOutput
+from vlserve.core.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name == "LLM":
+        from vlserve.frontend.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'vlserve' has no attribute {name!r}")

@@ -1,4 +1,5 @@
-"""`vlserve <command>`: each command module registers its own subparser."""
+"""`vlserve <command>`. Each command registers its own flags from light modules: nothing here imports torch or
+transformers, so `--help` answers at once; a command imports what it needs when it runs."""
 
 from __future__ import annotations
 
@@ -7,30 +8,34 @@ import logging
 import sys
 
 from vlserve.bench import cli as bench_cli
-from vlserve.disagg import bootstrap as disagg_bootstrap
+from vlserve.core.errors import VlserveError
 from vlserve.disagg import cli as disagg_cli
-from vlserve.entrypoints import demo
-from vlserve.entrypoints.openai import cli as serve_cli
-from vlserve.errors import VlserveError
-from vlserve.tools import tiny_model
+from vlserve.server import cli as server_cli
+from vlserve.server import demo
+from vlserve.tools import cli as tools_cli
 
-COMMANDS = [serve_cli.register_cli, demo.register_cli, tiny_model.register_cli, bench_cli.register_cli,
-            disagg_bootstrap.register_cli, disagg_cli.register_cli]
+COMMANDS = [server_cli.register_cli, demo.register_cli, tools_cli.register_cli, bench_cli.register_cli,
+            disagg_cli.register_cli]
+LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vlserve", description="Serve vision-language models.")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="vlserve", description="Serve vision-language models (Qwen2-VL family) "
+                                     "with an OpenAI-compatible API.")
+    parser.add_argument("--log-level", default="INFO", choices=LOG_LEVELS, help="log verbosity (default: INFO)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for register in COMMANDS:
         register(sub)
+    for command in sub.choices.values():  # also accepted after the command; SUPPRESS keeps the top-level value
+        if not any(a.dest == "log_level" for a in command._actions):
+            command.add_argument("--log-level", default=argparse.SUPPRESS, choices=LOG_LEVELS,
+                                 help="log verbosity (default: INFO)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    args.argv = argv  # `serve --disagg` hands the same flags to the processes it starts
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per registry call or media fetch is noise
     try:
@@ -38,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     except VlserveError as e:
         logging.getLogger("vlserve").error("%s", e)
         return 1
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

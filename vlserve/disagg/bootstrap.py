@@ -233,26 +233,3 @@ class BootstrapClient:
                 # Not fatal: the registry drops us after the heartbeat timeout anyway.
                 log.warning("could not deregister %s from %s (%s)", self.info.instance_id, self.url, e)
         await self._http.aclose()
-
-
-def register_cli(subparsers) -> None:
-    p = subparsers.add_parser("bootstrap", help="run the registry where encode and language instances meet")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8998)
-    p.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds between client heartbeats")
-    p.add_argument("--failure-threshold", type=int, default=3,
-                   help="missed heartbeats after which an instance is dropped")
-    p.set_defaults(func=run)
-
-
-def run(args) -> int:
-    import uvicorn
-
-    if args.heartbeat_interval <= 0 or args.failure_threshold < 1:
-        raise SystemExit("--heartbeat-interval must be > 0 and --failure-threshold >= 1")
-    app = build_bootstrap_app(args.heartbeat_interval, args.failure_threshold)
-    log.info("bootstrap registry on http://%s:%d (drop after %.1fs without heartbeat)",
-             args.host, args.port, args.heartbeat_interval * args.failure_threshold)
-    # log_config=None: keep the logging set up by vlserve.cli instead of uvicorn's own.
-    uvicorn.run(app, host=args.host, port=args.port, access_log=False, log_config=None)
-    return 0

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
@@ -25,32 +24,13 @@ from vlserve.disagg.messages import (AbortTransfer, EncodeRequest, Ping, Pong, R
                                      TransferFailed, TransferState)
 from vlserve.disagg.metrics import TransferMetrics
 from vlserve.disagg.transport import TRANSPORTS, Codec, Rows
-from vlserve.errors import InvalidInputError, VlserveError
-from vlserve.media.fetch import MediaFetcher, MediaPolicy
-from vlserve.metrics.prometheus import CONTENT_TYPE, PREFIX
+from vlserve.core.errors import InvalidInputError, VlserveError
+from vlserve.core.config import Options
+from vlserve.frontend.media.fetch import MediaFetcher, MediaPolicy
+from vlserve.frontend.metrics import CONTENT_TYPE, PREFIX
 
 logger = logging.getLogger("vlserve.encode")
 FAILURE_PROB_ENV = "VLSERVE_TRANSFER_FAILURE_PROB"
-
-
-@dataclass
-class EncodeOptions:
-    host: str = "127.0.0.1"
-    port: int = 8100  # HTTP: /health, /metrics
-    data_port: int | None = None  # ZeroMQ; default port + 1
-    bootstrap: str = "127.0.0.1:8998"
-    buffer_blocks: int = 1024
-    block_tokens: int = 16
-    transfer_timeout: float = 60.0  # a partial transfer nobody resumes is dropped after this
-    transfer_failure_prob: float = 0.0
-    transport: str = "zmq"
-    heartbeat_interval: float = 1.0
-    media_policy: MediaPolicy = field(default_factory=MediaPolicy)
-    video_policy: MediaPolicy = field(default_factory=MediaPolicy)
-
-    @property
-    def zmq_port(self) -> int:
-        return self.data_port or self.port + 1
 
 
 @dataclass
@@ -64,17 +44,18 @@ class _Pending:
 
 
 class EncodeServer:
-    def __init__(self, worker: EncoderWorker, opts: EncodeOptions):
-        self.worker, self.opts = worker, opts
-        prob = float(os.environ.get(FAILURE_PROB_ENV, opts.transfer_failure_prob))
-        self.failure_prob, self.rng = prob, random.Random()
-        self.buffers = EmbeddingBuffers(BufferSpec(opts.block_tokens, worker.hidden, worker.dtype), opts.buffer_blocks)
+    def __init__(self, worker: EncoderWorker, opts: Options):
+        self.worker, self.opts, d = worker, opts.disagg, opts.disagg
+        self.host, self.data_port = opts.server.host, d.data_port or opts.server.port + 1
+        self.failure_prob, self.rng = d.transfer_failure_prob, random.Random()
+        self.buffers = EmbeddingBuffers(BufferSpec(d.embedding_block_tokens, worker.hidden, worker.dtype),
+                                        d.embedding_buffer_blocks)
         self.registry = CollectorRegistry()
         self.metrics = TransferMetrics(self.registry, self.buffers, "encode")
         self.registry.register(_EncoderStats(self))
-        self.transport = TRANSPORTS[opts.transport]()
+        self.transport = TRANSPORTS[d.transfer_backend]()
         self.codec = Codec()
-        self.fetchers = {"image": MediaFetcher(opts.media_policy), "video": MediaFetcher(opts.video_policy)}
+        self.fetchers = {kind: MediaFetcher(MediaPolicy.from_args(opts.server, kind)) for kind in ("image", "video")}
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlserve-vit")  # one ViT at a time
         self.pending: dict[tuple[bytes, str, int], _Pending] = {}
         self.in_flight = 0
@@ -84,7 +65,7 @@ class EncodeServer:
     def bind(self) -> None:
         """Bound before registering, so a language server that finds us can connect at once."""
         self.sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
-        self.sock.bind(f"tcp://{self.opts.host}:{self.opts.zmq_port}")
+        self.sock.bind(f"tcp://{self.host}:{self.data_port}")
 
     async def serve_zmq(self) -> None:
         sweeper = asyncio.create_task(self._expire_pending())
@@ -231,3 +212,27 @@ class _EncoderStats:
         g = GaugeMetricFamily(PREFIX + "encode_requests_in_flight", "Encode requests being worked on.")
         g.add_metric([], float(self.server.in_flight))
         yield g
+
+
+async def run_encoder(opts: Options, log_level: str) -> None:
+    """The encode role: bind the data socket, register with the bootstrap, serve until stopped."""
+    import uvicorn
+
+    from vlserve.disagg.bootstrap import BootstrapClient, InstanceInfo, new_instance_id
+
+    server = EncodeServer(EncoderWorker(opts.engine), opts)
+    server.bind()
+    host, port = opts.server.host, opts.server.port
+    info = InstanceInfo(new_instance_id(), "encode", f"{host}:{server.data_port}", f"{host}:{port}")
+    boot = BootstrapClient(opts.disagg.bootstrap, info, opts.disagg.heartbeat_interval,
+                           load_fn=lambda: server.in_flight)
+    zmq_task = asyncio.create_task(server.serve_zmq())
+    await boot.start()
+    logger.info("encoder ready: data tcp://%s, http://%s", info.address, info.http_address)
+    http = uvicorn.Server(uvicorn.Config(server.http_app(), host=host, port=port, log_level=log_level.lower(),
+                                         access_log=False))
+    try:
+        await http.serve()
+    finally:
+        zmq_task.cancel()
+        await boot.stop()

@@ -14,14 +14,15 @@ from dataclasses import dataclass
 
 import torch
 
-from vlserve.config import EngineArgs, resolve_config
+from vlserve.core.config import EngineArgs
+from vlserve.engine.config import resolve_config
 from vlserve.disagg.messages import ItemMeta
-from vlserve.media.image import ImageProcessorConfig
-from vlserve.models.loader import load_model
-from vlserve.models.packed_linear import packed_linear_supported
-from vlserve.processing.input_processor import InputProcessor
-from vlserve.processing.tokenizer import load_tokenizer
-from vlserve.sampling_params import SamplingParams
+from vlserve.frontend.media.image import ImageProcessorConfig
+from vlserve.model.loader import load_model
+from vlserve.model.layers.packed_linear import packed_linear_supported
+from vlserve.frontend.input_processor import InputProcessor
+from vlserve.frontend.tokenizer import load_tokenizer
+from vlserve.core.sampling_params import SamplingParams
 
 logger = logging.getLogger("vlserve.encode")
 

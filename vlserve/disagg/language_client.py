@@ -20,16 +20,17 @@ import torch
 import zmq
 import zmq.asyncio
 
-from vlserve.config import VlserveConfig
+from vlserve.core.config import DisaggArgs
+from vlserve.engine.config import VlserveConfig
 from vlserve.disagg.bootstrap import BootstrapClient, InstanceInfo
 from vlserve.disagg.buffers import EmbeddingBuffers
 from vlserve.disagg.messages import (AbortTransfer, EncodeRequest, Ping, Pong, ResumeRequest, TransferChunk,
                                      TransferFailed, TransferState)
 from vlserve.disagg.metrics import TransferMetrics
 from vlserve.disagg.transport import TRANSPORTS, Codec
-from vlserve.engine.request import MultiModalItem, Request
-from vlserve.errors import InvalidInputError, ServiceUnavailableError
-from vlserve.sampling_params import SamplingParams
+from vlserve.core.request import MultiModalItem, Request
+from vlserve.core.errors import InvalidInputError, ServiceUnavailableError
+from vlserve.core.sampling_params import SamplingParams
 
 logger = logging.getLogger("vlserve.disagg")
 AFFINITY_ENTRIES = 4096
@@ -37,18 +38,6 @@ AFFINITY_ENTRIES = 4096
 
 class EncoderFailure(Exception):
     """This encoder could not deliver (it failed, died or timed out): worth one retry elsewhere."""
-
-
-@dataclass
-class DisaggOptions:
-    bootstrap: str = "127.0.0.1:8998"
-    default_allocate_tokens: int = 8192
-    buffer_blocks: int = 4096
-    block_tokens: int = 16
-    heartbeat_interval: float = 1.0
-    failure_threshold: int = 3
-    transfer_timeout: float = 120.0
-    transport: str = "zmq"
 
 
 @dataclass
@@ -64,10 +53,10 @@ class EncoderConn:
 
 
 class DisaggClient:
-    def __init__(self, cfg: VlserveConfig, buffers: EmbeddingBuffers, metrics: TransferMetrics, opts: DisaggOptions,
+    def __init__(self, cfg: VlserveConfig, buffers: EmbeddingBuffers, metrics: TransferMetrics, opts: DisaggArgs,
                  self_info: InstanceInfo):
         self.cfg, self.buffers, self.metrics, self.opts = cfg, buffers, metrics, opts
-        self.transport = TRANSPORTS[opts.transport]()
+        self.transport = TRANSPORTS[opts.transfer_backend]()
         self.codec = Codec()
         self.ctx = zmq.asyncio.Context.instance()
         self.encoders: dict[str, EncoderConn] = {}
@@ -106,7 +95,7 @@ class DisaggClient:
         listed = {i.instance_id: i for i in await self.bootstrap.list_instances("encode")}
         # A dead encoder stays listed until the registry times it out too: do not reconnect to it meanwhile.
         # One still heartbeating to the registry long after we dropped it is alive after all: take it back.
-        quarantine = 2 * self.opts.failure_threshold * self.opts.heartbeat_interval
+        quarantine = 2 * self.opts.heartbeat_failure_threshold * self.opts.heartbeat_interval
         now = time.monotonic()
         self.dropped = {iid: t for iid, t in self.dropped.items() if now - t < quarantine}
         for iid, info in listed.items():
@@ -125,7 +114,7 @@ class DisaggClient:
             await asyncio.sleep(self.opts.heartbeat_interval)
             for enc in list(self.encoders.values()):
                 enc.missed += 1
-                if enc.missed > self.opts.failure_threshold:
+                if enc.missed > self.opts.heartbeat_failure_threshold:
                     self._drop(enc, f"missed {enc.missed - 1} heartbeats")
                     continue
                 await enc.sock.send(self.codec.enc.encode(Ping(next(nonce))))
@@ -226,7 +215,7 @@ class DisaggClient:
         blocks: list[int] = []
         pieces: list = []  # rows kept from earlier (partial) chunks
         try:
-            blocks = await self._allocate(self.opts.default_allocate_tokens)
+            blocks = await self._allocate(self.opts.embedding_default_allocate_tokens)
             await enc.sock.send(self.codec.enc.encode(EncodeRequest(
                 request_id, tid, prompt, media, uuids, mm_kwargs or {}, blocks, self.buffers.spec.block_tokens)))
             enter(TransferState.WAITING_FOR_INPUT)
@@ -298,13 +287,14 @@ def _media_key(media: dict) -> str:
     return h.hexdigest(length=16)
 
 
-def make_language_client(engine, opts: DisaggOptions, http_address: str) -> DisaggClient:
+def make_language_client(engine, opts: DisaggArgs, http_address: str) -> DisaggClient:
     """Buffers sized for this model, transfer metrics on the server's registry, registered as a language server."""
     from vlserve.disagg.bootstrap import new_instance_id
     from vlserve.disagg.buffers import BufferSpec
 
     cfg = engine.cfg
-    buffers = EmbeddingBuffers(BufferSpec(opts.block_tokens, cfg.model.text.hidden_size, cfg.dtype), opts.buffer_blocks)
+    buffers = EmbeddingBuffers(BufferSpec(opts.embedding_block_tokens, cfg.model.text.hidden_size, cfg.dtype),
+                              opts.embedding_buffer_blocks)
     metrics = TransferMetrics(engine.metrics.registry, buffers, "language")
     info = InstanceInfo(new_instance_id(), "language", http_address, http_address)
     client = DisaggClient(cfg, buffers, metrics, opts, info)

@@ -8,7 +8,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from vlserve.disagg.buffers import EmbeddingBuffers
 from vlserve.disagg.messages import TransferState
-from vlserve.metrics.prometheus import LATENCY_BUCKETS, PREFIX
+from vlserve.frontend.metrics import LATENCY_BUCKETS, PREFIX
 
 
 class _BufferGauges:

@@ -17,7 +17,7 @@ import zmq
 import zmq.asyncio
 
 from vlserve.disagg.messages import EncoderToLanguage, LanguageToEncoder, TransferChunk
-from vlserve.engine.wire import DTYPES, tensor_from_bytes
+from vlserve.core.wire import DTYPES, tensor_from_bytes
 
 
 @dataclass

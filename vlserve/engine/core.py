@@ -11,13 +11,13 @@ import time
 
 import torch
 
-from vlserve.config import VlserveConfig
-from vlserve.engine.messages import EngineCoreOutput
-from vlserve.engine.request import Request, RequestStatus
-from vlserve.models.loader import load_model
-from vlserve.models.packed_linear import packed_linear_supported
-from vlserve.runner.model_runner import ModelRunner
-from vlserve.scheduler.scheduler import Scheduler
+from vlserve.engine.config import VlserveConfig
+from vlserve.core.messages import EngineCoreOutput
+from vlserve.core.request import Request, RequestStatus
+from vlserve.model.loader import load_model
+from vlserve.model.layers.packed_linear import packed_linear_supported
+from vlserve.engine.model_runner import ModelRunner
+from vlserve.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 

@@ -15,11 +15,12 @@ import signal
 import msgspec
 import zmq
 
-from vlserve.config import EngineArgs, resolve_config
+from vlserve.core.config import EngineArgs
+from vlserve.engine.config import resolve_config
 from vlserve.engine.core import EngineCore
-from vlserve.engine.wire import (AddRequest, EngineFailed, EngineInput, EngineMessage, EngineOutputs, EngineReady,
+from vlserve.core.wire import (AddRequest, EngineFailed, EngineInput, EngineMessage, EngineOutputs, EngineReady,
                                  EngineStats, FinishRequests, Framer, RequestRejected, Shutdown, request_from_wire)
-from vlserve.errors import VlserveError
+from vlserve.core.errors import VlserveError
 
 logger = logging.getLogger("vlserve.engine")
 IDLE_POLL_MS = 1000

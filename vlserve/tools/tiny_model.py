@@ -6,7 +6,6 @@ The weights come from transformers' own model classes, so the folder is exactly 
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -27,7 +26,7 @@ from transformers import (
     Qwen2VLForConditionalGeneration,
 )
 
-from vlserve.errors import InvalidInputError
+from vlserve.core.errors import InvalidInputError
 from vlserve.tools.bpe_tokenizer import build_tokenizer, save_tokenizer, special_token_ids
 
 ARCHES: dict[str, tuple[type, type]] = {
@@ -259,26 +258,3 @@ def count_parameters(model_dir: str | Path) -> int:
             for name in f.keys():
                 total += math.prod(f.get_slice(name).get_shape())
     return total
-
-
-def _run_cli(args: argparse.Namespace) -> int:
-    try:
-        make_tiny_model(args.out, arch=args.arch, size=args.size, seed=args.seed)
-    except InvalidInputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
-def register_cli(subparsers: Any) -> None:
-    """Add `make-tiny-model OUT --arch ... [--size ...] [--seed N]` to an argparse subparsers object."""
-    parser = subparsers.add_parser(
-        "make-tiny-model",
-        help="write a small random Qwen2-VL / Qwen2.5-VL checkpoint (offline)",
-        description="Create a random HF-format checkpoint with a freshly trained BPE tokenizer.",
-    )
-    parser.add_argument("out", metavar="OUT", help="output folder (created if missing)")
-    parser.add_argument("--arch", choices=sorted(ARCHES), required=True)
-    parser.add_argument("--size", choices=list(SIZES), default="tiny")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.set_defaults(func=_run_cli)

@@ -1,0 +1,166 @@
+"""Every user-settable option, defined once: the Python API, the CLI flags of every role and the command lines
+that `serve --disagg` builds for its children all come from these three dataclasses.
+
+Each field says which roles honour it (`roles`); a role's parser registers exactly those flags, so a flag can
+never reach one role and silently miss another. Nothing here imports torch: `--help` stays fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Roles: processes a user starts. "serve" is the aggregated server (and the `--disagg` launcher), "language" and
+# "encode" the two halves of a disaggregated deployment, "bootstrap" their registry, "demo" offline generation.
+SERVE, LANGUAGE, ENCODE, BOOTSTRAP, DEMO = "serve", "language", "encode", "bootstrap", "demo"
+ROLES = (SERVE, LANGUAGE, ENCODE, BOOTSTRAP, DEMO)
+LM_ROLES = frozenset({SERVE, LANGUAGE, DEMO})  # roles that run the language model
+VISION_ROLES = frozenset({SERVE, ENCODE, DEMO})  # roles that run the vision tower
+HTTP_ROLES = frozenset({SERVE, LANGUAGE})  # roles that answer the OpenAI API
+MEDIA_ROLES = frozenset({SERVE, ENCODE})  # roles that fetch and decode media
+DEFAULT_MM_LIMITS = {"image": 8, "video": 1}  # kinds a user does not name keep these
+DEFAULT_MAX_PIXELS_DECODED = 64_000_000  # 64 MP
+
+
+def option(default: Any = None, help: str = "", roles=frozenset(), *, factory=None, flag: str | None = None,
+           parse=None, env: str | None = None, secret: bool = False, nargs: str | None = None,
+           choices: tuple | None = None, negate: bool = False, role_defaults: dict | None = None,
+           metavar: str | None = None) -> Any:
+    """A dataclass field that is also a CLI flag of `roles`.
+
+    `flag` overrides the flag name; `negate` makes a True-by-default bool a `--disable-...` switch; `parse`
+    turns the flag's text into the value; `env` names an environment variable used when the flag is absent;
+    `secret` values never go on a command line (children get them through the environment); `role_defaults`
+    gives some roles another default (an encoder listens on 8100, not 8000).
+    """
+    meta = {"help": help, "roles": frozenset(roles), "flag": flag, "parse": parse, "env": env, "secret": secret,
+            "nargs": nargs, "choices": choices, "negate": negate, "role_defaults": role_defaults or {},
+            "metavar": metavar}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def parse_limits(text: str) -> dict[str, int]:
+    """`image=8,video=1` -> {"image": 8, "video": 1}."""
+    limits = {}
+    for part in filter(None, text.split(",")):
+        kind, _, value = part.partition("=")
+        if not value.strip().isdigit():
+            raise ValueError(f"expected kind=N pairs like image=8,video=1, got '{part}'")
+        limits[kind.strip()] = int(value)
+    return limits
+
+
+@dataclass
+class EngineArgs:
+    """The engine's options: `LLM(model, **engine_args)` takes these names, the CLI the same with dashes."""
+
+    model: str = option(None, "model folder or Hugging Face hub id", {SERVE, LANGUAGE, ENCODE, DEMO})
+    dtype: str = option("auto", "weights/activations dtype: auto (the checkpoint's where this device computes it "
+                        "natively, else float32), float32, bfloat16, float16", {SERVE, LANGUAGE, ENCODE, DEMO},
+                        choices=("auto", "float32", "bfloat16", "float16"))
+    device: str = option("auto", "auto (cuda when available, else cpu), cpu, cuda, cuda:1, ...",
+                         {SERVE, LANGUAGE, ENCODE, DEMO})
+    max_model_len: int | None = option(None, "longest prompt + output in tokens (default: the model's, at most "
+                                       "32768)", LM_ROLES)
+    max_num_seqs: int = option(128, "most requests running at once", LM_ROLES)
+    max_num_batched_tokens: int = option(2048, "token budget of one engine step (prefill chunks + decode tokens)",
+                                         LM_ROLES)
+    block_size: int = option(16, "tokens per KV cache block", LM_ROLES)
+    kv_cache_memory_gb: float | None = option(
+        None, "KV cache size in GiB (default: as large as the weights, at least 0.25, at most half the free memory, "
+        "never more than max_num_seqs x max_model_len need)", LM_ROLES)
+    num_kv_blocks: int | None = option(None, "KV cache size in blocks (overrides --kv-cache-memory-gb)", LM_ROLES)
+    enable_prefix_caching: bool = option(True, "turn off automatic prefix caching", LM_ROLES,
+                                         flag="--disable-prefix-caching", negate=True)
+    encoder_cache_size: int = option(16384, "encoder cache capacity in embedding tokens (0: no reuse across "
+                                     "requests)", VISION_ROLES)
+    max_num_encoder_input_tokens: int = option(16384, "most embedding tokens the vision encoder runs in one step "
+                                               "(also the largest item accepted)", VISION_ROLES)
+    disable_chunked_mm_input: bool = option(False, "never split a picture's tokens across engine steps", LM_ROLES)
+    limit_mm_per_prompt: dict[str, int] = option(
+        help="most media items per prompt, e.g. image=8,video=1", roles={SERVE, LANGUAGE, ENCODE, DEMO},
+        factory=lambda: dict(DEFAULT_MM_LIMITS), parse=parse_limits, metavar="KIND=N,...")
+    max_video_frames: int = option(32, "most frames sampled from one video (a request may ask for fewer)",
+                                   VISION_ROLES)
+    enable_mm_embeds: bool = option(False, "accept precomputed image embeddings (image_embeds parts)",
+                                    {SERVE, LANGUAGE, DEMO})
+    seed: int = option(0, "engine seed", LM_ROLES)
+    load_vision: bool = True  # False on a disaggregated language server: set by the role, not a flag
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+
+@dataclass
+class ServerArgs:
+    """HTTP front-end and media options."""
+
+    host: str = option("127.0.0.1", "address to listen on", {SERVE, LANGUAGE, ENCODE, BOOTSTRAP})
+    port: int = option(8000, "HTTP port", {SERVE, LANGUAGE, ENCODE, BOOTSTRAP},
+                       role_defaults={ENCODE: 8100, BOOTSTRAP: 8998})
+    served_model_name: str | None = option(None, "model name in the API (default: --model)", HTTP_ROLES)
+    api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on /v1 routes", HTTP_ROLES,
+                                 env="VLSERVE_API_KEY", secret=True)
+    allowed_local_media_path: Path | None = option(None, "directory file:// media URLs may read from (file:// is "
+                                                   "refused without it)", MEDIA_ROLES, parse=Path,
+                                                   metavar="DIR")
+    allowed_media_domains: tuple[str, ...] = option((), "only fetch media from these domains and their subdomains "
+                                                    "(default: any public host)", MEDIA_ROLES, nargs="+")
+    allow_private_media_urls: bool = option(False, "allow media URLs resolving to private, loopback or link-local "
+                                            "addresses (SSRF risk)", MEDIA_ROLES)
+    max_media_bytes: int = option(20 * 2**20, "largest picture in bytes (download, data URL or file)", MEDIA_ROLES)
+    max_video_bytes: int = option(200 * 2**20, "largest video in bytes (download, data URL or file)", MEDIA_ROLES)
+    media_fetch_timeout: float = option(10.0, "seconds per media download", MEDIA_ROLES)
+    max_image_pixels: int = option(DEFAULT_MAX_PIXELS_DECODED, "largest picture in pixels (width x height), "
+                                   "checked before decoding and again after resizing", MEDIA_ROLES)
+    max_waiting_requests: int | None = option(None, "answer 503 when this many requests already wait (default: no "
+                                              "limit)", HTTP_ROLES)
+    media_threads: int = option(4, "threads that tokenize, decode and preprocess", {SERVE, LANGUAGE, ENCODE})
+    disable_log_requests: bool = option(False, "no info log line per request", HTTP_ROLES)
+
+
+@dataclass
+class DisaggArgs:
+    """Encode/language disaggregation: the registry, receive buffers, heartbeats, transfers."""
+
+    disagg: bool = option(False, "run a bootstrap, --num-encoders encoders and a language server here, each its "
+                          "own process", {SERVE})
+    num_encoders: int = option(1, "encoder processes for --disagg", {SERVE})
+    bootstrap: str = option("127.0.0.1:8998", "host:port of `vlserve bootstrap`", {LANGUAGE, ENCODE},
+                            metavar="HOST:PORT")
+    embedding_default_allocate_tokens: int = option(
+        8192, "receive blocks pre-allocated per request, in tokens (longer outputs resume into more)",
+        {SERVE, LANGUAGE})
+    embedding_buffer_blocks: int = option(4096, "blocks in the receive buffer pool", {SERVE, LANGUAGE, ENCODE})
+    embedding_block_tokens: int = option(16, "tokens per receive buffer block", {SERVE, LANGUAGE, ENCODE})
+    heartbeat_interval: float = option(1.0, "seconds between heartbeats (registry and encoders)",
+                                       {SERVE, LANGUAGE, ENCODE, BOOTSTRAP})
+    heartbeat_failure_threshold: int = option(3, "missed heartbeats before an instance is dropped",
+                                              {SERVE, LANGUAGE, BOOTSTRAP})
+    transfer_timeout: float = option(120.0, "seconds one transfer may take before it fails (and, on an encoder, "
+                                     "before staged output nobody resumes is dropped)", {SERVE, LANGUAGE, ENCODE})
+    transfer_backend: str = option("zmq", "how embeddings move between encoders and language servers",
+                                   {SERVE, LANGUAGE, ENCODE}, choices=("zmq",))
+    data_port: int | None = option(None, "ZeroMQ port language servers connect to (default: --port + 1)", {ENCODE})
+    transfer_failure_prob: float = option(0.0, "fail this share of transfers on purpose (fault injection)",
+                                          {ENCODE}, env="VLSERVE_TRANSFER_FAILURE_PROB")
+
+
+OPTION_GROUPS = (("engine", EngineArgs), ("server", ServerArgs), ("disaggregation", DisaggArgs))
+
+
+@dataclass
+class Options:
+    """One role's options: the engine, server and disaggregation parts, each at its defaults unless set."""
+
+    engine: EngineArgs = field(default_factory=EngineArgs)
+    server: ServerArgs = field(default_factory=ServerArgs)
+    disagg: DisaggArgs = field(default_factory=DisaggArgs)
+
+    def parts(self) -> dict[type, Any]:
+        return {EngineArgs: self.engine, ServerArgs: self.server, DisaggArgs: self.disagg}

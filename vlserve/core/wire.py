@@ -1,0 +1,164 @@
+"""Messages between the front-end and the engine-core process, and how they travel over ZeroMQ.
+
+A message is a msgspec-msgpack header (a tagged union, so the receiver knows its type) followed by one raw
+frame per tensor: pixel values and M-RoPE positions go as bytes without passing through the encoder.
+Nothing here is pickled, so a socket only ever yields these typed structs or a decode error.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import torch
+
+from vlserve.core.messages import EngineCoreOutput
+from vlserve.core.request import MultiModalItem, Request
+from vlserve.core.sampling_params import SamplingParams
+
+DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8)}
+
+
+class TensorRef(msgspec.Struct, array_like=True):
+    """Where a tensor travels: frame `frame` of the multipart message holds its raw bytes."""
+
+    dtype: str
+    shape: list[int]
+    frame: int
+
+
+class WireMMItem(msgspec.Struct, array_like=True):
+    offset: int
+    num_tokens: int
+    grid_thw: tuple[int, int, int]
+    mm_hash: str
+    pixel_values: TensorRef | None
+    embeddings: TensorRef | None = None
+
+
+# ---- front-end -> engine core ---------------------------------------------------------------------------
+class AddRequest(msgspec.Struct, tag="add"):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: list[int]
+    mm_items: list[WireMMItem]
+    mrope_positions: TensorRef
+    mrope_delta: int
+    arrival_time: float
+
+
+class FinishRequests(msgspec.Struct, tag="finish"):
+    """Abort (client gone) or stop (the front-end matched a stop string): the engine frees their blocks."""
+
+    request_ids: list[str]
+    reason: str = "abort"  # "abort" | "stop"
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+EngineInput = AddRequest | FinishRequests | Shutdown
+
+
+# ---- engine core -> front-end ---------------------------------------------------------------------------
+class EngineStats(msgspec.Struct):
+    """Scheduler state after a step; counters are cumulative since the engine started."""
+
+    num_requests_running: int = 0
+    num_requests_waiting: int = 0
+    kv_cache_usage_perc: float = 0.0
+    num_preemptions_total: int = 0
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
+    encoder_cache_queries_total: int = 0
+    encoder_cache_hits_total: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    encoder_seconds: list[float] = []  # ViT calls since the last message (histogram samples)
+
+
+class RequestRejected(msgspec.Struct, array_like=True):
+    """The engine refused a request at admission (e.g. it can never fit the KV pool)."""
+
+    request_id: str
+    message: str
+    status: int = 400
+
+
+class EngineOutputs(msgspec.Struct, tag="outputs"):
+    outputs: list[EngineCoreOutput]
+    rejected: list[RequestRejected]
+    stats: EngineStats
+
+
+class EngineReady(msgspec.Struct, tag="ready"):
+    num_kv_blocks: int
+    max_model_len: int
+
+
+class EngineFailed(msgspec.Struct, tag="failed"):
+    """The engine could not start, or hit an internal error and stopped."""
+
+    message: str
+
+
+EngineMessage = EngineOutputs | EngineReady | EngineFailed
+
+
+# ---- framing ----------------------------------------------------------------------------------------------
+class Framer:
+    """Encodes messages to multipart frames and back; one per socket direction (the decoder is typed)."""
+
+    def __init__(self, message_type):
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(message_type)
+
+    def encode(self, msg, tensors: list[torch.Tensor] | None = None) -> list:
+        frames = [self._encoder.encode(msg)]
+        for t in tensors or []:
+            frames.append(memoryview(t.contiguous().view(torch.uint8).numpy()))
+        return frames
+
+    def decode(self, frames: list) -> object:
+        return self._decoder.decode(frames[0])
+
+
+def tensor_ref(t: torch.Tensor, tensors: list[torch.Tensor]) -> TensorRef:
+    """Registers `t` as the next tensor frame (frame 0 is the header)."""
+    tensors.append(t.detach().cpu())
+    return TensorRef(str(t.dtype).removeprefix("torch."), list(t.shape), len(tensors))
+
+
+def tensor_from(ref: TensorRef, frames: list) -> torch.Tensor:
+    dtype = DTYPES.get(ref.dtype)
+    if dtype is None or not 0 < ref.frame < len(frames):
+        raise ValueError(f"bad tensor reference {ref}")
+    return tensor_from_bytes(frames[ref.frame], dtype, ref.shape)
+
+
+def tensor_from_bytes(frame, dtype: torch.dtype, shape) -> torch.Tensor:
+    data = bytearray(frame)  # one copy into writable memory that the tensor then owns
+    return torch.frombuffer(data, dtype=dtype).reshape(shape) if data else torch.empty(shape, dtype=dtype)
+
+
+def request_to_wire(req: Request) -> tuple[AddRequest, list[torch.Tensor]]:
+    tensors: list[torch.Tensor] = []
+    def ref(t: torch.Tensor | None) -> TensorRef | None:
+        return None if t is None else tensor_ref(t, tensors)
+
+    items = [WireMMItem(it.offset, it.num_tokens, tuple(it.grid_thw), it.mm_hash, ref(it.pixel_values),
+                        ref(it.embeddings)) for it in req.mm_items]
+    msg = AddRequest(req.request_id, req.prompt_token_ids, req.params, list(req.eos_token_ids), items,
+                     tensor_ref(req.mrope_positions, tensors), req.mrope_delta, req.arrival_time)
+    return msg, tensors
+
+
+def request_from_wire(msg: AddRequest, frames: list) -> Request:
+    def tensor(ref: TensorRef | None) -> torch.Tensor | None:
+        return None if ref is None else tensor_from(ref, frames)
+
+    items = [MultiModalItem(it.offset, it.num_tokens, tensor(it.pixel_values), tuple(it.grid_thw), it.mm_hash,
+                            tensor(it.embeddings)) for it in msg.mm_items]
+    return Request(msg.request_id, msg.prompt_token_ids, msg.params, tuple(msg.eos_token_ids), items,
+                   tensor_from(msg.mrope_positions, frames), msg.mrope_delta, msg.arrival_time)

@@ -1,0 +1,168 @@
+"""`vlserve serve --disagg`: a bootstrap, N encoders and a language server on this machine, each its own process.
+
+Each child's command line is built from the options (only the flags its role honours), never by editing argv.
+Children run in their own session, so a terminal's Ctrl-C reaches only this supervisor, which then stops them
+in order (language first, registry last: nothing logs a failed deregistration). SIGTERM does the same. A child
+that dies is restarted with backoff, a bounded number of times; the others keep serving meanwhile.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from vlserve.core.config import BOOTSTRAP, ENCODE, LANGUAGE, Options
+from vlserve.core.options import to_argv
+
+logger = logging.getLogger("vlserve.disagg")
+MAX_RESTARTS = 5  # per child within RESTART_WINDOW_S; one more crash stops the deployment
+RESTART_WINDOW_S = 300.0
+STOP_TIMEOUT_S = 15.0
+POLL_S = 0.2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: if the supervisor is killed outright, its children get SIGTERM."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: children then outlive a SIGKILLed supervisor
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    proc: subprocess.Popen | None = None
+    crashes: list[float] = field(default_factory=list)
+    restart_at: float | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.argv, env={**os.environ, **self.env}, start_new_session=True,
+                                     preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        self.restart_at = None
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.running:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout: float) -> None:
+        if self.proc is None:
+            return
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            logger.warning("%s did not stop within %.0fs; killing it", self.name, timeout)
+            self.proc.kill()
+            self.proc.wait()
+
+
+def plan_children(opts: Options, log_level: str) -> list[Child]:
+    """The processes of one deployment, registry first."""
+    vlserve = [sys.executable, "-m", "vlserve", "--log-level", log_level]
+    boot_port = free_port()
+    bootstrap = f"127.0.0.1:{boot_port}"
+    children = []
+    argv, env = to_argv(opts, BOOTSTRAP)
+    children.append(Child("bootstrap", [*vlserve, "bootstrap", *argv, "--host", "127.0.0.1", "--port",
+                                        str(boot_port)], env))
+    argv, env = to_argv(opts, ENCODE)
+    for i in range(opts.disagg.num_encoders):
+        ports = ["--host", "127.0.0.1", "--port", str(free_port()), "--data-port", str(free_port())]
+        children.append(Child(f"encoder-{i}", [*vlserve, "encode", *_without(argv, "--host", "--port"), *ports,
+                                               "--bootstrap", bootstrap], env))
+    argv, env = to_argv(opts, LANGUAGE)
+    children.append(Child("language", [*vlserve, "language", *argv, "--bootstrap", bootstrap], env))
+    return children
+
+
+def _without(argv: list[str], *flags: str) -> list[str]:
+    """argv minus `flag value` pairs (the encoders' addresses are the launcher's to pick)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in flags:
+            skip = True
+        else:
+            out.append(a)
+    return out
+
+
+class Supervisor:
+    def __init__(self, children: list[Child]):
+        self.children = children
+        self.stopping = False
+        self.failed = False
+
+    def _on_signal(self, signum, _frame) -> None:
+        if not self.stopping:
+            logger.info("%s: stopping every role", signal.Signals(signum).name)
+        self.stopping = True
+
+    def run(self) -> int:
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            for child in self.children:
+                child.start()
+            while not self.stopping:
+                self._check()
+                time.sleep(POLL_S)
+        finally:
+            self.shutdown()
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        return 1 if self.failed else 0
+
+    def _check(self) -> None:
+        now = time.monotonic()
+        for child in self.children:
+            if child.restart_at is not None:
+                if now >= child.restart_at:
+                    logger.info("restarting %s", child.name)
+                    child.start()
+                continue
+            if child.running:
+                continue
+            code = child.proc.returncode
+            child.crashes = [t for t in child.crashes if now - t < RESTART_WINDOW_S] + [now]
+            if len(child.crashes) > MAX_RESTARTS:
+                logger.error("%s exited (code %s) %d times within %.0fs; stopping the deployment", child.name, code,
+                             len(child.crashes), RESTART_WINDOW_S)
+                self.failed = self.stopping = True
+                return
+            backoff = min(0.5 * 2 ** (len(child.crashes) - 1), 10.0)
+            logger.warning("%s exited (code %s); restarting it in %.1fs (the other roles keep serving)",
+                           child.name, code, backoff)
+            child.restart_at = now + backoff
+
+    def shutdown(self) -> None:
+        """Language first, so it stops taking requests before its encoders go; the registry last."""
+        for child in reversed(self.children):
+            child.stop()
+            child.wait(STOP_TIMEOUT_S)
+
+
+def run_roles(opts: Options, log_level: str) -> int:
+    children = plan_children(opts, log_level)
+    logger.info("starting a bootstrap, %d encoder(s) and a language server on %s:%d (Ctrl-C or SIGTERM stops all)",
+                opts.disagg.num_encoders, opts.server.host, opts.server.port)
+    return Supervisor(children).run()

@@ -1,0 +1,135 @@
+"""Engine arguments resolved once into a config: model files found, dtype and device picked for this hardware,
+cache sizes final."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from vlserve.core.config import DEFAULT_MM_LIMITS, EngineArgs
+from vlserve.core.errors import InvalidInputError
+from vlserve.model.hardware import memory_available_bytes, pick_device, resolve_dtype
+from vlserve.model.hf_config import ModelConfig, load_model_config
+from vlserve.model.loader import resolve_model_path, weight_files
+
+logger = logging.getLogger("vlserve.engine")
+MIN_DEFAULT_KV_BYTES = 256 * 2**20  # the default KV cache is as large as the weights, and at least this
+CPU_FREE_MEMORY_SHARE = 0.5  # of what is free after the weights, the default KV cache takes at most this share
+GPU_FREE_MEMORY_SHARE = 0.9
+
+
+@dataclass(frozen=True)
+class VlserveConfig:
+    """Everything the engine needs, resolved: paths, dtype, device and cache sizes are final here."""
+
+    model_path: Path
+    model: ModelConfig
+    dtype: torch.dtype
+    device: torch.device
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+    num_kv_blocks: int
+    enable_prefix_caching: bool
+    encoder_cache_size: int
+    max_num_encoder_input_tokens: int
+    disable_chunked_mm_input: bool
+    limit_mm_per_prompt: dict[str, int]
+    max_video_frames: int
+    enable_mm_embeds: bool
+    seed: int
+    load_vision: bool
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return kv_bytes_per_token(self.model, self.dtype)
+
+
+def kv_bytes_per_token(model: ModelConfig, dtype: torch.dtype) -> int:
+    t = model.text
+    return 2 * t.num_layers * t.num_kv_heads * t.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def _positive(name: str, value: int | float | None) -> None:
+    if value is not None and (isinstance(value, bool) or not value > 0):
+        raise InvalidInputError(f"{name} must be positive, got {value}")
+
+
+def resolve_config(args: EngineArgs) -> VlserveConfig:
+    for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks",
+                 "kv_cache_memory_gb", "max_video_frames"):
+        _positive(name, getattr(args, name))
+    if args.encoder_cache_size < 0 or args.max_num_encoder_input_tokens <= 0:
+        raise InvalidInputError("encoder_cache_size must be >= 0 and max_num_encoder_input_tokens > 0")
+    if args.model is None:
+        raise InvalidInputError("no model given")
+    path = resolve_model_path(args.model)
+    model_cfg = load_model_config(path)
+    device = pick_device(args.device)
+    dtype = resolve_dtype(args.dtype, model_cfg.checkpoint_dtype, device)
+    max_model_len = args.max_model_len or min(model_cfg.text.max_position_embeddings, 32768)
+    num_blocks = _num_kv_blocks(args, path, model_cfg, dtype, device, max_model_len)
+    return VlserveConfig(
+        model_path=path, model=model_cfg, dtype=dtype, device=device, max_model_len=max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size, num_kv_blocks=num_blocks, enable_prefix_caching=args.enable_prefix_caching,
+        encoder_cache_size=args.encoder_cache_size, max_num_encoder_input_tokens=args.max_num_encoder_input_tokens,
+        disable_chunked_mm_input=args.disable_chunked_mm_input,
+        limit_mm_per_prompt={**DEFAULT_MM_LIMITS, **args.limit_mm_per_prompt},
+        max_video_frames=args.max_video_frames, enable_mm_embeds=args.enable_mm_embeds, seed=args.seed,
+        load_vision=args.load_vision,
+    )
+
+
+def _num_kv_blocks(args: EngineArgs, path: Path, model_cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                   max_model_len: int) -> int:
+    per_block = kv_bytes_per_token(model_cfg, dtype) * args.block_size
+    if args.num_kv_blocks is not None:
+        num_blocks = args.num_kv_blocks
+    elif args.kv_cache_memory_gb is not None:
+        num_blocks = int(args.kv_cache_memory_gb * 2**30) // per_block
+    else:
+        num_blocks = default_kv_bytes(args, path, model_cfg, dtype, device, max_model_len) // per_block
+    if num_blocks < 2:
+        raise InvalidInputError(f"KV cache too small: {num_blocks} blocks; raise kv_cache_memory_gb or num_kv_blocks")
+    return num_blocks
+
+
+def default_kv_bytes(args: EngineArgs, path: Path, model_cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                     max_model_len: int) -> int:
+    """KV cache bytes when the user set no size.
+
+    Scaled to the model (as large as its weights, at least MIN_DEFAULT_KV_BYTES), never more than every sequence
+    at full length needs (max_num_seqs x max_model_len), bounded by a share of the memory left after the weights,
+    and never less than one sequence at full length (else long requests could never run).
+    """
+    per_token = kv_bytes_per_token(model_cfg, dtype)
+    need = args.max_num_seqs * max_model_len * per_token
+    one_sequence = max_model_len * per_token
+    weights = _weight_bytes(path, model_cfg, dtype)
+    budget = max(weights, MIN_DEFAULT_KV_BYTES)
+    available = memory_available_bytes(device)
+    if available is not None:
+        share = GPU_FREE_MEMORY_SHARE if device.type == "cuda" else CPU_FREE_MEMORY_SHARE
+        room = int(max(available - weights, 0) * share)
+        budget = room if device.type == "cuda" else min(budget, room)
+    kv = max(min(need, budget), one_sequence)
+    if available is not None and kv > available - weights:
+        logger.warning("the KV cache for one %d-token sequence (%.2f GiB) exceeds the free memory; lower "
+                       "max_model_len", max_model_len, one_sequence / 2**30)
+    return kv
+
+
+def _weight_bytes(path: Path, model_cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Weight bytes once loaded in `dtype` (the files may hold another dtype)."""
+    try:
+        stored = sum(f.stat().st_size for f in weight_files(path))
+    except Exception:  # noqa: BLE001 - a missing file is reported by the loader; here it only sizes a default
+        return 0
+    file_itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}.get(model_cfg.checkpoint_dtype or "", 4)
+    return stored * torch.empty((), dtype=dtype).element_size() // file_itemsize
+

@@ -1,0 +1,107 @@
+"""Which encoder outputs the model runner holds, keyed by mm_hash; the runner only stores the tensors.
+
+An entry is referenced by the requests that still need it: from the step its placeholder is first scheduled
+until the placeholder is fully computed. Unreferenced entries stay, in LRU order, so a later request with the
+same picture skips the ViT; they are evicted whole, and only when room is needed. Capacity counts embedding
+tokens; 0 disables caching across requests (an entry is dropped as soon as nobody needs it).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from vlserve.core.request import Request
+
+
+class EncoderCacheManager:
+    def __init__(self, capacity_tokens: int):
+        self.capacity = capacity_tokens
+        self.used = 0
+        self._size: dict[str, int] = {}  # mm_hash -> embedding tokens
+        self._holders: dict[str, set[tuple[str, int]]] = {}  # mm_hash -> (request id, item index) still needing it
+        self._freeable: OrderedDict[str, None] = OrderedDict()  # unreferenced entries, oldest first
+        self.queries = 0
+        self.hits = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.capacity > 0
+
+    def __contains__(self, mm_hash: str) -> bool:
+        return mm_hash in self._size
+
+    def __len__(self) -> int:
+        return len(self._size)
+
+    def fits_ever(self, num_tokens: int) -> bool:
+        return not self.enabled or num_tokens <= self.capacity
+
+    def lookup(self, req: Request, index: int) -> bool:
+        """Count a query; on a hit the request becomes a holder and no encoding is needed."""
+        mm_hash = req.mm_items[index].mm_hash
+        self.queries += 1
+        if mm_hash not in self._size:
+            return False
+        self.hits += 1
+        self._hold(mm_hash, (req.request_id, index))
+        return True
+
+    def can_allocate(self, num_tokens: int, protect: set[str] = frozenset()) -> bool:
+        """Room for `num_tokens` new embedding tokens, evicting only unreferenced entries not in `protect`."""
+        if not self.enabled:
+            return True
+        evictable = sum(self._size[h] for h in self._freeable if h not in protect)
+        return self.capacity - self.used + evictable >= num_tokens
+
+    def allocate(self, req: Request, index: int) -> list[str]:
+        """Reserve room for an item about to be encoded; returns the hashes evicted to make room."""
+        item = req.mm_items[index]
+        self.queries += 1  # a miss
+        evicted = []
+        while self.enabled and self.capacity - self.used < item.num_tokens:
+            victim, _ = self._freeable.popitem(last=False)
+            self._drop(victim)
+            evicted.append(victim)
+        self._size[item.mm_hash] = item.num_tokens
+        self.used += item.num_tokens
+        self._holders[item.mm_hash] = set()
+        self._hold(item.mm_hash, (req.request_id, index))
+        return evicted
+
+    def release(self, req: Request, index: int) -> list[str]:
+        """Drop this request's claim; returns hashes the runner may forget now (only when caching is off)."""
+        mm_hash = req.mm_items[index].mm_hash
+        holders = self._holders.get(mm_hash)
+        if holders is None or (req.request_id, index) not in holders:
+            return []
+        holders.discard((req.request_id, index))
+        if holders:
+            return []
+        if not self.enabled:
+            self._drop(mm_hash)
+            return [mm_hash]
+        self._freeable[mm_hash] = None
+        return []
+
+    def release_all(self, req: Request) -> list[str]:
+        return [h for i in range(len(req.mm_items)) for h in self.release(req, i)]
+
+    def holds(self, req: Request, index: int) -> bool:
+        return (req.request_id, index) in self._holders.get(req.mm_items[index].mm_hash, ())
+
+    def _hold(self, mm_hash: str, holder: tuple[str, int]) -> None:
+        self._holders[mm_hash].add(holder)
+        self._freeable.pop(mm_hash, None)
+
+    def _drop(self, mm_hash: str) -> None:
+        self.used -= self._size.pop(mm_hash)
+        del self._holders[mm_hash]
+
+    def check_integrity(self) -> None:
+        if self.used != sum(self._size.values()):
+            raise AssertionError("encoder cache: used tokens disagree with entries")
+        for h, holders in self._holders.items():
+            if bool(holders) == (h in self._freeable):
+                raise AssertionError(f"encoder cache: {h} is referenced and freeable at once (or neither)")
+        if self.enabled and self.used > self.capacity:
+            raise AssertionError("encoder cache over capacity")

@@ -1,0 +1,192 @@
+"""Turns a scheduler step into tensors, runs the ViT and the LM, and samples.
+
+Per step: drop encoder outputs nobody needs → encode newly scheduled items in one ViT call → build the flat
+token batch (decode tokens first, then prefill chunks) with M-RoPE positions, slots and attention metadata →
+embed tokens and scatter image embeddings into their placeholder rows → LM forward → logits only for rows
+that sample → sampler.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from vlserve.engine.config import VlserveConfig
+from vlserve.core.messages import TokenLogprobs
+from vlserve.core.request import Request
+from vlserve.model.layers.attention import AttentionMetadata, build_prefill_span
+from vlserve.engine.sampler import Sampler, SamplingMetadata
+from vlserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+
+
+class ModelRunner:
+    def __init__(self, cfg: VlserveConfig, model: torch.nn.Module):
+        self.cfg = cfg
+        self.model = model
+        self.device = cfg.device
+        self.block_size = cfg.block_size
+        t = cfg.model.text
+        num_slots = cfg.num_kv_blocks * cfg.block_size
+        # Zeroed, not empty: padded decode rows read slot 0, and 0-weight x NaN garbage would still be NaN.
+        self.kv_caches = [
+            torch.zeros(2, num_slots, t.num_kv_heads, t.head_dim, dtype=cfg.dtype, device=self.device)
+            for _ in range(t.num_layers)
+        ]
+        self.encoder_outputs: dict[str, torch.Tensor] = {}
+        self.encoder_seconds: list[float] = []  # one entry per ViT call; the engine core drains it into metrics
+        self.sampler = Sampler()
+
+    # ---- encoder -----------------------------------------------------------------------------------------
+    def free_encoder_outputs(self, keys: list[str]) -> None:
+        for key in keys:
+            self.encoder_outputs.pop(key, None)
+
+    def run_encoder(self, items: list[tuple[Request, int]]) -> None:
+        if not items:
+            return
+        mm = [req.mm_items[idx] for req, idx in items]
+        for it in mm:  # precomputed embeddings skip the ViT
+            if it.embeddings is not None:
+                self.encoder_outputs[it.mm_hash] = it.embeddings.to(self.device, self.cfg.dtype)
+        mm = [it for it in mm if it.embeddings is None]
+        if not mm:
+            return
+        t0 = time.perf_counter()
+        pixels = torch.cat([it.pixel_values for it in mm]).to(self.device, non_blocking=True)
+        embeds = self.model.encode_images(pixels, [it.grid_thw for it in mm])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # so the latency below is the encoder's, not the launch's
+        self.encoder_seconds.append(time.perf_counter() - t0)
+        for it, emb in zip(mm, embeds):
+            self.encoder_outputs[it.mm_hash] = emb
+
+    # ---- inputs --------------------------------------------------------------------------------------------
+    def _slots(self, req: Request, start: int, end: int) -> torch.Tensor:
+        idx = torch.arange(start, end)
+        table = torch.tensor(req.block_ids)
+        return table[idx // self.block_size] * self.block_size + idx % self.block_size
+
+    def _positions(self, req: Request, start: int, end: int) -> torch.Tensor:
+        """[3, end-start]: the precomputed M-RoPE table inside the prompt, index + delta after it."""
+        p = req.num_prompt_tokens
+        parts = []
+        if start < p:
+            parts.append(req.mrope_positions[:, start : min(end, p)])
+        if end > p:
+            parts.append((torch.arange(max(start, p), end) + req.mrope_delta).expand(3, -1))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    def _decode_metadata(self, decode: list[ScheduledChunk], meta: AttentionMetadata) -> torch.Tensor:
+        """Block table, mask and write slots for all single-token rows at once; returns the write slots."""
+        bs = self.block_size
+        ctx = torch.tensor([c.end for c in decode])
+        max_blocks = max(len(c.req.block_ids) for c in decode)
+        table = torch.zeros(len(decode), max_blocks, dtype=torch.long)
+        for row, c in enumerate(decode):
+            table[row, : len(c.req.block_ids)] = torch.tensor(c.req.block_ids)
+        pos = torch.arange(max_blocks * bs)
+        meta.decode_blocks = table.view(-1)
+        meta.decode_mask = (pos.unsqueeze(0) < ctx.unsqueeze(1))[:, None, None, :]
+        last = ctx - 1
+        return table[torch.arange(len(decode)), last // bs] * bs + last % bs
+
+    def _prepare(self, chunks: list[ScheduledChunk]):
+        decode = [c for c in chunks if c.num_tokens == 1]
+        prefill = [c for c in chunks if c.num_tokens > 1]
+        ordered = decode + prefill
+        token_ids: list[int] = []
+        for c in ordered:
+            token_ids.extend(c.req.token_ids[c.start : c.end])
+        positions = torch.cat([self._positions(c.req, c.start, c.end) for c in ordered], dim=1)
+
+        meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), num_decode_tokens=len(decode),
+                                 block_size=self.block_size)
+        slot_parts = []
+        if decode:
+            slot_parts.append(self._decode_metadata(decode, meta))
+        row = len(decode)
+        for c in prefill:
+            ctx_slots = self._slots(c.req, 0, c.end)
+            slot_parts.append(ctx_slots[c.start :])
+            meta.prefills.append(build_prefill_span(row, c.num_tokens, c.end, ctx_slots if c.start else None))
+            row += c.num_tokens
+        meta.slot_mapping = torch.cat(slot_parts)
+        return ordered, token_ids, positions, meta
+
+    def _to_device(self, meta: AttentionMetadata) -> AttentionMetadata:
+        dev = self.device
+        if dev.type == "cpu":
+            return meta
+        meta.slot_mapping = meta.slot_mapping.to(dev, non_blocking=True)
+        if meta.decode_blocks is not None:
+            meta.decode_blocks = meta.decode_blocks.to(dev, non_blocking=True)
+            meta.decode_mask = meta.decode_mask.to(dev, non_blocking=True)
+        for span in meta.prefills:
+            if span.context_slots is not None:
+                span.context_slots = span.context_slots.to(dev, non_blocking=True)
+                span.mask = span.mask.to(dev, non_blocking=True)
+        return meta
+
+    def _embed(self, ordered: list[ScheduledChunk], token_ids: list[int]) -> torch.Tensor:
+        ids = torch.tensor(token_ids, device=self.device)
+        embeds = self.model.embed_tokens(ids)
+        row = 0
+        for c in ordered:
+            for idx in c.req.items_overlapping(c.start, c.end):
+                item = c.req.mm_items[idx]
+                lo, hi = max(c.start, item.offset), min(c.end, item.end)
+                emb = self.encoder_outputs[item.mm_hash]
+                embeds[row + lo - c.start : row + hi - c.start] = emb[lo - item.offset : hi - item.offset]
+            row += c.num_tokens
+        return embeds
+
+    # ---- step -----------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
+        self.free_encoder_outputs(sched.free_encoder_keys)
+        self.run_encoder(sched.encode)
+        if sched.empty:
+            return {}, {}
+        ordered, token_ids, positions, meta = self._prepare(sched.chunks)
+        embeds = self._embed(ordered, token_ids)
+        hidden = self.model(embeds, positions.to(self.device), self.kv_caches, self._to_device(meta))
+
+        rows, sampling = [], []
+        row = 0
+        for c in ordered:
+            row += c.num_tokens
+            if c.samples:
+                rows.append(row - 1)
+                sampling.append(c.req)
+        if not sampling:
+            return {}, {}
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()
+        return self._sample(logits, sampling)
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]):
+        generators = {}
+        for i, req in enumerate(reqs):
+            if req.params.seed is not None and not req.params.greedy:
+                if req.generator is None:
+                    req.generator = torch.Generator(device=self.device).manual_seed(req.params.seed)
+                generators[i] = req.generator
+        meta = SamplingMetadata.build(
+            [r.params for r in reqs],
+            [r.output_token_ids for r in reqs],
+            [r.prompt_token_ids for r in reqs],
+            [r.eos_token_ids for r in reqs],
+            generators,
+            self.device,
+        )
+        out = self.sampler(logits, meta)
+        tokens = out.sampled.tolist()
+        sampled = {r.request_id: t for r, t in zip(reqs, tokens)}
+        logprobs = {}
+        if out.logprobs is not None:
+            lp, ids, ranks = out.logprobs.tolist(), out.logprob_token_ids.tolist(), out.sampled_ranks.tolist()
+            for i, r in enumerate(reqs):
+                if r.params.logprobs is not None:
+                    k = 1 + r.params.logprobs
+                    logprobs[r.request_id] = TokenLogprobs(ids[i][:k], lp[i][:k], ranks[i])
+        return sampled, logprobs

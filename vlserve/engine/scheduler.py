@@ -1,0 +1,226 @@
+"""Continuous batching with chunked prefill and recompute-preemption.
+
+There are no separate prefill and decode phases: every request has `num_computed_tokens` catching up with
+its `num_tokens`. Each step packs, under a token budget, first the running requests (one token for those
+decoding, a chunk for those still prefilling), then new ones from the waiting queue. When KV blocks run out,
+the most recently admitted running request is preempted: its blocks are freed and it is recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from vlserve.engine.encoder_cache import EncoderCacheManager
+from vlserve.engine.kv_cache_manager import KVCacheManager
+from vlserve.engine.config import VlserveConfig
+from vlserve.core.messages import EngineCoreOutput, TokenLogprobs
+from vlserve.core.request import Request, RequestStatus
+from vlserve.core.errors import InvalidInputError
+from vlserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+
+
+class Scheduler:
+    def __init__(self, cfg: VlserveConfig):
+        self.cfg = cfg
+        self.kv = KVCacheManager(cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.encoder_cache = EncoderCacheManager(cfg.encoder_cache_size)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._freed_encoder_keys: list[str] = []
+        self.num_preemptions = 0
+
+    # ---- admission -------------------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        self._check_fits(req)
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def _check_fits(self, req: Request) -> None:
+        """Refuse up front what could never be scheduled, instead of letting it wait forever."""
+        cfg, max_tokens = self.cfg, req.params.max_tokens or 0
+        if req.num_prompt_tokens + max_tokens > cfg.max_model_len:
+            raise InvalidInputError(
+                f"prompt ({req.num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds the model's "
+                f"maximum context length ({cfg.max_model_len} tokens)")
+        # Without max_tokens a request may grow to max_model_len: that must fit too, or it would preempt itself
+        # forever once the pool is full.
+        unbounded = req.params.max_tokens is None
+        total = max(cfg.max_model_len, req.num_prompt_tokens) if unbounded else req.num_prompt_tokens + max_tokens
+        if self.kv.blocks_needed(total) > self.kv.pool.num_blocks:
+            raise InvalidInputError(
+                f"request needs more KV cache ({total} tokens) than the whole pool holds "
+                f"({self.kv.pool.num_blocks * self.kv.block_size} tokens)"
+                + ("; max_tokens is unset, so it may grow to max_model_len: set max_tokens" if unbounded else ""))
+        for item in req.mm_items:
+            if not self.encoder_cache.fits_ever(item.num_tokens):
+                raise InvalidInputError(
+                    f"a multimodal item needs {item.num_tokens} embedding tokens, more than the whole encoder cache "
+                    f"(encoder_cache_size={cfg.encoder_cache_size}); send a smaller image")
+            if item.num_tokens > cfg.max_num_encoder_input_tokens:
+                raise InvalidInputError(
+                    f"a multimodal item needs {item.num_tokens} embedding tokens, more than the per-step encoder "
+                    f"budget (max_num_encoder_input_tokens={cfg.max_num_encoder_input_tokens}); send a smaller image")
+            if cfg.disable_chunked_mm_input and item.num_tokens > cfg.max_num_batched_tokens:
+                raise InvalidInputError(
+                    f"a multimodal item of {item.num_tokens} tokens cannot be scheduled whole with "
+                    f"max_num_batched_tokens={cfg.max_num_batched_tokens} and chunked mm input disabled")
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step --------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(free_encoder_keys=self._freed_encoder_keys)
+        self._freed_encoder_keys = []
+        token_budget = self.cfg.max_num_batched_tokens
+        encoder_budget = self.cfg.max_num_encoder_input_tokens
+
+        i = 0
+        while i < len(self.running) and token_budget > 0:
+            req = self.running[i]
+            n, encode = self._plan_chunk(req, req.num_computed_tokens, token_budget, encoder_budget)
+            if n == 0:
+                i += 1
+                continue
+            while not self.kv.allocate_slots(req, n):
+                victim = self.running.pop()  # lowest priority: admitted last
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            else:
+                self._commit(req, req.num_computed_tokens, n, encode, out)
+                token_budget -= n
+                encoder_budget -= sum(req.mm_items[k].num_tokens for k in encode)
+                i += 1
+                continue
+            break  # the request itself was preempted: nothing smaller left to try this step
+
+        # Admit waiting requests only when nothing was preempted: if blocks were short just now, they still are.
+        while self.waiting and token_budget > 0 and not out.preempted and len(self.running) < self.cfg.max_num_seqs:
+            req = self.waiting[0]
+            cached = self.kv.find_cached_prefix(req)
+            start = len(cached) * self.kv.block_size
+            n, encode = self._plan_chunk(req, start, token_budget, encoder_budget)
+            if n == 0 or not self.kv.allocate_slots(req, n, cached):
+                break
+            self.kv.record_lookup(req, start)
+            req.num_cached_tokens = start
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self._commit(req, start, n, encode, out)
+            token_budget -= n
+            encoder_budget -= sum(req.mm_items[k].num_tokens for k in encode)
+        return out
+
+    def _plan_chunk(self, req: Request, start: int, token_budget: int, encoder_budget: int) -> tuple[int, list[int]]:
+        """How many tokens of `req` to compute from `start`, and which of its items must be encoded for them.
+
+        Pure: nothing is reserved here; `_commit` does that once the KV blocks are secured.
+        """
+        cache = self.encoder_cache
+        end = start + min(req.num_tokens - start, token_budget)
+        encode: list[int] = []
+        new_hashes: set[str] = set()
+        available = {req.mm_items[i].mm_hash for i in req.items_overlapping(start, end) if req.mm_items[i].mm_hash in cache}
+        new_tokens = 0
+        for idx in req.items_overlapping(start, end):
+            item = req.mm_items[idx]
+            needs_encoding = item.mm_hash not in available and item.mm_hash not in new_hashes
+            too_big = needs_encoding and (
+                item.num_tokens > encoder_budget or not cache.can_allocate(new_tokens + item.num_tokens, available))
+            if too_big or (item.end > end and self.cfg.disable_chunked_mm_input):
+                end = max(start, item.offset)  # stop right before this item; it goes whole in a later step
+                break
+            if needs_encoding:
+                encoder_budget -= item.num_tokens
+                new_tokens += item.num_tokens
+                new_hashes.add(item.mm_hash)
+                encode.append(idx)
+        return end - start, encode
+
+    def _commit(self, req: Request, start: int, n: int, encode: list[int], out: SchedulerOutput) -> None:
+        out.chunks.append(ScheduledChunk(req, start, n))
+        cache = self.encoder_cache
+        pending = [i for i in req.items_overlapping(start, start + n) if not cache.holds(req, i) and i not in encode]
+        # Hold cached entries first so making room for new ones can never evict them.
+        for idx in [i for i in pending if req.mm_items[i].mm_hash in cache]:
+            cache.lookup(req, idx)
+        for idx in encode:
+            out.free_encoder_keys.extend(cache.allocate(req, idx))
+            out.encode.append((req, idx))
+        for idx in [i for i in pending if not cache.holds(req, i)]:  # same picture again in this request
+            cache.lookup(req, idx)
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.kv.free(req)
+        out.free_encoder_keys.extend(self.encoder_cache.release_all(req))
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted.append(req.request_id)
+
+    # ---- after the forward pass ------------------------------------------------------------------------
+    def update_from_output(
+        self,
+        sched: SchedulerOutput,
+        sampled: dict[str, int],
+        logprobs: dict[str, TokenLogprobs] | None = None,
+    ) -> list[EngineCoreOutput]:
+        outputs = []
+        for chunk in sched.chunks:
+            req = chunk.req
+            if req.status.finished:  # aborted while the step ran
+                continue
+            req.num_computed_tokens = chunk.end
+            self.kv.cache_full_blocks(req)
+            for idx in req.items_overlapping(chunk.start, chunk.end):
+                if req.mm_items[idx].end <= chunk.end:
+                    self._freed_encoder_keys.extend(self.encoder_cache.release(req, idx))
+            if req.request_id not in sampled:
+                continue
+            token = sampled[req.request_id]
+            req.token_ids.append(token)
+            status = self._check_stop(req, token)
+            new_lp = [logprobs[req.request_id]] if logprobs and req.request_id in logprobs else None
+            out = EngineCoreOutput(req.request_id, [token], new_lp, num_cached_tokens=req.num_cached_tokens)
+            if status is not None:
+                self._finish(req, status)
+                out.finish_reason, out.stop_reason = status.value, req.stop_reason
+            outputs.append(out)
+        return outputs
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        p = req.params
+        if req.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if p.stop_token_ids and token in p.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if p.max_tokens is not None and req.num_output_tokens >= p.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if req.num_tokens >= self.cfg.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = status
+        self.kv.free(req)
+        self._freed_encoder_keys.extend(self.encoder_cache.release_all(req))
+        del self.requests[req.request_id]
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """Abort (or stop, e.g. on a stop string found by the front end) requests that are still here."""
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is not None:
+                self._finish(req, status)

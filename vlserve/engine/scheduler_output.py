@@ -1,0 +1,39 @@
+"""What one scheduler step decided, handed to the model runner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vlserve.core.request import Request
+
+
+@dataclass
+class ScheduledChunk:
+    req: Request
+    start: int  # first token index computed this step (= num_computed_tokens when scheduled)
+    num_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """A chunk that reaches the last known token produces the next one."""
+        return self.end == self.req.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    encode: list[tuple[Request, int]] = field(default_factory=list)  # (request, mm item index) to run the ViT on
+    free_encoder_keys: list[str] = field(default_factory=list)  # encoder outputs the runner may drop now
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def empty(self) -> bool:
+        return not self.chunks

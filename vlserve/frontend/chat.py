@@ -1,0 +1,87 @@
+"""OpenAI-format chat messages -> messages the chat template understands + the media they reference."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vlserve.core.errors import InvalidInputError
+
+ROLES = {"system", "user", "assistant", "tool", "developer"}
+
+
+@dataclass
+class ParsedChat:
+    messages: list[dict]  # template-ready: media parts become {"type": "image"} / {"type": "video"}
+    media: dict[str, list] = field(default_factory=lambda: {"image": [], "video": []})
+    uuids: dict[str, list] = field(default_factory=lambda: {"image": [], "video": []})
+
+    def prompt(self, text: str) -> dict:
+        """The engine prompt for the rendered `text`, with this chat's media and uuids."""
+        prompt: dict = {"prompt": text}
+        data = {kind: items for kind, items in self.media.items() if items}
+        if data:
+            prompt["multi_modal_data"] = data
+            ids = {kind: self.uuids[kind] for kind in data if any(self.uuids[kind])}
+            if ids:
+                prompt["multi_modal_uuids"] = ids
+        return prompt
+
+
+def _url(part: dict, key: str) -> str:
+    value = part.get(key)
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url:
+        raise InvalidInputError(f"a {key} part needs a '{key}': {{'url': ...}}")
+    return url  # data: and file:// are read where the media is loaded; the server fetches http(s) first
+
+
+def _embeds(part: dict) -> dict:
+    """`image_embeds` part: {"image_embeds": <b64 safetensors | tensor>, "image_grid_thw": [t, h, w]}, or the
+    same two keys nested inside "image_embeds"."""
+    value = part.get("image_embeds")
+    if isinstance(value, dict):
+        return {"image_embeds": value.get("image_embeds"), "image_grid_thw": value.get("image_grid_thw")}
+    return {"image_embeds": value, "image_grid_thw": part.get("image_grid_thw")}
+
+
+def parse_chat_messages(messages: list[dict], allow_python_objects: bool = True) -> ParsedChat:
+    """Splits OpenAI messages into template-ready messages and their media, in order of appearance.
+
+    The offline API also takes `image` / `image_pil` / `video` parts holding Python objects (PIL images,
+    paths, frame arrays). The HTTP server passes `allow_python_objects=False`: only URL and embedding parts.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise InvalidInputError("messages must be a non-empty list")
+    chat = ParsedChat([])
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or msg.get("role") not in ROLES:
+            raise InvalidInputError(f"messages[{i}] needs a 'role' among {sorted(ROLES)}")
+        content = msg.get("content")
+        if content is None or isinstance(content, str):
+            chat.messages.append({"role": msg["role"], "content": content or ""})
+            continue
+        if not isinstance(content, list):
+            raise InvalidInputError(f"messages[{i}].content must be a string or a list of parts")
+        parts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                parts.append({"type": "text", "text": str(part.get("text", ""))})
+                continue
+            if kind == "image_url":
+                media_kind, source = "image", _url(part, "image_url")
+            elif kind == "video_url":
+                media_kind, source = "video", _url(part, "video_url")
+            elif kind == "image_embeds":
+                media_kind, source = "image", _embeds(part)
+            elif kind in ("image_pil", "image", "video") and allow_python_objects:
+                media_kind, source = ("video" if kind == "video" else "image"), part.get(kind)
+                if source is None:
+                    raise InvalidInputError(f"messages[{i}].content[{j}]: '{kind}' part without its object")
+            else:
+                raise InvalidInputError(f"messages[{i}].content[{j}]: unsupported content part type {kind!r}")
+            chat.media[media_kind].append(source)
+            chat.uuids[media_kind].append(part.get("uuid"))
+            parts.append({"type": media_kind})
+        chat.messages.append({"role": msg["role"], "content": parts})
+    return chat

@@ -1,0 +1,184 @@
+"""Prompt (text or token ids, plus pictures, videos or precomputed embeddings) -> engine `Request`:
+tokenize, preprocess, expand placeholders, M-RoPE positions."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from vlserve.engine.config import VlserveConfig
+from vlserve.core.request import MultiModalItem, Request
+from vlserve.core.errors import InvalidInputError
+from vlserve.frontend.media.hashing import hash_embeddings, hash_image, hash_user_id, hash_video
+from vlserve.frontend.media.image import (DEFAULT_MAX_PIXELS_DECODED, ImageProcessorConfig, load_image, preprocess_image,
+                                 resolve_pixel_limits)
+from vlserve.frontend.media.video import VideoOptions, load_video, preprocess_video
+from vlserve.frontend.mrope import MRopeItem, expand_all_placeholders, mrope_positions
+from vlserve.core.sampling_params import SamplingParams
+
+MM_KWARGS = {"min_pixels", "max_pixels", "fps", "max_frames", "total_pixels"}
+EMBED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def as_list(value: Any) -> list:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+@dataclass
+class _Item:
+    """One media item before expansion: what the encoder gets (pixels or embeddings) and its token count."""
+
+    num_tokens: int
+    grid_thw: tuple[int, int, int]
+    mm_hash: str
+    pixel_values: torch.Tensor | None = None
+    embeddings: torch.Tensor | None = None
+    time_interval: float = 1.0  # M-RoPE temporal spacing (videos)
+
+
+class InputProcessor:
+    def __init__(self, cfg: VlserveConfig, tokenizer, image_cfg: ImageProcessorConfig):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.image_cfg = image_cfg
+        self.vocab_size = cfg.model.text.vocab_size
+        self.max_pixels_decoded = DEFAULT_MAX_PIXELS_DECODED  # bigger pictures are refused before decoding
+        self.video_opts = VideoOptions(max_frames=cfg.max_video_frames)
+
+    def tokenize(self, prompt: dict | str) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            prompt = {"prompt": prompt}
+        if not isinstance(prompt, dict):
+            raise InvalidInputError(f"a prompt must be a string or a dict, got {type(prompt).__name__}")
+        if "prompt_token_ids" in prompt:
+            ids = list(prompt["prompt_token_ids"])
+            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidInputError(f"prompt_token_ids holds ids outside the vocabulary: {bad[:5]}")
+            return prompt.get("prompt"), ids
+        text = prompt.get("prompt")
+        if not isinstance(text, str):
+            raise InvalidInputError("prompt dict needs a 'prompt' string or 'prompt_token_ids'")
+        return text, self.tokenizer.encode(text)
+
+    def process(
+        self,
+        request_id: str,
+        prompt: dict | str,
+        params: SamplingParams,
+        mm_processor_kwargs: dict | None = None,
+    ) -> tuple[str | None, Request]:
+        text, token_ids = self.tokenize(prompt)
+        if not token_ids:
+            raise InvalidInputError("the prompt is empty")
+        mm_data = (prompt.get("multi_modal_data") or {}) if isinstance(prompt, dict) else {}
+        uuids = (prompt.get("multi_modal_uuids") or {}) if isinstance(prompt, dict) else {}
+        unknown = set(mm_data) - {"image", "video"}
+        if unknown:
+            raise InvalidInputError(f"unsupported multi_modal_data kinds: {sorted(unknown)} (supported: image, video)")
+        kwargs = mm_processor_kwargs or {}
+        if set(kwargs) - MM_KWARGS:
+            raise InvalidInputError(f"unsupported mm_processor_kwargs: {sorted(set(kwargs) - MM_KWARGS)} "
+                                    f"(supported: {', '.join(sorted(MM_KWARGS))})")
+        images = self._sources("image", mm_data, uuids)
+        videos = self._sources("video", mm_data, uuids)
+        min_px, max_px = resolve_pixel_limits(self.image_cfg, kwargs.get("min_pixels"), kwargs.get("max_pixels"))
+        pixel_params = {"min_pixels": min_px, "max_pixels": max_px}  # what changes the encoder's output
+        image_items = [self._image(src, uid, pixel_params) for src, uid in images]
+        video_items = [self._video(src, uid, kwargs, pixel_params) for src, uid in videos] if videos else []
+
+        mcfg = self.cfg.model
+        token_ids, offsets = expand_all_placeholders(token_ids, {
+            mcfg.image_token_id: [it.num_tokens for it in image_items],
+            mcfg.video_token_id: [it.num_tokens for it in video_items]})
+        placed = sorted(zip(offsets[mcfg.image_token_id] + offsets[mcfg.video_token_id], image_items + video_items),
+                        key=lambda x: x[0])
+        positions, delta = mrope_positions(
+            token_ids, [MRopeItem(off, it.grid_thw, it.time_interval) for off, it in placed],
+            mcfg.vision.spatial_merge_size)
+        mm_items = [MultiModalItem(off, it.num_tokens, it.pixel_values, it.grid_thw, it.mm_hash, it.embeddings)
+                    for off, it in placed]
+        req = Request(request_id, token_ids, params, mcfg.eos_token_ids, mm_items, positions, delta)
+        return text, req
+
+    def _sources(self, kind: str, mm_data: dict, uuids: dict) -> list[tuple[Any, str | None]]:
+        value = mm_data.get(kind)
+        items = [value] if isinstance(value, np.ndarray) else as_list(value)  # one [T, H, W, 3] video array
+        limit = self.cfg.limit_mm_per_prompt.get(kind, 0)
+        if len(items) > limit:
+            raise InvalidInputError(f"{len(items)} {kind}s in one prompt; at most {limit} allowed (limit_mm_per_prompt)")
+        ids = as_list(uuids.get(kind))
+        if ids and len(ids) != len(items):
+            raise InvalidInputError(f"{len(ids)} {kind} uuids for {len(items)} {kind}s")
+        return list(zip(items, ids or [None] * len(items)))
+
+    def _image(self, src: Any, uid: str | None, params: dict) -> _Item:
+        if isinstance(src, dict) and "image_embeds" in src:
+            return self._embeds(src)
+        img = load_image(src, self.max_pixels_decoded)
+        p = preprocess_image(img, self.image_cfg, params["min_pixels"], params["max_pixels"])
+        mm_hash = hash_user_id(str(uid), params) if uid else hash_image(img, params)
+        return _Item(p.num_embed_tokens, p.grid_thw, mm_hash, pixel_values=p.pixel_values)
+
+    def _video(self, src: Any, uid: str | None, kwargs: dict, pixel_params: dict) -> _Item:
+        opts = self.video_opts.with_overrides(kwargs, self.cfg.max_video_frames)
+        video = load_video(list(src) if isinstance(src, np.ndarray) else src, opts)
+        p = preprocess_video(video, self.image_cfg, opts, pixel_params["min_pixels"], pixel_params["max_pixels"])
+        params = {**pixel_params, "fps": opts.fps, "max_frames": opts.max_frames, "total_pixels": opts.total_pixels}
+        mm_hash = hash_user_id(str(uid), params) if uid else hash_video(video.frames, params)
+        vision = self.cfg.model.vision
+        interval = p.second_per_grid * vision.tokens_per_second if vision.time_scaled_video else 1.0
+        return _Item(p.num_embed_tokens, p.grid_thw, mm_hash, pixel_values=p.pixel_values, time_interval=interval)
+
+    def _embeds(self, entry: dict) -> _Item:
+        """Precomputed image embeddings: a tensor (or base64 safetensors) plus its image_grid_thw."""
+        if not self.cfg.enable_mm_embeds:
+            raise InvalidInputError("image embeddings input is disabled; start with --enable-mm-embeds")
+        embeds, grid = decode_embeds(entry.get("image_embeds")), entry.get("image_grid_thw")
+        if isinstance(grid, torch.Tensor):
+            grid = grid.flatten().tolist()
+        merge = self.cfg.model.vision.spatial_merge_size
+        if (not isinstance(grid, (list, tuple)) or len(grid) != 3 or not all(isinstance(g, int) and g > 0 for g in grid)
+                or grid[1] % merge or grid[2] % merge):
+            raise InvalidInputError(f"image_grid_thw must be 3 positive integers with h, w divisible by {merge}, "
+                                    f"got {grid!r}")
+        if embeds.dim() == 3 and embeds.shape[0] == 1:
+            embeds = embeds[0]
+        tokens = grid[0] * grid[1] * grid[2] // merge**2
+        expected = (tokens, self.cfg.model.text.hidden_size)
+        if tuple(embeds.shape) != expected:
+            raise InvalidInputError(f"image_embeds has shape {tuple(embeds.shape)}; image_grid_thw {tuple(grid)} on "
+                                    f"this model needs {expected}")
+        if embeds.dtype not in EMBED_DTYPES:
+            raise InvalidInputError(f"image_embeds dtype {embeds.dtype} is not float32, bfloat16 or float16")
+        if not torch.isfinite(embeds).all():
+            raise InvalidInputError("image_embeds holds NaN or infinite values")
+        embeds = embeds.to(self.cfg.dtype).contiguous()
+        grid = (grid[0], grid[1], grid[2])
+        return _Item(tokens, grid, hash_embeddings(embeds, grid), embeddings=embeds)
+
+
+def decode_embeds(value: Any) -> torch.Tensor:
+    """A tensor as is; a string as base64 of a safetensors file holding one tensor (never a pickle)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if not isinstance(value, str):
+        raise InvalidInputError("image_embeds must be a tensor or base64 of a safetensors file")
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    try:
+        tensors = load(base64.b64decode(value, validate=True))
+    except (binascii.Error, ValueError, SafetensorError) as e:
+        raise InvalidInputError(f"image_embeds is not base64 of a safetensors file ({type(e).__name__})") from None
+    if len(tensors) != 1 and "image_embeds" not in tensors:
+        raise InvalidInputError(f"image_embeds safetensors must hold one tensor (or one named 'image_embeds'), "
+                                f"got {sorted(tensors)[:5]}")
+    return tensors.get("image_embeds", next(iter(tensors.values())))

@@ -1,0 +1,100 @@
+"""The offline API: `LLM(model=...).generate(...)` / `.chat(...)`, shaped like vLLM's."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from vlserve.core.config import EngineArgs
+from vlserve.frontend.llm_engine import LLMEngine
+from vlserve.frontend.chat import parse_chat_messages
+from vlserve.core.errors import InvalidInputError
+from vlserve.core.outputs import RequestOutput
+from vlserve.frontend.input_processor import as_list
+from vlserve.frontend.tokenizer import render_chat
+from vlserve.core.sampling_params import SamplingParams
+
+
+class LLM:
+    """Load a Qwen2-VL family checkpoint and generate with continuous batching.
+
+    >>> llm = LLM(model="path/or/org/name", dtype="bfloat16", max_num_seqs=32)
+    >>> llm.generate({"prompt": "<|vision_start|><|image_pad|><|vision_end|>What is this?",
+    ...               "multi_modal_data": {"image": [pil_image]}}, SamplingParams(max_tokens=32))
+    """
+
+    def __init__(self, model: str, dtype: str = "auto", **engine_args: Any):
+        unknown = set(engine_args) - EngineArgs.field_names()
+        if unknown:
+            raise TypeError(f"unknown engine arguments: {sorted(unknown)}")
+        self.engine = LLMEngine(EngineArgs(model=model, dtype=dtype, **engine_args))
+        self.tokenizer = self.engine.tokenizer
+
+    @property
+    def config(self):
+        return self.engine.cfg
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: str | dict | Sequence[str | dict],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        mm_processor_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        params = self._params_list(sampling_params, len(prompts))
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(self.engine.add_request(prompt, p, mm_processor_kwargs=mm_processor_kwargs))
+        except Exception:
+            for rid in ids:  # nothing half-submitted stays in the engine
+                self.engine.abort_request(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | Sequence[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        mm_processor_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conv in conversations:
+            chat = parse_chat_messages(conv)
+            prompts.append(chat.prompt(render_chat(self.tokenizer, chat.messages, add_generation_prompt, chat_template)))
+        return self.generate(prompts, sampling_params, use_tqdm, mm_processor_kwargs)
+
+    def get_metrics(self) -> dict[str, float]:
+        return self.engine.core.get_metrics()
+
+    @staticmethod
+    def _params_list(sampling_params, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * n
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        params = as_list(sampling_params)
+        if len(params) != n:
+            raise InvalidInputError(f"{len(params)} sampling params for {n} prompts")
+        return params
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generating", disable=not use_tqdm or len(ids) < 2)
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [done[rid] for rid in ids]

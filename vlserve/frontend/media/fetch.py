@@ -1,0 +1,281 @@
+"""Turn the `url` of an `image_url` / `video_url` content part into bytes or a local path, safely.
+
+Supported: `data:<type>/<subtype>;base64,...`, `file://` (only inside an allowed directory) and
+`http(s)://` (size-limited, redirects followed by hand so every hop is checked against the policy).
+Remote URLs are refused by default when their host resolves to a non-public address, so a request
+cannot make the server probe its own network (SSRF: cloud metadata at 169.254.169.254, localhost
+admin ports, ...).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import ipaddress
+import os
+import re
+import socket
+import stat
+from dataclasses import dataclass
+from http.cookiejar import CookieJar, DefaultCookiePolicy
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import httpx
+
+from vlserve.core.errors import InvalidInputError, MediaFetchError, MediaTooLargeError
+
+_SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*):")
+# data:<type>/<subtype>[;param=value]*;base64,<payload>
+_DATA_URL = re.compile(r"^data:[\w.+-]+/[\w.+-]+(?:;[\w.+-]+=[^;,]*)*;base64,(.*)$", re.IGNORECASE | re.DOTALL)
+_CHUNK = 64 * 1024
+
+
+@dataclass(frozen=True)
+class MediaPolicy:
+    """What media URLs a request may name. The defaults are safe for a server open to untrusted users."""
+
+    allowed_local_media_path: Path | None = None  # file:// only inside this dir; None refuses file://
+    allowed_media_domains: tuple[str, ...] = ()  # empty: any domain; else the host or a parent must be listed
+    allow_private_media_urls: bool = False  # allow hosts resolving to private/loopback/link-local/... IPs
+    max_bytes: int = 20 * 2**20  # per media item: http bodies, decoded data URLs, local files
+    timeout_s: float = 10.0  # the whole fetch, redirects included
+    max_redirects: int = 5
+
+    @classmethod
+    def from_args(cls, server, kind: str = "image") -> "MediaPolicy":
+        """The policy a server's options (`core.config.ServerArgs`) set for one media kind."""
+        return cls(allowed_local_media_path=server.allowed_local_media_path,
+                   allowed_media_domains=tuple(server.allowed_media_domains),
+                   allow_private_media_urls=server.allow_private_media_urls,
+                   max_bytes=server.max_video_bytes if kind == "video" else server.max_media_bytes,
+                   timeout_s=server.media_fetch_timeout)
+
+
+def _short(url: str, limit: int = 200) -> str:
+    # URLs end up in error JSON: keep them readable and bounded.
+    return url if len(url) <= limit else url[:limit] + "..."
+
+
+def _normalize_domain(domain: str) -> str:
+    domain = domain.strip().strip(".").lower()
+    try:
+        return domain.encode("idna").decode("ascii")  # compare in the same ASCII form httpx sends
+    except UnicodeError:
+        return domain
+
+
+def _is_ip_literal(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def is_non_public_address(addr: str) -> bool:
+    """True for any address a public media URL has no business resolving to."""
+    ip = ipaddress.ip_address(addr.split("%", 1)[0])  # drop an IPv6 zone id (fe80::1%eth0)
+    if isinstance(ip, ipaddress.IPv6Address):
+        # IPv4 carried inside IPv6 reaches the IPv4 host: judge the embedded address.
+        embedded = ip.ipv4_mapped or ip.sixtofour or (ip.teredo[1] if ip.teredo else None)
+        if embedded is not None:
+            return is_non_public_address(str(embedded))
+    return (
+        ip.is_private
+        or ip.is_loopback
+        or ip.is_link_local
+        or ip.is_reserved
+        or ip.is_multicast
+        or ip.is_unspecified
+        or not ip.is_global  # also catches shared space 100.64.0.0/10 and similar
+    )
+
+
+class MediaFetcher:
+    """Fetches media URLs under a `MediaPolicy`. One per server; call `aclose` on shutdown."""
+
+    def __init__(self, policy: MediaPolicy, transport: httpx.AsyncBaseTransport | None = None):
+        self.policy = policy
+        self._domains = tuple(_normalize_domain(d) for d in policy.allowed_media_domains if d.strip("."))
+        self._local_root = (
+            os.path.realpath(policy.allowed_local_media_path) if policy.allowed_local_media_path is not None else None
+        )
+        self._client = httpx.AsyncClient(
+            follow_redirects=False,  # we follow them ourselves, checking every hop
+            # One client serves all users: keep no cookies, so none set for one request reach another.
+            cookies=CookieJar(policy=DefaultCookiePolicy(allowed_domains=[])),
+            transport=transport,
+            timeout=httpx.Timeout(policy.timeout_s),
+            # Media is already compressed; asking for identity avoids decompression bombs.
+            headers={"User-Agent": "vlserve", "Accept-Encoding": "identity"},
+        )
+
+    async def __aenter__(self) -> MediaFetcher:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def fetch(self, url: str) -> bytes | Path:
+        """Bytes for data: and http(s): URLs, the resolved `Path` for file: URLs."""
+        if not isinstance(url, str):
+            raise InvalidInputError("media URL must be a string")
+        m = _SCHEME.match(url)
+        scheme = m.group(1).lower() if m else ""
+        if scheme == "data":
+            return self._decode_data_url(url)
+        if scheme == "file":
+            return self._local_file(url)
+        if scheme in ("http", "https"):
+            try:
+                return await asyncio.wait_for(self._fetch_http(url), self.policy.timeout_s)
+            except asyncio.TimeoutError:
+                raise MediaFetchError(
+                    f"fetching media URL {_short(url)!r} timed out after {self.policy.timeout_s:g}s"
+                ) from None
+        shown = f"{scheme!r}" if scheme else "none"
+        raise MediaFetchError(
+            f"unsupported URL scheme {shown} in media URL: "
+            "use http://, https://, data: or (if the server allows) file://"
+        )
+
+    # -- data: ---------------------------------------------------------------------------------
+
+    def _decode_data_url(self, url: str) -> bytes:
+        m = _DATA_URL.match(url)
+        if m is None:
+            raise InvalidInputError("data URL must look like 'data:<type>/<subtype>;base64,<data>'")
+        # Tolerate whitespace/newlines, url-safe alphabet and missing padding; reject anything else.
+        data = re.sub(r"\s+", "", m.group(1)).replace("-", "+").replace("_", "/")
+        data += "=" * (-len(data) % 4)
+        # Check the decoded size before decoding so an oversized payload costs no extra memory.
+        size = len(data) // 4 * 3 - (len(data) - len(data.rstrip("=")))
+        if size > self.policy.max_bytes:
+            raise MediaTooLargeError(f"data URL media is {size} bytes, over the limit of {self.policy.max_bytes} bytes")
+        try:
+            return base64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise InvalidInputError(f"invalid base64 in data URL: {e}") from None
+
+    # -- file: ---------------------------------------------------------------------------------
+
+    def _local_file(self, url: str) -> Path:
+        if self._local_root is None:
+            raise MediaFetchError("file:// media URLs are not allowed by this server")
+        parts = urlsplit(url)
+        if parts.netloc not in ("", "localhost"):
+            raise MediaFetchError("file:// media URL must name a local absolute path (file:///path/to/file)")
+        path = unquote(parts.path)
+        if not path.startswith("/") or "\x00" in path:
+            raise MediaFetchError("file:// media URL must name a local absolute path (file:///path/to/file)")
+        # realpath resolves symlinks and '..' first, so neither can lead out of the allowed directory.
+        real = os.path.realpath(path)
+        # Containment is checked before existence so nothing is revealed about files outside.
+        if os.path.commonpath([real, self._local_root]) != self._local_root:
+            raise MediaFetchError("file:// media URL is outside the server's allowed local media path")
+        try:
+            st = os.stat(real)
+        except (OSError, ValueError):
+            raise MediaFetchError("file:// media URL names a file that does not exist or cannot be read") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise MediaFetchError("file:// media URL does not name a regular file")
+        if st.st_size > self.policy.max_bytes:
+            raise MediaTooLargeError(
+                f"local media file is {st.st_size} bytes, over the limit of {self.policy.max_bytes} bytes"
+            )
+        # The file could still change after this check; the decoder's own pixel limits bound that.
+        return Path(real)
+
+    # -- http(s): ------------------------------------------------------------------------------
+
+    async def _resolve(self, host: str, port: int) -> list[str]:
+        """Addresses `host` resolves to. Overridable (tests, custom resolvers)."""
+        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        return [info[4][0] for info in infos]
+
+    async def _check_url(self, url: httpx.URL, redirected: bool) -> None:
+        """Refuse a URL (the first one or a redirect target) that the policy does not allow."""
+        what = "media URL redirected to" if redirected else "media URL"
+        if url.scheme not in ("http", "https"):
+            raise MediaFetchError(f"{what} a non-http(s) URL ({url.scheme or 'no'} scheme); refused")
+        host = url.raw_host.decode("ascii").lower().rstrip(".")
+        if not host:
+            raise MediaFetchError(f"{'media URL redirected to a URL' if redirected else 'media URL has'} no host")
+        if self._domains:
+            ip_literal = _is_ip_literal(host)
+            allowed = any(host == d or (not ip_literal and host.endswith("." + d)) for d in self._domains)
+            if not allowed:
+                raise MediaFetchError(f"{what} host {host!r}, which is not in the server's allowed media domains")
+        if self.policy.allow_private_media_urls:
+            return
+        port = url.port or (443 if url.scheme == "https" else 80)
+        try:
+            addrs = await self._resolve(host, port)
+        except (OSError, UnicodeError) as e:
+            raise MediaFetchError(f"{what} host {host!r}, which could not be resolved ({e})") from None
+        if not addrs:
+            raise MediaFetchError(f"{what} host {host!r}, which could not be resolved")
+        # One bad address is enough: the connection could use any of them.
+        if any(is_non_public_address(a) for a in addrs):
+            raise MediaFetchError(
+                f"{what} host {host!r}, which is a private, loopback, link-local or reserved address; "
+                "such media URLs are refused by the server's policy"
+            )
+        # Remaining gap: httpx resolves the name again when connecting, so a DNS server answering
+        # differently the second time (DNS rebinding) could still slip a private address through.
+        # Closing it needs connecting to the checked address itself (a custom transport).
+
+    async def _fetch_http(self, url: str) -> bytes:
+        try:
+            current = httpx.URL(url)
+        except (httpx.InvalidURL, TypeError, ValueError) as e:
+            raise MediaFetchError(f"invalid media URL: {e}") from None
+        limit = self.policy.max_bytes
+        try:
+            for hop in range(self.policy.max_redirects + 1):
+                await self._check_url(current, redirected=hop > 0)
+                async with self._client.stream("GET", current) as resp:
+                    if resp.is_redirect:
+                        try:
+                            current = current.join(resp.headers["location"])
+                        except (httpx.InvalidURL, TypeError, ValueError) as e:
+                            raise MediaFetchError(f"media URL redirected to an invalid URL: {e}") from None
+                        continue
+                    if not resp.is_success:
+                        reason = f" {resp.reason_phrase}" if resp.reason_phrase else ""
+                        raise MediaFetchError(
+                            f"fetching media URL {_short(url)!r} failed: HTTP {resp.status_code}{reason}"
+                        )
+                    declared = resp.headers.get("content-length", "")
+                    if declared.isdigit() and int(declared) > limit:
+                        raise MediaTooLargeError(
+                            f"media at {_short(url)!r} is {declared} bytes (Content-Length), "
+                            f"over the limit of {limit} bytes"
+                        )
+                    body = bytearray()
+                    async for chunk in resp.aiter_bytes(_CHUNK):
+                        body += chunk
+                        if len(body) > limit:  # stop downloading at once; never trust Content-Length alone
+                            raise MediaTooLargeError(
+                                f"media at {_short(url)!r} is over the limit of {limit} bytes"
+                            )
+                    return bytes(body)
+        except httpx.InvalidURL as e:
+            # httpx pre-builds the next request of a redirect even when not following it, so a bad
+            # Location (e.g. a data: URL) surfaces here rather than at our own join() above.
+            raise MediaFetchError(
+                f"media URL {_short(url)!r} redirected to an invalid or unsupported URL: {e}"
+            ) from None
+        except httpx.TimeoutException:
+            raise MediaFetchError(
+                f"fetching media URL {_short(url)!r} timed out after {self.policy.timeout_s:g}s"
+            ) from None
+        except httpx.HTTPError as e:
+            kind = "could not connect to" if isinstance(e, httpx.ConnectError) else "error while fetching"
+            raise MediaFetchError(f"{kind} media URL {_short(url)!r}: {str(e) or type(e).__name__}") from None
+        raise MediaFetchError(f"media URL {_short(url)!r} redirected more than {self.policy.max_redirects} times")

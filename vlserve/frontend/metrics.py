@@ -1,0 +1,71 @@
+"""Prometheus metrics with the names of the interface contract (DESIGN §4).
+
+Gauges and counters come straight from the engine's latest stats (the engine keeps the cumulative totals, so
+a collector reads them at scrape time); latency histograms are observed in the front-end, where a request's
+first token and finish are seen. Each server owns its registry, so several can live in one process (tests).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from vlserve.core.wire import EngineStats
+
+PREFIX = "vlserve:"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# name -> (kind, help); the value is the EngineStats field of the same name
+ENGINE_METRICS = {
+    "num_requests_running": ("gauge", "Requests in the running batch."),
+    "num_requests_waiting": ("gauge", "Requests waiting to be scheduled."),
+    "kv_cache_usage_perc": ("gauge", "Fraction of KV cache blocks in use (1 = full)."),
+    "num_preemptions_total": ("counter", "Requests preempted (recomputed later) for lack of KV blocks."),
+    "prefix_cache_queries_total": ("counter", "Prompt tokens looked up in the prefix cache."),
+    "prefix_cache_hits_total": ("counter", "Prompt tokens served from the prefix cache."),
+    "encoder_cache_queries_total": ("counter", "Multimodal items looked up in the encoder cache."),
+    "encoder_cache_hits_total": ("counter", "Multimodal items served from the encoder cache."),
+    "prompt_tokens_total": ("counter", "Prompt tokens received."),
+    "generation_tokens_total": ("counter", "Tokens generated."),
+}
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0, 160.0)
+
+
+class _EngineStatsCollector:
+    def __init__(self, metrics: "ServerMetrics"):
+        self.metrics = metrics
+
+    def collect(self):
+        stats, labels = self.metrics.stats, [self.metrics.model_name]
+        for name, (kind, help_text) in ENGINE_METRICS.items():
+            family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
+                PREFIX + name, help_text, labels=["model_name"])
+            family.add_metric(labels, float(getattr(stats, name)))
+            yield family
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self.stats = EngineStats()
+        self.registry.register(_EngineStatsCollector(self))
+
+        def histogram(name: str, help_text: str) -> Histogram:
+            return Histogram(PREFIX + name, help_text, ["model_name"], registry=self.registry,
+                             buckets=LATENCY_BUCKETS).labels(model_name)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first generated token.")
+        self.itl = histogram("inter_token_latency_seconds", "Time between two generated tokens of a request.")
+        self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the last token.")
+        self.encoder = histogram("encoder_latency_seconds", "Vision encoder time per ViT call.")
+
+    def on_engine_stats(self, stats: EngineStats) -> None:
+        self.stats = stats
+        for seconds in stats.encoder_seconds:
+            self.encoder.observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,39 @@
+"""Activations and the gated MLP of Qwen2 decoders and the Qwen2.5-VL vision blocks."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "quick_gelu": quick_gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+def get_activation(name: str):
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unsupported activation '{name}' (known: {sorted(ACTIVATIONS)})")
+    return ACTIVATIONS[name]
+
+
+class GatedMLP(nn.Module):
+    """act(gate(x)) * up(x) -> down. gate and up live in one matrix so each token costs one GEMM, not two."""
+
+    def __init__(self, dim: int, hidden: int, act: str, bias: bool):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(dim, 2 * hidden, bias=bias)
+        self.down_proj = nn.Linear(hidden, dim, bias=bias)
+        self.act = get_activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)

@@ -1,0 +1,44 @@
+"""Rotary position embeddings: the rotation itself and Qwen2-VL's multimodal (M-RoPE) angles."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [tokens, heads, head_dim]; cos/sin: [tokens, head_dim] (broadcast over heads)."""
+    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
+class MRotaryEmbedding(nn.Module):
+    """Rotary angles where each frequency band follows one of the (t, h, w) position axes.
+
+    `mrope_section` splits the head_dim/2 frequencies into bands: the first band rotates with the temporal
+    position, the second with the row, the third with the column. For text all three positions are equal,
+    which makes it plain 1D RoPE.
+    """
+
+    def __init__(self, head_dim: int, theta: float, mrope_section: tuple[int, ...]):
+        super().__init__()
+        # Plain attributes, not buffers: they must stay fp32 whatever dtype the weights are cast to, and
+        # survive meta-device construction. Copied to the positions' device on first use.
+        cpu = torch.device("cpu")  # explicit: construction may run under a meta-device context
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=cpu) / head_dim))
+        # axis_of_band[j] = which position axis drives frequency j
+        axis = torch.cat([torch.full((n,), i % 3, dtype=torch.long, device=cpu) for i, n in enumerate(mrope_section)])
+        self._tables = {torch.device("cpu"): (inv_freq, axis)}
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.device not in self._tables:
+            self._tables[positions.device] = tuple(t.to(positions.device) for t in self._tables[torch.device("cpu")])
+        inv_freq, axis = self._tables[positions.device]
+        freqs = positions.unsqueeze(-1).float() * inv_freq  # [3, T, head_dim/2]
+        freqs = freqs.gather(0, axis.view(1, 1, -1).expand(1, freqs.shape[1], -1)).squeeze(0)
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
+        return emb.cos().to(dtype), emb.sin().to(dtype)

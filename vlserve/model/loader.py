@@ -1,0 +1,184 @@
+"""Find a checkpoint (local folder or hub id) and load its safetensors weights into our model classes.
+
+Checkpoint names are mapped onto ours in two steps: a prefix rename (both the transformers-5 layout
+`model.language_model.*` / `model.visual.*` and the original `model.*` / `visual.*` are accepted), then fused
+parameters: q/k/v projections land in one `qkv_proj`, gate/up in one `gate_up_proj`, the Conv3d patch
+embedding in a Linear.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from safetensors import SafetensorError, safe_open
+from tqdm import tqdm
+
+from vlserve.core.errors import ModelLoadError
+from vlserve.model.hardware import resolve_dtype
+from vlserve.model.hf_config import ModelConfig, load_model_config
+from vlserve.model.registry import get_model_spec
+
+logger = logging.getLogger(__name__)
+
+# (checkpoint prefix, our prefix), first match wins
+PREFIX_RENAMES = [
+    ("model.language_model.", "language_model."),
+    ("model.visual.", "visual."),
+    ("visual.", "visual."),
+    ("model.", "language_model."),
+    ("language_model.model.", "language_model."),
+    ("lm_head.", "lm_head."),
+]
+# (checkpoint piece, our fused piece, which shard)
+FUSED_PIECES = [
+    (".self_attn.q_proj.", ".self_attn.qkv_proj.", "q"),
+    (".self_attn.k_proj.", ".self_attn.qkv_proj.", "k"),
+    (".self_attn.v_proj.", ".self_attn.qkv_proj.", "v"),
+    (".mlp.gate_proj.", ".mlp.gate_up_proj.", "gate"),
+    (".mlp.up_proj.", ".mlp.gate_up_proj.", "up"),
+]
+HUB_FILE_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "tokenizer*", "*.tiktoken"]
+PROGRESS_BAR_MIN_BYTES = 256 * 2**20
+
+def resolve_model_path(model: str | os.PathLike) -> Path:
+    """A local folder as is; otherwise a hub id, fetched (or found in the local hub cache)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ModelLoadError(f"{model}: not a folder; expected a Hugging Face model folder or hub id")
+    if str(model).count("/") != 1 or str(model).startswith(("/", ".", "~")):
+        raise ModelLoadError(f"model '{model}': no such folder, and it does not look like a hub id (org/name)")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id=str(model), allow_patterns=HUB_FILE_PATTERNS))
+    except Exception as e:  # offline, unknown repo, gated, network: all end the same way for the user
+        raise ModelLoadError(
+            f"model '{model}' is not a local folder and could not be fetched from the Hugging Face hub "
+            f"({type(e).__name__}: {e}). Download it first (e.g. `hf download {model}`) or pass a folder."
+        ) from e
+
+
+def weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise ModelLoadError(f"{index}: not a valid safetensors index ({type(e).__name__}: {e})") from e
+        missing = [s for s in shards if not (folder / s).is_file()]
+        if missing:
+            raise ModelLoadError(f"{folder}: shards listed in {index.name} are missing: {', '.join(missing)}")
+        return [folder / s for s in shards]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder}: no model.safetensors or model.safetensors.index.json found")
+    return files
+
+
+def our_name(ckpt_name: str) -> tuple[str, str | None]:
+    for old, new in PREFIX_RENAMES:
+        if ckpt_name.startswith(old):
+            ckpt_name = new + ckpt_name[len(old) :]
+            break
+    for piece, fused, shard in FUSED_PIECES:
+        if piece in ckpt_name:
+            return ckpt_name.replace(piece, fused), shard
+    return ckpt_name, None
+
+
+def _shard_view(model: nn.Module, name: str, param: torch.Tensor, shard: str) -> torch.Tensor:
+    """The rows of fused parameter `name` that checkpoint piece `shard` fills.
+
+    Offsets and sizes come from the model (never from the incoming tensor), so a piece of the wrong size
+    fails the shape check instead of landing silently in its neighbour's rows.
+    """
+    total = param.shape[0]
+    if shard in ("gate", "up"):
+        half = total // 2
+        return param.narrow(0, 0 if shard == "gate" else half, half)
+    attn = model.get_submodule(name.rsplit(".", 2)[0])  # "...self_attn.qkv_proj.weight" -> the attention module
+    q, kv = attn.q_size, attn.kv_size
+    offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard]
+    return param.narrow(0, offset, size)
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def load_weights(model: nn.Module, folder: Path, files: list[Path] | None = None) -> None:
+    files = files or weight_files(folder)
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    total_bytes = sum(f.stat().st_size for f in files)
+    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="loading weights",
+               disable=total_bytes < PROGRESS_BAR_MIN_BYTES)
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():
+                    name, shard = our_name(key)
+                    if name not in params:
+                        unexpected.append(key)
+                        continue
+                    tensor = f.get_tensor(key)
+                    param = params[name].data
+                    if name.endswith("patch_embed.proj.weight"):
+                        tensor = tensor.reshape(tensor.shape[0], -1)  # Conv3d kernel -> Linear
+                    target = _shard_view(model, name, param, shard) if shard else param
+                    if target.shape != tensor.shape:
+                        raise ModelLoadError(
+                            f"{file.name}: '{key}' has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+                        )
+                    target.copy_(tensor)
+                    loaded.add(f"{name}:{shard}")
+        except SafetensorError as e:
+            raise ModelLoadError(f"{file}: corrupt or unreadable safetensors file ({e})") from e
+        bar.update(file.stat().st_size)
+    bar.close()
+    missing = []
+    for name in params:
+        shards = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
+        pieces = next((s for key, s in shards.items() if f".{key}." in name), (None,))
+        missing += [f"{name}:{s}" if s else name for s in pieces if f"{name}:{s}" not in loaded]
+    if missing:
+        raise ModelLoadError(f"{folder}: checkpoint lacks weights for {len(missing)} parameters, e.g. {missing[:5]}")
+    ours = [k for k in unexpected if not k.startswith(("visual.", "model.visual.", "lm_head"))]
+    if ours:
+        logger.warning("ignored %d checkpoint tensors with no matching parameter, e.g. %s", len(ours), ours[:3])
+
+
+def load_model(
+    folder: Path,
+    cfg: ModelConfig | None = None,
+    dtype: str | torch.dtype = "auto",
+    device: torch.device | str = "cpu",
+    with_vision: bool = True,
+    with_language: bool = True,
+) -> nn.Module:
+    """Build the model for `cfg.architecture` without random init (meta device) and fill it from safetensors."""
+    cfg = cfg or load_model_config(folder)
+    device = torch.device(device)
+    torch_dtype = resolve_dtype(dtype, cfg.checkpoint_dtype, device)
+    spec = get_model_spec(cfg)
+    files = weight_files(folder)
+    with torch.device("meta"), _default_dtype(torch_dtype):
+        model = spec.build(cfg, with_vision=with_vision, with_language=with_language)
+    model = model.to_empty(device=device)
+    load_weights(model, folder, files)
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,83 @@
+"""Qwen2.5-VL vision tower: RMSNorm + SwiGLU blocks; most blocks attend inside local windows, a few globally.
+
+Window attention needs the tokens of a window to be contiguous, so patches are reordered window by window
+(in units of one merge group, so the merger still sees its 2x2 groups together) before the blocks, and the
+merged output is put back in the processor's order at the end.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from vlserve.model.hf_config import VisionConfig
+from vlserve.model.layers.mlp import GatedMLP
+from vlserve.model.layers.norm import RMSNorm
+from vlserve.model.vision_common import (
+    PatchEmbed,
+    PatchMerger,
+    VarlenPlan,
+    VisionAttention,
+    VisionRotary,
+    cu_lengths,
+    plan_varlen,
+)
+
+
+def window_order(grid_thw: list[tuple[int, int, int]], cfg: VisionConfig) -> tuple[torch.Tensor, list[int]]:
+    """Merge-group order that makes every window contiguous, and the token count of each window."""
+    merge = cfg.spatial_merge_size
+    win = cfg.window_size // merge // cfg.patch_size  # window side, in merged tokens
+    order, lengths, base = [], [], 0
+    for t, h, w in grid_thw:
+        gh, gw = h // merge, w // merge
+        idx = torch.arange(t * gh * gw).view(t, gh, gw)
+        for frame in range(t):
+            for r0 in range(0, gh, win):
+                for c0 in range(0, gw, win):
+                    cell = idx[frame, r0 : r0 + win, c0 : c0 + win].reshape(-1)
+                    order.append(cell + base)
+                    lengths.append(cell.numel() * merge * merge)
+        base += t * gh * gw
+    return torch.cat(order), lengths
+
+
+class Qwen2_5_VLVisionBlock(nn.Module):
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.norm1 = RMSNorm(cfg.width, eps=1e-6)
+        self.norm2 = RMSNorm(cfg.width, eps=1e-6)
+        self.attn = VisionAttention(cfg)
+        self.mlp = GatedMLP(cfg.width, cfg.mlp_hidden, cfg.hidden_act, bias=True)
+
+    def forward(self, x, cos, sin, plan: VarlenPlan):
+        x = x + self.attn(self.norm1(x), cos, sin, plan)
+        return x + self.mlp(self.norm2(x))
+
+
+class Qwen2_5_VLVisionTransformer(nn.Module):
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.patch_embed = PatchEmbed(cfg)
+        self.rotary = VisionRotary(cfg)
+        self.blocks = nn.ModuleList(Qwen2_5_VLVisionBlock(cfg) for _ in range(cfg.depth))
+        self.merger = PatchMerger(cfg, RMSNorm(cfg.width, eps=1e-6))
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
+        unit = self.cfg.spatial_merge_size**2
+        x = self.patch_embed(pixel_values)
+        cos, sin = self.rotary(grid_thw, x.device)
+        order, window_lengths = window_order(grid_thw, self.cfg)
+        order = order.to(x.device)
+
+        def regroup(t: torch.Tensor) -> torch.Tensor:  # reorder whole merge groups into window order
+            return t.view(-1, unit, t.shape[-1])[order].reshape(-1, t.shape[-1])
+
+        x, cos, sin = regroup(x), regroup(cos), regroup(sin)
+        window_plan = plan_varlen(window_lengths, x.device)
+        full_plan = plan_varlen(cu_lengths(grid_thw), x.device)  # windows never cross frames: still valid
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, full_plan if i in self.cfg.fullatt_block_indexes else window_plan)
+        merged = self.merger(x)
+        return merged[torch.argsort(order)]

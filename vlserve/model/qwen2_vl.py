@@ -1,0 +1,54 @@
+"""Qwen2-VL / Qwen2.5-VL for generation: a vision tower, a Qwen2 decoder and the LM head.
+
+The runner drives the three parts separately: `encode_images` for scheduled multimodal items,
+`embed_tokens` + scattering of image embeddings, `forward` over the flat token batch, `compute_logits` for
+the rows that sample. Either half may be left out (`with_vision` / `with_language`) for disaggregated roles.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from vlserve.model.hf_config import ModelConfig
+from vlserve.model.qwen2_text import Qwen2TextModel
+from vlserve.model.layers.attention import AttentionMetadata
+
+
+class Qwen2VLForGeneration(nn.Module):
+    def __init__(self, cfg: ModelConfig, vision_cls: type[nn.Module], with_vision=True, with_language=True):
+        super().__init__()
+        self.cfg = cfg
+        self.visual = vision_cls(cfg.vision) if with_vision else None
+        self.language_model = Qwen2TextModel(cfg.text) if with_language else None
+        self.lm_head = None
+        if with_language and not cfg.text.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.text.hidden_size, cfg.text.vocab_size, bias=False)
+
+    def encode_images(self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+        """One ViT call for several items; returns each item's merged embeddings [tokens_i, hidden]."""
+        merged = self.visual(pixel_values, grid_thw)
+        unit = self.cfg.vision.spatial_merge_size**2
+        return list(merged.split([t * h * w // unit for t, h, w in grid_thw]))
+
+    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.language_model.embed_tokens(token_ids)
+
+    def forward(self, inputs_embeds, positions, kv_caches: list[torch.Tensor], meta: AttentionMetadata):
+        return self.language_model(inputs_embeds, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is not None:
+            return self.lm_head(hidden)
+        return hidden @ self.language_model.embed_tokens.weight.t()  # tied embeddings
+
+    def pack_for_cpu(self) -> int:
+        """Prepacked oneDNN weights for every linear, the tied LM head included (a packed copy of the
+        embedding table: the vocab projection is the biggest matrix of a decode step)."""
+        from vlserve.model.layers.packed_linear import PackedLinear, pack_linears
+
+        swapped = pack_linears(self)
+        if self.language_model is not None and self.lm_head is None:
+            self.lm_head = PackedLinear(self.language_model.embed_tokens.weight, None)
+            swapped += 1
+        return swapped

@@ -1,0 +1,61 @@
+"""Qwen2-VL vision tower: LayerNorm + GELU-MLP blocks with full attention per image (per frame)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from vlserve.model.hf_config import VisionConfig
+from vlserve.model.layers.mlp import get_activation
+from vlserve.model.vision_common import (
+    PatchEmbed,
+    PatchMerger,
+    VarlenPlan,
+    VisionAttention,
+    VisionRotary,
+    cu_lengths,
+    plan_varlen,
+)
+
+
+class VisionMLP(nn.Module):
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.fc1 = nn.Linear(cfg.width, cfg.mlp_hidden)
+        self.fc2 = nn.Linear(cfg.mlp_hidden, cfg.width)
+        self.act = get_activation(cfg.hidden_act)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class Qwen2VLVisionBlock(nn.Module):
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(cfg.width, eps=1e-6)
+        self.norm2 = nn.LayerNorm(cfg.width, eps=1e-6)
+        self.attn = VisionAttention(cfg)
+        self.mlp = VisionMLP(cfg)
+
+    def forward(self, x, cos, sin, plan: VarlenPlan):
+        x = x + self.attn(self.norm1(x), cos, sin, plan)
+        return x + self.mlp(self.norm2(x))
+
+
+class Qwen2VLVisionTransformer(nn.Module):
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.patch_embed = PatchEmbed(cfg)
+        self.rotary = VisionRotary(cfg)
+        self.blocks = nn.ModuleList(Qwen2VLVisionBlock(cfg) for _ in range(cfg.depth))
+        self.merger = PatchMerger(cfg, nn.LayerNorm(cfg.width, eps=1e-6))
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
+        """pixel_values: [num_patches, patch_dim] for all items -> [num_patches / merge^2, out_dim]."""
+        x = self.patch_embed(pixel_values)
+        cos, sin = self.rotary(grid_thw, x.device)
+        plan = plan_varlen(cu_lengths(grid_thw), x.device)
+        for block in self.blocks:
+            x = block(x, cos, sin, plan)
+        return self.merger(x)

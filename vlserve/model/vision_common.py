@@ -1,0 +1,138 @@
+"""Pieces shared by the Qwen2-VL and Qwen2.5-VL vision towers.
+
+Many images (or windows of one image) go through the ViT in one call as a flat `[N, width]` token list;
+`cu_seqlens` marks where each sequence starts so no token attends across an image (or window) boundary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from vlserve.model.hf_config import VisionConfig
+from vlserve.model.layers.rotary import rotate_half
+
+
+class PatchEmbed(nn.Module):
+    """The reference is a Conv3d whose kernel equals its stride, i.e. a linear map of each flattened patch."""
+
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.proj = nn.Linear(cfg.patch_dim, cfg.width, bias=False)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.proj(pixel_values.to(self.proj.weight.dtype))
+
+
+def merge_order_hw(t: int, h: int, w: int, merge: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row/column of every patch, listed in the order the processor emits them (merge-window major)."""
+    rows = torch.arange(h).view(h // merge, merge, 1, 1).expand(h // merge, merge, w // merge, merge)
+    cols = torch.arange(w).view(1, 1, w // merge, merge).expand(h // merge, merge, w // merge, merge)
+    rows = rows.permute(0, 2, 1, 3).reshape(-1).repeat(t)
+    cols = cols.permute(0, 2, 1, 3).reshape(-1).repeat(t)
+    return rows, cols
+
+
+class VisionRotary(nn.Module):
+    """2D RoPE: the first half of the rotated dims follows the patch row, the second half its column."""
+
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        dim = cfg.head_dim // 2
+        # fp32 plain attribute (not a buffer) so weight dtype casts and meta-device construction leave it alone
+        self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim))
+        self.merge = cfg.spatial_merge_size
+
+    def forward(self, grid_thw: list[tuple[int, int, int]], device: torch.device):
+        rows, cols = zip(*(merge_order_hw(t, h, w, self.merge) for t, h, w in grid_thw))
+        rows, cols = torch.cat(rows), torch.cat(cols)
+        freqs = torch.cat([rows[:, None] * self.inv_freq, cols[:, None] * self.inv_freq], dim=-1).to(device)
+        emb = torch.cat([freqs, freqs], dim=-1)  # [N, head_dim], fp32
+        return emb.cos(), emb.sin()
+
+
+@dataclass
+class VarlenPlan:
+    """How to run attention over sequences of given lengths; built once per forward, used by every block."""
+
+    lengths: list[int]
+    gather: torch.Tensor | None = None  # [n, max_len] token rows, for the padded batch
+    mask: torch.Tensor | None = None  # [n, 1, 1, max_len]
+    valid: torch.Tensor | None = None  # [n, max_len] which padded rows are real
+
+    @property
+    def uniform(self) -> bool:
+        return len(set(self.lengths)) == 1
+
+
+def plan_varlen(lengths: list[int], device: torch.device, max_waste: float = 0.25) -> VarlenPlan:
+    plan = VarlenPlan(lengths)
+    if plan.uniform:
+        return plan
+    longest, total = max(lengths), sum(lengths)
+    if longest * len(lengths) > (1 + max_waste) * total:
+        return plan  # padding would waste too much compute: loop over sequences instead
+    lens = torch.tensor(lengths, device=device)
+    starts = torch.cumsum(lens, 0) - lens
+    offs = torch.arange(longest, device=device)
+    plan.valid = offs.unsqueeze(0) < lens.unsqueeze(1)
+    plan.gather = torch.where(plan.valid, starts.unsqueeze(1) + offs, 0)
+    plan.mask = plan.valid[:, None, None, :]
+    return plan
+
+
+def varlen_attention(q, k, v, plan: VarlenPlan) -> torch.Tensor:
+    """q/k/v: [N, heads, head_dim] -> [N, heads, head_dim], attention only within each sequence."""
+    n_tok, heads, hd = q.shape
+    if plan.uniform:
+        n, length = len(plan.lengths), plan.lengths[0]
+        qb, kb, vb = (x.view(n, length, heads, hd).transpose(1, 2) for x in (q, k, v))
+        return F.scaled_dot_product_attention(qb, kb, vb).transpose(1, 2).reshape(n_tok, heads, hd)
+    if plan.gather is not None:
+        qb, kb, vb = (x[plan.gather].transpose(1, 2) for x in (q, k, v))  # [n, heads, max_len, hd]
+        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=plan.mask)
+        return out.transpose(1, 2)[plan.valid]
+    outs = []
+    for qs, ks, vs in zip(*(x.split(plan.lengths) for x in (q, k, v))):
+        # 4D [1, heads, len, hd]: torch's CPU flash kernel takes it; 3D inputs fall back to a ~2.5x slower path
+        qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (qs, ks, vs))
+        outs.append(F.scaled_dot_product_attention(qs, ks, vs).squeeze(0).transpose(0, 1))
+    return torch.cat(outs)
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
+        self.qkv = nn.Linear(cfg.width, 3 * cfg.width, bias=True)
+        self.proj = nn.Linear(cfg.width, cfg.width, bias=True)
+
+    def forward(self, x, cos, sin, plan: VarlenPlan) -> torch.Tensor:
+        n = x.shape[0]
+        qkv = self.qkv(x).view(n, 3, self.num_heads, self.head_dim)
+        # rotary in fp32 like the reference, on q and k together (one pass each op instead of two)
+        qk = qkv[:, :2].float()
+        qk = (qk * cos[:, None, None] + rotate_half(qk) * sin[:, None, None]).to(x.dtype)
+        q, k = qk.unbind(1)
+        return self.proj(varlen_attention(q, k, qkv[:, 2], plan).reshape(n, -1))
+
+
+class PatchMerger(nn.Module):
+    """Concatenates each merge x merge window of patches and projects it to the LM width."""
+
+    def __init__(self, cfg: VisionConfig, norm: nn.Module):
+        super().__init__()
+        self.ln_q = norm
+        self.hidden = cfg.width * cfg.spatial_merge_size**2
+        self.mlp = nn.Sequential(nn.Linear(self.hidden, self.hidden), nn.GELU(), nn.Linear(self.hidden, cfg.out_dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ln_q(x).view(-1, self.hidden))
+
+
+def cu_lengths(grid_thw: list[tuple[int, int, int]]) -> list[int]:
+    """Full attention runs per frame: each (t, h, w) item contributes t sequences of h*w patches."""
+    return [h * w for t, h, w in grid_thw for _ in range(t)]

@@ -1,0 +1,57 @@
+"""`vlserve serve` (the OpenAI-compatible server; a random demo checkpoint without --model; `--disagg` starts
+every role here) and `vlserve language` (the same server fed by encoder services)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from vlserve.core.config import LANGUAGE, SERVE
+from vlserve.core.options import add_options, options_from
+
+logger = logging.getLogger("vlserve.server")
+DEMO_NAME = "vlserve-demo"
+
+
+def run_serve(ns: argparse.Namespace) -> int:
+    opts = options_from(ns, SERVE)
+    if opts.engine.model is None:
+        from vlserve.server.demo import demo_checkpoint
+
+        opts.engine.model = str(demo_checkpoint())
+        opts.server.served_model_name = opts.server.served_model_name or DEMO_NAME
+        logger.warning("no --model given: serving a RANDOM demo checkpoint (%s) as %r; it answers with random "
+                       "text. To serve a real model: vlserve serve --model Qwen/Qwen2-VL-2B-Instruct (hub id or "
+                       "local folder)", opts.engine.model, opts.server.served_model_name)
+    if opts.disagg.disagg:
+        from vlserve.disagg.launcher import run_roles
+
+        return run_roles(opts, ns.log_level)
+    from vlserve.server.api_server import serve
+
+    asyncio.run(serve(opts, ns.log_level))
+    return 0
+
+
+def run_language(ns: argparse.Namespace) -> int:
+    from vlserve.server.api_server import serve
+
+    opts = options_from(ns, LANGUAGE)
+    opts.engine.load_vision = False
+    asyncio.run(serve(opts, ns.log_level, role=LANGUAGE))
+    return 0
+
+
+def register_cli(subparsers) -> None:
+    serve = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
+                                  description="Serve a model over the OpenAI API. Without --model: a small random "
+                                  "demo checkpoint. With --disagg: a bootstrap, encoders and a language server, "
+                                  "each its own process.")
+    add_options(serve, SERVE)
+    serve.set_defaults(func=run_serve)
+
+    lang = subparsers.add_parser("language", help="OpenAI-compatible server whose pictures are encoded by "
+                                 "`vlserve encode` services (disaggregated serving)")
+    add_options(lang, LANGUAGE, model_required=True)
+    lang.set_defaults(func=run_language)

@@ -1,0 +1,115 @@
+"""POST /v1/chat/completions: messages with images -> one engine request (n samples), streamed or not."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from vlserve.frontend.async_llm import PreparedPrompt
+from vlserve.frontend.chat import parse_chat_messages
+from vlserve.server.protocol import ChatCompletionRequest
+from vlserve.server.serving import SSE_DONE, OpenAIServing, created, sse
+from vlserve.core.errors import InvalidInputError
+from vlserve.core.outputs import CompletionOutput, RequestOutput
+from vlserve.frontend.tokenizer import render_chat
+
+
+def chat_logprobs(c: CompletionOutput, start: int, top_k: int) -> dict | None:
+    """OpenAI's chat logprobs for tokens [start:] of one choice."""
+    if c.logprobs is None:
+        return None
+    content = []
+    for tid, entry in zip(c.token_ids[start:], c.logprobs[start:]):
+        sampled = entry[tid]
+        top = sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= top_k), key=lambda x: x.rank)
+        content.append({"token": sampled.decoded_token, "logprob": sampled.logprob,
+                        "bytes": list(sampled.decoded_token.encode()),
+                        "top_logprobs": [{"token": t.decoded_token, "logprob": t.logprob,
+                                          "bytes": list(t.decoded_token.encode())} for t in top]})
+    return {"content": content}
+
+
+class OpenAIServingChat(OpenAIServing):
+    id_prefix = "chatcmpl"
+
+    async def create(self, body: ChatCompletionRequest, raw: HTTPRequest):
+        self.check_model(body.model)
+        self.engine.check_accepting()
+        top_k = body.logprobs_count()
+        prepared = await self.until_done_or_disconnect(raw, self._prepare(body, time.monotonic()))
+        params = body.sampling_params(self.max_tokens(prepared, body.requested_max_tokens()), top_k)
+        request_id = self.new_request_id(body.request_id)
+        outputs = self.engine.generate(prepared, params, request_id)
+        # The first output is awaited before answering, so a request the engine refuses still gets its 4xx.
+        first = await self.until_done_or_disconnect(raw, outputs.__anext__())
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(self._stream(request_id, first, outputs, include_usage, top_k or 0),
+                                     media_type="text/event-stream")
+        final = first if first.finished else await self.until_done_or_disconnect(raw, self.final_output(outputs))
+        return JSONResponse(self._response(request_id, final, top_k or 0))
+
+    async def _prepare(self, body: ChatCompletionRequest, arrival: float) -> PreparedPrompt:
+        chat = parse_chat_messages(body.messages, allow_python_objects=False)
+        for kind, items in chat.media.items():  # before any download
+            limit = self.engine.cfg.limit_mm_per_prompt.get(kind, 0)
+            if len(items) > limit:
+                raise InvalidInputError(f"{len(items)} {kind}s in one request; at most {limit} allowed "
+                                        f"(--limit-mm-per-prompt {kind}={limit})")
+        text = render_chat(self.engine.tokenizer, chat.messages, body.add_generation_prompt, body.chat_template)
+        if self.engine.remote_encoder is None:  # disaggregated: the encoder fetches under its own policy
+            for kind, items in chat.media.items():
+                chat.media[kind] = await self.fetch_media(kind, items)
+        return await self.engine.prepare(chat.prompt(text), body.mm_processor_kwargs, arrival)
+
+    def _response(self, request_id: str, out: RequestOutput, top_k: int) -> dict:
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": chat_logprobs(c, 0, top_k), "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason} for c in out.outputs]
+        return {"id": request_id, "object": "chat.completion", "created": created(), "model": self.model_name,
+                "choices": choices, "usage": self.usage(out)}
+
+    async def _stream(self, request_id: str, first: RequestOutput, outputs: AsyncIterator[RequestOutput],
+                      include_usage: bool, top_k: int) -> AsyncIterator[bytes]:
+        stamp = created()
+
+        def chunk(choices: list[dict], usage: dict | None = None) -> bytes:
+            body = {"id": request_id, "object": "chat.completion.chunk", "created": stamp, "model": self.model_name,
+                    "choices": choices}
+            if include_usage:
+                body["usage"] = usage
+            return sse(body)
+
+        n = len(first.outputs)
+        sent_chars, sent_tokens, done = [0] * n, [0] * n, [False] * n
+        try:
+            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None} for i in range(n)])
+            out = first
+            while True:
+                choices = []
+                for c in out.outputs:
+                    i = c.index
+                    text = c.text[sent_chars[i]:]
+                    # Tokens whose text is held back (a partial UTF-8 char or stop string) wait for a later chunk.
+                    if done[i] or (c.finish_reason is None and (not text or len(c.token_ids) == sent_tokens[i])):
+                        continue
+                    choices.append({"index": i, "delta": {"content": text} if text else {},
+                                    "logprobs": chat_logprobs(c, sent_tokens[i], top_k),
+                                    "finish_reason": c.finish_reason})
+                    sent_chars[i], sent_tokens[i], done[i] = len(c.text), len(c.token_ids), c.finish_reason is not None
+                if choices:
+                    yield chunk(choices)
+                if out.finished:
+                    break
+                out = await outputs.__anext__()
+            if include_usage:
+                yield chunk([], self.usage(out))
+        except Exception as e:  # noqa: BLE001 - the status line is gone; the error goes in the stream
+            yield self.error_event(e)
+        finally:
+            await outputs.aclose()
+        yield SSE_DONE

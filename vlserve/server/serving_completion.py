@@ -1,0 +1,133 @@
+"""POST /v1/completions: text (or token-id) prompts; several prompts run as parallel engine requests."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from vlserve.server.protocol import CompletionRequest
+from vlserve.server.serving import SSE_DONE, OpenAIServing, created, sse
+from vlserve.core.outputs import CompletionOutput, RequestOutput
+
+
+def completion_logprobs(c: CompletionOutput, start: int, top_k: int, text_offset: int) -> dict | None:
+    """The legacy completions logprobs layout for tokens [start:] of one choice."""
+    if c.logprobs is None:
+        return None
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    for tid, entry in zip(c.token_ids[start:], c.logprobs[start:]):
+        sampled = entry[tid]
+        tokens.append(sampled.decoded_token)
+        token_logprobs.append(sampled.logprob)
+        tops.append({lp.decoded_token: lp.logprob for lp in entry.values() if lp.rank is not None and lp.rank <= top_k})
+        offsets.append(text_offset)
+        text_offset += len(sampled.decoded_token)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    id_prefix = "cmpl"
+
+    async def create(self, body: CompletionRequest, raw: HTTPRequest):
+        self.check_model(body.model)
+        self.engine.check_accepting()
+        arrival, prompts = time.monotonic(), body.prompts()
+        prepared = [await self.engine.prepare(p, arrival=arrival) for p in prompts]
+        params = [body.sampling_params(self.max_tokens(p, body.max_tokens), body.logprobs) for p in prepared]
+        request_id = self.new_request_id(body.request_id)
+        ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
+        gens = [self.engine.generate(p, sp, rid) for p, sp, rid in zip(prepared, params, ids)]
+        firsts = await self.until_done_or_disconnect(raw, self._first_outputs(gens))
+        top_k = body.logprobs or 0
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(self._stream(request_id, firsts, gens, include_usage, top_k),
+                                     media_type="text/event-stream")
+        finals = await self.until_done_or_disconnect(
+            raw, asyncio.gather(*(self._last(f, g) for f, g in zip(firsts, gens))))
+        n = params[0].n
+        choices = [self._choice(k * n + c.index, c, top_k) for k, out in enumerate(finals) for c in out.outputs]
+        usage = self._sum_usage(finals)
+        return JSONResponse({"id": request_id, "object": "text_completion", "created": created(),
+                             "model": self.model_name, "choices": choices, "usage": usage})
+
+    @staticmethod
+    async def _first_outputs(gens: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+        try:
+            return list(await asyncio.gather(*(g.__anext__() for g in gens)))
+        except BaseException:
+            for g in gens:  # one prompt refused: the others must not keep running
+                await g.aclose()
+            raise
+
+    async def _last(self, first: RequestOutput, gen: AsyncIterator[RequestOutput]) -> RequestOutput:
+        return first if first.finished else await self.final_output(gen)
+
+    @staticmethod
+    def _choice(index: int, c: CompletionOutput, top_k: int, text: str | None = None, start: int = 0,
+                offset: int = 0) -> dict:
+        return {"index": index, "text": c.text if text is None else text,
+                "logprobs": completion_logprobs(c, start, top_k, offset),
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+
+    def _sum_usage(self, outs: list[RequestOutput]) -> dict:
+        usages = [self.usage(o) for o in outs]
+        total = {k: sum(u[k] for u in usages) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+        total["prompt_tokens_details"] = {"cached_tokens": sum(o.num_cached_tokens for o in outs)}
+        return total
+
+    async def _stream(self, request_id: str, firsts: list[RequestOutput], gens: list, include_usage: bool,
+                      top_k: int) -> AsyncIterator[bytes]:
+        """Chunks of all prompts interleaved as they come, each choice with its own global index."""
+        stamp, n = created(), len(firsts[0].outputs)
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(k: int, first: RequestOutput, gen) -> None:
+            try:
+                await queue.put((k, first))
+                if not first.finished:
+                    async for out in gen:
+                        await queue.put((k, out))
+            except Exception as e:  # noqa: BLE001 - handed to the consumer, which reports it in the stream
+                await queue.put((k, e))
+
+        tasks = [asyncio.create_task(pump(k, f, g)) for k, (f, g) in enumerate(zip(firsts, gens))]
+        sent: dict[int, tuple[int, int, bool]] = {}  # global choice index -> (chars, tokens, finished) sent
+        finals: dict[int, RequestOutput] = {}
+        try:
+            while len(finals) < len(firsts):
+                k, out = await queue.get()
+                if isinstance(out, Exception):
+                    raise out
+                choices = []
+                for c in out.outputs:
+                    idx = k * n + c.index
+                    chars, toks, done = sent.get(idx, (0, 0, False))
+                    if done or (c.finish_reason is None and (len(c.token_ids) == toks or len(c.text) == chars)):
+                        continue  # finished already, nothing new, or its text is still held back
+                    choices.append(self._choice(idx, c, top_k, c.text[chars:], toks, chars))
+                    sent[idx] = (len(c.text), len(c.token_ids), c.finish_reason is not None)
+                if choices:
+                    body = {"id": request_id, "object": "text_completion", "created": stamp,
+                            "model": self.model_name, "choices": choices}
+                    if include_usage:
+                        body["usage"] = None
+                    yield sse(body)
+                if out.finished:
+                    finals[k] = out
+            if include_usage:
+                yield sse({"id": request_id, "object": "text_completion", "created": stamp, "model": self.model_name,
+                           "choices": [], "usage": self._sum_usage(list(finals.values()))})
+        except Exception as e:  # noqa: BLE001 - the status line is gone; the error goes in the stream
+            yield self.error_event(e)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)  # a generator can't be closed while running
+            for g in gens:
+                await g.aclose()
+        yield SSE_DONE
