@@ -65,8 +65,15 @@ def run_vlserve(model: str, work: list[dict], dtype: str, **engine_args) -> tupl
 
 class HFRunner:
     def __init__(self, model: str, dtype: torch.dtype):
-        from transformers import AutoConfig, AutoTokenizer, Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+        from transformers import (
+            AutoConfig,
+            AutoTokenizer,
+            Qwen2_5_VLForConditionalGeneration,
+            Qwen2VLForConditionalGeneration,
+        )
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+            Qwen2VLImageProcessorPil,
+        )
 
         arch = AutoConfig.from_pretrained(model).architectures[0]
         cls = Qwen2_5_VLForConditionalGeneration if arch.startswith("Qwen2_5") else Qwen2VLForConditionalGeneration

@@ -12,8 +12,8 @@ import pytest
 
 from tests.conftest import IMG, assert_pool_full, noise_image
 from vlserve import LLM, SamplingParams
-from vlserve.engine.block_pool import BlockPool
 from vlserve.core.errors import InvalidInputError
+from vlserve.engine.block_pool import BlockPool
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 ARCH = "qwen2_vl"
@@ -162,7 +162,7 @@ def test_same_picture_in_every_form_hits_one_entry(llm, tmp_path):
     forms = [img, png, data_url, str(file), file]
     hashes = []
     for i, src in enumerate(forms):
-        _, req = proc.process(f"h{i}", {"prompt": f"x {IMG}", "multi_modal_data": {"image": [src]}}, GREEDY)
+        req = proc.process({"prompt": f"x {IMG}", "multi_modal_data": {"image": [src]}})
         hashes.append(req.mm_items[0].mm_hash)
     assert len(set(hashes)) == 1, hashes
 
@@ -175,7 +175,7 @@ def test_same_picture_in_every_form_hits_one_entry(llm, tmp_path):
 
     # Other pixel limits change the preprocessing, hence the hash: a miss.
     kw = {"min_pixels": 28 * 28 * 4, "max_pixels": 28 * 28 * 8}
-    _, req = proc.process("h-kw", {"prompt": f"x {IMG}", "multi_modal_data": {"image": [img]}}, GREEDY, kw)
+    req = proc.process({"prompt": f"x {IMG}", "multi_modal_data": {"image": [img]}}, kw)
     assert req.mm_items[0].mm_hash != hashes[0]
     before = _metrics(llm)
     _gen(llm, _req(f"Form 0: {IMG}", [img]), mm_processor_kwargs=kw)
@@ -265,7 +265,7 @@ def test_item_larger_than_encoder_cache_is_refused(path):
     t.join(timeout=30)
     assert not t.is_alive(), "an item that can never fit must be refused, not wait forever"
     assert isinstance(result.get("error"), InvalidInputError), result
-    assert "encoder cache" in str(result["error"])
+    assert "encoder_cache_size" in str(result["error"])
     # still serving: text, and a picture small enough (56x56 -> 4 tokens)
     (out,) = _gen(llm, "Still alive?")
     assert len(out.outputs[0].token_ids) == 8

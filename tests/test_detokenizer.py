@@ -2,8 +2,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from vlserve.frontend.detokenizer import IncrementalDetokenizer
 from vlserve.core.sampling_params import SamplingParams
+from vlserve.frontend.detokenizer import IncrementalDetokenizer
 
 REPLACEMENT = "\ufffd"
 TEXT = "héllo 世界 🙂 and 🙃 ñandú 日本, hello world STOP here"
@@ -28,13 +28,22 @@ def tokenizer():
 
 
 def feed(detok, ids, step=1):
-    deltas, stop = [], None
+    """Feeds ids `step` at a time like a stream does; returns the deltas shown and the stop string hit.
+
+    What a stream shows only ever grows: every visible text extends the one before it."""
+    deltas, stop, shown = [], None, ""
     for i in range(0, len(ids), step):
         stop = detok.update(ids[i : i + step])
-        deltas.append(detok.get_next_delta())
+        if stop is not None:
+            detok.finish()
+        visible = detok.visible_text
+        assert visible.startswith(shown), f"shown {shown!r}, later {visible!r}"
+        deltas.append(visible[len(shown):])
+        shown = visible
         if stop is not None:
             break
-    deltas.append(detok.finish())
+    detok.finish()
+    deltas.append(detok.visible_text[len(shown):])
     return deltas, stop
 
 
@@ -84,7 +93,7 @@ def test_stop_string_cuts_output(tokenizer):
     assert "".join(deltas) == expected
     # Nothing after a stop is ever emitted.
     assert detok.update(tokenizer.encode(" more")) is None
-    assert detok.output_text == expected and detok.get_next_delta() == ""
+    assert detok.output_text == expected and detok.visible_text == expected
 
 
 def test_include_stop_str_in_output(tokenizer):
@@ -121,28 +130,39 @@ def test_earliest_stop_wins(tokenizer):
     assert stop == "quick" and detok.output_text == "the "
 
 
-def test_holdback_hides_partial_stop_string(tokenizer):
+def test_holdback_hides_only_a_stop_string_prefix(tokenizer):
     text = "hello world, hello wor"
     ids = tokenizer.encode(text)
-    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=["world!"]))
-    streamed = ""
+    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=["world!", "xyz"]))
     for i in ids:
         assert detok.update([i]) is None
-        streamed += detok.get_next_delta()
-        # Last len("world!") - 1 = 5 chars stay hidden while running.
-        assert streamed == detok.output_text[: max(0, len(detok.output_text) - 5)]
-    assert detok.output_text == text
-    assert streamed == text[:-5]
-    assert detok.finish() == text[-5:]
-    assert detok.get_next_delta() == ""
+        out = detok.output_text
+        held = out[len(detok.visible_text):]
+        # Exactly the longest end of the text that starts a stop string is held back.
+        assert held == next((out[-k:] for k in range(min(5, len(out)), 0, -1) if "world!".startswith(out[-k:])), "")
+    assert detok.visible_text == "hello world, hello " and detok.output_text == text
+    detok.finish()
+    assert detok.visible_text == text
 
 
 def test_no_holdback_without_stop_or_with_include(tokenizer):
-    ids = tokenizer.encode("hello world")
-    for params in (SamplingParams(), SamplingParams(stop="xyz", include_stop_str_in_output=True)):
+    ids = tokenizer.encode("hello wor")
+    for params in (SamplingParams(), SamplingParams(stop="world", include_stop_str_in_output=True)):
         detok = IncrementalDetokenizer(tokenizer, [], params)
         detok.update(ids)
-        assert detok.get_next_delta() == "hello world"
+        assert detok.visible_text == "hello wor"
+
+
+@pytest.mark.parametrize("step", [1, 2, 5])
+@pytest.mark.parametrize("stops", [["world"], ["d h", "llo w"], ["o wo", "xx", "hello world hello world"],
+                                   ["界 🙂 a", "🙃 ñ"]])
+def test_stream_concatenation_equals_final_text(tokenizer, step, stops):
+    """Stop strings that begin inside one token and end in a later one: the stream never shows text the final
+    answer does not have."""
+    for text in ("hello world hello world", TEXT):
+        detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=stops))
+        deltas, _ = feed(detok, tokenizer.encode(text), step)
+        assert "".join(deltas) == detok.output_text
 
 
 def test_stop_strings_ignored_until_min_tokens(tokenizer):

@@ -12,7 +12,12 @@ import time
 import httpx
 import pytest
 
-from vlserve.disagg.bootstrap import BootstrapClient, InstanceInfo, build_bootstrap_app, new_instance_id
+from vlserve.disagg.bootstrap import (
+    BootstrapClient,
+    InstanceInfo,
+    build_bootstrap_app,
+    new_instance_id,
+)
 
 
 class FakeClock:

@@ -13,8 +13,12 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf_smart_resize
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+    Qwen2VLImageProcessorPil,
+)
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+    smart_resize as hf_smart_resize,
+)
 
 from vlserve.core.errors import InvalidInputError
 from vlserve.frontend.media.image import (

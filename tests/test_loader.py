@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -14,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from tests.conftest import ARCHES, IMG, noise_image
 from vlserve import LLM, SamplingParams
 from vlserve.core.errors import ModelLoadError, UnsupportedModelError, VlserveError
-from vlserve.model.hf_config import load_model_config, parse_model_config
+from vlserve.model.hf_config import parse_model_config
 from vlserve.model.loader import load_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

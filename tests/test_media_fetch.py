@@ -16,7 +16,11 @@ import pytest
 from PIL import Image
 
 from vlserve.core.errors import InvalidInputError, MediaFetchError, MediaTooLargeError
-from vlserve.frontend.media.fetch import MediaFetcher, MediaPolicy, is_non_public_address
+from vlserve.frontend.media.fetch import (
+    MediaFetcher,
+    MediaPolicy,
+    is_non_public_address,
+)
 
 SMALL = 1000  # max_bytes used where size limits are under test
 

@@ -8,7 +8,11 @@ import torch.nn as nn
 
 from tests.conftest import IMG, noise_image
 from vlserve import LLM, SamplingParams
-from vlserve.model.layers.packed_linear import PackedLinear, pack_linears, packed_linear_supported
+from vlserve.model.layers.packed_linear import (
+    PackedLinear,
+    pack_linears,
+    packed_linear_supported,
+)
 
 pytestmark = pytest.mark.skipif(not packed_linear_supported(torch.device("cpu"), torch.bfloat16),
                                 reason="oneDNN linear packing not available")

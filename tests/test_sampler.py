@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from vlserve.engine.sampler import Sampler, SamplingMetadata
 from vlserve.core.sampling_params import SamplingParams
+from vlserve.engine.sampler import Sampler, SamplingMetadata
 
 V = 50
 EOS = 7

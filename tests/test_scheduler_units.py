@@ -8,13 +8,14 @@ import itertools
 import pytest
 import torch
 
-from vlserve.engine.block_pool import BlockPool
-from vlserve.engine.kv_cache_manager import KVCacheManager
 from vlserve.core.config import EngineArgs
-from vlserve.engine.config import resolve_config
-from vlserve.core.request import MultiModalItem, Request, RequestStatus
 from vlserve.core.errors import InvalidInputError
+from vlserve.core.prompt import MultiModalItem, ProcessedPrompt
+from vlserve.core.request import Request, RequestStatus
 from vlserve.core.sampling_params import SamplingParams
+from vlserve.engine.block_pool import BlockPool
+from vlserve.engine.config import resolve_config
+from vlserve.engine.kv_cache_manager import KVCacheManager
 from vlserve.engine.scheduler import Scheduler
 
 TOKEN = 7  # what every simulated step "samples"; never an EOS id of the tiny model
@@ -39,10 +40,13 @@ def _req(num_prompt: int, max_tokens: int | None = 4, items: list[tuple[int, int
          **params) -> Request:
     """A request of `num_prompt` dummy tokens; `items` are (offset, num_tokens) placeholder runs."""
     mm = [MultiModalItem(off, n, torch.zeros(4 * n, 8), (1, 2, 2 * n)) for off, n in items]
-    return Request(rid or f"r{next(_ids)}", [1] * num_prompt,
+    return Request(rid or f"r{next(_ids)}", _prompt(num_prompt, mm),
                    SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **params),
-                   eos_token_ids=(1002,), mm_items=mm, mrope_positions=torch.zeros(3, num_prompt, dtype=torch.long),
-                   mrope_delta=0)
+                   eos_token_ids=(1002,))
+
+
+def _prompt(num_prompt: int, mm: list[MultiModalItem] = ()) -> ProcessedPrompt:
+    return ProcessedPrompt([1] * num_prompt, list(mm), torch.zeros(3, num_prompt, dtype=torch.long), 0)
 
 
 def _step(s: Scheduler, check=None):
@@ -268,8 +272,7 @@ def test_abort_while_step_runs_ignores_its_result(base_cfg):
 def test_stop_token_and_eos_finish(base_cfg):
     s = Scheduler(_cfg(base_cfg))
     a = _req(4, max_tokens=10, stop_token_ids=[TOKEN])
-    b = Request("eos", [1] * 4, SamplingParams(temperature=0.0, max_tokens=10), eos_token_ids=(TOKEN,),
-                mm_items=[], mrope_positions=torch.zeros(3, 4, dtype=torch.long), mrope_delta=0)
+    b = Request("eos", _prompt(4), SamplingParams(temperature=0.0, max_tokens=10), eos_token_ids=(TOKEN,))
     c = _req(4, max_tokens=10, stop_token_ids=[TOKEN], min_tokens=3)
     for r in (a, b, c):
         s.add_request(r)

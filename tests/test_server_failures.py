@@ -11,9 +11,9 @@ import time
 import httpx
 import pytest
 
+from tests.conftest import noise_image
 from tests.server_utils import RemoteServer
 from tests.test_server_api import data_url, image_part, user
-from tests.conftest import noise_image
 
 
 @pytest.fixture(scope="module")
@@ -69,18 +69,39 @@ def test_dead_engine_gives_503_not_a_hang(server):
     assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailableError"
 
 
-def test_a_model_that_fails_to_load_exits_cleanly_before_listening(tiny_ckpt, tmp_path):
-    import shutil
-    import subprocess
-    import sys
+def test_frozen_engine_is_noticed_and_taken_back(tiny_ckpt):
+    """SIGSTOP: the process lives but answers nothing. /health and waiting requests get 503 within the heartbeat
+    timeout; once it runs again (SIGCONT) the server serves again."""
+    with RemoteServer(tiny_ckpt("qwen2_vl"), "--dtype", "float32", "--max-model-len", "512",
+                      "--engine-heartbeat-timeout", "2") as srv:
+        result: dict = {}
 
-    from tests.server_utils import free_port
+        def waiting_request():
+            result["r"] = srv.post("/v1/completions", json={"prompt": "go", "max_tokens": 400, "ignore_eos": True})
 
-    broken = tmp_path / "broken"
-    shutil.copytree(tiny_ckpt("qwen2_vl"), broken)
-    weights = broken / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # the engine process fails to load
-    proc = subprocess.run([sys.executable, "-m", "vlserve", "serve", "--model", str(broken), "--port",
-                           str(free_port())], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1
-    assert "engine core failed to start" in proc.stderr and "Traceback" not in proc.stderr.split("ERROR vlserve:")[-1]
+        engine = srv.engine_pid()
+        os.kill(engine, signal.SIGSTOP)
+        try:
+            t = threading.Thread(target=waiting_request)
+            t0 = time.monotonic()
+            t.start()
+            deadline = time.monotonic() + 15
+            while httpx.get(srv.url + "/health", timeout=5).status_code != 503:
+                assert time.monotonic() < deadline, "a frozen engine was not noticed"
+                time.sleep(0.2)
+            t.join(15)
+            assert not t.is_alive() and result["r"].status_code == 503, result
+            assert time.monotonic() - t0 < 15
+            assert "answered" in srv.read_log()
+        finally:
+            os.kill(engine, signal.SIGCONT)
+        deadline = time.monotonic() + 15
+        while httpx.get(srv.url + "/health", timeout=5).status_code != 200:
+            assert time.monotonic() < deadline, "the engine was not taken back after SIGCONT"
+            time.sleep(0.2)
+        r = srv.post("/v1/completions", json={"prompt": "again", "max_tokens": 3})
+        assert r.status_code == 200, r.text
+        deadline = time.monotonic() + 10  # the request failed while frozen is aborted: its blocks come back
+        while srv.metrics()["vlserve:kv_cache_usage_perc"] > 0 or srv.metrics()["vlserve:num_requests_running"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)

@@ -12,8 +12,15 @@ import pytest
 import torch
 from PIL import Image
 from safetensors.torch import load_file
-from transformers import AutoConfig, AutoTokenizer, Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from transformers import (
+    AutoConfig,
+    AutoTokenizer,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2VLForConditionalGeneration,
+)
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+    Qwen2VLImageProcessorPil,
+)
 
 from vlserve.core.errors import InvalidInputError
 from vlserve.tools import tiny_model

@@ -17,7 +17,12 @@ from tests.hf_reference import HFReference
 from vlserve import LLM, SamplingParams
 from vlserve.core.errors import InvalidInputError
 from vlserve.frontend.media.image import ImageProcessorConfig
-from vlserve.frontend.media.video import VideoOptions, frame_indices, load_video, preprocess_video
+from vlserve.frontend.media.video import (
+    VideoOptions,
+    frame_indices,
+    load_video,
+    preprocess_video,
+)
 
 VID = "<|vision_start|><|video_pad|><|vision_end|>"
 MAX_NEW = 10
@@ -77,7 +82,9 @@ def test_frame_sampling_rules():
 
 def test_temporal_patches_equal_transformers_image_path(tiny_ckpt):
     """Each frame through transformers' image processor; pairs of frames must fill our temporal slots."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
 
     path = tiny_ckpt("qwen2_vl")
     cfg = ImageProcessorConfig.from_pretrained(path)

@@ -122,6 +122,16 @@ class ServerArgs:
                                               "limit)", HTTP_ROLES)
     media_threads: int = option(4, "threads that tokenize, decode and preprocess", {SERVE, LANGUAGE, ENCODE})
     disable_log_requests: bool = option(False, "no info log line per request", HTTP_ROLES)
+    max_request_bytes: int = option(64 * 2**20, "largest request body in bytes; a bigger one gets 413 before it is "
+                                    "read", HTTP_ROLES)
+    max_n: int = option(128, "most samples (n) one request may ask for", HTTP_ROLES)
+    trust_request_chat_template: bool = option(False, "accept a chat_template sent in a request (refused "
+                                               "otherwise: a template is code)", HTTP_ROLES)
+    enable_api_docs: bool = option(False, "serve /docs, /redoc and /openapi.json (behind --api-key when set)",
+                                   HTTP_ROLES)
+    engine_heartbeat_timeout: float = option(10.0, "seconds without an answer from the engine process before it "
+                                             "counts as unresponsive (503 on /health and for waiting requests)",
+                                             HTTP_ROLES)
 
 
 @dataclass

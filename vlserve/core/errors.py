@@ -22,6 +22,13 @@ class MediaTooLargeError(InvalidInputError):
     error_type = "PayloadTooLargeError"
 
 
+class RequestTooLargeError(InvalidInputError):
+    """A request body over the server's size limit."""
+
+    http_status = 413
+    error_type = "PayloadTooLargeError"
+
+
 class MediaFetchError(InvalidInputError):
     """A media URL was refused by policy or could not be fetched (bad status, timeout, unreachable)."""
 

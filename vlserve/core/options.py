@@ -7,7 +7,13 @@ import argparse
 import dataclasses
 import os
 
-from vlserve.core.config import OPTION_GROUPS, DisaggArgs, EngineArgs, Options, ServerArgs
+from vlserve.core.config import (
+    OPTION_GROUPS,
+    DisaggArgs,
+    EngineArgs,
+    Options,
+    ServerArgs,
+)
 
 _SCALARS = {"int": int, "float": float, "str": str}
 

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import enum
 import time
-import uuid
-from dataclasses import dataclass, field
 
 import torch
 
+from vlserve.core.prompt import ProcessedPrompt
 from vlserve.core.sampling_params import SamplingParams
 
 
@@ -25,45 +24,21 @@ class RequestStatus(enum.Enum):
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
 
 
-@dataclass
-class MultiModalItem:
-    """One picture (or video) of a prompt, already preprocessed; its placeholder run is already expanded."""
-
-    offset: int  # index of the first placeholder token in the prompt
-    num_tokens: int  # placeholder length = number of embeddings the encoder produces
-    pixel_values: torch.Tensor | None  # [patches, patch_dim]; None when `embeddings` are given
-    grid_thw: tuple[int, int, int]
-    # Content hash (encoder-cache key, part of prefix-cache keys). Unknown content gets a unique id, so
-    # items without a hash are never shared by mistake.
-    mm_hash: str = field(default_factory=lambda: uuid.uuid4().hex)
-    embeddings: torch.Tensor | None = None  # [num_tokens, hidden], precomputed: the ViT is skipped
-
-    @property
-    def end(self) -> int:
-        return self.offset + self.num_tokens
-
-
 class Request:
-    def __init__(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
-        eos_token_ids: tuple[int, ...],
-        mm_items: list[MultiModalItem],
-        mrope_positions: torch.Tensor,  # [3, len(prompt)]
-        mrope_delta: int,
-        arrival_time: float | None = None,
-    ):
+    """One sequence being generated: a processed prompt plus one sample's parameters and progress."""
+
+    def __init__(self, request_id: str, prompt: ProcessedPrompt, sampling_params: SamplingParams,
+                 eos_token_ids: tuple[int, ...], arrival_time: float | None = None):
         self.request_id = request_id
-        self.prompt_token_ids = prompt_token_ids
-        self.token_ids = list(prompt_token_ids)  # prompt + generated, grows each step
-        self.num_prompt_tokens = len(prompt_token_ids)
+        self.prompt = prompt  # shared by the n samples of one API request; never modified
+        self.prompt_token_ids = prompt.prompt_token_ids
+        self.token_ids = list(prompt.prompt_token_ids)  # prompt + generated, grows each step
+        self.num_prompt_tokens = len(prompt.prompt_token_ids)
         self.params = sampling_params
         self.eos_token_ids = eos_token_ids
-        self.mm_items = mm_items
-        self.mrope_positions = mrope_positions
-        self.mrope_delta = mrope_delta
+        self.mm_items = prompt.mm_items
+        self.mrope_positions = prompt.mrope_positions
+        self.mrope_delta = prompt.mrope_delta
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
@@ -75,11 +50,6 @@ class Request:
         self.block_keys: list[tuple] = []  # the content each of those hashes stands for
         self.num_cached_blocks = 0  # leading blocks already registered in the prefix cache
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
-
-    def fork(self, request_id: str, params: SamplingParams) -> "Request":
-        """Another sample of the same prompt (n > 1): shares the processed inputs, nothing else."""
-        return Request(request_id, self.prompt_token_ids, params, self.eos_token_ids, self.mm_items,
-                       self.mrope_positions, self.mrope_delta, self.arrival_time)
 
     @property
     def num_tokens(self) -> int:

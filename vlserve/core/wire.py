@@ -11,7 +11,7 @@ import msgspec
 import torch
 
 from vlserve.core.messages import EngineCoreOutput
-from vlserve.core.request import MultiModalItem, Request
+from vlserve.core.prompt import MultiModalItem, ProcessedPrompt
 from vlserve.core.sampling_params import SamplingParams
 
 DTYPES = {str(d).removeprefix("torch."): d for d in (
@@ -37,13 +37,14 @@ class WireMMItem(msgspec.Struct, array_like=True):
 
 # ---- front-end -> engine core ---------------------------------------------------------------------------
 class AddRequest(msgspec.Struct, tag="add"):
+    """One API request; the engine fans it out into its n samples (see `fan_out`)."""
+
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams
-    eos_token_ids: list[int]
     mm_items: list[WireMMItem]
     mrope_positions: TensorRef
     mrope_delta: int
+    params: SamplingParams
     arrival_time: float
 
 
@@ -90,6 +91,7 @@ class EngineOutputs(msgspec.Struct, tag="outputs"):
     outputs: list[EngineCoreOutput]
     rejected: list[RequestRejected]
     stats: EngineStats
+    released: list[str] = []  # requests all of whose samples have left the engine: their prompts may be freed
 
 
 class EngineReady(msgspec.Struct, tag="ready"):
@@ -104,6 +106,14 @@ class EngineFailed(msgspec.Struct, tag="failed"):
 
 
 EngineMessage = EngineOutputs | EngineReady | EngineFailed
+
+
+class Heartbeat(msgspec.Struct, array_like=True):
+    """Ping (front-end -> engine) and its answer (engine -> front-end) on their own channel."""
+
+    nonce: int
+    steps: int = 0  # engine steps completed so far (a stuck step shows as a count that stops moving)
+    busy: bool = False  # the engine had work at its last step
 
 
 # ---- framing ----------------------------------------------------------------------------------------------
@@ -142,23 +152,39 @@ def tensor_from_bytes(frame, dtype: torch.dtype, shape) -> torch.Tensor:
     return torch.frombuffer(data, dtype=dtype).reshape(shape) if data else torch.empty(shape, dtype=dtype)
 
 
-def request_to_wire(req: Request) -> tuple[AddRequest, list[torch.Tensor]]:
+def prompt_to_wire(request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
+                   arrival_time: float) -> tuple[AddRequest, list[torch.Tensor]]:
     tensors: list[torch.Tensor] = []
+
     def ref(t: torch.Tensor | None) -> TensorRef | None:
         return None if t is None else tensor_ref(t, tensors)
 
     items = [WireMMItem(it.offset, it.num_tokens, tuple(it.grid_thw), it.mm_hash, ref(it.pixel_values),
-                        ref(it.embeddings)) for it in req.mm_items]
-    msg = AddRequest(req.request_id, req.prompt_token_ids, req.params, list(req.eos_token_ids), items,
-                     tensor_ref(req.mrope_positions, tensors), req.mrope_delta, req.arrival_time)
+                        ref(it.embeddings)) for it in prompt.mm_items]
+    msg = AddRequest(request_id, prompt.prompt_token_ids, items, tensor_ref(prompt.mrope_positions, tensors),
+                     prompt.mrope_delta, params, arrival_time)
     return msg, tensors
 
 
-def request_from_wire(msg: AddRequest, frames: list) -> Request:
+def prompt_from_wire(msg: AddRequest, frames: list) -> ProcessedPrompt:
     def tensor(ref: TensorRef | None) -> torch.Tensor | None:
         return None if ref is None else tensor_from(ref, frames)
 
     items = [MultiModalItem(it.offset, it.num_tokens, tensor(it.pixel_values), tuple(it.grid_thw), it.mm_hash,
                             tensor(it.embeddings)) for it in msg.mm_items]
-    return Request(msg.request_id, msg.prompt_token_ids, msg.params, tuple(msg.eos_token_ids), items,
-                   tensor_from(msg.mrope_positions, frames), msg.mrope_delta, msg.arrival_time)
+    return ProcessedPrompt(msg.prompt_token_ids, items, tensor_from(msg.mrope_positions, frames), msg.mrope_delta)
+
+
+class _AnyRequestId(msgspec.Struct):
+    request_id: str
+
+
+_request_id_decoder = msgspec.msgpack.Decoder(_AnyRequestId)
+
+
+def request_id_of(header) -> str | None:
+    """The request id of a message that failed to decode, if its header still names one."""
+    try:
+        return _request_id_decoder.decode(header).request_id
+    except msgspec.DecodeError:
+        return None

@@ -18,14 +18,22 @@ from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from vlserve.core.config import Options
+from vlserve.core.errors import InvalidInputError, VlserveError
 from vlserve.disagg.buffers import BufferSpec, EmbeddingBuffers
 from vlserve.disagg.encoder_worker import EncodedPrompt, EncoderWorker
-from vlserve.disagg.messages import (AbortTransfer, EncodeRequest, Ping, Pong, ResumeRequest, TransferChunk,
-                                     TransferFailed, TransferState)
+from vlserve.disagg.messages import (
+    AbortTransfer,
+    EncodeRequest,
+    Ping,
+    Pong,
+    ResumeRequest,
+    TransferChunk,
+    TransferFailed,
+    TransferState,
+)
 from vlserve.disagg.metrics import TransferMetrics
 from vlserve.disagg.transport import TRANSPORTS, Codec, Rows
-from vlserve.core.errors import InvalidInputError, VlserveError
-from vlserve.core.config import Options
 from vlserve.frontend.media.fetch import MediaFetcher, MediaPolicy
 from vlserve.frontend.metrics import CONTENT_TYPE, PREFIX
 
@@ -230,7 +238,7 @@ async def run_encoder(opts: Options, log_level: str) -> None:
     await boot.start()
     logger.info("encoder ready: data tcp://%s, http://%s", info.address, info.http_address)
     http = uvicorn.Server(uvicorn.Config(server.http_app(), host=host, port=port, log_level=log_level.lower(),
-                                         access_log=False))
+                                         access_log=False, log_config=None))
     try:
         await http.serve()
     finally:

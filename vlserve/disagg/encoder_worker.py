@@ -15,14 +15,13 @@ from dataclasses import dataclass
 import torch
 
 from vlserve.core.config import EngineArgs
-from vlserve.engine.config import resolve_config
 from vlserve.disagg.messages import ItemMeta
-from vlserve.frontend.media.image import ImageProcessorConfig
-from vlserve.model.loader import load_model
-from vlserve.model.layers.packed_linear import packed_linear_supported
+from vlserve.engine.config import resolve_config
 from vlserve.frontend.input_processor import InputProcessor
+from vlserve.frontend.media.image import ImageProcessorConfig
 from vlserve.frontend.tokenizer import load_tokenizer
-from vlserve.core.sampling_params import SamplingParams
+from vlserve.model.layers.packed_linear import packed_linear_supported
+from vlserve.model.loader import load_model
 
 logger = logging.getLogger("vlserve.encode")
 
@@ -66,7 +65,7 @@ class EncoderWorker:
         data = {"prompt": prompt, "multi_modal_data": media}
         if any(any(v) for v in uuids.values()):
             data["multi_modal_uuids"] = uuids
-        _, req = self.input_processor.process("encode", data, SamplingParams(), mm_kwargs)
+        req = self.input_processor.process(data, mm_kwargs)
         embeds = {}
         todo = []
         for it in req.mm_items:
@@ -86,7 +85,7 @@ class EncoderWorker:
                 embeds[it.mm_hash] = emb.to("cpu")
                 self._remember(it.mm_hash, embeds[it.mm_hash])
             self.encoder_seconds.append(time.perf_counter() - t0)
-        rows = torch.zeros(req.num_prompt_tokens, self.hidden, dtype=self.dtype)
+        rows = torch.zeros(req.num_tokens, self.hidden, dtype=self.dtype)
         for it in req.mm_items:
             rows[it.offset:it.end] = embeds[it.mm_hash].to(self.dtype)
         items = [ItemMeta(it.offset, it.num_tokens, tuple(it.grid_thw), it.mm_hash) for it in req.mm_items]

@@ -21,16 +21,23 @@ import zmq
 import zmq.asyncio
 
 from vlserve.core.config import DisaggArgs
-from vlserve.engine.config import VlserveConfig
+from vlserve.core.errors import InvalidInputError, ServiceUnavailableError
+from vlserve.core.prompt import MultiModalItem, ProcessedPrompt
 from vlserve.disagg.bootstrap import BootstrapClient, InstanceInfo
 from vlserve.disagg.buffers import EmbeddingBuffers
-from vlserve.disagg.messages import (AbortTransfer, EncodeRequest, Ping, Pong, ResumeRequest, TransferChunk,
-                                     TransferFailed, TransferState)
+from vlserve.disagg.messages import (
+    AbortTransfer,
+    EncodeRequest,
+    Ping,
+    Pong,
+    ResumeRequest,
+    TransferChunk,
+    TransferFailed,
+    TransferState,
+)
 from vlserve.disagg.metrics import TransferMetrics
 from vlserve.disagg.transport import TRANSPORTS, Codec
-from vlserve.core.request import MultiModalItem, Request
-from vlserve.core.errors import InvalidInputError, ServiceUnavailableError
-from vlserve.core.sampling_params import SamplingParams
+from vlserve.engine.config import VlserveConfig
 
 logger = logging.getLogger("vlserve.disagg")
 AFFINITY_ENTRIES = 4096
@@ -158,7 +165,7 @@ class DisaggClient:
                 return e
         return min(live, key=lambda e: (e.in_flight, e.last_used))
 
-    async def encode(self, request_id: str, prompt: str, media: dict, uuids: dict, mm_kwargs: dict) -> Request:
+    async def encode(self, request_id: str, prompt: str, media: dict, uuids: dict, mm_kwargs: dict) -> ProcessedPrompt:
         key = _media_key(media)
         tried: set[str] = set()
         last: Exception | None = None
@@ -203,7 +210,7 @@ class DisaggClient:
             self._block_freed.set()
 
     async def _transfer(self, enc: EncoderConn, request_id: str, prompt: str, media: dict, uuids: dict,
-                        mm_kwargs: dict) -> Request:
+                        mm_kwargs: dict) -> ProcessedPrompt:
         tid = next(self._ids)
         queue: asyncio.Queue = asyncio.Queue()
         enc.transfers[(request_id, tid)] = queue
@@ -245,7 +252,7 @@ class DisaggClient:
                 if not header.partial:
                     enter(TransferState.SUCCESS)
                     self.metrics.transfer_latency.observe(time.perf_counter() - t0)
-                    return self._assemble(request_id, header, pieces)
+                    return self._assemble(prompt, header, pieces)
                 self.metrics.resume()
                 blocks = await self._allocate(header.total_tokens - sent)
                 await enc.sock.send(self.codec.enc.encode(ResumeRequest(request_id, tid, sent, blocks)))
@@ -266,7 +273,7 @@ class DisaggClient:
             logger.debug("transfer %s/%d via %s: %s", request_id, tid, enc.info.address, state.value)
         return enter
 
-    def _assemble(self, request_id: str, header: TransferChunk, pieces: list) -> Request:
+    def _assemble(self, prompt: str, header: TransferChunk, pieces: list) -> ProcessedPrompt:
         emb = torch.cat([p[0] for p in pieces])
         fill_ids = torch.cat([p[1] for p in pieces]).tolist()
         positions = torch.cat([p[2] for p in pieces], dim=1)
@@ -274,8 +281,7 @@ class DisaggClient:
             raise EncoderFailure(f"received {len(fill_ids)} of {header.total_tokens} tokens")
         items = [MultiModalItem(it.offset, it.num_tokens, None, tuple(it.grid_thw), it.mm_hash,
                                 emb[it.offset:it.offset + it.num_tokens].clone()) for it in header.items]
-        return Request(request_id, fill_ids, SamplingParams(), self.cfg.model.eos_token_ids, items,
-                       positions, header.mrope_delta)
+        return ProcessedPrompt(fill_ids, items, positions, header.mrope_delta, prompt)
 
 
 def _media_key(media: dict) -> str:

@@ -16,8 +16,8 @@ import torch
 import zmq
 import zmq.asyncio
 
-from vlserve.disagg.messages import EncoderToLanguage, LanguageToEncoder, TransferChunk
 from vlserve.core.wire import DTYPES, tensor_from_bytes
+from vlserve.disagg.messages import EncoderToLanguage, LanguageToEncoder, TransferChunk
 
 
 @dataclass

@@ -11,20 +11,27 @@ import time
 
 import torch
 
-from vlserve.engine.config import VlserveConfig
+from vlserve.core.errors import InvalidInputError
 from vlserve.core.messages import EngineCoreOutput
+from vlserve.core.prompt import ProcessedPrompt
 from vlserve.core.request import Request, RequestStatus
-from vlserve.model.loader import load_model
-from vlserve.model.layers.packed_linear import packed_linear_supported
+from vlserve.core.sampling_params import SamplingParams, fan_out
+from vlserve.engine.config import VlserveConfig
 from vlserve.engine.model_runner import ModelRunner
+from vlserve.engine.prompt_check import check_prompt
 from vlserve.engine.scheduler import Scheduler
+from vlserve.model.layers.packed_linear import packed_linear_supported
+from vlserve.model.loader import load_model
 
 logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, cfg: VlserveConfig, model: torch.nn.Module | None = None):
+    def __init__(self, cfg: VlserveConfig, model: torch.nn.Module | None = None, report_released: bool = False):
+        """`report_released`: collect the requests whose samples have all left (a front-end in another process
+        frees their prompts' buffers then)."""
         self.cfg = cfg
+        self.report_released = report_released
         t0 = time.perf_counter()
         model = model or load_model(cfg.model_path, cfg.model, cfg.dtype, cfg.device, with_vision=cfg.load_vision)
         if packed_linear_supported(cfg.device, cfg.dtype) and hasattr(model, "pack_for_cpu"):
@@ -33,20 +40,59 @@ class EngineCore:
         self.scheduler = Scheduler(cfg)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self._parent_of: dict[str, str] = {}  # engine request id -> the API request it samples for
+        self._open: dict[str, set[str]] = {}  # API request -> its samples still in the engine
+        self._released: list[str] = []
         logger.info("engine ready in %.1fs: %s on %s, %s, %d KV blocks x %d tokens", time.perf_counter() - t0,
                     cfg.model.architecture, cfg.device, str(cfg.dtype).removeprefix("torch."), cfg.num_kv_blocks,
                     cfg.block_size)
 
-    def add_request(self, req: Request) -> None:
-        self.scheduler.add_request(req)
-        self.prompt_tokens_total += req.num_prompt_tokens
+    def add_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
+                    arrival_time: float | None = None) -> list[str]:
+        """Admits the n samples of one request together, or none of them; returns their engine request ids."""
+        check_prompt(prompt, self.cfg)
+        children = [Request(cid, prompt, p, self.cfg.model.eos_token_ids, arrival_time)
+                    for cid, p in fan_out(params, request_id)]
+        if any(c.request_id in self.scheduler.requests for c in children):
+            raise InvalidInputError(f"request id {request_id!r} is already in use")
+        for child in children:
+            self.scheduler.check_fits(child)  # raises before anything is queued
+        for child in children:
+            self.scheduler.add_request(child)
+            self.prompt_tokens_total += child.num_prompt_tokens
+            self._parent_of[child.request_id] = request_id
+        self._open[request_id] = {c.request_id for c in children}
+        return [c.request_id for c in children]
+
+    @property
+    def has_released(self) -> bool:
+        return bool(self._released)
+
+    def take_released(self) -> list[str]:
+        """Requests all of whose samples have left the engine since the last call."""
+        released, self._released = self._released, []
+        return released
+
+    def _left(self, child_ids) -> None:
+        for child_id in child_ids:
+            parent = self._parent_of.pop(child_id, None)
+            if parent is None:
+                continue
+            children = self._open[parent]
+            children.discard(child_id)
+            if not children:
+                del self._open[parent]
+                if self.report_released:
+                    self._released.append(parent)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        self._left(request_ids)
 
     def stop_requests(self, request_ids: list[str]) -> None:
         """Finished by the front end (a stop string matched): same clean-up as an abort, reported as stop."""
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
+        self._left(request_ids)
 
     @property
     def has_unfinished(self) -> bool:
@@ -57,6 +103,7 @@ class EngineCore:
         sampled, logprobs = self.runner.execute(sched)
         outputs = self.scheduler.update_from_output(sched, sampled, logprobs)
         self.generation_tokens_total += len(outputs)
+        self._left(o.request_id for o in outputs if o.finish_reason is not None)
         return outputs
 
     def get_metrics(self) -> dict[str, float]:

@@ -3,6 +3,9 @@
 The loop never waits on I/O it does not own: media decoding and tokenization happened in the front-end, so a
 step is scheduling + model forward only. While there is work it drains the input socket without blocking
 between steps; when idle it blocks on the socket (with a timeout to notice an orphaned parent).
+
+A separate thread answers the front-end's heartbeats with the step count, so a frozen process (SIGSTOP, a hang
+holding the GIL) is noticed within seconds, and a main loop stuck inside one step is noticed too.
 """
 
 from __future__ import annotations
@@ -11,16 +14,33 @@ import dataclasses
 import logging
 import os
 import signal
+import sys
+import threading
 
 import msgspec
 import zmq
 
 from vlserve.core.config import EngineArgs
+from vlserve.core.errors import VlserveError
+from vlserve.core.wire import (
+    AddRequest,
+    EngineFailed,
+    EngineInput,
+    EngineMessage,
+    EngineOutputs,
+    EngineReady,
+    EngineStats,
+    FinishRequests,
+    Framer,
+    Heartbeat,
+    RequestRejected,
+    Shutdown,
+    prompt_from_wire,
+    request_id_of,
+)
 from vlserve.engine.config import resolve_config
 from vlserve.engine.core import EngineCore
-from vlserve.core.wire import (AddRequest, EngineFailed, EngineInput, EngineMessage, EngineOutputs, EngineReady,
-                                 EngineStats, FinishRequests, Framer, RequestRejected, Shutdown, request_from_wire)
-from vlserve.core.errors import VlserveError
+from vlserve.model.hardware import log_once
 
 logger = logging.getLogger("vlserve.engine")
 IDLE_POLL_MS = 1000
@@ -34,11 +54,20 @@ def decode_args(data: bytes) -> EngineArgs:
     return EngineArgs(**msgspec.json.decode(data))
 
 
+class Progress:
+    """What the heartbeat thread reports: steps done so far, and whether there is work."""
+
+    def __init__(self):
+        self.steps = 0
+        self.busy = False
+
+
 class EngineCoreLoop:
-    def __init__(self, core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket):
+    def __init__(self, core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, progress: Progress):
         self.core = core
         self.inputs = inputs
         self.outputs = outputs
+        self.progress = progress
         self.in_framer = Framer(EngineInput)
         self.out_framer = Framer(EngineMessage)
         self.rejected: list[RequestRejected] = []
@@ -48,13 +77,15 @@ class EngineCoreLoop:
     def run(self) -> None:
         while self.running:
             busy = self.core.has_unfinished
+            self.progress.busy = busy
             if self.inputs.poll(0 if busy else IDLE_POLL_MS):
                 self._drain_inputs()
             elif not busy and os.getppid() != self.parent_pid:
                 logger.warning("front-end process is gone; engine core exits")
                 return
             outputs = self.core.step() if self.core.has_unfinished else []
-            if outputs or self.rejected or busy:
+            self.progress.steps += 1
+            if outputs or self.rejected or busy or self.core.has_released:
                 self._send(outputs)
 
     def _drain_inputs(self) -> None:
@@ -67,14 +98,23 @@ class EngineCoreLoop:
             try:
                 msg = self.in_framer.decode(frames)
             except msgspec.DecodeError as e:
-                logger.error("dropped an undecodable message: %s", e)
+                self._undecodable(frames, e)
                 continue
             self._handle(msg, frames)
+
+    def _undecodable(self, frames, error: Exception) -> None:
+        """A message we cannot decode: if it names a request, that request gets an error instead of silence."""
+        request_id = request_id_of(frames[0])
+        if request_id is None:
+            logger.error("dropped an undecodable message: %s", error)
+            return
+        logger.warning("request %r: undecodable, refused: %s", request_id[:128], error)
+        self.rejected.append(RequestRejected(request_id, f"the request could not be decoded: {error}", 400))
 
     def _handle(self, msg, frames) -> None:
         if isinstance(msg, AddRequest):
             try:
-                self.core.add_request(request_from_wire(msg, frames))
+                self.core.add_request(msg.request_id, prompt_from_wire(msg, frames), msg.params, msg.arrival_time)
             except (VlserveError, ValueError) as e:
                 status = getattr(e, "http_status", 400)
                 self.rejected.append(RequestRejected(msg.request_id, str(e), status))
@@ -89,35 +129,76 @@ class EngineCoreLoop:
     def _send(self, outputs) -> None:
         metrics = self.core.get_metrics()
         stats = EngineStats(**{k: v for k, v in metrics.items() if k in EngineStats.__struct_fields__},
-                            encoder_seconds=self.core.runner.encoder_seconds)
-        self.core.runner.encoder_seconds = []
-        self.outputs.send_multipart(self.out_framer.encode(EngineOutputs(outputs, self.rejected, stats)))
+                            encoder_seconds=self.core.runner.take_encoder_seconds())
+        self.outputs.send_multipart(self.out_framer.encode(EngineOutputs(outputs, self.rejected, stats,
+                                                                         self.core.take_released())))
         self.rejected = []
 
 
-def run_engine_core(args_json: bytes, input_addr: str, output_addr: str, log_level: str = "INFO") -> None:
-    """Entry point of the spawned process."""
+def _answer_heartbeats(ctx: zmq.Context, address: str, progress: Progress, stop: threading.Event) -> None:
+    sock = ctx.socket(zmq.PAIR)
+    sock.connect(address)
+    framer = Framer(Heartbeat)
+    try:
+        while not stop.is_set():
+            if sock.poll(200):
+                ping = framer.decode(sock.recv_multipart())
+                sock.send_multipart(framer.encode(Heartbeat(ping.nonce, progress.steps, progress.busy)))
+    except zmq.ZMQError:
+        pass  # context terminated: the process is exiting
+    finally:
+        sock.close(linger=0)
+
+
+def _die_with_parent() -> None:
+    """If the front-end is killed outright, this process gets SIGTERM instead of lingering (Linux)."""
+    if sys.platform != "linux":
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def run_engine_core(args_json: bytes, addresses: dict[str, str], log_level: str = "INFO") -> None:
+    """Entry point of the spawned process. Exits non-zero when the engine cannot start."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the front-end, which shuts us down in order
+    _die_with_parent()
     ctx = zmq.Context()
     inputs, outputs = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    inputs.connect(input_addr)
-    outputs.connect(output_addr)
+    inputs.connect(addresses["input"])
+    outputs.connect(addresses["output"])
+    progress, stop = Progress(), threading.Event()
+    heartbeats = threading.Thread(target=_answer_heartbeats, args=(ctx, addresses["heartbeat"], progress, stop),
+                                  name="vlserve-heartbeat", daemon=True)
+    heartbeats.start()
     framer = Framer(EngineMessage)
+    exit_code = 0
     try:
-        core = EngineCore(resolve_config(decode_args(args_json)))
-    except Exception as e:  # noqa: BLE001 - any start-up failure must reach the front-end as a message
-        if not isinstance(e, VlserveError):  # ours have clear messages; anything else needs its traceback
-            logger.exception("engine core failed to start")
-        outputs.send_multipart(framer.encode(EngineFailed(f"{type(e).__name__}: {e}")))
-        return
-    outputs.send_multipart(framer.encode(EngineReady(core.cfg.num_kv_blocks, core.cfg.max_model_len)))
-    try:
-        EngineCoreLoop(core, inputs, outputs).run()
-    except Exception as e:  # noqa: BLE001 - report, then exit: the front-end fails pending requests with 503
-        logger.exception("engine core crashed")
-        outputs.send_multipart(framer.encode(EngineFailed(f"engine core crashed: {type(e).__name__}: {e}")))
+        try:
+            log_once()
+            core = EngineCore(resolve_config(decode_args(args_json)), report_released=True)
+        except Exception as e:  # noqa: BLE001 - any start-up failure must reach the front-end as a message
+            if not isinstance(e, VlserveError):  # ours have clear messages; anything else needs its traceback
+                logger.exception("engine core failed to start")
+            outputs.send_multipart(framer.encode(EngineFailed(f"{type(e).__name__}: {e}")))
+            exit_code = 1
+            return
+        outputs.send_multipart(framer.encode(EngineReady(core.cfg.num_kv_blocks, core.cfg.max_model_len)))
+        try:
+            EngineCoreLoop(core, inputs, outputs, progress).run()
+        except Exception as e:  # noqa: BLE001 - report, then exit: the front-end fails pending requests with 503
+            logger.exception("engine core crashed")
+            outputs.send_multipart(framer.encode(EngineFailed(f"engine core crashed: {type(e).__name__}: {e}")))
+            exit_code = 1
     finally:
+        stop.set()
+        heartbeats.join(timeout=1)
         inputs.close(linger=0)
-        outputs.close(linger=1000)
+        outputs.close(linger=1000)  # the last message (outputs or the failure) still reaches the front-end
         ctx.term()
+        if exit_code:
+            sys.exit(exit_code)

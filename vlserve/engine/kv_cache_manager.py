@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from vlserve.core.request import Request
 from vlserve.engine.block_hash import update_block_hashes
 from vlserve.engine.block_pool import BlockPool
-from vlserve.core.request import Request
 
 
 class KVCacheManager:

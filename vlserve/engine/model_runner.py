@@ -12,12 +12,12 @@ import time
 
 import torch
 
-from vlserve.engine.config import VlserveConfig
 from vlserve.core.messages import TokenLogprobs
 from vlserve.core.request import Request
-from vlserve.model.layers.attention import AttentionMetadata, build_prefill_span
+from vlserve.engine.config import VlserveConfig
 from vlserve.engine.sampler import Sampler, SamplingMetadata
 from vlserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+from vlserve.model.layers.attention import AttentionMetadata, build_prefill_span
 
 
 class ModelRunner:
@@ -36,6 +36,11 @@ class ModelRunner:
         self.encoder_outputs: dict[str, torch.Tensor] = {}
         self.encoder_seconds: list[float] = []  # one entry per ViT call; the engine core drains it into metrics
         self.sampler = Sampler()
+
+    def take_encoder_seconds(self) -> list[float]:
+        """ViT call durations since the last call (histogram samples for the metrics)."""
+        seconds, self.encoder_seconds = self.encoder_seconds, []
+        return seconds
 
     # ---- encoder -----------------------------------------------------------------------------------------
     def free_encoder_outputs(self, keys: list[str]) -> None:

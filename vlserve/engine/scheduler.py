@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from collections import deque
 
-from vlserve.engine.encoder_cache import EncoderCacheManager
-from vlserve.engine.kv_cache_manager import KVCacheManager
-from vlserve.engine.config import VlserveConfig
+from vlserve.core.errors import InvalidInputError
 from vlserve.core.messages import EngineCoreOutput, TokenLogprobs
 from vlserve.core.request import Request, RequestStatus
-from vlserve.core.errors import InvalidInputError
+from vlserve.engine.config import VlserveConfig
+from vlserve.engine.encoder_cache import EncoderCacheManager
+from vlserve.engine.kv_cache_manager import KVCacheManager
 from vlserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 
 
@@ -32,11 +32,11 @@ class Scheduler:
 
     # ---- admission -------------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
-        self._check_fits(req)
+        self.check_fits(req)
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
-    def _check_fits(self, req: Request) -> None:
+    def check_fits(self, req: Request) -> None:
         """Refuse up front what could never be scheduled, instead of letting it wait forever."""
         cfg, max_tokens = self.cfg, req.params.max_tokens or 0
         if req.num_prompt_tokens + max_tokens > cfg.max_model_len:

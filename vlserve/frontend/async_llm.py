@@ -1,57 +1,48 @@
-"""The front-end's engine client: an engine-core process behind ZeroMQ, driven from asyncio.
+"""The front-end's engine client, driven from asyncio: prompts in through a prompt encoder, requests out to the
+engine-core process, outputs back, detokenized, to each request's stream.
 
-Inputs are prepared here (tokenizing, decoding and preprocessing on a thread pool), sent as typed messages,
-and the outputs coming back are detokenized here and handed to each request's stream. A watchdog notices a
-dead engine process: pending requests then fail with 503 instead of hanging, and so do new ones.
+Nothing that grows with a request's size runs on the event loop: media decoding, tokenization and template
+rendering run on a thread pool, and the n samples of a request cross to the engine as one message (the engine
+fans them out). When the engine fails or stops answering, waiting requests get a 503 at once.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import multiprocessing
-import shutil
-import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import zmq
-import zmq.asyncio
-
 from vlserve.core.config import EngineArgs
+from vlserve.core.errors import EngineDeadError, InvalidInputError, ServiceUnavailableError
+from vlserve.core.outputs import RequestOutput
+from vlserve.core.sampling_params import SamplingParams, fan_out
+from vlserve.core.wire import EngineOutputs, FinishRequests, prompt_to_wire
 from vlserve.engine.config import resolve_config
-from vlserve.engine.core_process import encode_args, run_engine_core
-from vlserve.frontend.llm_engine import fan_out
-from vlserve.frontend.output_processor import OutputProcessor
-from vlserve.core.request import Request
-from vlserve.core.wire import (EngineFailed, EngineMessage, EngineOutputs, EngineReady, EngineStats,
-                                 FinishRequests, Framer, EngineInput, Shutdown, request_to_wire)
-from vlserve.core.errors import EngineDeadError, InvalidInputError, ServiceUnavailableError, VlserveError
+from vlserve.engine.core_client import EngineCoreClient
+from vlserve.frontend.input_processor import InputProcessor
+from vlserve.frontend.media.fetch import MediaFetcher, MediaPolicy
 from vlserve.frontend.media.image import ImageProcessorConfig
 from vlserve.frontend.metrics import ServerMetrics
-from vlserve.core.outputs import RequestOutput
-from vlserve.frontend.input_processor import InputProcessor
+from vlserve.frontend.output_processor import OutputProcessor
+from vlserve.frontend.prompt_encoder import EncodedPrompt, LocalPromptEncoder, PromptEncoder
 from vlserve.frontend.tokenizer import load_tokenizer
-from vlserve.core.sampling_params import SamplingParams
 
 logger = logging.getLogger("vlserve.engine")
-WATCHDOG_INTERVAL_S = 0.5
 
 
 @dataclass
 class PreparedPrompt:
-    """A prompt after tokenization, preprocessing and placeholder expansion; ready to be sent."""
+    """A prompt after input processing, ready to be sent; `arrival` starts the TTFT and e2e clocks."""
 
-    text: str | None
-    request: Request
-    arrival: float  # when the API call came in: TTFT and e2e include media fetching and preprocessing
+    encoded: EncodedPrompt
+    arrival: float
 
     @property
     def num_tokens(self) -> int:
-        return self.request.num_prompt_tokens
+        return self.encoded.prompt.num_tokens
 
 
 class RequestStream:
@@ -81,108 +72,105 @@ class RequestStream:
         return self._latest
 
 
+def default_prompt_encoder(engine: "AsyncLLM") -> PromptEncoder:
+    """Local processing under the default (safe) media policy."""
+    fetchers = {kind: MediaFetcher(MediaPolicy()) for kind in ("image", "video")}
+    return LocalPromptEncoder(engine.input_processor, fetchers, engine.executor)
+
+
+class RequestHandle:
+    """Async iterator over one request's outputs; `close()` aborts the request unless it finished."""
+
+    def __init__(self, engine: "AsyncLLM", request_id: str, stream: RequestStream):
+        self.engine, self.request_id, self.stream = engine, request_id, stream
+        self.finished = False
+
+    def __aiter__(self) -> "RequestHandle":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            out = await self.stream.get()
+        except BaseException:
+            self.close()
+            raise
+        self.finished = out.finished
+        return out
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.engine.abort(self.request_id)
+
+    async def aclose(self) -> None:
+        self.close()
+
+
 class AsyncLLM:
     def __init__(self, args: EngineArgs, model_name: str, max_waiting_requests: int | None = None,
-                 media_threads: int = 4, log_requests: bool = True, log_level: str = "INFO"):
-        self.args = args
+                 media_threads: int = 4, log_requests: bool = True, log_level: str = "INFO",
+                 max_image_pixels: int | None = None, heartbeat_timeout: float = 10.0,
+                 prompt_encoder: Callable[["AsyncLLM"], PromptEncoder] | None = None):
         self.cfg = resolve_config(args)  # reads config files only; the weights load in the engine process
         self.model_name = model_name
         self.tokenizer = load_tokenizer(self.cfg.model_path)
-        self.input_processor = InputProcessor(self.cfg, self.tokenizer,
-                                              ImageProcessorConfig.from_pretrained(self.cfg.model_path))
+        image_cfg = ImageProcessorConfig.from_pretrained(self.cfg.model_path)
+        limits = {} if max_image_pixels is None else {"max_image_pixels": max_image_pixels}
+        self.input_processor = InputProcessor(self.cfg, self.tokenizer, image_cfg, **limits)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = ServerMetrics(model_name)
         self.max_waiting_requests = max_waiting_requests
         self.log_requests = log_requests
-        self.log_level = log_level
         self.executor = ThreadPoolExecutor(max_workers=media_threads, thread_name_prefix="vlserve-media")
         self.streams: dict[str, RequestStream] = {}
-        self.dead_reason: str | None = None
-        self.proc: multiprocessing.Process | None = None
-        self._tasks: list[asyncio.Task] = []
-        self._in_framer, self._out_framer = Framer(EngineInput), Framer(EngineMessage)
-        self.remote_encoder = None  # a DisaggClient on a disaggregated language server
-        self._prep_ids = itertools.count()
+        self.releases: dict[str, Callable[[], None]] = {}  # request id -> frees its prompt once the engine is done
+        self.core = EngineCoreClient(args, log_level, heartbeat_timeout, on_outputs=self._handle,
+                                     on_failure=self._fail_all)
+        self.prompt_encoder: PromptEncoder = (prompt_encoder or default_prompt_encoder)(self)
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     async def start(self) -> None:
-        self._ipc_dir = tempfile.mkdtemp(prefix="vlserve-ipc-")
-        in_addr, out_addr = f"ipc://{self._ipc_dir}/input", f"ipc://{self._ipc_dir}/output"
-        self._sync_ctx, self._async_ctx = zmq.Context(), zmq.asyncio.Context()
-        # Sends are synchronous and never block (no high-water mark), so an abort can be sent from a
-        # `finally` of a cancelled task; receives are awaited.
-        self.in_sock = self._sync_ctx.socket(zmq.PUSH)
-        self.in_sock.setsockopt(zmq.SNDHWM, 0)
-        self.in_sock.bind(in_addr)
-        self.out_sock = self._async_ctx.socket(zmq.PULL)
-        self.out_sock.bind(out_addr)
-        self.proc = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, args=(encode_args(self.args), in_addr, out_addr, self.log_level),
-            name="vlserve-engine-core", daemon=True)
-        self.proc.start()
-        ready = await self._wait_ready()
-        logger.info("engine core ready (pid %d): %d KV blocks, max_model_len %d", self.proc.pid,
+        ready = await self.core.start()
+        logger.info("engine core ready (pid %d): %d KV blocks, max_model_len %d", self.core.proc.pid,
                     ready.num_kv_blocks, ready.max_model_len)
-        self._tasks = [asyncio.create_task(self._output_loop()), asyncio.create_task(self._watchdog())]
-
-    async def _wait_ready(self) -> EngineReady:
-        while True:
-            if await self.out_sock.poll(200):
-                msg = self._out_framer.decode(await self.out_sock.recv_multipart())
-                if isinstance(msg, EngineReady):
-                    return msg
-                if isinstance(msg, EngineFailed):
-                    await self.shutdown()
-                    raise VlserveError(f"engine core failed to start: {msg.message}")
-            elif not self.proc.is_alive():
-                code = self.proc.exitcode
-                await self.shutdown()
-                raise VlserveError(f"engine core process exited during start-up (exit code {code})")
+        try:
+            await self.prompt_encoder.start()
+        except BaseException:
+            await self.core.shutdown()
+            raise
 
     async def shutdown(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        if self.proc is not None and self.proc.is_alive():
-            self.in_sock.send_multipart(self._in_framer.encode(Shutdown()))
-            await asyncio.get_running_loop().run_in_executor(None, self.proc.join, 10)
-            if self.proc.is_alive():
-                self.proc.terminate()
-        self._fail_all("the server is shutting down")
-        self.in_sock.close(linger=0)
-        self.out_sock.close(linger=0)
-        self._sync_ctx.term()
-        self._async_ctx.term()
-        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        await self.prompt_encoder.stop()
+        await self.core.shutdown()
+        self._fail_all("the server is shutting down", log=False)
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     @property
     def is_healthy(self) -> bool:
-        return self.dead_reason is None
+        return self.core.available
 
     @property
-    def stats(self) -> EngineStats:
+    def unhealthy_reason(self) -> str | None:
+        return self.core.dead_reason or self.core.unresponsive_reason
+
+    @property
+    def stats(self):
         return self.metrics.stats
 
     # ---- requests ----------------------------------------------------------------------------------------
-    async def prepare(self, prompt: dict | str, mm_processor_kwargs: dict | None = None,
-                      arrival: float | None = None) -> PreparedPrompt:
-        """Tokenize + decode + preprocess on the thread pool (the event loop keeps serving meanwhile)."""
+    async def prepare(self, prompt: dict, mm_processor_kwargs: dict | None = None, arrival: float | None = None,
+                      request_id: str = "") -> PreparedPrompt:
+        """Media, tokenization and placeholder expansion through the prompt encoder (off the event loop)."""
         self.check_accepting()
         arrival = arrival if arrival is not None else time.monotonic()
-        if self.remote_encoder is not None and isinstance(prompt, dict) and prompt.get("multi_modal_data"):
-            # Disaggregated: an encoder service fetches, preprocesses, tokenizes and encodes; rows come back.
-            req = await self.remote_encoder.encode(f"prep-{next(self._prep_ids)}", prompt["prompt"],
-                                                   prompt["multi_modal_data"], prompt.get("multi_modal_uuids") or {},
-                                                   mm_processor_kwargs or {})
-            return PreparedPrompt(prompt["prompt"], req, arrival)
-        loop = asyncio.get_running_loop()
-        text, req = await loop.run_in_executor(self.executor, self.input_processor.process, "template", prompt,
-                                               SamplingParams(), mm_processor_kwargs)
-        return PreparedPrompt(text, req, arrival)
+        encoded = await self.prompt_encoder.encode(prompt, mm_processor_kwargs, request_id)
+        return PreparedPrompt(encoded, arrival)
 
     def check_accepting(self) -> None:
-        if self.dead_reason is not None:
-            raise EngineDeadError(f"the engine is not running: {self.dead_reason}")
+        if not self.core.available:
+            raise EngineDeadError(f"the engine is not available: {self.unhealthy_reason}")
         if self.max_waiting_requests is not None:
             waiting = max(self.output_processor.num_unfinished_children - self.cfg.max_num_seqs,
                           self.stats.num_requests_waiting)
@@ -191,69 +179,47 @@ class AsyncLLM:
                     f"the server is overloaded: {waiting} requests are waiting (max_waiting_requests="
                     f"{self.max_waiting_requests}); retry later")
 
-    async def generate(self, prompt: PreparedPrompt, params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
-        """Yields the request's cumulative output as it grows; the last one has `finished` set.
-
-        Leaving the iteration early (client gone, task cancelled) aborts the request in the engine.
-        """
-        self.check_accepting()
-        if request_id in self.streams:
-            raise InvalidInputError(f"request id {request_id!r} is already in use")
-        reqs, children = fan_out(prompt.request, params, request_id)
-        stream = RequestStream(prompt.arrival)
-        self.streams[request_id] = stream
-        self.output_processor.add(request_id, prompt.text, prompt.request.prompt_token_ids, children)
-        finished = False
+    def generate(self, prepared: PreparedPrompt, params: SamplingParams, request_id: str) -> "RequestHandle":
+        """Sends the request now (or raises, with its prompt freed); iterate the handle for its cumulative
+        outputs, the last one `finished`. Closing the handle early (client gone) aborts it in the engine."""
         try:
-            for req in reqs:
-                req.arrival_time = stream.arrival
-                msg, tensors = request_to_wire(req)
-                self.in_sock.send_multipart(self._in_framer.encode(msg, tensors), copy=False)
-            while not finished:
-                out = await stream.get()
-                finished = out.finished
-                yield out
-        finally:
-            if not finished:
-                self.abort(request_id)
+            self.check_accepting()
+            if request_id in self.streams:
+                raise InvalidInputError(f"request id {request_id!r} is already in use")
+            prompt = prepared.encoded.prompt
+            msg, tensors = prompt_to_wire(request_id, prompt, params, prepared.arrival)
+        except BaseException:
+            if prepared.encoded.release is not None:
+                prepared.encoded.release()  # never reached the engine
+            raise
+        stream = RequestStream(prepared.arrival)
+        self.streams[request_id] = stream
+        self.output_processor.add(request_id, prompt.text, prompt.prompt_token_ids, fan_out(params, request_id))
+        if prepared.encoded.release is not None:
+            self.releases[request_id] = prepared.encoded.release
+        self.core.send(msg, tensors)
+        return RequestHandle(self, request_id, stream)
 
     def abort(self, request_id: str) -> None:
         self.streams.pop(request_id, None)
         child_ids = self.output_processor.abort(request_id)
-        if child_ids and self.dead_reason is None:
-            self.in_sock.send_multipart(self._in_framer.encode(FinishRequests(child_ids, "abort")))
+        if child_ids and self.core.dead_reason is None:  # a frozen engine reads it when it wakes up
+            self.core.send(FinishRequests(child_ids, "abort"))
 
     # ---- engine outputs ------------------------------------------------------------------------------------
-    async def _output_loop(self) -> None:
-        while True:
-            frames = await self.out_sock.recv_multipart()
-            try:
-                msg = self._out_framer.decode(frames)
-            except Exception as e:  # noqa: BLE001 - a bad message must not kill the loop silently
-                logger.error("undecodable message from the engine: %s", e)
-                continue
-            if isinstance(msg, EngineFailed):
-                self._fail_all(msg.message)
-                return
-            if isinstance(msg, EngineOutputs):
-                self._handle(msg)
-
     def _handle(self, msg: EngineOutputs) -> None:
         self.metrics.on_engine_stats(msg.stats)
         for rej in msg.rejected:
-            parent = self.output_processor.parent_of(rej.request_id)
-            if parent is None:
-                continue
-            stream = self.streams.get(parent)
-            self.abort(parent)  # siblings of an n>1 request go too
+            stream = self.streams.pop(rej.request_id, None)
+            self.output_processor.abort(rej.request_id)
+            self._release(rej.request_id)  # refused at admission: the engine never used the prompt
             if stream is not None:
                 err = InvalidInputError(rej.message)
                 err.http_status = rej.status
                 stream.fail(err)
         outputs, stop_now = self.output_processor.process(msg.outputs)
         if stop_now:
-            self.in_sock.send_multipart(self._in_framer.encode(FinishRequests(stop_now, "stop")))
+            self.core.send(FinishRequests(stop_now, "stop"))
         now = time.monotonic()
         for out in outputs:
             stream = self.streams.get(out.request_id)
@@ -263,6 +229,13 @@ class AsyncLLM:
             stream.put(out)
             if out.finished:
                 del self.streams[out.request_id]
+        for request_id in msg.released:
+            self._release(request_id)
+
+    def _release(self, request_id: str) -> None:
+        release = self.releases.pop(request_id, None)
+        if release is not None:
+            release()
 
     def _observe(self, out: RequestOutput, stream: RequestStream, now: float) -> None:
         m = self.metrics
@@ -282,18 +255,12 @@ class AsyncLLM:
                         out.request_id, len(out.prompt_token_ids), gen, (stream.first_token - stream.arrival) * 1e3,
                         now - stream.arrival, reasons)
 
-    async def _watchdog(self) -> None:
-        while self.dead_reason is None:
-            await asyncio.sleep(WATCHDOG_INTERVAL_S)
-            if not self.proc.is_alive():
-                self._fail_all(f"engine core process died (exit code {self.proc.exitcode})")
-
-    def _fail_all(self, reason: str) -> None:
-        if self.dead_reason is None:
-            self.dead_reason = reason
-            if reason != "the server is shutting down":
-                logger.error("engine failed: %s", reason)
+    def _fail_all(self, reason: str, log: bool = True) -> None:
+        """Every request in flight fails with 503 (the engine died or stopped answering) and leaves the engine."""
         for rid, stream in list(self.streams.items()):
             stream.fail(EngineDeadError(f"the engine stopped: {reason}"))
-            self.output_processor.abort(rid)
+            self.abort(rid)
         self.streams.clear()
+        if self.core.dead_reason is not None or not log:
+            for rid in list(self.releases):  # a dead engine reads nothing any more
+                self._release(rid)

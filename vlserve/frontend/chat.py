@@ -14,6 +14,7 @@ class ParsedChat:
     messages: list[dict]  # template-ready: media parts become {"type": "image"} / {"type": "video"}
     media: dict[str, list] = field(default_factory=lambda: {"image": [], "video": []})
     uuids: dict[str, list] = field(default_factory=lambda: {"image": [], "video": []})
+    num_text_chars: int = 0  # all text of all messages: bounds the work before the template is rendered
 
     def prompt(self, text: str) -> dict:
         """The engine prompt for the rendered `text`, with this chat's media and uuids."""
@@ -35,13 +36,25 @@ def _url(part: dict, key: str) -> str:
     return url  # data: and file:// are read where the media is loaded; the server fetches http(s) first
 
 
+def _text(text: str, where: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidInputError(f"{where}: the text is not valid unicode (a lone surrogate)") from None
+    return text
+
+
 def _embeds(part: dict) -> dict:
     """`image_embeds` part: {"image_embeds": <b64 safetensors | tensor>, "image_grid_thw": [t, h, w]}, or the
     same two keys nested inside "image_embeds"."""
     value = part.get("image_embeds")
     if isinstance(value, dict):
-        return {"image_embeds": value.get("image_embeds"), "image_grid_thw": value.get("image_grid_thw")}
-    return {"image_embeds": value, "image_grid_thw": part.get("image_grid_thw")}
+        value, grid = value.get("image_embeds"), value.get("image_grid_thw")
+    else:
+        grid = part.get("image_grid_thw")
+    if value is None:
+        raise InvalidInputError("an image_embeds part needs its 'image_embeds' (base64 of a safetensors file)")
+    return {"image_embeds": value, "image_grid_thw": grid}
 
 
 def parse_chat_messages(messages: list[dict], allow_python_objects: bool = True) -> ParsedChat:
@@ -58,15 +71,20 @@ def parse_chat_messages(messages: list[dict], allow_python_objects: bool = True)
             raise InvalidInputError(f"messages[{i}] needs a 'role' among {sorted(ROLES)}")
         content = msg.get("content")
         if content is None or isinstance(content, str):
-            chat.messages.append({"role": msg["role"], "content": content or ""})
+            chat.messages.append({"role": msg["role"], "content": _text(content or "", f"messages[{i}].content")})
+            chat.num_text_chars += len(content or "")
             continue
         if not isinstance(content, list):
             raise InvalidInputError(f"messages[{i}].content must be a string or a list of parts")
         parts = []
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
+            where = f"messages[{i}].content[{j}]"
             if kind == "text":
-                parts.append({"type": "text", "text": str(part.get("text", ""))})
+                if not isinstance(part.get("text"), str):
+                    raise InvalidInputError(f"{where}: a text part needs a 'text' string")
+                parts.append({"type": "text", "text": _text(part["text"], where)})
+                chat.num_text_chars += len(part["text"])
                 continue
             if kind == "image_url":
                 media_kind, source = "image", _url(part, "image_url")
@@ -77,11 +95,14 @@ def parse_chat_messages(messages: list[dict], allow_python_objects: bool = True)
             elif kind in ("image_pil", "image", "video") and allow_python_objects:
                 media_kind, source = ("video" if kind == "video" else "image"), part.get(kind)
                 if source is None:
-                    raise InvalidInputError(f"messages[{i}].content[{j}]: '{kind}' part without its object")
+                    raise InvalidInputError(f"{where}: '{kind}' part without its object")
             else:
-                raise InvalidInputError(f"messages[{i}].content[{j}]: unsupported content part type {kind!r}")
+                raise InvalidInputError(f"{where}: unsupported content part type {kind!r}")
+            uuid = part.get("uuid")
+            if uuid is not None and not isinstance(uuid, str):
+                raise InvalidInputError(f"{where}: uuid must be a string")
             chat.media[media_kind].append(source)
-            chat.uuids[media_kind].append(part.get("uuid"))
+            chat.uuids[media_kind].append(uuid)
             parts.append({"type": media_kind})
         chat.messages.append({"role": msg["role"], "content": parts})
     return chat

@@ -30,10 +30,9 @@ class IncrementalDetokenizer:
         self._stops: list[str] = list(params.stop or ())
         self._include_stop = params.include_stop_str_in_output
         self._min_tokens = params.min_tokens
-        # Streaming must not show a prefix of a stop string that may later be cut.
-        self._holdback = (
-            max(len(s) for s in self._stops) - 1 if self._stops and not self._include_stop else 0
-        )
+        # Text a later token could turn into a stop string is cut then, so it must not be shown before. With
+        # include_stop_str_in_output the cut falls after the match, inside text not shown yet: nothing to hold.
+        self._hold_prefixes = not self._include_stop and bool(self._stops)
 
         context = list(prompt_token_ids[-_PROMPT_CONTEXT:])
         self._ids: list[int] = context  # prompt context + output ids
@@ -42,13 +41,30 @@ class IncrementalDetokenizer:
         self.output_token_ids: list[int] = []
 
         self._text = ""
-        self._sent = 0  # chars of _text already returned by get_next_delta
         self.stop_string: str | None = None  # the stop string that ended the request
         self._finished = False
 
     @property
     def output_text(self) -> str:
         return self._text
+
+    @property
+    def visible_text(self) -> str:
+        """The text a stream may show now: all of it once finished; while running, all but a trailing piece
+        that is the start of a stop string (it would be cut if the next tokens complete the stop string)."""
+        if self.finished or not self._hold_prefixes:
+            return self._text
+        return self._text[: len(self._text) - self._stop_prefix_len()]
+
+    def _stop_prefix_len(self) -> int:
+        """Length of the longest end of the text that begins some stop string."""
+        text, best = self._text, 0
+        for stop in self._stops:
+            for k in range(min(len(stop) - 1, len(text)), best, -1):
+                if text.endswith(stop[:k]):
+                    best = k
+                    break
+        return best
 
     @property
     def finished(self) -> bool:
@@ -102,20 +118,9 @@ class IncrementalDetokenizer:
             return None
         idx, stop = best
         self._text = self._text[: idx + len(stop) if self._include_stop else idx]
-        self._sent = min(self._sent, len(self._text))
         self.stop_string = stop
         return stop
 
-    def get_next_delta(self) -> str:
-        """Text not handed out yet, minus a possible stop-string prefix at the end."""
-        end = len(self._text)
-        if not self.finished:
-            end = max(self._sent, end - self._holdback)
-        delta = self._text[self._sent : end]
-        self._sent = end
-        return delta
-
-    def finish(self) -> str:
-        """Mark the request done (e.g. max_tokens/EOS) and release held-back text."""
+    def finish(self) -> None:
+        """The request ended (EOS, max_tokens, abort): held-back text becomes visible."""
         self._finished = True
-        return self.get_next_delta()

@@ -3,23 +3,37 @@ tokenize, preprocess, expand placeholders, M-RoPE positions."""
 
 from __future__ import annotations
 
-import base64
-import binascii
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from vlserve.core.config import DEFAULT_MAX_PIXELS_DECODED
+from vlserve.core.errors import InvalidInputError, MediaTooLargeError
+from vlserve.core.prompt import MultiModalItem, ProcessedPrompt
 from vlserve.engine.config import VlserveConfig
-from vlserve.core.request import MultiModalItem, Request
-from vlserve.core.errors import InvalidInputError
-from vlserve.frontend.media.hashing import hash_embeddings, hash_image, hash_user_id, hash_video
-from vlserve.frontend.media.image import (DEFAULT_MAX_PIXELS_DECODED, ImageProcessorConfig, load_image, preprocess_image,
-                                 resolve_pixel_limits)
-from vlserve.frontend.media.video import VideoOptions, load_video, preprocess_video
+from vlserve.frontend.media.data_url import decode_base64
+from vlserve.frontend.media.hashing import (
+    hash_embeddings,
+    hash_image,
+    hash_user_id,
+    hash_video,
+)
+from vlserve.frontend.media.image import (
+    ImageProcessorConfig,
+    load_image,
+    preprocess_image,
+    resolve_pixel_limits,
+    smart_resize,
+)
+from vlserve.frontend.media.video import (
+    VideoOptions,
+    load_video,
+    preprocess_video,
+    video_grid,
+)
 from vlserve.frontend.mrope import MRopeItem, expand_all_placeholders, mrope_positions
-from vlserve.core.sampling_params import SamplingParams
 
 MM_KWARGS = {"min_pixels", "max_pixels", "fps", "max_frames", "total_pixels"}
 EMBED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -44,13 +58,25 @@ class _Item:
 
 
 class InputProcessor:
-    def __init__(self, cfg: VlserveConfig, tokenizer, image_cfg: ImageProcessorConfig):
+    """`max_image_pixels` bounds every picture and video frame twice: as decoded (checked from the header,
+    before decoding) and as resized for the encoder (checked before resizing)."""
+
+    def __init__(self, cfg: VlserveConfig, tokenizer, image_cfg: ImageProcessorConfig,
+                 max_image_pixels: int = DEFAULT_MAX_PIXELS_DECODED):
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.image_cfg = image_cfg
         self.vocab_size = cfg.model.text.vocab_size
-        self.max_pixels_decoded = DEFAULT_MAX_PIXELS_DECODED  # bigger pictures are refused before decoding
+        self.max_image_pixels = max_image_pixels
         self.video_opts = VideoOptions(max_frames=cfg.max_video_frames)
+        # One media item must fit the encoder's per-step budget, its cache and the context.
+        caps = {"max_num_encoder_input_tokens": cfg.max_num_encoder_input_tokens, "max_model_len": cfg.max_model_len}
+        if cfg.encoder_cache_size:
+            caps["encoder_cache_size"] = cfg.encoder_cache_size
+        self.item_token_limit = min(caps.items(), key=lambda kv: kv[1])  # (option name, tokens)
+        # Any prompt longer than this many characters is longer than max_model_len tokens whatever it says:
+        # refused before tokenizing (no token of this vocabulary is longer).
+        self.max_prompt_chars = cfg.max_model_len * max(max((len(t) for t in tokenizer.get_vocab()), default=1), 1)
 
     def tokenize(self, prompt: dict | str) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -66,15 +92,15 @@ class InputProcessor:
         text = prompt.get("prompt")
         if not isinstance(text, str):
             raise InvalidInputError("prompt dict needs a 'prompt' string or 'prompt_token_ids'")
-        return text, self.tokenizer.encode(text)
+        if len(text) > self.max_prompt_chars:
+            raise InvalidInputError(f"the prompt has {len(text)} characters, more than can fit in the model's "
+                                    f"context of {self.cfg.max_model_len} tokens")
+        try:
+            return text, self.tokenizer.encode(text)
+        except UnicodeEncodeError:
+            raise InvalidInputError("the prompt is not valid unicode (it holds a lone surrogate)") from None
 
-    def process(
-        self,
-        request_id: str,
-        prompt: dict | str,
-        params: SamplingParams,
-        mm_processor_kwargs: dict | None = None,
-    ) -> tuple[str | None, Request]:
+    def process(self, prompt: dict | str, mm_processor_kwargs: dict | None = None) -> ProcessedPrompt:
         text, token_ids = self.tokenize(prompt)
         if not token_ids:
             raise InvalidInputError("the prompt is empty")
@@ -90,6 +116,12 @@ class InputProcessor:
         images = self._sources("image", mm_data, uuids)
         videos = self._sources("video", mm_data, uuids)
         min_px, max_px = resolve_pixel_limits(self.image_cfg, kwargs.get("min_pixels"), kwargs.get("max_pixels"))
+        if min_px > max(self.image_cfg.max_pixels, self.image_cfg.min_pixels):
+            raise InvalidInputError(f"min_pixels {min_px} is above this model's max_pixels "
+                                    f"({self.image_cfg.max_pixels})")
+        if max_px > self.max_image_pixels:
+            raise InvalidInputError(f"max_pixels {max_px} is above the server's --max-image-pixels "
+                                    f"({self.max_image_pixels})")
         pixel_params = {"min_pixels": min_px, "max_pixels": max_px}  # what changes the encoder's output
         image_items = [self._image(src, uid, pixel_params) for src, uid in images]
         video_items = [self._video(src, uid, kwargs, pixel_params) for src, uid in videos] if videos else []
@@ -105,8 +137,7 @@ class InputProcessor:
             mcfg.vision.spatial_merge_size)
         mm_items = [MultiModalItem(off, it.num_tokens, it.pixel_values, it.grid_thw, it.mm_hash, it.embeddings)
                     for off, it in placed]
-        req = Request(request_id, token_ids, params, mcfg.eos_token_ids, mm_items, positions, delta)
-        return text, req
+        return ProcessedPrompt(token_ids, mm_items, positions, delta, text)
 
     def _sources(self, kind: str, mm_data: dict, uuids: dict) -> list[tuple[Any, str | None]]:
         value = mm_data.get(kind)
@@ -122,20 +153,38 @@ class InputProcessor:
     def _image(self, src: Any, uid: str | None, params: dict) -> _Item:
         if isinstance(src, dict) and "image_embeds" in src:
             return self._embeds(src)
-        img = load_image(src, self.max_pixels_decoded)
+        img = load_image(src, self.max_image_pixels)
+        h, w = smart_resize(img.height, img.width, self.image_cfg.factor, params["min_pixels"], params["max_pixels"])
+        patch = self.image_cfg.patch_size
+        self._check_size((1, h // patch, w // patch), "picture")
         p = preprocess_image(img, self.image_cfg, params["min_pixels"], params["max_pixels"])
         mm_hash = hash_user_id(str(uid), params) if uid else hash_image(img, params)
         return _Item(p.num_embed_tokens, p.grid_thw, mm_hash, pixel_values=p.pixel_values)
 
     def _video(self, src: Any, uid: str | None, kwargs: dict, pixel_params: dict) -> _Item:
         opts = self.video_opts.with_overrides(kwargs, self.cfg.max_video_frames)
-        video = load_video(list(src) if isinstance(src, np.ndarray) else src, opts)
-        p = preprocess_video(video, self.image_cfg, opts, pixel_params["min_pixels"], pixel_params["max_pixels"])
+        video = load_video(list(src) if isinstance(src, np.ndarray) else src, opts, self.max_image_pixels)
+        lo, hi = pixel_params["min_pixels"], pixel_params["max_pixels"]
+        self._check_size(video_grid(video, self.image_cfg, opts, lo, hi), "video")
+        p = preprocess_video(video, self.image_cfg, opts, lo, hi)
         params = {**pixel_params, "fps": opts.fps, "max_frames": opts.max_frames, "total_pixels": opts.total_pixels}
         mm_hash = hash_user_id(str(uid), params) if uid else hash_video(video.frames, params)
         vision = self.cfg.model.vision
         interval = p.second_per_grid * vision.tokens_per_second if vision.time_scaled_video else 1.0
         return _Item(p.num_embed_tokens, p.grid_thw, mm_hash, pixel_values=p.pixel_values, time_interval=interval)
+
+    def _check_size(self, grid_thw: tuple[int, int, int], what: str) -> None:
+        """Refuse a resized item that is too large before doing the resize."""
+        t, h, w = grid_thw
+        patch, merge = self.image_cfg.patch_size, self.image_cfg.merge_size
+        if h * w * patch * patch > self.max_image_pixels:
+            raise MediaTooLargeError(f"the {what} would be resized to {h * w * patch * patch} pixels per frame, more "
+                                     f"than the {self.max_image_pixels} allowed (--max-image-pixels)")
+        tokens = t * h * w // merge**2
+        name, limit = self.item_token_limit
+        if tokens > limit:
+            raise InvalidInputError(f"the {what} would take {tokens} embedding tokens, more than the {limit} one item "
+                                    f"may take here ({name}={limit}); lower max_pixels or send a smaller one")
 
     def _embeds(self, entry: dict) -> _Item:
         """Precomputed image embeddings: a tensor (or base64 safetensors) plus its image_grid_thw."""
@@ -175,8 +224,8 @@ def decode_embeds(value: Any) -> torch.Tensor:
     from safetensors.torch import load
 
     try:
-        tensors = load(base64.b64decode(value, validate=True))
-    except (binascii.Error, ValueError, SafetensorError) as e:
+        tensors = load(decode_base64(value))
+    except (InvalidInputError, ValueError, SafetensorError) as e:
         raise InvalidInputError(f"image_embeds is not base64 of a safetensors file ({type(e).__name__})") from None
     if len(tensors) != 1 and "image_embeds" not in tensors:
         raise InvalidInputError(f"image_embeds safetensors must hold one tensor (or one named 'image_embeds'), "

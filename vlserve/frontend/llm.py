@@ -8,13 +8,13 @@ from typing import Any
 from tqdm import tqdm
 
 from vlserve.core.config import EngineArgs
-from vlserve.frontend.llm_engine import LLMEngine
-from vlserve.frontend.chat import parse_chat_messages
 from vlserve.core.errors import InvalidInputError
 from vlserve.core.outputs import RequestOutput
-from vlserve.frontend.input_processor import as_list
-from vlserve.frontend.tokenizer import render_chat
 from vlserve.core.sampling_params import SamplingParams
+from vlserve.frontend.chat import parse_chat_messages
+from vlserve.frontend.input_processor import as_list
+from vlserve.frontend.llm_engine import LLMEngine
+from vlserve.frontend.tokenizer import render_chat
 
 
 class LLM:

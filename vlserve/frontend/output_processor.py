@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 from vlserve.core.messages import EngineCoreOutput
 from vlserve.core.outputs import CompletionOutput, Logprob, RequestOutput
-from vlserve.frontend.detokenizer import IncrementalDetokenizer
 from vlserve.core.sampling_params import SamplingParams
+from vlserve.frontend.detokenizer import IncrementalDetokenizer
 
 
 @dataclass
@@ -30,9 +30,9 @@ class OutputProcessor:
         self._parent_of: dict[str, str] = {}
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-            child_params: dict[str, SamplingParams]) -> None:
+            children: list[tuple[str, SamplingParams]]) -> None:
         parent = _Parent(RequestOutput(request_id, prompt, prompt_token_ids))
-        for index, (child_id, params) in enumerate(child_params.items()):
+        for index, (child_id, params) in enumerate(children):
             out = CompletionOutput(index, "", [], logprobs=[] if params.logprobs is not None else None,
                                    cumulative_logprob=0.0 if params.logprobs is not None else None)
             parent.children[child_id] = _Child(out, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
@@ -77,7 +77,7 @@ class OutputProcessor:
                 out.finish_reason, out.stop_reason = co.finish_reason, co.stop_reason
             if out.finish_reason is not None:
                 child.detok.finish()
-            out.text = child.detok.output_text
+            out.text = child.detok.visible_text
             changed[parent_id] = parent.out
             if out.finish_reason is not None:
                 del self._parent_of[co.request_id]

@@ -21,14 +21,25 @@ def load_tokenizer(folder: Path):
         raise ModelLoadError(f"{folder}: could not load the tokenizer ({type(e).__name__}: {e})") from e
 
 
-def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                chat_template: str | None = None) -> str:
-    from jinja2 import TemplateError
+RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tokenize", "add_generation_prompt", "chat_template",
+                            "return_dict", "return_tensors", "tools", "documents", "continue_final_message"}
 
+
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                chat_template: str | None = None, template_kwargs: dict | None = None) -> str:
+    """The prompt text; any failure of the template on these messages is the request's fault (400).
+
+    Templates run in transformers' sandboxed Jinja environment; `template_kwargs` become template variables.
+    """
     if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
         raise InvalidInputError("this model has no chat template; send a formatted prompt instead")
+    kwargs = dict(template_kwargs or {})
+    clash = RESERVED_TEMPLATE_KWARGS & set(kwargs)
+    if clash:
+        raise InvalidInputError(f"chat_template_kwargs may not set {sorted(clash)}")
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             chat_template=chat_template)
-    except TemplateError as e:  # a user-given template, or messages the model's template refuses
-        raise InvalidInputError(f"the chat template failed on these messages: {e}") from None
+                                             chat_template=chat_template, **kwargs)
+    except Exception as e:  # noqa: BLE001 - a template can raise anything (TypeError, ZeroDivisionError, ...)
+        raise InvalidInputError(f"the chat template failed on these messages: {type(e).__name__}: "
+                                f"{str(e)[:300]}") from None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -45,6 +46,9 @@ FUSED_PIECES = [
 ]
 HUB_FILE_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "tokenizer*", "*.tiktoken"]
 PROGRESS_BAR_MIN_BYTES = 256 * 2**20
+# tqdm's default lock is a multiprocessing semaphore, which processes stopped by a signal leave behind (and the
+# resource tracker then warns about); a thread lock is all one process needs.
+tqdm.set_lock(threading.RLock())
 
 def resolve_model_path(model: str | os.PathLike) -> Path:
     """A local folder as is; otherwise a hub id, fetched (or found in the local hub cache)."""
@@ -123,6 +127,9 @@ def _default_dtype(dtype: torch.dtype):
 def load_weights(model: nn.Module, folder: Path, files: list[Path] | None = None) -> None:
     files = files or weight_files(folder)
     params = dict(model.named_parameters())
+    # Parts this model was built with: a role that leaves one out (an encoder has no LM) skips its tensors
+    # silently, and so does a tied LM head stored anyway. Unknown tensors of a built part are worth a warning.
+    built = {name.split(".", 1)[0] for name in params}
     loaded: set[str] = set()
     unexpected: list[str] = []
     total_bytes = sum(f.stat().st_size for f in files)
@@ -134,7 +141,8 @@ def load_weights(model: nn.Module, folder: Path, files: list[Path] | None = None
                 for key in f.keys():
                     name, shard = our_name(key)
                     if name not in params:
-                        unexpected.append(key)
+                        if name.split(".", 1)[0] in built:
+                            unexpected.append(key)
                         continue
                     tensor = f.get_tensor(key)
                     param = params[name].data
@@ -158,9 +166,9 @@ def load_weights(model: nn.Module, folder: Path, files: list[Path] | None = None
         missing += [f"{name}:{s}" if s else name for s in pieces if f"{name}:{s}" not in loaded]
     if missing:
         raise ModelLoadError(f"{folder}: checkpoint lacks weights for {len(missing)} parameters, e.g. {missing[:5]}")
-    ours = [k for k in unexpected if not k.startswith(("visual.", "model.visual.", "lm_head"))]
-    if ours:
-        logger.warning("ignored %d checkpoint tensors with no matching parameter, e.g. %s", len(ours), ours[:3])
+    if unexpected:
+        logger.warning("ignored %d checkpoint tensors with no matching parameter, e.g. %s", len(unexpected),
+                       unexpected[:3])
 
 
 def load_model(

@@ -10,10 +10,10 @@ import torch
 import torch.nn as nn
 
 from vlserve.model.hf_config import TextConfig
+from vlserve.model.layers.attention import AttentionMetadata, paged_attention
 from vlserve.model.layers.mlp import GatedMLP
 from vlserve.model.layers.norm import RMSNorm
 from vlserve.model.layers.rotary import MRotaryEmbedding, apply_rotary
-from vlserve.model.layers.attention import AttentionMetadata, paged_attention
 
 
 class Qwen2Attention(nn.Module):

@@ -11,8 +11,8 @@ import torch
 import torch.nn as nn
 
 from vlserve.model.hf_config import ModelConfig
-from vlserve.model.qwen2_text import Qwen2TextModel
 from vlserve.model.layers.attention import AttentionMetadata
+from vlserve.model.qwen2_text import Qwen2TextModel
 
 
 class Qwen2VLForGeneration(nn.Module):

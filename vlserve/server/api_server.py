@@ -1,86 +1,111 @@
-"""The FastAPI app: OpenAI routes, health, metrics, version; the engine starts and stops with the app."""
+"""The FastAPI app: OpenAI routes, health, metrics, version; and `serve`, which runs it.
+
+Start-up order: the port is bound first (a taken port is reported at once, before any model loads), then the
+engine process starts (a model that fails to load exits non-zero before anything is served), then uvicorn
+serves on the socket already bound.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import hmac
 import logging
+import socket
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import vlserve
-from vlserve.core.config import LANGUAGE, SERVE, EngineArgs, Options, ServerArgs
+from vlserve.core.config import LANGUAGE, SERVE, Options, ServerArgs
+from vlserve.core.errors import VlserveError
 from vlserve.frontend.async_llm import AsyncLLM
-from vlserve.server.errors import error_response, install_error_handlers
+from vlserve.frontend.media.fetch import MediaFetcher, MediaPolicy
+from vlserve.frontend.metrics import CONTENT_TYPE
+from vlserve.frontend.prompt_encoder import LocalPromptEncoder
+from vlserve.server.errors import error_response, install_error_handlers, log_client_error
 from vlserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from vlserve.server.serving_chat import OpenAIServingChat
 from vlserve.server.serving_completion import OpenAIServingCompletion
-from vlserve.frontend.media.fetch import MediaFetcher, MediaPolicy
-from vlserve.frontend.metrics import CONTENT_TYPE
 
 logger = logging.getLogger("vlserve.server")
+DOC_PATHS = ("/docs", "/redoc", "/openapi.json")
 
 
-def make_engine(engine_args: EngineArgs, server: ServerArgs, log_level: str = "INFO") -> AsyncLLM:
-    """Resolves the config and loads the tokenizer (clear errors here, before anything listens)."""
-    engine = AsyncLLM(engine_args, server.served_model_name or engine_args.model,
-                      max_waiting_requests=server.max_waiting_requests, media_threads=server.media_threads,
-                      log_requests=not server.disable_log_requests, log_level=log_level)
-    engine.input_processor.max_pixels_decoded = server.max_image_pixels
-    return engine
+def local_prompt_encoder(server: ServerArgs):
+    """The aggregated server's prompt encoder: media fetched here under the server's policy."""
+    def build(engine: AsyncLLM) -> LocalPromptEncoder:
+        fetchers = {kind: MediaFetcher(MediaPolicy.from_args(server, kind)) for kind in ("image", "video")}
+        return LocalPromptEncoder(engine.input_processor, fetchers, engine.executor)
+    return build
+
+
+def make_engine(opts: Options, log_level: str = "INFO", role: str = SERVE) -> AsyncLLM:
+    """Resolves the config and loads the tokenizer (clear errors here, before the engine process starts)."""
+    server = opts.server
+    if role == LANGUAGE:
+        from vlserve.disagg.remote_encoder import remote_prompt_encoder
+
+        encoder = remote_prompt_encoder(opts.disagg, f"{server.host}:{server.port}")
+    else:
+        encoder = local_prompt_encoder(server)
+    return AsyncLLM(opts.engine, server.served_model_name or opts.engine.model,
+                    max_waiting_requests=server.max_waiting_requests, media_threads=server.media_threads,
+                    log_requests=not server.disable_log_requests, log_level=log_level,
+                    max_image_pixels=server.max_image_pixels, heartbeat_timeout=server.engine_heartbeat_timeout,
+                    prompt_encoder=encoder)
 
 
 def build_app(engine: AsyncLLM, server: ServerArgs) -> FastAPI:
     """The app around a started engine; the engine's lifetime is the caller's (see `serve`)."""
     model_name = engine.model_name
-    fetchers = {kind: MediaFetcher(MediaPolicy.from_args(server, kind)) for kind in ("image", "video")}
-    state = {"engine": engine, "chat": OpenAIServingChat(engine, fetchers, model_name),
-             "completion": OpenAIServingCompletion(engine, fetchers, model_name)}
+    chat = OpenAIServingChat(engine, server, model_name)
+    completion = OpenAIServingCompletion(engine, server, model_name)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         logger.info("serving %r on http://%s:%d", model_name, server.host, server.port)
         yield
-        for fetcher in fetchers.values():
-            await fetcher.aclose()
 
-    app = FastAPI(title="vlserve", version=vlserve.__version__, lifespan=lifespan)
+    docs = server.enable_api_docs
+    app = FastAPI(title="vlserve", version=vlserve.__version__, lifespan=lifespan, docs_url="/docs" if docs else None,
+                  redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
     install_error_handlers(app)
 
     @app.middleware("http")
     async def check_api_key(request: Request, call_next):
-        if server.api_key and request.url.path.startswith("/v1"):
+        path = request.url.path
+        if server.api_key and (path.startswith("/v1") or path in DOC_PATHS):
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {server.api_key}".encode()):
+                log_client_error(f"{request.method} {path}", 401, "invalid or missing API key")
                 return error_response("invalid or missing API key", 401)
         return await call_next(request)
 
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, request: Request):
-        return await state["chat"].create(body, request)
+    # Bodies are read and parsed by the handlers themselves: size limit first, strict JSON, off the event loop
+    # when large. `openapi_extra` keeps the documented schema.
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
+    async def chat_completions(request: Request):
+        return await chat.create(request)
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        return await state["completion"].create(body, request)
+    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
+    async def completions(request: Request):
+        return await completion.create(request)
 
     @app.get("/v1/models")
     async def models():
-        engine: AsyncLLM = state["engine"]
         card = {"id": model_name, "object": "model", "created": 0, "owned_by": "vlserve",
                 "root": str(engine.cfg.model_path), "max_model_len": engine.cfg.max_model_len}
         return {"object": "list", "data": [card]}
 
     @app.get("/health")
     async def health():
-        engine: AsyncLLM = state["engine"]
         if not engine.is_healthy:
-            return error_response(f"the engine is not running: {engine.dead_reason}", 503)
+            return error_response(f"the engine is not available: {engine.unhealthy_reason}", 503)
         return Response(status_code=200)
 
     @app.get("/metrics")
     async def metrics():
-        return Response(state["engine"].metrics.render(), media_type=CONTENT_TYPE)
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/version")
     async def version():
@@ -89,29 +114,40 @@ def build_app(engine: AsyncLLM, server: ServerArgs) -> FastAPI:
     return app
 
 
-async def serve(opts: Options, log_level: str = "INFO", role: str = SERVE) -> None:
-    """Engine first (a model that fails to load never opens the port), then uvicorn until Ctrl-C.
+def _body_schema(model) -> dict:
+    return {"requestBody": {"content": {"application/json": {"schema": model.model_json_schema()}},
+                            "required": True}}
 
-    As a `language` role, media requests go to encoder services.
-    """
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening socket, bound now: a taken port is an error before anything else starts."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise VlserveError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+async def serve(opts: Options, log_level: str = "INFO", role: str = SERVE) -> None:
+    """Port, then engine, then uvicorn until SIGINT/SIGTERM."""
     import uvicorn
 
-    engine_args, server = opts.engine, opts.server
-    engine = make_engine(engine_args, server, log_level)
-    await engine.start()
-    client = None
+    server = opts.server
+    sock = bind_socket(server.host, server.port)
     try:
-        if role == LANGUAGE:
-            from vlserve.disagg.language_client import make_language_client
-
-            client = make_language_client(engine, opts.disagg, f"{server.host}:{server.port}")
-            await client.start()
-            engine.remote_encoder = client
-        app = build_app(engine, server)
-        config = uvicorn.Config(app, host=server.host, port=server.port, log_level=log_level.lower(),
-                                access_log=False, timeout_graceful_shutdown=5)
-        await uvicorn.Server(config).serve()
+        engine = make_engine(opts, log_level, role)
+        await engine.start()
+        try:
+            config = uvicorn.Config(build_app(engine, server), log_level=log_level.lower(), access_log=False,
+                                    timeout_graceful_shutdown=5, log_config=None)
+            await uvicorn.Server(config).serve(sockets=[sock])
+        finally:
+            await engine.shutdown()
     finally:
-        if client is not None:
-            await client.stop()
-        await engine.shutdown()
+        sock.close()

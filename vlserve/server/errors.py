@@ -1,4 +1,7 @@
-"""Every failure becomes OpenAI's error JSON with a fitting status; a stack trace never reaches a client."""
+"""Every failure becomes OpenAI's error JSON with a fitting status; a stack trace never reaches a client.
+
+Client errors (4xx) are logged on one line each with their reason; anything else is a logged 500.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from vlserve.core.errors import VlserveError
 
 logger = logging.getLogger("vlserve.server")
+LOGGED_MESSAGE_CHARS = 300
 
 _STATUS_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                  405: "MethodNotAllowedError", 413: "PayloadTooLargeError", 422: "UnprocessableEntityError",
@@ -25,6 +29,17 @@ def error_body(message: str, status: int, err_type: str | None = None) -> dict:
 
 def error_response(message: str, status: int, err_type: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, status, err_type), status_code=status)
+
+
+def one_line(text: str, limit: int = LOGGED_MESSAGE_CHARS) -> str:
+    """Printable, single-line and bounded: what a client sent can never forge or flood log lines."""
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[: limit + 1])
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def log_client_error(where: str, status: int, message: str) -> None:
+    if 400 <= status < 500:
+        logger.info("%s -> %d: %s", one_line(where, 120), status, one_line(message))
 
 
 def error_from_exception(exc: Exception) -> tuple[str, int]:
@@ -45,19 +60,20 @@ def _validation_message(exc: RequestValidationError) -> str:
     return "invalid request: " + "; ".join(parts)
 
 
+def _respond(request: Request, message: str, status: int) -> JSONResponse:
+    log_client_error(f"{request.method} {request.url.path}", status, message)
+    return error_response(message, status)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError):
-        return error_response(_validation_message(exc), 400)
+    async def _validation(request: Request, exc: RequestValidationError):
+        return _respond(request, _validation_message(exc), 400)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException):
-        return error_response(str(exc.detail), exc.status_code)
-
-    @app.exception_handler(VlserveError)
-    async def _ours(_: Request, exc: VlserveError):
-        return error_response(*error_from_exception(exc))
+    async def _http(request: Request, exc: StarletteHTTPException):
+        return _respond(request, str(exc.detail), exc.status_code)
 
     @app.exception_handler(Exception)
-    async def _other(_: Request, exc: Exception):
-        return error_response(*error_from_exception(exc))
+    async def _any(request: Request, exc: Exception):
+        return _respond(request, *error_from_exception(exc))

@@ -1,26 +1,70 @@
-"""Request bodies of the OpenAI API (plus vLLM's extra sampling fields), validated by pydantic.
+"""Request bodies of the OpenAI API (plus vLLM's extra fields), parsed strictly.
 
-Unknown fields are accepted and ignored, as OpenAI does. Value checks (ranges, stop strings, ...) live in
-`SamplingParams` so the offline API and the server refuse exactly the same things.
+Bodies are decoded with msgspec (standard JSON only: no NaN/Infinity, no lone surrogates) and validated by
+pydantic in strict mode: no bool taken as a number, no "2" taken as 2. Value checks (ranges, stop strings, ...)
+live in `SamplingParams`, so the offline API and the server refuse exactly the same things.
+
+A field that would change what the answer must be (`response_format`, `tools`, ...) is refused with a 400 until
+vlserve implements it, never silently ignored; any other unknown field is logged once as ignored, like vLLM does.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+import re
+from typing import Any, Callable
 
-from pydantic import BaseModel, ConfigDict, Field
+import msgspec
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from vlserve.core.errors import InvalidInputError
 from vlserve.core.sampling_params import MAX_LOGPROBS, SamplingParams
 
+logger = logging.getLogger("vlserve.server")
+REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+def _set(v: Any) -> bool:
+    return v is not None and v is not False and v != [] and v != {}
+
+
+# Fields whose value, when set, changes what a correct answer is. Refused until implemented.
+UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "response_format": lambda v: not (isinstance(v, dict) and v.get("type") == "text") and v is not None,
+    "tools": _set,
+    "tool_choice": lambda v: v not in (None, "none", "auto"),
+    "functions": _set,
+    "function_call": lambda v: v not in (None, "none", "auto"),
+    "logit_bias": _set,
+    "structured_outputs": _set,
+    "guided_json": _set, "guided_regex": _set, "guided_choice": _set, "guided_grammar": _set,
+    "prompt_logprobs": _set,
+    "use_beam_search": _set,
+    "length_penalty": lambda v: v not in (None, 1, 1.0),
+    "allowed_token_ids": _set,
+    "bad_words": _set,
+    "truncate_prompt_tokens": _set,
+    "return_tokens_as_token_ids": _set,
+    "audio": _set,
+    "modalities": lambda v: v not in (None, ["text"]),
+    "web_search_options": _set,
+    "echo": _set,
+    "suffix": _set,
+    "documents": _set,
+    "continue_final_message": _set,
+}
+_logged_ignored: set[str] = set()
+
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     n: int = 1
@@ -44,9 +88,23 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     request_id: str | None = None
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def check_fields(self, max_n: int) -> None:
+        """Refuse what cannot be honoured; log (once per name) unknown fields that change nothing."""
+        for name, value in (self.model_extra or {}).items():
+            refuse = UNSUPPORTED.get(name)
+            if refuse is not None and refuse(value):
+                raise InvalidInputError(f"'{name}' is not supported by this server yet; remove it from the request")
+            if refuse is None and name not in _logged_ignored and len(_logged_ignored) < 1000:
+                _logged_ignored.add(name)
+                logger.warning("the request field %r is not used by vlserve and was ignored", name[:64])
+        if self.n > max_n:
+            raise InvalidInputError(f"n must be at most {max_n} (--max-n), got {self.n}")
         if self.stream_options is not None and not self.stream:
             raise InvalidInputError("stream_options is only allowed when stream is true")
+        if self.request_id is not None and not REQUEST_ID.match(self.request_id):
+            raise InvalidInputError("request_id must be 1-128 characters of letters, digits and ._:-")
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         values: dict[str, Any] = dict(
             n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop, seed=self.seed,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
@@ -66,6 +124,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
 
     def requested_max_tokens(self) -> int | None:
@@ -86,14 +145,10 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
-    echo: bool = False
-    suffix: str | None = None
     best_of: int | None = None
 
     def prompts(self) -> list[dict]:
         """Each prompt as an engine prompt dict: text, or token ids."""
-        if self.echo or self.suffix:
-            raise InvalidInputError("echo and suffix are not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidInputError("best_of must equal n (best-of sampling is not supported)")
         p = self.prompt
@@ -106,3 +161,25 @@ class CompletionRequest(_SamplingFields):
         if not items:
             raise InvalidInputError("prompt must not be empty")
         return [{"prompt": x} if isinstance(x, str) else {"prompt_token_ids": x} for x in items]
+
+
+_decoder = msgspec.json.Decoder()
+
+
+def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
+    """JSON bytes -> a validated request; every way it can be wrong is an InvalidInputError (400)."""
+    try:
+        data = _decoder.decode(raw)
+    except msgspec.DecodeError as e:
+        raise InvalidInputError(f"the request body is not valid JSON ({e}); NaN, Infinity and lone surrogates "
+                                "are not JSON") from None
+    if not isinstance(data, dict):
+        raise InvalidInputError("the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        parts = []
+        for err in e.errors()[:5]:
+            where = ".".join(str(x) for x in err.get("loc", ()))
+            parts.append(f"{where or 'body'}: {err.get('msg')}")
+        raise InvalidInputError("invalid request: " + "; ".join(parts)) from None

@@ -1,4 +1,5 @@
-"""What chat and completions share: model check, token budget, media fetching, disconnects, SSE framing."""
+"""What chat and completions share: reading bodies within limits, model check, token budget, disconnects,
+SSE framing."""
 
 from __future__ import annotations
 
@@ -9,32 +10,63 @@ from collections.abc import AsyncIterator, Awaitable
 
 import msgspec
 from fastapi import Request as HTTPRequest
+from pydantic import BaseModel
 
-from vlserve.frontend.async_llm import AsyncLLM, PreparedPrompt
-from vlserve.server.errors import error_body, error_from_exception
-from vlserve.core.errors import InvalidInputError, NotFoundError
-from vlserve.frontend.media.fetch import MediaFetcher
+from vlserve.core.config import ServerArgs
+from vlserve.core.errors import InvalidInputError, NotFoundError, RequestTooLargeError
 from vlserve.core.outputs import RequestOutput
+from vlserve.frontend.async_llm import AsyncLLM, PreparedPrompt
+from vlserve.server.errors import error_body, error_from_exception, log_client_error
+from vlserve.server.protocol import parse_body
 
 DISCONNECT_POLL_S = 0.5
+PARSE_INLINE_BYTES = 256 * 1024  # bigger bodies are parsed on a thread, off the event loop
 _json = msgspec.json.Encoder()
+# U+2028/U+2029 are legal raw in JSON but end a line for JavaScript and some SSE readers: send them escaped.
+_LINE_SEPARATORS = (("\u2028".encode(), b"\\u2028"), ("\u2029".encode(), b"\\u2029"))
 
 
 def sse(data: dict | str) -> bytes:
     payload = data.encode() if isinstance(data, str) else _json.encode(data)
+    for raw, escaped in _LINE_SEPARATORS:
+        if raw in payload:
+            payload = payload.replace(raw, escaped)
     return b"data: " + payload + b"\n\n"
 
 
 SSE_DONE = sse("[DONE]")
 
 
+async def read_body(raw: HTTPRequest, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it is known to exceed `limit` (header or bytes read)."""
+    declared = raw.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise RequestTooLargeError(f"the request body is {declared} bytes, over the limit of {limit} bytes "
+                                   "(--max-request-bytes)")
+    body = bytearray()
+    async for chunk in raw.stream():
+        body += chunk
+        if len(body) > limit:
+            raise RequestTooLargeError(f"the request body is over the limit of {limit} bytes (--max-request-bytes)")
+    return bytes(body)
+
+
 class OpenAIServing:
     id_prefix = "req"
 
-    def __init__(self, engine: AsyncLLM, fetchers: dict[str, MediaFetcher], model_name: str):
+    def __init__(self, engine: AsyncLLM, server: ServerArgs, model_name: str):
         self.engine = engine
-        self.fetchers = fetchers  # media kind -> fetcher
+        self.server = server
         self.model_name = model_name
+
+    async def parse(self, raw: HTTPRequest, model: type[BaseModel]):
+        body = await read_body(raw, self.server.max_request_bytes)
+        if len(body) <= PARSE_INLINE_BYTES:
+            parsed = parse_body(body, model)
+        else:
+            parsed = await asyncio.get_running_loop().run_in_executor(self.engine.executor, parse_body, body, model)
+        parsed.check_fields(self.server.max_n)
+        return parsed
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -56,16 +88,6 @@ class OpenAIServing:
             raise InvalidInputError(f"this model's maximum context length is {limit} tokens; the prompt has "
                                     f"{prompt.num_tokens} tokens and max_tokens is {requested}: reduce one of them")
         return requested
-
-    async def fetch_media(self, kind: str, sources: list) -> list:
-        """A request's URLs of one kind fetched concurrently under the server's URL policy (its own size
-        limit per kind); embedding entries pass through untouched."""
-        fetcher = self.fetchers[kind]
-
-        async def one(src):
-            return await fetcher.fetch(src) if isinstance(src, str) else src
-
-        return list(await asyncio.gather(*(one(s) for s in sources)))
 
     async def until_done_or_disconnect(self, raw: HTTPRequest, work: Awaitable):
         """Runs `work`; if the client goes away first, cancels it (which aborts the request in the engine)."""
@@ -96,10 +118,10 @@ class OpenAIServing:
                 "total_tokens": len(out.prompt_token_ids) + completion,
                 "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
 
-    @staticmethod
-    def error_event(exc: Exception) -> bytes:
+    def error_event(self, exc: Exception, request_id: str) -> bytes:
         """Once a stream has started the status is sent: errors travel as an SSE event, then [DONE]."""
         message, status = error_from_exception(exc)
+        log_client_error(f"stream {request_id}", status, message)
         return sse(error_body(message, status))
 
 

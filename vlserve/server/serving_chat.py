@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from vlserve.frontend.async_llm import PreparedPrompt
-from vlserve.frontend.chat import parse_chat_messages
-from vlserve.server.protocol import ChatCompletionRequest
-from vlserve.server.serving import SSE_DONE, OpenAIServing, created, sse
 from vlserve.core.errors import InvalidInputError
 from vlserve.core.outputs import CompletionOutput, RequestOutput
+from vlserve.frontend.async_llm import PreparedPrompt
+from vlserve.frontend.chat import parse_chat_messages
 from vlserve.frontend.tokenizer import render_chat
+from vlserve.server.protocol import ChatCompletionRequest
+from vlserve.server.serving import SSE_DONE, OpenAIServing, created, sse
 
 
 def chat_logprobs(c: CompletionOutput, start: int, top_k: int) -> dict | None:
@@ -35,13 +36,20 @@ def chat_logprobs(c: CompletionOutput, start: int, top_k: int) -> dict | None:
 class OpenAIServingChat(OpenAIServing):
     id_prefix = "chatcmpl"
 
-    async def create(self, body: ChatCompletionRequest, raw: HTTPRequest):
+    async def create(self, raw: HTTPRequest):
+        body: ChatCompletionRequest = await self.parse(raw, ChatCompletionRequest)
         self.check_model(body.model)
         self.engine.check_accepting()
         top_k = body.logprobs_count()
-        prepared = await self.until_done_or_disconnect(raw, self._prepare(body, time.monotonic()))
-        params = body.sampling_params(self.max_tokens(prepared, body.requested_max_tokens()), top_k)
+        body.sampling_params(body.requested_max_tokens(), top_k)  # refuse bad values before any work
         request_id = self.new_request_id(body.request_id)
+        prepared = await self.until_done_or_disconnect(raw, self._prepare(body, time.monotonic(), request_id))
+        try:
+            params = body.sampling_params(self.max_tokens(prepared, body.requested_max_tokens()), top_k)
+        except BaseException:
+            if prepared.encoded.release is not None:
+                prepared.encoded.release()
+            raise
         outputs = self.engine.generate(prepared, params, request_id)
         # The first output is awaited before answering, so a request the engine refuses still gets its 4xx.
         first = await self.until_done_or_disconnect(raw, outputs.__anext__())
@@ -52,18 +60,24 @@ class OpenAIServingChat(OpenAIServing):
         final = first if first.finished else await self.until_done_or_disconnect(raw, self.final_output(outputs))
         return JSONResponse(self._response(request_id, final, top_k or 0))
 
-    async def _prepare(self, body: ChatCompletionRequest, arrival: float) -> PreparedPrompt:
+    async def _prepare(self, body: ChatCompletionRequest, arrival: float, request_id: str) -> PreparedPrompt:
+        if body.chat_template is not None and not self.server.trust_request_chat_template:
+            raise InvalidInputError("chat_template in a request is refused by this server (a template is code); "
+                                    "the operator may allow it with --trust-request-chat-template")
         chat = parse_chat_messages(body.messages, allow_python_objects=False)
+        limit_chars = self.engine.input_processor.max_prompt_chars
+        if chat.num_text_chars > limit_chars:
+            raise InvalidInputError(f"the messages hold {chat.num_text_chars} characters of text, more than can fit "
+                                    f"in the model's context of {self.engine.cfg.max_model_len} tokens")
         for kind, items in chat.media.items():  # before any download
             limit = self.engine.cfg.limit_mm_per_prompt.get(kind, 0)
             if len(items) > limit:
                 raise InvalidInputError(f"{len(items)} {kind}s in one request; at most {limit} allowed "
                                         f"(--limit-mm-per-prompt {kind}={limit})")
-        text = render_chat(self.engine.tokenizer, chat.messages, body.add_generation_prompt, body.chat_template)
-        if self.engine.remote_encoder is None:  # disaggregated: the encoder fetches under its own policy
-            for kind, items in chat.media.items():
-                chat.media[kind] = await self.fetch_media(kind, items)
-        return await self.engine.prepare(chat.prompt(text), body.mm_processor_kwargs, arrival)
+        loop = asyncio.get_running_loop()
+        text = await loop.run_in_executor(self.engine.executor, render_chat, self.engine.tokenizer, chat.messages,
+                                          body.add_generation_prompt, body.chat_template, body.chat_template_kwargs)
+        return await self.engine.prepare(chat.prompt(text), body.mm_processor_kwargs, arrival, request_id)
 
     def _response(self, request_id: str, out: RequestOutput, top_k: int) -> dict:
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
@@ -109,7 +123,7 @@ class OpenAIServingChat(OpenAIServing):
             if include_usage:
                 yield chunk([], self.usage(out))
         except Exception as e:  # noqa: BLE001 - the status line is gone; the error goes in the stream
-            yield self.error_event(e)
+            yield self.error_event(e, request_id)
         finally:
             await outputs.aclose()
         yield SSE_DONE

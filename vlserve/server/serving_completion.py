@@ -9,9 +9,10 @@ from collections.abc import AsyncIterator
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from vlserve.core.errors import InvalidInputError
+from vlserve.core.outputs import CompletionOutput, RequestOutput
 from vlserve.server.protocol import CompletionRequest
 from vlserve.server.serving import SSE_DONE, OpenAIServing, created, sse
-from vlserve.core.outputs import CompletionOutput, RequestOutput
 
 
 def completion_logprobs(c: CompletionOutput, start: int, top_k: int, text_offset: int) -> dict | None:
@@ -32,15 +33,32 @@ def completion_logprobs(c: CompletionOutput, start: int, top_k: int, text_offset
 class OpenAIServingCompletion(OpenAIServing):
     id_prefix = "cmpl"
 
-    async def create(self, body: CompletionRequest, raw: HTTPRequest):
+    async def create(self, raw: HTTPRequest):
+        body: CompletionRequest = await self.parse(raw, CompletionRequest)
         self.check_model(body.model)
         self.engine.check_accepting()
         arrival, prompts = time.monotonic(), body.prompts()
-        prepared = [await self.engine.prepare(p, arrival=arrival) for p in prompts]
-        params = [body.sampling_params(self.max_tokens(p, body.max_tokens), body.logprobs) for p in prepared]
+        if len(prompts) * body.n > self.server.max_n:
+            raise InvalidInputError(f"{len(prompts)} prompts x n={body.n} is more than the {self.server.max_n} "
+                                    "sequences one request may ask for (--max-n)")
+        body.sampling_params(body.max_tokens, body.logprobs)  # refuse bad values before any work
         request_id = self.new_request_id(body.request_id)
         ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
-        gens = [self.engine.generate(p, sp, rid) for p, sp, rid in zip(prepared, params, ids)]
+        gens = []
+        try:
+            for prompt, rid in zip(prompts, ids):
+                prepared = await self.until_done_or_disconnect(raw, self.engine.prepare(prompt, None, arrival, rid))
+                try:
+                    params = body.sampling_params(self.max_tokens(prepared, body.max_tokens), body.logprobs)
+                except BaseException:
+                    if prepared.encoded.release is not None:
+                        prepared.encoded.release()
+                    raise
+                gens.append(self.engine.generate(prepared, params, rid))
+        except BaseException:
+            for g in gens:  # one prompt refused: the others must not keep running
+                g.close()
+            raise
         firsts = await self.until_done_or_disconnect(raw, self._first_outputs(gens))
         top_k = body.logprobs or 0
         if body.stream:
@@ -49,7 +67,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                      media_type="text/event-stream")
         finals = await self.until_done_or_disconnect(
             raw, asyncio.gather(*(self._last(f, g) for f, g in zip(firsts, gens))))
-        n = params[0].n
+        n = body.n
         choices = [self._choice(k * n + c.index, c, top_k) for k, out in enumerate(finals) for c in out.outputs]
         usage = self._sum_usage(finals)
         return JSONResponse({"id": request_id, "object": "text_completion", "created": created(),
@@ -123,7 +141,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 yield sse({"id": request_id, "object": "text_completion", "created": stamp, "model": self.model_name,
                            "choices": [], "usage": self._sum_usage(list(finals.values()))})
         except Exception as e:  # noqa: BLE001 - the status line is gone; the error goes in the stream
-            yield self.error_event(e)
+            yield self.error_event(e, request_id)
         finally:
             for t in tasks:
                 t.cancel()

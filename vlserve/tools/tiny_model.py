@@ -27,7 +27,11 @@ from transformers import (
 )
 
 from vlserve.core.errors import InvalidInputError
-from vlserve.tools.bpe_tokenizer import build_tokenizer, save_tokenizer, special_token_ids
+from vlserve.tools.bpe_tokenizer import (
+    build_tokenizer,
+    save_tokenizer,
+    special_token_ids,
+)
 
 ARCHES: dict[str, tuple[type, type]] = {
     "qwen2_vl": (Qwen2VLConfig, Qwen2VLForConditionalGeneration),

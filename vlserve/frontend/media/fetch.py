@@ -10,8 +10,6 @@ admin ports, ...).
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import ipaddress
 import os
 import re
@@ -25,10 +23,9 @@ from urllib.parse import unquote, urlsplit
 import httpx
 
 from vlserve.core.errors import InvalidInputError, MediaFetchError, MediaTooLargeError
+from vlserve.frontend.media.data_url import decode_data_url
 
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*):")
-# data:<type>/<subtype>[;param=value]*;base64,<payload>
-_DATA_URL = re.compile(r"^data:[\w.+-]+/[\w.+-]+(?:;[\w.+-]+=[^;,]*)*;base64,(.*)$", re.IGNORECASE | re.DOTALL)
 _CHUNK = 64 * 1024
 
 
@@ -127,8 +124,9 @@ class MediaFetcher:
             raise InvalidInputError("media URL must be a string")
         m = _SCHEME.match(url)
         scheme = m.group(1).lower() if m else ""
-        if scheme == "data":
-            return self._decode_data_url(url)
+        if scheme == "data":  # decoding grows with the payload: off the event loop
+            return await asyncio.get_running_loop().run_in_executor(None, decode_data_url, url,
+                                                                    self.policy.max_bytes)
         if scheme == "file":
             return self._local_file(url)
         if scheme in ("http", "https"):
@@ -143,24 +141,6 @@ class MediaFetcher:
             f"unsupported URL scheme {shown} in media URL: "
             "use http://, https://, data: or (if the server allows) file://"
         )
-
-    # -- data: ---------------------------------------------------------------------------------
-
-    def _decode_data_url(self, url: str) -> bytes:
-        m = _DATA_URL.match(url)
-        if m is None:
-            raise InvalidInputError("data URL must look like 'data:<type>/<subtype>;base64,<data>'")
-        # Tolerate whitespace/newlines, url-safe alphabet and missing padding; reject anything else.
-        data = re.sub(r"\s+", "", m.group(1)).replace("-", "+").replace("_", "/")
-        data += "=" * (-len(data) % 4)
-        # Check the decoded size before decoding so an oversized payload costs no extra memory.
-        size = len(data) // 4 * 3 - (len(data) - len(data.rstrip("=")))
-        if size > self.policy.max_bytes:
-            raise MediaTooLargeError(f"data URL media is {size} bytes, over the limit of {self.policy.max_bytes} bytes")
-        try:
-            return base64.b64decode(data, validate=True)
-        except (binascii.Error, ValueError) as e:
-            raise InvalidInputError(f"invalid base64 in data URL: {e}") from None
 
     # -- file: ---------------------------------------------------------------------------------
 

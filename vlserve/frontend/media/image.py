@@ -8,13 +8,10 @@ rescale + normalize, then patchify into merge-window-major order with each frame
 
 from __future__ import annotations
 
-import base64
-import binascii
 import io
 import json
 import math
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
@@ -23,16 +20,16 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from vlserve.core.config import DEFAULT_MAX_PIXELS_DECODED
 from vlserve.core.errors import InvalidInputError, MediaTooLargeError, ModelLoadError
+from vlserve.frontend.media.data_url import decode_data_url, is_data_url
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-DEFAULT_MAX_PIXELS_DECODED = 64_000_000  # 64 MP
 MAX_ASPECT_RATIO = 200
 
 ImageSource = Union[Image.Image, str, os.PathLike, bytes, bytearray, memoryview]
 
-_DATA_URL = re.compile(r"^data:image/[\w.+-]+(?:;[\w.+-]+=[\w.+-]+)*;base64,", re.IGNORECASE)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -55,24 +52,12 @@ def load_image(source: ImageSource, max_pixels_decoded: int = DEFAULT_MAX_PIXELS
     if isinstance(source, os.PathLike):
         return _open_path(Path(source), max_pixels_decoded)
     if isinstance(source, str):
-        if _DATA_URL.match(source):
-            return _decode(io.BytesIO(decode_base64(source[source.index(",") + 1 :])), max_pixels_decoded, "data URL")
-        if source.startswith("data:"):
-            raise InvalidInputError("data URL must look like 'data:image/<type>;base64,<data>'")
+        if is_data_url(source):
+            return _decode(io.BytesIO(decode_data_url(source, kind="image")), max_pixels_decoded, "data URL")
         if source.startswith(("http://", "https://")):
             raise InvalidInputError("remote image URLs must be fetched before load_image")
         return _open_path(Path(source.removeprefix("file://")), max_pixels_decoded)
     raise InvalidInputError(f"unsupported image source type {type(source).__name__}")
-
-
-def decode_base64(data: str) -> bytes:
-    # Tolerate whitespace/newlines, url-safe alphabet and missing padding; reject anything else.
-    data = re.sub(r"\s+", "", data).replace("-", "+").replace("_", "/")
-    data += "=" * (-len(data) % 4)
-    try:
-        return base64.b64decode(data, validate=True)
-    except (binascii.Error, ValueError) as e:
-        raise InvalidInputError(f"invalid base64 image data: {e}") from None
 
 
 def _open_path(path: Path, max_pixels_decoded: int) -> Image.Image:

@@ -21,14 +21,17 @@ import torch
 from PIL import Image
 
 from vlserve.core.errors import InvalidInputError, MediaTooLargeError
-from vlserve.frontend.media.image import ImageProcessorConfig, decode_base64, smart_resize, to_rgb
+from vlserve.frontend.media.data_url import decode_data_url, is_data_url
+from vlserve.frontend.media.image import ImageProcessorConfig, smart_resize, to_rgb
 
 FRAME_FACTOR = 2  # frames per temporal patch
 DEFAULT_FPS = 2.0
 DEFAULT_MIN_FRAMES = 4
 DEFAULT_MAX_FRAMES = 32
 DEFAULT_TOTAL_PIXELS = 4096 * 28 * 28  # all sampled frames together
-MAX_DECODED_FRAMES = 4096  # a longer stream is refused rather than held in memory
+MAX_DECODED_FRAMES = 4096  # a longer stream is refused: decoding it would take minutes
+DEFAULT_MAX_FRAME_PIXELS = 3840 * 2160  # 4K
+DEFAULT_MAX_VIDEO_PIXELS = 32 * 3840 * 2160  # all sampled frames together, decoded (before resizing)
 
 
 @dataclass(frozen=True)
@@ -82,11 +85,8 @@ def _source_bytes(source: Any) -> Any:
     if isinstance(source, os.PathLike):
         source = str(source)
     if isinstance(source, str):
-        if source.startswith("data:"):
-            head, sep, data = source.partition(",")
-            if not sep or not head.endswith(";base64"):
-                raise InvalidInputError("a video data URL must look like 'data:video/<type>;base64,<data>'")
-            return io.BytesIO(decode_base64(data))
+        if is_data_url(source):
+            return io.BytesIO(decode_data_url(source, kind="video"))
         path = Path(source.removeprefix("file://"))
         if not path.is_file():
             raise InvalidInputError(f"video file not found: {str(path)[:256]}")
@@ -94,35 +94,90 @@ def _source_bytes(source: Any) -> Any:
     raise InvalidInputError(f"unsupported video source type {type(source).__name__}")
 
 
-def decode_video(source: Any) -> tuple[list, float]:
-    """All frames of the first video stream (as PyAV frames, converted later) and the stream's fps."""
+def _open(source: Any):
     import av
 
     try:
-        container = av.open(_source_bytes(source))
+        return av.open(source)
     except (av.FFmpegError, ValueError, OSError) as e:
         raise InvalidInputError(f"the video could not be opened ({type(e).__name__}: {e})") from None
-    with container:
-        if not container.streams.video:
-            raise InvalidInputError("the file has no video stream")
+
+
+def _frames(container):
+    """Decoded frames of the first video stream; a corrupt tail ends the stream, like other players do."""
+    import av
+
+    if not container.streams.video:
+        raise InvalidInputError("the file has no video stream")
+    stream = container.streams.video[0]
+    stream.thread_type = "AUTO"
+    count = 0
+    try:
+        for frame in container.decode(stream):
+            count += 1
+            if count > MAX_DECODED_FRAMES:
+                raise MediaTooLargeError(f"the video has more than {MAX_DECODED_FRAMES} frames")
+            yield frame
+    except av.FFmpegError as e:
+        if not count:
+            raise InvalidInputError(f"the video could not be decoded ({type(e).__name__}: {e})") from None
+
+
+def _count_frames(source: Any) -> tuple[int, float]:
+    """Frame count and fps by decoding without keeping anything (streams whose header does not say)."""
+    times, count = [], 0
+    with _open(source()) as container:
+        for frame in _frames(container):
+            count += 1
+            if frame.time is not None:
+                times.append(frame.time)
         stream = container.streams.video[0]
-        stream.thread_type = "AUTO"
-        frames, times = [], []
-        try:
-            for frame in container.decode(stream):
-                frames.append(frame)
-                if frame.time is not None:
-                    times.append(frame.time)
-                if len(frames) > MAX_DECODED_FRAMES:
-                    raise MediaTooLargeError(f"the video has more than {MAX_DECODED_FRAMES} frames")
-        except av.FFmpegError as e:
-            if not frames:
-                raise InvalidInputError(f"the video could not be decoded ({type(e).__name__}: {e})") from None
-            # a truncated tail: keep what decoded, like other players do
-        if not frames:
+        return count, _stream_fps(stream, container, times, count)
+
+
+def decode_video(source: Any, opts: VideoOptions, max_frame_pixels: int, max_total_pixels: int) -> SampledVideo:
+    """Only the sampled frames of the first video stream are kept (decoding streams past the others), and only
+    within the per-frame and total pixel budgets, checked before any frame is converted."""
+    data = _source_bytes(source)
+    reopen = (lambda: io.BytesIO(data.getvalue())) if isinstance(data, io.BytesIO) else (lambda: data)
+    with _open(reopen()) as container:
+        stream = container.streams.video[0] if container.streams.video else None
+        total = stream.frames if stream is not None else 0
+        rate = (stream.average_rate or stream.guessed_rate) if stream is not None else None
+        fps = float(rate) if rate and float(rate) > 0 else 0.0
+    if total <= 0 or fps <= 0:
+        total, fps = _count_frames(reopen)
+    for _ in range(2):  # a second pass when the header's frame count was wrong (e.g. a truncated file)
+        idx = frame_indices(total, fps, opts)
+        wanted: dict[int, int] = {}
+        for i in idx:
+            wanted[i] = wanted.get(i, 0) + 1
+        picked: list[np.ndarray] = []
+        decoded = 0
+        with _open(reopen()) as container:
+            for n, frame in enumerate(_frames(container)):
+                decoded = n + 1
+                if n == 0:
+                    _check_pixels(frame.width, frame.height, len(idx), max_frame_pixels, max_total_pixels)
+                if n in wanted:
+                    picked += [frame.to_ndarray(format="rgb24")] * wanted[n]
+                if n >= idx[-1]:
+                    break
+        if not decoded:
             raise InvalidInputError("the video has no decodable frames")
-        fps = _stream_fps(stream, container, times, len(frames))
-    return frames, fps
+        if len(picked) == len(idx):
+            return SampledVideo(picked, len(idx) / total * fps)
+        total = decoded  # fewer frames than the header said: sample again over the real count
+    raise InvalidInputError("the video's frames could not be sampled (inconsistent frame count)")
+
+
+def _check_pixels(width: int, height: int, frames: int, max_frame_pixels: int, max_total_pixels: int) -> None:
+    if width * height > max_frame_pixels:
+        raise MediaTooLargeError(f"video frames are {width}x{height} = {width * height} pixels, more than the "
+                                 f"{max_frame_pixels} allowed per frame")
+    if frames * width * height > max_total_pixels:
+        raise MediaTooLargeError(f"{frames} sampled frames of {width}x{height} exceed the decoded-video budget of "
+                                 f"{max_total_pixels} pixels")
 
 
 def _stream_fps(stream, container, times: list[float], count: int) -> float:
@@ -160,28 +215,44 @@ def _to_array(frame: Any) -> np.ndarray:
     return frame.to_ndarray(format="rgb24")  # a PyAV frame
 
 
-def load_video(source: Any, opts: VideoOptions) -> SampledVideo:
+def load_video(source: Any, opts: VideoOptions, max_frame_pixels: int = DEFAULT_MAX_FRAME_PIXELS,
+               max_total_pixels: int = DEFAULT_MAX_VIDEO_PIXELS) -> SampledVideo:
     """A path / bytes / data URL (decoded with PyAV), or a list of frames taken as a clip at `opts.fps`."""
-    if isinstance(source, (list, tuple)):
-        if not source:
-            raise InvalidInputError("a video given as frames needs at least one frame")
-        frames, fps = list(source), opts.fps
-    else:
-        frames, fps = decode_video(source)
-    idx = frame_indices(len(frames), fps, opts)
-    picked = [_to_array(frames[i]) for i in idx]
+    if not isinstance(source, (list, tuple)):
+        return decode_video(source, opts, max_frame_pixels, max_total_pixels)
+    if not source:
+        raise InvalidInputError("a video given as frames needs at least one frame")
+    idx = frame_indices(len(source), opts.fps, opts)
+    picked = [_to_array(source[i]) for i in idx]
     if len({f.shape for f in picked}) != 1:
         raise InvalidInputError("all frames of a video must have the same size")
-    return SampledVideo(picked, len(idx) / len(frames) * fps)
+    h, w = picked[0].shape[:2]
+    _check_pixels(w, h, len(idx), max_frame_pixels, max_total_pixels)
+    return SampledVideo(picked, len(idx) / len(source) * opts.fps)
 
 
 # ---- preprocessing ----------------------------------------------------------------------------------------
+def video_grid(video: SampledVideo, cfg: ImageProcessorConfig, opts: VideoOptions, min_pixels: int,
+               max_pixels: int) -> tuple[int, int, int]:
+    """(t, h, w) in patches that `preprocess_video` will produce, known before any frame is resized."""
+    h, w = _frame_size(video, cfg, opts, min_pixels, max_pixels)
+    tp = cfg.temporal_patch_size
+    return (-(-len(video.frames) // tp), h // cfg.patch_size, w // cfg.patch_size)
+
+
+def _frame_size(video: SampledVideo, cfg: ImageProcessorConfig, opts: VideoOptions, min_pixels: int,
+                max_pixels: int) -> tuple[int, int]:
+    n = len(video.frames)
+    h0, w0 = video.frames[0].shape[:2]
+    per_frame = max(min(max_pixels, opts.total_pixels / n * FRAME_FACTOR), int(min_pixels * 1.05))
+    return smart_resize(h0, w0, cfg.factor, min_pixels, int(per_frame))
+
+
 def preprocess_video(video: SampledVideo, cfg: ImageProcessorConfig, opts: VideoOptions,
                      min_pixels: int, max_pixels: int) -> ProcessedVideo:
     n = len(video.frames)
     h0, w0 = video.frames[0].shape[:2]
-    per_frame = max(min(max_pixels, opts.total_pixels / n * FRAME_FACTOR), int(min_pixels * 1.05))
-    h, w = smart_resize(h0, w0, cfg.factor, min_pixels, int(per_frame))
+    h, w = _frame_size(video, cfg, opts, min_pixels, max_pixels)
     resized = [f if (h, w) == (h0, w0) else
                np.asarray(Image.fromarray(f).resize((w, h), resample=Image.Resampling.BICUBIC)) for f in video.frames]
     pixels = torch.from_numpy(np.stack(resized))  # [T, h, w, 3] uint8

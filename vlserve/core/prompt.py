@@ -1,0 +1,48 @@
+"""A prompt after input processing: token ids with every media placeholder expanded, the media items, and the
+M-RoPE positions. Produced by a prompt encoder (local or remote), consumed by the engine; not a request yet."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class MultiModalItem:
+    """One picture (or video) of a prompt, already preprocessed; its placeholder run is already expanded.
+
+    Exactly one source of its embeddings is set: `pixel_values` (the engine runs the vision encoder on them) or
+    `embeddings` (precomputed, or received from an encoder service).
+    """
+
+    offset: int  # index of the first placeholder token in the prompt
+    num_tokens: int  # placeholder length = number of embeddings the encoder produces
+    pixel_values: torch.Tensor | None  # [patches, patch_dim]
+    grid_thw: tuple[int, int, int]
+    # Content hash (encoder-cache key, part of prefix-cache keys). Unknown content gets a unique id, so
+    # items without a hash are never shared by mistake.
+    mm_hash: str = field(default_factory=lambda: uuid.uuid4().hex)
+    embeddings: torch.Tensor | None = None  # [num_tokens, hidden]: the vision encoder is skipped
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.num_tokens
+
+    @property
+    def needs_encoder(self) -> bool:
+        return self.embeddings is None
+
+
+@dataclass
+class ProcessedPrompt:
+    prompt_token_ids: list[int]
+    mm_items: list[MultiModalItem]
+    mrope_positions: torch.Tensor  # [3, len(prompt_token_ids)] int64
+    mrope_delta: int
+    text: str | None = None  # the prompt text, when there was one (returned to users as RequestOutput.prompt)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids)

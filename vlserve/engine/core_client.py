@@ -1,0 +1,195 @@
+"""The front-end's handle on the engine-core process: spawn it, talk to it over ZeroMQ, and watch it.
+
+Three things end the engine's service, and each is noticed within seconds: the process exits (watched), it
+reports a failure (a message), or it stops answering heartbeats (frozen, e.g. SIGSTOP) or stops completing
+steps while it has work (a stuck step). An unresponsive engine that answers again is taken back.
+
+Sockets use Linux's abstract namespace where available, so nothing is left on disk whatever way we exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+
+import zmq
+import zmq.asyncio
+
+from vlserve.core.config import EngineArgs
+from vlserve.core.errors import VlserveError
+from vlserve.core.wire import (
+    EngineFailed,
+    EngineInput,
+    EngineMessage,
+    EngineOutputs,
+    EngineReady,
+    Framer,
+    Heartbeat,
+    Shutdown,
+)
+from vlserve.engine.core_process import encode_args, run_engine_core
+
+logger = logging.getLogger("vlserve.engine")
+HEARTBEAT_INTERVAL_S = 1.0
+STUCK_STEP_MIN_S = 300.0  # a step may take minutes on a CPU; never call a step stuck before this
+SHUTDOWN_WAIT_S = 10.0
+
+
+class EngineCoreClient:
+    def __init__(self, args: EngineArgs, log_level: str = "INFO", heartbeat_timeout: float = 10.0,
+                 on_outputs: Callable[[EngineOutputs], None] | None = None,
+                 on_failure: Callable[[str], None] | None = None,
+                 on_recovery: Callable[[], None] | None = None):
+        self.args, self.log_level = args, log_level
+        self.heartbeat_timeout = heartbeat_timeout
+        self.stuck_after = max(STUCK_STEP_MIN_S, 30 * heartbeat_timeout)
+        self.on_outputs = on_outputs or (lambda msg: None)
+        self.on_failure = on_failure or (lambda reason: None)
+        self.on_recovery = on_recovery or (lambda: None)
+        self.proc: multiprocessing.Process | None = None
+        self.dead_reason: str | None = None  # the process is gone or failed: final
+        self.unresponsive_reason: str | None = None  # it stopped answering: may recover
+        self._in_framer, self._out_framer, self._hb_framer = Framer(EngineInput), Framer(EngineMessage), Framer(Heartbeat)
+        self._tasks: list[asyncio.Task] = []
+        self._ipc_dir: str | None = None
+        self._sync_ctx: zmq.Context | None = None
+        self._async_ctx: zmq.asyncio.Context | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------------------------
+    def _addresses(self) -> dict[str, str]:
+        if sys.platform == "linux":
+            tag = f"vlserve-{uuid.uuid4().hex}"
+            return {name: f"ipc://@{tag}-{name}" for name in ("input", "output", "heartbeat")}
+        self._ipc_dir = tempfile.mkdtemp(prefix="vlserve-ipc-")
+        return {name: f"ipc://{self._ipc_dir}/{name}" for name in ("input", "output", "heartbeat")}
+
+    async def start(self) -> EngineReady:
+        """Spawns the engine process and waits until it is ready; raises (with the cleanup done) if it fails."""
+        addresses = self._addresses()
+        self._sync_ctx, self._async_ctx = zmq.Context(), zmq.asyncio.Context()
+        # Sends are synchronous and never block (no high-water mark), so an abort can be sent from a `finally`
+        # of a cancelled task; receives are awaited.
+        self.in_sock = self._sync_ctx.socket(zmq.PUSH)
+        self.in_sock.setsockopt(zmq.SNDHWM, 0)
+        self.in_sock.bind(addresses["input"])
+        self.out_sock = self._async_ctx.socket(zmq.PULL)
+        self.out_sock.bind(addresses["output"])
+        self.hb_sock = self._async_ctx.socket(zmq.PAIR)
+        self.hb_sock.bind(addresses["heartbeat"])
+        self.proc = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core, args=(encode_args(self.args), addresses, self.log_level),
+            name="vlserve-engine-core", daemon=True)
+        self.proc.start()
+        try:
+            ready = await self._wait_ready()
+        except BaseException:
+            await self.shutdown()
+            raise
+        self._tasks = [asyncio.create_task(self._output_loop()), asyncio.create_task(self._watch())]
+        return ready
+
+    async def _wait_ready(self) -> EngineReady:
+        while True:
+            if await self.out_sock.poll(100):
+                msg = self._out_framer.decode(await self.out_sock.recv_multipart())
+                if isinstance(msg, EngineReady):
+                    return msg
+                if isinstance(msg, EngineFailed):
+                    raise VlserveError(f"the engine failed to start: {msg.message}")
+            elif not self.proc.is_alive():
+                raise VlserveError(f"the engine process exited during start-up (exit code {self.proc.exitcode})")
+
+    async def shutdown(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        self._tasks = []
+        if self.proc is not None and self.proc.is_alive():
+            if self.dead_reason is None and self.unresponsive_reason is None:
+                self.send(Shutdown())
+                await asyncio.get_running_loop().run_in_executor(None, self.proc.join, SHUTDOWN_WAIT_S)
+            if self.proc.is_alive():
+                self.proc.kill()  # SIGKILL also ends a stopped (SIGSTOP) process
+                await asyncio.get_running_loop().run_in_executor(None, self.proc.join, SHUTDOWN_WAIT_S)
+        for sock in ("in_sock", "out_sock", "hb_sock"):
+            if hasattr(self, sock):
+                getattr(self, sock).close(linger=0)
+        for ctx in (self._sync_ctx, self._async_ctx):
+            if ctx is not None:
+                ctx.term()
+        self._sync_ctx = self._async_ctx = None
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+    # ---- traffic -----------------------------------------------------------------------------------------
+    def send(self, msg, tensors=None) -> None:
+        self.in_sock.send_multipart(self._in_framer.encode(msg, tensors), copy=False)
+
+    @property
+    def available(self) -> bool:
+        return self.dead_reason is None and self.unresponsive_reason is None
+
+    async def _output_loop(self) -> None:
+        while True:
+            frames = await self.out_sock.recv_multipart()
+            try:
+                msg = self._out_framer.decode(frames)
+            except Exception as e:  # noqa: BLE001 - a bad message must not kill the loop silently
+                logger.error("undecodable message from the engine: %s", e)
+                continue
+            if isinstance(msg, EngineFailed):
+                self._die(msg.message)
+                return
+            if isinstance(msg, EngineOutputs):
+                self.on_outputs(msg)
+
+    # ---- liveness ----------------------------------------------------------------------------------------
+    async def _watch(self) -> None:
+        nonces = itertools.count()
+        last_answer = time.monotonic()
+        last_steps, steps_moved = -1, time.monotonic()
+        while self.dead_reason is None:
+            if not self.proc.is_alive():
+                self._die(f"the engine process died (exit code {self.proc.exitcode})")
+                return
+            try:  # the engine's heartbeat socket stays connected while its process lives, even when frozen
+                await asyncio.wait_for(self.hb_sock.send_multipart(self._hb_framer.encode(Heartbeat(next(nonces)))),
+                                       HEARTBEAT_INTERVAL_S)
+            except asyncio.TimeoutError:
+                pass
+            deadline = time.monotonic() + HEARTBEAT_INTERVAL_S
+            while (left := deadline - time.monotonic()) > 0:
+                if await self.hb_sock.poll(left * 1000):
+                    beat = self._hb_framer.decode(await self.hb_sock.recv_multipart())
+                    now = time.monotonic()
+                    last_answer = now
+                    if beat.steps != last_steps or not beat.busy:
+                        last_steps, steps_moved = beat.steps, now
+            now = time.monotonic()
+            if now - last_answer > self.heartbeat_timeout:
+                self._unresponsive(f"the engine process has not answered for {now - last_answer:.0f}s")
+            elif now - steps_moved > self.stuck_after:
+                self._unresponsive(f"the engine has been inside one step for {now - steps_moved:.0f}s")
+            elif self.unresponsive_reason is not None:
+                logger.warning("the engine answers again; accepting requests")
+                self.unresponsive_reason = None
+                self.on_recovery()
+
+    def _unresponsive(self, reason: str) -> None:
+        if self.unresponsive_reason is None:
+            logger.error("%s; failing its requests with 503 until it answers again", reason)
+            self.unresponsive_reason = reason
+            self.on_failure(reason)
+
+    def _die(self, reason: str) -> None:
+        if self.dead_reason is None:
+            logger.error("engine failed: %s", reason)
+            self.dead_reason = reason
+            self.on_failure(reason)

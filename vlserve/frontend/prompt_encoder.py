@@ -1,0 +1,74 @@
+"""How a request's prompt becomes a `ProcessedPrompt`, behind one interface with two implementations:
+
+- `LocalPromptEncoder`: this process fetches the media (under the server's URL policy), decodes, preprocesses,
+  tokenizes and expands placeholders on a thread pool; the engine runs the vision encoder later.
+- `disagg.remote_encoder.RemotePromptEncoder`: an encoder service does all that plus the vision encoder, and
+  the embeddings arrive in this server's receive blocks.
+
+The async client (`AsyncLLM`) gets one of them injected and never asks which.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Protocol
+
+from vlserve.core.prompt import ProcessedPrompt
+from vlserve.frontend.input_processor import InputProcessor
+from vlserve.frontend.media.fetch import MediaFetcher
+
+
+@dataclass
+class EncodedPrompt:
+    prompt: ProcessedPrompt
+    # Called once the engine is done with the prompt (or it never reached the engine): frees what the prompt's
+    # embeddings occupy outside the engine (a disaggregated server's receive blocks).
+    release: Callable[[], None] | None = None
+
+
+class PromptEncoder(Protocol):
+    async def encode(self, prompt: dict, mm_processor_kwargs: dict | None, request_id: str) -> EncodedPrompt:
+        """`prompt`: {"prompt": text | "prompt_token_ids": ids, "multi_modal_data": {kind: [url, ...]},
+        "multi_modal_uuids": {...}}; media sources are URLs (http(s), data:, file://) or embedding entries."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+class LocalPromptEncoder:
+    def __init__(self, input_processor: InputProcessor, fetchers: dict[str, MediaFetcher], executor: Executor):
+        self.input_processor = input_processor
+        self.fetchers = fetchers  # media kind -> fetcher (each kind has its own size limit)
+        self.executor = executor
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        for fetcher in self.fetchers.values():
+            await fetcher.aclose()
+
+    async def encode(self, prompt: dict, mm_processor_kwargs: dict | None, request_id: str) -> EncodedPrompt:
+        media = prompt.get("multi_modal_data") or {}
+        if media:
+            prompt = {**prompt, "multi_modal_data": await self.fetch_all(media)}
+        loop = asyncio.get_running_loop()
+        processed = await loop.run_in_executor(self.executor, self.input_processor.process, prompt,
+                                               mm_processor_kwargs)
+        return EncodedPrompt(processed)
+
+    async def fetch_all(self, media: dict[str, list]) -> dict[str, list]:
+        """Every URL fetched concurrently under its kind's policy; embedding entries pass through."""
+        async def one(kind: str, source):
+            if kind not in self.fetchers or not isinstance(source, str):
+                return source  # the input processor refuses unknown kinds and checks embedding entries
+            return await self.fetchers[kind].fetch(source)
+
+        out = {}
+        for kind, sources in media.items():
+            out[kind] = list(await asyncio.gather(*(one(kind, s) for s in sources)))
+        return out
