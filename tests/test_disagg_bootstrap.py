@@ -57,7 +57,7 @@ class RecordingTransport(httpx.AsyncBaseTransport):
         return resp
 
 
-async def _wait_for(pred, timeout: float = 2.0) -> None:
+async def _wait_for(pred, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not pred():
         assert time.monotonic() < deadline, "condition not met in time"

@@ -401,3 +401,49 @@ def test_file_bad_form(media_dir, url):
 def test_unsupported_scheme(url):
     with pytest.raises(MediaFetchError, match="unsupported URL scheme"):
         fetch(url)
+
+
+# --- DNS rebinding: the address checked is the address connected to ---------------------------------------
+HITS: list[str] = []
+
+
+class _CountingHandler(_Handler):
+    def do_GET(self):
+        HITS.append(self.path)
+        super().do_GET()
+
+
+class RebindingFetcher(MediaFetcher):
+    """A resolver that answers a public address first and loopback on every later lookup."""
+
+    lookups = 0
+
+    async def _resolve(self, host, port):
+        type(self).lookups += 1
+        return [PUB] if type(self).lookups == 1 else ["127.0.0.1"]
+
+
+def test_dns_rebinding_cannot_reach_a_loopback_server():
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _CountingHandler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        HITS.clear()
+        RebindingFetcher.lookups = 0
+        # "localhost" is what the system resolver would connect to if the check and the connection differed.
+        with pytest.raises(MediaFetchError, match="private, loopback"):
+            fetch(f"http://localhost:{httpd.server_address[1]}/img.png", fetcher_cls=RebindingFetcher)
+        assert RebindingFetcher.lookups == 2  # the early check, then the connection's own
+        assert HITS == [], "the loopback server was reached"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_connection_goes_to_the_checked_address(server):
+    """The connection uses our resolver's answer, never the system's: a name the system cannot resolve works."""
+    class Pinned(MediaFetcher):
+        async def _resolve(self, host, port):
+            return ["127.0.0.1"]
+
+    port = server.rsplit(":", 1)[1]
+    assert fetch(f"http://no-such-host.invalid:{port}/img.png", LOCAL, fetcher_cls=Pinned) == PNG

@@ -159,6 +159,9 @@ class DisaggArgs:
     data_port: int | None = option(None, "ZeroMQ port language servers connect to (default: --port + 1)", {ENCODE})
     transfer_failure_prob: float = option(0.0, "fail this share of transfers on purpose (fault injection)",
                                           {ENCODE}, env="VLSERVE_TRANSFER_FAILURE_PROB")
+    disagg_secret: str | None = option(None, "shared secret of every role: signs registry calls and encrypts the "
+                                       "data channel (required off loopback; serve --disagg makes one)",
+                                       {SERVE, LANGUAGE, ENCODE, BOOTSTRAP}, env="VLSERVE_DISAGG_SECRET", secret=True)
 
 
 OPTION_GROUPS = (("engine", EngineArgs), ("server", ServerArgs), ("disaggregation", DisaggArgs))

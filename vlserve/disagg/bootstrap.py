@@ -18,6 +18,8 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from vlserve.disagg.auth import HEADER, PeerAuth
+
 log = logging.getLogger("vlserve.disagg.bootstrap")
 
 ROLES = ("encode", "language")
@@ -46,13 +48,16 @@ def _json(obj, status: int = 200) -> Response:
 
 
 def _error(message: str, status: int) -> Response:
-    err_type = {400: "BadRequestError", 404: "NotFoundError"}.get(status, "InternalServerError")
+    err_type = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError"}.get(status,
+                                                                                           "InternalServerError")
     return _json({"error": {"message": message, "type": err_type, "code": status}}, status)
 
 
 def build_bootstrap_app(heartbeat_interval: float = 1.0, failure_threshold: int = 3,
-                        clock: Callable[[], float] = time.monotonic) -> FastAPI:
-    """The registry as an ASGI app; `clock` is injectable so tests move time without sleeping."""
+                        clock: Callable[[], float] = time.monotonic, auth: PeerAuth | None = None) -> FastAPI:
+    """The registry as an ASGI app; `clock` is injectable so tests move time without sleeping. With `auth`
+    holding a secret, every call but /health must be signed with it."""
+    auth = auth or PeerAuth(None)
     timeout = heartbeat_interval * failure_threshold
     # instance_id -> [info, last_seen]; insertion order keeps listings stable.
     instances: dict[str, list] = {}
@@ -69,7 +74,14 @@ def build_bootstrap_app(heartbeat_interval: float = 1.0, failure_threshold: int 
                          iid, info.role, info.address, now - seen)
 
     @app.middleware("http")
-    async def _prune_first(request: Request, call_next):
+    async def _authenticate_then_prune(request: Request, call_next):
+        if request.url.path != "/health" and auth.enabled:
+            body = await request.body()
+            if not auth.verify(request.method, _signed_path(request.url.path, request.url.query), body,
+                               request.headers.get(HEADER)):
+                log.warning("refused an unauthenticated %s %s from %s", request.method, request.url.path[:64],
+                            request.client.host if request.client else "?")
+                return _error("missing or invalid signature (--disagg-secret)", 401)
         prune()
         return await call_next(request)
 
@@ -127,6 +139,10 @@ def build_bootstrap_app(heartbeat_interval: float = 1.0, failure_threshold: int 
     return app
 
 
+def _signed_path(path: str, query: str) -> str:
+    return f"{path}?{query}" if query else path
+
+
 def _base_url(url: str) -> str:
     url = url.strip().rstrip("/")
     return url if "://" in url else f"http://{url}"
@@ -137,17 +153,22 @@ class BootstrapClient:
 
     def __init__(self, url: str, info: InstanceInfo, heartbeat_interval: float = 1.0,
                  load_fn: Callable[[], int] | None = None,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 transport: httpx.AsyncBaseTransport | None = None, auth: PeerAuth | None = None) -> None:
         self.url = _base_url(url)
         self.info = info
         self.heartbeat_interval = heartbeat_interval
         self.load_fn = load_fn
         self._interval = heartbeat_interval
-        self._http = httpx.AsyncClient(base_url=self.url, transport=transport,
-                                       timeout=max(2.0, 2 * heartbeat_interval))
+        self.auth = auth or PeerAuth(None)
+        self._http = httpx.AsyncClient(base_url=self.url, transport=transport, timeout=max(2.0, 2 * heartbeat_interval),
+                                       event_hooks={"request": [self._sign]})
         self._task: asyncio.Task | None = None
         self._connected = False
         self.registrations = 0  # how many times the registry accepted us (observability, tests)
+
+    async def _sign(self, request: httpx.Request) -> None:
+        path = _signed_path(request.url.path, request.url.query.decode())
+        request.headers.update(self.auth.sign(request.method, path, request.content))
 
     def _load(self) -> int:
         return int(self.load_fn()) if self.load_fn is not None else self.info.load

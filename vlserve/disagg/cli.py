@@ -26,13 +26,16 @@ def run_encode(ns: argparse.Namespace) -> int:
 def run_bootstrap(ns: argparse.Namespace) -> int:
     import uvicorn
 
+    from vlserve.disagg.auth import PeerAuth, require_secret_off_loopback
     from vlserve.disagg.bootstrap import build_bootstrap_app
 
     opts = options_from(ns, BOOTSTRAP)
     d, server = opts.disagg, opts.server
     if d.heartbeat_interval <= 0 or d.heartbeat_failure_threshold < 1:
         raise InvalidInputError("--heartbeat-interval must be > 0 and --heartbeat-failure-threshold >= 1")
-    app = build_bootstrap_app(d.heartbeat_interval, d.heartbeat_failure_threshold)
+    auth = PeerAuth(d.disagg_secret)
+    require_secret_off_loopback(auth, server.host, "the bootstrap registry")
+    app = build_bootstrap_app(d.heartbeat_interval, d.heartbeat_failure_threshold, auth=auth)
     logger.info("bootstrap registry on http://%s:%d (drop after %.1fs without heartbeat)", server.host, server.port,
                 d.heartbeat_interval * d.heartbeat_failure_threshold)
     # log_config=None: keep the logging set up by vlserve.cli instead of uvicorn's own.

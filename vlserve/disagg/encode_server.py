@@ -20,6 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from vlserve.core.config import Options
 from vlserve.core.errors import InvalidInputError, VlserveError
+from vlserve.disagg.auth import PeerAuth, require_secret_off_loopback
 from vlserve.disagg.buffers import BufferSpec, EmbeddingBuffers
 from vlserve.disagg.encoder_worker import EncodedPrompt, EncoderWorker
 from vlserve.disagg.messages import (
@@ -56,6 +57,8 @@ class EncodeServer:
         self.worker, self.opts, d = worker, opts.disagg, opts.disagg
         self.host, self.data_port = opts.server.host, d.data_port or opts.server.port + 1
         self.failure_prob, self.rng = d.transfer_failure_prob, random.Random()
+        self.auth = PeerAuth(d.disagg_secret)
+        require_secret_off_loopback(self.auth, self.host, "this encoder")
         self.buffers = EmbeddingBuffers(BufferSpec(d.embedding_block_tokens, worker.hidden, worker.dtype),
                                         d.embedding_buffer_blocks)
         self.registry = CollectorRegistry()
@@ -73,6 +76,7 @@ class EncodeServer:
     def bind(self) -> None:
         """Bound before registering, so a language server that finds us can connect at once."""
         self.sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+        self.auth.secure_server(self.sock)
         self.sock.bind(f"tcp://{self.host}:{self.data_port}")
 
     async def serve_zmq(self) -> None:
@@ -233,7 +237,7 @@ async def run_encoder(opts: Options, log_level: str) -> None:
     host, port = opts.server.host, opts.server.port
     info = InstanceInfo(new_instance_id(), "encode", f"{host}:{server.data_port}", f"{host}:{port}")
     boot = BootstrapClient(opts.disagg.bootstrap, info, opts.disagg.heartbeat_interval,
-                           load_fn=lambda: server.in_flight)
+                           load_fn=lambda: server.in_flight, auth=server.auth)
     zmq_task = asyncio.create_task(server.serve_zmq())
     await boot.start()
     logger.info("encoder ready: data tcp://%s, http://%s", info.address, info.http_address)
@@ -244,3 +248,4 @@ async def run_encoder(opts: Options, log_level: str) -> None:
     finally:
         zmq_task.cancel()
         await boot.stop()
+        server.auth.stop()

@@ -23,6 +23,7 @@ import zmq.asyncio
 from vlserve.core.config import DisaggArgs
 from vlserve.core.errors import InvalidInputError, ServiceUnavailableError
 from vlserve.core.prompt import MultiModalItem, ProcessedPrompt
+from vlserve.disagg.auth import PeerAuth, require_secret_off_loopback
 from vlserve.disagg.bootstrap import BootstrapClient, InstanceInfo
 from vlserve.disagg.buffers import EmbeddingBuffers
 from vlserve.disagg.messages import (
@@ -69,8 +70,11 @@ class DisaggClient:
         self.encoders: dict[str, EncoderConn] = {}
         self.affinity: OrderedDict[str, str] = OrderedDict()  # media key -> encoder id that saw it
         self.dropped: dict[str, float] = {}  # encoder id -> when we dropped it
+        self.auth = PeerAuth(opts.disagg_secret)
+        require_secret_off_loopback(self.auth, opts.bootstrap.rsplit(":", 1)[0], "this language server's registry")
         self.bootstrap = BootstrapClient(opts.bootstrap, self_info, opts.heartbeat_interval,
-                                         load_fn=lambda: sum(e.in_flight for e in self.encoders.values()))
+                                         load_fn=lambda: sum(e.in_flight for e in self.encoders.values()),
+                                         auth=self.auth)
         self._ids = itertools.count()
         self._tasks: list[asyncio.Task] = []
         self._block_freed = asyncio.Event()
@@ -109,6 +113,7 @@ class DisaggClient:
             if iid not in self.encoders and iid not in self.dropped:
                 sock = self.ctx.socket(zmq.DEALER)
                 sock.setsockopt(zmq.LINGER, 0)
+                self.auth.secure_client(sock)
                 sock.connect(f"tcp://{info.address}")
                 enc = EncoderConn(info, sock)
                 enc.reader = asyncio.create_task(self._read(enc))

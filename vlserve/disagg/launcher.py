@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -162,6 +163,8 @@ class Supervisor:
 
 
 def run_roles(opts: Options, log_level: str) -> int:
+    if opts.disagg.disagg_secret is None:  # the roles authenticate each other; children get it in their env
+        opts.disagg.disagg_secret = secrets.token_urlsafe(32)
     children = plan_children(opts, log_level)
     logger.info("starting a bootstrap, %d encoder(s) and a language server on %s:%d (Ctrl-C or SIGTERM stops all)",
                 opts.disagg.num_encoders, opts.server.host, opts.server.port)

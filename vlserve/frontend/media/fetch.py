@@ -20,6 +20,7 @@ from http.cookiejar import CookieJar, DefaultCookiePolicy
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
+import httpcore
 import httpx
 
 from vlserve.core.errors import InvalidInputError, MediaFetchError, MediaTooLargeError
@@ -90,6 +91,43 @@ def is_non_public_address(addr: str) -> bool:
     )
 
 
+class CheckedAddressBackend(httpcore.AsyncNetworkBackend):
+    """Resolves a host itself, checks every address against the policy and connects to a checked one.
+
+    The address checked is the address connected to: a DNS server that answers differently on a second lookup
+    (DNS rebinding) cannot slip a private address in between. TLS keeps the URL's host name for SNI and
+    certificate checks, and the Host header stays the URL's (httpcore takes both from the URL, not from here).
+    """
+
+    def __init__(self, fetcher: "MediaFetcher", inner: httpcore.AsyncNetworkBackend | None = None):
+        self.fetcher = fetcher
+        self.inner = inner or httpcore.AnyIOBackend()
+
+    async def connect_tcp(self, host: str, port: int, timeout: float | None = None, local_address: str | None = None,
+                          socket_options=None) -> httpcore.AsyncNetworkStream:
+        last: Exception | None = None
+        for address in await self.fetcher.checked_addresses(host, port, "media URL"):
+            try:
+                return await self.inner.connect_tcp(address, port, timeout, local_address, socket_options)
+            except (httpcore.ConnectError, httpcore.ConnectTimeout) as e:
+                last = e
+        raise last or httpcore.ConnectError(f"no address to connect to for {host}")
+
+    async def connect_unix_socket(self, path: str, timeout: float | None = None, socket_options=None):
+        raise httpcore.ConnectError("media URLs never reach unix sockets")
+
+    async def sleep(self, seconds: float) -> None:
+        await self.inner.sleep(seconds)
+
+
+def checked_transport(fetcher: "MediaFetcher") -> httpx.AsyncHTTPTransport:
+    transport = httpx.AsyncHTTPTransport(trust_env=False)  # no proxy from the environment
+    transport._pool = httpcore.AsyncConnectionPool(ssl_context=httpx.create_ssl_context(), max_connections=100,
+                                                   max_keepalive_connections=20, keepalive_expiry=5.0,
+                                                   network_backend=CheckedAddressBackend(fetcher))
+    return transport
+
+
 class MediaFetcher:
     """Fetches media URLs under a `MediaPolicy`. One per server; call `aclose` on shutdown."""
 
@@ -103,8 +141,9 @@ class MediaFetcher:
             follow_redirects=False,  # we follow them ourselves, checking every hop
             # One client serves all users: keep no cookies, so none set for one request reach another.
             cookies=CookieJar(policy=DefaultCookiePolicy(allowed_domains=[])),
-            transport=transport,
+            transport=transport or checked_transport(self),
             timeout=httpx.Timeout(policy.timeout_s),
+            trust_env=False,
             # Media is already compressed; asking for identity avoids decompression bombs.
             headers={"User-Agent": "vlserve", "Accept-Encoding": "identity"},
         )
@@ -191,9 +230,11 @@ class MediaFetcher:
             allowed = any(host == d or (not ip_literal and host.endswith("." + d)) for d in self._domains)
             if not allowed:
                 raise MediaFetchError(f"{what} host {host!r}, which is not in the server's allowed media domains")
-        if self.policy.allow_private_media_urls:
-            return
-        port = url.port or (443 if url.scheme == "https" else 80)
+        # Early, for a clear error; the connection itself checks again what it connects to (CheckedAddressBackend).
+        await self.checked_addresses(host, url.port or (443 if url.scheme == "https" else 80), what)
+
+    async def checked_addresses(self, host: str, port: int, what: str) -> list[str]:
+        """The addresses of `host`, all allowed by the policy (refused if any is not)."""
         try:
             addrs = await self._resolve(host, port)
         except (OSError, UnicodeError) as e:
@@ -201,14 +242,12 @@ class MediaFetcher:
         if not addrs:
             raise MediaFetchError(f"{what} host {host!r}, which could not be resolved")
         # One bad address is enough: the connection could use any of them.
-        if any(is_non_public_address(a) for a in addrs):
+        if not self.policy.allow_private_media_urls and any(is_non_public_address(a) for a in addrs):
             raise MediaFetchError(
                 f"{what} host {host!r}, which is a private, loopback, link-local or reserved address; "
                 "such media URLs are refused by the server's policy"
             )
-        # Remaining gap: httpx resolves the name again when connecting, so a DNS server answering
-        # differently the second time (DNS rebinding) could still slip a private address through.
-        # Closing it needs connecting to the checked address itself (a custom transport).
+        return addrs
 
     async def _fetch_http(self, url: str) -> bytes:
         try:
