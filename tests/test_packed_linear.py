@@ -15,7 +15,8 @@ from vlserve.model.layers.packed_linear import (
 )
 
 pytestmark = pytest.mark.skipif(not packed_linear_supported(torch.device("cpu"), torch.bfloat16),
-                                reason="oneDNN linear packing not available")
+                                reason="oneDNN bf16 weight packing needs AVX-512 (or AVX-NE-CONVERT); this CPU's "
+                                "fallback path is tested in test_hardware.py")
 
 
 @pytest.mark.parametrize("bias", [True, False])

@@ -24,6 +24,8 @@ MAX_MODEL_LEN = 1024
 MAX_NUM_SEQS = 4
 MAX_WAITING = 2
 MAX_MEDIA_BYTES = 300_000
+MAX_REQUEST_BYTES = 2_000_000
+MAX_N = 16
 
 
 def png_bytes(img) -> bytes:
@@ -81,7 +83,7 @@ def server(ckpt, media_dir):
                       "--allow-private-media-urls", "--allowed-local-media-path", str(media_dir),
                       "--max-media-bytes", str(MAX_MEDIA_BYTES), "--max-image-pixels", "1000000",
                       "--limit-mm-per-prompt", "image=3", "--served-model-name", "tiny", "--enable-mm-embeds",
-                      api_key=KEY) as srv:
+                      "--max-request-bytes", str(MAX_REQUEST_BYTES), "--max-n", str(MAX_N), api_key=KEY) as srv:
         yield srv
 
 
@@ -236,6 +238,42 @@ BAD_REQUESTS = {
                                                                  "image_embeds": "cGlja2xl"})), 400),
     "media over max bytes": (_chat(messages=user(image_part(_big_noise_png()))), 413),
     "decompression bomb": (_chat(messages=user(image_part(_bomb_png()))), 413),
+    # a field that would change the answer is refused, never silently ignored
+    "text part without its text": (_chat(messages=[{"role": "user", "content": [{"type": "text", "content": "hi"}]}]),
+                                   400),
+    "text part that is not a string": (_chat(messages=user({"type": "text", "text": 5})), 400),
+    "response_format json": (_chat(response_format={"type": "json_object"}), 400),
+    "tools": (_chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), 400),
+    "tool_choice required": (_chat(tool_choice="required"), 400),
+    "logit_bias": (_chat(logit_bias={"5": 10}), 400),
+    "beam search": (_chat(use_beam_search=True), 400),
+    "chat_template from the request": (_chat(chat_template="{{ messages }}"), 400),
+    # bounds before work
+    "n beyond --max-n": (_chat(n=MAX_N + 1), 400),
+    "astronomical n": (_chat(n=2**70), 400),
+    "seed beyond int64": (_chat(seed=2**64), 400),
+    "top_k beyond int64": (_chat(top_k=2**64), 400),
+    "stop_token_ids beyond int64": (_chat(stop_token_ids=[2**64]), 400),
+    "max_tokens beyond int64": (_chat(max_tokens=2**64), 400),
+    "temperature Infinity": (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": Infinity}', 400),
+    "repetition_penalty NaN": (b'{"messages": [{"role": "user", "content": "hi"}], "repetition_penalty": NaN}', 400),
+    "temperature overflow": (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 1e999}', 400),
+    "lone surrogate in content": (b'{"messages": [{"role": "user", "content": "hi \\ud800"}]}', 400),
+    "lone surrogate in stop": (b'{"messages": [{"role": "user", "content": "hi"}], "stop": ["\\udfff"]}', 400),
+    # exact types: no bool as int, no string as number
+    "n as bool": (_chat(n=True), 400),
+    "max_tokens as string": (_chat(max_tokens="5"), 400),
+    "stream as string": (_chat(stream="true"), 400),
+    "temperature as bool": (_chat(temperature=False), 400),
+    "grid of bools": (_chat(messages=user({"type": "image_embeds", "image_grid_thw": [True, 4, 4],
+                                           "image_embeds": _b64_safetensors(torch.zeros(4, 64))})), 400),
+    "request_id with a newline": (_chat(request_id="abc\nERROR forged line"), 400),
+    "mm_processor_kwargs upscaling a 1x1 picture": (_chat(messages=user(image_part(data_url(noise_image(1, 1, 1)))),
+                                                          mm_processor_kwargs={"min_pixels": 10_000_000}), 400),
+    "mm_processor_kwargs max_pixels over --max-image-pixels": (
+        _chat(messages=user(image_part(data_url(noise_image(30, 30, 1)))),
+              mm_processor_kwargs={"max_pixels": 2_000_000}), 400),
+    "body over --max-request-bytes": (_chat(messages=user("x" * (MAX_REQUEST_BYTES + 10))), 413),
 }
 
 
@@ -253,9 +291,73 @@ def test_bad_input_gets_its_status_and_server_keeps_serving(server, client, case
 
 def test_bad_completion_prompts(server):
     for body in ({"prompt": [], "max_tokens": 2}, {"prompt": [[99999]], "max_tokens": 2},
-                 {"prompt": "x", "max_tokens": 2, "echo": True}, {"prompt": "x", "max_tokens": 0}):
+                 {"prompt": "x", "max_tokens": 2, "echo": True}, {"prompt": "x", "max_tokens": 0},
+                 {"prompt": ["a"] * 9, "n": 2, "max_tokens": 2}, {"prompt": [True, 2], "max_tokens": 2},
+                 {"prompt": "x", "max_tokens": 2, "suffix": "y"}, {"prompt": [2**64], "max_tokens": 2}):
         r = server.post("/v1/completions", json=body)
         assert r.status_code == 400, (body, r.text)
+
+
+def test_client_errors_are_logged_on_one_line_and_harmless_fields_once(server, client):
+    r = server.post("/v1/chat/completions", json=_chat(request_id="bad\nid"))
+    assert r.status_code == 400
+    for _ in range(2):
+        ok = client.chat.completions.create(messages=user("hi"), model="tiny", max_tokens=2,
+                                            extra_body={"some_future_field": 1})
+        assert ok.choices
+    log = server.read_log()
+    line = next(ln for ln in log.splitlines() if "POST /v1/chat/completions -> 400" in ln and "request_id" in ln)
+    assert "ERROR forged" not in log.replace(line, "")  # the request id cannot forge a log line
+    assert log.count("'some_future_field' is not used") == 1
+
+
+def test_seed_at_int64_max_with_n_2_wraps(client):
+    resp = client.chat.completions.create(messages=user("hi"), model="tiny", max_tokens=3, n=2, seed=2**63 - 1,
+                                          temperature=1.0)
+    assert len(resp.choices) == 2
+
+
+def test_api_docs_are_off_by_default(server):
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert httpx.get(server.url + path, headers=server.headers()).status_code == 404
+
+
+def test_sse_escapes_line_separators():
+    from vlserve.server.serving import sse
+
+    frame = sse({"text": "a\u2028b\u2029c"})
+    assert "\u2028".encode() not in frame and "\u2029".encode() not in frame
+    import json
+    assert json.loads(frame[len(b"data: "):])["text"] == "a\u2028b\u2029c"
+
+
+def _spanning_stop(offline, messages, n_tokens: int) -> tuple[str, str]:
+    """A greedy answer and a stop string that starts inside one token and ends inside a later one."""
+    out = offline.chat(messages, SamplingParams(temperature=0, max_tokens=n_tokens, min_tokens=n_tokens),
+                       use_tqdm=False)[0].outputs[0]
+    tok = offline.get_tokenizer()
+    pieces = [tok.decode(out.token_ids[: i + 1]) for i in range(len(out.token_ids))]
+    for i in range(1, len(pieces) - 1):
+        a, b = len(pieces[i - 1]), len(pieces[i])  # token i covers text [a, b)
+        if b - a >= 2 and len(pieces[i + 1]) - b >= 1:
+            stop = out.text[b - 1 : b + 1]
+            if out.text.find(stop) == b - 1:  # the first occurrence spans the boundary
+                return out.text, stop
+    pytest.skip("no token boundary to span in this answer")
+
+
+def test_stream_with_stop_strings_spanning_tokens_equals_final_text(client, offline):
+    messages = user("Tell me a story about the sea.")
+    full, stop = _spanning_stop(offline, messages, 24)
+    expected = full[: full.index(stop)]
+    kw = dict(model="tiny", max_tokens=24, temperature=0, n=2, stop=[stop, "\u0001never"],
+              extra_body={"min_tokens": 0})
+    final = client.chat.completions.create(messages=messages, **kw)
+    assert [c.message.content for c in final.choices] == [expected, expected]
+    chunks = list(client.chat.completions.create(messages=messages, stream=True, **kw))
+    for i in range(2):
+        streamed = "".join(ch.delta.content or "" for c in chunks for ch in c.choices if ch.index == i)
+        assert streamed == expected
 
 
 def test_api_key_is_required_on_v1_routes(server):

@@ -1,0 +1,139 @@
+"""What the hardware computes natively decides dtype="auto" and packed linears, on both CPU kinds.
+
+The AVX2-only path runs everywhere: VLSERVE_CPU_ISA=avx2 makes this process behave like such a CPU (it can
+only lower what the CPU has). Tests that need native bf16 skip with a reason where it is missing."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import shutil
+
+import pytest
+import torch
+
+from tests.conftest import IMG, noise_image
+from vlserve import LLM, SamplingParams
+from vlserve.core.config import EngineArgs
+from vlserve.core.errors import InvalidInputError, ModelLoadError
+from vlserve.engine.config import MIN_DEFAULT_KV_BYTES, kv_bytes_per_token, resolve_config
+from vlserve.model import hardware
+from vlserve.model.hardware import Hardware, resolve_dtype
+from vlserve.model.layers.packed_linear import PackedLinear, packed_linear_supported
+
+AVX2 = Hardware("avx2", native_bf16=False, native_fp16=False, onednn_bf16_packing=False, cuda_devices=0,
+                cuda_name=None, cuda_bf16=False, capped=False)
+AVX512_BF16 = dataclasses.replace(AVX2, cpu_isa="avx512_bf16", native_bf16=True, onednn_bf16_packing=True)
+AMX_FP16 = dataclasses.replace(AVX512_BF16, cpu_isa="amx", native_fp16=True)
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def fake_hw(monkeypatch):
+    def use(hw: Hardware):
+        monkeypatch.setattr(hardware, "detect", lambda: hw)
+    return use
+
+
+@pytest.fixture
+def avx2_process(monkeypatch):
+    """This process behaves like an AVX2-only CPU."""
+    monkeypatch.setenv(hardware.ISA_ENV, "avx2")
+    hardware.detect.cache_clear()
+    yield
+    hardware.detect.cache_clear()
+
+
+@pytest.mark.parametrize("hw,ckpt,expected", [
+    (AVX512_BF16, "bfloat16", torch.bfloat16),
+    (AVX2, "bfloat16", torch.float32),  # emulated bf16 is ~100x slower than fp32 there
+    (AVX512_BF16, "float16", torch.bfloat16),  # same footprint, computed natively
+    (AVX2, "float16", torch.float32),
+    (AMX_FP16, "float16", torch.float16),
+    (AVX2, None, torch.float32),
+    (AVX2, "float32", torch.float32),
+])
+def test_auto_dtype_follows_native_support(fake_hw, hw, ckpt, expected):
+    fake_hw(hw)
+    assert resolve_dtype("auto", ckpt, CPU) == expected
+
+
+def test_auto_fallback_and_explicit_emulation_are_logged(fake_hw, caplog):
+    fake_hw(AVX2)
+    with caplog.at_level(logging.INFO, logger="vlserve.hardware"):
+        assert resolve_dtype("auto", "bfloat16", CPU) == torch.float32
+        assert resolve_dtype("bfloat16", "bfloat16", CPU) == torch.bfloat16  # honoured...
+    assert "running float32" in caplog.text
+    assert "emulated and slow" in caplog.text  # ... with a warning
+    with pytest.raises(ModelLoadError, match="dtype"):
+        resolve_dtype("float8", None, CPU)
+
+
+def test_isa_cap_only_lowers(monkeypatch):
+    monkeypatch.setenv(hardware.ISA_ENV, "avx2")
+    hardware.detect.cache_clear()
+    try:
+        hw = hardware.detect()
+        assert hw.cpu_isa in ("avx2", "default") and not hw.native_bf16 and not hw.onednn_bf16_packing
+        assert not packed_linear_supported(CPU, torch.bfloat16)
+        monkeypatch.setenv(hardware.ISA_ENV, "warp-drive")
+        hardware.detect.cache_clear()
+        with pytest.raises(InvalidInputError, match="VLSERVE_CPU_ISA"):
+            hardware.detect()
+    finally:
+        hardware.detect.cache_clear()
+
+
+@pytest.fixture(scope="module")
+def bf16_ckpt(tiny_ckpt, tmp_path_factory):
+    """The tiny checkpoint as a bf16 checkpoint (config dtype), like every released Qwen-VL."""
+    folder = tmp_path_factory.mktemp("bf16")
+    shutil.copytree(tiny_ckpt("qwen2_5_vl"), folder, dirs_exist_ok=True)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["dtype"] = "bfloat16"
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+PROMPT = {"prompt": f"<|im_start|>user\n{IMG}Describe.<|im_end|>\n<|im_start|>assistant\n",
+          "multi_modal_data": {"image": [noise_image(84, 56, 3)]}}
+PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def _linear_kinds(llm) -> set[type]:
+    return {type(m) for m in llm.engine.core.runner.model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))}
+
+
+def test_avx2_auto_runs_float32_and_explicit_bf16_runs_unpacked(avx2_process, bf16_ckpt):
+    auto = LLM(str(bf16_ckpt), num_kv_blocks=64)
+    assert auto.config.dtype == torch.float32
+    explicit = LLM(str(bf16_ckpt), dtype="bfloat16", num_kv_blocks=64)
+    assert explicit.config.dtype == torch.bfloat16
+    assert _linear_kinds(explicit) == {torch.nn.Linear}  # no oneDNN packing: it raises on real AVX2 CPUs
+    for llm in (auto, explicit):
+        out = llm.generate([PROMPT, "plain text"], PARAMS, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 6 for o in out)
+
+
+@pytest.mark.skipif(not hardware.detect().native_bf16, reason="needs a CPU with native bf16 (AVX-512-BF16 or AMX)")
+def test_native_bf16_auto_keeps_bf16_and_packs(bf16_ckpt):
+    llm = LLM(str(bf16_ckpt), num_kv_blocks=64)
+    assert llm.config.dtype == torch.bfloat16
+    assert PackedLinear in _linear_kinds(llm)
+
+
+def test_default_kv_cache_scales_with_the_model(tiny_ckpt):
+    """No size given: as large as the weights (at least MIN_DEFAULT_KV_BYTES), never more than max_num_seqs x
+    max_model_len need, never less than one full-length sequence; the flags still override."""
+    path = str(tiny_ckpt("qwen2_vl"))
+    cfg = resolve_config(EngineArgs(model=path, dtype="float32"))
+    per_block = kv_bytes_per_token(cfg.model, cfg.dtype) * cfg.block_size
+    need_blocks = cfg.max_num_seqs * cfg.max_model_len // cfg.block_size
+    assert cfg.num_kv_blocks == min(need_blocks, MIN_DEFAULT_KV_BYTES // per_block)  # a 0.3M-param model
+    assert cfg.num_kv_blocks * per_block <= 2**30  # the old default took 2 GiB for the same model
+    small = resolve_config(EngineArgs(model=path, dtype="float32", max_num_seqs=2, max_model_len=256))
+    assert small.num_kv_blocks == 2 * 256 // cfg.block_size  # all that two 256-token sequences can use
+    assert resolve_config(EngineArgs(model=path, num_kv_blocks=40)).num_kv_blocks == 40
+    gb = resolve_config(EngineArgs(model=path, dtype="float32", kv_cache_memory_gb=0.01))
+    assert gb.num_kv_blocks == int(0.01 * 2**30) // per_block
