@@ -148,6 +148,18 @@ def tensor_from(ref: TensorRef, frames: list) -> torch.Tensor:
 
 
 def tensor_from_bytes(frame, dtype: torch.dtype, shape) -> torch.Tensor:
+    """A tensor of `shape` from raw bytes, which must be exactly that many elements (a peer cannot make us
+    allocate more than it sent, or reinterpret a short frame)."""
+    shape = tuple(shape)
+    if any(not isinstance(d, int) or d < 0 for d in shape):
+        raise ValueError(f"bad tensor shape {shape}")
+    numel = 1
+    for d in shape:
+        numel *= d
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if numel * itemsize != memoryview(frame).nbytes:
+        raise ValueError(f"a tensor of shape {shape} ({dtype}) needs {numel * itemsize} bytes, the frame has "
+                         f"{memoryview(frame).nbytes}")
     data = bytearray(frame)  # one copy into writable memory that the tensor then owns
     return torch.frombuffer(data, dtype=dtype).reshape(shape) if data else torch.empty(shape, dtype=dtype)
 

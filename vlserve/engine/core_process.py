@@ -118,6 +118,9 @@ class EngineCoreLoop:
             except (VlserveError, ValueError) as e:
                 status = getattr(e, "http_status", 400)
                 self.rejected.append(RequestRejected(msg.request_id, str(e), status))
+            except Exception as e:  # noqa: BLE001 - a bug in our checks: that request fails, the engine goes on
+                logger.exception("request %r could not be admitted", msg.request_id[:128])
+                self.rejected.append(RequestRejected(msg.request_id, f"internal error: {type(e).__name__}", 500))
         elif isinstance(msg, FinishRequests):
             if msg.reason == "stop":
                 self.core.stop_requests(msg.request_ids)
