@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 
 import msgspec
-import pytest
 import torch
 
 from vlserve.core.config import EngineArgs

@@ -13,8 +13,8 @@ import torch
 class MultiModalItem:
     """One picture (or video) of a prompt, already preprocessed; its placeholder run is already expanded.
 
-    Exactly one source of its embeddings is set: `pixel_values` (the engine runs the vision encoder on them) or
-    `embeddings` (precomputed, or received from an encoder service).
+    Its embeddings come from one of: `pixel_values` (the engine runs the vision encoder on them), `embeddings`
+    (precomputed), or neither: then the prompt's `block_rows` hold them (received from an encoder service).
     """
 
     offset: int  # index of the first placeholder token in the prompt
@@ -32,7 +32,7 @@ class MultiModalItem:
 
     @property
     def needs_encoder(self) -> bool:
-        return self.embeddings is None
+        return self.pixel_values is not None
 
 
 @dataclass
@@ -42,6 +42,9 @@ class ProcessedPrompt:
     mrope_positions: torch.Tensor  # [3, len(prompt_token_ids)] int64
     mrope_delta: int
     text: str | None = None  # the prompt text, when there was one (returned to users as RequestOutput.prompt)
+    # Receive blocks (engine.transfer_buffers) holding this prompt's rows by token index, when an encoder
+    # service sent them: items without pixel values or embeddings read theirs from here, in place.
+    block_rows: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from vlserve.core.request import Request
+from vlserve.core.prompt import MultiModalItem
+
+Holder = tuple[str, int]  # (request or transfer id, item index): one use of an entry
 
 
 class EncoderCacheManager:
@@ -36,14 +38,13 @@ class EncoderCacheManager:
     def fits_ever(self, num_tokens: int) -> bool:
         return not self.enabled or num_tokens <= self.capacity
 
-    def lookup(self, req: Request, index: int) -> bool:
-        """Count a query; on a hit the request becomes a holder and no encoding is needed."""
-        mm_hash = req.mm_items[index].mm_hash
+    def lookup(self, holder: Holder, item: MultiModalItem) -> bool:
+        """Count a query; on a hit `holder` holds the entry and no encoding is needed."""
         self.queries += 1
-        if mm_hash not in self._size:
+        if item.mm_hash not in self._size:
             return False
         self.hits += 1
-        self._hold(mm_hash, (req.request_id, index))
+        self._hold(item.mm_hash, holder)
         return True
 
     def can_allocate(self, num_tokens: int, protect: set[str] = frozenset()) -> bool:
@@ -53,9 +54,8 @@ class EncoderCacheManager:
         evictable = sum(self._size[h] for h in self._freeable if h not in protect)
         return self.capacity - self.used + evictable >= num_tokens
 
-    def allocate(self, req: Request, index: int) -> list[str]:
+    def allocate(self, holder: Holder, item: MultiModalItem) -> list[str]:
         """Reserve room for an item about to be encoded; returns the hashes evicted to make room."""
-        item = req.mm_items[index]
         self.queries += 1  # a miss
         evicted = []
         while self.enabled and self.capacity - self.used < item.num_tokens:
@@ -65,16 +65,16 @@ class EncoderCacheManager:
         self._size[item.mm_hash] = item.num_tokens
         self.used += item.num_tokens
         self._holders[item.mm_hash] = set()
-        self._hold(item.mm_hash, (req.request_id, index))
+        self._hold(item.mm_hash, holder)
         return evicted
 
-    def release(self, req: Request, index: int) -> list[str]:
-        """Drop this request's claim; returns hashes the runner may forget now (only when caching is off)."""
-        mm_hash = req.mm_items[index].mm_hash
+    def release(self, holder: Holder, item: MultiModalItem) -> list[str]:
+        """Drop this holder's claim; returns hashes the runner may forget now (only when caching is off)."""
+        mm_hash = item.mm_hash
         holders = self._holders.get(mm_hash)
-        if holders is None or (req.request_id, index) not in holders:
+        if holders is None or holder not in holders:
             return []
-        holders.discard((req.request_id, index))
+        holders.discard(holder)
         if holders:
             return []
         if not self.enabled:
@@ -83,11 +83,11 @@ class EncoderCacheManager:
         self._freeable[mm_hash] = None
         return []
 
-    def release_all(self, req: Request) -> list[str]:
-        return [h for i in range(len(req.mm_items)) for h in self.release(req, i)]
+    def release_all(self, owner: str, items: list[MultiModalItem]) -> list[str]:
+        return [h for i, item in enumerate(items) for h in self.release((owner, i), item)]
 
-    def holds(self, req: Request, index: int) -> bool:
-        return (req.request_id, index) in self._holders.get(req.mm_items[index].mm_hash, ())
+    def holds(self, holder: Holder, item: MultiModalItem) -> bool:
+        return holder in self._holders.get(item.mm_hash, ())
 
     def _hold(self, mm_hash: str, holder: tuple[str, int]) -> None:
         self._holders[mm_hash].add(holder)

@@ -8,8 +8,6 @@ that sample → sampler.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from vlserve.core.messages import TokenLogprobs
@@ -17,13 +15,18 @@ from vlserve.core.request import Request
 from vlserve.engine.config import VlserveConfig
 from vlserve.engine.sampler import Sampler, SamplingMetadata
 from vlserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+from vlserve.engine.transfer_buffers import TransferBuffers
+from vlserve.engine.vision_runner import VisionRunner
 from vlserve.model.layers.attention import AttentionMetadata, build_prefill_span
 
 
 class ModelRunner:
-    def __init__(self, cfg: VlserveConfig, model: torch.nn.Module):
+    def __init__(self, cfg: VlserveConfig, model: torch.nn.Module, transfer: TransferBuffers | None = None):
+        """`transfer`: a disaggregated server's receive blocks, where items sent by encoders are read in place."""
         self.cfg = cfg
         self.model = model
+        self.transfer = transfer
+        self.vision = VisionRunner(model, cfg.device) if getattr(model, "visual", None) is not None else None
         self.device = cfg.device
         self.block_size = cfg.block_size
         t = cfg.model.text
@@ -33,38 +36,11 @@ class ModelRunner:
             torch.zeros(2, num_slots, t.num_kv_heads, t.head_dim, dtype=cfg.dtype, device=self.device)
             for _ in range(t.num_layers)
         ]
-        self.encoder_outputs: dict[str, torch.Tensor] = {}
-        self.encoder_seconds: list[float] = []  # one entry per ViT call; the engine core drains it into metrics
         self.sampler = Sampler()
 
     def take_encoder_seconds(self) -> list[float]:
-        """ViT call durations since the last call (histogram samples for the metrics)."""
-        seconds, self.encoder_seconds = self.encoder_seconds, []
-        return seconds
-
-    # ---- encoder -----------------------------------------------------------------------------------------
-    def free_encoder_outputs(self, keys: list[str]) -> None:
-        for key in keys:
-            self.encoder_outputs.pop(key, None)
-
-    def run_encoder(self, items: list[tuple[Request, int]]) -> None:
-        if not items:
-            return
-        mm = [req.mm_items[idx] for req, idx in items]
-        for it in mm:  # precomputed embeddings skip the ViT
-            if it.embeddings is not None:
-                self.encoder_outputs[it.mm_hash] = it.embeddings.to(self.device, self.cfg.dtype)
-        mm = [it for it in mm if it.embeddings is None]
-        if not mm:
-            return
-        t0 = time.perf_counter()
-        pixels = torch.cat([it.pixel_values for it in mm]).to(self.device, non_blocking=True)
-        embeds = self.model.encode_images(pixels, [it.grid_thw for it in mm])
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # so the latency below is the encoder's, not the launch's
-        self.encoder_seconds.append(time.perf_counter() - t0)
-        for it, emb in zip(mm, embeds):
-            self.encoder_outputs[it.mm_hash] = emb
+        """Vision-tower call durations since the last call (histogram samples for the metrics)."""
+        return self.vision.take_seconds() if self.vision is not None else []
 
     # ---- inputs --------------------------------------------------------------------------------------------
     def _slots(self, req: Request, start: int, end: int) -> torch.Tensor:
@@ -139,18 +115,28 @@ class ModelRunner:
         row = 0
         for c in ordered:
             for idx in c.req.items_overlapping(c.start, c.end):
-                item = c.req.mm_items[idx]
-                lo, hi = max(c.start, item.offset), min(c.end, item.end)
-                emb = self.encoder_outputs[item.mm_hash]
-                embeds[row + lo - c.start : row + hi - c.start] = emb[lo - item.offset : hi - item.offset]
+                lo, hi = max(c.start, c.req.mm_items[idx].offset), min(c.end, c.req.mm_items[idx].end)
+                embeds[row + lo - c.start : row + hi - c.start] = self._item_rows(c.req, idx, lo, hi)
             row += c.num_tokens
         return embeds
+
+    def _item_rows(self, req: Request, idx: int, lo: int, hi: int) -> torch.Tensor:
+        """Embedding rows of prompt tokens [lo, hi), all inside item `idx`, from wherever that item's are."""
+        item = req.mm_items[idx]
+        if item.pixel_values is not None:
+            return self.vision.outputs[item.mm_hash][lo - item.offset : hi - item.offset]
+        if item.embeddings is not None:
+            return item.embeddings[lo - item.offset : hi - item.offset].to(self.device, self.cfg.dtype)
+        # Sent by an encoder service: gathered from the receive blocks, where the transport wrote them.
+        hidden = self.cfg.model.text.hidden_size
+        return self.transfer.read_rows(req.prompt.block_rows, lo, hi - lo, hidden).to(self.device, self.cfg.dtype)
 
     # ---- step -----------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
-        self.free_encoder_outputs(sched.free_encoder_keys)
-        self.run_encoder(sched.encode)
+        if self.vision is not None:
+            self.vision.free(sched.free_encoder_keys)
+            self.vision.encode([req.mm_items[idx] for req, idx in sched.encode])
         if sched.empty:
             return {}, {}
         ordered, token_ids, positions, meta = self._prepare(sched.chunks)

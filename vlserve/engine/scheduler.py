@@ -53,6 +53,12 @@ class Scheduler:
                 f"({self.kv.pool.num_blocks * self.kv.block_size} tokens)"
                 + ("; max_tokens is unset, so it may grow to max_model_len: set max_tokens" if unbounded else ""))
         for item in req.mm_items:
+            if cfg.disable_chunked_mm_input and item.num_tokens > cfg.max_num_batched_tokens:
+                raise InvalidInputError(
+                    f"a multimodal item of {item.num_tokens} tokens cannot be scheduled whole with "
+                    f"max_num_batched_tokens={cfg.max_num_batched_tokens} and chunked mm input disabled")
+            if not item.needs_encoder:
+                continue  # its embeddings came with the request: no encoder budget or cache involved
             if not self.encoder_cache.fits_ever(item.num_tokens):
                 raise InvalidInputError(
                     f"a multimodal item needs {item.num_tokens} embedding tokens, more than the whole encoder cache "
@@ -61,10 +67,6 @@ class Scheduler:
                 raise InvalidInputError(
                     f"a multimodal item needs {item.num_tokens} embedding tokens, more than the per-step encoder "
                     f"budget (max_num_encoder_input_tokens={cfg.max_num_encoder_input_tokens}); send a smaller image")
-            if cfg.disable_chunked_mm_input and item.num_tokens > cfg.max_num_batched_tokens:
-                raise InvalidInputError(
-                    f"a multimodal item of {item.num_tokens} tokens cannot be scheduled whole with "
-                    f"max_num_batched_tokens={cfg.max_num_batched_tokens} and chunked mm input disabled")
 
     @property
     def has_unfinished(self) -> bool:
@@ -124,11 +126,12 @@ class Scheduler:
         end = start + min(req.num_tokens - start, token_budget)
         encode: list[int] = []
         new_hashes: set[str] = set()
-        available = {req.mm_items[i].mm_hash for i in req.items_overlapping(start, end) if req.mm_items[i].mm_hash in cache}
+        available = {req.mm_items[i].mm_hash for i in req.items_overlapping(start, end)
+                     if req.mm_items[i].needs_encoder and req.mm_items[i].mm_hash in cache}
         new_tokens = 0
         for idx in req.items_overlapping(start, end):
             item = req.mm_items[idx]
-            needs_encoding = item.mm_hash not in available and item.mm_hash not in new_hashes
+            needs_encoding = item.needs_encoder and item.mm_hash not in available and item.mm_hash not in new_hashes
             too_big = needs_encoding and (
                 item.num_tokens > encoder_budget or not cache.can_allocate(new_tokens + item.num_tokens, available))
             if too_big or (item.end > end and self.cfg.disable_chunked_mm_input):
@@ -143,20 +146,21 @@ class Scheduler:
 
     def _commit(self, req: Request, start: int, n: int, encode: list[int], out: SchedulerOutput) -> None:
         out.chunks.append(ScheduledChunk(req, start, n))
-        cache = self.encoder_cache
-        pending = [i for i in req.items_overlapping(start, start + n) if not cache.holds(req, i) and i not in encode]
+        cache, rid, items = self.encoder_cache, req.request_id, req.mm_items
+        pending = [i for i in req.items_overlapping(start, start + n)
+                   if items[i].needs_encoder and not cache.holds((rid, i), items[i]) and i not in encode]
         # Hold cached entries first so making room for new ones can never evict them.
-        for idx in [i for i in pending if req.mm_items[i].mm_hash in cache]:
-            cache.lookup(req, idx)
+        for idx in [i for i in pending if items[i].mm_hash in cache]:
+            cache.lookup((rid, idx), items[idx])
         for idx in encode:
-            out.free_encoder_keys.extend(cache.allocate(req, idx))
+            out.free_encoder_keys.extend(cache.allocate((rid, idx), items[idx]))
             out.encode.append((req, idx))
-        for idx in [i for i in pending if not cache.holds(req, i)]:  # same picture again in this request
-            cache.lookup(req, idx)
+        for idx in [i for i in pending if not cache.holds((rid, i), items[i])]:  # same picture again in this request
+            cache.lookup((rid, idx), items[idx])
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.kv.free(req)
-        out.free_encoder_keys.extend(self.encoder_cache.release_all(req))
+        out.free_encoder_keys.extend(self.encoder_cache.release_all(req.request_id, req.mm_items))
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
@@ -180,7 +184,8 @@ class Scheduler:
             self.kv.cache_full_blocks(req)
             for idx in req.items_overlapping(chunk.start, chunk.end):
                 if req.mm_items[idx].end <= chunk.end:
-                    self._freed_encoder_keys.extend(self.encoder_cache.release(req, idx))
+                    self._freed_encoder_keys.extend(self.encoder_cache.release((req.request_id, idx),
+                                                                               req.mm_items[idx]))
             if req.request_id not in sampled:
                 continue
             token = sampled[req.request_id]
@@ -215,7 +220,7 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = status
         self.kv.free(req)
-        self._freed_encoder_keys.extend(self.encoder_cache.release_all(req))
+        self._freed_encoder_keys.extend(self.encoder_cache.release_all(req.request_id, req.mm_items))
         del self.requests[req.request_id]
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:

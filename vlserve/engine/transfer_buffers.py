@@ -1,0 +1,171 @@
+"""Receive blocks of a disaggregated language server: what an encoder service delivers for one prompt, laid out
+by token index over a run of fixed-size blocks.
+
+Per token slot a block holds an embedding row (hidden size plus any extra feature columns, e.g. deepstack),
+the fill id (the prompt's token id) and the 3 M-RoPE positions; per block, a few aux integers (in a request's
+first block: total tokens, rope delta, items). Only media tokens carry embedding rows: text tokens' rows are
+never written or sent. A request may hold several runs of blocks (a resumed transfer adds one); token t of the
+request lives in run block `t // block_tokens`.
+
+The memory is a shared file, so the engine process reads the embedding rows in place: the transport writes
+them, the engine gathers them straight into its input batch. Only the front-end allocates (one `BlockPool`,
+the same allocator as the KV cache); the engine process attaches read-only in spirit.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import msgspec
+import torch
+
+from vlserve.engine.block_pool import BlockPool
+
+AUX_FIELDS = 4
+AUX_TOTAL_TOKENS, AUX_MROPE_DELTA, AUX_NUM_ITEMS = 0, 1, 2
+_ALIGN = 64
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class BufferLayout(msgspec.Struct, frozen=True):
+    """Everything another process needs to map the same buffers."""
+
+    path: str  # shared-memory file ("" when the buffers are private to one process)
+    num_blocks: int
+    block_tokens: int
+    width: int  # embedding columns per row
+    dtype: str
+
+    def sizes(self) -> dict[str, int]:
+        slots = self.num_blocks * self.block_tokens
+        itemsize = torch.empty((), dtype=DTYPES[self.dtype]).element_size()
+        return {"embeddings": slots * self.width * itemsize, "fill_ids": slots * 8, "positions": slots * 3 * 8,
+                "aux": self.num_blocks * AUX_FIELDS * 8}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(-(-n // _ALIGN) * _ALIGN for n in self.sizes().values())
+
+
+def _shm_dir() -> str | None:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+class TransferBuffers:
+    def __init__(self, layout: BufferLayout, owner: bool):
+        if layout.num_blocks <= 0 or layout.block_tokens <= 0 or layout.width <= 0 or layout.dtype not in DTYPES:
+            raise ValueError(f"invalid buffer layout {layout}")
+        self.layout = layout
+        if layout.path:
+            storage = torch.from_file(layout.path, shared=True, size=layout.nbytes, dtype=torch.uint8)
+        else:
+            storage = torch.zeros(layout.nbytes, dtype=torch.uint8)
+        views, offset = {}, 0
+        for name, size in layout.sizes().items():
+            views[name] = storage[offset : offset + size]
+            offset += -(-size // _ALIGN) * _ALIGN
+        self.embeddings = views["embeddings"].view(DTYPES[layout.dtype]).view(-1, layout.width)  # [slots, width]
+        self.fill_ids = views["fill_ids"].view(torch.int64)  # [slots]
+        self.positions = views["positions"].view(torch.int64).view(-1, 3)  # [slots, 3]
+        self.aux = views["aux"].view(torch.int64).view(-1, AUX_FIELDS)  # [blocks, AUX_FIELDS]
+        self.pool = BlockPool(layout.num_blocks) if owner else None
+
+    @classmethod
+    def create(cls, num_blocks: int, block_tokens: int, width: int, dtype: torch.dtype,
+               shared: bool = True) -> "TransferBuffers":
+        """New buffers owned (allocated) by this process; `shared`: in a file other processes can map."""
+        path = ""
+        if shared:
+            fd, path = tempfile.mkstemp(prefix="vlserve-transfer-", dir=_shm_dir())
+            os.close(fd)
+        dtype_name = str(dtype).removeprefix("torch.")
+        return cls(BufferLayout(path, num_blocks, block_tokens, width, dtype_name), owner=True)
+
+    @classmethod
+    def attach(cls, layout: BufferLayout) -> "TransferBuffers":
+        return cls(layout, owner=False)
+
+    def unlink(self) -> None:
+        """Removes the file name; every process that mapped it keeps its mapping (no leak if one crashes)."""
+        if self.layout.path:
+            try:
+                os.unlink(self.layout.path)
+            except FileNotFoundError:
+                pass
+
+    # ---- allocation (the owner) ----------------------------------------------------------------------------
+    @property
+    def block_tokens(self) -> int:
+        return self.layout.block_tokens
+
+    @property
+    def num_blocks(self) -> int:
+        return self.layout.num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return self.pool.num_free
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return max(1, -(-num_tokens // self.block_tokens))
+
+    def allocate(self, num_tokens: int) -> list[int] | None:
+        """Blocks for `num_tokens` tokens, or None while the pool is too full (ValueError: it never could be)."""
+        need = self.blocks_for(num_tokens)
+        if need > self.num_blocks:
+            raise ValueError(f"{num_tokens} tokens need {need} blocks; the pool has {self.num_blocks}")
+        if need > self.pool.num_free:
+            return None
+        return self.pool.allocate(need)
+
+    def free(self, block_ids: list[int]) -> None:
+        self.pool.free(block_ids)
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
+
+    # ---- addressing ------------------------------------------------------------------------------------------
+    def slots(self, block_ids: list[int], tokens: torch.Tensor) -> torch.Tensor:
+        """Flat slot of each token index (relative to the start of the run `block_ids`)."""
+        if not block_ids or any(not 0 <= b < self.num_blocks for b in block_ids):
+            raise ValueError(f"bad block ids for a pool of {self.num_blocks} blocks")
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= len(block_ids) * self.block_tokens):
+            raise ValueError(f"token indices run past the {len(block_ids) * self.block_tokens} slots of the run")
+        table = torch.tensor(block_ids, dtype=torch.int64)
+        return table[tokens // self.block_tokens] * self.block_tokens + tokens % self.block_tokens
+
+    # ---- writes (transports) ---------------------------------------------------------------------------------
+    def write_tokens(self, block_ids: list[int], start: int, fill_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        """Fill ids [n] and positions [n, 3] of run tokens start..start+n."""
+        n = fill_ids.shape[0]
+        if tuple(positions.shape) != (n, 3):
+            raise ValueError(f"positions must be [{n}, 3], got {tuple(positions.shape)}")
+        slots = self.slots(block_ids, torch.arange(start, start + n))
+        self.fill_ids.index_copy_(0, slots, fill_ids.to(torch.int64))
+        self.positions.index_copy_(0, slots, positions.to(torch.int64))
+
+    def write_rows(self, block_ids: list[int], tokens: torch.Tensor, rows: torch.Tensor) -> None:
+        """Embedding rows [m, width] at run token indices `tokens` [m]."""
+        if rows.dim() != 2 or rows.shape != (tokens.shape[0], self.layout.width):
+            raise ValueError(f"rows must be [{tokens.shape[0]}, {self.layout.width}], got {tuple(rows.shape)}")
+        self.embeddings.index_copy_(0, self.slots(block_ids, tokens), rows.to(self.embeddings.dtype))
+
+    def write_aux(self, block_ids: list[int], values: list[int]) -> None:
+        if len(values) > AUX_FIELDS:
+            raise ValueError(f"at most {AUX_FIELDS} aux values")
+        self.aux[block_ids[0], : len(values)] = torch.tensor(values, dtype=torch.int64)
+
+    # ---- reads -----------------------------------------------------------------------------------------------
+    def read_tokens(self, block_ids: list[int], start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of fill ids [n] and positions [n, 3]."""
+        slots = self.slots(block_ids, torch.arange(start, start + n))
+        return self.fill_ids.index_select(0, slots), self.positions.index_select(0, slots)
+
+    def read_rows(self, block_ids: list[int], start: int, n: int, columns: int | None = None) -> torch.Tensor:
+        """Embedding rows of run tokens start..start+n (the first `columns` columns), gathered in one copy."""
+        rows = self.embeddings.index_select(0, self.slots(block_ids, torch.arange(start, start + n)))
+        return rows if columns is None else rows[:, :columns]
+
+    def read_aux(self, block_ids: list[int]) -> list[int]:
+        return self.aux[block_ids[0]].tolist()

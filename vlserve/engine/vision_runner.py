@@ -1,0 +1,45 @@
+"""Runs the vision tower over media items, many at once, and keeps each output by mm_hash until told to drop it.
+
+Which items to encode and which outputs may go is decided elsewhere (the scheduler's, or an encode service's,
+`EncoderCacheManager`); this only computes and stores. Used by the engine's model runner and by the
+disaggregated encode service alike.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from vlserve.core.prompt import MultiModalItem
+
+
+class VisionRunner:
+    def __init__(self, model: torch.nn.Module, device: torch.device):
+        self.model = model
+        self.device = device
+        self.outputs: dict[str, torch.Tensor] = {}
+        self.seconds: list[float] = []  # one entry per vision-tower call (histogram samples for the metrics)
+
+    @torch.inference_mode()
+    def encode(self, items: list[MultiModalItem]) -> None:
+        """One batched vision-tower call over `items` (no attention across items); outputs land in `outputs`."""
+        items = [it for it in items if it.mm_hash not in self.outputs]
+        if not items:
+            return
+        t0 = time.perf_counter()
+        pixels = torch.cat([it.pixel_values for it in items]).to(self.device, non_blocking=True)
+        embeds = self.model.encode_images(pixels, [it.grid_thw for it in items])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # so the latency below is the encoder's, not the launch's
+        self.seconds.append(time.perf_counter() - t0)
+        for it, emb in zip(items, embeds):
+            self.outputs[it.mm_hash] = emb
+
+    def free(self, keys: list[str]) -> None:
+        for key in keys:
+            self.outputs.pop(key, None)
+
+    def take_seconds(self) -> list[float]:
+        seconds, self.seconds = self.seconds, []
+        return seconds
