@@ -46,6 +46,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     mrope_delta: int
     params: SamplingParams
     arrival_time: float
+    block_rows: list[int] | None = None  # receive blocks holding the prompt's media rows (disaggregated)
 
 
 class FinishRequests(msgspec.Struct, tag="finish"):
@@ -174,7 +175,7 @@ def prompt_to_wire(request_id: str, prompt: ProcessedPrompt, params: SamplingPar
     items = [WireMMItem(it.offset, it.num_tokens, tuple(it.grid_thw), it.mm_hash, ref(it.pixel_values),
                         ref(it.embeddings)) for it in prompt.mm_items]
     msg = AddRequest(request_id, prompt.prompt_token_ids, items, tensor_ref(prompt.mrope_positions, tensors),
-                     prompt.mrope_delta, params, arrival_time)
+                     prompt.mrope_delta, params, arrival_time, prompt.block_rows)
     return msg, tensors
 
 
@@ -184,7 +185,8 @@ def prompt_from_wire(msg: AddRequest, frames: list) -> ProcessedPrompt:
 
     items = [MultiModalItem(it.offset, it.num_tokens, tensor(it.pixel_values), tuple(it.grid_thw), it.mm_hash,
                             tensor(it.embeddings)) for it in msg.mm_items]
-    return ProcessedPrompt(msg.prompt_token_ids, items, tensor_from(msg.mrope_positions, frames), msg.mrope_delta)
+    return ProcessedPrompt(msg.prompt_token_ids, items, tensor_from(msg.mrope_positions, frames), msg.mrope_delta,
+                           block_rows=msg.block_rows)
 
 
 class _AnyRequestId(msgspec.Struct):

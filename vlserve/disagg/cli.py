@@ -14,7 +14,7 @@ logger = logging.getLogger("vlserve.disagg")
 
 
 def run_encode(ns: argparse.Namespace) -> int:
-    from vlserve.disagg.encode_server import run_encoder
+    from vlserve.disagg.encode_service import run_encoder
 
     opts = options_from(ns, ENCODE)
     # Precomputed embeddings reach an encoder only from a language server whose own --enable-mm-embeds let them in.

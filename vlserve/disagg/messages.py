@@ -1,4 +1,5 @@
-"""Typed messages between language servers and encoders (msgspec msgpack; tensors travel as raw frames).
+"""Typed messages between language servers and encoders, framed like the engine's (core.wire): a msgpack header,
+then raw tensor frames it refers to. Nothing is pickled.
 
 Language -> encoder (DEALER -> ROUTER): EncodeRequest, ResumeRequest, AbortTransfer, Ping.
 Encoder -> language (the same connection back): TransferChunk (+ tensor frames), TransferFailed, Pong.
@@ -11,28 +12,31 @@ from typing import Any
 
 import msgspec
 
+from vlserve.core.wire import TensorRef
+
 
 class TransferState(str, enum.Enum):
     BOOTSTRAPPING = "bootstrapping"  # picking an encoder, allocating receive blocks
     WAITING_FOR_INPUT = "waiting_for_input"  # request sent; the encoder fetches, preprocesses and encodes
     TRANSFERRING = "transferring"  # chunks arriving
     SUCCESS = "success"
-    FAILED = "failed"
+    FAILED = "failed"  # the encoder or the transfer failed (retried elsewhere, or a 503)
+    REJECTED = "rejected"  # the request itself was bad (a 4xx for the user); nothing failed
 
 
 class EncodeRequest(msgspec.Struct, tag="encode"):
     request_id: str
     transfer_id: int  # distinguishes a retry of the same request
     prompt: str  # rendered prompt text with one placeholder per media item
-    media: dict[str, list[Any]]  # kind -> URLs / data URLs (fetched by the encoder) or embedding entries
+    media: dict[str, list[Any]]  # kind -> URLs (fetched by the encoder) or embedding entries
     uuids: dict[str, list[Any]]
     mm_processor_kwargs: dict[str, Any]
-    block_ids: list[int]  # receiver blocks for the first chunk
+    block_ids: list[int]  # the receiver's blocks for tokens 0, 1, ... (the first run)
     block_tokens: int
 
 
 class ResumeRequest(msgspec.Struct, tag="resume"):
-    """The receiver kept `start_token` tokens and has fresh blocks for the rest."""
+    """The receiver holds tokens [0, start_token) and has a fresh run of blocks for the rest."""
 
     request_id: str
     transfer_id: int
@@ -59,36 +63,48 @@ class ItemMeta(msgspec.Struct, array_like=True):
     mm_hash: str
 
 
-class TransferChunk(msgspec.Struct, tag="chunk"):
-    """Tokens [start_token, start_token + num_tokens) of the encoder output, written into `block_ids`.
+class RowSegment(msgspec.Struct, array_like=True):
+    """`num_rows` embedding rows for prompt tokens token..token+num_rows (all inside one media item)."""
 
-    Frames after the header: embeddings [n, hidden], fill ids [n], M-RoPE positions [3, n] (raw bytes,
-    dtypes below). `partial` means more tokens follow once the receiver asks to resume.
-    """
+    token: int
+    num_rows: int
+
+
+class TransferChunk(msgspec.Struct, tag="chunk"):
+    """Prompt tokens [start_token, start_token + num_tokens), written into the receiver's run `block_ids` (whose
+    first slot is token start_token). Text tokens carry a fill id and positions only; media tokens also an
+    embedding row (`segments` say which, in the order of the rows frame). `partial`: more follows once the
+    receiver offers blocks for it (resume)."""
 
     request_id: str
     transfer_id: int
     start_token: int
     num_tokens: int
-    total_tokens: int  # aux: the true prompt length after expansion
+    total_tokens: int  # aux: the true prompt length after placeholder expansion
     mrope_delta: int  # aux
     items: list[ItemMeta]
     block_ids: list[int]
+    segments: list[RowSegment]
     partial: bool
-    embed_dtype: str
-    hidden: int
+    fill_ids: TensorRef | None = None  # [num_tokens] int64; None when the transport wrote it into the blocks
+    positions: TensorRef | None = None  # [num_tokens, 3] int64
+    rows: TensorRef | None = None  # [sum of segment rows, width]
 
 
 class TransferFailed(msgspec.Struct, tag="failed"):
     request_id: str
     transfer_id: int
     message: str
-    status: int = 503  # 400 when the request itself is bad (not an image, too many items, ...)
+    status: int = 503  # 4xx when the request itself is bad (not an image, too many items, too large, ...)
 
 
 class Pong(msgspec.Struct, tag="pong"):
+    """Liveness, load, and what the encoder produces, so a language server never pairs with a mismatched one."""
+
     nonce: int
     load: int
+    width: int  # embedding columns per media token (hidden size, plus extra feature columns)
+    architecture: str
 
 
 EncoderToLanguage = TransferChunk | TransferFailed | Pong

@@ -1,18 +1,18 @@
-"""Transfer metrics shared by both roles: transfers by state, bytes, resumes, and the embedding-buffer gauges
-that show anyone watching /metrics that no block leaked."""
+"""Transfer metrics shared by both roles: transfers by state, bytes, resumes, and (where there are receive
+blocks) the buffer gauges that show anyone watching /metrics that no block leaked."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
-from vlserve.disagg.buffers import EmbeddingBuffers
 from vlserve.disagg.messages import TransferState
+from vlserve.engine.transfer_buffers import TransferBuffers
 from vlserve.frontend.metrics import LATENCY_BUCKETS, PREFIX
 
 
 class _BufferGauges:
-    def __init__(self, buffers: EmbeddingBuffers, labels: dict[str, str]):
+    def __init__(self, buffers: TransferBuffers, labels: dict[str, str]):
         self.buffers, self.labels = buffers, labels
 
     def collect(self):
@@ -25,9 +25,10 @@ class _BufferGauges:
 
 
 class TransferMetrics:
-    def __init__(self, registry: CollectorRegistry, buffers: EmbeddingBuffers, role: str):
+    def __init__(self, registry: CollectorRegistry, buffers: TransferBuffers | None, role: str):
         self.labels = {"role": role}
-        registry.register(_BufferGauges(buffers, self.labels))
+        if buffers is not None:
+            registry.register(_BufferGauges(buffers, self.labels))
         self._transfers = Counter(PREFIX + "embedding_transfers", "Embedding transfers entering each state.",
                                   ["role", "state"], registry=registry)
         for state in TransferState:  # every state shows up at 0 from the start

@@ -1,11 +1,19 @@
-"""The language server's prompt encoder: prompts with media go to an encoder service, which fetches, preprocesses,
-tokenizes, runs the vision encoder and sends the embeddings back; prompts without media stay local."""
+"""The language server's prompt encoder: prompts with media go to an encoder service, whose output lands in this
+server's receive blocks, where the engine reads it in place; prompts without media stay local.
+
+What this server's options forbid is refused here with the aggregated server's status (too many items,
+embeddings input off), before any encoder is asked; everything else is the encoder's to check under its own
+media policy, and its verdict comes back with the same status.
+"""
 
 from __future__ import annotations
 
 from vlserve.core.config import DisaggArgs
 from vlserve.core.errors import InvalidInputError
-from vlserve.disagg.language_client import DisaggClient, make_language_client
+from vlserve.disagg.bootstrap import InstanceInfo, new_instance_id
+from vlserve.disagg.encoder_client import EncoderClient
+from vlserve.disagg.metrics import TransferMetrics
+from vlserve.engine.transfer_buffers import TransferBuffers
 from vlserve.frontend.prompt_encoder import EncodedPrompt, LocalPromptEncoder
 
 
@@ -14,35 +22,68 @@ def _has_urls(media: dict) -> bool:
 
 
 class RemotePromptEncoder:
-    def __init__(self, engine, client: DisaggClient):
+    def __init__(self, engine, opts: DisaggArgs, http_address: str):
         self.cfg = engine.cfg
         self.local = LocalPromptEncoder(engine.input_processor, {}, engine.executor)  # text and embeddings
-        self.client = client
+        self.transfer_buffers = TransferBuffers.create(opts.embedding_buffer_blocks, opts.embedding_block_tokens,
+                                                       self.cfg.model.text.hidden_size, self.cfg.dtype)
+        metrics = TransferMetrics(engine.metrics.registry, self.transfer_buffers, "language")
+        info = InstanceInfo(new_instance_id(), "language", http_address, http_address)
+        self.client = EncoderClient(self.cfg, self.transfer_buffers, metrics, opts, info)
+        engine.metrics.registry.register(_EncoderGauge(self.client))
+        self.started = False
 
     async def start(self) -> None:
+        # The engine process has mapped the buffers by now: the name can go (no file outlives a crash).
+        self.transfer_buffers.unlink()
         await self.client.start()
+        self.started = True
 
     async def stop(self) -> None:
-        await self.client.stop()
+        """Also right after a failed start-up (the engine never came up): then only the file goes."""
+        self.transfer_buffers.unlink()
+        if self.started:
+            await self.client.stop()
 
     async def encode(self, prompt: dict, mm_processor_kwargs: dict | None, request_id: str) -> EncodedPrompt:
         media = prompt.get("multi_modal_data") or {}
         if not _has_urls(media):
             return await self.local.encode(prompt, mm_processor_kwargs, request_id)
-        # What this server's options forbid is refused here, the same way the aggregated server refuses it.
         for kind, items in media.items():
             limit = self.cfg.limit_mm_per_prompt.get(kind, 0)
             if len(items) > limit:
                 raise InvalidInputError(f"{len(items)} {kind}s in one prompt; at most {limit} allowed "
-                                        "(limit_mm_per_prompt)")
+                                        f"(--limit-mm-per-prompt {kind}={limit})")
             if not self.cfg.enable_mm_embeds and any(isinstance(src, dict) for src in items):
                 raise InvalidInputError("image embeddings input is disabled; start with --enable-mm-embeds")
-        processed = await self.client.encode(request_id or "prep", prompt["prompt"], media,
+        if "prompt" not in prompt:
+            raise InvalidInputError("a prompt with media needs its text (token ids cannot carry placeholders here)")
+        processed = await self.client.encode(request_id or "prompt", prompt["prompt"], media,
                                              prompt.get("multi_modal_uuids") or {}, mm_processor_kwargs or {})
-        return EncodedPrompt(processed)
+        blocks = processed.block_rows
+        released = []
+
+        def release() -> None:  # once: the engine is done with the rows (or never got them)
+            if not released:
+                released.append(True)
+                self.client.free(blocks)
+
+        return EncodedPrompt(processed, release)
 
 
 def remote_prompt_encoder(opts: DisaggArgs, http_address: str):
     def build(engine) -> RemotePromptEncoder:
-        return RemotePromptEncoder(engine, make_language_client(engine, opts, http_address))
+        return RemotePromptEncoder(engine, opts, http_address)
     return build
+
+
+class _EncoderGauge:
+    def __init__(self, client: EncoderClient):
+        self.client = client
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        g = GaugeMetricFamily("vlserve:encoders_available", "Encoders this language server can send work to.")
+        g.add_metric([], float(self.client.num_available))
+        yield g

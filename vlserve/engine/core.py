@@ -20,6 +20,7 @@ from vlserve.engine.config import VlserveConfig
 from vlserve.engine.model_runner import ModelRunner
 from vlserve.engine.prompt_check import check_prompt
 from vlserve.engine.scheduler import Scheduler
+from vlserve.engine.transfer_buffers import TransferBuffers
 from vlserve.model.layers.packed_linear import packed_linear_supported
 from vlserve.model.loader import load_model
 
@@ -27,16 +28,18 @@ logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, cfg: VlserveConfig, model: torch.nn.Module | None = None, report_released: bool = False):
+    def __init__(self, cfg: VlserveConfig, model: torch.nn.Module | None = None, report_released: bool = False,
+                 transfer: TransferBuffers | None = None):
         """`report_released`: collect the requests whose samples have all left (a front-end in another process
-        frees their prompts' buffers then)."""
+        frees their prompts' buffers then). `transfer`: receive blocks an encoder service writes into."""
         self.cfg = cfg
         self.report_released = report_released
+        self.transfer = transfer
         t0 = time.perf_counter()
         model = model or load_model(cfg.model_path, cfg.model, cfg.dtype, cfg.device, with_vision=cfg.load_vision)
         if packed_linear_supported(cfg.device, cfg.dtype) and hasattr(model, "pack_for_cpu"):
             logger.info("packed %d linears into oneDNN's layout", model.pack_for_cpu())
-        self.runner = ModelRunner(cfg, model)
+        self.runner = ModelRunner(cfg, model, transfer)
         self.scheduler = Scheduler(cfg)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -50,7 +53,8 @@ class EngineCore:
     def add_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
                     arrival_time: float | None = None) -> list[str]:
         """Admits the n samples of one request together, or none of them; returns their engine request ids."""
-        check_prompt(prompt, self.cfg)
+        capacity = None if self.transfer is None else (self.transfer.num_blocks, self.transfer.block_tokens)
+        check_prompt(prompt, self.cfg, capacity)
         children = [Request(cid, prompt, p, self.cfg.model.eos_token_ids, arrival_time)
                     for cid, p in fan_out(params, request_id)]
         if any(c.request_id in self.scheduler.requests for c in children):

@@ -20,6 +20,7 @@ import time
 import uuid
 from collections.abc import Callable
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -36,6 +37,7 @@ from vlserve.core.wire import (
     Shutdown,
 )
 from vlserve.engine.core_process import encode_args, run_engine_core
+from vlserve.engine.transfer_buffers import BufferLayout
 
 logger = logging.getLogger("vlserve.engine")
 HEARTBEAT_INTERVAL_S = 1.0
@@ -47,8 +49,10 @@ class EngineCoreClient:
     def __init__(self, args: EngineArgs, log_level: str = "INFO", heartbeat_timeout: float = 10.0,
                  on_outputs: Callable[[EngineOutputs], None] | None = None,
                  on_failure: Callable[[str], None] | None = None,
-                 on_recovery: Callable[[], None] | None = None):
+                 on_recovery: Callable[[], None] | None = None, transfer_layout: BufferLayout | None = None):
+        """`transfer_layout`: receive buffers the engine process maps (a disaggregated language server's)."""
         self.args, self.log_level = args, log_level
+        self.transfer_layout = transfer_layout
         self.heartbeat_timeout = heartbeat_timeout
         self.stuck_after = max(STUCK_STEP_MIN_S, 30 * heartbeat_timeout)
         self.on_outputs = on_outputs or (lambda msg: None)
@@ -85,7 +89,9 @@ class EngineCoreClient:
         self.hb_sock = self._async_ctx.socket(zmq.PAIR)
         self.hb_sock.bind(addresses["heartbeat"])
         self.proc = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, args=(encode_args(self.args), addresses, self.log_level),
+            target=run_engine_core,
+            args=(encode_args(self.args), addresses, self.log_level,
+                  None if self.transfer_layout is None else msgspec.msgpack.encode(self.transfer_layout)),
             name="vlserve-engine-core", daemon=True)
         self.proc.start()
         try:

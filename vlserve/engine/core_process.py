@@ -40,6 +40,7 @@ from vlserve.core.wire import (
 )
 from vlserve.engine.config import resolve_config
 from vlserve.engine.core import EngineCore
+from vlserve.engine.transfer_buffers import BufferLayout, TransferBuffers
 from vlserve.model.hardware import log_once
 
 logger = logging.getLogger("vlserve.engine")
@@ -165,8 +166,11 @@ def _die_with_parent() -> None:
         pass
 
 
-def run_engine_core(args_json: bytes, addresses: dict[str, str], log_level: str = "INFO") -> None:
-    """Entry point of the spawned process. Exits non-zero when the engine cannot start."""
+def run_engine_core(args_json: bytes, addresses: dict[str, str], log_level: str = "INFO",
+                    transfer_layout: bytes | None = None) -> None:
+    """Entry point of the spawned process. Exits non-zero when the engine cannot start.
+
+    `transfer_layout`: receive buffers (msgspec-encoded `BufferLayout`) to map, on a disaggregated server."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the front-end, which shuts us down in order
     _die_with_parent()
@@ -183,7 +187,10 @@ def run_engine_core(args_json: bytes, addresses: dict[str, str], log_level: str 
     try:
         try:
             log_once()
-            core = EngineCore(resolve_config(decode_args(args_json)), report_released=True)
+            transfer = None
+            if transfer_layout is not None:
+                transfer = TransferBuffers.attach(msgspec.msgpack.decode(transfer_layout, type=BufferLayout))
+            core = EngineCore(resolve_config(decode_args(args_json)), report_released=True, transfer=transfer)
         except Exception as e:  # noqa: BLE001 - any start-up failure must reach the front-end as a message
             if not isinstance(e, VlserveError):  # ours have clear messages; anything else needs its traceback
                 logger.exception("engine core failed to start")

@@ -10,7 +10,8 @@ from vlserve.core.prompt import ProcessedPrompt
 from vlserve.engine.config import VlserveConfig
 
 
-def check_prompt(prompt: ProcessedPrompt, cfg: VlserveConfig) -> None:
+def check_prompt(prompt: ProcessedPrompt, cfg: VlserveConfig, block_capacity: tuple[int, int] | None = None) -> None:
+    """`block_capacity`: (blocks, tokens per block) of the receive buffers this engine reads, if any."""
     ids, vocab = prompt.prompt_token_ids, cfg.model.text.vocab_size
     if not ids:
         raise InvalidInputError("the prompt is empty")
@@ -22,6 +23,12 @@ def check_prompt(prompt: ProcessedPrompt, cfg: VlserveConfig) -> None:
                                 f"{tuple(prompt.mrope_positions.shape)}; expected int64 of shape (3, {length})")
     if length and int(prompt.mrope_positions.min()) < 0:
         raise InvalidInputError("M-RoPE positions must not be negative")
+    if prompt.block_rows is not None:
+        if block_capacity is None:
+            raise InvalidInputError("this engine has no receive buffers; the prompt's rows cannot be read")
+        num_blocks, block_tokens = block_capacity
+        if len(prompt.block_rows) * block_tokens < length or any(not 0 <= b < num_blocks for b in prompt.block_rows):
+            raise InvalidInputError("the prompt's receive blocks do not hold all its tokens")
     merge = cfg.model.vision.spatial_merge_size
     hidden = cfg.model.text.hidden_size
     patch_dim = cfg.model.vision.patch_dim
@@ -36,14 +43,17 @@ def check_prompt(prompt: ProcessedPrompt, cfg: VlserveConfig) -> None:
         if item.offset < previous_end or item.end > length:
             raise InvalidInputError("media items overlap or run past the end of the prompt")
         previous_end = item.end
-        if (item.pixel_values is None) == (item.embeddings is None):
-            raise InvalidInputError("a media item needs either pixel values or embeddings")
+        if item.pixel_values is not None and item.embeddings is not None:
+            raise InvalidInputError("a media item has both pixel values and embeddings")
+        if item.pixel_values is None and item.embeddings is None and prompt.block_rows is None:
+            raise InvalidInputError("a media item needs pixel values, embeddings or rows in receive blocks")
         if item.pixel_values is not None:
             if not cfg.load_vision:
                 raise InvalidInputError("this engine has no vision encoder; media must arrive as embeddings")
             if tuple(item.pixel_values.shape) != (t * h * w, patch_dim):
                 raise InvalidInputError(f"pixel values of shape {tuple(item.pixel_values.shape)} do not match grid "
                                         f"{item.grid_thw}")
-        elif not item.embeddings.is_floating_point() or tuple(item.embeddings.shape) != (item.num_tokens, hidden):
+        elif item.embeddings is not None and (not item.embeddings.is_floating_point()
+                                              or tuple(item.embeddings.shape) != (item.num_tokens, hidden)):
             raise InvalidInputError(f"embeddings are {item.embeddings.dtype} of shape {tuple(item.embeddings.shape)}; "
                                     f"expected floats of shape ({item.num_tokens}, {hidden})")

@@ -126,13 +126,19 @@ class AsyncLLM:
         self.executor = ThreadPoolExecutor(max_workers=media_threads, thread_name_prefix="vlserve-media")
         self.streams: dict[str, RequestStream] = {}
         self.releases: dict[str, Callable[[], None]] = {}  # request id -> frees its prompt once the engine is done
-        self.core = EngineCoreClient(args, log_level, heartbeat_timeout, on_outputs=self._handle,
-                                     on_failure=self._fail_all)
         self.prompt_encoder: PromptEncoder = (prompt_encoder or default_prompt_encoder)(self)
+        buffers = self.prompt_encoder.transfer_buffers  # where a remote encoder's rows land, if anywhere
+        self.core = EngineCoreClient(args, log_level, heartbeat_timeout, on_outputs=self._handle,
+                                     on_failure=self._fail_all,
+                                     transfer_layout=None if buffers is None else buffers.layout)
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     async def start(self) -> None:
-        ready = await self.core.start()
+        try:
+            ready = await self.core.start()
+        except BaseException:
+            await self.prompt_encoder.stop()
+            raise
         logger.info("engine core ready (pid %d): %d KV blocks, max_model_len %d", self.core.proc.pid,
                     ready.num_kv_blocks, ready.max_model_len)
         try:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from vlserve.core.prompt import ProcessedPrompt
+from vlserve.engine.transfer_buffers import TransferBuffers
 from vlserve.frontend.input_processor import InputProcessor
 from vlserve.frontend.media.fetch import MediaFetcher
 
@@ -30,6 +31,9 @@ class EncodedPrompt:
 
 
 class PromptEncoder(Protocol):
+    # Receive blocks the engine process must map to read this encoder's output in place (None: none needed).
+    transfer_buffers: TransferBuffers | None
+
     async def encode(self, prompt: dict, mm_processor_kwargs: dict | None, request_id: str) -> EncodedPrompt:
         """`prompt`: {"prompt": text | "prompt_token_ids": ids, "multi_modal_data": {kind: [url, ...]},
         "multi_modal_uuids": {...}}; media sources are URLs (http(s), data:, file://) or embedding entries."""
@@ -40,6 +44,8 @@ class PromptEncoder(Protocol):
 
 
 class LocalPromptEncoder:
+    transfer_buffers = None
+
     def __init__(self, input_processor: InputProcessor, fetchers: dict[str, MediaFetcher], executor: Executor):
         self.input_processor = input_processor
         self.fetchers = fetchers  # media kind -> fetcher (each kind has its own size limit)

@@ -1,0 +1,221 @@
+"""`vlserve serve --disagg` enforces every limit of the aggregated server with the same statuses, passes every
+role its flags, survives an encoder crash (restarted with backoff; text keeps flowing meanwhile), and a language
+server distrusts what encoders send: nonsense from an authenticated encoder becomes a retry elsewhere."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+import zmq
+import zmq.asyncio
+
+from tests.server_utils import free_port, scrape, wait_healthy
+from tests.test_disagg import SECRET, Cluster, ask, expected_text, picture_chat, wait_language_blocks_free
+from tests.test_server_api import _b64_safetensors, _big_noise_png, _bomb_png, image_part, user
+from vlserve import LLM
+
+MAX_MEDIA_BYTES = 300_000
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_ckpt):
+    return LLM(str(tiny_ckpt("qwen2_vl")), dtype="float32", max_model_len=2048, limit_mm_per_prompt={"image": 3})
+
+
+@pytest.fixture(scope="module")
+def deployment(tiny_ckpt):
+    port = free_port()
+    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"serve-disagg-{port}.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "vlserve", "serve", "--disagg", "--num-encoders", "2", "--model",
+                             str(tiny_ckpt("qwen2_vl")), "--dtype", "float32", "--max-model-len", "2048", "--port",
+                             str(port), "--limit-mm-per-prompt", "image=3", "--heartbeat-interval", "0.3",
+                             "--max-image-pixels", "1000000", "--max-media-bytes", str(MAX_MEDIA_BYTES),
+                             "--transfer-timeout", "33"], stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, url + "/health", 180, "serve --disagg", lambda: Path(log.name).read_text()[-3000:])
+        deadline = time.monotonic() + 30
+        while scrape(url + "/metrics")["vlserve:encoders_available"] < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+        client.served_model = str(tiny_ckpt("qwen2_vl"))
+        yield proc, url, client, log
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def _children(pid: int) -> dict[int, str]:
+    out = {}
+    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+        try:
+            out[int(child)] = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except FileNotFoundError:
+            pass
+    return out
+
+
+# The aggregated server's statuses for these (tests/test_server_api.py): disaggregated must answer the same.
+LIMITS = {
+    "embeddings without --enable-mm-embeds": (user({"type": "image_embeds", "image_grid_thw": [1, 4, 4],
+                                                    "image_embeds": _b64_safetensors(torch.zeros(4, 64))}, "hi"), 400),
+    "decompression bomb over --max-image-pixels": (user(image_part(_bomb_png())), 413),
+    "data URL over --max-media-bytes": (user(image_part(_big_noise_png())), 413),
+    "too many images": (picture_chat(1, 2, 3, 4), 400),
+    "not an image": (user(image_part("data:image/png;base64,aGVsbG8="), "hi"), 400),
+    "loopback URL (SSRF policy on the encoders)": (user(image_part("http://127.0.0.1:9/x.png"), "hi"), 400),
+    "upscaling past --max-image-pixels": (user(image_part(picture_chat(1)[0]["content"][0]["image_url"]["url"]),
+                                               "hi"), 400),
+}
+
+
+def test_disaggregated_server_enforces_the_aggregated_limits(deployment, offline):
+    _, url, client, _ = deployment
+    assert ask(client, picture_chat(1)) == expected_text(offline, picture_chat(1))
+    before = scrape(url + "/metrics")
+    for name, (messages, status) in LIMITS.items():
+        extra = {"mm_processor_kwargs": {"max_pixels": 2_000_000}} if name.startswith("upscaling") else {}
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 2, **extra}, timeout=60)
+        assert r.status_code == status, (name, r.text)
+        assert ask(client, picture_chat(5)) == expected_text(offline, picture_chat(5))  # still serving
+    after = scrape(url + "/metrics")
+    failed = 'vlserve:embedding_transfers_total{role="language",state="failed"}'
+    rejected = 'vlserve:embedding_transfers_total{role="language",state="rejected"}'
+    assert after[failed] == before[failed], "a user's mistake was counted as a failed transfer"
+    assert after[rejected] > before[rejected]
+    wait_language_blocks_free(lambda: scrape(url + "/metrics"))
+
+
+def test_every_role_gets_the_flags_it_honours(deployment):
+    proc, *_ = deployment
+    cmdlines = _children(proc.pid).values()
+    encoders = [c for c in cmdlines if " encode " in c]
+    language = next(c for c in cmdlines if " language " in c)
+    assert len(encoders) == 2
+    for enc in encoders:
+        assert "--transfer-timeout 33" in enc and "--max-image-pixels 1000000" in enc
+        assert f"--max-media-bytes {MAX_MEDIA_BYTES}" in enc and "--max-model-len" not in enc
+    assert "--transfer-timeout 33" in language and "--max-model-len 2048" in language
+    assert "--max-image-pixels" not in language and SECRET not in language
+
+
+def test_encoder_crash_is_restarted_and_text_keeps_flowing(deployment, offline):
+    proc, url, client, log = deployment
+    encoders = [pid for pid, cmd in _children(proc.pid).items() if " encode " in cmd]
+    t0 = time.monotonic()
+    os.kill(encoders[0], signal.SIGKILL)
+    # Meanwhile: text needs no encoder, pictures go to the other one.
+    assert ask(client, [{"role": "user", "content": "text only"}]) == expected_text(
+        offline, [{"role": "user", "content": "text only"}])
+    assert ask(client, picture_chat(9)) == expected_text(offline, picture_chat(9))
+    deadline = time.monotonic() + 90
+    while True:  # the restarted encoder registers anew and the language server pairs with it: a third pairing
+        log.seek(0)
+        text = log.read()
+        if text.count(" paired (") >= 3 and scrape(url + "/metrics")["vlserve:encoders_available"] == 2:
+            break
+        assert time.monotonic() < deadline, "the crashed encoder was not restarted"
+        time.sleep(0.1)
+    recovery = time.monotonic() - t0
+    print(f"\nencoder crash -> restarted and paired again in {recovery:.1f}s")
+    assert "restarting encoder-" in text
+    assert ask(client, picture_chat(10)) == expected_text(offline, picture_chat(10))
+
+
+# ---- an authenticated encoder that answers nonsense ------------------------------------------------------------
+class NonsenseEncoder:
+    """Holds the secret, pairs correctly, then answers every request with a chunk that must not be trusted."""
+
+    KINDS = ("token ids beyond the vocabulary", "rows for text tokens", "a short rows frame", "a longer prompt")
+
+    def __init__(self, bootstrap: str, width: int, architecture: str):
+        self.bootstrap, self.width, self.architecture = bootstrap, width, architecture
+        self.served = 0
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self.loop.run_until_complete, args=(self._main(),), daemon=True)
+        self.thread.start()
+        assert self.ready.wait(30)
+
+    async def _main(self) -> None:
+        from vlserve.core.wire import Framer, tensor_ref
+        from vlserve.disagg.auth import PeerAuth
+        from vlserve.disagg.bootstrap import BootstrapClient, InstanceInfo, new_instance_id
+        from vlserve.disagg.messages import (
+            EncodeRequest,
+            EncoderToLanguage,
+            ItemMeta,
+            LanguageToEncoder,
+            Ping,
+            Pong,
+            RowSegment,
+            TransferChunk,
+        )
+
+        auth = PeerAuth(SECRET)
+        self.ctx = zmq.asyncio.Context()
+        sock = self.ctx.socket(zmq.ROUTER)
+        auth.secure_server(sock)
+        port = sock.bind_to_random_port("tcp://127.0.0.1")
+        boot = BootstrapClient(self.bootstrap, InstanceInfo(new_instance_id(), "encode", f"127.0.0.1:{port}"),
+                               0.3, auth=auth)
+        await boot.start()
+        self.ready.set()
+        inbox, outbox = Framer(LanguageToEncoder), Framer(EncoderToLanguage)
+        while True:
+            peer, *frames = await sock.recv_multipart()
+            msg = inbox.decode(frames)
+            if isinstance(msg, Ping):
+                await sock.send_multipart([peer, *outbox.encode(Pong(msg.nonce, 0, self.width, self.architecture))])
+            elif isinstance(msg, EncodeRequest):
+                kind = self.KINDS[self.served % len(self.KINDS)]
+                self.served += 1
+                n = 20
+                ids = torch.full((n,), 10**6 if kind.startswith("token") else 5, dtype=torch.int64)
+                rows = torch.zeros(4 if kind == "rows for text tokens" else 1, self.width)
+                segments = [RowSegment(0, rows.shape[0])] if kind != "a short rows frame" else [RowSegment(2, 3)]
+                total = 10**7 if kind == "a longer prompt" else n
+                items = [ItemMeta(2, 1, (1, 2, 2), "x")]
+                tensors: list[torch.Tensor] = []
+                chunk = TransferChunk(msg.request_id, msg.transfer_id, 0, n, total, 0, items, msg.block_ids,
+                                      segments, partial=False, fill_ids=tensor_ref(ids, tensors),
+                                      positions=tensor_ref(torch.zeros(n, 3, dtype=torch.int64), tensors),
+                                      rows=tensor_ref(rows, tensors))
+                await sock.send_multipart([peer, *outbox.encode(chunk, tensors)])
+
+
+def test_nonsense_from_an_encoder_is_retried_elsewhere(tiny_ckpt, offline):
+    cluster = Cluster(tiny_ckpt("qwen2_vl"), {"main": []})
+    try:
+        cluster.wait_encoders("main", 1)
+        width = offline.config.model.text.hidden_size
+        fake = NonsenseEncoder(cluster.bootstrap_url, width, offline.config.model.architecture)
+        cluster.wait_encoders("main", 2)
+        client = cluster.client("main")
+        for i in range(8):  # each goes to the idlest encoder: the fake gets its share, every answer is right
+            messages = picture_chat(600 + i)
+            assert ask(client, messages) == expected_text(offline, messages)
+        assert fake.served >= len(NonsenseEncoder.KINDS)
+        assert cluster.languages["main"].proc.poll() is None
+        assert "does not check out" in cluster.languages["main"].read_log() or \
+            "sent" in cluster.languages["main"].read_log()
+        wait_language_blocks_free(lambda: cluster.metrics("main"))
+    finally:
+        cluster.close()

@@ -1,0 +1,381 @@
+"""The language server's side of disaggregation: find encoders, send them prompts with media, receive their
+output into this server's receive blocks (a run of blocks per round; a resumed transfer adds a run), and check
+everything an encoder sends before the engine may read it.
+
+A transfer goes Bootstrapping -> WaitingForInput -> Transferring -> Success | Failed | Rejected (the request's
+own fault). Every block it holds is freed on every path but success, which hands them to the caller. An encoder
+that fails, dies, times out or answers nonsense gets the request retried once elsewhere; then a clear 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import blake3
+import zmq
+import zmq.asyncio
+
+from vlserve.core.config import DisaggArgs
+from vlserve.core.errors import InvalidInputError, MediaTooLargeError, ServiceUnavailableError
+from vlserve.core.prompt import MultiModalItem, ProcessedPrompt
+from vlserve.core.wire import Framer
+from vlserve.disagg.auth import PeerAuth, require_secret_off_loopback
+from vlserve.disagg.bootstrap import BootstrapClient, InstanceInfo
+from vlserve.disagg.messages import (
+    AbortTransfer,
+    EncodeRequest,
+    EncoderToLanguage,
+    LanguageToEncoder,
+    Ping,
+    Pong,
+    ResumeRequest,
+    TransferChunk,
+    TransferFailed,
+    TransferState,
+)
+from vlserve.disagg.metrics import TransferMetrics
+from vlserve.disagg.transports import TRANSPORTS
+from vlserve.engine.config import VlserveConfig
+from vlserve.engine.prompt_check import check_prompt
+from vlserve.engine.transfer_buffers import AUX_MROPE_DELTA, AUX_NUM_ITEMS, AUX_TOTAL_TOKENS, TransferBuffers
+
+logger = logging.getLogger("vlserve.disagg")
+AFFINITY_ENTRIES = 4096
+MAX_MM_HASH_CHARS = 128
+
+
+class EncoderFailure(Exception):
+    """This encoder could not deliver (it failed, died, timed out or sent nonsense): worth one retry elsewhere."""
+
+
+@dataclass
+class EncoderConn:
+    info: InstanceInfo
+    sock: zmq.asyncio.Socket
+    in_flight: int = 0
+    last_used: float = 0.0  # ties on load go to the encoder idle longest, so sequential work spreads too
+    missed: int = 0
+    paired: bool = False  # it answered a ping and produces what this model needs
+    alive: bool = True
+    transfers: dict[tuple[str, int], asyncio.Queue] = field(default_factory=dict)
+    reader: asyncio.Task | None = None
+
+
+class EncoderClient:
+    def __init__(self, cfg: VlserveConfig, buffers: TransferBuffers, metrics: TransferMetrics, opts: DisaggArgs,
+                 self_info: InstanceInfo):
+        self.cfg, self.buffers, self.metrics, self.opts = cfg, buffers, metrics, opts
+        self.transport = TRANSPORTS[opts.transfer_backend]()
+        self.requests, self.replies = Framer(LanguageToEncoder), Framer(EncoderToLanguage)
+        self.ctx = zmq.asyncio.Context.instance()
+        self.encoders: dict[str, EncoderConn] = {}
+        self.affinity: OrderedDict[str, str] = OrderedDict()  # media key -> encoder id that saw it
+        self.dropped: dict[str, float] = {}  # encoder id -> until when it stays dropped
+        self.auth = PeerAuth(opts.disagg_secret)
+        require_secret_off_loopback(self.auth, opts.bootstrap.rsplit(":", 1)[0], "this language server's registry")
+        self.bootstrap = BootstrapClient(opts.bootstrap, self_info, opts.heartbeat_interval,
+                                         load_fn=lambda: sum(e.in_flight for e in self.encoders.values()),
+                                         auth=self.auth)
+        self._ids = itertools.count()
+        self._tasks: list[asyncio.Task] = []
+        self._block_freed = asyncio.Event()
+
+    async def start(self) -> None:
+        await self.bootstrap.start()
+        await self._refresh()
+        self._tasks = [asyncio.create_task(self._refresh_loop()), asyncio.create_task(self._ping_loop())]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for enc in list(self.encoders.values()):
+            self._drop(enc, "shutting down", quiet=True)
+        await self.bootstrap.stop()
+
+    @property
+    def num_available(self) -> int:
+        return sum(e.alive and e.paired for e in self.encoders.values())
+
+    # ---- membership and heartbeats ----------------------------------------------------------------------------
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.opts.heartbeat_interval)
+            try:
+                await self._refresh()
+            except Exception as e:  # noqa: BLE001 - the registry may be restarting; keep the encoders we know
+                logger.warning("could not list encoders: %s", e)
+
+    async def _refresh(self) -> None:
+        """The registry is for discovery only: an encoder is dropped when it stops answering our pings, not
+        when the registry loses sight of it (a slow heartbeat or a registry restart must not cut live work).
+        A dropped encoder stays out for a while: a dead one is still listed until the registry times it out."""
+        listed = {i.instance_id: i for i in await self.bootstrap.list_instances("encode")}
+        now = time.monotonic()
+        self.dropped = {iid: until for iid, until in self.dropped.items() if now < until}
+        for iid, info in listed.items():
+            if iid not in self.encoders and iid not in self.dropped:
+                sock = self.ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                self.auth.secure_client(sock)
+                sock.connect(f"tcp://{info.address}")
+                enc = EncoderConn(info, sock)
+                enc.reader = asyncio.create_task(self._read(enc))
+                self.encoders[iid] = enc
+                logger.info("encoder %s at %s found; pairing", iid[:8], info.address)
+
+    async def _ping_loop(self) -> None:
+        nonce = itertools.count()
+        while True:
+            for enc in list(self.encoders.values()):
+                enc.missed += 1
+                if enc.missed > self.opts.heartbeat_failure_threshold:
+                    self._drop(enc, f"missed {enc.missed - 1} heartbeats")
+                    continue
+                await enc.sock.send_multipart(self.requests.encode(Ping(next(nonce))))
+            await asyncio.sleep(self.opts.heartbeat_interval)
+
+    def _drop(self, enc: EncoderConn, why: str, quiet: bool = False, for_s: float | None = None) -> None:
+        if self.encoders.pop(enc.info.instance_id, None) is None:
+            return
+        enc.alive = False
+        quarantine = 2 * self.opts.heartbeat_failure_threshold * self.opts.heartbeat_interval
+        self.dropped[enc.info.instance_id] = time.monotonic() + (for_s if for_s is not None else quarantine)
+        if not quiet:
+            logger.warning("encoder %s (%s) dropped: %s", enc.info.instance_id[:8], enc.info.address, why)
+        for q in enc.transfers.values():
+            q.put_nowait(EncoderFailure(f"encoder {enc.info.address} {why}"))
+        if enc.reader is not None:
+            enc.reader.cancel()
+        enc.sock.close(linger=0)
+
+    async def _read(self, enc: EncoderConn) -> None:
+        while True:
+            frames = await enc.sock.recv_multipart()
+            try:
+                msg = self.replies.decode(frames)
+            except Exception as e:  # noqa: BLE001
+                logger.warning("undecodable message from encoder %s: %s", enc.info.address, e)
+                continue
+            enc.missed = 0  # any message proves it is alive
+            if isinstance(msg, Pong):
+                self._pair(enc, msg)
+                continue
+            q = enc.transfers.get((msg.request_id, msg.transfer_id))
+            if q is not None:
+                q.put_nowait((msg, frames))
+
+    def _pair(self, enc: EncoderConn, pong: Pong) -> None:
+        if enc.paired:
+            return
+        hidden, arch = self.cfg.model.text.hidden_size, self.cfg.model.architecture
+        if pong.width != hidden or pong.architecture != arch:
+            logger.error("encoder %s serves %s with %d-wide embeddings; this server needs %s with %d: not paired",
+                         enc.info.address, pong.architecture[:64], pong.width, arch, hidden)
+            self._drop(enc, "its model does not match", quiet=True, for_s=300.0)
+            return
+        enc.paired = True
+        logger.info("encoder %s paired (%s)", enc.info.instance_id[:8], enc.info.address)
+
+    # ---- transfers ---------------------------------------------------------------------------------------------
+    def _pick(self, key: str, exclude: set[str]) -> EncoderConn | None:
+        live = [e for e in self.encoders.values() if e.alive and e.paired and e.info.instance_id not in exclude]
+        if not live:
+            return None
+        least = min(e.in_flight for e in live)
+        preferred = self.affinity.get(key)
+        for e in live:  # the encoder that saw this media has it cached, unless it is much busier
+            if e.info.instance_id == preferred and e.in_flight <= least + 1:
+                return e
+        return min(live, key=lambda e: (e.in_flight, e.last_used))
+
+    async def encode(self, request_id: str, prompt: str, media: dict, uuids: dict,
+                     mm_kwargs: dict) -> ProcessedPrompt:
+        """The processed prompt, its embeddings in receive blocks (`block_rows`) the caller must free."""
+        key = _media_key(media)
+        tried: set[str] = set()
+        last: Exception | None = None
+        for _ in range(2):  # the first try and one retry on another encoder
+            enc = self._pick(key, tried)
+            if enc is None:
+                break
+            tried.add(enc.info.instance_id)
+            try:
+                processed = await self._transfer(enc, request_id, prompt, media, uuids, mm_kwargs)
+                self.affinity[key] = enc.info.instance_id
+                self.affinity.move_to_end(key)
+                while len(self.affinity) > AFFINITY_ENTRIES:
+                    self.affinity.popitem(last=False)
+                return processed
+            except EncoderFailure as e:
+                retry = len(tried) < 2 and self._pick(key, tried) is not None
+                logger.warning("request %s: encoder %s failed (%s)%s", request_id, enc.info.address, e,
+                               "; retrying on another encoder" if retry else "")
+                last = e
+        if last is None:
+            raise ServiceUnavailableError("no encoder is available for a request with media; retry later")
+        raise ServiceUnavailableError(f"encoding failed after {len(tried)} attempt(s): {last}")
+
+    async def _allocate(self, tokens: int) -> list[int]:
+        deadline = time.monotonic() + self.opts.transfer_timeout
+        while True:
+            try:
+                blocks = self.buffers.allocate(tokens)
+            except ValueError as e:  # more than the whole pool: it never fits
+                raise ServiceUnavailableError(f"the prompt does not fit this server's receive buffer: {e}") from None
+            if blocks is not None:
+                return blocks
+            if time.monotonic() > deadline:
+                raise ServiceUnavailableError("the receive buffer stayed full; retry later")
+            self._block_freed.clear()
+            try:
+                await asyncio.wait_for(self._block_freed.wait(), timeout=1.0)
+            except asyncio.TimeoutError:
+                pass
+
+    def free(self, blocks: list[int]) -> None:
+        if blocks:
+            self.buffers.free(blocks)
+            self._block_freed.set()
+
+    async def _transfer(self, enc: EncoderConn, request_id: str, prompt: str, media: dict, uuids: dict,
+                        mm_kwargs: dict) -> ProcessedPrompt:
+        tid = next(self._ids)
+        queue: asyncio.Queue = asyncio.Queue()
+        enc.transfers[(request_id, tid)] = queue
+        enc.in_flight += 1
+        enc.last_used = time.monotonic()
+        enter = self._state_logger(request_id, tid, enc)
+        enter(TransferState.BOOTSTRAPPING)
+        t0 = time.perf_counter()
+        blocks: list[int] = []  # every block this transfer holds, in token order
+        succeeded = False
+        try:
+            run = await self._allocate(self.opts.embedding_default_allocate_tokens)
+            blocks += run
+            await enc.sock.send_multipart(self.requests.encode(EncodeRequest(
+                request_id, tid, prompt, media, uuids, mm_kwargs or {}, run, self.buffers.block_tokens)))
+            enter(TransferState.WAITING_FOR_INPUT)
+            received = _Received()
+            while True:
+                header, frames = await self._next_chunk(queue, enter)
+                enter(TransferState.TRANSFERRING)
+                received.check(header, run, self.buffers.block_tokens, self.cfg.max_model_len)
+                try:
+                    self.metrics.bytes(self.transport.receive(header, frames, self.buffers))
+                except ValueError as e:
+                    raise EncoderFailure(f"malformed chunk: {e}") from None
+                if header.start_token == 0:
+                    self.buffers.write_aux(run, [header.total_tokens, header.mrope_delta, len(header.items)])
+                if not header.partial:
+                    break
+                self.metrics.resume()
+                run = await self._allocate(header.total_tokens - received.tokens)
+                blocks += run
+                await enc.sock.send_multipart(self.requests.encode(ResumeRequest(request_id, tid, received.tokens,
+                                                                                 run)))
+            processed = self._assemble(prompt, blocks, received)
+            enter(TransferState.SUCCESS)
+            self.metrics.transfer_latency.observe(time.perf_counter() - t0)
+            succeeded = True
+            return processed
+        except InvalidInputError:
+            enter(TransferState.REJECTED)
+            raise
+        except BaseException:
+            enter(TransferState.FAILED)
+            if enc.alive:  # let the encoder drop what it holds for us
+                await enc.sock.send_multipart(self.requests.encode(AbortTransfer(request_id, tid)))
+            raise
+        finally:
+            if not succeeded:
+                self.free(blocks)
+            enc.in_flight -= 1
+            enc.transfers.pop((request_id, tid), None)
+
+    async def _next_chunk(self, queue: asyncio.Queue, enter) -> tuple[TransferChunk, list]:
+        try:
+            got = await asyncio.wait_for(queue.get(), self.opts.transfer_timeout)
+        except asyncio.TimeoutError:
+            raise EncoderFailure(f"no answer within {self.opts.transfer_timeout:.0f}s") from None
+        if isinstance(got, Exception):
+            raise got
+        msg, frames = got
+        if isinstance(msg, TransferFailed):
+            if 400 <= msg.status < 500:  # the request's own fault, with the aggregated server's status
+                err = MediaTooLargeError(msg.message) if msg.status == 413 else InvalidInputError(msg.message)
+                raise err
+            raise EncoderFailure(msg.message)
+        return msg, frames
+
+    def _assemble(self, text: str, blocks: list[int], received: "_Received") -> ProcessedPrompt:
+        """The prompt as the engine will see it, checked like anything else the engine admits."""
+        total, header = received.tokens, received.first
+        fill_ids, positions = self.buffers.read_tokens(blocks, 0, total)
+        aux = self.buffers.read_aux(blocks)
+        if aux[AUX_TOTAL_TOKENS] != total or aux[AUX_MROPE_DELTA] != header.mrope_delta \
+                or aux[AUX_NUM_ITEMS] != len(header.items):
+            raise EncoderFailure("the aux data in the blocks disagrees with the chunk headers")
+        items = [MultiModalItem(it.offset, it.num_tokens, None, tuple(it.grid_thw), it.mm_hash)
+                 for it in header.items]
+        processed = ProcessedPrompt(fill_ids.tolist(), items, positions.T.contiguous(), header.mrope_delta, text,
+                                    block_rows=blocks)
+        try:
+            check_prompt(processed, self.cfg, (self.buffers.num_blocks, self.buffers.block_tokens))
+        except InvalidInputError as e:
+            raise EncoderFailure(f"the encoder's output does not check out: {e}") from None
+        return processed
+
+    def _state_logger(self, request_id: str, tid: int, enc: EncoderConn):
+        """Counts each state in the metrics and shows the transitions in debug logs."""
+        def enter(state: TransferState) -> None:
+            self.metrics.state(state)
+            logger.debug("transfer %s/%d via %s: %s", request_id, tid, enc.info.address, state.value)
+        return enter
+
+
+class _Received:
+    """What has arrived so far, and the checks that each new chunk continues it exactly."""
+
+    def __init__(self):
+        self.first: TransferChunk | None = None
+        self.tokens = 0
+
+    def check(self, header: TransferChunk, run: list[int], block_tokens: int, max_model_len: int) -> None:
+        first = self.first or header
+        problems = []
+        if not 0 < header.total_tokens <= max_model_len:
+            problems.append(f"a prompt of {header.total_tokens} tokens (max_model_len is {max_model_len})")
+        if header.start_token != self.tokens or header.block_ids != run:
+            problems.append("a chunk for the wrong tokens or blocks")
+        expected = min(header.total_tokens - self.tokens, len(run) * block_tokens)
+        if header.num_tokens != expected or header.partial != (self.tokens + expected < header.total_tokens):
+            problems.append(f"{header.num_tokens} tokens where {expected} fit")
+        if (header.total_tokens, header.mrope_delta, header.items) != (first.total_tokens, first.mrope_delta,
+                                                                       first.items):
+            problems.append("a chunk that contradicts the first one")
+        end = header.start_token + header.num_tokens
+        # Exactly one row for every media token of the chunk, in order: none missing (its slot would hold a stale
+        # row of another request), none extra, none for text.
+        media = [(max(it.offset, header.start_token), min(it.offset + it.num_tokens, end)) for it in header.items]
+        if [(s.token, s.num_rows) for s in header.segments] != [(lo, hi - lo) for lo, hi in media if lo < hi]:
+            problems.append("embedding rows that do not match this chunk's media tokens")
+        if any(len(it.mm_hash) > MAX_MM_HASH_CHARS for it in header.items):
+            problems.append("an oversized mm_hash")
+        if problems:
+            raise EncoderFailure("the encoder sent " + "; ".join(problems))
+        self.first = first
+        self.tokens = end
+
+
+def _media_key(media: dict) -> str:
+    """Affinity key from the media as sent (URLs or data URLs): the same picture goes to the same encoder."""
+    h = blake3.blake3()
+    for kind in sorted(media):
+        for src in media[kind]:
+            h.update(f"{kind}|{src if isinstance(src, str) else repr(src)[:256]}|".encode())
+    return h.hexdigest(length=16)

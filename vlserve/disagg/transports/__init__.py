@@ -1,0 +1,10 @@
+"""How a chunk's data reaches the receiver's blocks. Chosen by `--transfer-backend`; callers never ask which."""
+
+from __future__ import annotations
+
+from vlserve.disagg.transports.base import ChunkData, Transport
+from vlserve.disagg.transports.zmq import ZmqTransport
+
+TRANSPORTS: dict[str, type[Transport]] = {"zmq": ZmqTransport}
+
+__all__ = ["TRANSPORTS", "ChunkData", "Transport"]

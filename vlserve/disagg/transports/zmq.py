@@ -1,0 +1,38 @@
+"""ZeroMQ/TCP: the chunk's tensors travel as raw frames after its header on the control connection."""
+
+from __future__ import annotations
+
+import torch
+import zmq.asyncio
+
+from vlserve.core.wire import Framer, tensor_from, tensor_ref
+from vlserve.disagg.messages import EncoderToLanguage, TransferChunk
+from vlserve.disagg.transports.base import ChunkData, Transport, write_chunk
+from vlserve.engine.transfer_buffers import TransferBuffers
+
+
+class ZmqTransport(Transport):
+    name = "zmq"
+
+    def __init__(self):
+        self.framer = Framer(EncoderToLanguage)
+
+    async def send(self, sock: zmq.asyncio.Socket, peer: bytes, header: TransferChunk, data: ChunkData) -> int:
+        tensors: list[torch.Tensor] = []
+        header.fill_ids = tensor_ref(data.fill_ids, tensors)
+        header.positions = tensor_ref(data.positions, tensors)
+        header.rows = tensor_ref(data.rows, tensors)
+        await sock.send_multipart([peer, *self.framer.encode(header, tensors)], copy=False)
+        return data.nbytes
+
+    def receive(self, header: TransferChunk, frames: list, buffers: TransferBuffers) -> int:
+        if header.fill_ids is None or header.positions is None or header.rows is None:
+            raise ValueError("a ZeroMQ chunk must carry its tensors as frames")
+        data = ChunkData(tensor_from(header.fill_ids, frames), tensor_from(header.positions, frames),
+                         tensor_from(header.rows, frames))
+        if data.fill_ids.dtype != torch.int64 or data.positions.dtype != torch.int64:
+            raise ValueError("fill ids and positions must be int64")
+        if data.rows.dim() != 2 or not data.rows.is_floating_point():
+            raise ValueError("embedding rows must be a 2-D float tensor")
+        write_chunk(buffers, header, data)
+        return data.nbytes
