@@ -68,7 +68,8 @@ def main() -> None:
     ap.add_argument("--model", help="checkpoint folder (default: a medium random Qwen2-VL made in a temp dir)")
     ap.add_argument("--num-requests", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="auto: the checkpoint's where this CPU computes it natively, "
+                    "else float32")
     args = ap.parse_args()
     model = args.model
     if model is None:

@@ -22,6 +22,9 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from vlserve.model.hardware import detect, resolve_dtype  # noqa: E402
+from vlserve.model.hf_config import load_model_config  # noqa: E402
+
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
 SIZES = [(224, 224), (448, 448), (336, 252), (280, 420)]
 QUESTIONS = [
@@ -108,13 +111,19 @@ class HFRunner:
         return time.perf_counter() - t0, tokens
 
 
+def resolved_dtype(model: str, dtype: str) -> torch.dtype:
+    """vlserve's own rule for `dtype`, so transformers runs in exactly the dtype vlserve picked."""
+    return resolve_dtype(dtype, load_model_config(model).checkpoint_dtype, torch.device("cpu"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="checkpoint folder (default: a medium random Qwen2-VL made in a temp dir)")
     ap.add_argument("--arch", default="qwen2_vl")
     ap.add_argument("--num-requests", type=int, default=24)
     ap.add_argument("--hf-batch-sizes", default="4,8")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="auto: the checkpoint's where this CPU computes it natively, "
+                    "else float32 (both engines get the same)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -127,16 +136,17 @@ def main() -> None:
 
         model = str(make_tiny_model(Path(tempfile.mkdtemp()) / "medium", arch=args.arch, size="medium"))
     work = make_workload(args.num_requests)
+    dtype = str(resolved_dtype(model, args.dtype)).removeprefix("torch.")
     print(f"workload: {len(work)} requests, one picture each, {sum(w['max_tokens'] for w in work)} output tokens; "
-          f"dtype {args.dtype}, {torch.get_num_threads()} threads")
+          f"dtype {args.dtype} -> {dtype} ({detect().describe()}), {torch.get_num_threads()} threads")
 
-    dt, tokens = run_vlserve(model, work, args.dtype, max_num_seqs=args.max_num_seqs,
+    dt, tokens = run_vlserve(model, work, dtype, max_num_seqs=args.max_num_seqs,
                              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gb=1.0)
     ours = tokens / dt
     print(f"vlserve        : {tokens} tokens in {dt:6.2f}s = {ours:7.1f} tok/s  ({len(work) / dt:.2f} req/s)")
     if args.skip_hf:
         return
-    hf = HFRunner(model, getattr(torch, args.dtype))
+    hf = HFRunner(model, getattr(torch, dtype))
     best = 0.0
     for bs in [int(b) for b in args.hf_batch_sizes.split(",")]:
         dt, tokens = hf.run(work, bs)

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import httpx
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -82,7 +83,8 @@ def run_one(name: str, cmd: list[str], env: dict, port: int, bench_args: list[st
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="checkpoint folder (default: a medium random Qwen2-VL made in a temp dir)")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="auto: the checkpoint's where this CPU computes it natively, "
+                    "else float32")
     ap.add_argument("--vllm-venv", type=Path,
                     help="the venv inside the folder ../shared/peers/vllm_cpu/setup_venv.sh made (DIR/venv)")
     ap.add_argument("--num-prompts", type=int, default=32)
@@ -101,6 +103,13 @@ def main() -> None:
     bench = ["--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.max_concurrency),
              "--output-len", str(args.output_len), "--input-len", str(args.input_len), "--image-sizes",
              args.image_sizes, "--repeat-image-ratio", str(args.repeat_image_ratio), "--seed", "0"]
+    # vLLM has its own "auto": both servers get the dtype vlserve's rule picks for this CPU.
+    from vlserve.model.hardware import resolve_dtype
+    from vlserve.model.hf_config import load_model_config
+
+    args.dtype = str(resolve_dtype(args.dtype, load_model_config(model).checkpoint_dtype,
+                                   torch.device("cpu"))).removeprefix("torch.")
+    print(f"dtype: {args.dtype}")
     results = {}
     port = free_port()
     results["vlserve"] = run_one(

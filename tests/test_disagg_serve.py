@@ -20,7 +20,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from tests.server_utils import free_port, scrape, wait_healthy
+from tests.server_utils import free_port, scrape, stop, wait_healthy
 from tests.test_disagg import SECRET, Cluster, ask, expected_text, picture_chat, wait_language_blocks_free
 from tests.test_server_api import _b64_safetensors, _big_noise_png, _bomb_png, image_part, user
 from vlserve import LLM
@@ -54,11 +54,7 @@ def deployment(tiny_ckpt):
         client.served_model = str(tiny_ckpt("qwen2_vl"))
         yield proc, url, client, log
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
         log.close()
 
 

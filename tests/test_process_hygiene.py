@@ -11,10 +11,9 @@ import subprocess
 import sys
 import time
 
-import httpx
 import pytest
 
-from tests.server_utils import free_port
+from tests.server_utils import free_port, wait_healthy
 
 START_FAILURE_TRIES = 3  # the note reports 10; three keep the suite fast and still catch a flaky hang
 
@@ -59,18 +58,6 @@ def test_taken_port_is_reported_before_the_model_loads(tiny_ckpt):
     assert time.monotonic() - t0 < 20
 
 
-def _wait_health(url: str, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise AssertionError(f"{url} never became healthy")
-
-
 def _children(pid: int) -> set[int]:
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
     kids = {int(p) for p in out.split()}
@@ -83,7 +70,7 @@ def test_disagg_stops_every_role_quietly(tiny_ckpt, sig):
     proc = _vlserve("serve", "--model", str(tiny_ckpt("qwen2_vl")), "--disagg", "--port", str(port), "--dtype",
                     "float32", "--max-model-len", "512", "--heartbeat-interval", "0.3")
     try:
-        _wait_health(f"http://127.0.0.1:{port}/health")
+        wait_healthy(proc, f"http://127.0.0.1:{port}/health", 120, "serve --disagg", lambda: "")
         family = _children(proc.pid)
         assert len(family) >= 4  # bootstrap, encoder, language and its engine process
         proc.send_signal(sig)
