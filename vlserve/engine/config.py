@@ -59,7 +59,8 @@ def _positive(name: str, value: int | float | None) -> None:
         raise InvalidInputError(f"{name} must be positive, got {value}")
 
 
-def resolve_config(args: EngineArgs) -> VlserveConfig:
+def resolve_config(args: EngineArgs, announce: bool = True) -> VlserveConfig:
+    """`announce`: log the dtype decision (the process that loads the model does; a front-end need not)."""
     for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks",
                  "kv_cache_memory_gb", "max_video_frames"):
         _positive(name, getattr(args, name))
@@ -70,7 +71,7 @@ def resolve_config(args: EngineArgs) -> VlserveConfig:
     path = resolve_model_path(args.model)
     model_cfg = load_model_config(path)
     device = pick_device(args.device)
-    dtype = resolve_dtype(args.dtype, model_cfg.checkpoint_dtype, device)
+    dtype = resolve_dtype(args.dtype, model_cfg.checkpoint_dtype, device, announce)
     max_model_len = args.max_model_len or min(model_cfg.text.max_position_embeddings, 32768)
     num_blocks = _num_kv_blocks(args, path, model_cfg, dtype, device, max_model_len)
     return VlserveConfig(

@@ -110,6 +110,10 @@ class EngineCore:
         self._left(o.request_id for o in outputs if o.finish_reason is not None)
         return outputs
 
+    def take_encoder_seconds(self) -> list[float]:
+        """Vision-tower call durations since the last call (histogram samples for the metrics)."""
+        return self.runner.take_encoder_seconds()
+
     def get_metrics(self) -> dict[str, float]:
         s = self.scheduler
         return {

@@ -133,7 +133,7 @@ class EngineCoreLoop:
     def _send(self, outputs) -> None:
         metrics = self.core.get_metrics()
         stats = EngineStats(**{k: v for k, v in metrics.items() if k in EngineStats.__struct_fields__},
-                            encoder_seconds=self.core.runner.take_encoder_seconds())
+                            encoder_seconds=self.core.take_encoder_seconds())
         self.outputs.send_multipart(self.out_framer.encode(EngineOutputs(outputs, self.rejected, stats,
                                                                          self.core.take_released())))
         self.rejected = []

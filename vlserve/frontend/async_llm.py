@@ -113,7 +113,8 @@ class AsyncLLM:
                  media_threads: int = 4, log_requests: bool = True, log_level: str = "INFO",
                  max_image_pixels: int | None = None, heartbeat_timeout: float = 10.0,
                  prompt_encoder: Callable[["AsyncLLM"], PromptEncoder] | None = None):
-        self.cfg = resolve_config(args)  # reads config files only; the weights load in the engine process
+        # Config files only: the weights load in the engine process, which also logs the dtype decision.
+        self.cfg = resolve_config(args, announce=False)
         self.model_name = model_name
         self.tokenizer = load_tokenizer(self.cfg.model_path)
         image_cfg = ImageProcessorConfig.from_pretrained(self.cfg.model_path)

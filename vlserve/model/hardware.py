@@ -112,7 +112,8 @@ def pick_device(name: str) -> torch.device:
     return device
 
 
-def resolve_dtype(name: str | torch.dtype, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str | torch.dtype, checkpoint_dtype: str | None, device: torch.device,
+                  announce: bool = True) -> torch.dtype:
     """`auto`: the checkpoint's dtype where this device computes it natively, else float32 (said in the log).
 
     An explicit bfloat16/float16 is honoured everywhere; without native support it runs correctly but slowly,
@@ -127,14 +128,15 @@ def resolve_dtype(name: str | torch.dtype, checkpoint_dtype: str | None, device:
         if wanted == torch.float16 and device.type == "cpu" and torch.float16 not in native and torch.bfloat16 in native:
             wanted = torch.bfloat16  # same footprint, computed in hardware here
         if wanted not in native:
-            logger.info("dtype auto: the checkpoint is %s, which this %s computes only in emulation; running float32",
-                        checkpoint_dtype, "CPU" if device.type == "cpu" else "GPU")
+            if announce:
+                logger.info("dtype auto: the checkpoint is %s, which this %s computes only in emulation; running "
+                            "float32", checkpoint_dtype, "CPU" if device.type == "cpu" else "GPU")
             return torch.float32
         return wanted
     if name not in DTYPES:
         raise ModelLoadError(f"unsupported dtype '{name}'; choose auto, float32, bfloat16 or float16")
     dtype = DTYPES[name]
-    if dtype not in native:
+    if dtype not in native and announce:
         logger.warning("dtype %s: this %s has no native %s (%s); it runs correctly but emulated and slow. "
                        "float32 (or dtype auto) is much faster here", name, "CPU" if device.type == "cpu" else "GPU",
                        name, hw.describe())

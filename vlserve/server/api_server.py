@@ -17,12 +17,12 @@ from fastapi.responses import JSONResponse, Response
 
 import vlserve
 from vlserve.core.config import LANGUAGE, SERVE, Options, ServerArgs
-from vlserve.core.errors import VlserveError
 from vlserve.frontend.async_llm import AsyncLLM
 from vlserve.frontend.media.fetch import MediaFetcher, MediaPolicy
 from vlserve.frontend.metrics import CONTENT_TYPE
 from vlserve.frontend.prompt_encoder import LocalPromptEncoder
 from vlserve.server.errors import error_response, install_error_handlers, log_client_error
+from vlserve.server.listen import bind_socket
 from vlserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from vlserve.server.serving_chat import OpenAIServingChat
 from vlserve.server.serving_completion import OpenAIServingCompletion
@@ -119,27 +119,12 @@ def _body_schema(model) -> dict:
                             "required": True}}
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """The listening socket, bound now: a taken port is an error before anything else starts."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise VlserveError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
-
-
-async def serve(opts: Options, log_level: str = "INFO", role: str = SERVE) -> None:
-    """Port, then engine, then uvicorn until SIGINT/SIGTERM."""
+async def serve(opts: Options, log_level: str = "INFO", role: str = SERVE, sock: socket.socket | None = None) -> None:
+    """Port (unless the caller bound it already), then engine, then uvicorn until SIGINT/SIGTERM."""
     import uvicorn
 
     server = opts.server
-    sock = bind_socket(server.host, server.port)
+    sock = sock or bind_socket(server.host, server.port)
     try:
         engine = make_engine(opts, log_level, role)
         await engine.start()

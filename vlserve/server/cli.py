@@ -9,6 +9,7 @@ import logging
 
 from vlserve.core.config import LANGUAGE, SERVE
 from vlserve.core.options import add_options, options_from
+from vlserve.server.listen import bind_socket
 
 logger = logging.getLogger("vlserve.server")
 DEMO_NAME = "vlserve-demo"
@@ -16,6 +17,7 @@ DEMO_NAME = "vlserve-demo"
 
 def run_serve(ns: argparse.Namespace) -> int:
     opts = options_from(ns, SERVE)
+    sock = bind_socket(opts.server.host, opts.server.port)  # a taken port is reported before anything loads
     if opts.engine.model is None:
         from vlserve.server.demo import demo_checkpoint
 
@@ -27,19 +29,21 @@ def run_serve(ns: argparse.Namespace) -> int:
     if opts.disagg.disagg:
         from vlserve.disagg.launcher import run_roles
 
+        sock.close()  # free now, as checked: the language server's own process listens on it
         return run_roles(opts, ns.log_level)
     from vlserve.server.api_server import serve
 
-    asyncio.run(serve(opts, ns.log_level))
+    asyncio.run(serve(opts, ns.log_level, sock=sock))
     return 0
 
 
 def run_language(ns: argparse.Namespace) -> int:
-    from vlserve.server.api_server import serve
-
     opts = options_from(ns, LANGUAGE)
     opts.engine.load_vision = False
-    asyncio.run(serve(opts, ns.log_level, role=LANGUAGE))
+    sock = bind_socket(opts.server.host, opts.server.port)
+    from vlserve.server.api_server import serve
+
+    asyncio.run(serve(opts, ns.log_level, role=LANGUAGE, sock=sock))
     return 0
 
 

@@ -90,7 +90,10 @@ class OpenAIServing:
         return requested
 
     async def until_done_or_disconnect(self, raw: HTTPRequest, work: Awaitable):
-        """Runs `work`; if the client goes away first, cancels it (which aborts the request in the engine)."""
+        """Runs `work`; if the client goes away first, cancels it (which aborts the request in the engine).
+
+        A prepared prompt that finishes just as it is abandoned is released, so its buffers never leak.
+        """
         task = asyncio.ensure_future(work)
         try:
             while True:
@@ -100,9 +103,10 @@ class OpenAIServing:
                 if await raw.is_disconnected():
                     task.cancel()
                     raise asyncio.CancelledError("client disconnected")
-        finally:
-            if not task.done():
-                task.cancel()
+        except BaseException:
+            task.cancel()
+            task.add_done_callback(_release_abandoned)
+            raise
 
     @staticmethod
     async def final_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
@@ -123,6 +127,14 @@ class OpenAIServing:
         message, status = error_from_exception(exc)
         log_client_error(f"stream {request_id}", status, message)
         return sse(error_body(message, status))
+
+
+def _release_abandoned(task: asyncio.Future) -> None:
+    if task.cancelled() or task.exception() is not None:
+        return
+    result = task.result()
+    if isinstance(result, PreparedPrompt) and result.encoded.release is not None:
+        result.encoded.release()
 
 
 def created() -> int:
