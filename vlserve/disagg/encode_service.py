@@ -53,10 +53,8 @@ from vlserve.engine.encoder_cache import EncoderCacheManager
 from vlserve.engine.vision_runner import VisionRunner
 from vlserve.frontend.input_processor import InputProcessor
 from vlserve.frontend.media.fetch import MediaFetcher, MediaPolicy
-from vlserve.frontend.media.image import ImageProcessorConfig
 from vlserve.frontend.metrics import CONTENT_TYPE, PREFIX
 from vlserve.frontend.prompt_encoder import LocalPromptEncoder
-from vlserve.frontend.tokenizer import load_tokenizer
 from vlserve.model.hardware import log_once
 from vlserve.model.layers.packed_linear import packed_linear_supported
 from vlserve.model.loader import load_model
@@ -86,9 +84,7 @@ class EncodeService:
         self.opts, self.d = opts, d
         self.cfg = resolve_config(engine)
         log_once()
-        tokenizer = load_tokenizer(self.cfg.model_path)
-        processor = InputProcessor(self.cfg, tokenizer, ImageProcessorConfig.from_pretrained(self.cfg.model_path),
-                                   max_image_pixels=server.max_image_pixels)
+        processor = InputProcessor.for_model(self.cfg, server.max_image_pixels)
         self.executor = ThreadPoolExecutor(max_workers=server.media_threads, thread_name_prefix="vlserve-media")
         fetchers = {kind: MediaFetcher(MediaPolicy.from_args(server, kind)) for kind in ("image", "video")}
         self.prompts = LocalPromptEncoder(processor, fetchers, self.executor)

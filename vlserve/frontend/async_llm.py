@@ -24,11 +24,9 @@ from vlserve.engine.config import resolve_config
 from vlserve.engine.core_client import EngineCoreClient
 from vlserve.frontend.input_processor import InputProcessor
 from vlserve.frontend.media.fetch import MediaFetcher, MediaPolicy
-from vlserve.frontend.media.image import ImageProcessorConfig
 from vlserve.frontend.metrics import ServerMetrics
 from vlserve.frontend.output_processor import OutputProcessor
 from vlserve.frontend.prompt_encoder import EncodedPrompt, LocalPromptEncoder, PromptEncoder
-from vlserve.frontend.tokenizer import load_tokenizer
 
 logger = logging.getLogger("vlserve.engine")
 
@@ -116,10 +114,9 @@ class AsyncLLM:
         # Config files only: the weights load in the engine process, which also logs the dtype decision.
         self.cfg = resolve_config(args, announce=False)
         self.model_name = model_name
-        self.tokenizer = load_tokenizer(self.cfg.model_path)
-        image_cfg = ImageProcessorConfig.from_pretrained(self.cfg.model_path)
         limits = {} if max_image_pixels is None else {"max_image_pixels": max_image_pixels}
-        self.input_processor = InputProcessor(self.cfg, self.tokenizer, image_cfg, **limits)
+        self.input_processor = InputProcessor.for_model(self.cfg, **limits)
+        self.tokenizer = self.input_processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = ServerMetrics(model_name)
         self.max_waiting_requests = max_waiting_requests

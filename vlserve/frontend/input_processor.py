@@ -34,6 +34,7 @@ from vlserve.frontend.media.video import (
     video_grid,
 )
 from vlserve.frontend.mrope import MRopeItem, expand_all_placeholders, mrope_positions
+from vlserve.frontend.tokenizer import load_tokenizer
 
 MM_KWARGS = {"min_pixels", "max_pixels", "fps", "max_frames", "total_pixels"}
 EMBED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -77,6 +78,12 @@ class InputProcessor:
         # Any prompt longer than this many characters is longer than max_model_len tokens whatever it says:
         # refused before tokenizing (no token of this vocabulary is longer).
         self.max_prompt_chars = cfg.max_model_len * max(max((len(t) for t in tokenizer.get_vocab()), default=1), 1)
+
+    @classmethod
+    def for_model(cls, cfg: VlserveConfig, max_image_pixels: int = DEFAULT_MAX_PIXELS_DECODED) -> "InputProcessor":
+        """With the checkpoint's own tokenizer and image-processor settings (every front-end starts this way)."""
+        return cls(cfg, load_tokenizer(cfg.model_path), ImageProcessorConfig.from_pretrained(cfg.model_path),
+                   max_image_pixels)
 
     def tokenize(self, prompt: dict | str) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

@@ -11,17 +11,14 @@ from vlserve.core.sampling_params import SamplingParams, fan_out
 from vlserve.engine.config import VlserveConfig, resolve_config
 from vlserve.engine.core import EngineCore
 from vlserve.frontend.input_processor import InputProcessor
-from vlserve.frontend.media.image import ImageProcessorConfig
 from vlserve.frontend.output_processor import OutputProcessor
-from vlserve.frontend.tokenizer import load_tokenizer
 
 
 class LLMEngine:
     def __init__(self, args: EngineArgs):
         self.cfg: VlserveConfig = resolve_config(args)
-        self.tokenizer = load_tokenizer(self.cfg.model_path)
-        image_cfg = ImageProcessorConfig.from_pretrained(self.cfg.model_path)
-        self.input_processor = InputProcessor(self.cfg, self.tokenizer, image_cfg)
+        self.input_processor = InputProcessor.for_model(self.cfg)
+        self.tokenizer = self.input_processor.tokenizer
         self.core = EngineCore(self.cfg)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
