@@ -69,7 +69,7 @@ HOSTILE = {
     "a template looping 3M times": ("/v1/chat/completions", {"messages": user("hi"), "max_tokens": 2,
                                                              "chat_template": NESTED_LOOPS}, 400),
     "a huge template output": ("/v1/chat/completions", {"messages": user("hi"), "max_tokens": 2,
-                                                        "chat_template": "{{ 'x' * 100000000 }}"}, 400),
+                                                        "chat_template": "{{ 'x' * 20000000 }}"}, 400),
     "a 15 MB picture": ("/v1/chat/completions", {"messages": user(image_part(data_url(noise_image(2300, 2300, 1))),
                                                                   "hi"), "max_tokens": 2}, 200),
 }
