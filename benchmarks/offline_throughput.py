@@ -4,7 +4,12 @@ Workload: requests with one picture each (several sizes, some pictures repeated)
 that vary. transformers runs static batches (left-padded, every batch generates until its longest request is
 done; only each request's own tokens are counted) at a few batch sizes and we report its best.
 
-    .venv/bin/python benchmarks/offline_throughput.py [--model DIR] [--num-requests 24] [--hf-batch-sizes 1,4,8]
+    .venv/bin/python benchmarks/offline_throughput.py [--model DIR | --arch qwen3_vl_moe] [--num-requests 24]
+
+The machine's bound printed beside them: this CPU's measured GEMM rate in the chosen dtype divided by the FLOPs a
+token needs in the language model (2 x its active parameters: a MoE token touches only its top-k experts), for
+every prompt and output token, as output tokens per second. It leaves out attention and the vision tower, so no
+engine can reach it.
 """
 
 from __future__ import annotations
@@ -51,7 +56,8 @@ def make_workload(n: int, seed: int = 0) -> list[dict]:
     return work
 
 
-def run_vlserve(model: str, work: list[dict], dtype: str, **engine_args) -> tuple[float, int]:
+def run_vlserve(model: str, work: list[dict], dtype: str, **engine_args) -> tuple[float, int, int]:
+    """Seconds, output tokens, prompt tokens."""
     from vlserve import LLM, SamplingParams
 
     llm = LLM(model, dtype=dtype, **engine_args)
@@ -63,24 +69,19 @@ def run_vlserve(model: str, work: list[dict], dtype: str, **engine_args) -> tupl
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     dt = time.perf_counter() - t0
-    return dt, sum(len(o.outputs[0].token_ids) for o in outs)
+    return dt, sum(len(o.outputs[0].token_ids) for o in outs), sum(len(o.prompt_token_ids) for o in outs)
 
 
 class HFRunner:
     def __init__(self, model: str, dtype: torch.dtype):
-        from transformers import (
-            AutoConfig,
-            AutoTokenizer,
-            Qwen2_5_VLForConditionalGeneration,
-            Qwen2VLForConditionalGeneration,
-        )
+        import transformers
+        from transformers import AutoConfig, AutoTokenizer
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
             Qwen2VLImageProcessorPil,
         )
 
-        arch = AutoConfig.from_pretrained(model).architectures[0]
-        cls = Qwen2_5_VLForConditionalGeneration if arch.startswith("Qwen2_5") else Qwen2VLForConditionalGeneration
-        self.model = cls.from_pretrained(model, dtype=dtype).eval()
+        arch = AutoConfig.from_pretrained(model).architectures[0]  # the class transformers names in config.json
+        self.model = getattr(transformers, arch).from_pretrained(model, dtype=dtype).eval()
         self.tok = AutoTokenizer.from_pretrained(model)
         self.ip = Qwen2VLImageProcessorPil.from_pretrained(model)
         self.image_token = self.model.config.image_token_id
@@ -109,6 +110,29 @@ class HFRunner:
         for i in range(0, len(work), batch_size):
             tokens += self.generate_batch(work[i : i + batch_size])
         return time.perf_counter() - t0, tokens
+
+
+def gemm_flops(dtype: torch.dtype, n: int = 1024, seconds: float = 2.0) -> float:
+    """This CPU's sustained matrix-multiply rate in `dtype` (FLOP/s), all threads."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b
+    runs, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        runs += 1
+    return 2 * n**3 * runs / (time.perf_counter() - t0)
+
+
+def active_lm_params(model: str) -> int:
+    """Language-model parameters one token multiplies with: all but the experts it is not routed to (and the
+    embedding table, a lookup; a tied LM head still counts once)."""
+    cfg = load_model_config(model).text
+    h, layers = cfg.hidden_size, cfg.num_layers
+    attn = h * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+    dense_mlp = 3 * h * cfg.intermediate_size
+    moe_mlp = (3 * h * cfg.moe.intermediate_size * cfg.moe.top_k + h * cfg.moe.num_experts) if cfg.moe else 0
+    mlp = sum(moe_mlp if cfg.is_sparse_layer(i) else dense_mlp for i in range(layers))
+    return layers * attn + mlp + h * cfg.vocab_size
 
 
 def resolved_dtype(model: str, dtype: str) -> torch.dtype:
@@ -140,10 +164,15 @@ def main() -> None:
     print(f"workload: {len(work)} requests, one picture each, {sum(w['max_tokens'] for w in work)} output tokens; "
           f"dtype {args.dtype} -> {dtype} ({detect().describe()}), {torch.get_num_threads()} threads")
 
-    dt, tokens = run_vlserve(model, work, dtype, max_num_seqs=args.max_num_seqs,
+    dt, tokens, prompt_tokens = run_vlserve(model, work, dtype, max_num_seqs=args.max_num_seqs,
                              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gb=1.0)
     ours = tokens / dt
     print(f"vlserve        : {tokens} tokens in {dt:6.2f}s = {ours:7.1f} tok/s  ({len(work) / dt:.2f} req/s)")
+    flops, active = gemm_flops(getattr(torch, dtype)), active_lm_params(model)
+    bound = flops / (2 * active) * tokens / (tokens + prompt_tokens)  # prompt tokens cost the same FLOPs
+    print(f"machine bound  : {flops / 1e9:.0f} GFLOP/s GEMM / (2 x {active / 1e6:.0f}M active LM params x "
+          f"{(tokens + prompt_tokens) / tokens:.1f} tokens per output token) = {bound:7.1f} tok/s; "
+          f"vlserve at {100 * ours / bound:.0f}% of it")
     if args.skip_hf:
         return
     hf = HFRunner(model, getattr(torch, dtype))

@@ -39,7 +39,8 @@ def picture_chat(*seeds: int, text: str = "What is this?") -> list[dict]:
 class Cluster:
     """A bootstrap, encoder "A" and the given language servers, all with the same shared secret."""
 
-    def __init__(self, ckpt, languages: dict[str, list[str]], encoder_env: dict | None = None):
+    def __init__(self, ckpt, languages: dict[str, list[str]], encoder_env: dict | None = None,
+                 limits: str = "image=4"):
         self.ckpt, self.encoder_env = ckpt, {"VLSERVE_DISAGG_SECRET": SECRET, **(encoder_env or {})}
         self.env = {"VLSERVE_DISAGG_SECRET": SECRET}
         port = free_port()
@@ -51,7 +52,7 @@ class Cluster:
             self.procs.append(RoleProcess("bootstrap", ["bootstrap", "--port", str(port), "--heartbeat-interval", HB,
                                                         "--heartbeat-failure-threshold", THRESHOLD],
                                           f"http://{self.bootstrap_url}/health", env=self.env))
-            self.common = ["--model", str(ckpt), "--dtype", "float32", "--limit-mm-per-prompt", "image=4",
+            self.common = ["--model", str(ckpt), "--dtype", "float32", "--limit-mm-per-prompt", limits,
                            "--bootstrap", self.bootstrap_url, "--heartbeat-interval", HB]
             self.start_encoder("A", wait=False)
             for name, extra in languages.items():

@@ -21,7 +21,15 @@ import zmq
 import zmq.asyncio
 
 from tests.server_utils import free_port, scrape, stop, wait_healthy
-from tests.test_disagg import SECRET, Cluster, ask, expected_text, picture_chat, wait_language_blocks_free
+from tests.test_disagg import (
+    SECRET,
+    Cluster,
+    ask,
+    expected_text,
+    picture_chat,
+    wait_language_blocks_free,
+    wait_until,
+)
 from tests.test_server_api import _b64_safetensors, _big_noise_png, _bomb_png, image_part, user
 from vlserve import LLM
 
@@ -141,8 +149,9 @@ class NonsenseEncoder:
 
     KINDS = ("token ids beyond the vocabulary", "rows for text tokens", "a short rows frame", "a longer prompt")
 
-    def __init__(self, bootstrap: str, width: int, architecture: str):
-        self.bootstrap, self.width, self.architecture = bootstrap, width, architecture
+    def __init__(self, bootstrap: str, width: int, architecture: str, deepstack_levels: int = 0):
+        self.bootstrap, self.architecture = bootstrap, architecture
+        self.hidden, self.levels, self.width = width, deepstack_levels, width * (1 + deepstack_levels)
         self.served = 0
         self.loop = asyncio.new_event_loop()
         self.ready = threading.Event()
@@ -179,7 +188,8 @@ class NonsenseEncoder:
             peer, *frames = await sock.recv_multipart()
             msg = inbox.decode(frames)
             if isinstance(msg, Ping):
-                await sock.send_multipart([peer, *outbox.encode(Pong(msg.nonce, 0, self.width, self.architecture))])
+                await sock.send_multipart([peer, *outbox.encode(Pong(msg.nonce, 0, self.width, self.architecture,
+                                                                          self.hidden, self.levels))])
             elif isinstance(msg, EncodeRequest):
                 kind = self.KINDS[self.served % len(self.KINDS)]
                 self.served += 1
@@ -213,5 +223,26 @@ def test_nonsense_from_an_encoder_is_retried_elsewhere(tiny_ckpt, offline):
         assert "does not check out" in cluster.languages["main"].read_log() or \
             "sent" in cluster.languages["main"].read_log()
         wait_language_blocks_free(lambda: cluster.metrics("main"))
+    finally:
+        cluster.close()
+
+
+@pytest.mark.parametrize("mismatch", ["hidden size", "deepstack levels"])
+def test_an_encoder_of_another_model_is_never_paired(tiny_ckpt, offline, mismatch):
+    """An encoder whose rows do not fit this model (another hidden size, or DeepStack levels the language model
+    does not have) is refused at pairing with a clear error, and requests keep going to the right one."""
+    cluster = Cluster(tiny_ckpt("qwen2_vl"), {"main": []})
+    try:
+        cluster.wait_encoders("main", 1)
+        hidden = offline.config.model.text.hidden_size
+        NonsenseEncoder(cluster.bootstrap_url, hidden * 2 if mismatch == "hidden size" else hidden,
+                        offline.config.model.architecture, deepstack_levels=3 if mismatch == "deepstack levels" else 0)
+        log = cluster.languages["main"].read_log
+        wait_until(lambda: "not paired" in log(), "the mismatched encoder was never refused")
+        assert cluster.metrics("main")["vlserve:encoders_available"] == 1
+        line = next(x for x in log().splitlines() if "not paired" in x)
+        assert ("hidden size 128" if mismatch == "hidden size" else "3 deepstack levels") in line, line
+        messages = picture_chat(700)
+        assert ask(cluster.client("main"), messages) == expected_text(offline, messages)
     finally:
         cluster.close()

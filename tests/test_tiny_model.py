@@ -17,6 +17,8 @@ from transformers import (
     AutoTokenizer,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2VLForConditionalGeneration,
+    Qwen3VLForConditionalGeneration,
+    Qwen3VLMoeForConditionalGeneration,
 )
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
     Qwen2VLImageProcessorPil,
@@ -28,9 +30,13 @@ from vlserve.tools.bpe_tokenizer import SPECIAL_TOKENS
 from vlserve.tools.cli import register_cli
 from vlserve.tools.tiny_model import make_tiny_model
 
-ARCHES = ("qwen2_vl", "qwen2_5_vl")
-MODEL_CLASSES = {"qwen2_vl": Qwen2VLForConditionalGeneration, "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration}
-ARCH_NAMES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+MODEL_CLASSES = {"qwen2_vl": Qwen2VLForConditionalGeneration, "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
+                 "qwen3_vl": Qwen3VLForConditionalGeneration, "qwen3_vl_moe": Qwen3VLMoeForConditionalGeneration}
+ARCHES = tuple(MODEL_CLASSES)
+ARCH_NAMES = {arch: cls.__name__ for arch, cls in MODEL_CLASSES.items()}
+# (min pixels, max pixels, patch size, mean) of the image processor each family's tiny checkpoint writes
+PROCESSOR = {"qwen2_vl": (3136, 200704, 14, 0.48145466), "qwen2_5_vl": (3136, 200704, 14, 0.48145466),
+             "qwen3_vl": (4096, 200704, 16, 0.5), "qwen3_vl_moe": (4096, 200704, 16, 0.5)}
 SYSTEM = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
 
 
@@ -58,8 +64,16 @@ def test_folder_loads_with_transformers(tiny: tuple[str, Path]) -> None:
     assert config.text_config.initializer_range == config.vision_config.initializer_range == 0.15
 
     processor = Qwen2VLImageProcessorPil.from_pretrained(path)
-    assert (processor.size.shortest_edge, processor.size.longest_edge) == (3136, 200704)
-    assert (processor.patch_size, processor.temporal_patch_size, processor.merge_size) == (14, 2, 2)
+    min_px, max_px, patch, mean = PROCESSOR[arch]
+    assert (processor.size.shortest_edge, processor.size.longest_edge) == (min_px, max_px)
+    assert (processor.patch_size, processor.temporal_patch_size, processor.merge_size) == (patch, 2, 2)
+    assert processor.image_mean[0] == pytest.approx(mean)
+    if arch.startswith("qwen3"):  # DeepStack from non-adjacent blocks, a position grid smaller than pictures
+        assert config.vision_config.deepstack_visual_indexes == [0, 2]
+        assert config.vision_config.num_position_embeddings == 16
+        assert config.text_config.num_hidden_layers > len(config.vision_config.deepstack_visual_indexes)
+    if arch == "qwen3_vl_moe":
+        assert (config.text_config.num_experts, config.text_config.num_experts_per_tok) == (4, 2)
 
     model, info = _load_with_info(arch, path)
     assert isinstance(model, MODEL_CLASSES[arch])

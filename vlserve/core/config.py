@@ -76,7 +76,8 @@ class EngineArgs:
     num_kv_blocks: int | None = option(None, "KV cache size in blocks (overrides --kv-cache-memory-gb)", LM_ROLES)
     enable_prefix_caching: bool = option(True, "turn off automatic prefix caching", LM_ROLES,
                                          flag="--disable-prefix-caching", negate=True)
-    encoder_cache_size: int = option(16384, "encoder cache capacity in embedding tokens (0: no reuse across "
+    encoder_cache_size: int = option(16384, "encoder cache capacity in embedding rows: a media token takes one, "
+                                     "1 + levels with DeepStack features (Qwen3-VL) (0: no reuse across "
                                      "requests)", VISION_ROLES)
     max_num_encoder_input_tokens: int = option(16384, "most embedding tokens the vision encoder runs in one step "
                                                "(also the largest item accepted)", VISION_ROLES)

@@ -92,10 +92,10 @@ class EncodeService:
         if packed_linear_supported(self.cfg.device, self.cfg.dtype):
             model.pack_for_cpu()
         self.vision = VisionRunner(model, self.cfg.device)
-        self.cache = EncoderCacheManager(self.cfg.encoder_cache_size)
+        self.cache = EncoderCacheManager.for_model(self.cfg.encoder_cache_size, self.cfg.model)
         self.vit = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlserve-vit")  # one vision call at a time
         self.encoding: dict[str, asyncio.Future] = {}  # mm_hash -> its vision call, while it runs
-        self.width = self.cfg.model.text.hidden_size
+        self.width = self.cfg.model.embedding_width
         self.host, self.data_port = server.host, d.data_port or server.port + 1
         self.failure_prob, self.rng = d.transfer_failure_prob, random.Random()
         self.auth = PeerAuth(d.disagg_secret)
@@ -134,7 +134,9 @@ class EncodeService:
 
     def _dispatch(self, peer: bytes, msg) -> None:
         if isinstance(msg, Ping):
-            self._spawn(self._send(peer, Pong(msg.nonce, self.in_flight, self.width, self.cfg.model.architecture)))
+            m = self.cfg.model
+            self._spawn(self._send(peer, Pong(msg.nonce, self.in_flight, self.width, m.architecture,
+                                              m.text.hidden_size, len(m.vision.deepstack_indexes))))
         elif isinstance(msg, EncodeRequest):
             self._spawn(self._encode(peer, msg))
         elif isinstance(msg, ResumeRequest):
@@ -312,7 +314,7 @@ class _EncoderStats:
                 ("encode_requests_in_flight", s.in_flight, "Encode requests being worked on."),
                 ("encode_transfers_held", len(s.transfers), "Transfers whose items the encoder cache holds (being "
                  "sent or waiting for a resume)."),
-                ("encoder_cache_used_tokens", s.cache.used, "Embedding tokens in the encoder cache.")):
+                ("encoder_cache_used_tokens", s.cache.used, "Embedding rows in the encoder cache (1 + DeepStack levels per media token).")):
             g = GaugeMetricFamily(PREFIX + name, help_text)
             g.add_metric([], float(value))
             yield g

@@ -172,10 +172,13 @@ class EncoderClient:
     def _pair(self, enc: EncoderConn, pong: Pong) -> None:
         if enc.paired:
             return
-        hidden, arch = self.cfg.model.text.hidden_size, self.cfg.model.architecture
-        if pong.width != hidden or pong.architecture != arch:
-            logger.error("encoder %s serves %s with %d-wide embeddings; this server needs %s with %d: not paired",
-                         enc.info.address, pong.architecture[:64], pong.width, arch, hidden)
+        m = self.cfg.model
+        ours = (m.architecture, m.text.hidden_size, len(m.vision.deepstack_indexes), m.embedding_width)
+        theirs = (pong.architecture, pong.hidden_size, pong.deepstack_levels, pong.width)
+        if theirs != ours:
+            logger.error("encoder %s serves %s (hidden size %d, %d deepstack levels, %d columns per media token); this "
+                         "server needs %s (hidden size %d, %d deepstack levels, %d columns): not paired",
+                         enc.info.address, theirs[0][:64], *theirs[1:], *ours)
             self._drop(enc, "its model does not match", quiet=True, for_s=300.0)
             return
         enc.paired = True

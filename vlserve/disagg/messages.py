@@ -103,8 +103,10 @@ class Pong(msgspec.Struct, tag="pong"):
 
     nonce: int
     load: int
-    width: int  # embedding columns per media token (hidden size, plus extra feature columns)
+    width: int  # embedding columns per media token: hidden size times (1 + deepstack levels)
     architecture: str
+    hidden_size: int
+    deepstack_levels: int
 
 
 EncoderToLanguage = TransferChunk | TransferFailed | Pong

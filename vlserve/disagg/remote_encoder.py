@@ -26,7 +26,7 @@ class RemotePromptEncoder:
         self.cfg = engine.cfg
         self.local = LocalPromptEncoder(engine.input_processor, {}, engine.executor)  # text and embeddings
         self.transfer_buffers = TransferBuffers.create(opts.embedding_buffer_blocks, opts.embedding_block_tokens,
-                                                       self.cfg.model.text.hidden_size, self.cfg.dtype)
+                                                       self.cfg.model.embedding_width, self.cfg.dtype)
         metrics = TransferMetrics(engine.metrics.registry, self.transfer_buffers, "language")
         info = InstanceInfo(new_instance_id(), "language", http_address, http_address)
         self.client = EncoderClient(self.cfg, self.transfer_buffers, metrics, opts, info)

@@ -3,7 +3,9 @@
 An entry is referenced by the requests that still need it: from the step its placeholder is first scheduled
 until the placeholder is fully computed. Unreferenced entries stay, in LRU order, so a later request with the
 same picture skips the ViT; they are evicted whole, and only when room is needed. Capacity counts embedding
-tokens; 0 disables caching across requests (an entry is dropped as soon as nobody needs it).
+rows of the LM's hidden size: a media token costs one, or 1 + levels on a model with DeepStack features (they
+are held next to the embedding). 0 disables caching across requests (an entry is dropped as soon as nobody
+needs it).
 """
 
 from __future__ import annotations
@@ -11,19 +13,25 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from vlserve.core.prompt import MultiModalItem
+from vlserve.model.hf_config import ModelConfig
 
 Holder = tuple[str, int]  # (request or transfer id, item index): one use of an entry
 
 
 class EncoderCacheManager:
-    def __init__(self, capacity_tokens: int):
-        self.capacity = capacity_tokens
+    def __init__(self, capacity: int, rows_per_token: int = 1):
+        self.capacity = capacity
+        self.rows_per_token = rows_per_token
         self.used = 0
-        self._size: dict[str, int] = {}  # mm_hash -> embedding tokens
+        self._size: dict[str, int] = {}  # mm_hash -> rows held
         self._holders: dict[str, set[tuple[str, int]]] = {}  # mm_hash -> (request id, item index) still needing it
         self._freeable: OrderedDict[str, None] = OrderedDict()  # unreferenced entries, oldest first
         self.queries = 0
         self.hits = 0
+
+    @classmethod
+    def for_model(cls, capacity: int, model: ModelConfig) -> "EncoderCacheManager":
+        return cls(capacity, model.embedding_width // model.text.hidden_size)
 
     @property
     def enabled(self) -> bool:
@@ -36,7 +44,7 @@ class EncoderCacheManager:
         return len(self._size)
 
     def fits_ever(self, num_tokens: int) -> bool:
-        return not self.enabled or num_tokens <= self.capacity
+        return not self.enabled or num_tokens * self.rows_per_token <= self.capacity
 
     def lookup(self, holder: Holder, item: MultiModalItem) -> bool:
         """Count a query; on a hit `holder` holds the entry and no encoding is needed."""
@@ -48,22 +56,23 @@ class EncoderCacheManager:
         return True
 
     def can_allocate(self, num_tokens: int, protect: set[str] = frozenset()) -> bool:
-        """Room for `num_tokens` new embedding tokens, evicting only unreferenced entries not in `protect`."""
+        """Room for `num_tokens` new media tokens, evicting only unreferenced entries not in `protect`."""
         if not self.enabled:
             return True
         evictable = sum(self._size[h] for h in self._freeable if h not in protect)
-        return self.capacity - self.used + evictable >= num_tokens
+        return self.capacity - self.used + evictable >= num_tokens * self.rows_per_token
 
     def allocate(self, holder: Holder, item: MultiModalItem) -> list[str]:
         """Reserve room for an item about to be encoded; returns the hashes evicted to make room."""
         self.queries += 1  # a miss
         evicted = []
-        while self.enabled and self.capacity - self.used < item.num_tokens:
+        rows = item.num_tokens * self.rows_per_token
+        while self.enabled and self.capacity - self.used < rows:
             victim, _ = self._freeable.popitem(last=False)
             self._drop(victim)
             evicted.append(victim)
-        self._size[item.mm_hash] = item.num_tokens
-        self.used += item.num_tokens
+        self._size[item.mm_hash] = rows
+        self.used += rows
         self._holders[item.mm_hash] = set()
         self._hold(item.mm_hash, holder)
         return evicted

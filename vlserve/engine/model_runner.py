@@ -2,8 +2,8 @@
 
 Per step: drop encoder outputs nobody needs → encode newly scheduled items in one ViT call → build the flat
 token batch (decode tokens first, then prefill chunks) with M-RoPE positions, slots and attention metadata →
-embed tokens and scatter image embeddings into their placeholder rows → LM forward → logits only for rows
-that sample → sampler.
+embed tokens and scatter image embeddings into their placeholder rows (Qwen3-VL: the DeepStack features of
+those rows set aside for the first decoder layers) → LM forward → logits only for rows that sample → sampler.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from vlserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from vlserve.engine.transfer_buffers import TransferBuffers
 from vlserve.engine.vision_runner import VisionRunner
 from vlserve.model.layers.attention import AttentionMetadata, build_prefill_span
+from vlserve.model.qwen3_text import DeepstackInput
 
 
 class ModelRunner:
@@ -37,6 +38,8 @@ class ModelRunner:
             for _ in range(t.num_layers)
         ]
         self.sampler = Sampler()
+        self.hidden = t.hidden_size
+        self.deepstack_levels = len(cfg.model.vision.deepstack_indexes)
 
     def take_encoder_seconds(self) -> list[float]:
         """Vision-tower call durations since the last call (histogram samples for the metrics)."""
@@ -109,16 +112,28 @@ class ModelRunner:
                 span.mask = span.mask.to(dev, non_blocking=True)
         return meta
 
-    def _embed(self, ordered: list[ScheduledChunk], token_ids: list[int]) -> torch.Tensor:
+    def _embed(self, ordered: list[ScheduledChunk], token_ids: list[int]) -> tuple[torch.Tensor, DeepstackInput | None]:
+        """Token embeddings with media rows in place, and the DeepStack features of those rows (None when the
+        model has none or no media token is in this step)."""
         ids = torch.tensor(token_ids, device=self.device)
         embeds = self.model.embed_tokens(ids)
+        feature_rows: list[torch.Tensor] = []  # flat batch rows that get DeepStack features
+        features: list[torch.Tensor] = []  # [n, levels * hidden] each
         row = 0
         for c in ordered:
             for idx in c.req.items_overlapping(c.start, c.end):
                 lo, hi = max(c.start, c.req.mm_items[idx].offset), min(c.end, c.req.mm_items[idx].end)
-                embeds[row + lo - c.start : row + hi - c.start] = self._item_rows(c.req, idx, lo, hi)
+                first = row + lo - c.start
+                rows = self._item_rows(c.req, idx, lo, hi)
+                embeds[first : first + hi - lo] = rows[:, : self.hidden]
+                if self.deepstack_levels:
+                    feature_rows.append(torch.arange(first, first + hi - lo))
+                    features.append(rows[:, self.hidden :])
             row += c.num_tokens
-        return embeds
+        if not features:
+            return embeds, None
+        stacked = torch.cat(features).view(-1, self.deepstack_levels, self.hidden).transpose(0, 1)
+        return embeds, DeepstackInput(torch.cat(feature_rows).to(self.device), stacked)
 
     def _item_rows(self, req: Request, idx: int, lo: int, hi: int) -> torch.Tensor:
         """Embedding rows of prompt tokens [lo, hi), all inside item `idx`, from wherever that item's are."""
@@ -128,8 +143,8 @@ class ModelRunner:
         if item.embeddings is not None:
             return item.embeddings[lo - item.offset : hi - item.offset].to(self.device, self.cfg.dtype)
         # Sent by an encoder service: gathered from the receive blocks, where the transport wrote them.
-        hidden = self.cfg.model.text.hidden_size
-        return self.transfer.read_rows(req.prompt.block_rows, lo, hi - lo, hidden).to(self.device, self.cfg.dtype)
+        width = self.cfg.model.embedding_width
+        return self.transfer.read_rows(req.prompt.block_rows, lo, hi - lo, width).to(self.device, self.cfg.dtype)
 
     # ---- step -----------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -140,8 +155,8 @@ class ModelRunner:
         if sched.empty:
             return {}, {}
         ordered, token_ids, positions, meta = self._prepare(sched.chunks)
-        embeds = self._embed(ordered, token_ids)
-        hidden = self.model(embeds, positions.to(self.device), self.kv_caches, self._to_device(meta))
+        embeds, deepstack = self._embed(ordered, token_ids)
+        hidden = self.model(embeds, positions.to(self.device), self.kv_caches, self._to_device(meta), deepstack)
 
         rows, sampling = [], []
         row = 0

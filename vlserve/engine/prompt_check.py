@@ -30,7 +30,7 @@ def check_prompt(prompt: ProcessedPrompt, cfg: VlserveConfig, block_capacity: tu
         if len(prompt.block_rows) * block_tokens < length or any(not 0 <= b < num_blocks for b in prompt.block_rows):
             raise InvalidInputError("the prompt's receive blocks do not hold all its tokens")
     merge = cfg.model.vision.spatial_merge_size
-    hidden = cfg.model.text.hidden_size
+    width = cfg.model.embedding_width
     patch_dim = cfg.model.vision.patch_dim
     previous_end = 0
     for item in prompt.mm_items:
@@ -54,6 +54,6 @@ def check_prompt(prompt: ProcessedPrompt, cfg: VlserveConfig, block_capacity: tu
                 raise InvalidInputError(f"pixel values of shape {tuple(item.pixel_values.shape)} do not match grid "
                                         f"{item.grid_thw}")
         elif item.embeddings is not None and (not item.embeddings.is_floating_point()
-                                              or tuple(item.embeddings.shape) != (item.num_tokens, hidden)):
+                                              or tuple(item.embeddings.shape) != (item.num_tokens, width)):
             raise InvalidInputError(f"embeddings are {item.embeddings.dtype} of shape {tuple(item.embeddings.shape)}; "
-                                    f"expected floats of shape ({item.num_tokens}, {hidden})")
+                                    f"expected floats of shape ({item.num_tokens}, {width})")

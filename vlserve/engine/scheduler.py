@@ -23,7 +23,7 @@ class Scheduler:
     def __init__(self, cfg: VlserveConfig):
         self.cfg = cfg
         self.kv = KVCacheManager(cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.encoder_cache = EncoderCacheManager(cfg.encoder_cache_size)
+        self.encoder_cache = EncoderCacheManager.for_model(cfg.encoder_cache_size, cfg.model)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -61,8 +61,9 @@ class Scheduler:
                 continue  # its embeddings came with the request: no encoder budget or cache involved
             if not self.encoder_cache.fits_ever(item.num_tokens):
                 raise InvalidInputError(
-                    f"a multimodal item needs {item.num_tokens} embedding tokens, more than the whole encoder cache "
-                    f"(encoder_cache_size={cfg.encoder_cache_size}); send a smaller image")
+                    f"a multimodal item needs {item.num_tokens * self.encoder_cache.rows_per_token} encoder-cache "
+                    f"rows, more than the whole encoder cache (encoder_cache_size={cfg.encoder_cache_size}); "
+                    f"send a smaller image")
             if item.num_tokens > cfg.max_num_encoder_input_tokens:
                 raise InvalidInputError(
                     f"a multimodal item needs {item.num_tokens} embedding tokens, more than the per-step encoder "

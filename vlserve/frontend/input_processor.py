@@ -35,6 +35,7 @@ from vlserve.frontend.media.video import (
 )
 from vlserve.frontend.mrope import MRopeItem, expand_all_placeholders, mrope_positions
 from vlserve.frontend.tokenizer import load_tokenizer
+from vlserve.frontend.video_layout import VideoLayout
 
 MM_KWARGS = {"min_pixels", "max_pixels", "fps", "max_frames", "total_pixels"}
 EMBED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -69,12 +70,19 @@ class InputProcessor:
         self.image_cfg = image_cfg
         self.vocab_size = cfg.model.text.vocab_size
         self.max_image_pixels = max_image_pixels
-        self.video_opts = VideoOptions(max_frames=cfg.max_video_frames)
+        m = cfg.model
+        self.video_opts = VideoOptions.for_model(cfg.model_path, m.video_rules, cfg.max_video_frames)
+        # Qwen3-VL: each temporal patch of a video is its own item, after a timestamp written into the prompt
+        self.video_layout = (VideoLayout(tokenizer, m.vision_start_token_id, m.video_token_id, m.vision_end_token_id)
+                             if m.video_timestamps else None)
         # One media item must fit the encoder's per-step budget, its cache and the context.
-        caps = {"max_num_encoder_input_tokens": cfg.max_num_encoder_input_tokens, "max_model_len": cfg.max_model_len}
-        if cfg.encoder_cache_size:
-            caps["encoder_cache_size"] = cfg.encoder_cache_size
-        self.item_token_limit = min(caps.items(), key=lambda kv: kv[1])  # (option name, tokens)
+        caps = {f"max_num_encoder_input_tokens={cfg.max_num_encoder_input_tokens}": cfg.max_num_encoder_input_tokens,
+                f"max_model_len={cfg.max_model_len}": cfg.max_model_len}
+        if cfg.encoder_cache_size:  # a token of a model with DeepStack features takes 1 + levels rows of it
+            rows = cfg.model.embedding_width // cfg.model.text.hidden_size
+            name = f"encoder_cache_size={cfg.encoder_cache_size}" + (f" rows at {rows} per token" if rows > 1 else "")
+            caps[name] = cfg.encoder_cache_size // rows
+        self.item_token_limit = min(caps.items(), key=lambda kv: kv[1])  # (the option that sets it, tokens)
         # Any prompt longer than this many characters is longer than max_model_len tokens whatever it says:
         # refused before tokenizing (no token of this vocabulary is longer).
         self.max_prompt_chars = cfg.max_model_len * max(max((len(t) for t in tokenizer.get_vocab()), default=1), 1)
@@ -131,7 +139,14 @@ class InputProcessor:
                                     f"({self.max_image_pixels})")
         pixel_params = {"min_pixels": min_px, "max_pixels": max_px}  # what changes the encoder's output
         image_items = [self._image(src, uid, pixel_params) for src, uid in images]
-        video_items = [self._video(src, uid, kwargs, pixel_params) for src, uid in videos] if videos else []
+        per_video = [self._video(src, uid, kwargs, pixel_params) for src, uid in videos]
+        video_items = [item for items, _ in per_video for item in items]
+        if self.video_layout is not None and per_video:
+            stamps = [timestamps for _, timestamps in per_video]
+            if "prompt_token_ids" in prompt:  # (a prompt with media is always a dict)
+                token_ids = self.video_layout.token_ids(token_ids, stamps)
+            else:  # rewritten as text and tokenized again, as the reference processor does
+                token_ids = self.tokenize({"prompt": self.video_layout.text(text, stamps)})[1]
 
         mcfg = self.cfg.model
         token_ids, offsets = expand_all_placeholders(token_ids, {
@@ -168,17 +183,28 @@ class InputProcessor:
         mm_hash = hash_user_id(str(uid), params) if uid else hash_image(img, params)
         return _Item(p.num_embed_tokens, p.grid_thw, mm_hash, pixel_values=p.pixel_values)
 
-    def _video(self, src: Any, uid: str | None, kwargs: dict, pixel_params: dict) -> _Item:
+    def _video(self, src: Any, uid: str | None, kwargs: dict, pixel_params: dict) -> tuple[list[_Item], list[float]]:
+        """The video's items (one, or one per temporal patch with the layout of Qwen3-VL) and each temporal
+        patch's time in seconds."""
         opts = self.video_opts.with_overrides(kwargs, self.cfg.max_video_frames)
         video = load_video(list(src) if isinstance(src, np.ndarray) else src, opts, self.max_image_pixels)
         lo, hi = pixel_params["min_pixels"], pixel_params["max_pixels"]
-        self._check_size(video_grid(video, self.image_cfg, opts, lo, hi), "video")
+        t, h, w = video_grid(video, self.image_cfg, opts, lo, hi)
+        # one item per temporal patch with Qwen3-VL's layout: each must fit the encoder on its own
+        self._check_size((1, h, w) if self.video_layout is not None else (t, h, w), "video")
         p = preprocess_video(video, self.image_cfg, opts, lo, hi)
         params = {**pixel_params, "fps": opts.fps, "max_frames": opts.max_frames, "total_pixels": opts.total_pixels}
         mm_hash = hash_user_id(str(uid), params) if uid else hash_video(video.frames, params)
         vision = self.cfg.model.vision
+        timestamps = video.timestamps(self.image_cfg.temporal_patch_size)
+        if self.video_layout is not None:
+            t, h, w = p.grid_thw
+            rows = p.pixel_values.view(t, h * w, -1)
+            return [_Item(h * w // self.image_cfg.merge_size**2, (1, h, w), hash_user_id(f"{mm_hash}|{k}", {}),
+                          pixel_values=rows[k]) for k in range(t)], timestamps
         interval = p.second_per_grid * vision.tokens_per_second if vision.time_scaled_video else 1.0
-        return _Item(p.num_embed_tokens, p.grid_thw, mm_hash, pixel_values=p.pixel_values, time_interval=interval)
+        return [_Item(p.num_embed_tokens, p.grid_thw, mm_hash, pixel_values=p.pixel_values,
+                      time_interval=interval)], timestamps
 
     def _check_size(self, grid_thw: tuple[int, int, int], what: str) -> None:
         """Refuse a resized item that is too large before doing the resize."""
@@ -191,7 +217,7 @@ class InputProcessor:
         name, limit = self.item_token_limit
         if tokens > limit:
             raise InvalidInputError(f"the {what} would take {tokens} embedding tokens, more than the {limit} one item "
-                                    f"may take here ({name}={limit}); lower max_pixels or send a smaller one")
+                                    f"may take here ({name}); lower max_pixels or send a smaller one")
 
     def _embeds(self, entry: dict) -> _Item:
         """Precomputed image embeddings: a tensor (or base64 safetensors) plus its image_grid_thw."""
@@ -208,10 +234,12 @@ class InputProcessor:
         if embeds.dim() == 3 and embeds.shape[0] == 1:
             embeds = embeds[0]
         tokens = grid[0] * grid[1] * grid[2] // merge**2
-        expected = (tokens, self.cfg.model.text.hidden_size)
+        expected = (tokens, self.cfg.model.embedding_width)
         if tuple(embeds.shape) != expected:
+            levels = len(self.cfg.model.vision.deepstack_indexes)
+            layout = f" (the embedding, then {levels} DeepStack feature rows, side by side)" if levels else ""
             raise InvalidInputError(f"image_embeds has shape {tuple(embeds.shape)}; image_grid_thw {tuple(grid)} on "
-                                    f"this model needs {expected}")
+                                    f"this model needs {expected}{layout}")
         if embeds.dtype not in EMBED_DTYPES:
             raise InvalidInputError(f"image_embeds dtype {embeds.dtype} is not float32, bfloat16 or float16")
         if not torch.isfinite(embeds).all():

@@ -1,8 +1,9 @@
-"""Read a Hugging Face `config.json` of a Qwen2-VL family model into small frozen dataclasses.
+"""Read a Hugging Face `config.json` of a Qwen-VL family model into small frozen dataclasses.
 
-Two formats exist in the wild and both are accepted:
+Families (by `architectures`): Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE. Two formats exist in the wild
+and both are accepted:
 - transformers >= 5 nests the language model under `text_config` and names RoPE settings `rope_parameters`;
-- the original hub checkpoints keep text fields at the top level with `rope_scaling` / `rope_theta`.
+- older checkpoints keep RoPE settings in `rope_scaling` + `rope_theta` (and Qwen2-VL's text fields at the top).
 """
 
 from __future__ import annotations
@@ -14,6 +15,20 @@ from typing import Any
 
 from vlserve.core.errors import ModelLoadError
 
+QWEN2_VL, QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+                                               "Qwen3VLForConditionalGeneration",
+                                               "Qwen3VLMoeForConditionalGeneration")
+QWEN3_FAMILY = (QWEN3_VL, QWEN3_VL_MOE)
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # per expert
+    sparse_step: int  # every `sparse_step`-th layer is sparse ...
+    dense_layers: tuple[int, ...]  # ... except these, which keep a dense MLP
+
 
 @dataclass(frozen=True)
 class TextConfig:
@@ -23,22 +38,27 @@ class TextConfig:
     num_layers: int
     num_heads: int
     num_kv_heads: int
+    head_dim: int
     rms_norm_eps: float
     rope_theta: float
     mrope_section: tuple[int, ...]
     max_position_embeddings: int
     tie_word_embeddings: bool
+    qk_norm: bool = False  # Qwen3: RMSNorm over each q and k head before RoPE
+    qkv_bias: bool = True  # Qwen2: biased q/k/v projections; Qwen3: none
+    mrope_interleaved: bool = False  # Qwen3: frequencies cycle T, H, W instead of coming in three bands
+    hidden_act: str = "silu"
+    moe: MoEConfig | None = None
 
-    @property
-    def head_dim(self) -> int:
-        # Qwen2-VL derives head_dim from hidden/heads and ignores any `head_dim` key.
-        return self.hidden_size // self.num_heads
+    def is_sparse_layer(self, layer: int) -> bool:
+        m = self.moe
+        return m is not None and layer not in m.dense_layers and (layer + 1) % m.sparse_step == 0
 
 
 @dataclass(frozen=True)
 class VisionConfig:
     depth: int
-    width: int  # ViT hidden width (Qwen2-VL: embed_dim, Qwen2.5-VL: hidden_size)
+    width: int  # ViT hidden width (Qwen2-VL: embed_dim, the others: hidden_size)
     num_heads: int
     mlp_hidden: int
     hidden_act: str
@@ -52,8 +72,10 @@ class VisionConfig:
     fullatt_block_indexes: tuple[int, ...]
     tokens_per_second: float
     # Qwen2.5-VL spaces video frames on the temporal M-RoPE axis by real time (second_per_grid_t *
-    # tokens_per_second); Qwen2-VL by one position per merged frame.
+    # tokens_per_second); Qwen2-VL by one position per merged frame; Qwen3-VL writes timestamps as text instead.
     time_scaled_video: bool = False
+    num_position_embeddings: int = 0  # Qwen3-VL: a learned square grid of position embeddings, interpolated
+    deepstack_indexes: tuple[int, ...] = ()  # Qwen3-VL: ViT blocks whose outputs feed the LM's first layers
 
     @property
     def head_dim(self) -> int:
@@ -75,6 +97,23 @@ class ModelConfig:
     vision_end_token_id: int
     eos_token_ids: tuple[int, ...]
     checkpoint_dtype: str | None  # dtype named in config.json ("bfloat16", ...), used by dtype="auto"
+    transformers_major: int | None = None  # major version that saved it (tie-breaks tensor layouts)
+
+    @property
+    def embedding_width(self) -> int:
+        """Columns of one media token's encoder output: the embedding, then one row per deepstack level."""
+        return self.text.hidden_size * (1 + len(self.vision.deepstack_indexes))
+
+    @property
+    def video_rules(self) -> str:
+        """How videos are sampled, resized and laid out in the prompt ("qwen2" or "qwen3", see
+        frontend/media/video.py)."""
+        return "qwen3" if self.architecture in QWEN3_FAMILY else "qwen2"
+
+    @property
+    def video_timestamps(self) -> bool:
+        """Qwen3-VL: every temporal patch of a video is its own vision block after a `<t seconds>` timestamp."""
+        return self.video_rules == "qwen3"
 
 
 def _require(d: dict, key: str, where: str) -> Any:
@@ -83,17 +122,35 @@ def _require(d: dict, key: str, where: str) -> Any:
     return d[key]
 
 
-def _text_config(raw: dict) -> TextConfig:
+def _rope(raw: dict, t: dict) -> dict:
+    return t.get("rope_parameters") or t.get("rope_scaling") or raw.get("rope_scaling") or {}
+
+
+def _text_config(raw: dict, architecture: str) -> TextConfig:
     t = raw.get("text_config") or raw  # nested (transformers 5) or flat (original hub format)
-    rope = t.get("rope_parameters") or t.get("rope_scaling") or raw.get("rope_scaling") or {}
-    theta = rope.get("rope_theta", t.get("rope_theta", raw.get("rope_theta", 1000000.0)))
+    rope = _rope(raw, t)
+    qwen3 = architecture in QWEN3_FAMILY
+    theta = rope.get("rope_theta", t.get("rope_theta", raw.get("rope_theta", 500000.0 if qwen3 else 1000000.0)))
     hidden = _require(t, "hidden_size", "text config")
     heads = _require(t, "num_attention_heads", "text config")
-    section = tuple(rope.get("mrope_section", (16, 24, 24)))
-    head_dim = hidden // heads
+    # Qwen2-VL derives head_dim from hidden/heads (and ignores any `head_dim` key); Qwen3 states it.
+    head_dim = (t.get("head_dim") or hidden // heads) if qwen3 else hidden // heads
+    section = tuple(rope.get("mrope_section", (24, 20, 20) if qwen3 else (16, 24, 24)))
     if sum(section) != head_dim // 2:
         raise ModelLoadError(f"mrope_section {list(section)} must sum to head_dim/2 = {head_dim // 2}")
     tie = raw.get("tie_word_embeddings", t.get("tie_word_embeddings", False))
+    moe = None
+    if architecture == QWEN3_VL_MOE:
+        experts = t.get("num_experts", t.get("num_local_experts"))
+        if experts is None:
+            raise ModelLoadError("config.json: missing 'num_experts' in text config")
+        moe = MoEConfig(num_experts=experts,
+                        top_k=_require(t, "num_experts_per_tok", "text config"),
+                        intermediate_size=_require(t, "moe_intermediate_size", "text config"),
+                        sparse_step=t.get("decoder_sparse_step") or 1,
+                        dense_layers=tuple(t.get("mlp_only_layers") or ()))
+        if not 0 < moe.top_k <= moe.num_experts:
+            raise ModelLoadError(f"num_experts_per_tok {moe.top_k} must be within 1..num_experts {moe.num_experts}")
     return TextConfig(
         vocab_size=_require(t, "vocab_size", "text config"),
         hidden_size=hidden,
@@ -101,38 +158,51 @@ def _text_config(raw: dict) -> TextConfig:
         num_layers=_require(t, "num_hidden_layers", "text config"),
         num_heads=heads,
         num_kv_heads=t.get("num_key_value_heads") or heads,
+        head_dim=head_dim,
         rms_norm_eps=t.get("rms_norm_eps", 1e-6),
         rope_theta=float(theta),
         mrope_section=section,
         max_position_embeddings=t.get("max_position_embeddings", 32768),
         tie_word_embeddings=bool(tie),
+        qk_norm=qwen3,
+        qkv_bias=not qwen3 or bool(t.get("attention_bias", False)),
+        mrope_interleaved=qwen3,  # transformers interleaves for Qwen3-VL whatever the config's flag says
+        hidden_act=t.get("hidden_act", "silu"),
+        moe=moe,
     )
 
 
 def _vision_config(raw: dict, architecture: str, text: TextConfig) -> VisionConfig:
     v = _require(raw, "vision_config", "config.json")
-    windowed = architecture == "Qwen2_5_VLForConditionalGeneration"
+    windowed, qwen3 = architecture == QWEN2_5_VL, architecture in QWEN3_FAMILY
     if windowed:  # Qwen2.5-VL: RMSNorm + SwiGLU blocks, window attention, explicit out_hidden_size
-        width = v.get("hidden_size", 1280)
-        mlp_hidden = v.get("intermediate_size", 3420)
-        out_dim = v.get("out_hidden_size", text.hidden_size)
-        act = v.get("hidden_act", "silu")
+        width, mlp_hidden = v.get("hidden_size", 1280), v.get("intermediate_size", 3420)
+        out_dim, act = v.get("out_hidden_size", text.hidden_size), v.get("hidden_act", "silu")
+    elif qwen3:  # Qwen3-VL: LayerNorm + GELU(tanh) blocks, learned position grid, deepstack mergers
+        width, mlp_hidden = v.get("hidden_size", 1152), v.get("intermediate_size", 4304)
+        out_dim, act = v.get("out_hidden_size", text.hidden_size), v.get("hidden_act", "gelu_pytorch_tanh")
     else:  # Qwen2-VL: LayerNorm + GELU blocks; `hidden_size` is the merger's output width
         width = v.get("embed_dim", 1280)
         mlp_hidden = int(width * v.get("mlp_ratio", 4))
-        out_dim = v.get("hidden_size", text.hidden_size)
-        act = v.get("hidden_act", "quick_gelu")
+        out_dim, act = v.get("hidden_size", text.hidden_size), v.get("hidden_act", "quick_gelu")
     if out_dim != text.hidden_size:
         raise ModelLoadError(f"vision output width {out_dim} != language model hidden size {text.hidden_size}")
     rope = v.get("rope_parameters") or {}
+    deepstack = tuple(v.get("deepstack_visual_indexes", (8, 16, 24))) if qwen3 else ()
+    depth = v.get("depth", 27 if qwen3 else 32)
+    if any(not 0 <= i < depth for i in deepstack) or len(set(deepstack)) != len(deepstack):
+        raise ModelLoadError(f"deepstack_visual_indexes {list(deepstack)} must be distinct blocks of 0..{depth - 1}")
+    grid = v.get("num_position_embeddings", 2304) if qwen3 else 0
+    if qwen3 and int(grid**0.5) ** 2 != grid:
+        raise ModelLoadError(f"num_position_embeddings {grid} must be a square (a grid of positions)")
     return VisionConfig(
-        depth=v.get("depth", 32),
+        depth=depth,
         width=width,
         num_heads=v.get("num_heads", 16),
         mlp_hidden=mlp_hidden,
         hidden_act=act,
         out_dim=out_dim,
-        patch_size=v.get("patch_size", 14),
+        patch_size=v.get("patch_size", 16 if qwen3 else 14),
         temporal_patch_size=v.get("temporal_patch_size", 2),
         spatial_merge_size=v.get("spatial_merge_size", 2),
         in_channels=v.get("in_channels", 3),
@@ -141,15 +211,16 @@ def _vision_config(raw: dict, architecture: str, text: TextConfig) -> VisionConf
         fullatt_block_indexes=tuple(v.get("fullatt_block_indexes", (7, 15, 23, 31))) if windowed else (),
         tokens_per_second=float(v.get("tokens_per_second", 2)),
         time_scaled_video=windowed,
+        num_position_embeddings=grid,
+        deepstack_indexes=deepstack,
     )
 
 
 def _eos_ids(raw: dict, folder: Path) -> tuple[int, ...]:
-    """EOS ids come from generation_config.json when present (chat models stop on <|im_end|>)."""
-    ids: list[int] = []
     gen_path = folder / "generation_config.json"
     sources = [json.loads(gen_path.read_text())] if gen_path.is_file() else []
     sources += [raw, raw.get("text_config") or {}]
+    ids: list[int] = []
     for src in sources:
         eos = src.get("eos_token_id")
         if eos is None:
@@ -160,12 +231,18 @@ def _eos_ids(raw: dict, folder: Path) -> tuple[int, ...]:
     return tuple(int(i) for i in ids)
 
 
+def _transformers_major(raw: dict) -> int | None:
+    version = str(raw.get("transformers_version", ""))
+    head = version.split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
 def parse_model_config(raw: dict, folder: Path) -> ModelConfig:
     archs = raw.get("architectures") or []
     if not archs:
         raise ModelLoadError("config.json has no 'architectures' entry; cannot tell which model to build")
     architecture = archs[0]
-    text = _text_config(raw)
+    text = _text_config(raw, architecture)
     dtype = raw.get("dtype") or raw.get("torch_dtype") or (raw.get("text_config") or {}).get("dtype")
     return ModelConfig(
         architecture=architecture,
@@ -177,6 +254,7 @@ def parse_model_config(raw: dict, folder: Path) -> ModelConfig:
         vision_end_token_id=raw.get("vision_end_token_id", 151653),
         eos_token_ids=_eos_ids(raw, folder),
         checkpoint_dtype=dtype if isinstance(dtype, str) else None,
+        transformers_major=_transformers_major(raw),
     )
 
 

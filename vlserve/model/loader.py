@@ -3,7 +3,7 @@
 Checkpoint names are mapped onto ours in two steps: a prefix rename (both the transformers-5 layout
 `model.language_model.*` / `model.visual.*` and the original `model.*` / `visual.*` are accepted), then fused
 parameters: q/k/v projections land in one `qkv_proj`, gate/up in one `gate_up_proj`, the Conv3d patch
-embedding in a Linear.
+embedding in a Linear. MoE experts come in two layouts (see `expert_tensor`).
 """
 
 from __future__ import annotations
@@ -98,6 +98,24 @@ def our_name(ckpt_name: str) -> tuple[str, str | None]:
     return ckpt_name, None
 
 
+EXPERT_TENSORS = (".experts.gate_up_proj", ".experts.down_proj")
+
+
+def expert_tensor(tensor: torch.Tensor, target_shape: torch.Size, transformers_major: int | None) -> torch.Tensor:
+    """An MoE expert weight in our linear layout (`gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`).
+
+    transformers 5 saves that layout; released Qwen3-VL-MoE checkpoints (transformers 4.57) store the transpose,
+    `[E, H, 2I]` / `[E, I, H]`. The shape tells which, except when the two are equal (H == 2I, or H == I): then
+    the transformers version that saved the checkpoint decides.
+    """
+    if tensor.dim() != 3:
+        return tensor
+    transposed = tensor.transpose(1, 2)
+    if tensor.shape == target_shape and transposed.shape == target_shape:
+        return transposed if transformers_major is not None and transformers_major < 5 else tensor
+    return transposed if transposed.shape == target_shape else tensor
+
+
 def _shard_view(model: nn.Module, name: str, param: torch.Tensor, shard: str) -> torch.Tensor:
     """The rows of fused parameter `name` that checkpoint piece `shard` fills.
 
@@ -130,6 +148,8 @@ def load_weights(model: nn.Module, folder: Path, files: list[Path] | None = None
     # Parts this model was built with: a role that leaves one out (an encoder has no LM) skips its tensors
     # silently, and so does a tied LM head stored anyway. Unknown tensors of a built part are worth a warning.
     built = {name.split(".", 1)[0] for name in params}
+    cfg = getattr(model, "cfg", None)
+    transformers_major = cfg.transformers_major if cfg is not None else None
     loaded: set[str] = set()
     unexpected: list[str] = []
     total_bytes = sum(f.stat().st_size for f in files)
@@ -148,6 +168,8 @@ def load_weights(model: nn.Module, folder: Path, files: list[Path] | None = None
                     param = params[name].data
                     if name.endswith("patch_embed.proj.weight"):
                         tensor = tensor.reshape(tensor.shape[0], -1)  # Conv3d kernel -> Linear
+                    elif name.endswith(EXPERT_TENSORS):
+                        tensor = expert_tensor(tensor, param.shape, transformers_major)
                     target = _shard_view(model, name, param, shard) if shard else param
                     if target.shape != tensor.shape:
                         raise ModelLoadError(

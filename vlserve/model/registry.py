@@ -8,10 +8,13 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from vlserve.core.errors import UnsupportedModelError
-from vlserve.model.hf_config import ModelConfig
+from vlserve.model.hf_config import QWEN2_5_VL, QWEN2_VL, QWEN3_VL, QWEN3_VL_MOE, ModelConfig
 from vlserve.model.qwen2_5_vl_vision import Qwen2_5_VLVisionTransformer
-from vlserve.model.qwen2_vl import Qwen2VLForGeneration
+from vlserve.model.qwen2_text import Qwen2TextModel
 from vlserve.model.qwen2_vl_vision import Qwen2VLVisionTransformer
+from vlserve.model.qwen3_text import Qwen3TextModel
+from vlserve.model.qwen3_vl_vision import Qwen3VLVisionTransformer
+from vlserve.model.vl_model import VisionLanguageModel
 
 
 @dataclass(frozen=True)
@@ -19,13 +22,15 @@ class ModelSpec:
     build: Callable[..., nn.Module]  # (cfg, with_vision=..., with_language=...) -> module
 
 
-def _qwen2_vl_family(vision_cls):
-    return lambda cfg, **kw: Qwen2VLForGeneration(cfg, vision_cls, **kw)
+def _vision_language(vision_cls, text_cls) -> ModelSpec:
+    return ModelSpec(lambda cfg, **kw: VisionLanguageModel(cfg, vision_cls, text_cls, **kw))
 
 
 MODEL_REGISTRY: dict[str, ModelSpec] = {
-    "Qwen2VLForConditionalGeneration": ModelSpec(_qwen2_vl_family(Qwen2VLVisionTransformer)),
-    "Qwen2_5_VLForConditionalGeneration": ModelSpec(_qwen2_vl_family(Qwen2_5_VLVisionTransformer)),
+    QWEN2_VL: _vision_language(Qwen2VLVisionTransformer, Qwen2TextModel),
+    QWEN2_5_VL: _vision_language(Qwen2_5_VLVisionTransformer, Qwen2TextModel),
+    QWEN3_VL: _vision_language(Qwen3VLVisionTransformer, Qwen3TextModel),  # dense and MoE: the config says which
+    QWEN3_VL_MOE: _vision_language(Qwen3VLVisionTransformer, Qwen3TextModel),
 }
 
 

@@ -1,4 +1,4 @@
-"""Pieces shared by the Qwen2-VL and Qwen2.5-VL vision towers.
+"""Pieces shared by the Qwen2-VL, Qwen2.5-VL and Qwen3-VL vision towers.
 
 Many images (or windows of one image) go through the ViT in one call as a flat `[N, width]` token list;
 `cu_seqlens` marks where each sequence starts so no token attends across an image (or window) boundary.
@@ -19,9 +19,9 @@ from vlserve.model.layers.rotary import rotate_half
 class PatchEmbed(nn.Module):
     """The reference is a Conv3d whose kernel equals its stride, i.e. a linear map of each flattened patch."""
 
-    def __init__(self, cfg: VisionConfig):
+    def __init__(self, cfg: VisionConfig, bias: bool = False):
         super().__init__()
-        self.proj = nn.Linear(cfg.patch_dim, cfg.width, bias=False)
+        self.proj = nn.Linear(cfg.patch_dim, cfg.width, bias=bias)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         return self.proj(pixel_values.to(self.proj.weight.dtype))

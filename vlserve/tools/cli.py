@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-ARCHES = ("qwen2_5_vl", "qwen2_vl")
+ARCHES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe")
 SIZES = ("tiny", "small", "medium")
 
 

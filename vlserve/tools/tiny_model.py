@@ -1,4 +1,5 @@
-"""Create small random Qwen2-VL / Qwen2.5-VL checkpoints in the Hugging Face layout, fully offline.
+"""Create small random Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3-VL-MoE checkpoints in the Hugging Face layout,
+fully offline.
 
 The weights come from transformers' own model classes, so the folder is exactly what
 `from_pretrained` expects; the tokenizer is a freshly trained byte-level BPE (see bpe_tokenizer.py).
@@ -24,6 +25,10 @@ from transformers import (
     Qwen2_5_VLForConditionalGeneration,
     Qwen2VLConfig,
     Qwen2VLForConditionalGeneration,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
+    Qwen3VLMoeConfig,
+    Qwen3VLMoeForConditionalGeneration,
 )
 
 from vlserve.core.errors import InvalidInputError
@@ -36,9 +41,12 @@ from vlserve.tools.bpe_tokenizer import (
 ARCHES: dict[str, tuple[type, type]] = {
     "qwen2_vl": (Qwen2VLConfig, Qwen2VLForConditionalGeneration),
     "qwen2_5_vl": (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration),
+    "qwen3_vl": (Qwen3VLConfig, Qwen3VLForConditionalGeneration),
+    "qwen3_vl_moe": (Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration),
 }
+QWEN3 = ("qwen3_vl", "qwen3_vl_moe")
 
-# OpenAI CLIP normalisation, which both Qwen2-VL and Qwen2.5-VL use.
+# OpenAI CLIP normalisation, which both Qwen2-VL and Qwen2.5-VL use; Qwen3-VL uses 0.5 / 0.5.
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 
@@ -64,23 +72,34 @@ class SizeSpec:
     dtype: torch.dtype
     init_range: float  # default initializer_range
     tie_embeddings: bool
+    vit_depth_3: int  # Qwen3-VL ViT depth
+    deepstack_3: tuple[int, ...]  # Qwen3-VL blocks feeding DeepStack
+    position_grid_3: int  # Qwen3-VL learned position grid side (num_position_embeddings = side^2)
+    experts: tuple[int, int, int]  # Qwen3-VL-MoE: (experts, experts per token, expert intermediate size)
+    layers_3: int  # Qwen3-VL LM depth: more layers than DeepStack levels, or the last level could not matter
 
 
 SIZES: dict[str, SizeSpec] = {
-    # A large init range makes the random model sensitive to its image input, which tests rely on.
+    # A large init range makes the random model sensitive to its image input, which tests rely on. Qwen3-VL:
+    # DeepStack from non-adjacent blocks, and a 4x4 position grid smaller than any picture's, so it is resampled.
     "tiny": SizeSpec(1000, 64, 2, 4, 2, 128, (2, 3, 3), 32, 2, 2, 4, 64, (1, 3), 28 * 28 * 256,
-                     torch.float32, 0.15, False),
+                     torch.float32, 0.15, False, vit_depth_3=4, deepstack_3=(0, 2), position_grid_3=4,
+                     experts=(4, 2, 48), layers_3=3),
     "small": SizeSpec(1000, 128, 4, 4, 2, 256, (4, 6, 6), 64, 4, 2, 4, 128, (1, 3), 28 * 28 * 256,
-                      torch.float32, 0.15, False),
-    # Real proportions (head_dim 128, GQA 4:1) for benchmarks; ~240M parameters.
+                      torch.float32, 0.15, False, vit_depth_3=4, deepstack_3=(0, 2), position_grid_3=8,
+                      experts=(4, 2, 96), layers_3=4),
+    # Real proportions (head_dim 128, GQA 4:1) for benchmarks; ~240M parameters (Qwen3-VL-MoE: ~550M, top-2 of 8).
     "medium": SizeSpec(8000, 1024, 12, 8, 2, 4096, (16, 24, 24), 640, 10, 8, 8, 1728, (3, 7), 1003520,
-                       torch.bfloat16, 0.02, True),
+                       torch.bfloat16, 0.02, True, vit_depth_3=8, deepstack_3=(1, 3, 5), position_grid_3=48,
+                       experts=(8, 2, 1536), layers_3=12),
 }
 
 PATCH_SIZE = 14
 TEMPORAL_PATCH_SIZE = 2
 MERGE_SIZE = 2
 MIN_PIXELS = 56 * 56
+PATCH_SIZE_3 = 16  # Qwen3-VL
+MRoPE_SECTIONS_3 = {"tiny": (2, 3, 3), "small": (4, 6, 6), "medium": (24, 20, 20)}  # Qwen3-VL's own split at 128
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -105,6 +124,11 @@ def _vision_config(arch: str, spec: SizeSpec, init_range: float) -> dict[str, An
         "spatial_merge_size": MERGE_SIZE,
         "initializer_range": init_range,
     }
+    if arch in QWEN3:
+        return {**common, "patch_size": PATCH_SIZE_3, "hidden_size": spec.vit_width, "out_hidden_size": spec.hidden,
+                "intermediate_size": spec.vit_intermediate_25, "depth": spec.vit_depth_3,
+                "deepstack_visual_indexes": list(spec.deepstack_3),
+                "num_position_embeddings": spec.position_grid_3**2, "hidden_act": "gelu_pytorch_tanh"}
     if arch == "qwen2_vl":
         # In Qwen2-VL `hidden_size` is the merger's output width (= LM hidden), `embed_dim` the ViT width.
         return {**common, "embed_dim": spec.vit_width, "hidden_size": spec.hidden, "depth": spec.vit_depth_2,
@@ -116,7 +140,8 @@ def _vision_config(arch: str, spec: SizeSpec, init_range: float) -> dict[str, An
             "hidden_act": "silu", "tokens_per_second": 2}
 
 
-def _model_config(arch: str, spec: SizeSpec, vocab_size: int, ids: dict[str, int], init_range: float) -> Any:
+def _model_config(arch: str, size: str, vocab_size: int, ids: dict[str, int], init_range: float) -> Any:
+    spec = SIZES[size]
     token_ids = {
         "bos_token_id": ids["<|endoftext|>"],
         "eos_token_id": ids["<|im_end|>"],
@@ -137,6 +162,14 @@ def _model_config(arch: str, spec: SizeSpec, vocab_size: int, ids: dict[str, int
                             "rope_theta": 1000000.0},
         **token_ids,
     }
+    if arch in QWEN3:
+        text["head_dim"] = spec.hidden // spec.heads
+        text["num_hidden_layers"] = spec.layers_3
+        text["rope_parameters"] = {"rope_type": "default", "mrope_section": list(MRoPE_SECTIONS_3[size]),
+                                   "mrope_interleaved": True, "rope_theta": 5000000.0}
+    if arch == "qwen3_vl_moe":
+        text["num_experts"], text["num_experts_per_tok"], text["moe_intermediate_size"] = spec.experts
+        text["decoder_sparse_step"] = 1
     config_cls = ARCHES[arch][0]
     return config_cls(
         text_config=text,
@@ -151,23 +184,44 @@ def _model_config(arch: str, spec: SizeSpec, vocab_size: int, ids: dict[str, int
     )
 
 
-def _preprocessor_config(max_pixels: int) -> dict[str, Any]:
+def _preprocessor_config(arch: str, max_pixels: int) -> dict[str, Any]:
+    qwen3 = arch in QWEN3
+    patch = PATCH_SIZE_3 if qwen3 else PATCH_SIZE
+    min_pixels = (patch * MERGE_SIZE * 2) ** 2 if qwen3 else MIN_PIXELS
     return {
         "image_processor_type": "Qwen2VLImageProcessor",
-        "min_pixels": MIN_PIXELS,
+        "min_pixels": min_pixels,
         "max_pixels": max_pixels,
-        "size": {"shortest_edge": MIN_PIXELS, "longest_edge": max_pixels},
-        "patch_size": PATCH_SIZE,
+        "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
+        "patch_size": patch,
         "temporal_patch_size": TEMPORAL_PATCH_SIZE,
         "merge_size": MERGE_SIZE,
-        "image_mean": CLIP_MEAN,
-        "image_std": CLIP_STD,
+        "image_mean": [0.5] * 3 if qwen3 else CLIP_MEAN,
+        "image_std": [0.5] * 3 if qwen3 else CLIP_STD,
         "resample": 3,  # PIL bicubic
         "do_resize": True,
         "do_rescale": True,
         "rescale_factor": 1 / 255,
         "do_normalize": True,
         "do_convert_rgb": True,
+    }
+
+
+def _video_preprocessor_config(spec: SizeSpec) -> dict[str, Any]:
+    """Qwen3-VL reads video settings from their own file: sampling rate, frame bounds, total pixel budget."""
+    factor = PATCH_SIZE_3 * MERGE_SIZE
+    return {
+        "video_processor_type": "Qwen3VLVideoProcessor",
+        "size": {"shortest_edge": (2 * factor) ** 2, "longest_edge": 16 * spec.max_pixels},
+        "patch_size": PATCH_SIZE_3,
+        "temporal_patch_size": TEMPORAL_PATCH_SIZE,
+        "merge_size": MERGE_SIZE,
+        "image_mean": [0.5] * 3,
+        "image_std": [0.5] * 3,
+        "fps": 2,
+        "min_frames": 4,
+        "max_frames": 64,
+        "do_sample_frames": True,
     }
 
 
@@ -178,13 +232,14 @@ def _check_saved(out_dir: Path, arch: str, init_range: float) -> None:
     if config.get("architectures") != expected:
         raise RuntimeError(f"config.json architectures {config.get('architectures')} != {expected}")
     # One text and one vision matrix: proves initializer_range reached both sub-configs.
-    probes = ("model.layers.0.self_attn.q_proj.weight", "visual.blocks.0.attn.qkv.weight")
+    probes = ("layers.0.self_attn.q_proj.weight", "visual.blocks.0.attn.qkv.weight")
     found: dict[str, float] = {}
     for shard in sorted(out_dir.glob("*.safetensors")):
         with safe_open(str(shard), framework="pt") as f:
-            for name in probes:
-                if name in f.keys():
-                    found[name] = f.get_tensor(name).float().std().item()
+            for key in f.keys():
+                for name in probes:
+                    if key.endswith(name):
+                        found[name] = f.get_tensor(key).float().std().item()
     for name in probes:
         std = found.get(name)
         if std is None:
@@ -225,7 +280,7 @@ def make_tiny_model(
         bar.update()
 
         bar.set_postfix_str("weights")
-        config = _model_config(arch, spec, vocab_size, ids, init_range)
+        config = _model_config(arch, size, vocab_size, ids, init_range)
         with torch.random.fork_rng(devices=[]):  # seed our init without disturbing the caller's RNG
             torch.manual_seed(seed)
             model: PreTrainedModel = ARCHES[arch][1](config).eval()
@@ -242,7 +297,10 @@ def make_tiny_model(
             eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
             pad_token_id=ids["<|endoftext|>"],
         ).save_pretrained(str(out))
-        (out / "preprocessor_config.json").write_text(json.dumps(_preprocessor_config(spec.max_pixels), indent=2))
+        (out / "preprocessor_config.json").write_text(json.dumps(_preprocessor_config(arch, spec.max_pixels),
+                                                                 indent=2))
+        if arch in QWEN3:
+            (out / "video_preprocessor_config.json").write_text(json.dumps(_video_preprocessor_config(spec), indent=2))
         bar.update()
 
         bar.set_postfix_str("verify")

@@ -1,15 +1,20 @@
-"""Video decoding (PyAV) and Qwen2-VL / Qwen2.5-VL video preprocessing.
+"""Video decoding (PyAV) and Qwen-VL video preprocessing.
 
-Frame sampling follows Qwen2-VL's `smart_nframes`: `fps` frames per second of video, within
-[min_frames, max_frames], an even count (two frames make one temporal patch), spread evenly over the clip.
-Each sampled frame is resized with `smart_resize`, its pixel budget being the total budget divided across
-the frames; then pairs of frames become temporal patches in the same layout the image path uses for a
-still picture (which is a pair of identical frames).
+Two sets of rules (`VideoOptions.rules`), both spreading the sampled frames evenly over the clip:
+- "qwen2" (Qwen2-VL, Qwen2.5-VL; qwen-vl-utils' `smart_nframes`): `fps` frames per second within
+  [min_frames, max_frames], an even count; each frame resized with `smart_resize` to the total budget divided
+  across the frames.
+- "qwen3" (transformers' Qwen3VLVideoProcessor): `int(seconds * fps)` frames within [min_frames, max_frames] and
+  the clip's length, any count (the last frame repeats to fill a temporal patch); one size for all frames from
+  the 3-D `smart_resize` over (frames, height, width) with `min_pixels`..`total_pixels` for the whole clip.
+Then pairs of frames become temporal patches in the same layout the image path uses for a still picture (a pair
+of identical frames).
 """
 
 from __future__ import annotations
 
 import io
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -20,9 +25,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-from vlserve.core.errors import InvalidInputError, MediaTooLargeError
+from vlserve.core.errors import InvalidInputError, MediaTooLargeError, ModelLoadError
 from vlserve.frontend.media.data_url import decode_data_url, is_data_url
-from vlserve.frontend.media.image import ImageProcessorConfig, smart_resize, to_rgb
+from vlserve.frontend.media.image import MAX_ASPECT_RATIO, ImageProcessorConfig, smart_resize, to_rgb
 
 FRAME_FACTOR = 2  # frames per temporal patch
 DEFAULT_FPS = 2.0
@@ -32,6 +37,9 @@ DEFAULT_TOTAL_PIXELS = 4096 * 28 * 28  # all sampled frames together
 MAX_DECODED_FRAMES = 4096  # a longer stream is refused: decoding it would take minutes
 DEFAULT_MAX_FRAME_PIXELS = 3840 * 2160  # 4K
 DEFAULT_MAX_VIDEO_PIXELS = 32 * 3840 * 2160  # all sampled frames together, decoded (before resizing)
+# transformers' Qwen3VLVideoProcessor defaults, for a checkpoint whose video settings leave them out
+QWEN3_FPS, QWEN3_MIN_FRAMES, QWEN3_MAX_FRAMES = 2.0, 4, 768
+QWEN3_MIN_PIXELS, QWEN3_TOTAL_PIXELS = 128 * 32 * 32, 768 * 32 * 32
 
 
 @dataclass(frozen=True)
@@ -40,11 +48,36 @@ class VideoOptions:
     min_frames: int = DEFAULT_MIN_FRAMES
     max_frames: int = DEFAULT_MAX_FRAMES
     total_pixels: int = DEFAULT_TOTAL_PIXELS
+    rules: str = "qwen2"  # which sampling and resizing rules (see the module docstring)
+    min_pixels: int | None = None  # "qwen3": the whole clip's lower bound (None: the image processor's)
+
+    @classmethod
+    def for_model(cls, folder: str | os.PathLike, rules: str, server_max_frames: int) -> "VideoOptions":
+        """"qwen2": qwen-vl-utils' defaults. "qwen3": the checkpoint's `video_preprocessor_config.json`
+        (transformers' defaults for what it leaves out). Never above the server's frame cap."""
+        if rules not in FRAME_SAMPLERS:
+            raise ModelLoadError(f"unknown video rules {rules!r}")
+        path = Path(folder) / "video_preprocessor_config.json"
+        if rules == "qwen2":
+            return cls(max_frames=server_max_frames)
+        if not path.is_file():
+            return cls(QWEN3_FPS, min(QWEN3_MIN_FRAMES, server_max_frames), min(QWEN3_MAX_FRAMES, server_max_frames),
+                       QWEN3_TOTAL_PIXELS, "qwen3", QWEN3_MIN_PIXELS)
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+            size = raw.get("size") or {}
+            return cls(fps=float(raw.get("fps") or QWEN3_FPS),
+                       min_frames=min(int(raw.get("min_frames", QWEN3_MIN_FRAMES)), server_max_frames),
+                       max_frames=min(int(raw.get("max_frames", QWEN3_MAX_FRAMES)), server_max_frames),
+                       total_pixels=int(size.get("longest_edge", QWEN3_TOTAL_PIXELS)),
+                       rules="qwen3", min_pixels=int(size.get("shortest_edge", QWEN3_MIN_PIXELS)))
+        except (ValueError, TypeError, AttributeError, UnicodeDecodeError) as e:
+            raise ModelLoadError(f"{path}: unreadable video settings ({type(e).__name__}: {e})") from e
 
     def with_overrides(self, kwargs: dict, server_max_frames: int) -> "VideoOptions":
         """Per-request `mm_processor_kwargs` (fps, max_frames, total_pixels), never beyond the server's cap."""
         values = {"fps": self.fps, "min_frames": self.min_frames, "max_frames": self.max_frames,
-                  "total_pixels": self.total_pixels}
+                  "total_pixels": self.total_pixels, "rules": self.rules, "min_pixels": self.min_pixels}
         for key in ("fps", "max_frames", "total_pixels"):
             v = kwargs.get(key)
             if v is None:
@@ -62,6 +95,14 @@ class VideoOptions:
 class SampledVideo:
     frames: list[np.ndarray]  # RGB uint8 [H, W, 3], the sampled frames in order
     sample_fps: float  # sampled frames per second of video
+    indices: list[int]  # which frames of the clip they are
+    source_fps: float  # the clip's own frame rate (frames given as a list: taken at the requested fps)
+
+    def timestamps(self, temporal_patch: int) -> list[float]:
+        """Seconds into the clip of each temporal patch: the mean of its first and last frame's time (the last
+        frame repeats to fill the final patch), as Qwen3-VL's processor writes them into the prompt."""
+        idx = list(self.indices) + [self.indices[-1]] * (-len(self.indices) % temporal_patch)
+        return [(idx[i] + idx[i + temporal_patch - 1]) / self.source_fps / 2 for i in range(0, len(idx), temporal_patch)]
 
 
 @dataclass(frozen=True)
@@ -166,7 +207,7 @@ def decode_video(source: Any, opts: VideoOptions, max_frame_pixels: int, max_tot
         if not decoded:
             raise InvalidInputError("the video has no decodable frames")
         if len(picked) == len(idx):
-            return SampledVideo(picked, len(idx) / total * fps)
+            return SampledVideo(picked, len(idx) / total * fps, idx, fps)
         total = decoded  # fewer frames than the header said: sample again over the real count
     raise InvalidInputError("the video's frames could not be sampled (inconsistent frame count)")
 
@@ -193,9 +234,14 @@ def _stream_fps(stream, container, times: list[float], count: int) -> float:
 
 
 def frame_indices(total: int, video_fps: float, opts: VideoOptions) -> list[int]:
-    """Qwen2-VL's smart_nframes: which of `total` frames to keep."""
+    """Which of `total` frames to keep, by the rules `opts` names."""
     if total < 1:
         raise InvalidInputError("the video has no frames")
+    return FRAME_SAMPLERS[opts.rules](total, video_fps, opts)
+
+
+def _qwen2_frame_indices(total: int, video_fps: float, opts: VideoOptions) -> list[int]:
+    """qwen-vl-utils' smart_nframes."""
     wanted = total / video_fps * opts.fps
     lo = math.ceil(opts.min_frames / FRAME_FACTOR) * FRAME_FACTOR
     hi = max(FRAME_FACTOR, math.floor(min(opts.max_frames, total) / FRAME_FACTOR) * FRAME_FACTOR)
@@ -203,6 +249,15 @@ def frame_indices(total: int, video_fps: float, opts: VideoOptions) -> list[int]
     n = max(FRAME_FACTOR, math.floor(n / FRAME_FACTOR) * FRAME_FACTOR)
     # a clip shorter than one temporal patch repeats its last frame
     return torch.linspace(0, total - 1, n).round().long().tolist()
+
+
+def _qwen3_frame_indices(total: int, video_fps: float, opts: VideoOptions) -> list[int]:
+    """transformers' Qwen3VLVideoProcessor.sample_frames (numpy's float64 linspace, as it uses)."""
+    n = min(max(int(total / video_fps * opts.fps), opts.min_frames), opts.max_frames, total)
+    return np.linspace(0, total - 1, max(n, 1)).round().astype(int).tolist()
+
+
+FRAME_SAMPLERS = {"qwen2": _qwen2_frame_indices, "qwen3": _qwen3_frame_indices}
 
 
 def _to_array(frame: Any) -> np.ndarray:
@@ -228,7 +283,7 @@ def load_video(source: Any, opts: VideoOptions, max_frame_pixels: int = DEFAULT_
         raise InvalidInputError("all frames of a video must have the same size")
     h, w = picked[0].shape[:2]
     _check_pixels(w, h, len(idx), max_frame_pixels, max_total_pixels)
-    return SampledVideo(picked, len(idx) / len(source) * opts.fps)
+    return SampledVideo(picked, len(idx) / len(source) * opts.fps, idx, opts.fps)
 
 
 # ---- preprocessing ----------------------------------------------------------------------------------------
@@ -242,10 +297,40 @@ def video_grid(video: SampledVideo, cfg: ImageProcessorConfig, opts: VideoOption
 
 def _frame_size(video: SampledVideo, cfg: ImageProcessorConfig, opts: VideoOptions, min_pixels: int,
                 max_pixels: int) -> tuple[int, int]:
-    n = len(video.frames)
     h0, w0 = video.frames[0].shape[:2]
+    return FRAME_RESIZERS[opts.rules](len(video.frames), h0, w0, cfg, opts, min_pixels, max_pixels)
+
+
+def _qwen2_frame_size(n: int, h0: int, w0: int, cfg: ImageProcessorConfig, opts: VideoOptions, min_pixels: int,
+                      max_pixels: int) -> tuple[int, int]:
+    """Each frame gets its share of the total budget, within the image bounds."""
     per_frame = max(min(max_pixels, opts.total_pixels / n * FRAME_FACTOR), int(min_pixels * 1.05))
     return smart_resize(h0, w0, cfg.factor, min_pixels, int(per_frame))
+
+
+def _qwen3_frame_size(n: int, h0: int, w0: int, cfg: ImageProcessorConfig, opts: VideoOptions, min_pixels: int,
+                      max_pixels: int) -> tuple[int, int]:
+    """transformers' Qwen3-VL video `smart_resize`: frames x height x width within the clip's pixel bounds."""
+    factor, tp = cfg.factor, cfg.temporal_patch_size
+    lo = opts.min_pixels if opts.min_pixels is not None else min_pixels
+    if h0 < factor or w0 < factor:
+        scale = max(factor / h0, factor / w0)
+        h0, w0 = int(h0 * scale), int(w0 * scale)
+    if max(h0, w0) / min(h0, w0) > MAX_ASPECT_RATIO:
+        raise InvalidInputError(f"video aspect ratio {max(h0, w0) / min(h0, w0):.1f} exceeds {MAX_ASPECT_RATIO}")
+    h, w = round(h0 / factor) * factor, round(w0 / factor) * factor
+    t = max(round(n / tp), 1) * tp
+    if t * h * w > opts.total_pixels:
+        beta = math.sqrt(n * h0 * w0 / opts.total_pixels)
+        h = max(factor, math.floor(h0 / beta / factor) * factor)
+        w = max(factor, math.floor(w0 / beta / factor) * factor)
+    elif t * h * w < lo:
+        beta = math.sqrt(lo / (n * h0 * w0))
+        h, w = math.ceil(h0 * beta / factor) * factor, math.ceil(w0 * beta / factor) * factor
+    return h, w
+
+
+FRAME_RESIZERS = {"qwen2": _qwen2_frame_size, "qwen3": _qwen3_frame_size}
 
 
 def preprocess_video(video: SampledVideo, cfg: ImageProcessorConfig, opts: VideoOptions,

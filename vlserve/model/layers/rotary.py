@@ -16,22 +16,35 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
 
 
-class MRotaryEmbedding(nn.Module):
-    """Rotary angles where each frequency band follows one of the (t, h, w) position axes.
+def mrope_axes(mrope_section: tuple[int, ...], interleaved: bool) -> torch.Tensor:
+    """Which position axis (0 = t, 1 = h, 2 = w) drives each of the head_dim/2 frequencies.
 
-    `mrope_section` splits the head_dim/2 frequencies into bands: the first band rotates with the temporal
-    position, the second with the row, the third with the column. For text all three positions are equal,
-    which makes it plain 1D RoPE.
+    Qwen2-VL: three bands of `mrope_section` sizes. Qwen3-VL (interleaved): frequencies cycle t, h, w, with h
+    and w each stopping after its own section's count, the rest left to t.
+    """
+    cpu = torch.device("cpu")  # explicit: construction may run under a meta-device context
+    if not interleaved:
+        return torch.cat([torch.full((n,), i % 3, dtype=torch.long, device=cpu) for i, n in enumerate(mrope_section)])
+    j = torch.arange(sum(mrope_section), device=cpu)
+    axis = torch.zeros_like(j)
+    axis[(j % 3 == 1) & (j < 3 * mrope_section[1])] = 1
+    axis[(j % 3 == 2) & (j < 3 * mrope_section[2])] = 2
+    return axis
+
+
+class MRotaryEmbedding(nn.Module):
+    """Rotary angles where each frequency follows one of the (t, h, w) position axes (see `mrope_axes`).
+
+    For text all three positions are equal, which makes it plain 1D RoPE.
     """
 
-    def __init__(self, head_dim: int, theta: float, mrope_section: tuple[int, ...]):
+    def __init__(self, head_dim: int, theta: float, mrope_section: tuple[int, ...], interleaved: bool = False):
         super().__init__()
         # Plain attributes, not buffers: they must stay fp32 whatever dtype the weights are cast to, and
         # survive meta-device construction. Copied to the positions' device on first use.
         cpu = torch.device("cpu")  # explicit: construction may run under a meta-device context
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=cpu) / head_dim))
-        # axis_of_band[j] = which position axis drives frequency j
-        axis = torch.cat([torch.full((n,), i % 3, dtype=torch.long, device=cpu) for i, n in enumerate(mrope_section)])
+        axis = mrope_axes(mrope_section, interleaved)
         self._tables = {torch.device("cpu"): (inv_freq, axis)}
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

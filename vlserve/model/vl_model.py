@@ -1,8 +1,12 @@
-"""Qwen2-VL / Qwen2.5-VL for generation: a vision tower, a Qwen2 decoder and the LM head.
+"""A Qwen-VL model for generation: a vision tower, a decoder and the LM head (every family in the registry).
 
 The runner drives the three parts separately: `encode_images` for scheduled multimodal items,
 `embed_tokens` + scattering of image embeddings, `forward` over the flat token batch, `compute_logits` for
 the rows that sample. Either half may be left out (`with_vision` / `with_language`) for disaggregated roles.
+
+Qwen3-VL's DeepStack: the vision tower returns, per media token, its embedding followed by one feature row per
+deepstack level (`ModelConfig.embedding_width` columns); the runner splits them and hands the features to
+`forward`, which adds them after the first decoder layers.
 """
 
 from __future__ import annotations
@@ -12,21 +16,22 @@ import torch.nn as nn
 
 from vlserve.model.hf_config import ModelConfig
 from vlserve.model.layers.attention import AttentionMetadata
-from vlserve.model.qwen2_text import Qwen2TextModel
+from vlserve.model.qwen3_text import DeepstackInput
 
 
-class Qwen2VLForGeneration(nn.Module):
-    def __init__(self, cfg: ModelConfig, vision_cls: type[nn.Module], with_vision=True, with_language=True):
+class VisionLanguageModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, vision_cls: type[nn.Module], text_cls: type[nn.Module], with_vision=True,
+                 with_language=True):
         super().__init__()
         self.cfg = cfg
         self.visual = vision_cls(cfg.vision) if with_vision else None
-        self.language_model = Qwen2TextModel(cfg.text) if with_language else None
+        self.language_model = text_cls(cfg.text) if with_language else None
         self.lm_head = None
         if with_language and not cfg.text.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.text.hidden_size, cfg.text.vocab_size, bias=False)
 
     def encode_images(self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> list[torch.Tensor]:
-        """One ViT call for several items; returns each item's merged embeddings [tokens_i, hidden]."""
+        """One ViT call for several items; returns each item's rows [tokens_i, embedding_width]."""
         merged = self.visual(pixel_values, grid_thw)
         unit = self.cfg.vision.spatial_merge_size**2
         return list(merged.split([t * h * w // unit for t, h, w in grid_thw]))
@@ -34,8 +39,11 @@ class Qwen2VLForGeneration(nn.Module):
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.language_model.embed_tokens(token_ids)
 
-    def forward(self, inputs_embeds, positions, kv_caches: list[torch.Tensor], meta: AttentionMetadata):
-        return self.language_model(inputs_embeds, positions, kv_caches, meta)
+    def forward(self, inputs_embeds, positions, kv_caches: list[torch.Tensor], meta: AttentionMetadata,
+                deepstack: DeepstackInput | None = None):
+        if deepstack is None:
+            return self.language_model(inputs_embeds, positions, kv_caches, meta)
+        return self.language_model(inputs_embeds, positions, kv_caches, meta, deepstack=deepstack)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:

@@ -1,0 +1,60 @@
+"""Sparse mixture-of-experts MLP (Qwen3-VL-MoE): softmax router -> top-k -> renormalized weights, no shared
+expert.
+
+Experts are stored as two 3-D weights in the linear layout, `gate_up_proj [E, 2I, H]` and
+`down_proj [E, H, I]`. Tokens are grouped by expert with one sort, then each expert that got tokens runs one
+GEMM over all of them: a Python loop over experts, never over tokens. Contributions are summed in expert order,
+as the reference does, so float32 results match it exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from vlserve.model.layers.mlp import get_activation
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, act: str):
+        super().__init__()
+        self.num_experts, self.top_k = num_experts, top_k
+        self.gate = nn.Linear(hidden, num_experts, bias=False)  # the router
+        self.experts = Experts(hidden, intermediate, num_experts, act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden]."""
+        logits = self.gate(x)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+        return self.experts(x, experts, weights)
+
+
+class Experts(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, act: str):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.act = get_activation(act)
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """experts, weights: [T, k] -> sum over k of weight * expert(x)."""
+        k = experts.shape[1]
+        flat = experts.reshape(-1)  # [T*k], token t's slots at t*k .. t*k+k-1
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        tokens = order // k
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts):  # experts in ascending order, like the reference's accumulation
+            if n == 0:
+                continue
+            slots = order[start : start + n]
+            rows = tokens[start : start + n]
+            start += n
+            gate, up = F.linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(self.act(gate) * up, self.down_proj[e])
+            out.index_add_(0, rows, y * weights.reshape(-1)[slots, None])
+        return out
