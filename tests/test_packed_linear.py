@@ -36,16 +36,20 @@ def test_pack_linears_swaps_every_linear():
     assert not any(type(m) is nn.Linear for m in model.modules())
 
 
-def test_engine_tokens_identical_with_and_without_packing(tiny_ckpt, monkeypatch):
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl_moe"])  # qwen3_vl_moe: MoE experts packed too
+def test_engine_tokens_identical_with_and_without_packing(tiny_ckpt, monkeypatch, arch):
     prompt = {"prompt": f"<|im_start|>user\n{IMG}Describe.<|im_end|>\n<|im_start|>assistant\n",
               "multi_modal_data": {"image": [noise_image(84, 56, 3)]}}
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outs = {}
     for flag in ("1", "0"):
         monkeypatch.setenv("VLSERVE_PACKED_LINEAR", flag)
-        llm = LLM(str(tiny_ckpt("qwen2_5_vl")), dtype="bfloat16", num_kv_blocks=64)
-        packed = any(isinstance(m, PackedLinear) for m in llm.engine.core.runner.model.modules())
+        llm = LLM(str(tiny_ckpt(arch)), dtype="bfloat16", num_kv_blocks=64)
+        model = llm.engine.core.runner.model
+        packed = any(isinstance(m, PackedLinear) for m in model.modules())
         assert packed == (flag == "1")
+        experts = [m for m in model.modules() if type(m).__name__ == "Experts"]
+        assert all((m.packed is not None) == (flag == "1") for m in experts)
         outs[flag] = llm.generate([prompt, "plain text"], params, use_tqdm=False)
     for a, b in zip(outs["1"], outs["0"]):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids

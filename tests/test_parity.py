@@ -37,9 +37,9 @@ def setup(request, tiny_ckpt):
     return path, expected
 
 
-def _run(llm: LLM, prompts):
+def _run(llm: LLM, prompts, params: SamplingParams = GREEDY):
     reqs = [{"prompt": p, "multi_modal_data": {"image": imgs}} if imgs else p for p, imgs in prompts]
-    return llm.generate(reqs, GREEDY, use_tqdm=False)
+    return llm.generate(reqs, params, use_tqdm=False)
 
 
 def _check(outs, expected, indices):

@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 
 from tests.conftest import IMG, assert_pool_full, noise_image
 from tests.hf_reference import HFReference
-from tests.test_parity import _prompts
+from tests.test_parity import _check, _prompts
+from tests.test_parity import _run as run_prompts
 from tests.test_video import VID, clip_frames, encode_video
 from vlserve import LLM, SamplingParams
 from vlserve.core.errors import InvalidInputError
@@ -70,15 +71,7 @@ def setup(request, references, tmp_path_factory):
 
 
 def _run(llm: LLM, prompts):
-    reqs = [{"prompt": p, "multi_modal_data": {"image": imgs}} if imgs else p for p, imgs in prompts]
-    return llm.generate(reqs, GREEDY, use_tqdm=False)
-
-
-def _check(outs, expected, indices):
-    for out, i in zip(outs, indices):
-        prompt_ids, gen = expected[i]
-        assert out.prompt_token_ids == prompt_ids, f"prompt {i}: expanded prompt ids differ"
-        assert out.outputs[0].token_ids == gen, f"prompt {i}: generated tokens differ"
+    return run_prompts(llm, prompts, GREEDY)
 
 
 def test_mixed_requests_batched_together(setup):
@@ -112,10 +105,10 @@ def test_preemption_recomputes_identically(setup):
 @pytest.mark.parametrize("broken", ["level 0", "level 1", "all levels"])
 def test_breaking_deepstack_changes_the_output(references, monkeypatch, broken):
     """Guard against vacuous parity: dropping any one DeepStack level (or all) must change some picture's tokens."""
-    from vlserve.model.qwen3_text import Qwen3TextModel
+    from vlserve.model.decoder import DecoderModel
 
     path, _, expected = references("qwen3_vl")
-    forward = Qwen3TextModel.forward
+    forward = DecoderModel.forward
 
     def without(self, embeds, positions, kv_caches, meta, deepstack=None):
         if deepstack is not None and broken != "all levels":
@@ -124,7 +117,7 @@ def test_breaking_deepstack_changes_the_output(references, monkeypatch, broken):
             deepstack = type(deepstack)(deepstack.rows, features)
         return forward(self, embeds, positions, kv_caches, meta, None if broken == "all levels" else deepstack)
 
-    monkeypatch.setattr(Qwen3TextModel, "forward", without)
+    monkeypatch.setattr(DecoderModel, "forward", without)
     outs = _run(LLM(str(path), dtype="float32", num_kv_blocks=256), _prompts())
     changed = [i for i, (out, (_, gen)) in enumerate(zip(outs, expected)) if out.outputs[0].token_ids != gen]
     assert changed and all(_prompts()[i][1] for i in changed), f"changed: {changed}"  # only prompts with pictures
@@ -135,6 +128,21 @@ def test_picture_changes_the_output(references):
     llm = LLM(str(path), dtype="float32", num_kv_blocks=256)
     a, b = _run(llm, [(f"Look: {IMG}", [noise_image(120, 90, 11)]), (f"Look: {IMG}", [noise_image(120, 90, 12)])])
     assert a.outputs[0].token_ids != b.outputs[0].token_ids
+
+
+def test_prefix_cache_hit_that_ends_inside_a_picture(references):
+    """A second question on the same picture reuses the KV blocks up to the middle of the picture; the rest of its
+    tokens (and their DeepStack rows) are computed from the encoder cache: same tokens as transformers."""
+    path, hf, _ = references("qwen3_vl")
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=256, block_size=16)
+    image = noise_image(224, 160, 21)  # 7 x 5 merged tokens: the picture ends inside a block
+    first, second = (f"<|im_start|>user\n{IMG}{q}<|im_end|>\n<|im_start|>assistant\n" for q in ("A?", "Why B?"))
+    for prompt in (first, second):
+        out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": [image]}}, GREEDY, use_tqdm=False)[0]
+        assert (out.prompt_token_ids, out.outputs[0].token_ids) == hf.greedy(prompt, [image], MAX_NEW)
+    metrics = llm.get_metrics()
+    assert metrics["prefix_cache_hits_total"] >= 32 and metrics["encoder_cache_hits_total"] >= 1
+    assert_pool_full(llm)
 
 
 # ---- video --------------------------------------------------------------------------------------------------------

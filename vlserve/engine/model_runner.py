@@ -17,8 +17,8 @@ from vlserve.engine.sampler import Sampler, SamplingMetadata
 from vlserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from vlserve.engine.transfer_buffers import TransferBuffers
 from vlserve.engine.vision_runner import VisionRunner
+from vlserve.model.decoder import DeepstackInput
 from vlserve.model.layers.attention import AttentionMetadata, build_prefill_span
-from vlserve.model.qwen3_text import DeepstackInput
 
 
 class ModelRunner:

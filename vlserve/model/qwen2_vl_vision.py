@@ -30,12 +30,14 @@ class VisionMLP(nn.Module):
 
 
 class Qwen2VLVisionBlock(nn.Module):
-    def __init__(self, cfg: VisionConfig):
+    """LayerNorm blocks with full attention; `mlp` defaults to Qwen2-VL's (Qwen3-VL passes its own)."""
+
+    def __init__(self, cfg: VisionConfig, mlp: nn.Module | None = None):
         super().__init__()
         self.norm1 = nn.LayerNorm(cfg.width, eps=1e-6)
         self.norm2 = nn.LayerNorm(cfg.width, eps=1e-6)
         self.attn = VisionAttention(cfg)
-        self.mlp = VisionMLP(cfg)
+        self.mlp = mlp if mlp is not None else VisionMLP(cfg)
 
     def forward(self, x, cos, sin, plan: VarlenPlan):
         x = x + self.attn(self.norm1(x), cos, sin, plan)

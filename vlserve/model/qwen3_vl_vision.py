@@ -12,10 +12,9 @@ import torch.nn as nn
 
 from vlserve.model.hf_config import VisionConfig
 from vlserve.model.layers.mlp import get_activation
+from vlserve.model.qwen2_vl_vision import Qwen2VLVisionBlock
 from vlserve.model.vision_common import (
     PatchEmbed,
-    VarlenPlan,
-    VisionAttention,
     VisionRotary,
     cu_lengths,
     merge_order_hw,
@@ -50,6 +49,8 @@ def position_grid_taps(grid_thw: list[tuple[int, int, int]], side: int, merge: i
 
 
 class Qwen3VisionMLP(nn.Module):
+    """Qwen2-VL's vision MLP under the checkpoint names Qwen3-VL uses."""
+
     def __init__(self, cfg: VisionConfig):
         super().__init__()
         self.linear_fc1 = nn.Linear(cfg.width, cfg.mlp_hidden)
@@ -58,19 +59,6 @@ class Qwen3VisionMLP(nn.Module):
 
     def forward(self, x):
         return self.linear_fc2(self.act(self.linear_fc1(x)))
-
-
-class Qwen3VisionBlock(nn.Module):
-    def __init__(self, cfg: VisionConfig):
-        super().__init__()
-        self.norm1 = nn.LayerNorm(cfg.width, eps=1e-6)
-        self.norm2 = nn.LayerNorm(cfg.width, eps=1e-6)
-        self.attn = VisionAttention(cfg)
-        self.mlp = Qwen3VisionMLP(cfg)
-
-    def forward(self, x, cos, sin, plan: VarlenPlan):
-        x = x + self.attn(self.norm1(x), cos, sin, plan)
-        return x + self.mlp(self.norm2(x))
 
 
 class Qwen3PatchMerger(nn.Module):
@@ -99,7 +87,7 @@ class Qwen3VLVisionTransformer(nn.Module):
         self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.width)
         self.grid_side = int(cfg.num_position_embeddings**0.5)
         self.rotary = VisionRotary(cfg)
-        self.blocks = nn.ModuleList(Qwen3VisionBlock(cfg) for _ in range(cfg.depth))
+        self.blocks = nn.ModuleList(Qwen2VLVisionBlock(cfg, Qwen3VisionMLP(cfg)) for _ in range(cfg.depth))
         self.merger = Qwen3PatchMerger(cfg, norm_after_concat=False)
         self.deepstack_merger_list = nn.ModuleList(
             Qwen3PatchMerger(cfg, norm_after_concat=True) for _ in cfg.deepstack_indexes)

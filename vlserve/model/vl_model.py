@@ -14,9 +14,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from vlserve.model.decoder import DeepstackInput
 from vlserve.model.hf_config import ModelConfig
 from vlserve.model.layers.attention import AttentionMetadata
-from vlserve.model.qwen3_text import DeepstackInput
+from vlserve.model.layers.moe import Experts
 
 
 class VisionLanguageModel(nn.Module):
@@ -41,9 +42,7 @@ class VisionLanguageModel(nn.Module):
 
     def forward(self, inputs_embeds, positions, kv_caches: list[torch.Tensor], meta: AttentionMetadata,
                 deepstack: DeepstackInput | None = None):
-        if deepstack is None:
-            return self.language_model(inputs_embeds, positions, kv_caches, meta)
-        return self.language_model(inputs_embeds, positions, kv_caches, meta, deepstack=deepstack)
+        return self.language_model(inputs_embeds, positions, kv_caches, meta, deepstack)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
@@ -51,11 +50,14 @@ class VisionLanguageModel(nn.Module):
         return hidden @ self.language_model.embed_tokens.weight.t()  # tied embeddings
 
     def pack_for_cpu(self) -> int:
-        """Prepacked oneDNN weights for every linear, the tied LM head included (a packed copy of the
-        embedding table: the vocab projection is the biggest matrix of a decode step)."""
+        """Prepacked oneDNN weights for every linear and MoE expert, the tied LM head included (a packed copy of
+        the embedding table: the vocab projection is the biggest matrix of a decode step)."""
         from vlserve.model.layers.packed_linear import PackedLinear, pack_linears
 
         swapped = pack_linears(self)
+        for module in self.modules():
+            if isinstance(module, Experts):
+                swapped += module.pack()
         if self.language_model is not None and self.lm_head is None:
             self.lm_head = PackedLinear(self.language_model.embed_tokens.weight, None)
             swapped += 1

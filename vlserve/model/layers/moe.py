@@ -4,7 +4,8 @@ expert.
 Experts are stored as two 3-D weights in the linear layout, `gate_up_proj [E, 2I, H]` and
 `down_proj [E, H, I]`. Tokens are grouped by expert with one sort, then each expert that got tokens runs one
 GEMM over all of them: a Python loop over experts, never over tokens. Contributions are summed in expert order,
-as the reference does, so float32 results match it exactly.
+as the reference does, so float32 results match it exactly. On CPUs with native bf16, `pack` swaps each expert's
+two matrices for oneDNN-prepacked copies (see packed_linear.py), as the dense linears get.
 """
 
 from __future__ import annotations
@@ -35,16 +36,35 @@ class SparseMoE(nn.Module):
 class Experts(nn.Module):
     def __init__(self, hidden: int, intermediate: int, num_experts: int, act: str):
         super().__init__()
+        self.num_experts = num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.act = get_activation(act)
+        self.packed: list[tuple[nn.Module, nn.Module]] | None = None
+
+    def pack(self) -> int:
+        """Prepacked per-expert linears in place of the 3-D weights (which are dropped: no second copy)."""
+        from vlserve.model.layers.packed_linear import PackedLinear
+
+        self.packed = [(PackedLinear(self.gate_up_proj[e], None), PackedLinear(self.down_proj[e], None))
+                       for e in range(self.num_experts)]
+        del self.gate_up_proj, self.down_proj
+        return 2 * self.num_experts
+
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            gate_up, down = self.packed[e]
+            gate, up = gate_up(x).chunk(2, dim=-1)
+            return down(self.act(gate) * up)
+        gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+        return F.linear(self.act(gate) * up, self.down_proj[e])
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """experts, weights: [T, k] -> sum over k of weight * expert(x)."""
         k = experts.shape[1]
         flat = experts.reshape(-1)  # [T*k], token t's slots at t*k .. t*k+k-1
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         tokens = order // k
         out = torch.zeros_like(x)
         start = 0
@@ -54,7 +74,6 @@ class Experts(nn.Module):
             slots = order[start : start + n]
             rows = tokens[start : start + n]
             start += n
-            gate, up = F.linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(self.act(gate) * up, self.down_proj[e])
+            y = self._expert(e, x[rows])
             out.index_add_(0, rows, y * weights.reshape(-1)[slots, None])
         return out

@@ -1,0 +1,67 @@
+"""The decoder stack shared by the Qwen2 and Qwen3 language models: embeddings, pre-norm residual layers, final
+norm, M-RoPE angles computed once per step. Each family supplies its attention and MLP.
+
+Tokens arrive flattened across the batch: `[T, hidden]` with `positions` `[3, T]` (temporal, height, width).
+Attention is paged (see vlserve.model.layers.attention); the model itself holds no cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from vlserve.model.hf_config import TextConfig
+from vlserve.model.layers.attention import AttentionMetadata
+from vlserve.model.layers.norm import RMSNorm
+from vlserve.model.layers.rotary import MRotaryEmbedding
+
+
+@dataclass
+class DeepstackInput:
+    """Qwen3-VL's DeepStack in one forward pass: `features[k]` ([R, hidden]) is added onto rows `rows` ([R]) of
+    the flat batch right after decoder layer k."""
+
+    rows: torch.Tensor
+    features: torch.Tensor  # [levels, R, hidden]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TextConfig, attention: nn.Module, mlp: nn.Module):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = attention
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = mlp
+
+    def forward(self, x, cos, sin, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: TextConfig, make_layer: Callable[[TextConfig, int], DecoderLayer]):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(make_layer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section, cfg.mrope_interleaved)
+
+    def forward(
+        self,
+        inputs_embeds: torch.Tensor,  # [T, hidden]
+        positions: torch.Tensor,  # [3, T]
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        deepstack: DeepstackInput | None = None,
+    ) -> torch.Tensor:
+        cos, sin = self.rotary(positions, inputs_embeds.dtype)
+        h = inputs_embeds
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            h = layer(h, cos, sin, kv_cache, meta)
+            if deepstack is not None and i < deepstack.features.shape[0]:
+                h = h.index_add(0, deepstack.rows, deepstack.features[i].to(h.dtype))
+        return self.norm(h)
