@@ -15,23 +15,19 @@ from safetensors.torch import load_file
 from transformers import (
     AutoConfig,
     AutoTokenizer,
-    Qwen2_5_VLForConditionalGeneration,
-    Qwen2VLForConditionalGeneration,
-    Qwen3VLForConditionalGeneration,
-    Qwen3VLMoeForConditionalGeneration,
 )
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
     Qwen2VLImageProcessorPil,
 )
 
+from tests.hf_reference import HF_CLASSES
 from vlserve.core.errors import InvalidInputError
 from vlserve.tools import tiny_model
 from vlserve.tools.bpe_tokenizer import SPECIAL_TOKENS
 from vlserve.tools.cli import register_cli
 from vlserve.tools.tiny_model import make_tiny_model
 
-MODEL_CLASSES = {"qwen2_vl": Qwen2VLForConditionalGeneration, "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
-                 "qwen3_vl": Qwen3VLForConditionalGeneration, "qwen3_vl_moe": Qwen3VLMoeForConditionalGeneration}
+MODEL_CLASSES = HF_CLASSES
 ARCHES = tuple(MODEL_CLASSES)
 ARCH_NAMES = {arch: cls.__name__ for arch, cls in MODEL_CLASSES.items()}
 # (min pixels, max pixels, patch size, mean) of the image processor each family's tiny checkpoint writes

@@ -13,11 +13,10 @@ import torch.nn as nn
 from vlserve.model.hf_config import VisionConfig
 from vlserve.model.layers.mlp import GatedMLP
 from vlserve.model.layers.norm import RMSNorm
+from vlserve.model.qwen2_vl_vision import Qwen2VLVisionBlock
 from vlserve.model.vision_common import (
     PatchEmbed,
     PatchMerger,
-    VarlenPlan,
-    VisionAttention,
     VisionRotary,
     cu_lengths,
     plan_varlen,
@@ -42,26 +41,15 @@ def window_order(grid_thw: list[tuple[int, int, int]], cfg: VisionConfig) -> tup
     return torch.cat(order), lengths
 
 
-class Qwen2_5_VLVisionBlock(nn.Module):
-    def __init__(self, cfg: VisionConfig):
-        super().__init__()
-        self.norm1 = RMSNorm(cfg.width, eps=1e-6)
-        self.norm2 = RMSNorm(cfg.width, eps=1e-6)
-        self.attn = VisionAttention(cfg)
-        self.mlp = GatedMLP(cfg.width, cfg.mlp_hidden, cfg.hidden_act, bias=True)
-
-    def forward(self, x, cos, sin, plan: VarlenPlan):
-        x = x + self.attn(self.norm1(x), cos, sin, plan)
-        return x + self.mlp(self.norm2(x))
-
-
 class Qwen2_5_VLVisionTransformer(nn.Module):
     def __init__(self, cfg: VisionConfig):
         super().__init__()
         self.cfg = cfg
         self.patch_embed = PatchEmbed(cfg)
         self.rotary = VisionRotary(cfg)
-        self.blocks = nn.ModuleList(Qwen2_5_VLVisionBlock(cfg) for _ in range(cfg.depth))
+        self.blocks = nn.ModuleList(
+            Qwen2VLVisionBlock(cfg, GatedMLP(cfg.width, cfg.mlp_hidden, cfg.hidden_act, bias=True), RMSNorm)
+            for _ in range(cfg.depth))
         self.merger = PatchMerger(cfg, RMSNorm(cfg.width, eps=1e-6))
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:

@@ -30,12 +30,13 @@ class VisionMLP(nn.Module):
 
 
 class Qwen2VLVisionBlock(nn.Module):
-    """LayerNorm blocks with full attention; `mlp` defaults to Qwen2-VL's (Qwen3-VL passes its own)."""
+    """Pre-norm attention + MLP block. Qwen2-VL: LayerNorm and a GELU MLP; Qwen2.5-VL and Qwen3-VL pass their own
+    norm and MLP."""
 
-    def __init__(self, cfg: VisionConfig, mlp: nn.Module | None = None):
+    def __init__(self, cfg: VisionConfig, mlp: nn.Module | None = None, norm: type[nn.Module] = nn.LayerNorm):
         super().__init__()
-        self.norm1 = nn.LayerNorm(cfg.width, eps=1e-6)
-        self.norm2 = nn.LayerNorm(cfg.width, eps=1e-6)
+        self.norm1 = norm(cfg.width, eps=1e-6)
+        self.norm2 = norm(cfg.width, eps=1e-6)
         self.attn = VisionAttention(cfg)
         self.mlp = mlp if mlp is not None else VisionMLP(cfg)
 
