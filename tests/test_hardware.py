@@ -20,6 +20,7 @@ from vlserve.core.errors import InvalidInputError, ModelLoadError
 from vlserve.engine.config import MIN_DEFAULT_KV_BYTES, kv_bytes_per_token, resolve_config
 from vlserve.model import hardware
 from vlserve.model.hardware import Hardware, resolve_dtype
+from vlserve.model.layers.moe import Experts
 from vlserve.model.layers.packed_linear import PackedLinear, packed_linear_supported
 
 AVX2 = Hardware("avx2", native_bf16=False, native_fp16=False, onednn_bf16_packing=False, cuda_devices=0,
@@ -85,11 +86,11 @@ def test_isa_cap_only_lowers(monkeypatch):
         hardware.detect.cache_clear()
 
 
-@pytest.fixture(scope="module")
-def bf16_ckpt(tiny_ckpt, tmp_path_factory):
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl_moe"])  # MoE: its experts pack (or not) too
+def bf16_ckpt(request, tiny_ckpt, tmp_path_factory):
     """The tiny checkpoint as a bf16 checkpoint (config dtype), like every released Qwen-VL."""
     folder = tmp_path_factory.mktemp("bf16")
-    shutil.copytree(tiny_ckpt("qwen2_5_vl"), folder, dirs_exist_ok=True)
+    shutil.copytree(tiny_ckpt(request.param), folder, dirs_exist_ok=True)
     cfg = json.loads((folder / "config.json").read_text())
     cfg["dtype"] = "bfloat16"
     (folder / "config.json").write_text(json.dumps(cfg))
@@ -105,12 +106,18 @@ def _linear_kinds(llm) -> set[type]:
     return {type(m) for m in llm.engine.core.runner.model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))}
 
 
+def _experts_packed(llm) -> set[bool]:
+    """For each MoE expert group of the model: whether its experts were prepacked (empty for dense models)."""
+    return {m.packed is not None for m in llm.engine.core.runner.model.modules() if isinstance(m, Experts)}
+
+
 def test_avx2_auto_runs_float32_and_explicit_bf16_runs_unpacked(avx2_process, bf16_ckpt):
     auto = LLM(str(bf16_ckpt), num_kv_blocks=64)
     assert auto.config.dtype == torch.float32
     explicit = LLM(str(bf16_ckpt), dtype="bfloat16", num_kv_blocks=64)
     assert explicit.config.dtype == torch.bfloat16
     assert _linear_kinds(explicit) == {torch.nn.Linear}  # no oneDNN packing: it raises on real AVX2 CPUs
+    assert True not in _experts_packed(explicit)
     for llm in (auto, explicit):
         out = llm.generate([PROMPT, "plain text"], PARAMS, use_tqdm=False)
         assert all(len(o.outputs[0].token_ids) == 6 for o in out)
@@ -121,6 +128,7 @@ def test_native_bf16_auto_keeps_bf16_and_packs(bf16_ckpt):
     llm = LLM(str(bf16_ckpt), num_kv_blocks=64)
     assert llm.config.dtype == torch.bfloat16
     assert PackedLinear in _linear_kinds(llm)
+    assert False not in _experts_packed(llm)
 
 
 def test_default_kv_cache_scales_with_the_model(tiny_ckpt):
