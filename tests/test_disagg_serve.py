@@ -188,8 +188,8 @@ class NonsenseEncoder:
             peer, *frames = await sock.recv_multipart()
             msg = inbox.decode(frames)
             if isinstance(msg, Ping):
-                await sock.send_multipart([peer, *outbox.encode(Pong(msg.nonce, 0, self.width, self.architecture,
-                                                                          self.hidden, self.levels))])
+                await sock.send_multipart([peer, *outbox.encode(Pong(msg.nonce, 0, self.architecture, self.hidden,
+                                                                          self.levels))])
             elif isinstance(msg, EncodeRequest):
                 kind = self.KINDS[self.served % len(self.KINDS)]
                 self.served += 1

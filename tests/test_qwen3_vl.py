@@ -241,9 +241,11 @@ def test_video_placeholder_count_must_match(references):
     path, _, _ = references("qwen3_vl")
     llm = LLM(str(path), dtype="float32", num_kv_blocks=64, limit_mm_per_prompt={"video": 2})
     mp4 = encode_video(clip_frames(8, seed=2), fps=4)
+    tokenizer = llm.engine.input_processor.tokenizer
     for prompt, videos in ((f"{VID}", [mp4, mp4]), (f"{VID}{VID}", [mp4])):
-        with pytest.raises(InvalidInputError, match="placeholder"):
-            llm.generate({"prompt": prompt, "multi_modal_data": {"video": videos}}, GREEDY, use_tqdm=False)
+        for given in ({"prompt": prompt}, {"prompt_token_ids": tokenizer.encode(prompt)}):
+            with pytest.raises(InvalidInputError, match="placeholder"):
+                llm.generate({**given, "multi_modal_data": {"video": videos}}, GREEDY, use_tqdm=False)
     assert_pool_full(llm)
 
 

@@ -113,9 +113,9 @@ def require_secret_off_loopback(auth: PeerAuth, host: str, role: str) -> None:
     if auth.enabled:
         return
     if not _is_loopback(host):
-        raise InvalidInputError(f"{role} listens on {host} without --disagg-secret: anyone who reaches it could join the "
-                         "deployment or read requests. Set --disagg-secret (or VLSERVE_DISAGG_SECRET) on every "
-                         "role, or listen on a loopback address")
+        raise InvalidInputError(f"{role} listens on {host} without --disagg-secret: anyone who reaches it could join "
+                                "the deployment or read requests. Set --disagg-secret (or VLSERVE_DISAGG_SECRET) on "
+                                "every role, or listen on a loopback address")
     logger.warning("%s runs without --disagg-secret: only safe because it listens on loopback", role)
 
 

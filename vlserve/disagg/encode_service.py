@@ -135,8 +135,8 @@ class EncodeService:
     def _dispatch(self, peer: bytes, msg) -> None:
         if isinstance(msg, Ping):
             m = self.cfg.model
-            self._spawn(self._send(peer, Pong(msg.nonce, self.in_flight, self.width, m.architecture,
-                                              m.text.hidden_size, len(m.vision.deepstack_indexes))))
+            self._spawn(self._send(peer, Pong(msg.nonce, self.in_flight, m.architecture, m.text.hidden_size,
+                                              len(m.vision.deepstack_indexes))))
         elif isinstance(msg, EncodeRequest):
             self._spawn(self._encode(peer, msg))
         elif isinstance(msg, ResumeRequest):
@@ -314,7 +314,8 @@ class _EncoderStats:
                 ("encode_requests_in_flight", s.in_flight, "Encode requests being worked on."),
                 ("encode_transfers_held", len(s.transfers), "Transfers whose items the encoder cache holds (being "
                  "sent or waiting for a resume)."),
-                ("encoder_cache_used_tokens", s.cache.used, "Embedding rows in the encoder cache (1 + DeepStack levels per media token).")):
+                ("encoder_cache_used_tokens", s.cache.used,
+                 "Embedding rows in the encoder cache (1 + DeepStack levels per media token).")):
             g = GaugeMetricFamily(PREFIX + name, help_text)
             g.add_metric([], float(value))
             yield g

@@ -173,12 +173,12 @@ class EncoderClient:
         if enc.paired:
             return
         m = self.cfg.model
-        ours = (m.architecture, m.text.hidden_size, len(m.vision.deepstack_indexes), m.embedding_width)
-        theirs = (pong.architecture, pong.hidden_size, pong.deepstack_levels, pong.width)
+        ours = (m.architecture, m.text.hidden_size, len(m.vision.deepstack_indexes))
+        theirs = (pong.architecture, pong.hidden_size, pong.deepstack_levels)
         if theirs != ours:
-            logger.error("encoder %s serves %s (hidden size %d, %d deepstack levels, %d columns per media token); this "
-                         "server needs %s (hidden size %d, %d deepstack levels, %d columns): not paired",
-                         enc.info.address, theirs[0][:64], *theirs[1:], *ours)
+            logger.error("encoder %s serves %s (hidden size %d, %d deepstack levels); this server needs %s (hidden "
+                         "size %d, %d deepstack levels): not paired", enc.info.address, theirs[0][:64], *theirs[1:],
+                         *ours)
             self._drop(enc, "its model does not match", quiet=True, for_s=300.0)
             return
         enc.paired = True

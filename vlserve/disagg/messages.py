@@ -103,10 +103,9 @@ class Pong(msgspec.Struct, tag="pong"):
 
     nonce: int
     load: int
-    width: int  # embedding columns per media token: hidden size times (1 + deepstack levels)
     architecture: str
     hidden_size: int
-    deepstack_levels: int
+    deepstack_levels: int  # the encoder sends hidden_size x (1 + deepstack_levels) columns per media token
 
 
 EncoderToLanguage = TransferChunk | TransferFailed | Pong

@@ -61,7 +61,8 @@ class EngineCoreClient:
         self.proc: multiprocessing.Process | None = None
         self.dead_reason: str | None = None  # the process is gone or failed: final
         self.unresponsive_reason: str | None = None  # it stopped answering: may recover
-        self._in_framer, self._out_framer, self._hb_framer = Framer(EngineInput), Framer(EngineMessage), Framer(Heartbeat)
+        self._in_framer, self._out_framer = Framer(EngineInput), Framer(EngineMessage)
+        self._hb_framer = Framer(Heartbeat)
         self._tasks: list[asyncio.Task] = []
         self._ipc_dir: str | None = None
         self._sync_ctx: zmq.Context | None = None

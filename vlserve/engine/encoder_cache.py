@@ -31,7 +31,7 @@ class EncoderCacheManager:
 
     @classmethod
     def for_model(cls, capacity: int, model: ModelConfig) -> "EncoderCacheManager":
-        return cls(capacity, model.embedding_width // model.text.hidden_size)
+        return cls(capacity, model.rows_per_media_token)
 
     @property
     def enabled(self) -> bool:

@@ -19,6 +19,7 @@ from vlserve.frontend.media.hashing import (
     hash_image,
     hash_user_id,
     hash_video,
+    hash_video_patch,
 )
 from vlserve.frontend.media.image import (
     ImageProcessorConfig,
@@ -79,7 +80,7 @@ class InputProcessor:
         caps = {f"max_num_encoder_input_tokens={cfg.max_num_encoder_input_tokens}": cfg.max_num_encoder_input_tokens,
                 f"max_model_len={cfg.max_model_len}": cfg.max_model_len}
         if cfg.encoder_cache_size:  # a token of a model with DeepStack features takes 1 + levels rows of it
-            rows = cfg.model.embedding_width // cfg.model.text.hidden_size
+            rows = cfg.model.rows_per_media_token
             name = f"encoder_cache_size={cfg.encoder_cache_size}" + (f" rows at {rows} per token" if rows > 1 else "")
             caps[name] = cfg.encoder_cache_size // rows
         self.item_token_limit = min(caps.items(), key=lambda kv: kv[1])  # (the option that sets it, tokens)
@@ -166,7 +167,8 @@ class InputProcessor:
         items = [value] if isinstance(value, np.ndarray) else as_list(value)  # one [T, H, W, 3] video array
         limit = self.cfg.limit_mm_per_prompt.get(kind, 0)
         if len(items) > limit:
-            raise InvalidInputError(f"{len(items)} {kind}s in one prompt; at most {limit} allowed (limit_mm_per_prompt)")
+            raise InvalidInputError(f"{len(items)} {kind}s in one prompt; at most {limit} allowed "
+                                    f"(limit_mm_per_prompt)")
         ids = as_list(uuids.get(kind))
         if ids and len(ids) != len(items):
             raise InvalidInputError(f"{len(ids)} {kind} uuids for {len(items)} {kind}s")
@@ -184,8 +186,8 @@ class InputProcessor:
         return _Item(p.num_embed_tokens, p.grid_thw, mm_hash, pixel_values=p.pixel_values)
 
     def _video(self, src: Any, uid: str | None, kwargs: dict, pixel_params: dict) -> tuple[list[_Item], list[float]]:
-        """The video's items (one, or one per temporal patch with the layout of Qwen3-VL) and each temporal
-        patch's time in seconds."""
+        """The video's items: one, or with Qwen3-VL's layout one per temporal patch plus each patch's time in
+        seconds (for the prompt)."""
         opts = self.video_opts.with_overrides(kwargs, self.cfg.max_video_frames)
         video = load_video(list(src) if isinstance(src, np.ndarray) else src, opts, self.max_image_pixels)
         lo, hi = pixel_params["min_pixels"], pixel_params["max_pixels"]
@@ -195,16 +197,15 @@ class InputProcessor:
         p = preprocess_video(video, self.image_cfg, opts, lo, hi)
         params = {**pixel_params, "fps": opts.fps, "max_frames": opts.max_frames, "total_pixels": opts.total_pixels}
         mm_hash = hash_user_id(str(uid), params) if uid else hash_video(video.frames, params)
-        vision = self.cfg.model.vision
-        timestamps = video.timestamps(self.image_cfg.temporal_patch_size)
         if self.video_layout is not None:
             t, h, w = p.grid_thw
             rows = p.pixel_values.view(t, h * w, -1)
-            return [_Item(h * w // self.image_cfg.merge_size**2, (1, h, w), hash_user_id(f"{mm_hash}|{k}", {}),
-                          pixel_values=rows[k]) for k in range(t)], timestamps
+            return [_Item(h * w // self.image_cfg.merge_size**2, (1, h, w), hash_video_patch(mm_hash, k),
+                          pixel_values=rows[k]) for k in range(t)], video.timestamps(self.image_cfg.temporal_patch_size)
+        vision = self.cfg.model.vision
         interval = p.second_per_grid * vision.tokens_per_second if vision.time_scaled_video else 1.0
         return [_Item(p.num_embed_tokens, p.grid_thw, mm_hash, pixel_values=p.pixel_values,
-                      time_interval=interval)], timestamps
+                      time_interval=interval)], []
 
     def _check_size(self, grid_thw: tuple[int, int, int], what: str) -> None:
         """Refuse a resized item that is too large before doing the resize."""

@@ -71,7 +71,8 @@ class LLM:
         prompts = []
         for conv in conversations:
             chat = parse_chat_messages(conv)
-            prompts.append(chat.prompt(render_chat(self.tokenizer, chat.messages, add_generation_prompt, chat_template)))
+            text = render_chat(self.tokenizer, chat.messages, add_generation_prompt, chat_template)
+            prompts.append(chat.prompt(text))
         return self.generate(prompts, sampling_params, use_tqdm, mm_processor_kwargs)
 
     def get_metrics(self) -> dict[str, float]:

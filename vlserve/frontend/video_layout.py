@@ -27,7 +27,7 @@ class VideoLayout:
         for stamps in timestamps:
             i = text.find(self.pad, pos)
             if i < 0:
-                raise InvalidInputError(f"the prompt has fewer video placeholders than the {len(timestamps)} videos given")
+                raise self._count_error("fewer", len(timestamps))
             block = self.start + self.pad + self.end
             lo = i - len(self.start)
             whole = lo >= pos and text.startswith(block, lo)
@@ -49,8 +49,7 @@ class VideoLayout:
                 continue
             stamps = next(videos, None)
             if stamps is None:
-                raise InvalidInputError(f"the prompt has more video placeholders than the {len(timestamps)} videos "
-                                        f"given")
+                raise self._count_error("more", len(timestamps))
             whole = out[-1:] == [start_id] and ids[i + 1 : i + 2] == [end_id]
             if whole:
                 out.pop()
@@ -59,5 +58,9 @@ class VideoLayout:
                 out += [start_id, pad_id, end_id]
             i += 2 if whole else 1
         if next(videos, None) is not None:
-            raise InvalidInputError(f"the prompt has fewer video placeholders than the {len(timestamps)} videos given")
+            raise self._count_error("fewer", len(timestamps))
         return out
+
+    @staticmethod
+    def _count_error(which: str, videos: int) -> InvalidInputError:
+        return InvalidInputError(f"the prompt has {which} video placeholders than the {videos} videos given")

@@ -79,7 +79,8 @@ def detect() -> Hardware:
         cpu_isa=isa,
         native_bf16=level >= ISA_ORDER.index("avx512_bf16"),
         native_fp16=not capped and mkldnn and torch.ops.mkldnn._is_mkldnn_fp16_supported(),
-        onednn_bf16_packing=level >= ISA_ORDER.index("avx512") and mkldnn and torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+        onednn_bf16_packing=(level >= ISA_ORDER.index("avx512") and mkldnn
+                             and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
         cuda_devices=cuda,
         cuda_name=torch.cuda.get_device_name(0) if cuda else None,
         cuda_bf16=bool(cuda) and torch.cuda.is_bf16_supported(),
@@ -125,7 +126,8 @@ def resolve_dtype(name: str | torch.dtype, checkpoint_dtype: str | None, device:
     native = hw.native_dtypes(device)
     if name == "auto":
         wanted = DTYPES.get(checkpoint_dtype or "float32", torch.float32)
-        if wanted == torch.float16 and device.type == "cpu" and torch.float16 not in native and torch.bfloat16 in native:
+        fp16_emulated = device.type == "cpu" and torch.float16 not in native
+        if wanted == torch.float16 and fp16_emulated and torch.bfloat16 in native:
             wanted = torch.bfloat16  # same footprint, computed in hardware here
         if wanted not in native:
             if announce:

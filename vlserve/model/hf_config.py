@@ -44,7 +44,6 @@ class TextConfig:
     mrope_section: tuple[int, ...]
     max_position_embeddings: int
     tie_word_embeddings: bool
-    qk_norm: bool = False  # Qwen3: RMSNorm over each q and k head before RoPE
     qkv_bias: bool = True  # Qwen2: biased q/k/v projections; Qwen3: none
     mrope_interleaved: bool = False  # Qwen3: frequencies cycle T, H, W instead of coming in three bands
     hidden_act: str = "silu"
@@ -100,9 +99,14 @@ class ModelConfig:
     transformers_major: int | None = None  # major version that saved it (tie-breaks tensor layouts)
 
     @property
+    def rows_per_media_token(self) -> int:
+        """Hidden-size rows the encoder produces per media token: the embedding, then one per DeepStack level."""
+        return 1 + len(self.vision.deepstack_indexes)
+
+    @property
     def embedding_width(self) -> int:
-        """Columns of one media token's encoder output: the embedding, then one row per deepstack level."""
-        return self.text.hidden_size * (1 + len(self.vision.deepstack_indexes))
+        """Columns of one media token's encoder output (its rows side by side)."""
+        return self.text.hidden_size * self.rows_per_media_token
 
     @property
     def video_rules(self) -> str:
@@ -164,7 +168,6 @@ def _text_config(raw: dict, architecture: str) -> TextConfig:
         mrope_section=section,
         max_position_embeddings=t.get("max_position_embeddings", 32768),
         tie_word_embeddings=bool(tie),
-        qk_norm=qwen3,
         qkv_bias=not qwen3 or bool(t.get("attention_bias", False)),
         mrope_interleaved=qwen3,  # transformers interleaves for Qwen3-VL whatever the config's flag says
         hidden_act=t.get("hidden_act", "silu"),

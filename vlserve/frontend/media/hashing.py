@@ -38,6 +38,11 @@ def hash_video(frames: list, params: dict) -> str:
     return h.hexdigest(length=16)
 
 
+def hash_video_patch(video_hash: str, index: int) -> str:
+    """One temporal patch of a hashed video (Qwen3-VL encodes and caches each patch as its own item)."""
+    return blake3.blake3(f"video-patch|{video_hash}|{index}".encode()).hexdigest(length=16)
+
+
 def hash_embeddings(embeds, grid_thw: tuple[int, int, int]) -> str:
     """Precomputed embeddings are their own content: equal tensors share encoder and prefix cache entries."""
     h = blake3.blake3(f"embeds|{tuple(grid_thw)}|{embeds.dtype}|{tuple(embeds.shape)}|".encode())

@@ -86,7 +86,8 @@ class VideoOptions:
                 raise InvalidInputError(f"{key} must be a positive number, got {v!r}")
             values[key] = v if key == "fps" else int(v)
         if values["max_frames"] > server_max_frames:
-            raise InvalidInputError(f"max_frames {values['max_frames']} exceeds the server's limit of {server_max_frames}")
+            raise InvalidInputError(f"max_frames {values['max_frames']} exceeds the server's limit of "
+                                    f"{server_max_frames}")
         values["min_frames"] = min(values["min_frames"], values["max_frames"])
         return VideoOptions(**values)
 
@@ -102,7 +103,8 @@ class SampledVideo:
         """Seconds into the clip of each temporal patch: the mean of its first and last frame's time (the last
         frame repeats to fill the final patch), as Qwen3-VL's processor writes them into the prompt."""
         idx = list(self.indices) + [self.indices[-1]] * (-len(self.indices) % temporal_patch)
-        return [(idx[i] + idx[i + temporal_patch - 1]) / self.source_fps / 2 for i in range(0, len(idx), temporal_patch)]
+        firsts = range(0, len(idx), temporal_patch)
+        return [(idx[i] + idx[i + temporal_patch - 1]) / self.source_fps / 2 for i in firsts]
 
 
 @dataclass(frozen=True)
