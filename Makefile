@@ -16,6 +16,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m vlserve.model.kernels.cpu_kernels || echo "vlserve CPU kernels not built: torch fallbacks are used"
 	touch $(STAMP)
 
 test: install

@@ -15,45 +15,21 @@ engine can reach it.
 from __future__ import annotations
 
 import argparse
-import random
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
-from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from machine_bounds import active_lm_params, gemm_flops  # noqa: E402
+from picture_workload import make_workload  # noqa: E402
 
 from vlserve.model.hardware import detect, resolve_dtype  # noqa: E402
 from vlserve.model.hf_config import load_model_config  # noqa: E402
-
-IMG = "<|vision_start|><|image_pad|><|vision_end|>"
-SIZES = [(224, 224), (448, 448), (336, 252), (280, 420)]
-QUESTIONS = [
-    "Describe the picture.",
-    "What objects can you see, and what colours do they have? Answer in detail.",
-    "Is there any text in this image? If so, transcribe it exactly and explain what it means.",
-    "Write a short story inspired by this picture, with a beginning, a middle and an end.",
-]
-
-
-def make_workload(n: int, seed: int = 0) -> list[dict]:
-    rng = random.Random(seed)
-    pictures = []
-    for i in range(max(2, n * 2 // 3)):  # about a third of the requests reuse an earlier picture
-        w, h = SIZES[i % len(SIZES)]
-        arr = np.random.default_rng(seed * 1000 + i).integers(0, 256, (h, w, 3), dtype=np.uint8)
-        pictures.append(Image.fromarray(arr, "RGB"))
-    work = []
-    for i in range(n):
-        pic = pictures[i] if i < len(pictures) else pictures[rng.randrange(len(pictures))]
-        q = QUESTIONS[rng.randrange(len(QUESTIONS))]
-        prompt = f"<|im_start|>user\n{IMG}{q}<|im_end|>\n<|im_start|>assistant\n"
-        work.append({"prompt": prompt, "image": pic, "max_tokens": rng.randint(32, 96)})
-    return work
 
 
 def run_vlserve(model: str, work: list[dict], dtype: str, **engine_args) -> tuple[float, int, int]:
@@ -110,29 +86,6 @@ class HFRunner:
         for i in range(0, len(work), batch_size):
             tokens += self.generate_batch(work[i : i + batch_size])
         return time.perf_counter() - t0, tokens
-
-
-def gemm_flops(dtype: torch.dtype, n: int = 1024, seconds: float = 2.0) -> float:
-    """This CPU's sustained matrix-multiply rate in `dtype` (FLOP/s), all threads."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    a @ b
-    runs, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        a @ b
-        runs += 1
-    return 2 * n**3 * runs / (time.perf_counter() - t0)
-
-
-def active_lm_params(model: str) -> int:
-    """Language-model parameters one token multiplies with: all but the experts it is not routed to (and the
-    embedding table, a lookup; a tied LM head still counts once)."""
-    cfg = load_model_config(model).text
-    h, layers = cfg.hidden_size, cfg.num_layers
-    attn = h * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
-    dense_mlp = 3 * h * cfg.intermediate_size
-    moe_mlp = (3 * h * cfg.moe.intermediate_size * cfg.moe.top_k + h * cfg.moe.num_experts) if cfg.moe else 0
-    mlp = sum(moe_mlp if cfg.is_sparse_layer(i) else dense_mlp for i in range(layers))
-    return layers * attn + mlp + h * cfg.vocab_size
 
 
 def resolved_dtype(model: str, dtype: str) -> torch.dtype:

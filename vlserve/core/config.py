@@ -62,6 +62,10 @@ class EngineArgs:
     dtype: str = option("auto", "weights/activations dtype: auto (the checkpoint's where this device computes it "
                         "natively, else float32), float32, bfloat16, float16", {SERVE, LANGUAGE, ENCODE, DEMO},
                         choices=("auto", "float32", "bfloat16", "float16"))
+    quantization: str | None = option(
+        None, "weight-only quantization: int8 (made at load time from a full-precision checkpoint, decoder "
+        "linears); awq and gptq 4-bit checkpoints are detected from their quantization_config", LM_ROLES,
+        choices=("int8", "awq", "gptq"))
     device: str = option("auto", "auto (cuda when available, else cpu), cpu, cuda, cuda:1, ...",
                          {SERVE, LANGUAGE, ENCODE, DEMO})
     max_model_len: int | None = option(None, "longest prompt + output in tokens (default: the model's, at most "

@@ -88,7 +88,8 @@ class EncodeService:
         self.executor = ThreadPoolExecutor(max_workers=server.media_threads, thread_name_prefix="vlserve-media")
         fetchers = {kind: MediaFetcher(MediaPolicy.from_args(server, kind)) for kind in ("image", "video")}
         self.prompts = LocalPromptEncoder(processor, fetchers, self.executor)
-        model = load_model(self.cfg.model_path, self.cfg.model, self.cfg.dtype, self.cfg.device, with_language=False)
+        model = load_model(self.cfg.model_path, self.cfg.model, self.cfg.dtype, self.cfg.device, with_language=False,
+                           quantization=self.cfg.quantization)
         if packed_linear_supported(self.cfg.device, self.cfg.dtype):
             model.pack_for_cpu()
         self.vision = VisionRunner(model, self.cfg.device)

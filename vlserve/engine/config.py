@@ -14,6 +14,7 @@ from vlserve.core.errors import InvalidInputError
 from vlserve.model.hardware import memory_available_bytes, pick_device, resolve_dtype
 from vlserve.model.hf_config import ModelConfig, load_model_config
 from vlserve.model.loader import resolve_model_path, weight_files
+from vlserve.model.quantization import QuantizationConfig, resolve_quantization
 
 logger = logging.getLogger("vlserve.engine")
 MIN_DEFAULT_KV_BYTES = 256 * 2**20  # the default KV cache is as large as the weights, and at least this
@@ -29,6 +30,7 @@ class VlserveConfig:
     model: ModelConfig
     dtype: torch.dtype
     device: torch.device
+    quantization: QuantizationConfig | None
     max_model_len: int
     max_num_seqs: int
     max_num_batched_tokens: int
@@ -72,10 +74,11 @@ def resolve_config(args: EngineArgs, announce: bool = True) -> VlserveConfig:
     model_cfg = load_model_config(path)
     device = pick_device(args.device)
     dtype = resolve_dtype(args.dtype, model_cfg.checkpoint_dtype, device, announce)
+    quantization = resolve_quantization(args.quantization, model_cfg.quantization)
     max_model_len = args.max_model_len or min(model_cfg.text.max_position_embeddings, 32768)
     num_blocks = _num_kv_blocks(args, path, model_cfg, dtype, device, max_model_len)
     return VlserveConfig(
-        model_path=path, model=model_cfg, dtype=dtype, device=device, max_model_len=max_model_len,
+        model_path=path, model=model_cfg, dtype=dtype, device=device, quantization=quantization, max_model_len=max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size, num_kv_blocks=num_blocks, enable_prefix_caching=args.enable_prefix_caching,
         encoder_cache_size=args.encoder_cache_size, max_num_encoder_input_tokens=args.max_num_encoder_input_tokens,

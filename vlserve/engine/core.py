@@ -36,7 +36,8 @@ class EngineCore:
         self.report_released = report_released
         self.transfer = transfer
         t0 = time.perf_counter()
-        model = model or load_model(cfg.model_path, cfg.model, cfg.dtype, cfg.device, with_vision=cfg.load_vision)
+        model = model or load_model(cfg.model_path, cfg.model, cfg.dtype, cfg.device, with_vision=cfg.load_vision,
+                                    quantization=cfg.quantization)
         if packed_linear_supported(cfg.device, cfg.dtype) and hasattr(model, "pack_for_cpu"):
             logger.info("packed %d linears into oneDNN's layout", model.pack_for_cpu())
         self.runner = ModelRunner(cfg, model, transfer)

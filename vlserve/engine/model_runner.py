@@ -72,6 +72,7 @@ class ModelRunner:
         pos = torch.arange(max_blocks * bs)
         meta.decode_blocks = table.view(-1)
         meta.decode_mask = (pos.unsqueeze(0) < ctx.unsqueeze(1))[:, None, None, :]
+        meta.decode_context_lens = ctx
         last = ctx - 1
         return table[torch.arange(len(decode)), last // bs] * bs + last % bs
 
@@ -106,6 +107,7 @@ class ModelRunner:
         if meta.decode_blocks is not None:
             meta.decode_blocks = meta.decode_blocks.to(dev, non_blocking=True)
             meta.decode_mask = meta.decode_mask.to(dev, non_blocking=True)
+            meta.decode_context_lens = meta.decode_context_lens.to(dev, non_blocking=True)
         for span in meta.prefills:
             if span.context_slots is not None:
                 span.context_slots = span.context_slots.to(dev, non_blocking=True)

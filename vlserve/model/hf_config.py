@@ -97,6 +97,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     checkpoint_dtype: str | None  # dtype named in config.json ("bfloat16", ...), used by dtype="auto"
     transformers_major: int | None = None  # major version that saved it (tie-breaks tensor layouts)
+    quantization: tuple[tuple[str, object], ...] = ()  # the checkpoint's quantization_config, items sorted
 
     @property
     def rows_per_media_token(self) -> int:
@@ -240,6 +241,15 @@ def _transformers_major(raw: dict) -> int | None:
     return int(head) if head.isdigit() else None
 
 
+def _quantization_items(raw: dict) -> tuple[tuple[str, object], ...]:
+    """The checkpoint's quantization_config (top level, or the text config's), hashable; () when unquantized."""
+    qc = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config") or {}
+    if not isinstance(qc, dict):
+        raise ModelLoadError(f"config.json: quantization_config must be an object, got {type(qc).__name__}")
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in qc.items()
+                        if not isinstance(v, dict)))
+
+
 def parse_model_config(raw: dict, folder: Path) -> ModelConfig:
     archs = raw.get("architectures") or []
     if not archs:
@@ -258,6 +268,7 @@ def parse_model_config(raw: dict, folder: Path) -> ModelConfig:
         eos_token_ids=_eos_ids(raw, folder),
         checkpoint_dtype=dtype if isinstance(dtype, str) else None,
         transformers_major=_transformers_major(raw),
+        quantization=_quantization_items(raw),
     )
 
 

@@ -23,6 +23,14 @@ from tqdm import tqdm
 from vlserve.core.errors import ModelLoadError
 from vlserve.model.hardware import resolve_dtype
 from vlserve.model.hf_config import ModelConfig, load_model_config
+from vlserve.model.quantization import (
+    INT4_SUFFIXES,
+    QuantizationConfig,
+    checkpoint_tensor,
+    prepare_int4,
+    quantize_int8,
+    quantized_buffers,
+)
 from vlserve.model.registry import get_model_spec
 
 logger = logging.getLogger(__name__)
@@ -142,12 +150,14 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def load_weights(model: nn.Module, folder: Path, files: list[Path] | None = None) -> None:
+def load_weights(model: nn.Module, folder: Path, files: list[Path] | None = None,
+                 quantization: QuantizationConfig | None = None) -> None:
     files = files or weight_files(folder)
-    params = dict(model.named_parameters())
+    params = dict(model.named_parameters()) | quantized_buffers(model)
     # Parts this model was built with: a role that leaves one out (an encoder has no LM) skips its tensors
     # silently, and so does a tied LM head stored anyway. Unknown tensors of a built part are worth a warning.
     built = {name.split(".", 1)[0] for name in params}
+    int4_linears = {name.rsplit(".", 1)[0] for name in quantized_buffers(model)}
     cfg = getattr(model, "cfg", None)
     transformers_major = cfg.transformers_major if cfg is not None else None
     loaded: set[str] = set()
@@ -160,11 +170,18 @@ def load_weights(model: nn.Module, folder: Path, files: list[Path] | None = None
             with safe_open(str(file), framework="pt") as f:
                 for key in f.keys():
                     name, shard = our_name(key)
+                    quantized = name.endswith(INT4_SUFFIXES) and name.rsplit(".", 1)[0] in int4_linears
+                    if quantized:
+                        converted = checkpoint_tensor(name, f.get_tensor(key), quantization)
+                        if converted is None:
+                            continue
+                        name, tensor = converted
                     if name not in params:
                         if name.split(".", 1)[0] in built:
                             unexpected.append(key)
                         continue
-                    tensor = f.get_tensor(key)
+                    if not quantized:
+                        tensor = f.get_tensor(key)
                     param = params[name].data
                     if name.endswith("patch_embed.proj.weight"):
                         tensor = tensor.reshape(tensor.shape[0], -1)  # Conv3d kernel -> Linear
@@ -200,8 +217,10 @@ def load_model(
     device: torch.device | str = "cpu",
     with_vision: bool = True,
     with_language: bool = True,
+    quantization: QuantizationConfig | None = None,
 ) -> nn.Module:
-    """Build the model for `cfg.architecture` without random init (meta device) and fill it from safetensors."""
+    """Build the model for `cfg.architecture` without random init (meta device) and fill it from safetensors;
+    `quantization` (see vlserve.model.quantization) swaps in quantized linears before or after loading."""
     cfg = cfg or load_model_config(folder)
     device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, cfg.checkpoint_dtype, device)
@@ -209,6 +228,11 @@ def load_model(
     files = weight_files(folder)
     with torch.device("meta"), _default_dtype(torch_dtype):
         model = spec.build(cfg, with_vision=with_vision, with_language=with_language)
+        if quantization is not None and quantization.is_checkpoint_format:
+            logger.info("%s checkpoint: %d linears run in int4", quantization.method,
+                        prepare_int4(model, files, quantization, our_name))
     model = model.to_empty(device=device)
-    load_weights(model, folder, files)
+    load_weights(model, folder, files, quantization)
+    if quantization is not None and quantization.method == "int8":
+        logger.info("int8: %d decoder linears quantized at load time", quantize_int8(model))
     return model.eval().requires_grad_(False)

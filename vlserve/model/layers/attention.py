@@ -5,7 +5,9 @@ slot is `block_id * block_size + offset`. The runner builds one `AttentionMetada
 reuses it, so per-layer work is only the cache write, a gather and the SDPA calls.
 
 Tokens of a step are ordered decode-first: the first `num_decode_tokens` tokens each belong to a different
-sequence with exactly one new token, and are attended in one batched, padded SDPA call. Every other sequence
+sequence with exactly one new token. On CPU they go to vlserve's paged decode kernel, which reads K/V where they
+lie in the cache (no per-layer gather of whole contexts); elsewhere (CUDA, fp16, head sizes not a multiple of 16,
+no compiler) they are gathered and attended in one batched, padded SDPA call. Every other sequence
 (a prefill chunk) gets its own SDPA call with a causal mask that also sees its cached prefix.
 """
 
@@ -15,6 +17,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from vlserve.model.kernels import cpu_kernels
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass
@@ -32,6 +38,7 @@ class AttentionMetadata:
     block_size: int = 16
     decode_blocks: torch.Tensor | None = None  # [num_decode * max_blocks] block ids to gather (padding -> 0)
     decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_blocks * block_size] bool
+    decode_context_lens: torch.Tensor | None = None  # [num_decode] int64, tokens each decode row attends to
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
@@ -43,6 +50,14 @@ def build_prefill_span(start: int, num_tokens: int, context_len: int, slots: tor
     q_pos = torch.arange(num_tokens, device=slots.device).unsqueeze(1) + prefix
     k_pos = torch.arange(context_len, device=slots.device).unsqueeze(0)
     return PrefillSpan(start, num_tokens, slots, k_pos <= q_pos)
+
+
+def _decode_kernels(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata):
+    """The compiled CPU kernels when they can take this step's decode rows, else None."""
+    if (q.device.type != "cpu" or q.shape[-1] % 16 or kv_cache.dtype not in KERNEL_DTYPES
+            or meta.decode_context_lens is None):
+        return None
+    return cpu_kernels.load()
 
 
 def paged_attention(
@@ -62,7 +77,12 @@ def paged_attention(
 
     out = torch.empty_like(q)
     nd = meta.num_decode_tokens
-    if nd:
+    kernels = _decode_kernels(q, kv_cache, meta) if nd else None
+    if kernels is not None:
+        od = kernels.paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_blocks.view(nd, -1),
+                                            meta.decode_context_lens, meta.block_size, scale, cpu_kernels.isa_cap())
+        out[:nd] = od
+    elif nd:
         # GQA without repeating K/V: the query heads sharing a KV head become that head's "query rows".
         qd = q[:nd].view(nd, num_kv_heads, group, head_dim)
         # Whole blocks via index_select: contiguous copies, ~10x faster than per-slot advanced indexing.

@@ -1,0 +1,129 @@
+"""vlserve's compiled CPU kernels against plain torch, for every ISA copy this CPU can run (generic, AVX2,
+AVX-512), and the torch fallbacks that take over where a kernel does not apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vlserve.model.kernels import cpu_kernels
+from vlserve.model.layers.attention import AttentionMetadata, paged_attention
+from vlserve.model.layers.quantized_linear import (
+    KERNEL_MAX_ROWS,
+    Int4Linear,
+    Int8Linear,
+    deinterleave4,
+    interleave4,
+    pack_int4,
+    unpack_int4,
+)
+
+kernels = cpu_kernels.load()
+pytestmark = pytest.mark.skipif(kernels is None, reason="no C++ compiler here: the torch fallbacks run instead")
+ISAS = [isa for isa in (0, 1, 2) if kernels is None or isa <= kernels.cpu_isa()]
+DTYPES = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # relative tolerance: bf16 output rounding
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype):
+    scale = want.abs().max().item()
+    assert (got.float() - want.float()).abs().max().item() <= DTYPES[dtype] * scale
+
+
+def test_layouts_round_trip():
+    q = torch.randint(0, 16, (8, 64))
+    assert torch.equal(unpack_int4(pack_int4(q)).long(), q)
+    t = torch.randint(-128, 127, (12, 48), dtype=torch.int8)
+    assert torch.equal(deinterleave4(interleave4(t)), t)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("rows", [1, 3, 5, 17])
+def test_int8_linear(isa, dtype, rows):
+    torch.manual_seed(rows)
+    lin = torch.nn.Linear(96, 40, bias=True)
+    q = Int8Linear.from_linear(lin)
+    x = torch.randn(rows, 96).to(dtype)
+    got = kernels.int8_linear(x, q.qweight, q.scale, isa)
+    assert got.dtype == dtype and got.shape == (rows, 40)
+    _close(got, x.float() @ q.dequantized_weight().t(), dtype)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("rows, group", [(1, 32), (2, 64), (7, 32), (9, 128)])
+def test_int4_linear(isa, dtype, rows, group):
+    torch.manual_seed(rows)
+    n, k = 24, 256
+    lin = Int4Linear(k, n, False, group, torch.float32)
+    lin.packed.copy_(pack_int4(torch.randint(0, 16, (n, k))))
+    lin.scales.copy_(torch.rand(n, k // group) * 0.1)
+    lin.zeros.copy_(torch.randint(0, 16, (n, k // group)).float())
+    x = torch.randn(rows, k).to(dtype)
+    got = kernels.int4_linear(x, lin.packed, lin.scales, lin.zeros, group, isa)
+    _close(got, x.float() @ lin.dequantized_weight().t(), dtype)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_quantized_linears_agree_across_the_kernel_and_dense_paths(dtype):
+    """Few rows go to the kernel, many to a dense GEMM on the expanded weight: the same function either way."""
+    torch.manual_seed(0)
+    q = Int8Linear.from_linear(torch.nn.Linear(64, 32, bias=True).to(dtype))
+    x = torch.randn(KERNEL_MAX_ROWS + 8, 64).to(dtype)
+    with torch.inference_mode():
+        many = q(x)
+        few = torch.cat([q(x[i : i + 4]) for i in range(0, x.shape[0], 4)])
+    _close(few, many, dtype)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_paged_decode_attention(isa, dtype):
+    """Scattered blocks, ragged contexts (one of a single token), GQA groups of 3."""
+    torch.manual_seed(0)
+    bs, kvh, heads, d, blocks = 4, 2, 6, 32, 40
+    k_cache = torch.randn(blocks * bs, kvh, d).to(dtype)
+    v_cache = torch.randn(blocks * bs, kvh, d).to(dtype)
+    lens = torch.tensor([1, 9, 23])
+    table = torch.stack([torch.randperm(blocks)[:6] for _ in lens])
+    q = torch.randn(len(lens), heads, d).to(dtype)
+    got = kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, bs, d**-0.5, isa)
+    for b, n in enumerate(lens.tolist()):
+        slots = (table[b, torch.arange(n) // bs] * bs + torch.arange(n) % bs)
+        k = k_cache[slots].float().repeat_interleave(heads // kvh, 1).transpose(0, 1)  # [heads, n, d]
+        v = v_cache[slots].float().repeat_interleave(heads // kvh, 1).transpose(0, 1)
+        want = F.scaled_dot_product_attention(q[b].float()[:, None], k, v, scale=d**-0.5)[:, 0]
+        _close(got[b], want, dtype)
+
+
+def test_paged_attention_uses_the_kernel_and_matches_the_gather_path(monkeypatch):
+    """Through paged_attention: the kernel path and the SDPA gather path give the same decode outputs."""
+    torch.manual_seed(1)
+    bs, kvh, heads, d = 4, 2, 4, 16
+    kv = torch.randn(2, 32 * bs, kvh, d)
+    table = torch.tensor([[3, 7, 1], [5, 0, 0]])
+    lens = torch.tensor([10, 3])
+    mask = (torch.arange(3 * bs)[None] < lens[:, None])[:, None, None, :]
+    last = lens - 1
+    slots = table[torch.arange(2), last // bs] * bs + last % bs
+    q, k, v = torch.randn(2, heads, d), torch.randn(2, kvh, d), torch.randn(2, kvh, d)
+
+    def run(with_lens: bool):
+        meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=2, block_size=bs,
+                                 decode_blocks=table.view(-1), decode_mask=mask,
+                                 decode_context_lens=lens if with_lens else None)
+        return paged_attention(q, k, v, kv.clone(), meta, d**-0.5)
+
+    class Spy:
+        calls = 0
+
+        def paged_decode_attention(self, *args):
+            Spy.calls += 1
+            return kernels.paged_decode_attention(*args)
+
+    monkeypatch.setattr(cpu_kernels, "load", lambda: Spy())
+    with_kernel = run(True)
+    assert Spy.calls == 1
+    _close(with_kernel, run(False), torch.float32)  # no context lengths: the gather + SDPA path
+    assert Spy.calls == 1

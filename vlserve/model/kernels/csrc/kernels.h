@@ -1,0 +1,25 @@
+// Declarations of the per-ISA CPU kernels. Each ISA's copy is the same source (kernels_impl.h) compiled under
+// its own `#pragma GCC target` in its own namespace; ops.cpp picks one at run time. Plain pointers only: no
+// torch types cross into the ISA-specific files (their inline functions must not be compiled for a newer ISA).
+#pragma once
+#include <cstdint>
+
+#define VLS_DECLARE_KERNELS(NS)                                                                                    \
+    namespace NS {                                                                                                 \
+    void int8_rows(const float* x, long M, long K, const int8_t* q, const float* scale, float* y, long N,          \
+                   long n0, long n1);                                                                              \
+    void int4_rows(const float* x, const float* xsum, long M, long K, const uint8_t* packed, const float* scales,  \
+                   const float* zeros, long group, float* y, long N, long n0, long n1);                            \
+    void scores_f32(const float* q, const float* k, long stride, const int64_t* blocks, long ctx, long bs,        \
+                    long D, long G, float scale, float* out, long out_stride);                                     \
+    void scores_bf16(const float* q, const uint16_t* k, long stride, const int64_t* blocks, long ctx, long bs,    \
+                     long D, long G, float scale, float* out, long out_stride);                                    \
+    void values_f32(const float* p, long p_stride, const float* v, long stride, const int64_t* blocks, long ctx,  \
+                    long bs, long D, long G, float* out);                                                          \
+    void values_bf16(const float* p, long p_stride, const uint16_t* v, long stride, const int64_t* blocks,        \
+                     long ctx, long bs, long D, long G, float* out);                                               \
+    }
+
+VLS_DECLARE_KERNELS(vls_avx512)
+VLS_DECLARE_KERNELS(vls_avx2)
+VLS_DECLARE_KERNELS(vls_generic)

@@ -1,0 +1,41 @@
+// AVX2 + FMA copy of the kernels (8 fp32 lanes, 16 vector registers: small register tiles).
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "kernels.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace vls_avx2 {
+namespace {
+constexpr long W = 8;
+constexpr int MB_I8 = 2, NB_I8 = 4, MB_I4 = 1, NB_I4 = 2;
+using vf = __m256;
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vf vset1(float a) { return _mm256_set1_ps(a); }
+inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vf a) { _mm256_storeu_ps(p, a); }
+inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(vf a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+inline vf vload_i8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline void vload_u4(const uint8_t* p, vf& lo, vf& hi) {
+    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+    hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+}
+inline vf vload_bf16(const uint16_t* p) {
+    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+}  // namespace
+#include "kernels_impl.h"
+}  // namespace vls_avx2
+#pragma GCC pop_options

@@ -1,0 +1,36 @@
+// AVX-512 copy of the kernels (16 fp32 lanes, 32 vector registers: larger register tiles).
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "kernels.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
+namespace vls_avx512 {
+namespace {
+constexpr long W = 16;
+constexpr int MB_I8 = 4, NB_I8 = 4, MB_I4 = 2, NB_I4 = 4;
+using vf = __m512;
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vset1(float a) { return _mm512_set1_ps(a); }
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vf a) { _mm512_storeu_ps(p, a); }
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
+inline vf vload_i8(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline void vload_u4(const uint8_t* p, vf& lo, vf& hi) {
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+    hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+}
+inline vf vload_bf16(const uint16_t* p) {
+    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+}  // namespace
+#include "kernels_impl.h"
+}  // namespace vls_avx512
+#pragma GCC pop_options

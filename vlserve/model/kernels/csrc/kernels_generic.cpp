@@ -1,0 +1,31 @@
+// Portable copy of the kernels: one lane, plain C++ (for CPUs without AVX2; the compiler may still vectorise).
+#include <cstdint>
+#include <cstring>
+
+#include "kernels.h"
+
+namespace vls_generic {
+namespace {
+constexpr long W = 1;
+constexpr int MB_I8 = 1, NB_I8 = 4, MB_I4 = 1, NB_I4 = 2;
+using vf = float;
+inline vf vzero() { return 0.f; }
+inline vf vset1(float a) { return a; }
+inline vf vload(const float* p) { return *p; }
+inline void vstore(float* p, vf a) { *p = a; }
+inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
+inline float vsum(vf a) { return a; }
+inline vf vload_i8(const int8_t* p) { return static_cast<float>(*p); }
+inline void vload_u4(const uint8_t* p, vf& lo, vf& hi) {
+    lo = static_cast<float>(*p & 15);
+    hi = static_cast<float>(*p >> 4);
+}
+inline vf vload_bf16(const uint16_t* p) {
+    uint32_t bits = static_cast<uint32_t>(*p) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+}
+}  // namespace
+#include "kernels_impl.h"
+}  // namespace vls_generic

@@ -1,0 +1,148 @@
+// The kernels, written once over a small vector vocabulary that the including file defines for its ISA:
+//   W (lanes), vf, vzero, vset1, vload, vstore, vfma, vsum, vload_i8 (W int8 -> floats),
+//   vload_u4 (W bytes -> low nibbles, high nibbles as floats), vload_bf16 (W bf16 -> floats),
+//   and the register tiles MB_I8/NB_I8, MB_I4/NB_I4 (rows of x x rows of the weight per tile).
+// Everything here has internal linkage (see kernels.h for why). Accumulation is fp32 throughout.
+
+static inline vf vloadT(const float* p) { return vload(p); }
+static inline vf vloadT(const uint16_t* p) { return vload_bf16(p); }
+
+// Weights come interleaved by 4 output rows (`interleave4` in quantized_linear.py): per 16 bytes of a row, the
+// same 16 bytes of rows n..n+3 sit together in one 64-byte line, so a tile of 4 rows is one sequential stream
+// (hardware prefetchers follow one stream far better than four short ones). Byte b of row n + j lies at
+// tile(n) + (b / 16) * 64 + j * 16 + b % 16, with tile(n) = base + n * row_bytes.
+static inline long il(long b, long j) { return (b >> 4) * 64 + j * 16 + (b & 15); }
+
+// ---- weight-only int8: y[m, n] = scale[n] * sum_k x[m, k] * q[n, k] ----------------------------------------
+template <int MB, int NB>
+static inline void i8_tile(const float* x, long K, const int8_t* tile, int j0, const float* scale, float* y, long N,
+                           long m, long n) {
+    vf acc[MB][NB];
+    for (int i = 0; i < MB; i++)
+        for (int j = 0; j < NB; j++) acc[i][j] = vzero();
+    for (long k = 0; k < K; k += W) {
+        vf w[NB];
+        for (int j = 0; j < NB; j++) w[j] = vload_i8(tile + il(k, j0 + j));
+        for (int i = 0; i < MB; i++) {
+            vf xv = vload(x + (m + i) * K + k);
+            for (int j = 0; j < NB; j++) acc[i][j] = vfma(xv, w[j], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < MB; i++)
+        for (int j = 0; j < NB; j++) y[(m + i) * N + n + j0 + j] = vsum(acc[i][j]) * scale[n + j0 + j];
+}
+
+// rows n0..n1 (multiples of 4)
+void int8_rows(const float* x, long M, long K, const int8_t* q, const float* scale, float* y, long N, long n0,
+               long n1) {
+    for (long n = n0; n < n1; n += 4) {
+        const int8_t* tile = q + n * K;
+        for (int j0 = 0; j0 < 4; j0 += NB_I8) {
+            long m = 0;
+            for (; m + MB_I8 <= M; m += MB_I8) i8_tile<MB_I8, NB_I8>(x, K, tile, j0, scale, y, N, m, n);
+            for (; m < M; m++) i8_tile<1, NB_I8>(x, K, tile, j0, scale, y, N, m, n);
+        }
+    }
+}
+
+// ---- weight-only int4 with groups: y[m, n] = sum_g scales[n, g] * sum_{k in g} x[m, k] * (q[n, k] - zeros[n, g])
+// Per 32 values of k a row has 16 bytes: byte i holds k = i (low nibble) and k = 16 + i (high nibble); rows are
+// interleaved by 4 as above. The zero is taken out per group as zeros * sum_k x (xsum, precomputed), so the inner
+// loop is one FMA a value.
+template <int MB, int NB>
+static inline void i4_tile(const float* x, const float* xsum, long K, const uint8_t* tile, int j0,
+                           const float* scales, const float* zeros, long group, float* y, long N, long m, long n) {
+    const long G = K / group;
+    vf total[MB][NB];
+    float correction[MB][NB];
+    for (int i = 0; i < MB; i++)
+        for (int j = 0; j < NB; j++) total[i][j] = vzero(), correction[i][j] = 0.f;
+    for (long g = 0; g < G; g++) {
+        vf acc[MB][NB];
+        for (int i = 0; i < MB; i++)
+            for (int j = 0; j < NB; j++) acc[i][j] = vzero();
+        for (long kb = g * group; kb < (g + 1) * group; kb += 32) {
+            for (long h = 0; h < 16; h += W) {
+                vf lo[NB], hi[NB];
+                for (int j = 0; j < NB; j++) vload_u4(tile + il(kb / 2 + h, j0 + j), lo[j], hi[j]);
+                for (int i = 0; i < MB; i++) {
+                    vf xl = vload(x + (m + i) * K + kb + h), xh = vload(x + (m + i) * K + kb + 16 + h);
+                    for (int j = 0; j < NB; j++) acc[i][j] = vfma(xh, hi[j], vfma(xl, lo[j], acc[i][j]));
+                }
+            }
+        }
+        for (int j = 0; j < NB; j++) {
+            const long row = n + j0 + j;
+            const float s = scales[row * G + g], sz = s * zeros[row * G + g];
+            for (int i = 0; i < MB; i++) {
+                total[i][j] = vfma(vset1(s), acc[i][j], total[i][j]);
+                correction[i][j] += sz * xsum[(m + i) * G + g];
+            }
+        }
+    }
+    for (int i = 0; i < MB; i++)
+        for (int j = 0; j < NB; j++) y[(m + i) * N + n + j0 + j] = vsum(total[i][j]) - correction[i][j];
+}
+
+void int4_rows(const float* x, const float* xsum, long M, long K, const uint8_t* packed, const float* scales,
+               const float* zeros, long group, float* y, long N, long n0, long n1) {
+    for (long n = n0; n < n1; n += 4) {
+        const uint8_t* tile = packed + n * (K / 2);
+        for (int j0 = 0; j0 < 4; j0 += NB_I4) {
+            long m = 0;
+            for (; m + MB_I4 <= M; m += MB_I4)
+                i4_tile<MB_I4, NB_I4>(x, xsum, K, tile, j0, scales, zeros, group, y, N, m, n);
+            for (; m < M; m++) i4_tile<1, NB_I4>(x, xsum, K, tile, j0, scales, zeros, group, y, N, m, n);
+        }
+    }
+}
+
+// ---- paged decode attention, one (sequence, kv head) at a time, reading the cache where it lies -----------
+// q: [G, D] (the G query heads sharing this kv head); k/v rows: token t sits at slot blocks[t / bs] * bs + t % bs,
+// `stride` elements apart, already offset to this kv head. Scores come out as [G, out_stride] (softmax is
+// done outside, vectorised by torch), then values take the probabilities back: out [G, D] = p @ V.
+template <typename T>
+static inline void scores_impl(const float* q, const T* k, long stride, const int64_t* blocks, long ctx, long bs,
+                               long D, long G, float scale, float* out, long out_stride) {
+    for (long t = 0; t < ctx; t++) {
+        const T* row = k + (blocks[t / bs] * bs + t % bs) * stride;
+        for (long g = 0; g < G; g++) {
+            vf acc = vzero();
+            for (long d = 0; d < D; d += W) acc = vfma(vload(q + g * D + d), vloadT(row + d), acc);
+            out[g * out_stride + t] = vsum(acc) * scale;
+        }
+    }
+}
+
+template <typename T>
+static inline void values_impl(const float* p, long p_stride, const T* v, long stride, const int64_t* blocks,
+                               long ctx, long bs, long D, long G, float* out) {
+    for (long i = 0; i < G * D; i++) out[i] = 0.f;
+    for (long t = 0; t < ctx; t++) {
+        const T* row = v + (blocks[t / bs] * bs + t % bs) * stride;
+        for (long d = 0; d < D; d += W) {
+            vf vv = vloadT(row + d);
+            for (long g = 0; g < G; g++) {
+                float* o = out + g * D + d;
+                vstore(o, vfma(vset1(p[g * p_stride + t]), vv, vload(o)));
+            }
+        }
+    }
+}
+
+void scores_f32(const float* q, const float* k, long stride, const int64_t* blocks, long ctx, long bs, long D, long G,
+                float scale, float* out, long out_stride) {
+    scores_impl(q, k, stride, blocks, ctx, bs, D, G, scale, out, out_stride);
+}
+void scores_bf16(const float* q, const uint16_t* k, long stride, const int64_t* blocks, long ctx, long bs, long D,
+                 long G, float scale, float* out, long out_stride) {
+    scores_impl(q, k, stride, blocks, ctx, bs, D, G, scale, out, out_stride);
+}
+void values_f32(const float* p, long p_stride, const float* v, long stride, const int64_t* blocks, long ctx, long bs,
+                long D, long G, float* out) {
+    values_impl(p, p_stride, v, stride, blocks, ctx, bs, D, G, out);
+}
+void values_bf16(const float* p, long p_stride, const uint16_t* v, long stride, const int64_t* blocks, long ctx,
+                 long bs, long D, long G, float* out) {
+    values_impl(p, p_stride, v, stride, blocks, ctx, bs, D, G, out);
+}

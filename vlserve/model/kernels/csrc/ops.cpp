@@ -1,0 +1,154 @@
+// Torch entry points of vlserve's CPU kernels: weight-only int8 / int4 linears for small row counts (decode) and
+// paged decode attention that reads the KV cache in place. Each picks the best ISA copy this CPU runs, capped by
+// the caller's `isa` (0 generic, 1 AVX2, 2 AVX-512), and splits its work over torch's threads.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include "kernels.h"
+
+namespace {
+
+int cpu_isa() {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+        return 2;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
+    return 0;
+}
+
+int pick(int64_t cap) { return static_cast<int>(std::min<int64_t>(cap, cpu_isa())); }
+
+#define VLS_DISPATCH(isa, fn, ...)                                 \
+    do {                                                           \
+        if ((isa) == 2) vls_avx512::fn(__VA_ARGS__);               \
+        else if ((isa) == 1) vls_avx2::fn(__VA_ARGS__);            \
+        else vls_generic::fn(__VA_ARGS__);                         \
+    } while (0)
+
+torch::Tensor as_f32(const torch::Tensor& x) { return x.to(torch::kFloat).contiguous(); }
+
+void check_2d(const torch::Tensor& t, const char* name) {
+    TORCH_CHECK(t.dim() == 2 && t.is_contiguous() && t.device().is_cpu(), name, " must be a contiguous 2-D CPU tensor");
+}
+
+// x [M, K] (fp32 or bf16), q [N, K] int8 interleaved by 4 rows (kernels_impl.h), scale [N] fp32 -> [M, N] in x's
+// dtype (N a multiple of 4, K of 16)
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale, int64_t cap) {
+    check_2d(q, "q");
+    TORCH_CHECK(q.scalar_type() == torch::kChar && scale.scalar_type() == torch::kFloat, "int8 weights, fp32 scales");
+    const long N = q.size(0), K = q.size(1);
+    TORCH_CHECK(x.size(-1) == K && K % 16 == 0 && N % 4 == 0, "int8_linear: N % 4, K % 16 or K mismatch");
+    auto xf = as_f32(x.reshape({-1, K}));
+    const long M = xf.size(0);
+    auto y = torch::empty({M, N}, xf.options());
+    const int isa = pick(cap);
+    const float *xp = xf.data_ptr<float>(), *sp = scale.data_ptr<float>();
+    const int8_t* qp = q.data_ptr<int8_t>();
+    float* yp = y.data_ptr<float>();
+    at::parallel_for(0, N / 4, 8, [&](int64_t b, int64_t e) {
+        VLS_DISPATCH(isa, int8_rows, xp, M, K, qp, sp, yp, N, b * 4, e * 4);
+    });
+    auto sizes = x.sizes().vec();
+    sizes.back() = N;
+    return y.to(x.scalar_type()).view(sizes);
+}
+
+// x [M, K], packed [N, K/2] uint8 interleaved by 4 rows (kernels_impl.h), scales / zeros [N, K/group] fp32 ->
+// [M, N] in x's dtype (N a multiple of 4)
+torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
+                          const torch::Tensor& zeros, int64_t group, int64_t cap) {
+    check_2d(packed, "packed");
+    check_2d(scales, "scales");
+    check_2d(zeros, "zeros");
+    const long N = packed.size(0), K = packed.size(1) * 2;
+    TORCH_CHECK(x.size(-1) == K && group % 32 == 0 && K % group == 0 && N % 4 == 0, "int4_linear: shapes");
+    TORCH_CHECK(scales.size(1) == K / group && zeros.sizes() == scales.sizes(), "int4_linear: scales shape");
+    auto xf = as_f32(x.reshape({-1, K}));
+    const long M = xf.size(0);
+    auto xsum = xf.view({M, K / group, group}).sum(-1).contiguous();
+    auto y = torch::empty({M, N}, xf.options());
+    const int isa = pick(cap);
+    const float *xp = xf.data_ptr<float>(), *xs = xsum.data_ptr<float>();
+    const float *sp = scales.data_ptr<float>(), *zp = zeros.data_ptr<float>();
+    const uint8_t* pp = packed.data_ptr<uint8_t>();
+    float* yp = y.data_ptr<float>();
+    at::parallel_for(0, N / 4, 8, [&](int64_t b, int64_t e) {
+        VLS_DISPATCH(isa, int4_rows, xp, xs, M, K, pp, sp, zp, group, yp, N, b * 4, e * 4);
+    });
+    auto sizes = x.sizes().vec();
+    sizes.back() = N;
+    return y.to(x.scalar_type()).view(sizes);
+}
+
+// One decode token per sequence. q [B, H, D]; k/v cache [slots, KVH, D] (fp32 or bf16); block_table [B, max_blocks]
+// int64; context_lens [B] int64. Returns [B, H, D] in q's dtype.
+torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                                     const torch::Tensor& block_table, const torch::Tensor& context_lens,
+                                     int64_t block_size, double scale, int64_t cap) {
+    TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous(),
+                "paged_decode_attention: shapes");
+    TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
+                    (k_cache.scalar_type() == torch::kFloat || k_cache.scalar_type() == torch::kBFloat16),
+                "paged_decode_attention: fp32 or bf16 cache");
+    TORCH_CHECK(block_table.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong,
+                "paged_decode_attention: int64 tables");
+    const long B = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(1), G = H / KVH;
+    TORCH_CHECK(D % 16 == 0 && H % KVH == 0 && k_cache.size(2) == D, "paged_decode_attention: head sizes");
+    auto qf = as_f32(q);
+    auto table = block_table.contiguous();
+    auto lens = context_lens.contiguous();
+    const long max_blocks = table.size(1), max_ctx = lens.max().item<int64_t>();
+    TORCH_CHECK(max_ctx <= max_blocks * block_size, "paged_decode_attention: context longer than its block table");
+    auto scores = torch::full({B, H, max_ctx}, -std::numeric_limits<float>::infinity(), qf.options());
+    const int isa = pick(cap);
+    const bool bf16 = k_cache.scalar_type() == torch::kBFloat16;
+    const long stride = KVH * D;
+    const int64_t *tp = table.data_ptr<int64_t>(), *lp = lens.data_ptr<int64_t>();
+    const float* qp = qf.data_ptr<float>();
+    float* sp = scores.data_ptr<float>();
+    const void *kp = k_cache.data_ptr(), *vp = v_cache.data_ptr();
+    auto unit = [&](int64_t u, long& b, long& h) { b = u / KVH; h = u % KVH; };
+    at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t u = begin; u < end; u++) {
+            long b, h;
+            unit(u, b, h);
+            const float* qh = qp + (b * H + h * G) * D;
+            float* out = sp + (b * H + h * G) * max_ctx;
+            if (bf16)
+                VLS_DISPATCH(isa, scores_bf16, qh, static_cast<const uint16_t*>(kp) + h * D, stride,
+                             tp + b * max_blocks, lp[b], block_size, D, G, static_cast<float>(scale), out, max_ctx);
+            else
+                VLS_DISPATCH(isa, scores_f32, qh, static_cast<const float*>(kp) + h * D, stride,
+                             tp + b * max_blocks, lp[b], block_size, D, G, static_cast<float>(scale), out, max_ctx);
+        }
+    });
+    auto probs = torch::softmax(scores, -1).contiguous();
+    auto out = torch::empty({B, H, D}, qf.options());
+    const float* pp = probs.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t u = begin; u < end; u++) {
+            long b, h;
+            unit(u, b, h);
+            const float* p = pp + (b * H + h * G) * max_ctx;
+            float* o = op + (b * H + h * G) * D;
+            if (bf16)
+                VLS_DISPATCH(isa, values_bf16, p, max_ctx, static_cast<const uint16_t*>(vp) + h * D, stride,
+                             tp + b * max_blocks, lp[b], block_size, D, G, o);
+            else
+                VLS_DISPATCH(isa, values_f32, p, max_ctx, static_cast<const float*>(vp) + h * D, stride,
+                             tp + b * max_blocks, lp[b], block_size, D, G, o);
+        }
+    });
+    return out.to(q.scalar_type());
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("cpu_isa", &cpu_isa, "best kernel ISA this CPU runs: 0 generic, 1 AVX2, 2 AVX-512");
+    m.def("int8_linear", &int8_linear);
+    m.def("int4_linear", &int4_linear);
+    m.def("paged_decode_attention", &paged_decode_attention);
+}

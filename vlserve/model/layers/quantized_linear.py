@@ -1,0 +1,138 @@
+"""Weight-only quantized linears: int8 per output channel, and int4 in groups (AWQ / GPTQ checkpoints).
+
+Activations stay in the compute dtype; only the weights are small. A decode step reads every weight once for a
+few rows, so it is memory-bound and runs on vlserve's CPU kernels (fp32 accumulation, the weight expanded in
+registers: int8 reads a quarter of fp32's bytes, int4 an eighth). Past `KERNEL_MAX_ROWS` rows (prefill) a step
+is compute-bound: the weight is expanded to the compute dtype once for the call and goes through the dense GEMM.
+CUDA always takes that second path.
+
+int4 layout here (`pack_int4`): per 32 input channels, byte i holds channel i (low nibble) and channel 16 + i
+(high nibble), so one vector load unpacks into two runs of consecutive channels. Zeros are kept as floats,
+the weight is `(q - zero) * scale` per group of `group_size` input channels.
+
+Both weights are stored interleaved by 4 output rows (`interleave4`): the kernel reads a tile of 4 rows as one
+sequential stream, which memory prefetchers keep up with (four short streams got half the bandwidth). A tile is
+4 whole rows, so rows [a, b) with a, b multiples of 4 are still bytes [a, b) x row bytes: the loader fills fused
+q/k/v and gate/up rows as before.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from vlserve.model.kernels import cpu_kernels
+
+KERNEL_MAX_ROWS = 32  # up to this many rows the kernel beats expanding the weight for a dense GEMM
+
+
+def interleave4(t: torch.Tensor) -> torch.Tensor:
+    """[N, B] bytes (N % 4 == 0, B % 16 == 0) -> the same shape, each 16-byte run of 4 rows side by side."""
+    n, b = t.shape
+    return t.view(n // 4, 4, b // 16, 16).transpose(1, 2).reshape(n, b)
+
+
+def deinterleave4(t: torch.Tensor) -> torch.Tensor:
+    n, b = t.shape
+    return t.view(n // 4, b // 16, 4, 16).transpose(1, 2).reshape(n, b)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] integers 0..15 -> [N, K/2] uint8 in the layout above, interleaved (N % 4 == 0, K % 32 == 0)."""
+    n, k = q.shape
+    blocks = q.to(torch.uint8).view(n, k // 32, 2, 16)
+    return interleave4((blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2))
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack_int4`: [N, K/2] uint8 -> [N, K] uint8 values 0..15."""
+    n, half = packed.shape
+    blocks = deinterleave4(packed).view(n, half // 16, 1, 16)
+    return torch.cat((blocks & 15, blocks >> 4), dim=2).reshape(n, half * 2)
+
+
+def _kernel_for(x: torch.Tensor):
+    """The compiled kernels when they apply to `x` (CPU, few rows), else None."""
+    if x.device.type != "cpu" or x.numel() // x.shape[-1] > KERNEL_MAX_ROWS:
+        return None
+    return cpu_kernels.load()
+
+
+class Int8Linear(nn.Module):
+    """y = x @ (q * scale)^T + bias, q int8 [N, K] (stored interleaved), one fp32 scale per output channel
+    (symmetric)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
+        self.register_buffer("scale", torch.ones(out_features, dtype=torch.float32, device=device))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), False) if bias else None
+
+    @staticmethod
+    def supports(linear: nn.Linear) -> bool:
+        return linear.out_features % 4 == 0 and linear.in_features % 16 == 0
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Int8Linear:
+        if not cls.supports(linear):
+            raise ValueError(f"int8 linear needs out_features % 4 == 0 and in_features % 16 == 0, got {linear}")
+        w = linear.weight.detach().float()
+        scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+        module = cls(linear.in_features, linear.out_features, linear.bias is not None, linear.weight.dtype,
+                     linear.weight.device)
+        module.qweight.copy_(interleave4(torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)))
+        module.scale.copy_(scale)
+        if linear.bias is not None:
+            module.bias.data.copy_(linear.bias.detach())
+        return module
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (deinterleave4(self.qweight).float() * self.scale[:, None]).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernels = _kernel_for(x)
+        if kernels is not None:
+            y = kernels.int8_linear(x.contiguous(), self.qweight, self.scale, cpu_kernels.isa_cap())
+        else:  # per-channel scale applied to the output: the GEMM sees exact integers
+            y = F.linear(x, deinterleave4(self.qweight).to(x.dtype)) * self.scale.to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class Int4Linear(nn.Module):
+    """y = x @ W^T + bias with W[n, k] = (q[n, k] - zeros[n, g]) * scales[n, g], g = k // group_size."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, group_size: int, dtype: torch.dtype,
+                 device=None):
+        super().__init__()
+        if in_features % group_size or group_size % 32 or out_features % 4:
+            raise ValueError(f"int4 linear: in_features {in_features} must be a multiple of the group size "
+                             f"{group_size}, itself a multiple of 32, and out_features {out_features} of 4")
+        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        groups = in_features // group_size
+        self.register_buffer("packed", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("scales", torch.zeros(out_features, groups, dtype=torch.float32, device=device))
+        self.register_buffer("zeros", torch.zeros(out_features, groups, dtype=torch.float32, device=device))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), False) if bias else None
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        n, g = self.out_features, self.group_size
+        q = unpack_int4(self.packed).float().view(n, -1, g)
+        return ((q - self.zeros[..., None]) * self.scales[..., None]).view(n, -1).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernels = _kernel_for(x)
+        if kernels is not None:
+            y = kernels.int4_linear(x.contiguous(), self.packed, self.scales, self.zeros, self.group_size,
+                                    cpu_kernels.isa_cap())
+        else:
+            y = F.linear(x, self.dequantized_weight(x.dtype))
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, "
+                f"bias={self.bias is not None}")
