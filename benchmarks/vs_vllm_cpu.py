@@ -58,6 +58,22 @@ def in_subprocess(cmd: list[str], env: dict | None, name: str) -> dict | None:
     return None
 
 
+def best_of(a: dict | None, b: dict | None) -> dict | None:
+    """Each figure's best of two runs (most tok/s, least seconds)."""
+    if not a or not b:
+        return a or b
+    best = dict(a)
+    for key, value in b.items():
+        if key in ("offline_seconds", "ttft_448_s"):
+            best[key] = min(value, a.get(key, value))
+            if key == "offline_seconds" and value < a.get(key, value):
+                best["offline_output_tokens"] = b["offline_output_tokens"]
+                best["offline_prompt_tokens"] = b["offline_prompt_tokens"]
+        elif key == "decode_tok_s":
+            best[key] = max(value, a.get(key, value))
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="checkpoint folder (default: a medium random Qwen2-VL made in a temp dir)")
@@ -69,6 +85,8 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--phases", default="offline,decode,ttft")
+    ap.add_argument("--rounds", type=int, default=1, help="run every engine this many times, alternating, and keep "
+                    "each figure's best (the machines' speed drifts by tens of percent over minutes)")
     ap.add_argument("--quantization-one", help=argparse.SUPPRESS)  # internal: run one vlserve row, print JSON
     args = ap.parse_args()
 
@@ -94,7 +112,7 @@ def main() -> None:
     common = ["--model", args.model, "--dtype", dtype_name, "--num-requests", str(args.num_requests),
               "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
               "--phases", args.phases]
-    rows: dict[str, dict] = {}
+    commands: dict[str, tuple[list[str], dict | None]] = {}
     for quant in ["none"] + [q for q in args.quantization.split(",") if q]:
         name = "vlserve" if quant == "none" else f"vlserve {quant}"
         cmd = [sys.executable, __file__, *common, "--quantization-one", quant]
@@ -102,10 +120,14 @@ def main() -> None:
             from vlserve.tools.int4_export import export_int4
 
             cmd[cmd.index("--model") + 1] = str(export_int4(args.model, Path(tempfile.mkdtemp()) / quant, quant))
-        rows[name] = in_subprocess(cmd, None, name)
+        commands[name] = (cmd, None)
     if args.vllm_venv:
-        rows["vLLM-CPU"] = in_subprocess([str(args.vllm_venv / "bin" / "python"), str(ROOT / "benchmarks" /
-                                          "peer_vllm_cpu.py"), *common], vllm_env(args.vllm_venv), "vLLM-CPU")
+        commands["vLLM-CPU"] = ([str(args.vllm_venv / "bin" / "python"), str(ROOT / "benchmarks" /
+                                 "peer_vllm_cpu.py"), *common], vllm_env(args.vllm_venv))
+    rows: dict[str, dict | None] = {name: None for name in commands}
+    for _ in range(args.rounds):
+        for name, (cmd, env) in commands.items():
+            rows[name] = best_of(rows[name], in_subprocess(cmd, env, name))
 
     work_tokens = sum(w["max_tokens"] for w in make_workload(args.num_requests))
     elt = torch.empty((), dtype=dtype).element_size()

@@ -13,6 +13,27 @@ import torch
 
 from vlserve.core.prompt import MultiModalItem
 
+# On CPU the tower runs faster on a few thousand patches at a time than on everything at once: activations of a
+# large batch ([patches, 4 x width] per block) fall out of the caches (16 pictures in one call: ~25% slower per
+# patch than in groups). GPUs want the big batch.
+CPU_PATCHES_PER_CALL = 2048
+
+
+def batches(items: list[MultiModalItem], budget: int | None) -> list[list[MultiModalItem]]:
+    """Consecutive groups of at most `budget` patches (an item larger than that alone); one group if None."""
+    if budget is None:
+        return [items]
+    groups: list[list[MultiModalItem]] = [[]]
+    used = 0
+    for it in items:
+        n = it.pixel_values.shape[0]
+        if groups[-1] and used + n > budget:
+            groups.append([])
+            used = 0
+        groups[-1].append(it)
+        used += n
+    return groups
+
 
 class VisionRunner:
     def __init__(self, model: torch.nn.Module, device: torch.device):
@@ -23,18 +44,18 @@ class VisionRunner:
 
     @torch.inference_mode()
     def encode(self, items: list[MultiModalItem]) -> None:
-        """One batched vision-tower call over `items` (no attention across items); outputs land in `outputs`."""
+        """Batched vision-tower calls over `items` (no attention across items); outputs land in `outputs`."""
         items = [it for it in items if it.mm_hash not in self.outputs]
-        if not items:
-            return
-        t0 = time.perf_counter()
-        pixels = torch.cat([it.pixel_values for it in items]).to(self.device, non_blocking=True)
-        embeds = self.model.encode_images(pixels, [it.grid_thw for it in items])
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # so the latency below is the encoder's, not the launch's
-        self.seconds.append(time.perf_counter() - t0)
-        for it, emb in zip(items, embeds):
-            self.outputs[it.mm_hash] = emb
+        budget = CPU_PATCHES_PER_CALL if self.device.type == "cpu" else None
+        for group in batches(items, budget) if items else []:
+            t0 = time.perf_counter()
+            pixels = torch.cat([it.pixel_values for it in group]).to(self.device, non_blocking=True)
+            embeds = self.model.encode_images(pixels, [it.grid_thw for it in group])
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # so the latency below is the encoder's, not the launch's
+            self.seconds.append(time.perf_counter() - t0)
+            for it, emb in zip(group, embeds):
+                self.outputs[it.mm_hash] = emb
 
     def free(self, keys: list[str]) -> None:
         for key in keys:

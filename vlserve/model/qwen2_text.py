@@ -10,7 +10,7 @@ from vlserve.model.decoder import DecoderLayer, DecoderModel
 from vlserve.model.hf_config import TextConfig
 from vlserve.model.layers.attention import AttentionMetadata, paged_attention
 from vlserve.model.layers.mlp import GatedMLP
-from vlserve.model.layers.rotary import apply_rotary
+from vlserve.model.layers.rotary import rotate_heads_
 
 
 class Qwen2Attention(nn.Module):
@@ -26,10 +26,9 @@ class Qwen2Attention(nn.Module):
     def forward(self, x, cos, sin, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x).view(T, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        # q and k heads are adjacent in the fused projection: rotate them in one pass
-        qk = apply_rotary(qkv[:, : self.num_heads + self.num_kv_heads], cos, sin)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, self.num_heads + self.num_kv_heads :]
+        # q and k heads are adjacent in the fused projection: rotate them in one pass, in place
+        rotate_heads_(qkv, cos, sin, self.num_heads + self.num_kv_heads)
+        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         return self.o_proj(paged_attention(q, k, v, kv_cache, meta, self.scale))
 
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 from vlserve.model.hf_config import VisionConfig
-from vlserve.model.layers.mlp import get_activation
+from vlserve.model.layers.mlp import get_activation, in_row_slices
 from vlserve.model.vision_common import (
     PatchEmbed,
     PatchMerger,
@@ -26,7 +26,7 @@ class VisionMLP(nn.Module):
         self.act = get_activation(cfg.hidden_act)
 
     def forward(self, x):
-        return self.fc2(self.act(self.fc1(x)))
+        return in_row_slices(lambda rows: self.fc2(self.act(self.fc1(rows))), x)
 
 
 class Qwen2VLVisionBlock(nn.Module):

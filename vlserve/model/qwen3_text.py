@@ -13,7 +13,7 @@ from vlserve.model.layers.attention import AttentionMetadata, paged_attention
 from vlserve.model.layers.mlp import GatedMLP
 from vlserve.model.layers.moe import SparseMoE
 from vlserve.model.layers.norm import RMSNorm
-from vlserve.model.layers.rotary import apply_rotary
+from vlserve.model.layers.rotary import rotate_heads_
 from vlserve.model.qwen2_text import Qwen2Attention
 
 
@@ -29,8 +29,8 @@ class Qwen3Attention(Qwen2Attention):
     def forward(self, x, cos, sin, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(self.q_norm(q.view(T, self.num_heads, self.head_dim)), cos, sin)
-        k = apply_rotary(self.k_norm(k.view(T, self.num_kv_heads, self.head_dim)), cos, sin)
+        q = rotate_heads_(self.q_norm(q.view(T, self.num_heads, self.head_dim)), cos, sin, self.num_heads)
+        k = rotate_heads_(self.k_norm(k.view(T, self.num_kv_heads, self.head_dim)), cos, sin, self.num_kv_heads)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         return self.o_proj(paged_attention(q, k, v, kv_cache, meta, self.scale))
 

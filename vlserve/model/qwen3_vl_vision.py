@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from vlserve.model.hf_config import VisionConfig
-from vlserve.model.layers.mlp import get_activation
+from vlserve.model.layers.mlp import get_activation, in_row_slices
 from vlserve.model.qwen2_vl_vision import Qwen2VLVisionBlock
 from vlserve.model.vision_common import (
     PatchEmbed,
@@ -58,7 +58,7 @@ class Qwen3VisionMLP(nn.Module):
         self.act = get_activation(cfg.hidden_act)
 
     def forward(self, x):
-        return self.linear_fc2(self.act(self.linear_fc1(x)))
+        return in_row_slices(lambda rows: self.linear_fc2(self.act(self.linear_fc1(rows))), x)
 
 
 class Qwen3PatchMerger(nn.Module):

@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from vlserve.model.hf_config import VisionConfig
-from vlserve.model.layers.rotary import rotate_half
+from vlserve.model.layers.rotary import rotate_heads_
 
 
 class PatchEmbed(nn.Module):
@@ -112,12 +112,10 @@ class VisionAttention(nn.Module):
 
     def forward(self, x, cos, sin, plan: VarlenPlan) -> torch.Tensor:
         n = x.shape[0]
-        qkv = self.qkv(x).view(n, 3, self.num_heads, self.head_dim)
-        # rotary in fp32 like the reference, on q and k together (one pass each op instead of two)
-        qk = qkv[:, :2].float()
-        qk = (qk * cos[:, None, None] + rotate_half(qk) * sin[:, None, None]).to(x.dtype)
-        q, k = qk.unbind(1)
-        return self.proj(varlen_attention(q, k, qkv[:, 2], plan).reshape(n, -1))
+        qkv = self.qkv(x).view(n, 3 * self.num_heads, self.head_dim)
+        # rotary in fp32 like the reference (cos/sin are fp32), on q and k together, in place
+        q, k, v = rotate_heads_(qkv, cos, sin, 2 * self.num_heads).view(n, 3, self.num_heads, self.head_dim).unbind(1)
+        return self.proj(varlen_attention(q, k, v, plan).reshape(n, -1))
 
 
 class PatchMerger(nn.Module):

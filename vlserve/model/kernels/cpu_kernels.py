@@ -21,6 +21,7 @@ logger = logging.getLogger("vlserve.kernels")
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ["ops.cpp", "kernels_avx512.cpp", "kernels_avx2.cpp", "kernels_generic.cpp"]
 DISABLE_ENV = "VLSERVE_CPU_KERNELS"  # "0" turns them off (torch fallbacks everywhere)
+FUSED_DTYPES = (torch.float32, torch.bfloat16)  # what the elementwise kernels (norm, rotary) take
 
 
 def build_dir() -> Path:
@@ -43,7 +44,7 @@ def load():
 
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
-        flags = ["-O3", "-fopenmp", "-std=c++17"]
+        flags = ["-O3", "-fopenmp", "-std=c++17", "-ffp-contract=off"]  # no FMA the reference does not do
         return load_extension("vlserve_cpu_kernels", [str(CSRC / s) for s in SOURCES], extra_cflags=flags,
                               extra_ldflags=["-fopenmp"], build_directory=str(build_dir()), verbose=False)
     except Exception as e:  # no compiler, no headers, read-only cache: the torch paths still work

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from vlserve.model.kernels import cpu_kernels
+
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
@@ -14,6 +16,21 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [tokens, heads, head_dim]; cos/sin: [tokens, head_dim] (broadcast over heads)."""
     return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
+def rotate_heads_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rotary in place on the first `heads` heads of x [tokens, all heads, head_dim]; returns x.
+
+    cos/sin in x's dtype: computed in that dtype, as `apply_rotary` does (the LMs). cos/sin in fp32 with x in a
+    lower precision: computed in fp32 and rounded once (the vision towers). On CPU one fused kernel pass
+    (bit-identical to the torch ops, which remain the fallback).
+    """
+    kernels = cpu_kernels.load() if x.device.type == "cpu" and x.dtype in cpu_kernels.FUSED_DTYPES else None
+    if kernels is not None and cos.dtype in (x.dtype, torch.float32) and x.stride(-1) == 1:
+        kernels.rotary_(x, cos.contiguous(), sin.contiguous(), heads, cpu_kernels.isa_cap())
+        return x
+    x[:, :heads] = apply_rotary(x[:, :heads].to(cos.dtype), cos, sin).to(x.dtype)
+    return x
 
 
 def mrope_axes(mrope_section: tuple[int, ...], interleaved: bool) -> torch.Tensor:

@@ -31,6 +31,20 @@ inline void vload_u4(const uint8_t* p, vf& lo, vf& hi) {
     lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
     hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
 }
+inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+inline vf vround_bf16(vf a) {
+    __m256i b = _mm256_castps_si256(a);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    b = _mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb));
+    return _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+inline void vstore_bf16(uint16_t* p, vf a) {
+    __m256i w = _mm256_srli_epi32(_mm256_castps_si256(a), 16);
+    __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(w, w), 0x08);  // 8 x u16 in the low 128 bits
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
 inline vf vload_bf16(const uint16_t* p) {
     __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));

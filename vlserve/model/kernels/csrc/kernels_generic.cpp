@@ -20,6 +20,21 @@ inline void vload_u4(const uint8_t* p, vf& lo, vf& hi) {
     lo = static_cast<float>(*p & 15);
     hi = static_cast<float>(*p >> 4);
 }
+inline vf vmul(vf a, vf b) { return a * b; }
+inline vf vadd(vf a, vf b) { return a + b; }
+inline vf vsub(vf a, vf b) { return a - b; }
+inline vf vround_bf16(vf a) {
+    uint32_t bits;
+    std::memcpy(&bits, &a, sizeof bits);
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000u;
+    std::memcpy(&a, &bits, sizeof a);
+    return a;
+}
+inline void vstore_bf16(uint16_t* p, vf a) {
+    uint32_t bits;
+    std::memcpy(&bits, &a, sizeof bits);
+    *p = static_cast<uint16_t>(bits >> 16);
+}
 inline vf vload_bf16(const uint16_t* p) {
     uint32_t bits = static_cast<uint32_t>(*p) << 16;
     float f;

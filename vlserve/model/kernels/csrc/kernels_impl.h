@@ -146,3 +146,68 @@ void values_bf16(const float* p, long p_stride, const uint16_t* v, long stride, 
                  long bs, long D, long G, float* out) {
     values_impl(p, p_stride, v, stride, blocks, ctx, bs, D, G, out);
 }
+
+// ---- elementwise pieces of every decoder layer, fused (each replaces 6-9 torch ops and their temporaries) ---
+static inline void vstoreT(float* p, vf a, bool) { vstore(p, a); }
+static inline void vstoreT(uint16_t* p, vf a, bool) { vstore_bf16(p, vround_bf16(a)); }
+template <typename T>
+static inline vf rnd(vf a);  // the rounding the reference does after an op in dtype T
+template <>
+inline vf rnd<float>(vf a) { return a; }
+template <>
+inline vf rnd<uint16_t>(vf a) { return vround_bf16(a); }
+
+// RMSNorm as Qwen2 computes it: y = w * T(x * rsqrt(mean(x^2) + eps)), the norm in fp32, the scale in dtype T.
+template <typename T>
+static inline void rms_norm_impl(const T* x, const T* w, T* y, long rows, long H, float eps) {
+    for (long r = 0; r < rows; r++) {
+        const T* xr = x + r * H;
+        vf acc = vzero();
+        for (long i = 0; i < H; i += W) {
+            vf v = vloadT(xr + i);
+            acc = vfma(v, v, acc);
+        }
+        const float inv = 1.0f / __builtin_sqrtf(vsum(acc) / static_cast<float>(H) + eps);
+        for (long i = 0; i < H; i += W)
+            vstoreT(y + r * H + i, vmul(vloadT(w + i), rnd<T>(vmul(vloadT(xr + i), vset1(inv)))), true);
+    }
+}
+void rms_norm_f32(const float* x, const float* w, float* y, long rows, long H, float eps) {
+    rms_norm_impl(x, w, y, rows, H, eps);
+}
+void rms_norm_bf16(const uint16_t* x, const uint16_t* w, uint16_t* y, long rows, long H, float eps) {
+    rms_norm_impl(x, w, y, rows, H, eps);
+}
+
+// Rotary in place on the first `heads` heads of each row (head_dim D, rows `row_stride` apart):
+// x = x * cos + rotate_half(x) * sin, cos/sin [rows, D] (of type C). `per_op`: round to T after every op (the
+// LM computes in its dtype); otherwise compute in fp32 and round once (the vision towers rotate in fp32).
+template <typename T, typename C>
+static inline void rotary_impl(T* x, long rows, long row_stride, long heads, long D, const C* cos, const C* sin,
+                               bool per_op) {
+    const long half = D / 2;
+    for (long r = 0; r < rows; r++) {
+        const C *c = cos + r * D, *s = sin + r * D;
+        for (long h = 0; h < heads; h++) {
+            T* v = x + r * row_stride + h * D;
+            for (long i = 0; i < half; i += W) {
+                vf x1 = vloadT(v + i), x2 = vloadT(v + half + i);
+                vf c1 = vloadT(c + i), c2 = vloadT(c + half + i), s1 = vloadT(s + i), s2 = vloadT(s + half + i);
+                vf a1 = vmul(x1, c1), b1 = vmul(x2, s1), a2 = vmul(x2, c2), b2 = vmul(x1, s2);
+                if (per_op) a1 = rnd<T>(a1), b1 = rnd<T>(b1), a2 = rnd<T>(a2), b2 = rnd<T>(b2);
+                vstoreT(v + i, vsub(a1, b1), true);
+                vstoreT(v + half + i, vadd(a2, b2), true);
+            }
+        }
+    }
+}
+void rotary_f32(float* x, long rows, long row_stride, long heads, long D, const float* cos, const float* sin) {
+    rotary_impl(x, rows, row_stride, heads, D, cos, sin, false);
+}
+void rotary_bf16(uint16_t* x, long rows, long row_stride, long heads, long D, const uint16_t* cos,
+                 const uint16_t* sin) {
+    rotary_impl(x, rows, row_stride, heads, D, cos, sin, true);
+}
+void rotary_bf16_f32(uint16_t* x, long rows, long row_stride, long heads, long D, const float* cos, const float* sin) {
+    rotary_impl(x, rows, row_stride, heads, D, cos, sin, false);
+}

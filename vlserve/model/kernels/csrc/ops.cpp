@@ -144,6 +144,61 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
     return out.to(q.scalar_type());
 }
 
+// The widest ISA copy (at most `isa`) whose vector width divides n: 16 lanes, 8 lanes, or scalar.
+int fit(int isa, long n) {
+    if (isa >= 2 && n % 16 == 0) return 2;
+    if (isa >= 1 && n % 8 == 0) return 1;
+    return 0;
+}
+
+// x [..., H] fp32 or bf16, weight [H] same dtype -> RMSNorm(x) * weight, rounding as the reference does
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, int64_t cap) {
+    TORCH_CHECK(x.scalar_type() == weight.scalar_type() && weight.is_contiguous(), "rms_norm: dtypes");
+    const long H = x.size(-1);
+    auto xc = x.contiguous();
+    auto y = torch::empty_like(xc);
+    const long rows = xc.numel() / H;
+    const int isa = fit(pick(cap), H);
+    const bool bf16 = x.scalar_type() == torch::kBFloat16;
+    TORCH_CHECK(bf16 || x.scalar_type() == torch::kFloat, "rms_norm: fp32 or bf16");
+    at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+        if (bf16)
+            VLS_DISPATCH(isa, rms_norm_bf16, static_cast<const uint16_t*>(xc.data_ptr()) + b * H,
+                         static_cast<const uint16_t*>(weight.data_ptr()), static_cast<uint16_t*>(y.data_ptr()) + b * H,
+                         e - b, H, static_cast<float>(eps));
+        else
+            VLS_DISPATCH(isa, rms_norm_f32, xc.data_ptr<float>() + b * H, weight.data_ptr<float>(),
+                         y.data_ptr<float>() + b * H, e - b, H, static_cast<float>(eps));
+    });
+    return y;
+}
+
+// In place on x [T, heads_total, D] (rows may be strided, heads contiguous): rotary on the first `heads` heads.
+// cos/sin [T, D]: in x's dtype (rounded after every op, as a computation in that dtype) or fp32 (computed in
+// fp32, rounded once).
+void rotary_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, int64_t heads, int64_t cap) {
+    TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "rotary_: x must be [T, heads, D]");
+    TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes(), "rotary_: cos/sin");
+    const long T = x.size(0), D = x.size(2), stride = x.stride(0);
+    TORCH_CHECK(cos.size(0) == T && cos.size(1) == D && heads <= x.size(1) && D % 2 == 0, "rotary_: shapes");
+    const int isa = fit(pick(cap), D / 2);
+    const auto xt = x.scalar_type(), ct = cos.scalar_type();
+    at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+        if (xt == torch::kFloat && ct == torch::kFloat)
+            VLS_DISPATCH(isa, rotary_f32, x.data_ptr<float>() + b * stride, e - b, stride, heads, D,
+                         cos.data_ptr<float>() + b * D, sin.data_ptr<float>() + b * D);
+        else if (xt == torch::kBFloat16 && ct == torch::kBFloat16)
+            VLS_DISPATCH(isa, rotary_bf16, static_cast<uint16_t*>(x.data_ptr()) + b * stride, e - b, stride, heads,
+                         D, static_cast<const uint16_t*>(cos.data_ptr()) + b * D,
+                         static_cast<const uint16_t*>(sin.data_ptr()) + b * D);
+        else if (xt == torch::kBFloat16 && ct == torch::kFloat)
+            VLS_DISPATCH(isa, rotary_bf16_f32, static_cast<uint16_t*>(x.data_ptr()) + b * stride, e - b, stride,
+                         heads, D, cos.data_ptr<float>() + b * D, sin.data_ptr<float>() + b * D);
+        else
+            TORCH_CHECK(false, "rotary_: unsupported dtypes");
+    });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -151,4 +206,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("int8_linear", &int8_linear);
     m.def("int4_linear", &int4_linear);
     m.def("paged_decode_attention", &paged_decode_attention);
+    m.def("rms_norm", &rms_norm);
+    m.def("rotary_", &rotary_);
 }
