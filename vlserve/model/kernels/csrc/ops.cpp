@@ -108,38 +108,35 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
     const float* qp = qf.data_ptr<float>();
     float* sp = scores.data_ptr<float>();
     const void *kp = k_cache.data_ptr(), *vp = v_cache.data_ptr();
-    auto unit = [&](int64_t u, long& b, long& h) { b = u / KVH; h = u % KVH; };
-    at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t u = begin; u < end; u++) {
-            long b, h;
-            unit(u, b, h);
-            const float* qh = qp + (b * H + h * G) * D;
-            float* out = sp + (b * H + h * G) * max_ctx;
-            if (bf16)
-                VLS_DISPATCH(isa, scores_bf16, qh, static_cast<const uint16_t*>(kp) + h * D, stride,
-                             tp + b * max_blocks, lp[b], block_size, D, G, static_cast<float>(scale), out, max_ctx);
-            else
-                VLS_DISPATCH(isa, scores_f32, qh, static_cast<const float*>(kp) + h * D, stride,
-                             tp + b * max_blocks, lp[b], block_size, D, G, static_cast<float>(scale), out, max_ctx);
-        }
+    // one (sequence, kv head) at a time, spread over torch's threads
+    auto each_unit = [&](auto&& fn) {
+        at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+            for (int64_t u = begin; u < end; u++) fn(u / KVH, u % KVH, (u / KVH * H + u % KVH * G));
+        });
+    };
+    each_unit([&](long b, long h, long head0) {
+        const float* qh = qp + head0 * D;
+        float* out = sp + head0 * max_ctx;
+        if (bf16)
+            VLS_DISPATCH(isa, scores_bf16, qh, static_cast<const uint16_t*>(kp) + h * D, stride, tp + b * max_blocks,
+                         lp[b], block_size, D, G, static_cast<float>(scale), out, max_ctx);
+        else
+            VLS_DISPATCH(isa, scores_f32, qh, static_cast<const float*>(kp) + h * D, stride, tp + b * max_blocks,
+                         lp[b], block_size, D, G, static_cast<float>(scale), out, max_ctx);
     });
     auto probs = torch::softmax(scores, -1).contiguous();
     auto out = torch::empty({B, H, D}, qf.options());
     const float* pp = probs.data_ptr<float>();
     float* op = out.data_ptr<float>();
-    at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t u = begin; u < end; u++) {
-            long b, h;
-            unit(u, b, h);
-            const float* p = pp + (b * H + h * G) * max_ctx;
-            float* o = op + (b * H + h * G) * D;
-            if (bf16)
-                VLS_DISPATCH(isa, values_bf16, p, max_ctx, static_cast<const uint16_t*>(vp) + h * D, stride,
-                             tp + b * max_blocks, lp[b], block_size, D, G, o);
-            else
-                VLS_DISPATCH(isa, values_f32, p, max_ctx, static_cast<const float*>(vp) + h * D, stride,
-                             tp + b * max_blocks, lp[b], block_size, D, G, o);
-        }
+    each_unit([&](long b, long h, long head0) {
+        const float* p = pp + head0 * max_ctx;
+        float* o = op + head0 * D;
+        if (bf16)
+            VLS_DISPATCH(isa, values_bf16, p, max_ctx, static_cast<const uint16_t*>(vp) + h * D, stride,
+                         tp + b * max_blocks, lp[b], block_size, D, G, o);
+        else
+            VLS_DISPATCH(isa, values_f32, p, max_ctx, static_cast<const float*>(vp) + h * D, stride,
+                         tp + b * max_blocks, lp[b], block_size, D, G, o);
     });
     return out.to(q.scalar_type());
 }
