@@ -37,7 +37,7 @@ from vlserve.model.quantization import resolve_quantization  # noqa: E402
 def teacher_forced_logits(folder: str, method: str | None, dtype: str, sequences: list[torch.Tensor]) -> torch.Tensor:
     """Logits at every position of each sequence, one prefill each: [positions, vocab] fp32."""
     cfg = load_model_config(folder)
-    model = load_model(folder, cfg, dtype, with_vision=False,
+    model = load_model(Path(folder), cfg, dtype, with_vision=False,
                        quantization=resolve_quantization(method if method in ("int8",) else None, cfg.quantization))
     if hasattr(model, "pack_for_cpu"):
         from vlserve.model.layers.packed_linear import packed_linear_supported

@@ -79,10 +79,11 @@ def test_quantized_linears_agree_across_the_kernel_and_dense_paths(dtype):
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_paged_decode_attention(isa, dtype):
-    """Scattered blocks, ragged contexts (one of a single token), GQA groups of 3."""
+@pytest.mark.parametrize("heads, d", [(6, 32), (10, 64), (2, 16)])  # GQA groups of 3, 5 (4 + 1), 1
+def test_paged_decode_attention(isa, dtype, heads, d):
+    """Scattered blocks, ragged contexts (one of a single token), GQA."""
     torch.manual_seed(0)
-    bs, kvh, heads, d, blocks = 4, 2, 6, 32, 40
+    bs, kvh, blocks = 4, 2, 40
     k_cache = torch.randn(blocks * bs, kvh, d).to(dtype)
     v_cache = torch.randn(blocks * bs, kvh, d).to(dtype)
     lens = torch.tensor([1, 9, 23])

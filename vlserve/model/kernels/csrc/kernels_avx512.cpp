@@ -18,6 +18,17 @@ inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
 inline void vstore(float* p, vf a) { _mm512_storeu_ps(p, a); }
 inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
+// the four horizontal sums of a, b, c, d at once (a transpose-and-add tree instead of four reductions)
+inline void vsum4(vf a, vf b, vf c, vf d, float* out) {
+    vf ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    vf cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+    vf x = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+    x = _mm512_add_ps(x, _mm512_permute_ps(x, 0x4E));
+    x = _mm512_add_ps(x, _mm512_permute_ps(x, 0xB1));
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, x);
+    out[0] = lanes[0], out[1] = lanes[4], out[2] = lanes[8], out[3] = lanes[12];
+}
 inline vf vload_i8(const int8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }

@@ -15,6 +15,7 @@ inline vf vload(const float* p) { return *p; }
 inline void vstore(float* p, vf a) { *p = a; }
 inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
 inline float vsum(vf a) { return a; }
+inline void vsum4(vf a, vf b, vf c, vf d, float* out) { out[0] = a, out[1] = b, out[2] = c, out[3] = d; }
 inline vf vload_i8(const int8_t* p) { return static_cast<float>(*p); }
 inline void vload_u4(const uint8_t* p, vf& lo, vf& hi) {
     lo = static_cast<float>(*p & 15);

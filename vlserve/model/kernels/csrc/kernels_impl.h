@@ -106,7 +106,18 @@ static inline void scores_impl(const float* q, const T* k, long stride, const in
                                long D, long G, float scale, float* out, long out_stride) {
     for (long t = 0; t < ctx; t++) {
         const T* row = k + (blocks[t / bs] * bs + t % bs) * stride;
-        for (long g = 0; g < G; g++) {
+        long g = 0;
+        for (; g + 4 <= G; g += 4) {  // four heads share each K load and one reduction tree
+            vf acc[4] = {vzero(), vzero(), vzero(), vzero()};
+            for (long d = 0; d < D; d += W) {
+                const vf kv = vloadT(row + d);
+                for (int j = 0; j < 4; j++) acc[j] = vfma(vload(q + (g + j) * D + d), kv, acc[j]);
+            }
+            float sums[4];
+            vsum4(acc[0], acc[1], acc[2], acc[3], sums);
+            for (int j = 0; j < 4; j++) out[(g + j) * out_stride + t] = sums[j] * scale;
+        }
+        for (; g < G; g++) {
             vf acc = vzero();
             for (long d = 0; d < D; d += W) acc = vfma(vload(q + g * D + d), vloadT(row + d), acc);
             out[g * out_stride + t] = vsum(acc) * scale;
@@ -114,20 +125,44 @@ static inline void scores_impl(const float* q, const T* k, long stride, const in
     }
 }
 
+// out[g] = sum_t p[g, t] * v[t] with the outputs of GB heads x DC vectors held in registers while the tokens
+// stream by (each V row chunk loaded and converted once for all GB heads).
+template <int GB, int DC, typename T>
+static inline void values_tile(const float* p, long p_stride, const T* v, long stride, const int64_t* blocks,
+                               long ctx, long bs, long D, long g0, long d0, float* out) {
+    vf acc[GB][DC];
+    for (int g = 0; g < GB; g++)
+        for (int c = 0; c < DC; c++) acc[g][c] = vzero();
+    for (long t = 0; t < ctx; t++) {
+        const T* row = v + (blocks[t / bs] * bs + t % bs) * stride + d0;
+        vf vv[DC];
+        for (int c = 0; c < DC; c++) vv[c] = vloadT(row + c * W);
+        for (int g = 0; g < GB; g++) {
+            const vf pg = vset1(p[(g0 + g) * p_stride + t]);
+            for (int c = 0; c < DC; c++) acc[g][c] = vfma(pg, vv[c], acc[g][c]);
+        }
+    }
+    for (int g = 0; g < GB; g++)
+        for (int c = 0; c < DC; c++) vstore(out + (g0 + g) * D + d0 + c * W, acc[g][c]);
+}
+
+template <int DC, typename T>
+static inline void values_heads(const float* p, long p_stride, const T* v, long stride, const int64_t* blocks,
+                                long ctx, long bs, long D, long G, float* out) {
+    for (long d0 = 0; d0 < D; d0 += DC * W) {
+        long g = 0;
+        for (; g + 4 <= G; g += 4) values_tile<4, DC>(p, p_stride, v, stride, blocks, ctx, bs, D, g, d0, out);
+        for (; g < G; g++) values_tile<1, DC>(p, p_stride, v, stride, blocks, ctx, bs, D, g, d0, out);
+    }
+}
+
 template <typename T>
 static inline void values_impl(const float* p, long p_stride, const T* v, long stride, const int64_t* blocks,
                                long ctx, long bs, long D, long G, float* out) {
-    for (long i = 0; i < G * D; i++) out[i] = 0.f;
-    for (long t = 0; t < ctx; t++) {
-        const T* row = v + (blocks[t / bs] * bs + t % bs) * stride;
-        for (long d = 0; d < D; d += W) {
-            vf vv = vloadT(row + d);
-            for (long g = 0; g < G; g++) {
-                float* o = out + g * D + d;
-                vstore(o, vfma(vset1(p[g * p_stride + t]), vv, vload(o)));
-            }
-        }
-    }
+    if ((D / W) % 4 == 0)
+        values_heads<4>(p, p_stride, v, stride, blocks, ctx, bs, D, G, out);
+    else
+        values_heads<1>(p, p_stride, v, stride, blocks, ctx, bs, D, G, out);
 }
 
 void scores_f32(const float* q, const float* k, long stride, const int64_t* blocks, long ctx, long bs, long D, long G,
