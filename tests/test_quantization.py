@@ -145,6 +145,18 @@ def test_quantized_engine_matches_its_dequantized_weights(tiny_ckpt, int4_ckpt, 
     assert got == want
 
 
+def test_int8_moe_keeps_routers_and_experts(tiny_ckpt):
+    """Qwen3-VL-MoE: attention and dense linears go int8; routers and experts stay as loaded; pictures run."""
+    llm = LLM(str(tiny_ckpt("qwen3_vl_moe")), dtype="float32", quantization="int8", num_kv_blocks=64)
+    model = llm.engine.core.runner.model
+    routers = [m.gate for m in model.modules() if type(m).__name__ == "SparseMoE"]
+    assert routers and not any(isinstance(r, Int8Linear) for r in routers)  # plain (or oneDNN-packed) linears
+    assert any(isinstance(m, Int8Linear) for m in model.language_model.layers.modules())
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [8, 8]
+    assert_pool_full(llm)
+
+
 def test_int8_stays_close_to_the_full_precision_model(tiny_ckpt):
     """Quantization error itself is small: logits of the int8 model against the original over a prompt."""
     path = tiny_ckpt("qwen2_vl")

@@ -20,6 +20,7 @@ import torch.nn as nn
 from safetensors import safe_open
 
 from vlserve.core.errors import InvalidInputError, ModelLoadError
+from vlserve.model.layers.moe import SparseMoE
 from vlserve.model.layers.quantized_linear import Int4Linear, Int8Linear, pack_int4
 
 logger = logging.getLogger("vlserve.quantization")
@@ -170,13 +171,16 @@ def quantized_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def quantize_int8(model: nn.Module) -> int:
-    """After loading: the decoder layers' linears become Int8Linear (all but odd shapes the kernel cannot tile,
-    which no released model has); returns how many."""
+    """After loading: the decoder layers' linears become Int8Linear (not MoE routers, whose few outputs decide
+    which experts run, nor odd shapes the kernel cannot tile, which no released model has); returns how many.
+    MoE experts stay in the compute dtype."""
     lm = getattr(model, "language_model", None)
     if lm is None:
         return 0
     swapped = 0
     for module in list(lm.layers.modules()):
+        if isinstance(module, SparseMoE):
+            continue
         for name, child in list(module.named_children()):
             if type(child) is nn.Linear and Int8Linear.supports(child):
                 setattr(module, name, Int8Linear.from_linear(child))
