@@ -47,9 +47,7 @@ def gemm_flops(dtype: torch.dtype, n: int = 1024, seconds: float = 2.0) -> float
 def read_bandwidth(nbytes: int = 1 << 29, seconds: float = 2.0) -> float:
     """Memory read rate (bytes/s), all threads, over buffers far larger than any cache: the better of a sum and
     a one-row product with a prepacked fp32 weight (the streaming read a decode step does)."""
-    a = torch.ones(nbytes // 4, dtype=torch.float32)
-    best = nbytes * _rate(lambda: a.sum(), seconds / 2)
-    del a
+    best = nbytes * _rate(torch.ones(nbytes // 4, dtype=torch.float32).sum, seconds / 2)
     w = torch.randn(nbytes // 4 // 4096, 4096)
     packed = _packed(w)
     if packed is not None:
