@@ -1,0 +1,58 @@
+"""CPU-only reorganisations of the same math: the vision tower in groups of patches, MLPs in row slices. They
+must not change results (beyond fp32 rounding) and must keep every item's rows apart."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vlserve.engine import vision_runner
+from vlserve.engine.vision_runner import VisionRunner, batches
+from vlserve.model.layers import mlp as mlp_module
+from vlserve.model.layers.mlp import GatedMLP, in_row_slices
+from vlserve.model.loader import load_model
+
+
+def _item(key: str, patches: int, grid=(1, 2, 2)):
+    return SimpleNamespace(mm_hash=key, pixel_values=torch.zeros(patches, 4), grid_thw=grid)
+
+
+def test_batches_respect_the_patch_budget():
+    items = [_item("a", 300), _item("b", 300), _item("c", 900), _item("d", 100)]
+    groups = batches(items, 700)
+    assert [[it.mm_hash for it in g] for g in groups] == [["a", "b"], ["c"], ["d"]]  # c alone: over budget
+    assert batches(items, None) == [items]
+
+
+def test_gated_mlp_in_row_slices_matches_one_pass(monkeypatch):
+    torch.manual_seed(0)
+    mlp = GatedMLP(32, 64, "silu", bias=True)
+    x = torch.randn(70, 32)
+    with torch.inference_mode():
+        whole = mlp._rows(x)
+        monkeypatch.setattr(mlp_module, "CPU_ROWS_PER_SLICE", 16)
+        sliced = mlp(x)
+    assert torch.allclose(sliced, whole, atol=1e-6)
+    assert torch.equal(in_row_slices(lambda t: t * 2, x), x * 2)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen3_vl"])
+def test_vision_tower_in_groups_gives_each_item_its_rows(tiny_ckpt, monkeypatch, arch):
+    """Items encoded in small groups get the rows they get in one call (no attention across items either way)."""
+    model = load_model(tiny_ckpt(arch), dtype="float32")
+    patch_dim = model.cfg.vision.patch_dim
+    gen = torch.Generator().manual_seed(0)
+    grids = [(1, 4, 4), (1, 6, 4), (1, 4, 8), (1, 2, 2)]
+    items = [SimpleNamespace(mm_hash=f"i{n}", pixel_values=torch.randn(t * h * w, patch_dim, generator=gen),
+                             grid_thw=(t, h, w)) for n, (t, h, w) in enumerate(grids)]
+    together = VisionRunner(model, torch.device("cpu"))
+    monkeypatch.setattr(vision_runner, "CPU_PATCHES_PER_CALL", 10**9)
+    together.encode(items)
+    grouped = VisionRunner(model, torch.device("cpu"))
+    monkeypatch.setattr(vision_runner, "CPU_PATCHES_PER_CALL", 30)
+    grouped.encode(items)
+    assert len(grouped.seconds) > 1 and len(together.seconds) == 1
+    for it in items:
+        assert torch.allclose(grouped.outputs[it.mm_hash], together.outputs[it.mm_hash], atol=1e-5)
