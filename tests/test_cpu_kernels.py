@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from vlserve.model.kernels import cpu_kernels
 from vlserve.model.layers.attention import AttentionMetadata, paged_attention
+from vlserve.model.layers.norm import RMSNorm
 from vlserve.model.layers.quantized_linear import (
     KERNEL_MAX_ROWS,
     Int4Linear,
@@ -18,6 +19,7 @@ from vlserve.model.layers.quantized_linear import (
     pack_int4,
     unpack_int4,
 )
+from vlserve.model.layers.rotary import apply_rotary, rotate_half
 
 kernels = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(kernels is None, reason="no C++ compiler here: the torch fallbacks run instead")
@@ -128,3 +130,43 @@ def test_paged_attention_uses_the_kernel_and_matches_the_gather_path(monkeypatch
     assert Spy.calls == 1
     _close(with_kernel, run(False), torch.float32)  # no context lengths: the gather + SDPA path
     assert Spy.calls == 1
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("width", [64, 80, 1024, 40])
+def test_rms_norm_kernel(isa, width):
+    """bf16: bit-identical to the torch formula; fp32: within an ulp or so (another summation order)."""
+    torch.manual_seed(width)
+    for dtype in DTYPES:
+        norm = RMSNorm(width).to(dtype)
+        norm.weight.data = torch.randn(width).to(dtype)
+        x = torch.randn(7, width).to(dtype)
+        got = kernels.rms_norm(x, norm.weight, norm.eps, isa)
+        with torch.inference_mode():
+            x32 = x.float()
+            want = norm.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm.eps)).to(dtype)
+        if dtype == torch.bfloat16:
+            assert torch.equal(got, want)
+        else:
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("head_dim", [16, 80, 128])
+def test_rotary_kernel_is_bit_identical(isa, head_dim):
+    """LM style (cos/sin in the dtype, rounded after each op) and vision style (fp32 math, rounded once)."""
+    torch.manual_seed(head_dim)
+    t, heads_total, heads = 5, 6, 4
+    for dtype in DTYPES:
+        qkv = torch.randn(t, heads_total, head_dim).to(dtype)
+        cos, sin = torch.randn(t, head_dim).to(dtype), torch.randn(t, head_dim).to(dtype)
+        x = qkv.clone()
+        kernels.rotary_(x, cos, sin, heads, isa)
+        assert torch.equal(x[:, :heads], apply_rotary(qkv[:, :heads], cos, sin))
+        assert torch.equal(x[:, heads:], qkv[:, heads:])  # the other heads (v) untouched
+        cos32, sin32 = torch.randn(t, head_dim), torch.randn(t, head_dim)
+        x = qkv.clone()
+        kernels.rotary_(x, cos32, sin32, heads, isa)
+        q = qkv[:, :heads].float()
+        want = (q * cos32[:, None] + rotate_half(q) * sin32[:, None]).to(dtype)
+        assert torch.equal(x[:, :heads], want)

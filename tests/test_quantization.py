@@ -158,7 +158,7 @@ def test_int8_moe_keeps_routers_and_experts(tiny_ckpt):
 
 
 def test_int8_stays_close_to_the_full_precision_model(tiny_ckpt):
-    """Quantization error itself is small: logits of the int8 model against the original over a prompt."""
+    """Quantization error itself is small: every int8 weight within half a step of the original."""
     path = tiny_ckpt("qwen2_vl")
     dense = load_model(path, dtype="float32")
     from vlserve.model.quantization import QuantizationConfig
@@ -231,3 +231,8 @@ def test_cli_refuses_an_unknown_quantization(tiny_ckpt, capsys):
         main(["serve", "--model", str(tiny_ckpt("qwen2_vl")), "--quantization", "int3"])
     assert exit_info.value.code == 2
     assert "int3" in capsys.readouterr().err
+
+
+def test_load_model_reads_the_checkpoint_quantization_itself(int4_ckpt):
+    model = load_model(int4_ckpt("qwen2_vl", "awq"), dtype="float32")  # no quantization argument
+    assert any(isinstance(m, Int4Linear) for m in model.modules())

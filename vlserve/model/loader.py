@@ -30,6 +30,7 @@ from vlserve.model.quantization import (
     prepare_int4,
     quantize_int8,
     quantized_buffers,
+    resolve_quantization,
 )
 from vlserve.model.registry import get_model_spec
 
@@ -222,6 +223,8 @@ def load_model(
     """Build the model for `cfg.architecture` without random init (meta device) and fill it from safetensors;
     `quantization` (see vlserve.model.quantization) swaps in quantized linears before or after loading."""
     cfg = cfg or load_model_config(folder)
+    if quantization is None and cfg.quantization:  # a 4-bit checkpoint loads as one whatever the caller passed
+        quantization = resolve_quantization(None, cfg.quantization)
     device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, cfg.checkpoint_dtype, device)
     spec = get_model_spec(cfg)

@@ -4,8 +4,9 @@ expert.
 Experts are stored as two 3-D weights in the linear layout, `gate_up_proj [E, 2I, H]` and
 `down_proj [E, H, I]`. Tokens are grouped by expert with one sort, then each expert that got tokens runs one
 GEMM over all of them: a Python loop over experts, never over tokens. Contributions are summed in expert order,
-as the reference does, so float32 results match it exactly. On CPUs with native bf16, `pack` swaps each expert's
-two matrices for oneDNN-prepacked copies (see packed_linear.py), as the dense linears get.
+as the reference does. On CPU, `pack` swaps each expert's two matrices for oneDNN-prepacked copies (see
+packed_linear.py: bf16 where the CPU has it natively, bit-identical; fp32 everywhere, within an ulp), as the
+dense linears get.
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ def rotate_heads_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: 
     (bit-identical to the torch ops, which remain the fallback).
     """
     kernels = cpu_kernels.load() if x.device.type == "cpu" and x.dtype in cpu_kernels.FUSED_DTYPES else None
-    if kernels is not None and cos.dtype in (x.dtype, torch.float32) and x.stride(-1) == 1:
+    if kernels is not None and cos.dtype in (x.dtype, torch.float32) and x.stride(-1) == 1 \
+            and x.stride(1) == x.shape[2]:
         kernels.rotary_(x, cos.contiguous(), sin.contiguous(), heads, cpu_kernels.isa_cap())
         return x
     x[:, :heads] = apply_rotary(x[:, :heads].to(cos.dtype), cos, sin).to(x.dtype)

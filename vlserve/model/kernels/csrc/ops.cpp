@@ -38,6 +38,8 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const 
     check_2d(q, "q");
     TORCH_CHECK(q.scalar_type() == torch::kChar && scale.scalar_type() == torch::kFloat, "int8 weights, fp32 scales");
     const long N = q.size(0), K = q.size(1);
+    TORCH_CHECK(x.device().is_cpu() && scale.device().is_cpu() && scale.is_contiguous() && scale.numel() == N,
+                "int8_linear: CPU tensors, one scale per output row");
     TORCH_CHECK(x.size(-1) == K && K % 16 == 0 && N % 4 == 0, "int8_linear: N % 4, K % 16 or K mismatch");
     auto xf = as_f32(x.reshape({-1, K}));
     const long M = xf.size(0);
@@ -63,7 +65,10 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, c
     check_2d(zeros, "zeros");
     const long N = packed.size(0), K = packed.size(1) * 2;
     TORCH_CHECK(x.size(-1) == K && group % 32 == 0 && K % group == 0 && N % 4 == 0, "int4_linear: shapes");
-    TORCH_CHECK(scales.size(1) == K / group && zeros.sizes() == scales.sizes(), "int4_linear: scales shape");
+    TORCH_CHECK(scales.size(0) == N && scales.size(1) == K / group && zeros.sizes() == scales.sizes(),
+                "int4_linear: scales shape");
+    TORCH_CHECK(x.device().is_cpu() && scales.scalar_type() == torch::kFloat && zeros.scalar_type() == torch::kFloat,
+                "int4_linear: CPU tensors, fp32 scales and zeros");
     auto xf = as_f32(x.reshape({-1, K}));
     const long M = xf.size(0);
     auto xsum = xf.view({M, K / group, group}).sum(-1).contiguous();
@@ -95,6 +100,10 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
                 "paged_decode_attention: int64 tables");
     const long B = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(1), G = H / KVH;
     TORCH_CHECK(D % 16 == 0 && H % KVH == 0 && k_cache.size(2) == D, "paged_decode_attention: head sizes");
+    TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.sizes() == k_cache.sizes(),
+                "paged_decode_attention: CPU tensors, K and V caches of one shape");
+    TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == B && context_lens.numel() == B && block_size > 0,
+                "paged_decode_attention: one block-table row and one length per sequence");
     auto qf = as_f32(q);
     auto table = block_table.contiguous();
     auto lens = context_lens.contiguous();
@@ -152,6 +161,7 @@ int fit(int isa, long n) {
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, int64_t cap) {
     TORCH_CHECK(x.scalar_type() == weight.scalar_type() && weight.is_contiguous(), "rms_norm: dtypes");
     const long H = x.size(-1);
+    TORCH_CHECK(x.device().is_cpu() && weight.numel() == H, "rms_norm: CPU tensors, one weight per channel");
     auto xc = x.contiguous();
     auto y = torch::empty_like(xc);
     const long rows = xc.numel() / H;
@@ -178,6 +188,7 @@ void rotary_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& si
     TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes(), "rotary_: cos/sin");
     const long T = x.size(0), D = x.size(2), stride = x.stride(0);
     TORCH_CHECK(cos.size(0) == T && cos.size(1) == D && heads <= x.size(1) && D % 2 == 0, "rotary_: shapes");
+    TORCH_CHECK(x.device().is_cpu() && cos.device().is_cpu(), "rotary_: CPU tensors");
     const int isa = fit(pick(cap), D / 2);
     const auto xt = x.scalar_type(), ct = cos.scalar_type();
     at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
