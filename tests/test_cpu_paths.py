@@ -56,3 +56,28 @@ def test_vision_tower_in_groups_gives_each_item_its_rows(tiny_ckpt, monkeypatch,
     assert len(grouped.seconds) > 1 and len(together.seconds) == 1
     for it in items:
         assert torch.allclose(grouped.outputs[it.mm_hash], together.outputs[it.mm_hash], atol=1e-5)
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_engine_without_the_kernels_gives_the_same_tokens(tiny_ckpt, monkeypatch, quantization):
+    """The torch fallbacks (no compiler, VLSERVE_CPU_KERNELS=0) run everywhere and compute what the kernels do:
+    a mixed picture + text batch gives the same greedy tokens either way, fp32, and the pools come back full."""
+    from tests.conftest import IMG, assert_pool_full, noise_image
+    from vlserve import LLM, SamplingParams
+    from vlserve.model.kernels import cpu_kernels
+
+    prompts = [{"prompt": f"<|im_start|>user\n{IMG}Describe.<|im_end|>\n<|im_start|>assistant\n",
+                "multi_modal_data": {"image": [noise_image(84, 56, 3)]}}, "plain text, somewhat longer than that"]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    extra = {"quantization": quantization} if quantization else {}
+    tokens = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv(cpu_kernels.DISABLE_ENV, flag)
+        cpu_kernels.load.cache_clear()
+        try:
+            llm = LLM(str(tiny_ckpt("qwen2_vl")), dtype="float32", num_kv_blocks=64, **extra)
+            tokens[flag] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            assert_pool_full(llm)
+        finally:
+            cpu_kernels.load.cache_clear()
+    assert tokens["1"] == tokens["0"]

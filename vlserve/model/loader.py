@@ -154,11 +154,12 @@ def _default_dtype(dtype: torch.dtype):
 def load_weights(model: nn.Module, folder: Path, files: list[Path] | None = None,
                  quantization: QuantizationConfig | None = None) -> None:
     files = files or weight_files(folder)
-    params = dict(model.named_parameters()) | quantized_buffers(model)
+    int4_buffers = quantized_buffers(model)
+    params = dict(model.named_parameters()) | int4_buffers
     # Parts this model was built with: a role that leaves one out (an encoder has no LM) skips its tensors
     # silently, and so does a tied LM head stored anyway. Unknown tensors of a built part are worth a warning.
     built = {name.split(".", 1)[0] for name in params}
-    int4_linears = {name.rsplit(".", 1)[0] for name in quantized_buffers(model)}
+    int4_linears = {name.rsplit(".", 1)[0] for name in int4_buffers}
     cfg = getattr(model, "cfg", None)
     transformers_major = cfg.transformers_major if cfg is not None else None
     loaded: set[str] = set()

@@ -21,7 +21,7 @@ logger = logging.getLogger("vlserve.kernels")
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ["ops.cpp", "kernels_avx512.cpp", "kernels_avx2.cpp", "kernels_generic.cpp"]
 DISABLE_ENV = "VLSERVE_CPU_KERNELS"  # "0" turns them off (torch fallbacks everywhere)
-FUSED_DTYPES = (torch.float32, torch.bfloat16)  # what the elementwise kernels (norm, rotary) take
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what the attention, norm and rotary kernels take
 
 
 def build_dir() -> Path:
@@ -59,8 +59,12 @@ def isa_cap() -> int:
     return 2 if level >= ISA_ORDER.index("avx512") else 1 if level >= ISA_ORDER.index("avx2") else 0
 
 
-def available() -> bool:
-    return load() is not None
+def for_tensor(x: torch.Tensor, dtypes: tuple[torch.dtype, ...] = KERNEL_DTYPES):
+    """The compiled module when it can take `x` (a CPU tensor of one of `dtypes`), else None: the one check every
+    caller makes before choosing between a kernel and its torch fallback."""
+    if x.device.type != "cpu" or x.dtype not in dtypes:
+        return None
+    return load()
 
 
 if __name__ == "__main__":

@@ -20,8 +20,6 @@ import torch.nn.functional as F
 
 from vlserve.model.kernels import cpu_kernels
 
-KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-
 
 @dataclass
 class PrefillSpan:
@@ -54,10 +52,9 @@ def build_prefill_span(start: int, num_tokens: int, context_len: int, slots: tor
 
 def _decode_kernels(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata):
     """The compiled CPU kernels when they can take this step's decode rows, else None."""
-    if (q.device.type != "cpu" or q.shape[-1] % 16 or kv_cache.dtype not in KERNEL_DTYPES
-            or meta.decode_context_lens is None):
+    if q.shape[-1] % 16 or meta.decode_context_lens is None:
         return None
-    return cpu_kernels.load()
+    return cpu_kernels.for_tensor(kv_cache)
 
 
 def paged_attention(

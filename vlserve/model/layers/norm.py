@@ -16,10 +16,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and x.dtype in cpu_kernels.FUSED_DTYPES and x.dtype == self.weight.dtype:
-            kernels = cpu_kernels.load()
-            if kernels is not None:
-                return kernels.rms_norm(x, self.weight, self.eps, cpu_kernels.isa_cap())
+        kernels = cpu_kernels.for_tensor(x) if x.dtype == self.weight.dtype else None
+        if kernels is not None:
+            return kernels.rms_norm(x, self.weight, self.eps, cpu_kernels.isa_cap())
         # Normalise in fp32, scale in the input dtype: same rounding as the reference implementation.
         dtype = x.dtype
         x32 = x.float()

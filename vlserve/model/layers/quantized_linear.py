@@ -54,9 +54,9 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 def _kernel_for(x: torch.Tensor):
     """The compiled kernels when they apply to `x` (CPU, few rows), else None."""
-    if x.device.type != "cpu" or x.numel() // x.shape[-1] > KERNEL_MAX_ROWS:
+    if x.numel() // x.shape[-1] > KERNEL_MAX_ROWS:
         return None
-    return cpu_kernels.load()
+    return cpu_kernels.for_tensor(x, (*cpu_kernels.KERNEL_DTYPES, torch.float16))  # converted to fp32 inside
 
 
 class Int8Linear(nn.Module):

@@ -25,7 +25,7 @@ def rotate_heads_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: 
     lower precision: computed in fp32 and rounded once (the vision towers). On CPU one fused kernel pass
     (bit-identical to the torch ops, which remain the fallback).
     """
-    kernels = cpu_kernels.load() if x.device.type == "cpu" and x.dtype in cpu_kernels.FUSED_DTYPES else None
+    kernels = cpu_kernels.for_tensor(x)
     if kernels is not None and cos.dtype in (x.dtype, torch.float32) and x.stride(-1) == 1 \
             and x.stride(1) == x.shape[2]:
         kernels.rotary_(x, cos.contiguous(), sin.contiguous(), heads, cpu_kernels.isa_cap())
