@@ -130,6 +130,8 @@ class ServerArgs:
     max_request_bytes: int = option(64 * 2**20, "largest request body in bytes; a bigger one gets 413 before it is "
                                     "read", HTTP_ROLES)
     max_n: int = option(128, "most samples (n) one request may ask for", HTTP_ROLES)
+    chat_template: str | None = option(None, "chat template replacing the checkpoint's: a file, or the template "
+                                       "text itself", HTTP_ROLES, metavar="FILE")
     trust_request_chat_template: bool = option(False, "accept a chat_template sent in a request (refused "
                                                "otherwise: a template is code)", HTTP_ROLES)
     enable_api_docs: bool = option(False, "serve /docs, /redoc and /openapi.json (behind --api-key when set)",

@@ -50,6 +50,7 @@ class Request:
         self.block_keys: list[tuple] = []  # the content each of those hashes stands for
         self.num_cached_blocks = 0  # leading blocks already registered in the prefix cache
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
+        self.grammar = None  # the engine's RequestGrammar when params.structured_outputs is set
 
     @property
     def num_tokens(self) -> int:

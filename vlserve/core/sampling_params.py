@@ -11,6 +11,7 @@ import math
 import msgspec
 
 from vlserve.core.errors import InvalidInputError
+from vlserve.core.structured_outputs import StructuredOutputsParams, structured_outputs_from
 
 # Temperatures below this are treated as greedy decoding (same threshold as vLLM).
 GREEDY_EPS = 1e-5
@@ -36,6 +37,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # a dict with the same fields is accepted too
 
     def __post_init__(self) -> None:
         # Consumers always see a list, so they never branch on str/None.
@@ -47,6 +49,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             self.stop = list(self.stop)
         if self.top_k == -1:
             self.top_k = 0  # one spelling of "off" keeps the sampler simple
+        self.structured_outputs = structured_outputs_from(self.structured_outputs)
         self._validate()
 
     def _validate(self) -> None:

@@ -20,6 +20,7 @@ from vlserve.engine.config import VlserveConfig
 from vlserve.engine.model_runner import ModelRunner
 from vlserve.engine.prompt_check import check_prompt
 from vlserve.engine.scheduler import Scheduler
+from vlserve.engine.structured.matchers import GrammarMatchers
 from vlserve.engine.transfer_buffers import TransferBuffers
 from vlserve.model.layers.packed_linear import packed_linear_supported
 from vlserve.model.loader import load_model
@@ -40,8 +41,11 @@ class EngineCore:
                                     quantization=cfg.quantization)
         if packed_linear_supported(cfg.device, cfg.dtype) and hasattr(model, "pack_for_cpu"):
             logger.info("packed %d linears into oneDNN's layout", model.pack_for_cpu())
-        self.runner = ModelRunner(cfg, model, transfer)
+        self.grammars = GrammarMatchers(cfg.model_path, cfg.model.eos_token_ids, cfg.model.text.vocab_size)
+        self.runner = ModelRunner(cfg, model, transfer, self.grammars)
         self.scheduler = Scheduler(cfg)
+        self._building: list[Request] = []  # requests whose grammar is being built
+        self._failed: list[tuple[str, str]] = []  # (API request, why) refused after admission
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self._parent_of: dict[str, str] = {}  # engine request id -> the API request it samples for
@@ -63,6 +67,9 @@ class EngineCore:
         for child in children:
             self.scheduler.check_fits(child)  # raises before anything is queued
         for child in children:
+            if child.params.structured_outputs is not None:
+                child.grammar = self.grammars.build(child.params.structured_outputs, child.output_token_ids)
+                self._building.append(child)
             self.scheduler.add_request(child)
             self.prompt_tokens_total += child.num_prompt_tokens
             self._parent_of[child.request_id] = request_id
@@ -103,8 +110,28 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 
+    def take_failed(self) -> list[tuple[str, str]]:
+        """(request id, reason) of API requests refused after admission: their grammar failed to build."""
+        failed, self._failed = self._failed, []
+        return failed
+
+    def _check_grammars(self) -> None:
+        """Requests whose grammar failed leave the engine (all their samples); the rest wait until built."""
+        building, self._building = self._building, []
+        for req in building:
+            if not req.grammar.ready:
+                self._building.append(req)
+            elif req.grammar.error is not None and req.request_id in self._parent_of:
+                parent = self._parent_of[req.request_id]
+                self.abort_requests(sorted(self._open.get(parent, ())))
+                self._failed.append((parent, req.grammar.error))
+
     def step(self) -> list[EngineCoreOutput]:
+        if self._building:
+            self._check_grammars()
         sched = self.scheduler.schedule()
+        if sched.empty and self._building:  # only grammars being built: let the worker have the CPU
+            time.sleep(0.001)
         sampled, logprobs = self.runner.execute(sched)
         outputs = self.scheduler.update_from_output(sched, sampled, logprobs)
         self.generation_tokens_total += len(outputs)

@@ -13,8 +13,9 @@ import torch
 from vlserve.core.messages import TokenLogprobs
 from vlserve.core.request import Request
 from vlserve.engine.config import VlserveConfig
-from vlserve.engine.sampler import Sampler, SamplingMetadata
+from vlserve.engine.sampler import Sampler, SamplingMetadata, TokenBitmask
 from vlserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+from vlserve.engine.structured.matchers import GrammarMatchers
 from vlserve.engine.transfer_buffers import TransferBuffers
 from vlserve.engine.vision_runner import VisionRunner
 from vlserve.model.decoder import DeepstackInput
@@ -22,11 +23,14 @@ from vlserve.model.layers.attention import AttentionMetadata, build_prefill_span
 
 
 class ModelRunner:
-    def __init__(self, cfg: VlserveConfig, model: torch.nn.Module, transfer: TransferBuffers | None = None):
-        """`transfer`: a disaggregated server's receive blocks, where items sent by encoders are read in place."""
+    def __init__(self, cfg: VlserveConfig, model: torch.nn.Module, transfer: TransferBuffers | None = None,
+                 grammars: GrammarMatchers | None = None):
+        """`transfer`: a disaggregated server's receive blocks, where items sent by encoders are read in place.
+        `grammars`: fills the token masks of requests with structured outputs."""
         self.cfg = cfg
         self.model = model
         self.transfer = transfer
+        self.grammars = grammars
         self.vision = VisionRunner(model, cfg.device) if getattr(model, "visual", None) is not None else None
         self.device = cfg.device
         self.block_size = cfg.block_size
@@ -157,9 +161,6 @@ class ModelRunner:
         if sched.empty:
             return {}, {}
         ordered, token_ids, positions, meta = self._prepare(sched.chunks)
-        embeds, deepstack = self._embed(ordered, token_ids)
-        hidden = self.model(embeds, positions.to(self.device), self.kv_caches, self._to_device(meta), deepstack)
-
         rows, sampling = [], []
         row = 0
         for c in ordered:
@@ -167,12 +168,19 @@ class ModelRunner:
             if c.samples:
                 rows.append(row - 1)
                 sampling.append(c.req)
+        # Grammar masks are filled on other threads while the forward pass runs.
+        constrained = [i for i, r in enumerate(sampling) if r.grammar is not None]
+        masks = self.grammars.start_masks([sampling[i].grammar for i in constrained]) if constrained else None
+
+        embeds, deepstack = self._embed(ordered, token_ids)
+        hidden = self.model(embeds, positions.to(self.device), self.kv_caches, self._to_device(meta), deepstack)
         if not sampling:
             return {}, {}
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()
-        return self._sample(logits, sampling)
+        bitmask = TokenBitmask(constrained, masks.result()) if masks is not None else None
+        return self._sample(logits, sampling, bitmask)
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]):
+    def _sample(self, logits: torch.Tensor, reqs: list[Request], bitmask: TokenBitmask | None = None):
         generators = {}
         for i, req in enumerate(reqs):
             if req.params.seed is not None and not req.params.greedy:
@@ -186,6 +194,7 @@ class ModelRunner:
             [r.eos_token_ids for r in reqs],
             generators,
             self.device,
+            bitmask,
         )
         out = self.sampler(logits, meta)
         tokens = out.sampled.tolist()

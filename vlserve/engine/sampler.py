@@ -1,4 +1,4 @@
-"""Batched token sampling: penalties, temperature, min-p / top-k / top-p, logprobs.
+"""Batched token sampling: grammar masks, penalties, temperature, min-p / top-k / top-p, logprobs.
 
 Everything is vectorised over the batch; the only per-row Python work is the
 random draw for rows that carry their own seeded generator, which keeps a
@@ -30,6 +30,7 @@ class SamplingMetadata:
     prompt_token_ids: list[list[int]] | None  # only set when repetition_penalty is
     output_token_ids: list[list[int]]
     min_tokens_blocked: dict[int, list[int]]  # row -> ids masked this step
+    token_bitmask: "TokenBitmask | None"  # rows constrained by a grammar, and what each may sample
     max_num_logprobs: int | None
     all_greedy: bool
     all_random: bool
@@ -43,6 +44,7 @@ class SamplingMetadata:
         eos_token_ids: Sequence[Iterable[int]],
         generators: dict[int, torch.Generator],
         device: torch.device | str,
+        token_bitmask: "TokenBitmask | None" = None,
     ) -> "SamplingMetadata":
         greedy = [p.temperature < GREEDY_EPS for p in params]
         all_greedy = all(greedy)
@@ -93,10 +95,20 @@ class SamplingMetadata:
             prompt_token_ids=prompt_token_ids if repetition is not None else None,
             output_token_ids=output_token_ids,
             min_tokens_blocked=blocked,
+            token_bitmask=token_bitmask,
             max_num_logprobs=max(wanted) if wanted else None,
             all_greedy=all_greedy,
             all_random=all_random,
         )
+
+
+@dataclass
+class TokenBitmask:
+    """Grammar constraints of some rows: bit t of `bits[i]` (int32 words, little-endian) set = row `rows[i]` may
+    sample token t."""
+
+    rows: list[int]
+    bits: torch.Tensor  # [len(rows), ceil(vocab / 32)] int32
 
 
 @dataclass
@@ -119,6 +131,8 @@ class Sampler:
 
         if meta.min_tokens_blocked:
             _mask_min_tokens(logits, meta.min_tokens_blocked)
+        if meta.token_bitmask is not None:
+            _apply_token_bitmask(logits, meta.token_bitmask)
         _apply_penalties(logits, meta)
 
         greedy_mask = meta.temperature < GREEDY_EPS
@@ -143,6 +157,19 @@ def _mask_min_tokens(logits: torch.Tensor, blocked: dict[int, list[int]]) -> Non
             torch.tensor(rows, device=logits.device),
             torch.tensor(cols, device=logits.device),
         ] = _NEG_INF
+
+
+# Byte value -> its 8 bits, lowest first: expands a packed bitmask with one table lookup per byte.
+_BYTE_BITS = torch.tensor([[(b >> j) & 1 for j in range(8)] for b in range(256)], dtype=torch.bool)
+
+
+def _apply_token_bitmask(logits: torch.Tensor, mask: TokenBitmask) -> None:
+    vocab = logits.shape[-1]
+    table = _BYTE_BITS.to(logits.device)
+    packed = mask.bits.to(logits.device, non_blocking=True).contiguous().view(torch.uint8)  # byte k: tokens 8k..8k+7
+    allowed = table[packed.long()].view(len(mask.rows), -1)[:, :vocab]
+    rows = torch.tensor(mask.rows, device=logits.device)
+    logits[rows] = logits[rows].masked_fill_(~allowed, _NEG_INF)
 
 
 def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:

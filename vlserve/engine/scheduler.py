@@ -8,6 +8,7 @@ the most recently admitted running request is preempted: its blocks are freed an
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 
 from vlserve.core.errors import InvalidInputError
@@ -17,6 +18,8 @@ from vlserve.engine.config import VlserveConfig
 from vlserve.engine.encoder_cache import EncoderCacheManager
 from vlserve.engine.kv_cache_manager import KVCacheManager
 from vlserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -101,8 +104,14 @@ class Scheduler:
             break  # the request itself was preempted: nothing smaller left to try this step
 
         # Admit waiting requests only when nothing was preempted: if blocks were short just now, they still are.
+        # A request whose grammar is still being built is passed over (it keeps its place in the queue); one whose
+        # grammar failed waits for the engine core to refuse it.
+        not_ready: list[Request] = []
         while self.waiting and token_budget > 0 and not out.preempted and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[0]
+            if req.grammar is not None and (not req.grammar.ready or req.grammar.error is not None):
+                not_ready.append(self.waiting.popleft())
+                continue
             cached = self.kv.find_cached_prefix(req)
             start = len(cached) * self.kv.block_size
             n, encode = self._plan_chunk(req, start, token_budget, encoder_budget)
@@ -116,6 +125,7 @@ class Scheduler:
             self._commit(req, start, n, encode, out)
             token_budget -= n
             encoder_budget -= sum(req.mm_items[k].num_tokens for k in encode)
+        self.waiting.extendleft(reversed(not_ready))
         return out
 
     def _plan_chunk(self, req: Request, start: int, token_budget: int, encoder_budget: int) -> tuple[int, list[int]]:
@@ -192,6 +202,8 @@ class Scheduler:
             token = sampled[req.request_id]
             req.token_ids.append(token)
             status = self._check_stop(req, token)
+            if status is None and req.grammar is not None:
+                status = self._advance_grammar(req, token)
             new_lp = [logprobs[req.request_id]] if logprobs and req.request_id in logprobs else None
             out = EngineCoreOutput(req.request_id, [token], new_lp, num_cached_tokens=req.num_cached_tokens)
             if status is not None:
@@ -213,6 +225,14 @@ class Scheduler:
         if req.num_tokens >= self.cfg.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    @staticmethod
+    def _advance_grammar(req: Request, token: int) -> RequestStatus | None:
+        if not req.grammar.accept(token):  # the mask allowed it, so only a matcher limit can refuse it here
+            logger.error("request %s: its grammar refused token %d (%s); request aborted", req.request_id, token,
+                         req.grammar.matcher.get_error())
+            return RequestStatus.FINISHED_ABORTED
+        return RequestStatus.FINISHED_STOPPED if req.grammar.finished else None
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         if req.status == RequestStatus.RUNNING:

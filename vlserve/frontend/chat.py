@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from vlserve.core.errors import InvalidInputError
@@ -69,9 +70,11 @@ def parse_chat_messages(messages: list[dict], allow_python_objects: bool = True)
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict) or msg.get("role") not in ROLES:
             raise InvalidInputError(f"messages[{i}] needs a 'role' among {sorted(ROLES)}")
+        extra = _tool_fields(msg, i)
         content = msg.get("content")
         if content is None or isinstance(content, str):
-            chat.messages.append({"role": msg["role"], "content": _text(content or "", f"messages[{i}].content")})
+            chat.messages.append({"role": msg["role"], "content": _text(content or "", f"messages[{i}].content"),
+                                  **extra})
             chat.num_text_chars += len(content or "")
             continue
         if not isinstance(content, list):
@@ -104,5 +107,37 @@ def parse_chat_messages(messages: list[dict], allow_python_objects: bool = True)
             chat.media[media_kind].append(source)
             chat.uuids[media_kind].append(uuid)
             parts.append({"type": media_kind})
-        chat.messages.append({"role": msg["role"], "content": parts})
+        chat.messages.append({"role": msg["role"], "content": parts, **extra})
     return chat
+
+
+def _tool_fields(msg: dict, i: int) -> dict:
+    """An assistant turn's earlier `tool_calls` (arguments as objects, as templates expect) and a tool turn's
+    `tool_call_id` / `name`."""
+    extra = {}
+    for key in ("tool_call_id", "name"):
+        if msg.get(key) is not None:
+            if not isinstance(msg[key], str):
+                raise InvalidInputError(f"messages[{i}].{key} must be a string")
+            extra[key] = msg[key]
+    calls = msg.get("tool_calls")
+    if calls is None:
+        return extra
+    if msg["role"] != "assistant" or not isinstance(calls, list):
+        raise InvalidInputError(f"messages[{i}].tool_calls must be a list, on an assistant message")
+    checked = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise InvalidInputError(f"messages[{i}].tool_calls[{j}] needs a 'function' with a 'name'")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise InvalidInputError(f"messages[{i}].tool_calls[{j}].function.arguments is not JSON") from None
+        if not isinstance(args, dict):
+            raise InvalidInputError(f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON object")
+        checked.append({"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}})
+    extra["tool_calls"] = checked
+    return extra

@@ -15,6 +15,7 @@ from vlserve.frontend.chat import parse_chat_messages
 from vlserve.frontend.input_processor import as_list
 from vlserve.frontend.llm_engine import LLMEngine
 from vlserve.frontend.tokenizer import render_chat
+from vlserve.frontend.tool_calls import check_tools
 
 
 class LLM:
@@ -66,12 +67,16 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         mm_processor_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
+        """`tools`: function tools offered to the model (OpenAI's layout); parse its answer with
+        `vlserve.frontend.tool_calls.extract_tool_calls`."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tools = check_tools(tools)
         prompts = []
         for conv in conversations:
             chat = parse_chat_messages(conv)
-            text = render_chat(self.tokenizer, chat.messages, add_generation_prompt, chat_template)
+            text = render_chat(self.tokenizer, chat.messages, add_generation_prompt, chat_template, tools=tools)
             prompts.append(chat.prompt(text))
         return self.generate(prompts, sampling_params, use_tqdm, mm_processor_kwargs)
 

@@ -10,6 +10,7 @@ from vlserve.core.outputs import RequestOutput
 from vlserve.core.sampling_params import SamplingParams, fan_out
 from vlserve.engine.config import VlserveConfig, resolve_config
 from vlserve.engine.core import EngineCore
+from vlserve.engine.structured.grammar import grammar_for
 from vlserve.frontend.input_processor import InputProcessor
 from vlserve.frontend.output_processor import OutputProcessor
 
@@ -28,6 +29,8 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise InvalidInputError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         request_id = request_id or str(next(self._ids))
+        if params.structured_outputs is not None:
+            grammar_for(params.structured_outputs)  # a bad schema or grammar is refused here, not mid-run
         processed = self.input_processor.process(prompt, mm_processor_kwargs)
         self.core.add_request(request_id, processed, params)
         self.output_processor.add(request_id, processed.text, processed.prompt_token_ids, fan_out(params, request_id))
@@ -43,4 +46,9 @@ class LLMEngine:
         outputs, stop_now = self.output_processor.process(self.core.step())
         if stop_now:
             self.core.stop_requests(stop_now)
+        failed = self.core.take_failed()
+        for request_id, _ in failed:
+            self.output_processor.abort(request_id)
+        if failed:
+            raise InvalidInputError(f"request {failed[0][0]}: {failed[0][1]}")
         return outputs

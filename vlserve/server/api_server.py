@@ -21,6 +21,7 @@ from vlserve.frontend.async_llm import AsyncLLM
 from vlserve.frontend.media.fetch import MediaFetcher, MediaPolicy
 from vlserve.frontend.metrics import CONTENT_TYPE
 from vlserve.frontend.prompt_encoder import LocalPromptEncoder
+from vlserve.frontend.tokenizer import load_chat_template
 from vlserve.server.errors import error_response, install_error_handlers, log_client_error
 from vlserve.server.listen import bind_socket
 from vlserve.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -48,11 +49,15 @@ def make_engine(opts: Options, log_level: str = "INFO", role: str = SERVE) -> As
         encoder = remote_prompt_encoder(opts.disagg, f"{server.host}:{server.port}")
     else:
         encoder = local_prompt_encoder(server)
-    return AsyncLLM(opts.engine, server.served_model_name or opts.engine.model,
-                    max_waiting_requests=server.max_waiting_requests, media_threads=server.media_threads,
-                    log_requests=not server.disable_log_requests, log_level=log_level,
-                    max_image_pixels=server.max_image_pixels, heartbeat_timeout=server.engine_heartbeat_timeout,
-                    prompt_encoder=encoder)
+    template = load_chat_template(server.chat_template) if server.chat_template is not None else None
+    engine = AsyncLLM(opts.engine, server.served_model_name or opts.engine.model,
+                      max_waiting_requests=server.max_waiting_requests, media_threads=server.media_threads,
+                      log_requests=not server.disable_log_requests, log_level=log_level,
+                      max_image_pixels=server.max_image_pixels, heartbeat_timeout=server.engine_heartbeat_timeout,
+                      prompt_encoder=encoder)
+    if template is not None:
+        engine.tokenizer.chat_template = template
+    return engine
 
 
 def build_app(engine: AsyncLLM, server: ServerArgs) -> FastAPI:

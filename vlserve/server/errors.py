@@ -74,6 +74,12 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException):
         return _respond(request, str(exc.detail), exc.status_code)
 
+    # Ours get their own handler: Starlette hands a bare `Exception` handler to its outermost middleware, which
+    # answers and then re-raises, so the connection is dropped and a keep-alive client sees a reset next time.
+    @app.exception_handler(VlserveError)
+    async def _ours(request: Request, exc: VlserveError):
+        return _respond(request, *error_from_exception(exc))
+
     @app.exception_handler(Exception)
     async def _any(request: Request, exc: Exception):
         return _respond(request, *error_from_exception(exc))

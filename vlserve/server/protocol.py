@@ -4,7 +4,7 @@ Bodies are decoded with msgspec (standard JSON only: no NaN/Infinity, no lone su
 pydantic in strict mode: no bool taken as a number, no "2" taken as 2. Value checks (ranges, stop strings, ...)
 live in `SamplingParams`, so the offline API and the server refuse exactly the same things.
 
-A field that would change what the answer must be (`response_format`, `tools`, ...) is refused with a 400 until
+A field that would change what the answer must be (`logit_bias`, `functions`, ...) is refused with a 400 until
 vlserve implements it, never silently ignored; any other unknown field is logged once as ignored, like vLLM does.
 """
 
@@ -19,6 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from vlserve.core.errors import InvalidInputError
 from vlserve.core.sampling_params import MAX_LOGPROBS, SamplingParams
+from vlserve.core.structured_outputs import StructuredOutputsParams, structured_outputs_from
+from vlserve.frontend.tool_calls import ToolChoice, call_grammar, check_tool_choice, check_tools
 
 logger = logging.getLogger("vlserve.server")
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
@@ -30,14 +32,11 @@ def _set(v: Any) -> bool:
 
 # Fields whose value, when set, changes what a correct answer is. Refused until implemented.
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "response_format": lambda v: not (isinstance(v, dict) and v.get("type") == "text") and v is not None,
-    "tools": _set,
-    "tool_choice": lambda v: v not in (None, "none", "auto"),
     "functions": _set,
     "function_call": lambda v: v not in (None, "none", "auto"),
     "logit_bias": _set,
-    "structured_outputs": _set,
-    "guided_json": _set, "guided_regex": _set, "guided_choice": _set, "guided_grammar": _set,
+    "guided_decoding_backend": _set,
+    "structural_tag": _set,
     "prompt_logprobs": _set,
     "use_beam_search": _set,
     "length_penalty": lambda v: v not in (None, 1, 1.0),
@@ -87,6 +86,13 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     request_id: str | None = None
+    # Constrained output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def check_fields(self, max_n: int) -> None:
         """Refuse what cannot be honoured; log (once per name) unknown fields that change nothing."""
@@ -109,11 +115,49 @@ class _SamplingFields(BaseModel):
             n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop, seed=self.seed,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output)
+            skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self.structured_outputs_params())
         optional = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                         repetition_penalty=self.repetition_penalty)
         values.update({k: v for k, v in optional.items() if v is not None})
         return SamplingParams(**values)
+
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The output constraint, from whichever one of the three spellings the request used."""
+        given = {}
+        if self.structured_outputs is not None:
+            given["structured_outputs"] = structured_outputs_from(self.structured_outputs)
+        if self.response_format is not None:
+            given["response_format"] = _response_format(self.response_format)
+        guided = {k: getattr(self, f"guided_{k}") for k in ("json", "regex", "choice", "grammar")
+                  if getattr(self, f"guided_{k}") is not None}
+        if guided:
+            given["guided_*"] = structured_outputs_from(guided)
+        given = {k: v for k, v in given.items() if v is not None}
+        if len(given) > 1:
+            raise InvalidInputError(f"give one output constraint, not {' and '.join(given)}")
+        return next(iter(given.values()), None)
+
+
+def _response_format(value: dict) -> StructuredOutputsParams | None:
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("name", ""), str):
+            raise InvalidInputError("response_format.json_schema must be an object with a 'name' and a 'schema'")
+        schema = spec.get("schema")
+        if schema is None:
+            return StructuredOutputsParams(json_object=True)
+        if not isinstance(schema, dict):
+            raise InvalidInputError("response_format.json_schema.schema must be a JSON schema object")
+        return StructuredOutputsParams(json=schema)
+    raise InvalidInputError(f"response_format type {kind!r} is not supported; use 'text', 'json_object' or "
+                            "'json_schema'")
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -126,6 +170,24 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+
+    def tool_setup(self) -> tuple[list[dict], ToolChoice]:
+        """The offered tools and how they may be used; with tool_choice "none" no tools are offered."""
+        tools = check_tools(self.tools)
+        choice = check_tool_choice(self.tool_choice, tools)
+        return ([] if choice.mode == "none" else tools), choice
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        constraint = super().structured_outputs_params()
+        tools, choice = self.tool_setup()
+        forced = call_grammar(tools, choice, self.parallel_tool_calls)
+        if forced is not None and constraint is not None:
+            raise InvalidInputError("tool_choice 'required' or a named function already fixes the output's form; "
+                                    "it cannot be combined with response_format or structured_outputs")
+        return forced or constraint
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

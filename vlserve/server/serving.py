@@ -15,6 +15,8 @@ from pydantic import BaseModel
 from vlserve.core.config import ServerArgs
 from vlserve.core.errors import InvalidInputError, NotFoundError, RequestTooLargeError
 from vlserve.core.outputs import RequestOutput
+from vlserve.core.sampling_params import SamplingParams
+from vlserve.engine.structured.grammar import grammar_for
 from vlserve.frontend.async_llm import AsyncLLM, PreparedPrompt
 from vlserve.server.errors import error_body, error_from_exception, log_client_error
 from vlserve.server.protocol import parse_body
@@ -67,6 +69,12 @@ class OpenAIServing:
             parsed = await asyncio.get_running_loop().run_in_executor(self.engine.executor, parse_body, body, model)
         parsed.check_fields(self.server.max_n)
         return parsed
+
+    async def check_structured_outputs(self, params: SamplingParams) -> None:
+        """A schema or grammar that cannot compile is refused here (400 with the reason), off the event loop."""
+        if params.structured_outputs is not None:
+            await asyncio.get_running_loop().run_in_executor(self.engine.executor, grammar_for,
+                                                             params.structured_outputs)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:

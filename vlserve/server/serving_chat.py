@@ -14,6 +14,7 @@ from vlserve.core.outputs import CompletionOutput, RequestOutput
 from vlserve.frontend.async_llm import PreparedPrompt
 from vlserve.frontend.chat import parse_chat_messages
 from vlserve.frontend.tokenizer import render_chat
+from vlserve.frontend.tool_calls import ToolCallStream, extract_tool_calls
 from vlserve.server.protocol import ChatCompletionRequest
 from vlserve.server.serving import SSE_DONE, OpenAIServing, created, sse
 
@@ -33,6 +34,11 @@ def chat_logprobs(c: CompletionOutput, start: int, top_k: int) -> dict | None:
     return {"content": content}
 
 
+def _calls_finish(reason: str | None) -> str | None:
+    """A choice that made tool calls and stopped by itself finished for "tool_calls" (OpenAI's reason)."""
+    return "tool_calls" if reason == "stop" else reason
+
+
 class OpenAIServingChat(OpenAIServing):
     id_prefix = "chatcmpl"
 
@@ -41,7 +47,10 @@ class OpenAIServingChat(OpenAIServing):
         self.check_model(body.model)
         self.engine.check_accepting()
         top_k = body.logprobs_count()
-        body.sampling_params(body.requested_max_tokens(), top_k)  # refuse bad values before any work
+        checked = body.sampling_params(body.requested_max_tokens(), top_k)  # refuse bad values before any work
+        await self.check_structured_outputs(checked)
+        tools, choice = body.tool_setup()
+        parse_calls = choice.mode != "none"
         request_id = self.new_request_id(body.request_id)
         prepared = await self.until_done_or_disconnect(raw, self._prepare(body, time.monotonic(), request_id))
         try:
@@ -55,10 +64,10 @@ class OpenAIServingChat(OpenAIServing):
         first = await self.until_done_or_disconnect(raw, outputs.__anext__())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._stream(request_id, first, outputs, include_usage, top_k or 0),
-                                     media_type="text/event-stream")
+            return StreamingResponse(self._stream(request_id, first, outputs, include_usage, top_k or 0,
+                                                  parse_calls), media_type="text/event-stream")
         final = first if first.finished else await self.until_done_or_disconnect(raw, self.final_output(outputs))
-        return JSONResponse(self._response(request_id, final, top_k or 0))
+        return JSONResponse(self._response(request_id, final, top_k or 0, parse_calls))
 
     async def _prepare(self, body: ChatCompletionRequest, arrival: float, request_id: str) -> PreparedPrompt:
         if body.chat_template is not None and not self.server.trust_request_chat_template:
@@ -75,19 +84,29 @@ class OpenAIServingChat(OpenAIServing):
                 raise InvalidInputError(f"{len(items)} {kind}s in one request; at most {limit} allowed "
                                         f"(--limit-mm-per-prompt {kind}={limit})")
         loop = asyncio.get_running_loop()
+        tools, _ = body.tool_setup()
         text = await loop.run_in_executor(self.engine.executor, render_chat, self.engine.tokenizer, chat.messages,
-                                          body.add_generation_prompt, body.chat_template, body.chat_template_kwargs)
+                                          body.add_generation_prompt, body.chat_template, body.chat_template_kwargs,
+                                          tools)
         return await self.engine.prepare(chat.prompt(text), body.mm_processor_kwargs, arrival, request_id)
 
-    def _response(self, request_id: str, out: RequestOutput, top_k: int) -> dict:
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": chat_logprobs(c, 0, top_k), "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason} for c in out.outputs]
+    def _response(self, request_id: str, out: RequestOutput, top_k: int, parse_calls: bool) -> dict:
+        choices = []
+        for c in out.outputs:
+            message: dict = {"role": "assistant", "content": c.text}
+            finish_reason = c.finish_reason
+            if parse_calls:
+                content, calls = extract_tool_calls(c.text)
+                if calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": calls}
+                    finish_reason = _calls_finish(finish_reason)
+            choices.append({"index": c.index, "message": message, "logprobs": chat_logprobs(c, 0, top_k),
+                            "finish_reason": finish_reason, "stop_reason": c.stop_reason})
         return {"id": request_id, "object": "chat.completion", "created": created(), "model": self.model_name,
                 "choices": choices, "usage": self.usage(out)}
 
     async def _stream(self, request_id: str, first: RequestOutput, outputs: AsyncIterator[RequestOutput],
-                      include_usage: bool, top_k: int) -> AsyncIterator[bytes]:
+                      include_usage: bool, top_k: int, parse_calls: bool) -> AsyncIterator[bytes]:
         stamp = created()
 
         def chunk(choices: list[dict], usage: dict | None = None) -> bytes:
@@ -99,6 +118,7 @@ class OpenAIServingChat(OpenAIServing):
 
         n = len(first.outputs)
         sent_chars, sent_tokens, done = [0] * n, [0] * n, [False] * n
+        calls = [ToolCallStream() for _ in range(n)] if parse_calls else None
         try:
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None} for i in range(n)])
@@ -111,9 +131,19 @@ class OpenAIServingChat(OpenAIServing):
                     # Tokens whose text is held back (a partial UTF-8 char or stop string) wait for a later chunk.
                     if done[i] or (c.finish_reason is None and (not text or len(c.token_ids) == sent_tokens[i])):
                         continue
-                    choices.append({"index": i, "delta": {"content": text} if text else {},
-                                    "logprobs": chat_logprobs(c, sent_tokens[i], top_k),
-                                    "finish_reason": c.finish_reason})
+                    delta: dict = {"content": text} if text else {}
+                    finish_reason = c.finish_reason
+                    if calls is not None:
+                        content, new_calls = calls[i].feed(c.text, c.finish_reason is not None)
+                        delta = {"content": content} if content else {}
+                        if new_calls:
+                            delta["tool_calls"] = new_calls
+                        if calls[i].num_calls:
+                            finish_reason = _calls_finish(finish_reason)
+                        if not delta and finish_reason is None:
+                            continue  # held back (a call being written); these tokens' logprobs go with the next delta
+                    choices.append({"index": i, "delta": delta, "logprobs": chat_logprobs(c, sent_tokens[i], top_k),
+                                    "finish_reason": finish_reason})
                     sent_chars[i], sent_tokens[i], done[i] = len(c.text), len(c.token_ids), c.finish_reason is not None
                 if choices:
                     yield chunk(choices)

@@ -41,7 +41,8 @@ class OpenAIServingCompletion(OpenAIServing):
         if len(prompts) * body.n > self.server.max_n:
             raise InvalidInputError(f"{len(prompts)} prompts x n={body.n} is more than the {self.server.max_n} "
                                     "sequences one request may ask for (--max-n)")
-        body.sampling_params(body.max_tokens, body.logprobs)  # refuse bad values before any work
+        checked = body.sampling_params(body.max_tokens, body.logprobs)  # refuse bad values before any work
+        await self.check_structured_outputs(checked)
         request_id = self.new_request_id(body.request_id)
         ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
         gens = []

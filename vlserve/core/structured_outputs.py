@@ -1,0 +1,82 @@
+"""What a constrained request's output must match: vLLM's `StructuredOutputsParams` fields.
+
+Exactly one of `json`, `regex`, `choice`, `grammar`, `json_object` is set. A msgspec Struct, so it travels
+inside `SamplingParams` to the engine process unchanged. The engine turns it into a grammar
+(`engine.structured.grammar`); this file only checks its shape.
+"""
+
+from __future__ import annotations
+
+import json as jsonlib
+from typing import Any
+
+import msgspec
+
+from vlserve.core.errors import InvalidInputError
+
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+MAX_SPEC_CHARS = 1 << 20  # a schema or grammar bigger than this is refused before anything compiles it
+
+
+class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    json: str | dict[str, Any] | None = None  # a JSON schema; kept as canonical text after validation
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark (llguidance's syntax) or GBNF (`::=` rules, as xgrammar / llama.cpp)
+    json_object: bool | None = None  # any JSON object
+    # JSON only. vLLM's name; here the default is True: compact JSON, so a weak model cannot ramble in whitespace.
+    disable_any_whitespace: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):
+            # Kept in its key order: properties are generated in the order the schema lists them.
+            self.json = jsonlib.dumps(self.json, separators=(",", ":"), ensure_ascii=False)
+        if self.json_object is False:
+            self.json_object = None
+        chosen = [k for k in KINDS if getattr(self, k) is not None]
+        if len(chosen) != 1:
+            raise InvalidInputError(f"structured outputs need exactly one of {', '.join(KINDS)}; got "
+                                    f"{', '.join(chosen) or 'none'}")
+        kind = chosen[0]
+        value = getattr(self, kind)
+        if kind == "choice":
+            if not value or not all(isinstance(c, str) and c for c in value):
+                raise InvalidInputError("structured_outputs.choice must be a non-empty list of non-empty strings")
+        elif kind != "json_object":
+            if not isinstance(value, str) or not value.strip():
+                raise InvalidInputError(f"structured_outputs.{kind} must be a non-empty string")
+            if len(value) > MAX_SPEC_CHARS:
+                raise InvalidInputError(f"structured_outputs.{kind} is longer than {MAX_SPEC_CHARS} characters")
+        if kind == "json":
+            try:
+                schema = jsonlib.loads(value)
+            except ValueError as e:
+                raise InvalidInputError(f"structured_outputs.json is not valid JSON: {e}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise InvalidInputError("structured_outputs.json must be a JSON schema (an object)")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) is not None)
+
+    @property
+    def key(self) -> tuple:
+        """What the compiled grammar depends on: requests with equal keys share one."""
+        value = self.choice if self.kind == "choice" else getattr(self, self.kind)
+        return (self.kind, tuple(value) if isinstance(value, list) else value, self.disable_any_whitespace)
+
+
+def structured_outputs_from(value: Any) -> StructuredOutputsParams | None:
+    """A `StructuredOutputsParams`, or the same given as a dict (the HTTP field, or offline users' dicts)."""
+    if value is None or isinstance(value, StructuredOutputsParams):
+        return value
+    if not isinstance(value, dict):
+        raise InvalidInputError("structured_outputs must be an object with one of " + ", ".join(KINDS))
+    unknown = set(value) - set(StructuredOutputsParams.__struct_fields__)
+    if unknown:
+        raise InvalidInputError(f"structured_outputs: unsupported field(s) {sorted(unknown)}; "
+                                f"supported: {', '.join(StructuredOutputsParams.__struct_fields__)}")
+    try:
+        return msgspec.convert(value, StructuredOutputsParams)
+    except msgspec.ValidationError as e:
+        raise InvalidInputError(f"structured_outputs: {e}") from None
