@@ -5,6 +5,7 @@ server distrusts what encoders send: nonsense from an authenticated encoder beco
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ import time
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import torch
@@ -31,7 +33,9 @@ from tests.test_disagg import (
     wait_until,
 )
 from tests.test_server_api import _b64_safetensors, _big_noise_png, _bomb_png, image_part, user
-from vlserve import LLM
+from tests.test_structured_outputs import PERSON
+from tests.test_tool_calls import TOOLS
+from vlserve import LLM, SamplingParams
 
 MAX_MEDIA_BYTES = 300_000
 
@@ -104,6 +108,25 @@ def test_disaggregated_server_enforces_the_aggregated_limits(deployment, offline
     rejected = 'vlserve:embedding_transfers_total{role="language",state="rejected"}'
     assert after[failed] == before[failed], "a user's mistake was counted as a failed transfer"
     assert after[rejected] > before[rejected]
+    wait_language_blocks_free(lambda: scrape(url + "/metrics"))
+
+
+def test_structured_outputs_and_tool_calls_through_disagg(deployment, offline):
+    """Pictures encoded elsewhere, the answer constrained on the language server: the aggregated JSON, and
+    a forced tool call that is valid."""
+    _, url, client, _ = deployment
+    messages = picture_chat(2, text="Fill in the form.")
+    resp = client.chat.completions.create(
+        model=client.served_model, messages=messages, max_tokens=100, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+    want = offline.chat(messages, SamplingParams(temperature=0, max_tokens=100, structured_outputs={"json": PERSON}),
+                        use_tqdm=False)[0].outputs[0].text
+    assert resp.choices[0].message.content == want
+    jsonschema.validate(json.loads(want), PERSON)
+    call = client.chat.completions.create(model=client.served_model, messages=messages, max_tokens=100,
+                                          temperature=0, tools=TOOLS, tool_choice="required",
+                                          parallel_tool_calls=False).choices[0]
+    assert call.finish_reason == "tool_calls" and call.message.tool_calls
     wait_language_blocks_free(lambda: scrape(url + "/metrics"))
 
 

@@ -1,0 +1,199 @@
+"""Structured outputs and tool calls through `vlserve serve` and the official openai client: schema-valid
+`response_format` answers and valid `tool_calls`, streaming and not, pictures in the prompt and inside tool
+results, the offline API's answers token for token, and a clear 400 (server unharmed) for every bad spec."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Literal
+
+import jsonschema
+import openai
+import pydantic
+import pytest
+
+from tests.conftest import noise_image
+from tests.server_utils import RemoteServer
+from tests.test_server_api import data_url, image_part, user
+from tests.test_structured_outputs import PERSON
+from tests.test_tool_calls import TOOLS, WEATHER
+from vlserve import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model(tiny_ckpt):
+    return str(tiny_ckpt("qwen2_vl"))
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    with RemoteServer(model, "--dtype", "float32", "--max-model-len", "2048") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client(timeout=60)
+
+
+def _person_format(strict: bool = True) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": strict}}
+
+
+def _chat(client, model, **kw):
+    kw.setdefault("max_tokens", 120)
+    kw.setdefault("temperature", 0)
+    kw.setdefault("messages", user("Who is it?"))
+    return client.chat.completions.create(model=model, **kw)
+
+
+def test_response_format_json_schema_matches_offline(client, model, server):
+    picture = user(image_part(data_url(noise_image(64, 48, 1))), "Fill in the form.")
+    resp = _chat(client, model, messages=picture, response_format=_person_format())
+    text = resp.choices[0].message.content
+    jsonschema.validate(json.loads(text), PERSON)
+    assert resp.choices[0].finish_reason == "stop"
+    offline = LLM(model, dtype="float32", max_model_len=2048)
+    want = offline.chat(picture, SamplingParams(temperature=0, max_tokens=120, structured_outputs={"json": PERSON}),
+                        use_tqdm=False)[0].outputs[0].text
+    assert text == want
+
+
+def test_response_format_streamed_and_n(client, model):
+    stream = _chat(client, model, response_format=_person_format(False), stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    jsonschema.validate(json.loads(text), PERSON)
+    resp = _chat(client, model, response_format=_person_format(), n=3, temperature=1.0, seed=7)
+    for choice in resp.choices:
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
+
+
+def test_parse_helper_of_the_official_client(client, model):
+    class Person(pydantic.BaseModel):
+        name: Literal["ann", "bob"]
+        adult: bool
+        rank: Literal[1, 2, 3]
+
+    resp = client.chat.completions.parse(model=model, messages=user("Who?"), response_format=Person, max_tokens=60,
+                                         temperature=0)
+    person = resp.choices[0].message.parsed
+    assert isinstance(person, Person)
+
+
+def test_json_object_and_vllm_fields(client, model):
+    resp = _chat(client, model, response_format={"type": "json_object"}, max_tokens=30)
+    assert resp.choices[0].message.content.startswith("{")
+    for body, check in [
+        ({"structured_outputs": {"regex": r"\d{3}-[a-z]{2}"}}, lambda t: re.fullmatch(r"\d{3}-[a-z]{2}", t)),
+        ({"structured_outputs": {"choice": ["yes", "no"]}}, lambda t: t in ("yes", "no")),
+        ({"structured_outputs": {"grammar": 'root ::= "n=" [1-9]'}}, lambda t: re.fullmatch("n=[1-9]", t)),
+        ({"guided_choice": ["up", "down"]}, lambda t: t in ("up", "down")),
+        ({"guided_json": PERSON}, lambda t: jsonschema.validate(json.loads(t), PERSON) is None),
+    ]:
+        text = _chat(client, model, extra_body=body).choices[0].message.content
+        assert check(text), (body, text)
+    resp = client.completions.create(model=model, prompt="Answer:", max_tokens=10,
+                                     extra_body={"structured_outputs": {"choice": ["left", "right"]}})
+    assert resp.choices[0].text in ("left", "right")
+
+
+def _check_call(call, tools=TOOLS):
+    fn = {t["function"]["name"]: t["function"] for t in tools}[call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), fn["parameters"])
+    assert call.id.startswith("call_") and call.type == "function"
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_tool_calls(client, model, tool_choice):
+    resp = _chat(client, model, tools=TOOLS, tool_choice=tool_choice)
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        _check_call(call)
+    if isinstance(tool_choice, dict):
+        assert {c.function.name for c in choice.message.tool_calls} == {"get_weather"}
+
+
+def test_forced_tool_calls_streamed_equal_the_whole_answer(client, model):
+    whole = _chat(client, model, tools=TOOLS, tool_choice="required").choices[0].message.tool_calls
+    calls, finish = {}, None
+    for chunk in _chat(client, model, tools=TOOLS, tool_choice="required", stream=True):
+        for delta_call in chunk.choices[0].delta.tool_calls or []:
+            entry = calls.setdefault(delta_call.index, {"name": "", "arguments": ""})
+            entry["name"] += delta_call.function.name or ""
+            entry["arguments"] += delta_call.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == \
+        [(c.function.name, json.loads(c.function.arguments)) for c in whole]
+
+
+def test_auto_and_none_and_a_conversation_with_tool_results(client, model):
+    resp = _chat(client, model, tools=TOOLS, tool_choice="auto", max_tokens=20)
+    assert resp.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    history = [
+        {"role": "user", "content": "Weather in Oslo, and show me the radar."},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 1}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": [
+            {"type": "text", "text": "Rain. Radar image:"}, image_part(data_url(noise_image(64, 64, 9)))]},
+    ]
+    with_picture = _chat(client, model, messages=history, tools=TOOLS, tool_choice="none", max_tokens=5)
+    without = _chat(client, model, messages=history[:2] + [{"role": "tool", "tool_call_id": "call_1",
+                                                            "content": "Rain."}], tools=TOOLS, tool_choice="none",
+                    max_tokens=5)
+    assert with_picture.usage.prompt_tokens > without.usage.prompt_tokens + 10  # the picture's tokens are in
+    assert with_picture.choices[0].message.tool_calls is None
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nope"}}}},
+     "nope"),
+    ({"response_format": {"type": "yaml"}}, "not supported"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "str"}}}, "schema"),
+    ({"structured_outputs": {"regex": "(("}}, "regex"),
+    ({"structured_outputs": {"grammar": "start: nothing_here"}}, "nothing_here"),
+    ({"structured_outputs": {"choice": ["a"]}, "response_format": {"type": "json_object"}}, "one output constraint"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "cannot be combined"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among the tools"),
+    ({"tool_choice": "required"}, "needs tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "x": {"$ref": "#/missing"}}}}}], "tool_choice": "required"}, "missing"),
+    ({"functions": [{"name": "f"}]}, "not supported"),
+])
+def test_bad_specs_get_400_and_the_server_goes_on(server, client, model, body, message):
+    resp = server.post("/v1/chat/completions", json={"model": model, "messages": user("hi"), "max_tokens": 5, **body})
+    assert resp.status_code == 400, resp.text
+    assert message in resp.json()["error"]["message"]
+    again = _chat(client, model, response_format={"type": "json_object"}, max_tokens=3)  # same connection pool
+    assert again.choices[0].message.content.startswith("{")
+
+
+def test_chat_template_flag_replaces_the_checkpoints(model, tmp_path):
+    """`--chat-template FILE`: here a template with a tools section, which then renders the tools itself."""
+    template = tmp_path / "tools.jinja"
+    template.write_text("{% for t in tools or [] %}<{{ t.function.name }}>{% endfor %}"
+                        "{% for m in messages %}{{ m.content }}{% endfor %}<|im_start|>assistant")
+    with RemoteServer(model, "--dtype", "float32", "--chat-template", str(template)) as s:
+        c = s.client(timeout=60)
+        plain = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "abc"}], max_tokens=1)
+        tools = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "abc"}], max_tokens=1,
+                                          tools=[WEATHER])
+    assert tools.usage.prompt_tokens > plain.usage.prompt_tokens
+    offline = LLM(model, dtype="float32")
+    n = len(offline.get_tokenizer().encode("<get_weather>abc<|im_start|>assistant"))
+    assert tools.usage.prompt_tokens == n
+
+
+def test_bad_chat_template_flag_fails_at_start(model):
+    with pytest.raises(RuntimeError, match="neither a file nor a Jinja template"):
+        RemoteServer(model, "--chat-template", "/no/such/template.jinja", timeout=60)
+
+
+def test_openai_error_type(client, model):
+    with pytest.raises(openai.BadRequestError):
+        _chat(client, model, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "object", "properties": {"a": {"$ref": "#/nope"}}}}})
