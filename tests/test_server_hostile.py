@@ -146,7 +146,10 @@ _common = {
     "frequency_penalty": _float(-3, 3),
     "repetition_penalty": _float(-1, 3),
     "ignore_eos": st.booleans(),
-    "response_format": _json,
+    "response_format": _json | st.fixed_dictionaries({"type": st.sampled_from(["json_object", "json_schema", "x"]),
+                                                      "json_schema": _json}),
+    "structured_outputs": _json | st.dictionaries(st.sampled_from(["json", "regex", "choice", "grammar", "x"]),
+                                                  _json | st.text(max_size=12), max_size=2),
     "mm_processor_kwargs": st.dictionaries(st.sampled_from(["min_pixels", "max_pixels", "fps", "nope"]),
                                            st.integers(-10, 10**9) | _json, max_size=2) | _json,
     "request_id": st.text(max_size=12) | _json,
@@ -168,7 +171,8 @@ def _mutated(draw, base: dict, extra: dict):
 
 _chat_bodies = st.builds(lambda m, k: {"messages": m, "max_tokens": k}, _valid_messages, st.integers(1, 6)).flatmap(
     lambda base: _mutated(base, {"messages": _messages, "logprobs": st.booleans() | _json,
-                                 "top_logprobs": _int(-2, 30)}))
+                                 "top_logprobs": _int(-2, 30), "tools": _json | st.lists(_json, max_size=2),
+                                 "tool_choice": st.sampled_from(["auto", "none", "required", "x"]) | _json}))
 _completion_bodies = st.builds(lambda p, k: {"prompt": p, "max_tokens": k}, st.text(min_size=1, max_size=20),
                                st.integers(1, 6)).flatmap(
     lambda base: _mutated(base, {"prompt": st.lists(_int(-5, 2000), max_size=5) | _json,
