@@ -41,7 +41,8 @@ class EngineCore:
                                     quantization=cfg.quantization)
         if packed_linear_supported(cfg.device, cfg.dtype) and hasattr(model, "pack_for_cpu"):
             logger.info("packed %d linears into oneDNN's layout", model.pack_for_cpu())
-        self.grammars = GrammarMatchers(cfg.model_path, cfg.model.eos_token_ids, cfg.model.text.vocab_size)
+        self.grammars = GrammarMatchers(cfg.model_path, cfg.model.eos_token_ids, cfg.model.text.vocab_size,
+                                        overlap=cfg.device.type != "cpu")
         self.runner = ModelRunner(cfg, model, transfer, self.grammars)
         self.scheduler = Scheduler(cfg)
         self._building: list[Request] = []  # requests whose grammar is being built

@@ -168,7 +168,7 @@ class ModelRunner:
             if c.samples:
                 rows.append(row - 1)
                 sampling.append(c.req)
-        # Grammar masks are filled on other threads while the forward pass runs.
+        # Grammar masks: on an accelerator they are filled while the forward pass runs.
         constrained = [i for i, r in enumerate(sampling) if r.grammar is not None]
         masks = self.grammars.start_masks([sampling[i].grammar for i in constrained]) if constrained else None
 
@@ -177,7 +177,7 @@ class ModelRunner:
         if not sampling:
             return {}, {}
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()
-        bitmask = TokenBitmask(constrained, masks.result()) if masks is not None else None
+        bitmask = TokenBitmask(constrained, masks()) if masks is not None else None
         return self._sample(logits, sampling, bitmask)
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request], bitmask: TokenBitmask | None = None):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from vlserve.core.sampling_params import GREEDY_EPS, SamplingParams
 
@@ -159,17 +160,19 @@ def _mask_min_tokens(logits: torch.Tensor, blocked: dict[int, list[int]]) -> Non
         ] = _NEG_INF
 
 
-# Byte value -> its 8 bits, lowest first: expands a packed bitmask with one table lookup per byte.
-_BYTE_BITS = torch.tensor([[(b >> j) & 1 for j in range(8)] for b in range(256)], dtype=torch.bool)
+# Byte value -> what its 8 bits add to the logits of 8 tokens: 0 where the bit is set, -inf where not. One
+# embedding lookup per mask byte then expands a packed mask several times faster than shifting bits.
+_BYTE_BIAS = torch.tensor([[0.0 if (b >> j) & 1 else _NEG_INF for j in range(8)] for b in range(256)])
 
 
 def _apply_token_bitmask(logits: torch.Tensor, mask: TokenBitmask) -> None:
     vocab = logits.shape[-1]
-    table = _BYTE_BITS.to(logits.device)
     packed = mask.bits.to(logits.device, non_blocking=True).contiguous().view(torch.uint8)  # byte k: tokens 8k..8k+7
-    allowed = table[packed.long()].view(len(mask.rows), -1)[:, :vocab]
-    rows = torch.tensor(mask.rows, device=logits.device)
-    logits[rows] = logits[rows].masked_fill_(~allowed, _NEG_INF)
+    bias = F.embedding(packed.long(), _BYTE_BIAS.to(logits.device)).view(len(mask.rows), -1)[:, :vocab]
+    if len(mask.rows) == logits.shape[0]:
+        logits += bias
+    else:
+        logits.index_add_(0, torch.tensor(mask.rows, device=logits.device), bias)
 
 
 def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
