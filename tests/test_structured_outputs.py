@@ -237,3 +237,22 @@ def test_token_bitmask_matches_a_plain_loop():
             if not (int(bits[i, t // 32]) >> (t % 32)) & 1:
                 want[row, t] = float("-inf")
     assert torch.equal(got, want)
+
+
+def test_a_matcher_for_a_request_with_output_replays_it(path):
+    """A request resumed with output already generated (elsewhere) gets a matcher that has consumed it."""
+    from transformers import AutoTokenizer
+
+    from vlserve.engine.structured.matchers import GrammarMatchers
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    matchers = GrammarMatchers(path, (tok.eos_token_id,), 1024)
+    spec = StructuredOutputsParams(regex="ab(cd)+")
+    done = matchers.build(spec, tok.encode("abcd"))
+    assert done.matcher.is_accepting()
+    assert not matchers.build(spec, []).matcher.is_accepting()
+    wrong = matchers.build(spec, tok.encode("xyz"))
+    with pytest.raises(InvalidInputError, match="does not match its grammar"):
+        wrong.matcher  # noqa: B018 - waits for the build
+    assert "does not match its grammar" in wrong.error
+    matchers.shutdown()
