@@ -196,6 +196,8 @@ def test_chunked_prefill_prefix_cache_and_preemption_keep_the_answer(path, llm):
     ({}, "exactly one"),
     ({"json": {"type": "string", "format": "no-such-format"}}, "format"),
     ({"jsonn": {}}, "unsupported field"),
+    ({"json": "[" * 5000 + "]" * 5000}, "not valid JSON"),
+    ({"grammar": "start: <[99999]>"}, "99999"),  # only the model's tokenizer can tell: checked with it offline
 ])
 def test_bad_specs_are_refused_and_the_engine_goes_on(llm, spec, reason):
     with pytest.raises(InvalidInputError, match=re.escape(reason)):

@@ -64,16 +64,31 @@ def test_stream_gives_the_same_calls_at_every_split():
             new_content, new_calls = stream.feed(text, finished=end >= len(ANSWER))
             content.append(new_content)
             calls += new_calls
-        assert "".join(content).strip() == want_content
+        assert "".join(content) == want_content
         assert "<" not in "".join(content)  # the tags never leak into content
         assert [c["index"] for c in calls] == [0, 1]
         assert _calls(calls) == _calls(want_calls)
 
 
+def test_a_closing_tag_inside_an_argument_does_not_cut_the_call():
+    text = '<tool_call>\n{"name": "echo", "arguments": {"s": "a</tool_call>b"}}\n</tool_call>'
+    content, calls = extract_tool_calls(text)
+    assert content is None and _calls(calls) == [("echo", {"s": "a</tool_call>b"})]
+    stream, got = ToolCallStream(), []
+    for end in range(1, len(text) + 1):
+        got += stream.feed(text[:end], end == len(text))[1]
+    assert _calls(got) == _calls(calls)
+
+
+def test_deeply_nested_output_is_text_not_a_crash():
+    text = "<tool_call>" + "[" * 5000 + "]" * 5000 + "</tool_call>"
+    assert extract_tool_calls(text) == (text, [])
+
+
 def test_stream_without_calls_is_plain_text_and_a_cut_call_is_text():
     stream = ToolCallStream()
-    assert stream.feed("Hi <tool", False) == ("Hi ", [])  # may be a tag: held back
-    assert stream.feed("Hi <tooling>", True) == ("<tooling>", [])
+    assert stream.feed("Hi <tool", False) == ("Hi", [])  # may be a tag, and the space may precede a call
+    assert stream.feed("Hi <tooling>", True) == (" <tooling>", [])
     stream = ToolCallStream()
     assert stream.feed('<tool_call>\n{"name": "a"', False) == ("", [])
     assert stream.feed('<tool_call>\n{"name": "a"', True) == ('<tool_call>\n{"name": "a"', [])
@@ -105,6 +120,25 @@ def test_required_grammar_admits_exactly_valid_calls(tokenizer, text, ok):
     if accepted:
         m.consume_tokens(tokens)
     assert (accepted and m.is_accepting()) == ok
+
+
+def test_tools_with_definitions_as_pydantic_writes_them(tokenizer):
+    pydantic = __import__("pydantic")
+
+    class Point(pydantic.BaseModel):
+        x: int
+        y: int
+
+    class Route(pydantic.BaseModel):
+        start: Point
+        end: Point
+
+    tool = {"type": "function", "function": {"name": "route", "parameters": Route.model_json_schema()}}
+    assert "$defs" in tool["function"]["parameters"]
+    m = _matcher(tokenizer, call_grammar([tool, ADD], ToolChoice("required"), parallel=False))
+    text = ('<tool_call>\n{"name": "route", "arguments": {"start": {"x": 1, "y": 2}, "end": {"x": 3, "y": 4}}}'
+            '\n</tool_call>')
+    assert m.consume_tokens(tokenizer.encode(text)) and m.is_accepting()
 
 
 def test_named_and_single_call_grammars(tokenizer):
@@ -162,6 +196,7 @@ def test_hermes_keeps_an_existing_system_message():
     ([{"type": "function", "function": {"name": "f", "parameters": "x"}}], None, "parameters"),
     ([ADD], {"type": "function", "function": {"name": "nope"}}, "not among the tools"),
     ([ADD], "sometimes", "tool_choice must be"),
+    ([ADD], {"type": "function", "function": {"name": ["add"]}}, "not among the tools"),
     ([], "required", "needs tools"),
 ])
 def test_bad_tools_and_choices(tools, choice, message):

@@ -50,7 +50,7 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if kind == "json":
             try:
                 schema = jsonlib.loads(value)
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:
                 raise InvalidInputError(f"structured_outputs.json is not valid JSON: {e}") from None
             if not isinstance(schema, (dict, bool)):
                 raise InvalidInputError("structured_outputs.json must be a JSON schema (an object)")

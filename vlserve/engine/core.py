@@ -122,7 +122,7 @@ class EngineCore:
         for req in building:
             if not req.grammar.ready:
                 self._building.append(req)
-            elif req.grammar.error is not None and req.request_id in self._parent_of:
+            elif req.grammar.error is not None and self.scheduler.requests.get(req.request_id) is req:
                 parent = self._parent_of[req.request_id]
                 self.abort_requests(sorted(self._open.get(parent, ())))
                 self._failed.append((parent, req.grammar.error))

@@ -201,9 +201,12 @@ class Scheduler:
                 continue
             token = sampled[req.request_id]
             req.token_ids.append(token)
-            status = self._check_stop(req, token)
-            if status is None and req.grammar is not None:
+            if req.grammar is not None:
                 status = self._advance_grammar(req, token)
+                if status is None:
+                    status = self._check_stop(req, token)
+            else:
+                status = self._check_stop(req, token)
             new_lp = [logprobs[req.request_id]] if logprobs and req.request_id in logprobs else None
             out = EngineCoreOutput(req.request_id, [token], new_lp, num_cached_tokens=req.num_cached_tokens)
             if status is not None:
@@ -228,6 +231,9 @@ class Scheduler:
 
     @staticmethod
     def _advance_grammar(req: Request, token: int) -> RequestStatus | None:
+        """Before the usual stop checks: a token the grammar refuses must not end the request as a normal stop."""
+        if token in req.eos_token_ids and not req.params.ignore_eos and req.grammar.matcher.is_accepting():
+            return None  # the grammar is complete and EOS ends it: the stop checks below say so
         if not req.grammar.accept(token):  # the mask allowed it, so only a matcher limit can refuse it here
             logger.error("request %s: its grammar refused token %d (%s); request aborted", req.request_id, token,
                          req.grammar.matcher.get_error())

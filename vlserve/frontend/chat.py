@@ -134,7 +134,7 @@ def _tool_fields(msg: dict, i: int) -> dict:
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
-            except ValueError:
+            except (ValueError, RecursionError):
                 raise InvalidInputError(f"messages[{i}].tool_calls[{j}].function.arguments is not JSON") from None
         if not isinstance(args, dict):
             raise InvalidInputError(f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON object")

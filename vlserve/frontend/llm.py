@@ -97,10 +97,17 @@ class LLM:
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generating", disable=not use_tqdm or len(ids) < 2)
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished:
-                    done[out.request_id] = out
-                    bar.update(1)
-        bar.close()
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+        except Exception:
+            for rid in ids:  # one request failed: the rest of this call leaves the engine too
+                if rid not in done:
+                    self.engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
         return [done[rid] for rid in ids]

@@ -10,7 +10,6 @@ from vlserve.core.outputs import RequestOutput
 from vlserve.core.sampling_params import SamplingParams, fan_out
 from vlserve.engine.config import VlserveConfig, resolve_config
 from vlserve.engine.core import EngineCore
-from vlserve.engine.structured.grammar import grammar_for
 from vlserve.frontend.input_processor import InputProcessor
 from vlserve.frontend.output_processor import OutputProcessor
 
@@ -23,6 +22,7 @@ class LLMEngine:
         self.core = EngineCore(self.cfg)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        self._failed: list[tuple[str, str]] = []  # (request id, why), raised by the next step()
 
     def add_request(self, prompt, params: SamplingParams, request_id: str | None = None,
                     mm_processor_kwargs: dict | None = None) -> str:
@@ -30,7 +30,7 @@ class LLMEngine:
             raise InvalidInputError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         request_id = request_id or str(next(self._ids))
         if params.structured_outputs is not None:
-            grammar_for(params.structured_outputs)  # a bad schema or grammar is refused here, not mid-run
+            self.core.grammars.check(params.structured_outputs)  # a bad schema or grammar is refused here
         processed = self.input_processor.process(prompt, mm_processor_kwargs)
         self.core.add_request(request_id, processed, params)
         self.output_processor.add(request_id, processed.text, processed.prompt_token_ids, fan_out(params, request_id))
@@ -40,15 +40,20 @@ class LLMEngine:
         self.core.abort_requests(self.output_processor.abort(request_id))
 
     def has_unfinished_requests(self) -> bool:
-        return self.output_processor.num_unfinished > 0
+        return self.output_processor.num_unfinished > 0 or bool(self._failed)
 
     def step(self) -> list[RequestOutput]:
+        """One engine step's outputs. A request the engine refused after admission (its grammar failed to
+        build; `add_request` checks first, so this is rare) raises here, at the step after the one that found
+        it, so that step's outputs are never lost."""
+        if self._failed:
+            request_id, why = self._failed.pop(0)
+            raise InvalidInputError(f"request {request_id}: {why}")
         outputs, stop_now = self.output_processor.process(self.core.step())
         if stop_now:
             self.core.stop_requests(stop_now)
-        failed = self.core.take_failed()
-        for request_id, _ in failed:
+        for request_id, why in self.core.take_failed():
             self.output_processor.abort(request_id)
-        if failed:
-            raise InvalidInputError(f"request {failed[0][0]}: {failed[0][1]}")
+            self._failed.append((request_id, why))
         return outputs
+

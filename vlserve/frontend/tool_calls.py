@@ -17,7 +17,6 @@ from vlserve.core.errors import InvalidInputError
 from vlserve.core.structured_outputs import StructuredOutputsParams
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
-_CALL = re.compile(re.escape(CALL_START) + r"(.*?)" + re.escape(CALL_END), re.S)
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 # The layout the models were trained on: ", " and ": " between items, no other free whitespace.
 _CALL_JSON_STYLE = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
@@ -59,7 +58,7 @@ def check_tool_choice(choice, tools: list[dict]) -> ToolChoice:
         mode = choice
     elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
-        if name not in {t["function"]["name"] for t in tools}:
+        if not isinstance(name, str) or name not in {t["function"]["name"] for t in tools}:
             raise InvalidInputError(f"tool_choice names the function {name!r}, which is not among the tools")
         return ToolChoice("named", name)
     else:
@@ -75,29 +74,29 @@ def call_grammar(tools: list[dict], choice: ToolChoice, parallel: bool) -> Struc
     if choice.mode not in ("required", "named"):
         return None
     offered = [t["function"] for t in tools if choice.mode == "required" or t["function"]["name"] == choice.name]
-    one_call = {
-        "anyOf": [{
-            "type": "object",
-            "properties": {"name": {"const": fn["name"]},
-                           "arguments": fn.get("parameters") or {"type": "object"}},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        } for fn in offered],
-        "x-guidance": _CALL_JSON_STYLE,
-    }
+    rules = [f"body{i}: %json {json.dumps(_call_schema(fn))}" for i, fn in enumerate(offered)]
     repeat = ' ("\\n" call)*' if parallel and choice.mode == "required" else ""
-    lark = (f"start: call{repeat}\n"
-            f"call: {json.dumps(CALL_START + chr(10))} body {json.dumps(chr(10) + CALL_END)}\n"
-            f"body: %json {json.dumps(one_call)}\n")
+    lark = "\n".join([f"start: call{repeat}",
+                      f"call: {json.dumps(CALL_START + chr(10))} body {json.dumps(chr(10) + CALL_END)}",
+                      "body: " + " | ".join(f"body{i}" for i in range(len(offered))), *rules])
     return StructuredOutputsParams(grammar=lark)
 
 
-def _call_from(body: str) -> dict | None:
+def _call_schema(fn: dict) -> dict:
+    """The JSON of one call of `fn`. The tool's own definitions move to the root, where its "#/$defs/..."
+    references (pydantic writes them) resolve."""
+    params = dict(fn.get("parameters") or {"type": "object"})
+    schema = {"type": "object",
+              "properties": {"name": {"const": fn["name"]}, "arguments": params},
+              "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": _CALL_JSON_STYLE}
+    for key in ("$defs", "definitions"):
+        if key in params:
+            schema[key] = params.pop(key)
+    return schema
+
+
+def _call_from(data) -> dict | None:
     """One OpenAI tool call from the JSON between the tags, or None if it is not a call."""
-    try:
-        data = json.loads(body)
-    except ValueError:
-        return None
     if not isinstance(data, dict) or not isinstance(data.get("name"), str):
         return None
     args = data.get("arguments", data.get("parameters", {}))
@@ -106,27 +105,48 @@ def _call_from(body: str) -> dict | None:
             "function": {"name": data["name"], "arguments": arguments}}
 
 
+_DECODER = json.JSONDecoder()
+
+
+def _scan_call(text: str, start: int, finished: bool) -> tuple[str, dict | None, int]:
+    """Reads a call whose opening tag ends at `start`: ("call", call, end), ("text", None, end) when it is no
+    call (end: past its closing tag, or the end of the text), or ("wait", None, 0) while it may still become one.
+
+    The JSON is read by its own extent, so a string argument holding "</tool_call>" does not cut the call.
+    """
+    body = len(text) - len(text[start:].lstrip())
+    try:
+        data, json_end = _DECODER.raw_decode(text, body)
+    except (ValueError, RecursionError):  # incomplete, or not JSON: only the end of the answer tells which
+        if not finished:
+            return "wait", None, 0
+        close = text.find(CALL_END, start)
+        return "text", None, len(text) if close < 0 else close + len(CALL_END)
+    after = text[json_end:].lstrip()
+    close_at = len(text) - len(after)
+    if after.startswith(CALL_END):
+        call = _call_from(data)
+        return ("call" if call else "text"), call, close_at + len(CALL_END)
+    if not finished and CALL_END.startswith(after):
+        return "wait", None, 0
+    close = text.find(CALL_END, json_end)
+    return "text", None, len(text) if close < 0 else close + len(CALL_END)
+
+
 def extract_tool_calls(text: str) -> tuple[str | None, list[dict]]:
-    """(content outside the calls or None, the calls) from a whole answer. A block that does not parse as a
-    call stays in the content."""
-    calls, kept, pos = [], [], 0
-    for m in _CALL.finditer(text):
-        call = _call_from(m.group(1).strip())
-        if call is None:
-            continue
-        kept.append(text[pos:m.start()])
-        pos = m.end()
-        calls.append(call)
-    kept.append(text[pos:])
-    content = "".join(kept).strip() if calls else text
-    return (content or None), calls
+    """(content outside the calls or None, the calls) from a whole answer: exactly what a stream of it gives.
+    A block that does not parse as a call stays in the content."""
+    content, calls = ToolCallStream().feed(text, finished=True)
+    if not calls:
+        return text, []
+    return (content or None), [{k: v for k, v in c.items() if k != "index"} for c in calls]
 
 
 class ToolCallStream:
-    """Splits one streamed choice into content deltas and whole tool calls as their closing tag arrives.
+    """Splits one streamed choice into content deltas and whole tool calls as each call's closing tag arrives.
 
-    Text that may be the start of `<tool_call>` is held back until it is known not to be; whitespace between
-    calls is not sent as content.
+    Text that may be the start of `<tool_call>` is held back until it is known not to be; whitespace next to
+    a call is not content (trailing whitespace waits until text follows it).
     """
 
     def __init__(self):
@@ -134,46 +154,50 @@ class ToolCallStream:
         self.in_call = False
         self.num_calls = 0
         self._held_space = ""
+        self._after_call = False
 
     def feed(self, text: str, finished: bool) -> tuple[str, list[dict]]:
         """`text`: the choice's whole visible text so far. Returns (new content, new calls with their index)."""
-        content, calls = [], []
+        content: list[str] = []
+        calls: list[dict] = []
         while True:
             rest = text[self.pos:]
             if not self.in_call:
                 start = rest.find(CALL_START)
                 if start < 0:
                     keep = 0 if finished else _partial_tag(rest, CALL_START)
-                    content.append(rest[:len(rest) - keep])
+                    self._content(rest[:len(rest) - keep], content)
                     self.pos += len(rest) - keep
                     break
-                content.append(rest[:start])
+                self._content(rest[:start], content)
                 self.pos += start + len(CALL_START)
                 self.in_call = True
                 continue
-            end = rest.find(CALL_END)
-            if end < 0:
-                if finished:  # cut off inside a call: what there is goes out as text
-                    content.append(CALL_START + rest)
-                    self.pos = len(text)
+            kind, call, end = _scan_call(text, self.pos, finished)
+            if kind == "wait":
                 break
-            call = _call_from(rest[:end].strip())
-            if call is None:
-                content.append(CALL_START + rest[:end + len(CALL_END)])
-            else:
+            if kind == "call":
                 calls.append({"index": self.num_calls, **call})
                 self.num_calls += 1
-            self.pos += end + len(CALL_END)
-            self.in_call = False
-        return self._visible("".join(content), finished), calls
-
-    def _visible(self, new: str, finished: bool) -> str:
-        text = self._held_space + new
-        if text.strip():
+                self._held_space, self._after_call = "", True
+            else:
+                self._content(CALL_START + text[self.pos:end], content)
+            self.pos, self.in_call = end, False
+        if finished and not self._after_call:
+            content.append(self._held_space)
             self._held_space = ""
-            return text
-        self._held_space = "" if finished else text
-        return text if finished and not self.num_calls else ""
+        return "".join(content), calls
+
+    def _content(self, piece: str, out: list[str]) -> None:
+        if self._after_call:
+            piece = piece.lstrip()
+            self._after_call = not piece
+        body = piece.rstrip()
+        if body:
+            out.append(self._held_space + body)
+            self._held_space = piece[len(body):]
+        else:
+            self._held_space += piece
 
 
 def _partial_tag(text: str, tag: str) -> int:

@@ -67,6 +67,8 @@ class GrammarMatchers:
         self.eos_token_ids = list(eos_token_ids)
         self.vocab_size = vocab_size  # the logits' width: ids past the tokenizer's are never allowed
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlserve-grammar")
+        # Masks never queue behind a grammar being built (a cold compile or the first tokenizer load takes ~1 s).
+        self._mask_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlserve-masks") if overlap else None
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._compiled: OrderedDict[tuple, llguidance.LLMatcher] = OrderedDict()  # spec key -> fresh matcher
 
@@ -104,8 +106,8 @@ class GrammarMatchers:
         the worker thread meanwhile. On CPU the forward pass has every core: a thread beside it only slows it
         (measured: +10 % per step at batch 16), so they are filled when asked, here, in microseconds."""
         matchers = [g.matcher for g in grammars]
-        if self.overlap:
-            return self._worker.submit(self._fill_masks, matchers).result
+        if self._mask_worker is not None:
+            return self._mask_worker.submit(self._fill_masks, matchers).result
         return functools.partial(self._fill_masks, matchers)
 
     def _fill_masks(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
@@ -115,5 +117,12 @@ class GrammarMatchers:
             matcher.unsafe_compute_mask_ptr(bitmask.data_ptr() + i * row_bytes, row_bytes)
         return bitmask
 
+    def check(self, spec: StructuredOutputsParams) -> None:
+        """Builds `spec`'s grammar now, with this model's tokenizer (it can refuse what a check without one
+        passes, e.g. a special token the vocabulary lacks); raises InvalidInputError. For in-process callers."""
+        self._worker.submit(self._build, spec, []).result()
+
     def shutdown(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)
+        if self._mask_worker is not None:
+            self._mask_worker.shutdown(wait=False, cancel_futures=True)
