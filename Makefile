@@ -15,7 +15,12 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,disagg]'
+	@# Mooncake's engine links libibverbs (RDMA verbs), even for TCP: install it where we may (root + apt).
+	@ldconfig -p | grep -q libibverbs.so.1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		{ apt-get install -y -qq --no-install-recommends libibverbs1 >/dev/null 2>&1 || \
+		  { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq --no-install-recommends libibverbs1 >/dev/null; }; }; } || \
+		echo "libibverbs1 missing: --transfer-backend mooncake will not start (apt-get install libibverbs1)"
 	$(PY) -m vlserve.model.kernels.cpu_kernels || echo "vlserve CPU kernels not built: torch fallbacks are used"
 	touch $(STAMP)
 

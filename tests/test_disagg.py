@@ -40,7 +40,7 @@ class Cluster:
     """A bootstrap, encoder "A" and the given language servers, all with the same shared secret."""
 
     def __init__(self, ckpt, languages: dict[str, list[str]], encoder_env: dict | None = None,
-                 limits: str = "image=4"):
+                 limits: str = "image=4", backend: str = "zmq"):
         self.ckpt, self.encoder_env = ckpt, {"VLSERVE_DISAGG_SECRET": SECRET, **(encoder_env or {})}
         self.env = {"VLSERVE_DISAGG_SECRET": SECRET}
         port = free_port()
@@ -53,7 +53,8 @@ class Cluster:
                                                         "--heartbeat-failure-threshold", THRESHOLD],
                                           f"http://{self.bootstrap_url}/health", env=self.env))
             self.common = ["--model", str(ckpt), "--dtype", "float32", "--limit-mm-per-prompt", limits,
-                           "--bootstrap", self.bootstrap_url, "--heartbeat-interval", HB]
+                           "--bootstrap", self.bootstrap_url, "--heartbeat-interval", HB,
+                           "--transfer-backend", backend]
             self.start_encoder("A", wait=False)
             for name, extra in languages.items():
                 port = free_port()
@@ -122,9 +123,27 @@ def offline(tiny_ckpt):
     return LLM(str(tiny_ckpt("qwen2_vl")), dtype="float32", max_model_len=2048, limit_mm_per_prompt={"image": 4})
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_ckpt):
-    c = Cluster(tiny_ckpt("qwen2_vl"), {"main": [], "small": ["--embedding-default-allocate-tokens", "16"]})
+def backend_available(name: str) -> str | None:
+    """Why `name` cannot run on this machine, or None."""
+    if name == "mooncake":
+        try:
+            from vlserve.disagg.transports.mooncake import mooncake_engine_class
+
+            mooncake_engine_class()
+        except ImportError as e:
+            return str(e)
+    return None
+
+
+BACKENDS = [pytest.param(b, marks=pytest.mark.skipif(backend_available(b) is not None, reason=str(backend_available(b))))
+            for b in ("zmq", "shm", "mooncake")]
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def cluster(tiny_ckpt, request):
+    """The same suite over every transport: ZeroMQ frames, shared memory, Mooncake (TCP here)."""
+    c = Cluster(tiny_ckpt("qwen2_vl"), {"main": [], "small": ["--embedding-default-allocate-tokens", "16"]},
+                backend=request.param)
     yield c
     c.close()
 
@@ -233,12 +252,14 @@ def test_encoder_without_the_secret_cannot_join(cluster):
     assert cluster.metrics("main")["vlserve:encoders_available"] == 2
 
 
-def test_fault_injection_each_request_correct_or_clean_error(tiny_ckpt, offline):
-    faulty = Cluster(tiny_ckpt("qwen2_vl"), {"main": []}, encoder_env={"VLSERVE_TRANSFER_FAILURE_PROB": "0.3"})
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fault_injection_each_request_correct_or_clean_error(tiny_ckpt, offline, backend):
+    faulty = Cluster(tiny_ckpt("qwen2_vl"), {"main": []}, encoder_env={"VLSERVE_TRANSFER_FAILURE_PROB": "0.3"},
+                     backend=backend)
     try:
         faulty.wait_encoders("main", 1)
         ok = failed = 0
-        for i in range(50):
+        for i in range(24):  # P(no injected failure) = 0.7^24 < 0.02 %
             messages = picture_chat(400 + i % 7)
             try:
                 assert ask(faulty.client("main"), messages) == expected_text(offline, messages)

@@ -45,9 +45,11 @@ from vlserve.disagg.messages import (
     TransferChunk,
     TransferFailed,
     TransferState,
+    TransferTarget,
 )
 from vlserve.disagg.metrics import TransferMetrics
 from vlserve.disagg.transports import TRANSPORTS, ChunkData
+from vlserve.disagg.transports.base import reachable_host
 from vlserve.engine.config import resolve_config
 from vlserve.engine.encoder_cache import EncoderCacheManager
 from vlserve.engine.vision_runner import VisionRunner
@@ -72,6 +74,7 @@ class _Transfer:
     rows: list[torch.Tensor]  # per media item [num_tokens, width]: the encoder cache's own tensors, not copies
     block_tokens: int
     touched: float
+    target: TransferTarget | None = None  # where the receiver's blocks are, for transports that write them
 
     @property
     def holder(self) -> str:
@@ -101,7 +104,7 @@ class EncodeService:
         self.failure_prob, self.rng = d.transfer_failure_prob, random.Random()
         self.auth = PeerAuth(d.disagg_secret)
         require_secret_off_loopback(self.auth, self.host, "this encoder")
-        self.transport = TRANSPORTS[d.transfer_backend]()
+        self.transport = TRANSPORTS[d.transfer_backend](reachable_host(self.host))
         self.framer = Framer(LanguageToEncoder)
         self.replies = Framer(TransferFailed | Pong)
         self.registry = CollectorRegistry()
@@ -165,7 +168,7 @@ class EncodeService:
             if any(any(v) for v in req.uuids.values()):
                 prompt["multi_modal_uuids"] = req.uuids
             processed = (await self.prompts.encode(prompt, req.mm_processor_kwargs, req.request_id)).prompt
-            transfer = _Transfer(key, processed, [], req.block_tokens, time.monotonic())
+            transfer = _Transfer(key, processed, [], req.block_tokens, time.monotonic(), req.target)
             self.transfers[key] = transfer  # from here on, _end releases what it holds
             transfer.rows = await self._embeddings(transfer)
             await self._send_chunk(transfer, 0, req.block_ids)
@@ -254,7 +257,7 @@ class EncodeService:
         header = TransferChunk(request_id, transfer_id, start, n, total, prompt.mrope_delta, items, block_ids,
                                segments, partial=end < total)
         self.metrics.state(TransferState.TRANSFERRING)
-        self.metrics.bytes(await self.transport.send(self.sock, peer, header, data))
+        self.metrics.bytes(await self.transport.send(self.sock, peer, header, data, transfer.target))
         if header.partial:
             self.metrics.resume()
         else:

@@ -40,6 +40,7 @@ from vlserve.disagg.messages import (
 )
 from vlserve.disagg.metrics import TransferMetrics
 from vlserve.disagg.transports import TRANSPORTS
+from vlserve.disagg.transports.base import reachable_host
 from vlserve.engine.config import VlserveConfig
 from vlserve.engine.prompt_check import check_prompt
 from vlserve.engine.transfer_buffers import AUX_MROPE_DELTA, AUX_NUM_ITEMS, AUX_TOTAL_TOKENS, TransferBuffers
@@ -70,7 +71,8 @@ class EncoderClient:
     def __init__(self, cfg: VlserveConfig, buffers: TransferBuffers, metrics: TransferMetrics, opts: DisaggArgs,
                  self_info: InstanceInfo):
         self.cfg, self.buffers, self.metrics, self.opts = cfg, buffers, metrics, opts
-        self.transport = TRANSPORTS[opts.transfer_backend]()
+        self.transport = TRANSPORTS[opts.transfer_backend](reachable_host(self_info.http_address.rsplit(":", 1)[0]))
+        self.target = self.transport.target(buffers)  # how encoders reach our receive buffers, sent with each request
         self.requests, self.replies = Framer(LanguageToEncoder), Framer(EncoderToLanguage)
         self.ctx = zmq.asyncio.Context.instance()
         self.encoders: dict[str, EncoderConn] = {}
@@ -96,6 +98,7 @@ class EncoderClient:
         for enc in list(self.encoders.values()):
             self._drop(enc, "shutting down", quiet=True)
         await self.bootstrap.stop()
+        self.transport.close()
 
     @property
     def num_available(self) -> int:
@@ -261,7 +264,7 @@ class EncoderClient:
             run = await self._allocate(self.opts.embedding_default_allocate_tokens)
             blocks += run
             await enc.sock.send_multipart(self.requests.encode(EncodeRequest(
-                request_id, tid, prompt, media, uuids, mm_kwargs or {}, run, self.buffers.block_tokens)))
+                request_id, tid, prompt, media, uuids, mm_kwargs or {}, run, self.buffers.block_tokens, self.target)))
             enter(TransferState.WAITING_FOR_INPUT)
             received = _Received()
             while True:

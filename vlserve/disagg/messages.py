@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 
 from vlserve.core.wire import TensorRef
+from vlserve.engine.transfer_buffers import BufferLayout
 
 
 class TransferState(str, enum.Enum):
@@ -24,6 +25,16 @@ class TransferState(str, enum.Enum):
     REJECTED = "rejected"  # the request itself was bad (a 4xx for the user); nothing failed
 
 
+class TransferTarget(msgspec.Struct):
+    """Where a transport that writes the receiver's memory itself puts a chunk: the receive buffers' layout
+    (shm: the shared file to map), and for Mooncake the receiver's session and the buffers' address."""
+
+    backend: str
+    layout: BufferLayout
+    session: str = ""  # mooncake: "host:port" of the receiver's transfer engine
+    base_address: int = 0  # mooncake: address of the receiver's registered buffers
+
+
 class EncodeRequest(msgspec.Struct, tag="encode"):
     request_id: str
     transfer_id: int  # distinguishes a retry of the same request
@@ -33,6 +44,7 @@ class EncodeRequest(msgspec.Struct, tag="encode"):
     mm_processor_kwargs: dict[str, Any]
     block_ids: list[int]  # the receiver's blocks for tokens 0, 1, ... (the first run)
     block_tokens: int
+    target: TransferTarget | None = None  # None: the data travels as frames (zmq)
 
 
 class ResumeRequest(msgspec.Struct, tag="resume"):

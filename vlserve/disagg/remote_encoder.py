@@ -34,8 +34,10 @@ class RemotePromptEncoder:
         self.started = False
 
     async def start(self) -> None:
-        # The engine process has mapped the buffers by now: the name can go (no file outlives a crash).
-        self.transfer_buffers.unlink()
+        # The engine process has mapped the buffers by now: the name can go (no file outlives a crash), unless
+        # encoders on this host map it by name (shm); then a crashed server's file is swept by the next start.
+        if not self.client.transport.maps_receiver_file:
+            self.transfer_buffers.unlink()
         await self.client.start()
         self.started = True
 

@@ -47,9 +47,38 @@ class BufferLayout(msgspec.Struct, frozen=True):
     def nbytes(self) -> int:
         return sum(-(-n // _ALIGN) * _ALIGN for n in self.sizes().values())
 
+    def offsets(self) -> dict[str, int]:
+        """Byte offset of each array in the buffer (a transport that writes remote memory addresses by it)."""
+        out, offset = {}, 0
+        for name, size in self.sizes().items():
+            out[name] = offset
+            offset += -(-size // _ALIGN) * _ALIGN
+        return out
 
-def _shm_dir() -> str | None:
+
+TRANSFER_FILE_PREFIX = "vlserve-transfer-"
+
+
+def shm_dir() -> str | None:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+def sweep_stale_files(folder: str) -> None:
+    """Removes the buffer files of processes that are gone (a file keeps its name while same-host encoders
+    map it, so a crash can leave one behind)."""
+    for name in os.listdir(folder):
+        pid = name.removeprefix(TRANSFER_FILE_PREFIX).split("-", 1)[0]
+        if not name.startswith(TRANSFER_FILE_PREFIX) or not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(os.path.join(folder, name))
+            except OSError:
+                pass
+        except PermissionError:
+            pass  # alive, another user's
 
 
 class TransferBuffers:
@@ -61,10 +90,9 @@ class TransferBuffers:
             storage = torch.from_file(layout.path, shared=True, size=layout.nbytes, dtype=torch.uint8)
         else:
             storage = torch.zeros(layout.nbytes, dtype=torch.uint8)
-        views, offset = {}, 0
-        for name, size in layout.sizes().items():
-            views[name] = storage[offset : offset + size]
-            offset += -(-size // _ALIGN) * _ALIGN
+        self.storage = storage  # [nbytes] uint8: the whole buffer, one region to register with a transfer engine
+        offsets = layout.offsets()
+        views = {name: storage[offsets[name] : offsets[name] + size] for name, size in layout.sizes().items()}
         self.embeddings = views["embeddings"].view(DTYPES[layout.dtype]).view(-1, layout.width)  # [slots, width]
         self.fill_ids = views["fill_ids"].view(torch.int64)  # [slots]
         self.positions = views["positions"].view(torch.int64).view(-1, 3)  # [slots, 3]
@@ -77,7 +105,9 @@ class TransferBuffers:
         """New buffers owned (allocated) by this process; `shared`: in a file other processes can map."""
         path = ""
         if shared:
-            fd, path = tempfile.mkstemp(prefix="vlserve-transfer-", dir=_shm_dir())
+            folder = shm_dir() or tempfile.gettempdir()
+            sweep_stale_files(folder)
+            fd, path = tempfile.mkstemp(prefix=f"{TRANSFER_FILE_PREFIX}{os.getpid()}-", dir=folder)
             os.close(fd)
         dtype_name = str(dtype).removeprefix("torch.")
         return cls(BufferLayout(path, num_blocks, block_tokens, width, dtype_name), owner=True)

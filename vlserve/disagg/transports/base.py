@@ -2,9 +2,10 @@
 makes sure the chunk's data is in those blocks when the header is handled.
 
 ZeroMQ carries the data as frames after the header and the receiver copies them into its blocks. A transport
-with direct access to the receiver's memory (shared memory on one host, an RDMA engine such as Mooncake)
-writes straight into the blocks named by the header and sends the header alone; `receive` then has nothing
-left to do. The block layout (engine.transfer_buffers) is the contract both sides share.
+with direct access to the receiver's memory (shared memory on one host, the Mooncake transfer engine) writes
+straight into the blocks named by the header and sends the header alone; `receive` then only checks it. The
+block layout (engine.transfer_buffers) is the contract both sides share; the receiver describes its buffers
+once (`target`), and every request carries that description to the encoder.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from dataclasses import dataclass
 import torch
 import zmq.asyncio
 
-from vlserve.disagg.messages import TransferChunk
-from vlserve.engine.transfer_buffers import TransferBuffers
+from vlserve.disagg.messages import TransferChunk, TransferTarget
+from vlserve.engine.transfer_buffers import DTYPES, TransferBuffers
 
 
 @dataclass
@@ -34,9 +35,19 @@ class ChunkData:
 
 class Transport(ABC):
     name: str
+    maps_receiver_file = False  # senders open the receive buffers' file by name: it must keep its name
+
+    def __init__(self, host: str = "127.0.0.1"):
+        """`host`: this process's address as peers reach it (transports with their own listener use it)."""
+        self.host = host
+
+    def target(self, buffers: TransferBuffers) -> TransferTarget | None:
+        """Receiver side, once: what a sender needs to write into `buffers` (None: it sends frames)."""
+        return None
 
     @abstractmethod
-    async def send(self, sock: zmq.asyncio.Socket, peer: bytes, header: TransferChunk, data: ChunkData) -> int:
+    async def send(self, sock: zmq.asyncio.Socket, peer: bytes, header: TransferChunk, data: ChunkData,
+                   target: TransferTarget | None) -> int:
         """Encoder side: deliver `data` into the receiver's `header.block_ids`; returns the payload bytes."""
 
     @abstractmethod
@@ -44,15 +55,55 @@ class Transport(ABC):
         """Language side: after this the chunk's data is in `header.block_ids` (a run starting at token
         `header.start_token`); returns the payload bytes. Raises ValueError for a malformed chunk."""
 
+    def close(self) -> None:
+        pass
+
+
+def reachable_host(host: str) -> str:
+    """The address peers reach this host by: a wildcard bind address names no host."""
+    if host in ("", "0.0.0.0", "::"):
+        import socket
+
+        return socket.gethostbyname(socket.gethostname())
+    return host
+
+
+def check_target(target: TransferTarget | None, backend: str) -> TransferTarget:
+    if target is None or target.backend != backend:
+        have = "frames (zmq)" if target is None else target.backend
+        raise ValueError(f"this encoder sends with --transfer-backend {backend}, the language server expects "
+                         f"{have}: start every role with the same backend")
+    return target
+
 
 def write_chunk(buffers: TransferBuffers, header: TransferChunk, data: ChunkData) -> None:
     """The chunk's data into the receiver's run, by token index (shared by every transport that copies)."""
-    run, start = header.block_ids, header.start_token
+    run = header.block_ids
+    check_chunk(header, data, buffers.layout.width)
+    buffers.write_tokens(run, 0, data.fill_ids, data.positions)
+    tokens = chunk_row_tokens(header)
+    if tokens.numel():
+        buffers.write_rows(run, tokens, data.rows)
+
+
+def check_chunk(header: TransferChunk, data: ChunkData, width: int) -> None:
     if data.fill_ids.shape != (header.num_tokens,):
         raise ValueError(f"a chunk of {header.num_tokens} tokens carries {tuple(data.fill_ids.shape)} fill ids")
-    buffers.write_tokens(run, 0, data.fill_ids, data.positions)
-    tokens = [torch.arange(s.token, s.token + s.num_rows) for s in header.segments]
-    if tokens:
-        buffers.write_rows(run, torch.cat(tokens) - start, data.rows)
-    elif data.rows.numel():
-        raise ValueError("embedding rows without segments")
+    rows = sum(s.num_rows for s in header.segments)
+    if data.rows.numel() and (data.rows.dim() != 2 or data.rows.shape[1] != width):
+        raise ValueError(f"embedding rows must be [{rows}, {width}], got {tuple(data.rows.shape)}")
+    if (data.rows.shape[0] if data.rows.numel() else 0) != rows:
+        raise ValueError(f"the segments name {rows} embedding rows, the chunk carries {tuple(data.rows.shape)}")
+
+
+def chunk_row_tokens(header: TransferChunk) -> torch.Tensor:
+    """Run token index of each embedding row of the chunk, in row order."""
+    parts = [torch.arange(s.token, s.token + s.num_rows) for s in header.segments]
+    return (torch.cat(parts) - header.start_token) if parts else torch.empty(0, dtype=torch.int64)
+
+
+def header_nbytes(header: TransferChunk, layout) -> int:
+    """The payload a header-only chunk stands for (what a frame transport would have carried)."""
+    itemsize = torch.empty((), dtype=DTYPES[layout.dtype]).element_size()
+    rows = sum(s.num_rows for s in header.segments)
+    return header.num_tokens * 4 * 8 + rows * layout.width * itemsize

@@ -6,7 +6,7 @@ import torch
 import zmq.asyncio
 
 from vlserve.core.wire import Framer, tensor_from, tensor_ref
-from vlserve.disagg.messages import EncoderToLanguage, TransferChunk
+from vlserve.disagg.messages import EncoderToLanguage, TransferChunk, TransferTarget
 from vlserve.disagg.transports.base import ChunkData, Transport, write_chunk
 from vlserve.engine.transfer_buffers import TransferBuffers
 
@@ -14,10 +14,12 @@ from vlserve.engine.transfer_buffers import TransferBuffers
 class ZmqTransport(Transport):
     name = "zmq"
 
-    def __init__(self):
+    def __init__(self, host: str = "127.0.0.1"):
+        super().__init__(host)
         self.framer = Framer(EncoderToLanguage)
 
-    async def send(self, sock: zmq.asyncio.Socket, peer: bytes, header: TransferChunk, data: ChunkData) -> int:
+    async def send(self, sock: zmq.asyncio.Socket, peer: bytes, header: TransferChunk, data: ChunkData,
+                   target: TransferTarget | None) -> int:
         tensors: list[torch.Tensor] = []
         header.fill_ids = tensor_ref(data.fill_ids, tensors)
         header.positions = tensor_ref(data.positions, tensors)

@@ -1,0 +1,68 @@
+"""Shared memory on one host: the encoder maps the language server's receive buffers (a file in /dev/shm) and
+writes each chunk straight into the named blocks; only the header travels, over the control connection.
+
+The encoder maps nothing but a vlserve transfer file of exactly the announced size in the shared-memory
+directory, so an authenticated peer still cannot make it write anywhere else.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import zmq.asyncio
+
+from vlserve.core.wire import Framer
+from vlserve.disagg.messages import EncoderToLanguage, TransferChunk, TransferTarget
+from vlserve.disagg.transports.base import ChunkData, Transport, check_target, header_nbytes, write_chunk
+from vlserve.engine.transfer_buffers import TRANSFER_FILE_PREFIX, TransferBuffers, shm_dir
+
+MAX_MAPPED = 16  # receivers whose buffers stay mapped (one per language server on this host)
+
+
+class ShmTransport(Transport):
+    name = "shm"
+    maps_receiver_file = True
+
+    def __init__(self, host: str = "127.0.0.1"):
+        super().__init__(host)
+        self.framer = Framer(EncoderToLanguage)
+        self._mapped: dict[str, TransferBuffers] = {}
+
+    def target(self, buffers: TransferBuffers) -> TransferTarget:
+        if not buffers.layout.path:
+            raise ValueError("the shm transport needs receive buffers in a shared file")
+        return TransferTarget(self.name, buffers.layout)
+
+    def _buffers(self, target: TransferTarget) -> TransferBuffers:
+        layout = target.layout
+        mapped = self._mapped.get(layout.path)
+        if mapped is not None and mapped.layout == layout:
+            return mapped
+        path = os.path.realpath(layout.path)
+        folder = os.path.realpath(shm_dir() or tempfile.gettempdir())
+        if os.path.dirname(path) != folder or not os.path.basename(path).startswith(TRANSFER_FILE_PREFIX):
+            raise ValueError(f"refusing to map {layout.path!r}: not a vlserve transfer file in {folder}")
+        try:
+            size = os.path.getsize(path)
+        except OSError:
+            raise ValueError(f"the receiver's buffers {layout.path!r} are not on this host: the shm backend needs "
+                             "the encoder and the language server on one machine") from None
+        if size != layout.nbytes:
+            raise ValueError(f"the receiver's buffer file has {size} bytes, its layout says {layout.nbytes}")
+        if len(self._mapped) >= MAX_MAPPED:
+            self._mapped.pop(next(iter(self._mapped)))
+        mapped = self._mapped[layout.path] = TransferBuffers.attach(layout)
+        return mapped
+
+    async def send(self, sock: zmq.asyncio.Socket, peer: bytes, header: TransferChunk, data: ChunkData,
+                   target: TransferTarget | None) -> int:
+        buffers = self._buffers(check_target(target, self.name))
+        write_chunk(buffers, header, data)
+        await sock.send_multipart([peer, *self.framer.encode(header)], copy=False)
+        return data.nbytes
+
+    def receive(self, header: TransferChunk, frames: list, buffers: TransferBuffers) -> int:
+        if header.fill_ids is not None or header.rows is not None or len(frames) > 1:
+            raise ValueError("an shm chunk is written in place; it must not carry tensor frames")
+        return header_nbytes(header, buffers.layout)
