@@ -1,0 +1,80 @@
+"""Embedding transfer bandwidth per transport on loopback, beside this machine's memory bandwidth.
+
+    python benchmarks/transfer_bandwidth.py [--tokens 4096] [--width 3584] [--dtype bfloat16] [--rounds 20]
+
+One chunk is what an encoder sends for a prompt: every token's fill id and positions, and an embedding row per
+media token (here all of them: the worst case). Each backend moves it from a sender to a receiver in this
+process over a real connection (zmq: frames over TCP copied into the blocks; shm: written straight into the
+receiver's shared buffers; mooncake: the transfer engine's batch writes over TCP into registered buffers), the
+receiver handling each chunk as a language server does. The default width is Qwen2.5-VL-7B's hidden size.
+Memory bandwidth (a read) is the bound a same-host copy cannot beat; a copy reads and writes, so ~half of it
+is the practical ceiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+
+import torch
+
+from benchmarks.machine_bounds import read_bandwidth
+from vlserve.disagg.transports.loopback import Loopback, media_chunk
+from vlserve.engine.transfer_buffers import DTYPES, TransferBuffers
+
+
+def why_unavailable(backend: str) -> str | None:
+    if backend != "mooncake":
+        return None
+    try:
+        from vlserve.disagg.transports.mooncake import mooncake_engine_class
+
+        mooncake_engine_class()
+    except ImportError as e:
+        return str(e)
+    return None
+
+
+async def measure(backend: str, tokens: int, width: int, dtype: torch.dtype, rounds: int) -> float:
+    block_tokens = 16
+    blocks = -(-tokens // block_tokens)
+    buffers = TransferBuffers.create(blocks, block_tokens, width, dtype)
+    link = Loopback(backend, buffers)
+    try:
+        await link.connect()
+        header, data = media_chunk(list(range(blocks))[::-1], block_tokens, tokens, (0, tokens), width, dtype)
+        await link.transfer(header, data)  # warm-up: connections, mappings, registrations
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            await link.transfer(header, data)
+        return data.nbytes * rounds / (time.perf_counter() - t0)
+    finally:
+        link.close()
+        buffers.unlink()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--width", type=int, default=3584)
+    ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    ap.add_argument("--rounds", type=int, default=20)
+    args = ap.parse_args()
+    dtype = DTYPES[args.dtype]
+    memory = read_bandwidth()
+    mb = args.tokens * (args.width * dtype.itemsize + 32) / 2**20
+    print(f"chunk: {args.tokens} tokens x {args.width} {args.dtype} = {mb:.1f} MiB; "
+          f"memory read bandwidth {memory / 1e9:.1f} GB/s")
+    print(f"{'backend':>9} {'GB/s':>7} {'of memory':>10}")
+    for backend in ("zmq", "shm", "mooncake"):
+        why = why_unavailable(backend)
+        if why:
+            print(f"{backend:>9}  unavailable: {why}")
+            continue
+        rate = asyncio.run(measure(backend, args.tokens, args.width, dtype, args.rounds))
+        print(f"{backend:>9} {rate / 1e9:>7.2f} {rate / memory:>10.1%}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""Each transport on its own: a chunk sent over a real connection lands in the receiver's blocks exactly as the
+copying reference puts it there; shared memory maps nothing but a vlserve buffer file; a backend mismatch or
+a malformed chunk is a clear error."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+import torch
+
+from tests.test_disagg import BACKENDS
+from vlserve.disagg.messages import TransferTarget
+from vlserve.disagg.transports.base import write_chunk
+from vlserve.disagg.transports.loopback import Loopback, media_chunk
+from vlserve.disagg.transports.mooncake import _runs
+from vlserve.engine.transfer_buffers import TRANSFER_FILE_PREFIX, TransferBuffers, sweep_stale_files
+
+WIDTH, BLOCK_TOKENS = 48, 16
+
+
+def _buffers(dtype=torch.float32) -> TransferBuffers:
+    return TransferBuffers.create(64, BLOCK_TOKENS, WIDTH, dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_chunk_lands_where_the_reference_puts_it(backend, dtype):
+    got, want = _buffers(dtype), TransferBuffers.create(64, BLOCK_TOKENS, WIDTH, dtype, shared=False)
+    link = Loopback(backend, got)
+
+    async def go():
+        await link.connect()
+        # Blocks out of order, a run that ends mid-block, rows spanning block edges, sent as float32.
+        for seed, (blocks, n, media) in enumerate([([7, 3, 40], 40, (5, 37)), ([9], 16, (0, 16)),
+                                                   ([1, 2], 20, (19, 20)), ([11], 4, (0, 0))]):
+            header, data = media_chunk(blocks, BLOCK_TOKENS, n, media, WIDTH, torch.float32, seed)
+            assert await link.transfer(header, data) > 0
+            write_chunk(want, header, data)
+
+    try:
+        asyncio.run(go())
+    finally:
+        link.close()
+        got.unlink()
+    for name in ("fill_ids", "positions", "embeddings"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+
+
+def test_shm_maps_only_vlserve_buffer_files(tmp_path):
+    buffers = _buffers()
+    link = Loopback("shm", buffers)
+    header, data = media_chunk([0], BLOCK_TOKENS, 4, (0, 2), WIDTH)
+    bad_targets = {
+        "another file": TransferTarget("shm", msgspec_replace(link.target.layout, path=str(tmp_path / "x"))),
+        "not on this host": TransferTarget("shm", msgspec_replace(
+            link.target.layout, path=os.path.join(os.path.dirname(buffers.layout.path), TRANSFER_FILE_PREFIX + "gone"))),
+        "wrong size": TransferTarget("shm", msgspec_replace(link.target.layout, num_blocks=65)),
+        "another backend": TransferTarget("mooncake", link.target.layout),
+    }
+    messages = {"another file": "not a vlserve transfer file", "not on this host": "not on this host",
+                "wrong size": "its layout says", "another backend": "same backend"}
+
+    async def go():
+        await link.connect()
+        for name, target in bad_targets.items():
+            with pytest.raises(ValueError, match=messages[name]):
+                await link.sender.send(link.router, link.peer, header, data, target)
+        with pytest.raises(ValueError, match="same backend"):
+            await link.sender.send(link.router, link.peer, header, data, None)
+
+    try:
+        asyncio.run(go())
+        with pytest.raises(ValueError, match="must not carry tensor frames"):
+            link.receiver.receive(header, [b"", b"x"], buffers)
+    finally:
+        link.close()
+        buffers.unlink()
+
+
+def test_zmq_refuses_rows_that_do_not_match_the_segments():
+    buffers = _buffers()
+    link = Loopback("zmq", buffers)
+    header, data = media_chunk([0, 1], BLOCK_TOKENS, 20, (2, 10), WIDTH)
+    data.rows = data.rows[:5]
+
+    async def go():
+        await link.connect()
+        with pytest.raises(ValueError, match="segments name 8 embedding rows"):
+            await link.transfer(header, data)
+
+    try:
+        asyncio.run(go())
+    finally:
+        link.close()
+        buffers.unlink()
+
+
+def test_stale_buffer_files_of_dead_processes_are_swept(tmp_path):
+    dead = tmp_path / f"{TRANSFER_FILE_PREFIX}999999999-abc"
+    alive = tmp_path / f"{TRANSFER_FILE_PREFIX}{os.getpid()}-abc"
+    other = tmp_path / "unrelated-999999999-abc"
+    for f in (dead, alive, other):
+        f.write_bytes(b"x")
+    sweep_stale_files(str(tmp_path))
+    assert not dead.exists() and alive.exists() and other.exists()
+
+
+def test_mooncake_coalesces_consecutive_slots():
+    assert list(_runs(torch.tensor([4, 5, 6, 20, 21, 3]))) == [((0, 4), 3), ((3, 20), 2), ((5, 3), 1)]
+
+
+def msgspec_replace(layout, **changes):
+    import msgspec
+
+    return msgspec.structs.replace(layout, **changes)
