@@ -6,7 +6,7 @@ One chunk is what an encoder sends for a prompt: every token's fill id and posit
 media token (here all of them: the worst case). Each backend moves it from a sender to a receiver in this
 process over a real connection (zmq: frames over TCP copied into the blocks; shm: written straight into the
 receiver's shared buffers; mooncake: the transfer engine's batch writes over TCP into registered buffers), the
-receiver handling each chunk as a language server does. The default width is Qwen2.5-VL-7B's hidden size.
+receiver handling each chunk as a language server does; nixl: NIXL's UCX writes into registered buffers. The default width is Qwen2.5-VL-7B's hidden size.
 Memory bandwidth (a read) is the bound a same-host copy cannot beat; a copy reads and writes, so ~half of it
 is the practical ceiling.
 """
@@ -15,25 +15,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import time
 
 import torch
 
 from benchmarks.machine_bounds import read_bandwidth
+from vlserve.disagg.transports import TRANSPORTS, unavailable_reason
 from vlserve.disagg.transports.loopback import Loopback, media_chunk
 from vlserve.engine.transfer_buffers import DTYPES, TransferBuffers
-
-
-def why_unavailable(backend: str) -> str | None:
-    if backend != "mooncake":
-        return None
-    try:
-        from vlserve.disagg.transports.mooncake import mooncake_engine_class
-
-        mooncake_engine_class()
-    except ImportError as e:
-        return str(e)
-    return None
 
 
 async def measure(backend: str, tokens: int, width: int, dtype: torch.dtype, rounds: int) -> float:
@@ -61,14 +51,15 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     ap.add_argument("--rounds", type=int, default=20)
     args = ap.parse_args()
+    os.environ.setdefault("UCX_TLS", "tcp")  # NIXL over TCP, like the other network transports here
     dtype = DTYPES[args.dtype]
     memory = read_bandwidth()
     mb = args.tokens * (args.width * dtype.itemsize + 32) / 2**20
     print(f"chunk: {args.tokens} tokens x {args.width} {args.dtype} = {mb:.1f} MiB; "
           f"memory read bandwidth {memory / 1e9:.1f} GB/s")
     print(f"{'backend':>9} {'GB/s':>7} {'of memory':>10}")
-    for backend in ("zmq", "shm", "mooncake"):
-        why = why_unavailable(backend)
+    for backend in TRANSPORTS:
+        why = unavailable_reason(backend)
         if why:
             print(f"{backend:>9}  unavailable: {why}")
             continue

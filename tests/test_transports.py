@@ -14,7 +14,7 @@ from tests.test_disagg import BACKENDS
 from vlserve.disagg.messages import TransferTarget
 from vlserve.disagg.transports.base import write_chunk
 from vlserve.disagg.transports.loopback import Loopback, media_chunk
-from vlserve.disagg.transports.mooncake import _runs
+from vlserve.disagg.transports.remote_write import runs
 from vlserve.engine.transfer_buffers import TRANSFER_FILE_PREFIX, TransferBuffers, sweep_stale_files
 
 WIDTH, BLOCK_TOKENS = 48, 16
@@ -107,8 +107,8 @@ def test_stale_buffer_files_of_dead_processes_are_swept(tmp_path):
     assert not dead.exists() and alive.exists() and other.exists()
 
 
-def test_mooncake_coalesces_consecutive_slots():
-    assert list(_runs(torch.tensor([4, 5, 6, 20, 21, 3]))) == [((0, 4), 3), ((3, 20), 2), ((5, 3), 1)]
+def test_remote_writes_coalesce_consecutive_slots():
+    assert list(runs(torch.tensor([4, 5, 6, 20, 21, 3]))) == [((0, 4), 3), ((3, 20), 2), ((5, 3), 1)]
 
 
 def msgspec_replace(layout, **changes):

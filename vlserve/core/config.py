@@ -162,7 +162,7 @@ class DisaggArgs:
     transfer_timeout: float = option(120.0, "seconds one transfer may take before it fails (and, on an encoder, "
                                      "before staged output nobody resumes is dropped)", {SERVE, LANGUAGE, ENCODE})
     transfer_backend: str = option("zmq", "how embeddings move between encoders and language servers",
-                                   {SERVE, LANGUAGE, ENCODE}, choices=("zmq", "shm", "mooncake"))
+                                   {SERVE, LANGUAGE, ENCODE}, choices=("zmq", "shm", "mooncake", "nixl"))
     data_port: int | None = option(None, "ZeroMQ port language servers connect to (default: --port + 1)", {ENCODE})
     transfer_failure_prob: float = option(0.0, "fail this share of transfers on purpose (fault injection)",
                                           {ENCODE}, env="VLSERVE_TRANSFER_FAILURE_PROB")

@@ -31,8 +31,9 @@ class TransferTarget(msgspec.Struct):
 
     backend: str
     layout: BufferLayout
-    session: str = ""  # mooncake: "host:port" of the receiver's transfer engine
-    base_address: int = 0  # mooncake: address of the receiver's registered buffers
+    session: str = ""  # mooncake: "host:port" of the receiver's transfer engine; nixl: its agent name
+    base_address: int = 0  # mooncake, nixl: address of the receiver's registered buffers
+    agent_metadata: bytes = b""  # nixl: the receiver agent's metadata (its UCX address)
 
 
 class EncodeRequest(msgspec.Struct, tag="encode"):

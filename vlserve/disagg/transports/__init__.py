@@ -3,10 +3,24 @@
 from __future__ import annotations
 
 from vlserve.disagg.transports.base import ChunkData, Transport
-from vlserve.disagg.transports.mooncake import MooncakeTransport
+from vlserve.disagg.transports.mooncake import MooncakeTransport, mooncake_engine_class
+from vlserve.disagg.transports.nixl import NixlTransport, nixl_api
 from vlserve.disagg.transports.shm import ShmTransport
 from vlserve.disagg.transports.zmq import ZmqTransport
 
-TRANSPORTS: dict[str, type[Transport]] = {"zmq": ZmqTransport, "shm": ShmTransport, "mooncake": MooncakeTransport}
+TRANSPORTS: dict[str, type[Transport]] = {"zmq": ZmqTransport, "shm": ShmTransport, "mooncake": MooncakeTransport,
+                                         "nixl": NixlTransport}
 
-__all__ = ["TRANSPORTS", "ChunkData", "Transport"]
+_LIBRARIES = {"mooncake": mooncake_engine_class, "nixl": nixl_api}
+
+
+def unavailable_reason(backend: str) -> str | None:
+    """Why `backend` cannot run on this machine (its library is missing), or None."""
+    try:
+        _LIBRARIES.get(backend, lambda: None)()
+    except ImportError as e:
+        return str(e)
+    return None
+
+
+__all__ = ["TRANSPORTS", "ChunkData", "Transport", "unavailable_reason"]

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 import zmq.asyncio
 
-from vlserve.disagg.messages import TransferChunk, TransferTarget
+from vlserve.core.wire import Framer
+from vlserve.disagg.messages import EncoderToLanguage, TransferChunk, TransferTarget
 from vlserve.engine.transfer_buffers import DTYPES, TransferBuffers
 
 
@@ -57,6 +58,31 @@ class Transport(ABC):
 
     def close(self) -> None:
         pass
+
+
+class InPlaceTransport(Transport):
+    """A transport that writes the receiver's blocks itself (`write`); only the header travels."""
+
+    def __init__(self, host: str = "127.0.0.1"):
+        super().__init__(host)
+        self.framer = Framer(EncoderToLanguage)
+
+    async def send(self, sock: zmq.asyncio.Socket, peer: bytes, header: TransferChunk, data: ChunkData,
+                   target: TransferTarget | None) -> int:
+        target = check_target(target, self.name)
+        check_chunk(header, data, target.layout.width)
+        await self.write(header, data, target)
+        await sock.send_multipart([peer, *self.framer.encode(header)], copy=False)
+        return data.nbytes
+
+    @abstractmethod
+    async def write(self, header: TransferChunk, data: ChunkData, target: TransferTarget) -> None:
+        """Puts the chunk into the receiver's blocks; done when it returns."""
+
+    def receive(self, header: TransferChunk, frames: list, buffers: TransferBuffers) -> int:
+        if header.fill_ids is not None or header.rows is not None or len(frames) > 1:
+            raise ValueError(f"a {self.name} chunk is written in place; it must not carry tensor frames")
+        return header_nbytes(header, buffers.layout)
 
 
 def reachable_host(host: str) -> str:

@@ -10,23 +10,19 @@ from __future__ import annotations
 import os
 import tempfile
 
-import zmq.asyncio
-
-from vlserve.core.wire import Framer
-from vlserve.disagg.messages import EncoderToLanguage, TransferChunk, TransferTarget
-from vlserve.disagg.transports.base import ChunkData, Transport, check_target, header_nbytes, write_chunk
+from vlserve.disagg.messages import TransferChunk, TransferTarget
+from vlserve.disagg.transports.base import ChunkData, InPlaceTransport, write_chunk
 from vlserve.engine.transfer_buffers import TRANSFER_FILE_PREFIX, TransferBuffers, shm_dir
 
 MAX_MAPPED = 16  # receivers whose buffers stay mapped (one per language server on this host)
 
 
-class ShmTransport(Transport):
+class ShmTransport(InPlaceTransport):
     name = "shm"
     maps_receiver_file = True
 
     def __init__(self, host: str = "127.0.0.1"):
         super().__init__(host)
-        self.framer = Framer(EncoderToLanguage)
         self._mapped: dict[str, TransferBuffers] = {}
 
     def target(self, buffers: TransferBuffers) -> TransferTarget:
@@ -55,14 +51,5 @@ class ShmTransport(Transport):
         mapped = self._mapped[layout.path] = TransferBuffers.attach(layout)
         return mapped
 
-    async def send(self, sock: zmq.asyncio.Socket, peer: bytes, header: TransferChunk, data: ChunkData,
-                   target: TransferTarget | None) -> int:
-        buffers = self._buffers(check_target(target, self.name))
-        write_chunk(buffers, header, data)
-        await sock.send_multipart([peer, *self.framer.encode(header)], copy=False)
-        return data.nbytes
-
-    def receive(self, header: TransferChunk, frames: list, buffers: TransferBuffers) -> int:
-        if header.fill_ids is not None or header.rows is not None or len(frames) > 1:
-            raise ValueError("an shm chunk is written in place; it must not carry tensor frames")
-        return header_nbytes(header, buffers.layout)
+    async def write(self, header: TransferChunk, data: ChunkData, target: TransferTarget) -> None:
+        write_chunk(self._buffers(target), header, data)

@@ -1,0 +1,101 @@
+"""NIXL (NVIDIA's transfer library; UCX underneath, e.g. `UCX_TLS=tcp` without RDMA): the language server
+registers its receive buffers with a NIXL agent and sends the agent's metadata with each request; the encoder
+adds that agent once and writes each chunk with one WRITE transfer of many descriptors, then sends the header
+alone over the control connection."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+
+import torch
+
+from vlserve.disagg.messages import TransferChunk, TransferTarget
+from vlserve.disagg.transports.base import ChunkData, InPlaceTransport
+from vlserve.disagg.transports.remote_write import StagedWrites
+from vlserve.engine.transfer_buffers import TransferBuffers
+
+WRITE_TIMEOUT_S = 60.0
+PUMP_PERIOD_S = 0.0005
+
+
+def nixl_api():
+    """NIXL's Python API module, or ImportError saying what to install."""
+    try:
+        import nixl_cu12._api as api
+    except ImportError:
+        try:
+            import nixl._api as api
+        except ImportError as e:
+            raise ImportError(f"--transfer-backend nixl needs NIXL (pip install nixl-cu12): {e}") from None
+    return api
+
+
+class NixlTransport(InPlaceTransport):
+    name = "nixl"
+
+    def __init__(self, host: str = "127.0.0.1"):
+        super().__init__(host)
+        api = nixl_api()
+        self.agent_name = f"vlserve-{uuid.uuid4().hex}"
+        # NIXL's own progress thread spins a whole core even when idle; a sender progresses its transfer while it
+        # waits for it, a receiver in `_pump`.
+        self.agent = api.nixl_agent(self.agent_name, api.nixl_agent_config(enable_prog_thread=False,
+                                                                           backends=["UCX"]))
+        self._pumping = threading.Event()
+        self._registered: list[tuple[torch.Tensor, object]] = []  # (region, its descriptors), kept alive
+        self._peers: dict[str, str] = {}  # receiver agent name -> the name NIXL gave it here
+        self.staged = StagedWrites(self._register)
+
+    def _register(self, region: torch.Tensor) -> None:
+        descs = self.agent.get_reg_descs([(region.data_ptr(), region.numel(), 0, "")], "DRAM")
+        if self.agent.register_memory(descs) is None:
+            raise RuntimeError("NIXL could not register memory")
+        self._registered.append((region, descs))
+
+    def target(self, buffers: TransferBuffers) -> TransferTarget:
+        self._register(buffers.storage)
+        if not self._pumping.is_set():
+            self._pumping.set()
+            threading.Thread(target=self._pump, name="vlserve-nixl-progress", daemon=True).start()
+        return TransferTarget(self.name, buffers.layout, self.agent_name, buffers.storage.data_ptr(),
+                              self.agent.get_agent_metadata())
+
+    def _pump(self) -> None:
+        """Receiver side: over TCP, incoming writes land only while our UCX worker is progressed (~4 % of a core
+        at this period, measured)."""
+        while self._pumping.is_set():
+            self.agent.get_new_notifs()
+            time.sleep(PUMP_PERIOD_S)
+
+    async def write(self, header: TransferChunk, data: ChunkData, target: TransferTarget) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self._write, header, data, target)
+
+    def _write(self, header: TransferChunk, data: ChunkData, target: TransferTarget) -> None:
+        with self.staged.lock:
+            src, dst, lengths = self.staged.plan(header, data, target)
+            peer = self._peers.get(target.session)
+            if peer is None:
+                peer = self._peers[target.session] = self.agent.add_remote_agent(target.agent_metadata)
+            local = self.agent.get_xfer_descs([(s, n, 0) for s, n in zip(src, lengths)], "DRAM")
+            remote = self.agent.get_xfer_descs([(d, n, 0) for d, n in zip(dst, lengths)], "DRAM")
+            handle = self.agent.initialize_xfer("WRITE", local, remote, peer)
+            try:
+                state, deadline = self.agent.transfer(handle), time.monotonic() + WRITE_TIMEOUT_S
+                while state not in ("DONE", "ERR"):
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"a NIXL write to {target.session} took over {WRITE_TIMEOUT_S} s")
+                    time.sleep(0.0001)
+                    state = self.agent.check_xfer_state(handle)
+                if state == "ERR":
+                    raise RuntimeError(f"the NIXL write to {target.session} failed")
+            finally:
+                self.agent.release_xfer_handle(handle)
+
+    def close(self) -> None:
+        self._pumping.clear()
+        for _, descs in self._registered:
+            self.agent.deregister_memory(descs)
+        self._registered.clear()
