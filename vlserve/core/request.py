@@ -51,6 +51,7 @@ class Request:
         self.num_cached_blocks = 0  # leading blocks already registered in the prefix cache
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
         self.grammar = None  # the engine's RequestGrammar when params.structured_outputs is set
+        self.hold_kv = False  # prefill instance: keep the KV blocks after finishing, until they are handed over
 
     @property
     def num_tokens(self) -> int:

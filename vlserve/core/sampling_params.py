@@ -96,6 +96,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
 
+    def for_prefill(self) -> "SamplingParams":
+        """What a prefill instance runs: the first token only, drawn exactly as the whole request would draw it
+        (same seed, penalties, grammar; EOS blocked if min_tokens says so)."""
+        return msgspec.structs.replace(self, n=1, max_tokens=1, min_tokens=min(self.min_tokens, 1))
+
 
 def _bad(message: str) -> None:
     raise InvalidInputError(message)

@@ -17,6 +17,7 @@ from vlserve.core.prompt import ProcessedPrompt
 from vlserve.core.request import Request, RequestStatus
 from vlserve.core.sampling_params import SamplingParams, fan_out
 from vlserve.engine.config import VlserveConfig
+from vlserve.engine.kv_handoff import PrefilledKV
 from vlserve.engine.model_runner import ModelRunner
 from vlserve.engine.prompt_check import check_prompt
 from vlserve.engine.scheduler import Scheduler
@@ -57,8 +58,12 @@ class EngineCore:
                     cfg.block_size)
 
     def add_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
-                    arrival_time: float | None = None) -> list[str]:
-        """Admits the n samples of one request together, or none of them; returns their engine request ids."""
+                    arrival_time: float | None = None, hold_kv: bool = False) -> list[str]:
+        """Admits the n samples of one request together, or none of them; returns their engine request ids.
+
+        `hold_kv` (a prefill instance): the finished request keeps its KV blocks for `export_held`."""
+        if hold_kv and params.n != 1:
+            raise InvalidInputError("a request whose KV is handed over samples once (n = 1)")
         capacity = None if self.transfer is None else (self.transfer.num_blocks, self.transfer.block_tokens)
         check_prompt(prompt, self.cfg, capacity)
         children = [Request(cid, prompt, p, self.cfg.model.eos_token_ids, arrival_time)
@@ -68,6 +73,7 @@ class EngineCore:
         for child in children:
             self.scheduler.check_fits(child)  # raises before anything is queued
         for child in children:
+            child.hold_kv = hold_kv
             if child.params.structured_outputs is not None:
                 child.grammar = self.grammars.build(child.params.structured_outputs, child.output_token_ids)
                 self._building.append(child)
@@ -76,6 +82,54 @@ class EngineCore:
             self._parent_of[child.request_id] = request_id
         self._open[request_id] = {c.request_id for c in children}
         return [c.request_id for c in children]
+
+    # ---- KV handed between instances (prefill -> decode) -------------------------------------------------------
+    @property
+    def held(self) -> dict:
+        return self.scheduler.held
+
+    def export_held(self, request_id: str) -> PrefilledKV:
+        """A finished prefill's KV, sampled tokens and random state; its blocks are freed."""
+        req = self.scheduler.held.get(request_id)
+        if req is None:
+            raise InvalidInputError(f"nothing held for request {request_id!r}")
+        try:
+            kv = self.runner.read_kv(self.runner.token_slots(req, req.num_prompt_tokens))
+            state = req.generator.get_state() if req.generator is not None else None
+            return PrefilledKV(kv, list(req.output_token_ids), state)
+        finally:
+            self.scheduler.release_held(request_id)
+
+    def release_held(self, request_id: str) -> None:
+        self.scheduler.release_held(request_id)
+
+    def add_prefilled(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
+                      handed: PrefilledKV, arrival_time: float | None = None) -> bool:
+        """A request another instance prefilled: its KV into our blocks, then decoding goes on here. False (and
+        nothing kept) while there is no room: try again later."""
+        t = self.cfg.model.text
+        check_prompt(prompt, self.cfg, None)
+        handed.check(t.num_layers, t.num_kv_heads, t.head_dim, len(prompt.prompt_token_ids))
+        if params.n != 1:
+            raise InvalidInputError("a handed-over request samples once (n = 1)")
+        if request_id in self.scheduler.requests:
+            raise InvalidInputError(f"request id {request_id!r} is already in use")
+        req = Request(request_id, prompt, params, self.cfg.model.eos_token_ids, arrival_time)
+        req.token_ids += handed.output_token_ids
+        self.scheduler.check_fits(req)
+        if not self.scheduler.add_prefilled(req, handed.num_tokens):
+            return False
+        self.runner.write_kv(self.runner.token_slots(req, handed.num_tokens), handed.kv)
+        self.scheduler.kv.cache_full_blocks(req)
+        if handed.generator_state is not None:
+            req.generator = torch.Generator(device=self.cfg.device)
+            req.generator.set_state(handed.generator_state)
+        if params.structured_outputs is not None:
+            req.grammar = self.grammars.build(params.structured_outputs, req.output_token_ids)
+            req.grammar.matcher  # noqa: B018 - waits: a running request's mask is needed at its next step
+        self._parent_of[request_id] = request_id
+        self._open[request_id] = {request_id}
+        return True
 
     @property
     def has_released(self) -> bool:

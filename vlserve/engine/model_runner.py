@@ -45,6 +45,20 @@ class ModelRunner:
         self.hidden = t.hidden_size
         self.deepstack_levels = len(cfg.model.vision.deepstack_indexes)
 
+    # ---- KV handed between instances ------------------------------------------------------------------------------
+    def token_slots(self, req: Request, num_tokens: int) -> torch.Tensor:
+        return self._slots(req, 0, num_tokens)
+
+    def read_kv(self, slots: torch.Tensor) -> torch.Tensor:
+        """[layers, 2, len(slots), kv_heads, head_dim]: the KV cache at these slots, on the CPU."""
+        index = slots.to(self.device)
+        return torch.stack([cache.index_select(1, index) for cache in self.kv_caches]).cpu()
+
+    def write_kv(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        index = slots.to(self.device)
+        for cache, layer in zip(self.kv_caches, kv):
+            cache.index_copy_(1, index, layer.to(self.device, cache.dtype))
+
     def take_encoder_seconds(self) -> list[float]:
         """Vision-tower call durations since the last call (histogram samples for the metrics)."""
         return self.vision.take_seconds() if self.vision is not None else []

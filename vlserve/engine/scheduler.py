@@ -30,6 +30,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.held: dict[str, Request] = {}  # finished, KV blocks kept for handing over (prefill instance)
         self._freed_encoder_keys: list[str] = []
         self.num_preemptions = 0
 
@@ -246,9 +247,30 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = status
-        self.kv.free(req)
+        if req.hold_kv and status != RequestStatus.FINISHED_ABORTED and req.block_ids:
+            self.held[req.request_id] = req  # its blocks go when it is handed over or released
+        else:
+            self.kv.free(req)
         self._freed_encoder_keys.extend(self.encoder_cache.release_all(req.request_id, req.mm_items))
         del self.requests[req.request_id]
+
+    def release_held(self, request_id: str) -> Request | None:
+        """Frees the blocks of a held request (after its KV was read, or when nobody wants it)."""
+        req = self.held.pop(request_id, None)
+        if req is not None:
+            self.kv.free(req)
+        return req
+
+    def add_prefilled(self, req: Request, num_computed: int) -> bool:
+        """Admits a request whose first `num_computed` tokens' KV another instance computed: straight into the
+        running set with blocks for them (the caller writes the KV). False, with nothing changed, without room."""
+        if len(self.running) >= self.cfg.max_num_seqs or not self.kv.allocate_slots(req, num_computed):
+            return False
+        req.num_computed_tokens = num_computed
+        req.status = RequestStatus.RUNNING
+        self.requests[req.request_id] = req
+        self.running.append(req)
+        return True
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         """Abort (or stop, e.g. on a stop string found by the front end) requests that are still here."""
