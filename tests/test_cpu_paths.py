@@ -81,3 +81,30 @@ def test_engine_without_the_kernels_gives_the_same_tokens(tiny_ckpt, monkeypatch
         finally:
             cpu_kernels.load.cache_clear()
     assert tokens["1"] == tokens["0"]
+
+
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_vision_attention_by_gemm_blocks_matches_sdpa(monkeypatch, native_bf16):
+    """bf16 ViT attention as GEMMs per block of queries (CPUs with native bf16): the fp32 reference within bf16
+    rounding, masks honoured, blocks smaller than the sequence; without native bf16 it is torch's SDPA itself."""
+    import dataclasses
+
+    import torch.nn.functional as F
+
+    from vlserve.model import hardware, vision_common
+
+    hw = dataclasses.replace(hardware.detect(), native_bf16=native_bf16)
+    monkeypatch.setattr(vision_common, "detect", lambda: hw)
+    monkeypatch.setattr(vision_common, "GEMM_ATTENTION_SCORES", 2 * 4 * 64 * 40)  # 40 query rows per block
+    torch.manual_seed(0)
+    qkv = torch.randn(2, 100, 3, 4, 16)  # token-major like the tower's views
+    q, k, v = (x.transpose(1, 2) for x in qkv.unbind(2))
+    mask = (torch.arange(100) < torch.tensor([[100], [64]]))[:, None, None, :]
+    for m in (None, mask):
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+        got = vision_common.attention(*(x.to(torch.bfloat16) for x in (q, k, v)), m)
+        if not native_bf16:
+            assert torch.equal(got, F.scaled_dot_product_attention(*(x.to(torch.bfloat16) for x in (q, k, v)),
+                                                                   attn_mask=m))
+        assert (got.float() - want).abs().max() < 0.03
+        assert torch.equal(vision_common.attention(q, k, v, m), want)  # fp32: always torch's kernel
