@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import msgspec
 import pytest
 
 from tests.conftest import IMG, assert_pool_full, noise_image
@@ -148,3 +149,34 @@ def test_bad_handoffs_are_refused(prefill, decode):
         d_core.add_prefilled("h", processed, params, wrong)
     assert_pool_full(decode)
     assert_pool_full(prefill)
+
+
+def test_holds_never_leak(prefill, decode):
+    """An id that is held cannot be reused; an abort releases a hold; a hold nobody takes expires; a handover
+    that has nothing left to decode, or whose random state does not fit, is refused with nothing kept."""
+    p_core, d_core = prefill.engine.core, decode.engine.core
+    processed = prefill.engine.input_processor.process(PROMPTS[0])
+    params = SamplingParams(temperature=1.0, seed=1, max_tokens=3, ignore_eos=True)
+
+    def prefilled(rid):
+        p_core.add_request(rid, processed, params.for_prefill(), hold_kv=True)
+        while p_core.has_unfinished:
+            p_core.step()
+
+    prefilled("a")
+    with pytest.raises(InvalidInputError, match="already in use"):
+        p_core.add_request("a", processed, params.for_prefill(), hold_kv=True)
+    p_core.abort_requests(["a"])
+    assert not p_core.held
+    prefilled("b")
+    assert p_core.scheduler.release_stale_held(ttl=-1) == ["b"]
+    prefilled("c")
+    handed = p_core.export_held("c")
+    with pytest.raises(InvalidInputError, match="nothing to decode"):
+        d_core.add_prefilled("c", processed, msgspec.structs.replace(params, max_tokens=1), handed)
+    with pytest.raises(InvalidInputError, match="random state"):
+        d_core.add_prefilled("c", processed, params, dataclasses.replace(handed,
+                                                                          generator_state=handed.generator_state[:7]))
+    assert not d_core.has_unfinished
+    assert_pool_full(prefill)
+    assert_pool_full(decode)

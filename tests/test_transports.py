@@ -15,7 +15,7 @@ from vlserve.disagg.messages import TransferTarget
 from vlserve.disagg.transports.base import write_chunk
 from vlserve.disagg.transports.loopback import Loopback, media_chunk
 from vlserve.disagg.transports.remote_write import runs
-from vlserve.engine.transfer_buffers import TRANSFER_FILE_PREFIX, TransferBuffers, sweep_stale_files
+from vlserve.engine.transfer_buffers import TRANSFER_FILE_PREFIX, TransferBuffers
 
 WIDTH, BLOCK_TOKENS = 48, 16
 
@@ -79,6 +79,41 @@ def test_shm_maps_only_vlserve_buffer_files(tmp_path):
         buffers.unlink()
 
 
+def test_remote_writes_stay_inside_the_receivers_blocks():
+    from vlserve.disagg.transports.remote_write import StagedWrites
+
+    buffers = _buffers()
+    target = TransferTarget("mooncake", buffers.layout, "peer", 1 << 40)
+    staged = StagedWrites(lambda region: None, lambda region: None)
+    for bad in ([10**9], [-5], [3, 64]):
+        header, data = media_chunk(bad, BLOCK_TOKENS, 4, (0, 2), WIDTH)
+        with pytest.raises(ValueError, match="outside the receiver"):
+            staged.plan(header, data, target)
+    header, data = media_chunk([63, 0], BLOCK_TOKENS, 20, (0, 20), WIDTH)
+    src, dst, lengths = staged.plan(header, data, target)
+    assert all(target.base_address <= d and d + n <= target.base_address + buffers.layout.nbytes
+               for d, n in zip(dst, lengths))
+    buffers.unlink()
+
+
+def test_shm_refuses_a_symlink(tmp_path):
+    buffers = _buffers()
+    folder = os.path.dirname(buffers.layout.path)
+    link = os.path.join(folder, TRANSFER_FILE_PREFIX + "link-test")
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"\0" * buffers.layout.nbytes)
+    os.symlink(victim, link)
+    shm = Loopback("shm", buffers)
+    try:
+        target = TransferTarget("shm", msgspec_replace(buffers.layout, path=link))
+        with pytest.raises(ValueError, match="refusing to map"):
+            shm.sender._buffers(target)
+    finally:
+        os.unlink(link)
+        shm.close()
+        buffers.unlink()
+
+
 def test_zmq_refuses_rows_that_do_not_match_the_segments():
     buffers = _buffers()
     link = Loopback("zmq", buffers)
@@ -97,13 +132,22 @@ def test_zmq_refuses_rows_that_do_not_match_the_segments():
         buffers.unlink()
 
 
-def test_stale_buffer_files_of_dead_processes_are_swept(tmp_path):
-    dead = tmp_path / f"{TRANSFER_FILE_PREFIX}999999999-abc"
-    alive = tmp_path / f"{TRANSFER_FILE_PREFIX}{os.getpid()}-abc"
-    other = tmp_path / "unrelated-999999999-abc"
+def test_stale_buffer_files_are_swept_and_live_ones_kept(tmp_path):
+    """A file whose owner still holds its lock stays (whatever its pid says); an unlocked one goes."""
+    import fcntl
+
+    dead = tmp_path / f"{TRANSFER_FILE_PREFIX}1-abc"
+    alive = tmp_path / f"{TRANSFER_FILE_PREFIX}1-def"
+    other = tmp_path / "unrelated-1-abc"
     for f in (dead, alive, other):
         f.write_bytes(b"x")
-    sweep_stale_files(str(tmp_path))
+    owner = os.open(alive, os.O_RDONLY)
+    fcntl.flock(owner, fcntl.LOCK_EX)
+    child = __import__("subprocess").run(  # another process sweeps, as a restarted server would
+        [__import__("sys").executable, "-c", f"from vlserve.engine.transfer_buffers import sweep_stale_files; "
+                                             f"sweep_stale_files({str(tmp_path)!r})"], check=True)
+    os.close(owner)
+    assert child.returncode == 0
     assert not dead.exists() and alive.exists() and other.exists()
 
 

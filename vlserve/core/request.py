@@ -52,6 +52,7 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
         self.grammar = None  # the engine's RequestGrammar when params.structured_outputs is set
         self.hold_kv = False  # prefill instance: keep the KV blocks after finishing, until they are handed over
+        self.held_since = 0.0  # when it finished with its KV held
 
     @property
     def num_tokens(self) -> int:

@@ -49,7 +49,7 @@ from vlserve.disagg.messages import (
 )
 from vlserve.disagg.metrics import TransferMetrics
 from vlserve.disagg.transports import TRANSPORTS, ChunkData
-from vlserve.disagg.transports.base import reachable_host
+from vlserve.disagg.transports.base import ABORT_ACK_STATUS, InPlaceTransport, reachable_host
 from vlserve.engine.config import resolve_config
 from vlserve.engine.encoder_cache import EncoderCacheManager
 from vlserve.engine.vision_runner import VisionRunner
@@ -75,6 +75,7 @@ class _Transfer:
     block_tokens: int
     touched: float
     target: TransferTarget | None = None  # where the receiver's blocks are, for transports that write them
+    sending: asyncio.Future | None = None  # done when no write into the receiver's blocks is in flight
 
     @property
     def holder(self) -> str:
@@ -104,13 +105,14 @@ class EncodeService:
         self.failure_prob, self.rng = d.transfer_failure_prob, random.Random()
         self.auth = PeerAuth(d.disagg_secret)
         require_secret_off_loopback(self.auth, self.host, "this encoder")
-        self.transport = TRANSPORTS[d.transfer_backend](reachable_host(self.host))
+        self.transport = TRANSPORTS[d.transfer_backend](reachable_host(self.host, toward=d.bootstrap.rsplit(":", 1)[0]))
         self.framer = Framer(LanguageToEncoder)
         self.replies = Framer(TransferFailed | Pong)
         self.registry = CollectorRegistry()
         self.metrics = TransferMetrics(self.registry, None, "encode")
         self.registry.register(_EncoderStats(self))
         self.transfers: dict[tuple[bytes, str, int], _Transfer] = {}
+        self.aborted: dict[tuple[bytes, str, int], float] = {}  # aborted before (or while) we held them: until when
         self.in_flight = 0
         self.tasks: set[asyncio.Task] = set()
 
@@ -146,7 +148,7 @@ class EncodeService:
         elif isinstance(msg, ResumeRequest):
             self._spawn(self._resume(peer, msg))
         elif isinstance(msg, AbortTransfer):
-            self._end((peer, msg.request_id, msg.transfer_id))
+            self._spawn(self._abort(peer, msg))
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
@@ -168,6 +170,8 @@ class EncodeService:
             if any(any(v) for v in req.uuids.values()):
                 prompt["multi_modal_uuids"] = req.uuids
             processed = (await self.prompts.encode(prompt, req.mm_processor_kwargs, req.request_id)).prompt
+            if key in self.aborted:
+                return
             transfer = _Transfer(key, processed, [], req.block_tokens, time.monotonic(), req.target)
             self.transfers[key] = transfer  # from here on, _end releases what it holds
             transfer.rows = await self._embeddings(transfer)
@@ -222,6 +226,19 @@ class EncodeService:
             else:
                 future.set_exception(ServiceUnavailableError(f"the vision encoder failed: {error}"))
 
+    async def _abort(self, peer: bytes, msg: AbortTransfer) -> None:
+        """Nothing more is written for this transfer. A transport that writes the receiver's blocks itself then
+        says so (TransferFailed "aborted"), once any write in flight has landed: only then may the receiver
+        give those blocks to another request."""
+        key = (peer, msg.request_id, msg.transfer_id)
+        self.aborted[key] = time.monotonic() + self.d.transfer_timeout
+        transfer = self.transfers.get(key)
+        self._end(key)
+        if transfer is not None and transfer.sending is not None:
+            await asyncio.shield(transfer.sending)
+        if isinstance(self.transport, InPlaceTransport):
+            await self._send(peer, TransferFailed(msg.request_id, msg.transfer_id, "aborted", ABORT_ACK_STATUS))
+
     async def _resume(self, peer: bytes, msg: ResumeRequest) -> None:
         key = (peer, msg.request_id, msg.transfer_id)
         transfer = self.transfers.get(key)
@@ -256,8 +273,15 @@ class EncodeService:
         peer, request_id, transfer_id = transfer.key
         header = TransferChunk(request_id, transfer_id, start, n, total, prompt.mrope_delta, items, block_ids,
                                segments, partial=end < total)
+        if transfer.key not in self.transfers or transfer.key in self.aborted:
+            self._end(transfer.key)
+            return  # aborted meanwhile: its blocks may already be someone else's
         self.metrics.state(TransferState.TRANSFERRING)
-        self.metrics.bytes(await self.transport.send(self.sock, peer, header, data, transfer.target))
+        transfer.sending = asyncio.get_running_loop().create_future()
+        try:
+            self.metrics.bytes(await self.transport.send(self.sock, peer, header, data, transfer.target))
+        finally:
+            transfer.sending.set_result(None)
         if header.partial:
             self.metrics.resume()
         else:
@@ -274,6 +298,7 @@ class EncodeService:
         while True:
             await asyncio.sleep(1.0)
             now = time.monotonic()
+            self.aborted = {k: until for k, until in self.aborted.items() if until > now}
             for key in [k for k, t in self.transfers.items() if now - t.touched > self.d.transfer_timeout]:
                 logger.warning("transfer %s expired before the receiver resumed it", key[1][:64])
                 self.metrics.state(TransferState.FAILED)

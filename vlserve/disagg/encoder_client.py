@@ -45,6 +45,9 @@ from vlserve.engine.config import VlserveConfig
 from vlserve.engine.prompt_check import check_prompt
 from vlserve.engine.transfer_buffers import AUX_MROPE_DELTA, AUX_NUM_ITEMS, AUX_TOTAL_TOKENS, TransferBuffers
 
+# After a failed transfer over a transport that writes in place, its blocks wait this long at most for the
+# encoder's word that nothing more is written (its writes time out sooner: see transports/).
+QUARANTINE_S = 15.0
 logger = logging.getLogger("vlserve.disagg")
 AFFINITY_ENTRIES = 4096
 MAX_MM_HASH_CHARS = 128
@@ -71,7 +74,9 @@ class EncoderClient:
     def __init__(self, cfg: VlserveConfig, buffers: TransferBuffers, metrics: TransferMetrics, opts: DisaggArgs,
                  self_info: InstanceInfo):
         self.cfg, self.buffers, self.metrics, self.opts = cfg, buffers, metrics, opts
-        self.transport = TRANSPORTS[opts.transfer_backend](reachable_host(self_info.http_address.rsplit(":", 1)[0]))
+        registry_host = opts.bootstrap.rsplit(":", 1)[0]
+        self.transport = TRANSPORTS[opts.transfer_backend](
+            reachable_host(self_info.http_address.rsplit(":", 1)[0], toward=registry_host))
         self.target = self.transport.target(buffers)  # how encoders reach our receive buffers, sent with each request
         self.requests, self.replies = Framer(LanguageToEncoder), Framer(EncoderToLanguage)
         self.ctx = zmq.asyncio.Context.instance()
@@ -84,6 +89,7 @@ class EncoderClient:
                                          load_fn=lambda: sum(e.in_flight for e in self.encoders.values()),
                                          auth=self.auth)
         self._ids = itertools.count()
+        self.quarantined: dict[tuple[str, int], tuple[list[int], float]] = {}  # blocks an encoder may still write
         self._tasks: list[asyncio.Task] = []
         self._block_freed = asyncio.Event()
 
@@ -108,6 +114,9 @@ class EncoderClient:
     async def _refresh_loop(self) -> None:
         while True:
             await asyncio.sleep(self.opts.heartbeat_interval)
+            now = time.monotonic()
+            for key in [k for k, (_, until) in self.quarantined.items() if until < now]:
+                self.free(self.quarantined.pop(key)[0])  # no word from the encoder: gone, or its writes timed out
             try:
                 await self._refresh()
             except Exception as e:  # noqa: BLE001 - the registry may be restarting; keep the encoders we know
@@ -168,7 +177,11 @@ class EncoderClient:
             if isinstance(msg, Pong):
                 self._pair(enc, msg)
                 continue
-            q = enc.transfers.get((msg.request_id, msg.transfer_id))
+            key = (msg.request_id, msg.transfer_id)
+            if isinstance(msg, TransferFailed) and key in self.quarantined:
+                self.free(self.quarantined.pop(key)[0])  # the encoder will not write into them any more
+                continue
+            q = enc.transfers.get(key)
             if q is not None:
                 q.put_nowait((msg, frames))
 
@@ -296,6 +309,10 @@ class EncoderClient:
             enter(TransferState.FAILED)
             if enc.alive:  # let the encoder drop what it holds for us
                 await enc.sock.send_multipart(self.requests.encode(AbortTransfer(request_id, tid)))
+                if self.transport.writes_in_place and blocks:
+                    # It may be writing into them right now: they wait for its word (or a deadline).
+                    self.quarantined[(request_id, tid)] = (blocks, time.monotonic() + QUARANTINE_S)
+                    blocks = []
             raise
         finally:
             if not succeeded:

@@ -27,6 +27,7 @@ from vlserve.model.layers.packed_linear import packed_linear_supported
 from vlserve.model.loader import load_model
 
 logger = logging.getLogger(__name__)
+HELD_KV_TTL_S = 120.0  # a prefill's KV kept this long for its decode instance at most
 
 
 class EngineCore:
@@ -68,7 +69,7 @@ class EngineCore:
         check_prompt(prompt, self.cfg, capacity)
         children = [Request(cid, prompt, p, self.cfg.model.eos_token_ids, arrival_time)
                     for cid, p in fan_out(params, request_id)]
-        if any(c.request_id in self.scheduler.requests for c in children):
+        if any(c.request_id in self.scheduler.requests or c.request_id in self.scheduler.held for c in children):
             raise InvalidInputError(f"request id {request_id!r} is already in use")
         for child in children:
             self.scheduler.check_fits(child)  # raises before anything is queued
@@ -114,19 +115,31 @@ class EngineCore:
             raise InvalidInputError("a handed-over request samples once (n = 1)")
         if request_id in self.scheduler.requests:
             raise InvalidInputError(f"request id {request_id!r} is already in use")
+        if request_id in self.scheduler.held:
+            raise InvalidInputError(f"request id {request_id!r} is already in use")
         req = Request(request_id, prompt, params, self.cfg.model.eos_token_ids, arrival_time)
         req.token_ids += handed.output_token_ids
         self.scheduler.check_fits(req)
-        if not self.scheduler.add_prefilled(req, handed.num_tokens):
-            return False
-        self.runner.write_kv(self.runner.token_slots(req, handed.num_tokens), handed.kv)
-        self.scheduler.kv.cache_full_blocks(req)
+        if self.scheduler.ends_at(req, req.token_ids[-1]):
+            raise InvalidInputError(f"request {request_id!r} ended at its handed-over token: nothing to decode")
+        # Everything that can fail comes before admission, so a refusal leaves nothing behind.
         if handed.generator_state is not None:
             req.generator = torch.Generator(device=self.cfg.device)
-            req.generator.set_state(handed.generator_state)
+            try:
+                req.generator.set_state(handed.generator_state)
+            except RuntimeError as e:  # e.g. a CPU generator's state for a CUDA one
+                raise InvalidInputError(f"the handed-over random state does not fit this device: {e}") from None
         if params.structured_outputs is not None:
             req.grammar = self.grammars.build(params.structured_outputs, req.output_token_ids)
-            req.grammar.matcher  # noqa: B018 - waits: a running request's mask is needed at its next step
+            req.grammar.matcher  # noqa: B018 - raises here if the grammar fails; usually cached, so quick
+        if not self.scheduler.add_prefilled(req, handed.num_tokens):
+            return False
+        try:
+            self.runner.write_kv(self.runner.token_slots(req, handed.num_tokens), handed.kv)
+        except BaseException:
+            self.scheduler.finish_requests([request_id])
+            raise
+        self.scheduler.kv.cache_full_blocks(req)
         self._parent_of[request_id] = request_id
         self._open[request_id] = {request_id}
         return True
@@ -184,6 +197,10 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         if self._building:
             self._check_grammars()
+        if self.scheduler.held:
+            for rid in self.scheduler.release_stale_held(HELD_KV_TTL_S):
+                logger.warning("request %s: its prefilled KV was not taken within %.0f s; released", rid,
+                               HELD_KV_TTL_S)
         sched = self.scheduler.schedule()
         if sched.empty and self._building:  # only grammars being built: let the worker have the CPU
             time.sleep(0.001)

@@ -9,6 +9,7 @@ the most recently admitted running request is preempted: its blocks are freed an
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 
 from vlserve.core.errors import InvalidInputError
@@ -216,6 +217,12 @@ class Scheduler:
             outputs.append(out)
         return outputs
 
+    def ends_at(self, req: Request, token: int) -> bool:
+        """Whether `token`, just appended, ends `req` (stop token, max_tokens, context, or a complete grammar)."""
+        if req.grammar is not None and req.grammar.ready and req.grammar.error is None and req.grammar.finished:
+            return True
+        return self._check_stop(req, token) is not None
+
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         p = req.params
         if req.num_output_tokens >= p.min_tokens:
@@ -248,11 +255,20 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = status
         if req.hold_kv and status != RequestStatus.FINISHED_ABORTED and req.block_ids:
+            req.held_since = time.monotonic()
             self.held[req.request_id] = req  # its blocks go when it is handed over or released
         else:
             self.kv.free(req)
         self._freed_encoder_keys.extend(self.encoder_cache.release_all(req.request_id, req.mm_items))
         del self.requests[req.request_id]
+
+    def release_stale_held(self, ttl: float) -> list[str]:
+        """Frees holds nobody took within `ttl` seconds (the decode side died or gave up); their ids."""
+        now = time.monotonic()
+        stale = [rid for rid, req in self.held.items() if now - req.held_since > ttl]
+        for rid in stale:
+            self.release_held(rid)
+        return stale
 
     def release_held(self, request_id: str) -> Request | None:
         """Frees the blocks of a held request (after its KV was read, or when nobody wants it)."""
@@ -278,3 +294,5 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is not None:
                 self._finish(req, status)
+            elif status == RequestStatus.FINISHED_ABORTED:
+                self.release_held(rid)  # finished, its KV kept for a handover nobody will take now

@@ -14,6 +14,7 @@ the same allocator as the KV cache); the engine process attaches read-only in sp
 
 from __future__ import annotations
 
+import fcntl
 import os
 import tempfile
 
@@ -64,21 +65,27 @@ def shm_dir() -> str | None:
 
 
 def sweep_stale_files(folder: str) -> None:
-    """Removes the buffer files of processes that are gone (a file keeps its name while same-host encoders
-    map it, so a crash can leave one behind)."""
+    """Removes buffer files nobody owns any more (a file keeps its name while same-host encoders map it, so a
+    crash can leave one behind). The owner holds an exclusive lock on its file for as long as it lives, which
+    works across PID namespaces sharing the folder."""
     for name in os.listdir(folder):
-        pid = name.removeprefix(TRANSFER_FILE_PREFIX).split("-", 1)[0]
-        if not name.startswith(TRANSFER_FILE_PREFIX) or not pid.isdigit():
+        if not name.startswith(TRANSFER_FILE_PREFIX):
             continue
         try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # locked: its owner is alive
+        else:
             try:
                 os.unlink(os.path.join(folder, name))
             except OSError:
                 pass
-        except PermissionError:
-            pass  # alive, another user's
+        finally:
+            os.close(fd)
 
 
 class TransferBuffers:
@@ -108,9 +115,11 @@ class TransferBuffers:
             folder = shm_dir() or tempfile.gettempdir()
             sweep_stale_files(folder)
             fd, path = tempfile.mkstemp(prefix=f"{TRANSFER_FILE_PREFIX}{os.getpid()}-", dir=folder)
-            os.close(fd)
+            fcntl.flock(fd, fcntl.LOCK_EX)  # held while this process lives: the file is not stale
         dtype_name = str(dtype).removeprefix("torch.")
-        return cls(BufferLayout(path, num_blocks, block_tokens, width, dtype_name), owner=True)
+        buffers = cls(BufferLayout(path, num_blocks, block_tokens, width, dtype_name), owner=True)
+        buffers.lock_fd = fd if shared else None
+        return buffers
 
     @classmethod
     def attach(cls, layout: BufferLayout) -> "TransferBuffers":
@@ -123,6 +132,9 @@ class TransferBuffers:
                 os.unlink(self.layout.path)
             except FileNotFoundError:
                 pass
+        if getattr(self, "lock_fd", None) is not None:
+            os.close(self.lock_fd)  # the name is gone: no sweep can find the file any more
+            self.lock_fd = None
 
     # ---- allocation (the owner) ----------------------------------------------------------------------------
     @property

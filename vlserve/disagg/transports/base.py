@@ -34,8 +34,12 @@ class ChunkData:
         return sum(t.numel() * t.element_size() for t in (self.fill_ids, self.positions, self.rows))
 
 
+ABORT_ACK_STATUS = 499  # TransferFailed status of an encoder's answer to AbortTransfer: nothing more will be written
+
+
 class Transport(ABC):
     name: str
+    writes_in_place = False  # the sender writes the receiver's blocks: after a failure they wait for its word
     maps_receiver_file = False  # senders open the receive buffers' file by name: it must keep its name
 
     def __init__(self, host: str = "127.0.0.1"):
@@ -63,6 +67,8 @@ class Transport(ABC):
 class InPlaceTransport(Transport):
     """A transport that writes the receiver's blocks itself (`write`); only the header travels."""
 
+    writes_in_place = True
+
     def __init__(self, host: str = "127.0.0.1"):
         super().__init__(host)
         self.framer = Framer(EncoderToLanguage)
@@ -85,13 +91,21 @@ class InPlaceTransport(Transport):
         return header_nbytes(header, buffers.layout)
 
 
-def reachable_host(host: str) -> str:
-    """The address peers reach this host by: a wildcard bind address names no host."""
-    if host in ("", "0.0.0.0", "::"):
-        import socket
+def reachable_host(host: str, toward: str | None = None) -> str:
+    """The address peers reach this host by. A wildcard bind address names no host: then the address of the
+    interface that routes to `toward` (the registry, which every peer reaches too), else the host name's."""
+    if host not in ("", "0.0.0.0", "::"):
+        return host
+    import socket
 
-        return socket.gethostbyname(socket.gethostname())
-    return host
+    if toward:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((toward, 9))  # UDP: picks the route, sends nothing
+                return probe.getsockname()[0]
+        except OSError:
+            pass
+    return socket.gethostbyname(socket.gethostname())
 
 
 def check_target(target: TransferTarget | None, backend: str) -> TransferTarget:

@@ -41,12 +41,16 @@ class MooncakeTransport(InPlaceTransport):
             raise RuntimeError(f"the Mooncake transfer engine could not start on {host}")
         self.session = f"{host}:{self.engine.get_rpc_port()}"
         self._registered: list[torch.Tensor] = []  # kept alive while registered
-        self.staged = StagedWrites(self._register)
+        self.staged = StagedWrites(self._register, self._unregister)
 
     def _register(self, region: torch.Tensor) -> None:
         if self.engine.register_memory(region.data_ptr(), region.numel()) != 0:
             raise RuntimeError("the Mooncake transfer engine could not register memory")
         self._registered.append(region)
+
+    def _unregister(self, region: torch.Tensor) -> None:
+        self.engine.unregister_memory(region.data_ptr())
+        self._registered = [r for r in self._registered if r is not region]
 
     # ---- receiver --------------------------------------------------------------------------------------------
     def target(self, buffers: TransferBuffers) -> TransferTarget:

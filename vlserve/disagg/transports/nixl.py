@@ -17,7 +17,7 @@ from vlserve.disagg.transports.base import ChunkData, InPlaceTransport
 from vlserve.disagg.transports.remote_write import StagedWrites
 from vlserve.engine.transfer_buffers import TransferBuffers
 
-WRITE_TIMEOUT_S = 60.0
+WRITE_TIMEOUT_S = 10.0  # below the receiver's quarantine of a failed transfer's blocks
 PUMP_PERIOD_S = 0.0005
 
 
@@ -47,13 +47,18 @@ class NixlTransport(InPlaceTransport):
         self._pumping = threading.Event()
         self._registered: list[tuple[torch.Tensor, object]] = []  # (region, its descriptors), kept alive
         self._peers: dict[str, str] = {}  # receiver agent name -> the name NIXL gave it here
-        self.staged = StagedWrites(self._register)
+        self.staged = StagedWrites(self._register, self._unregister)
 
     def _register(self, region: torch.Tensor) -> None:
         descs = self.agent.get_reg_descs([(region.data_ptr(), region.numel(), 0, "")], "DRAM")
         if self.agent.register_memory(descs) is None:
             raise RuntimeError("NIXL could not register memory")
         self._registered.append((region, descs))
+
+    def _unregister(self, region: torch.Tensor) -> None:
+        for entry in [e for e in self._registered if e[0] is region]:
+            self.agent.deregister_memory(entry[1])
+            self._registered.remove(entry)
 
     def target(self, buffers: TransferBuffers) -> TransferTarget:
         self._register(buffers.storage)

@@ -19,13 +19,16 @@ STAGING_BYTES = 64 * 2**20  # registered once; a bigger chunk gets a bigger stag
 class StagedWrites:
     """Packs chunks into a registered staging buffer and plans their writes; one chunk at a time."""
 
-    def __init__(self, register: Callable[[torch.Tensor], None]):
+    def __init__(self, register: Callable[[torch.Tensor], None], unregister: Callable[[torch.Tensor], None]):
         self._register = register  # makes a host buffer usable as a write source for the engine
+        self._unregister = unregister
         self._staging: torch.Tensor | None = None
         self.lock = threading.Lock()  # hold it from `plan` until the writes are done
 
     def _staging_for(self, nbytes: int) -> torch.Tensor:
         if self._staging is None or self._staging.numel() < nbytes:
+            if self._staging is not None:
+                self._unregister(self._staging)
             self._staging = torch.empty(max(nbytes, STAGING_BYTES), dtype=torch.uint8)
             self._register(self._staging)
         return self._staging
@@ -39,6 +42,8 @@ class StagedWrites:
         arrays = [("fill_ids", data.fill_ids.to(torch.int64).contiguous(), torch.arange(header.num_tokens)),
                   ("positions", data.positions.to(torch.int64).contiguous(), torch.arange(header.num_tokens)),
                   ("embeddings", rows, chunk_row_tokens(header))]
+        if not header.block_ids or any(not 0 <= b < layout.num_blocks for b in header.block_ids):
+            raise ValueError(f"block ids outside the receiver's {layout.num_blocks} blocks")
         table = torch.tensor(header.block_ids, dtype=torch.int64)
         span = len(header.block_ids) * layout.block_tokens
         staging = self._staging_for(sum(a.numel() * a.element_size() for _, a, _ in arrays))

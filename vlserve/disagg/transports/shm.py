@@ -8,7 +8,10 @@ directory, so an authenticated peer still cannot make it write anywhere else.
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
+
+import msgspec
 
 from vlserve.disagg.messages import TransferChunk, TransferTarget
 from vlserve.disagg.transports.base import ChunkData, InPlaceTransport, write_chunk
@@ -32,23 +35,37 @@ class ShmTransport(InPlaceTransport):
 
     def _buffers(self, target: TransferTarget) -> TransferBuffers:
         layout = target.layout
+        for path in [p for p in self._mapped if not os.path.exists(p)]:
+            del self._mapped[path]  # that server has stopped: let its memory go
         mapped = self._mapped.get(layout.path)
         if mapped is not None and mapped.layout == layout:
             return mapped
-        path = os.path.realpath(layout.path)
         folder = os.path.realpath(shm_dir() or tempfile.gettempdir())
-        if os.path.dirname(path) != folder or not os.path.basename(path).startswith(TRANSFER_FILE_PREFIX):
+        name = os.path.basename(layout.path)
+        if os.path.realpath(os.path.dirname(layout.path)) != folder or not name.startswith(TRANSFER_FILE_PREFIX):
             raise ValueError(f"refusing to map {layout.path!r}: not a vlserve transfer file in {folder}")
-        try:
-            size = os.path.getsize(path)
-        except OSError:
+        try:  # no symlink, and every check below is on the very file that gets mapped
+            fd = os.open(os.path.join(folder, name), os.O_RDWR | os.O_NOFOLLOW)
+        except FileNotFoundError:
             raise ValueError(f"the receiver's buffers {layout.path!r} are not on this host: the shm backend needs "
                              "the encoder and the language server on one machine") from None
-        if size != layout.nbytes:
-            raise ValueError(f"the receiver's buffer file has {size} bytes, its layout says {layout.nbytes}")
+        except OSError as e:
+            raise ValueError(f"refusing to map {layout.path!r}: {e}") from None
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+                raise ValueError(f"refusing to map {layout.path!r}: not a regular file of this user")
+            if info.st_size != layout.nbytes:
+                raise ValueError(f"the receiver's buffer file has {info.st_size} bytes, its layout says "
+                                 f"{layout.nbytes}")
+            via_fd = msgspec.structs.replace(layout, path=f"/proc/self/fd/{fd}")
+            mapped = TransferBuffers(via_fd, owner=False)
+        finally:
+            os.close(fd)  # the mapping stays
         if len(self._mapped) >= MAX_MAPPED:
             self._mapped.pop(next(iter(self._mapped)))
-        mapped = self._mapped[layout.path] = TransferBuffers.attach(layout)
+        mapped.layout = layout
+        self._mapped[layout.path] = mapped
         return mapped
 
     async def write(self, header: TransferChunk, data: ChunkData, target: TransferTarget) -> None:
