@@ -180,3 +180,23 @@ def test_holds_never_leak(prefill, decode):
     assert not d_core.has_unfinished
     assert_pool_full(prefill)
     assert_pool_full(decode)
+
+
+def test_a_failed_kv_write_leaves_nothing_admitted(prefill, decode, monkeypatch):
+    p_core, d_core = prefill.engine.core, decode.engine.core
+    processed = prefill.engine.input_processor.process(PROMPTS[1])
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    p_core.add_request("w", processed, params.for_prefill(), hold_kv=True)
+    while p_core.has_unfinished:
+        p_core.step()
+    handed = p_core.export_held("w")
+
+    def broken(*_):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(d_core.runner, "write_kv", broken)
+    with pytest.raises(RuntimeError, match="device lost"):
+        d_core.add_prefilled("w", processed, params, handed)
+    assert not d_core.has_unfinished and "w" not in d_core.scheduler.requests
+    assert_pool_full(decode)
+    assert_pool_full(prefill)

@@ -49,7 +49,7 @@ from vlserve.disagg.messages import (
 )
 from vlserve.disagg.metrics import TransferMetrics
 from vlserve.disagg.transports import TRANSPORTS, ChunkData
-from vlserve.disagg.transports.base import ABORT_ACK_STATUS, InPlaceTransport, reachable_host
+from vlserve.disagg.transports.base import ABORT_ACK_STATUS, reachable_host
 from vlserve.engine.config import resolve_config
 from vlserve.engine.encoder_cache import EncoderCacheManager
 from vlserve.engine.vision_runner import VisionRunner
@@ -236,7 +236,7 @@ class EncodeService:
         self._end(key)
         if transfer is not None and transfer.sending is not None:
             await asyncio.shield(transfer.sending)
-        if isinstance(self.transport, InPlaceTransport):
+        if self.transport.writes_in_place:
             await self._send(peer, TransferFailed(msg.request_id, msg.transfer_id, "aborted", ABORT_ACK_STATUS))
 
     async def _resume(self, peer: bytes, msg: ResumeRequest) -> None:

@@ -69,8 +69,7 @@ class EngineCore:
         check_prompt(prompt, self.cfg, capacity)
         children = [Request(cid, prompt, p, self.cfg.model.eos_token_ids, arrival_time)
                     for cid, p in fan_out(params, request_id)]
-        if any(c.request_id in self.scheduler.requests or c.request_id in self.scheduler.held for c in children):
-            raise InvalidInputError(f"request id {request_id!r} is already in use")
+        self._check_id_free([c.request_id for c in children], request_id)
         for child in children:
             self.scheduler.check_fits(child)  # raises before anything is queued
         for child in children:
@@ -113,15 +112,10 @@ class EngineCore:
         handed.check(t.num_layers, t.num_kv_heads, t.head_dim, len(prompt.prompt_token_ids))
         if params.n != 1:
             raise InvalidInputError("a handed-over request samples once (n = 1)")
-        if request_id in self.scheduler.requests:
-            raise InvalidInputError(f"request id {request_id!r} is already in use")
-        if request_id in self.scheduler.held:
-            raise InvalidInputError(f"request id {request_id!r} is already in use")
+        self._check_id_free([request_id], request_id)
         req = Request(request_id, prompt, params, self.cfg.model.eos_token_ids, arrival_time)
         req.token_ids += handed.output_token_ids
         self.scheduler.check_fits(req)
-        if self.scheduler.ends_at(req, req.token_ids[-1]):
-            raise InvalidInputError(f"request {request_id!r} ended at its handed-over token: nothing to decode")
         # Everything that can fail comes before admission, so a refusal leaves nothing behind.
         if handed.generator_state is not None:
             req.generator = torch.Generator(device=self.cfg.device)
@@ -132,6 +126,8 @@ class EngineCore:
         if params.structured_outputs is not None:
             req.grammar = self.grammars.build(params.structured_outputs, req.output_token_ids)
             req.grammar.matcher  # noqa: B018 - raises here if the grammar fails; usually cached, so quick
+        if self.scheduler.ends_at(req, req.token_ids[-1]):
+            raise InvalidInputError(f"request {request_id!r} ended at its handed-over token: nothing to decode")
         if not self.scheduler.add_prefilled(req, handed.num_tokens):
             return False
         try:
@@ -177,6 +173,10 @@ class EngineCore:
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
+
+    def _check_id_free(self, engine_ids: list[str], request_id: str) -> None:
+        if any(i in self.scheduler.requests or i in self.scheduler.held for i in engine_ids):
+            raise InvalidInputError(f"request id {request_id!r} is already in use")
 
     def take_failed(self) -> list[tuple[str, str]]:
         """(request id, reason) of API requests refused after admission: their grammar failed to build."""

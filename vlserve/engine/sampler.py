@@ -7,6 +7,7 @@ request's tokens identical whatever else shares its batch.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -165,10 +166,15 @@ def _mask_min_tokens(logits: torch.Tensor, blocked: dict[int, list[int]]) -> Non
 _BYTE_BIAS = torch.tensor([[0.0 if (b >> j) & 1 else _NEG_INF for j in range(8)] for b in range(256)])
 
 
+@functools.lru_cache(maxsize=8)
+def _byte_bias(device: torch.device) -> torch.Tensor:
+    return _BYTE_BIAS.to(device)  # once per device, not per step
+
+
 def _apply_token_bitmask(logits: torch.Tensor, mask: TokenBitmask) -> None:
     vocab = logits.shape[-1]
     packed = mask.bits.to(logits.device, non_blocking=True).contiguous().view(torch.uint8)  # byte k: tokens 8k..8k+7
-    bias = F.embedding(packed.long(), _BYTE_BIAS.to(logits.device)).view(len(mask.rows), -1)[:, :vocab]
+    bias = F.embedding(packed.long(), _byte_bias(logits.device)).view(len(mask.rows), -1)[:, :vocab]
     if len(mask.rows) == logits.shape[0]:
         logits += bias
     else:

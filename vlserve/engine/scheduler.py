@@ -219,7 +219,7 @@ class Scheduler:
 
     def ends_at(self, req: Request, token: int) -> bool:
         """Whether `token`, just appended, ends `req` (stop token, max_tokens, context, or a complete grammar)."""
-        if req.grammar is not None and req.grammar.ready and req.grammar.error is None and req.grammar.finished:
+        if req.grammar is not None and req.grammar.finished:  # built and advanced by the caller
             return True
         return self._check_stop(req, token) is not None
 

@@ -11,7 +11,6 @@ request that already has output (resumed elsewhere) replays that output first.
 from __future__ import annotations
 
 import functools
-import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,7 +23,6 @@ from vlserve.core.errors import InvalidInputError
 from vlserve.core.structured_outputs import StructuredOutputsParams
 from vlserve.engine.structured.grammar import grammar_for
 
-logger = logging.getLogger(__name__)
 MAX_CACHED_GRAMMARS = 256
 
 
@@ -63,7 +61,6 @@ class GrammarMatchers:
 
     def __init__(self, tokenizer_path: Path, eos_token_ids: tuple[int, ...], vocab_size: int, overlap: bool = False):
         self.tokenizer_path = tokenizer_path
-        self.overlap = overlap
         self.eos_token_ids = list(eos_token_ids)
         self.vocab_size = vocab_size  # the logits' width: ids past the tokenizer's are never allowed
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlserve-grammar")
