@@ -1,9 +1,10 @@
 """Disaggregated vs aggregated serving on one machine, same image-heavy load, same run.
 
-Setups: `vlserve serve` (aggregated), `serve --disagg --num-encoders 1` (1E+1L), the same with 2 encoders
-(2E+1L), and 1E+1L with a 16-token default allocation so every request resumes (resume overhead). Each gets the
-same `vlserve bench serve` load (fresh pictures, so encoders really work). Also measures the ZeroMQ transport's
-loopback bandwidth for embedding rows, receiver scatter included.
+Setups: `vlserve serve` (aggregated), `serve --disagg --num-encoders 1` (1E+1L, i.e. E->PD), the same with 2
+encoders (2E+1L), 1E+1L with a 16-token default allocation so every request resumes (resume overhead), and
+E->P->D (`--num-prefill 1 --num-decode 1`: 1E+1P+1D, the prompt's KV moved to the decode instance). Each gets
+the same `vlserve bench serve` load (fresh pictures, so encoders really work). Also measures the ZeroMQ
+transport's loopback bandwidth for embedding rows, receiver scatter included.
 
 On a 2-core machine every process shares the same two cores: disaggregation cannot add compute here, so these
 numbers show its overhead (transfers, extra processes), not its scaling.
@@ -39,7 +40,7 @@ from vlserve.disagg.transports.zmq import ZmqTransport  # noqa: E402
 from vlserve.engine.transfer_buffers import TransferBuffers  # noqa: E402
 
 
-def run_setup(name: str, model: str, extra: list[str], encoders: int, bench: list[str]) -> dict:
+def run_setup(name: str, model: str, extra: list[str], encoders: int, bench: list[str], prefills: int = 0) -> dict:
     port = free_port()
     cmd = [sys.executable, "-m", "vlserve", "serve", "--model", model, "--dtype", "auto", "--port", str(port),
            "--max-model-len", "4096", "--disable-log-requests", *extra]
@@ -49,8 +50,10 @@ def run_setup(name: str, model: str, extra: list[str], encoders: int, bench: lis
     try:
         wait_healthy(proc, url + "/health", 300, name, lambda: Path(log.name).read_text()[-3000:])
         deadline = time.monotonic() + 60
-        while encoders and scrape(url + "/metrics").get("vlserve:encoders_available", 0) < encoders:
-            assert time.monotonic() < deadline, "encoders never joined"
+        peers = ("vlserve:prefill_instances_available", prefills) if prefills else \
+            ("vlserve:encoders_available", encoders)
+        while peers[1] and scrape(url + "/metrics").get(peers[0], 0) < peers[1]:
+            assert time.monotonic() < deadline, "peers never joined"
             time.sleep(0.2)
         result = Path(tempfile.mkdtemp()) / "result.json"
         subprocess.run([sys.executable, "-m", "vlserve", "--log-level", "WARNING", "bench", "serve", "--base-url", url,
@@ -58,7 +61,9 @@ def run_setup(name: str, model: str, extra: list[str], encoders: int, bench: lis
         out = json.loads(result.read_text())["metrics"]
         m = scrape(url + "/metrics")
         out["transfer_bytes"] = m.get('vlserve:embedding_transfer_bytes_total{role="language"}', 0.0)
-        out["resumes"] = m.get('vlserve:embedding_transfer_resumes_total{role="language"}', 0.0)
+        out["kv_bytes"] = m.get('vlserve:kv_transfer_bytes_total{role="decode"}', 0.0)
+        out["resumes"] = m.get('vlserve:embedding_transfer_resumes_total{role="language"}', 0.0) + \
+            m.get('vlserve:kv_transfer_resumes_total{role="decode"}', 0.0)
         return out
     finally:
         proc.send_signal(signal.SIGINT)
@@ -113,6 +118,7 @@ def main() -> None:
     ap.add_argument("--model", help="checkpoint folder (default: a medium random Qwen2-VL made in a temp dir)")
     ap.add_argument("--num-prompts", type=int, default=24)
     ap.add_argument("--max-concurrency", type=int, default=8)
+    ap.add_argument("--setups", help="comma-separated subset, e.g. aggregated,1E+1L,1E+1P+1D")
     args = ap.parse_args()
     model = args.model
     if model is None:
@@ -121,20 +127,26 @@ def main() -> None:
         model = str(make_tiny_model(Path(tempfile.mkdtemp()) / "medium", arch="qwen2_vl", size="medium"))
     bench = ["--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.max_concurrency), "--image-sizes",
              "448x448,336x336", "--images-per-request", "2", "--input-len", "16", "--output-len", "16", "--seed", "1"]
-    setups = [("aggregated", [], 0), ("1E+1L", ["--disagg", "--num-encoders", "1"], 1),
-              ("2E+1L", ["--disagg", "--num-encoders", "2"], 2),
-              ("1E+1L resume", ["--disagg", "--num-encoders", "1", "--embedding-default-allocate-tokens", "16"], 1)]
+    setups = [("aggregated", [], 0, 0), ("1E+1L", ["--disagg", "--num-encoders", "1"], 1, 0),
+              ("2E+1L", ["--disagg", "--num-encoders", "2"], 2, 0),
+              ("1E+1L resume", ["--disagg", "--num-encoders", "1", "--embedding-default-allocate-tokens", "16"], 1, 0),
+              ("1E+1P+1D", ["--disagg", "--num-encoders", "1", "--num-prefill", "1", "--num-decode", "1"], 1, 1)]
+    if args.setups:
+        setups = [s for s in setups if s[0] in args.setups.split(",")]
     results = {}
-    for name, extra, encoders in setups:
+    for name, extra, encoders, prefills in setups:
         print(f"[{name}] running", flush=True)
-        results[name] = run_setup(name, model, extra, encoders, bench)
-    base = results["aggregated"]
-    print(f"\n{'setup':<14}{'req/s':>8}{'out tok/s':>11}{'TTFT p50':>10}{'TTFT p99':>10}{'vs aggr.':>10}"
-          f"{'MB moved':>10}{'resumes':>9}")
+        results[name] = run_setup(name, model, extra, encoders, bench, prefills)
+    base = results.get("aggregated") or next(iter(results.values()))
+    print(f"\n{'setup':<14}{'req/s':>8}{'out tok/s':>11}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}"
+          f"{'vs aggr.':>10}{'emb MB':>8}{'KV MB':>8}{'resumes':>9}")
     for name, r in results.items():
         print(f"{name:<14}{r['request_throughput']:>8.2f}{r['output_throughput']:>11.1f}{r['median_ttft_ms']:>8.0f}ms"
-              f"{r['p99_ttft_ms']:>8.0f}ms{r['request_throughput'] / base['request_throughput']:>9.2f}x"
-              f"{r['transfer_bytes'] / 1e6:>10.1f}{r['resumes']:>9.0f}")
+              f"{r['p99_ttft_ms']:>8.0f}ms{r['median_tpot_ms']:>8.1f}ms"
+              f"{r['request_throughput'] / base['request_throughput']:>9.2f}x"
+              f"{r['transfer_bytes'] / 1e6:>8.1f}{r['kv_bytes'] / 1e6:>8.1f}{r['resumes']:>9.0f}")
+    if "1E+1L" not in results:
+        return
     n = args.num_prompts
     print(f"\nbytes moved per picture request: {results['1E+1L']['transfer_bytes'] / n / 1e6:.2f} MB "
           "(embedding rows of media tokens only, plus 32 bytes of fill id and positions per token)")

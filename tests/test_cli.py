@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from vlserve.cli import build_parser
-from vlserve.core.config import BOOTSTRAP, DEMO, ENCODE, LANGUAGE, ROLES, SERVE
+from vlserve.core.config import BOOTSTRAP, DECODE, DEMO, ENCODE, LANGUAGE, PREFILL, ROLES, SERVE
 from vlserve.core.options import options_from, role_fields, to_argv
 
 
@@ -45,10 +45,18 @@ EXPECTED = {  # flags a role must list, and flags it must not (it would silently
                 "--disagg-secret", "--max-request-bytes"},
                {"--allowed-local-media-path", "--max-image-pixels", "--encoder-cache-size", "--data-port",
                 "--disagg", "--num-encoders"}),
+    PREFILL: ({"--max-model-len", "--bootstrap", "--data-port", "--transfer-timeout", "--transfer-failure-prob",
+               "--disagg-secret", "--embedding-buffer-blocks", "--num-kv-blocks", "--transfer-backend"},
+              {"--api-key", "--served-model-name", "--allowed-local-media-path", "--max-image-pixels",
+               "--encoder-cache-size", "--disagg", "--max-n", "--chat-template", "--enable-mm-embeds"}),
+    DECODE: ({"--max-model-len", "--api-key", "--bootstrap", "--transfer-timeout", "--chat-template", "--max-n",
+              "--embedding-buffer-blocks", "--enable-mm-embeds", "--transfer-backend"},
+             {"--allowed-local-media-path", "--max-image-pixels", "--encoder-cache-size", "--data-port", "--disagg",
+              "--transfer-failure-prob", "--num-prefill"}),
     BOOTSTRAP: ({"--host", "--port", "--heartbeat-interval", "--heartbeat-failure-threshold", "--disagg-secret"},
                 {"--model", "--api-key", "--max-model-len"}),
     SERVE: ({"--model", "--api-key", "--max-image-pixels", "--disagg", "--num-encoders", "--transfer-timeout",
-             "--max-model-len"}, {"--bootstrap", "--data-port"}),
+             "--max-model-len", "--num-prefill", "--num-decode"}, {"--bootstrap", "--data-port"}),
     DEMO: ({"--model", "--dtype", "--prompt"}, {"--api-key", "--port", "--max-image-pixels"}),
 }
 
@@ -66,6 +74,9 @@ def test_role_defaults_and_env(monkeypatch):
     assert enc.server.port == 8100
     boot = options_from(_subparser(BOOTSTRAP).parse_args([]), BOOTSTRAP)
     assert boot.server.port == 8998
+    assert options_from(_subparser(PREFILL).parse_args(["--model", "m"]), PREFILL).server.port == 8200
+    decode = options_from(_subparser(DECODE).parse_args(["--model", "m"]), DECODE)
+    assert (decode.server.port, decode.disagg.embedding_buffer_blocks) == (8000, 1024)
     monkeypatch.setenv("VLSERVE_API_KEY", "k")
     assert options_from(_subparser(SERVE).parse_args([]), SERVE).server.api_key == "k"
 
@@ -78,7 +89,7 @@ def test_child_command_lines_round_trip():
         "--transfer-timeout", "7", "--disable-prefix-caching", "--enable-mm-embeds"])
     opts = options_from(parsed, SERVE)
     opts.disagg.disagg_secret = "s3cret"
-    for role in (LANGUAGE, ENCODE, BOOTSTRAP):
+    for role in (LANGUAGE, ENCODE, PREFILL, DECODE, BOOTSTRAP):
         argv, env = to_argv(opts, role)
         assert "secret-key" not in argv and "s3cret" not in argv  # secrets travel in the environment only
         back = options_from(_subparser(role).parse_args(argv), role)

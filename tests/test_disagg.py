@@ -39,10 +39,12 @@ def picture_chat(*seeds: int, text: str = "What is this?") -> list[dict]:
 
 
 class Cluster:
-    """A bootstrap, encoder "A" and the given language servers, all with the same shared secret."""
+    """A bootstrap, encoder "A" and the given language servers, all with the same shared secret. With
+    `prefills` (E->P->D): those prefill instances, and the "languages" are decode instances."""
 
     def __init__(self, ckpt, languages: dict[str, list[str]], encoder_env: dict | None = None,
-                 limits: str = "image=4", backend: str = "zmq"):
+                 limits: str = "image=4", backend: str = "zmq", prefills: dict[str, list[str]] | None = None,
+                 extra: tuple[str, ...] = ()):
         self.ckpt, self.encoder_env = ckpt, {"VLSERVE_DISAGG_SECRET": SECRET, **(encoder_env or {})}
         self.env = {"VLSERVE_DISAGG_SECRET": SECRET}
         self.backend = backend
@@ -50,20 +52,24 @@ class Cluster:
         self.bootstrap_url = f"127.0.0.1:{port}"
         self.procs: list[RoleProcess] = []
         self.encoders: dict[str, RoleProcess] = {}
+        self.prefills: dict[str, RoleProcess] = {}
         self.languages: dict[str, RoleProcess] = {}
+        self.role = "decode" if prefills else "language"
         try:
             self.procs.append(RoleProcess("bootstrap", ["bootstrap", "--port", str(port), "--heartbeat-interval", HB,
                                                         "--heartbeat-failure-threshold", THRESHOLD],
                                           f"http://{self.bootstrap_url}/health", env=self.env))
             self.common = ["--model", str(ckpt), "--dtype", "float32", "--limit-mm-per-prompt", limits,
                            "--bootstrap", self.bootstrap_url, "--heartbeat-interval", HB,
-                           "--transfer-backend", backend]
+                           "--transfer-backend", backend, *extra]
             self.start_encoder("A", wait=False)
-            for name, extra in languages.items():
+            for name, args in (prefills or {}).items():
+                self.start_prefill(name, args, wait=False)
+            for name, args in languages.items():
                 port = free_port()
                 self.languages[name] = RoleProcess(
-                    f"language-{name}", ["language", *self.common, "--port", str(port), "--max-model-len", "2048",
-                                         "--heartbeat-failure-threshold", THRESHOLD, *extra],
+                    f"{self.role}-{name}", [self.role, *self.common, "--port", str(port), "--max-model-len", "2048",
+                                            "--heartbeat-failure-threshold", THRESHOLD, *args],
                     f"http://127.0.0.1:{port}/health", env=self.env)
                 self.procs.append(self.languages[name])
             for p in self.procs:
@@ -81,6 +87,22 @@ class Cluster:
         self.encoders[name] = enc
         self.procs.append(enc)
         return enc.wait_healthy() if wait else enc
+
+    def start_prefill(self, name: str, args: list[str] = (), wait: bool = True,
+                      env: dict | None = None) -> RoleProcess:
+        port = free_port()
+        pre = RoleProcess(f"prefill-{name}", ["prefill", *self.common, "--port", str(port), "--data-port",
+                                              str(free_port()), "--max-model-len", "2048",
+                                              "--heartbeat-failure-threshold", THRESHOLD, *args],
+                          f"http://127.0.0.1:{port}/health", env={**self.env, **(env or {})})
+        pre.metrics_url = f"http://127.0.0.1:{port}/metrics"
+        self.prefills[name] = pre
+        self.procs.append(pre)
+        return pre.wait_healthy() if wait else pre
+
+    def wait_prefills(self, lang: str, n: int, timeout: float = 30) -> None:
+        wait_until(lambda: self.metrics(lang)["vlserve:prefill_instances_available"] == n,
+                   f"{self.role} {lang} never saw {n} prefill instances", timeout)
 
     def client(self, lang: str) -> openai.OpenAI:
         client = openai.OpenAI(base_url=self.languages[lang].health_url.replace("/health", "/v1"), api_key="x",

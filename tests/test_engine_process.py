@@ -24,7 +24,7 @@ def test_bad_messages_are_answered_and_the_engine_survives(tiny_ckpt):
 
     async def run():
         client = EngineCoreClient(EngineArgs(model=str(tiny_ckpt("qwen2_vl")), dtype="float32", num_kv_blocks=32),
-                                  on_outputs=got.append)
+                                  on_outputs=lambda msg, frames: got.append(msg))
         await client.start()
         try:
             params = SamplingParams(max_tokens=2, temperature=0)

@@ -13,12 +13,16 @@ from pathlib import Path
 from typing import Any
 
 # Roles: processes a user starts. "serve" is the aggregated server (and the `--disagg` launcher), "language" and
-# "encode" the two halves of a disaggregated deployment, "bootstrap" their registry, "demo" offline generation.
+# "encode" the two halves of an E->PD deployment, "prefill" and "decode" the language half split in two (E->P->D),
+# "bootstrap" their registry, "demo" offline generation.
 SERVE, LANGUAGE, ENCODE, BOOTSTRAP, DEMO = "serve", "language", "encode", "bootstrap", "demo"
-ROLES = (SERVE, LANGUAGE, ENCODE, BOOTSTRAP, DEMO)
-LM_ROLES = frozenset({SERVE, LANGUAGE, DEMO})  # roles that run the language model
+PREFILL, DECODE = "prefill", "decode"
+ROLES = (SERVE, LANGUAGE, ENCODE, PREFILL, DECODE, BOOTSTRAP, DEMO)
+LM_ROLES = frozenset({SERVE, LANGUAGE, PREFILL, DECODE, DEMO})  # roles that run the language model
 VISION_ROLES = frozenset({SERVE, ENCODE, DEMO})  # roles that run the vision tower
-HTTP_ROLES = frozenset({SERVE, LANGUAGE})  # roles that answer the OpenAI API
+HTTP_ROLES = frozenset({SERVE, LANGUAGE, DECODE})  # roles that answer the OpenAI API
+DISAGG_ROLES = frozenset({LANGUAGE, ENCODE, PREFILL, DECODE})  # roles that meet through the registry
+MODEL_ROLES = frozenset({SERVE, DEMO}) | DISAGG_ROLES  # roles that load (part of) the model
 MEDIA_ROLES = frozenset({SERVE, ENCODE})  # roles that fetch and decode media
 DEFAULT_MM_LIMITS = {"image": 8, "video": 1}  # kinds a user does not name keep these
 DEFAULT_MAX_PIXELS_DECODED = 64_000_000  # 64 MP
@@ -58,16 +62,16 @@ def parse_limits(text: str) -> dict[str, int]:
 class EngineArgs:
     """The engine's options: `LLM(model, **engine_args)` takes these names, the CLI the same with dashes."""
 
-    model: str = option(None, "model folder or Hugging Face hub id", {SERVE, LANGUAGE, ENCODE, DEMO})
+    model: str = option(None, "model folder or Hugging Face hub id", MODEL_ROLES)
     dtype: str = option("auto", "weights/activations dtype: auto (the checkpoint's where this device computes it "
-                        "natively, else float32), float32, bfloat16, float16", {SERVE, LANGUAGE, ENCODE, DEMO},
+                        "natively, else float32), float32, bfloat16, float16", MODEL_ROLES,
                         choices=("auto", "float32", "bfloat16", "float16"))
     quantization: str | None = option(
         None, "weight-only quantization: int8 (made at load time from a full-precision checkpoint, decoder "
         "linears); awq and gptq 4-bit checkpoints are detected from their quantization_config", LM_ROLES,
         choices=("int8", "awq", "gptq"))
     device: str = option("auto", "auto (cuda when available, else cpu), cpu, cuda, cuda:1, ...",
-                         {SERVE, LANGUAGE, ENCODE, DEMO})
+                         MODEL_ROLES)
     max_model_len: int | None = option(None, "longest prompt + output in tokens (default: the model's, at most "
                                        "32768)", LM_ROLES)
     max_num_seqs: int = option(128, "most requests running at once", LM_ROLES)
@@ -87,12 +91,12 @@ class EngineArgs:
                                                "(also the largest item accepted)", VISION_ROLES)
     disable_chunked_mm_input: bool = option(False, "never split a picture's tokens across engine steps", LM_ROLES)
     limit_mm_per_prompt: dict[str, int] = option(
-        help="most media items per prompt, e.g. image=8,video=1", roles={SERVE, LANGUAGE, ENCODE, DEMO},
+        help="most media items per prompt, e.g. image=8,video=1", roles=MODEL_ROLES,
         factory=lambda: dict(DEFAULT_MM_LIMITS), parse=parse_limits, metavar="KIND=N,...")
     max_video_frames: int = option(32, "most frames sampled from one video (a request may ask for fewer)",
                                    VISION_ROLES)
     enable_mm_embeds: bool = option(False, "accept precomputed image embeddings (image_embeds parts)",
-                                    {SERVE, LANGUAGE, DEMO})
+                                    {SERVE, LANGUAGE, DECODE, DEMO})
     seed: int = option(0, "engine seed", LM_ROLES)
     load_vision: bool = True  # False on a disaggregated language server: set by the role, not a flag
 
@@ -105,9 +109,9 @@ class EngineArgs:
 class ServerArgs:
     """HTTP front-end and media options."""
 
-    host: str = option("127.0.0.1", "address to listen on", {SERVE, LANGUAGE, ENCODE, BOOTSTRAP})
-    port: int = option(8000, "HTTP port", {SERVE, LANGUAGE, ENCODE, BOOTSTRAP},
-                       role_defaults={ENCODE: 8100, BOOTSTRAP: 8998})
+    host: str = option("127.0.0.1", "address to listen on", {SERVE, BOOTSTRAP} | DISAGG_ROLES)
+    port: int = option(8000, "HTTP port", {SERVE, BOOTSTRAP} | DISAGG_ROLES,
+                       role_defaults={ENCODE: 8100, PREFILL: 8200, BOOTSTRAP: 8998})
     served_model_name: str | None = option(None, "model name in the API (default: --model)", HTTP_ROLES)
     api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on /v1 routes", HTTP_ROLES,
                                  env="VLSERVE_API_KEY", secret=True)
@@ -125,7 +129,7 @@ class ServerArgs:
                                    "checked before decoding and again after resizing", MEDIA_ROLES)
     max_waiting_requests: int | None = option(None, "answer 503 when this many requests already wait (default: no "
                                               "limit)", HTTP_ROLES)
-    media_threads: int = option(4, "threads that tokenize, decode and preprocess", {SERVE, LANGUAGE, ENCODE})
+    media_threads: int = option(4, "threads that tokenize, decode and preprocess", {SERVE} | DISAGG_ROLES)
     disable_log_requests: bool = option(False, "no info log line per request", HTTP_ROLES)
     max_request_bytes: int = option(64 * 2**20, "largest request body in bytes; a bigger one gets 413 before it is "
                                     "read", HTTP_ROLES)
@@ -138,37 +142,43 @@ class ServerArgs:
                                    HTTP_ROLES)
     engine_heartbeat_timeout: float = option(10.0, "seconds without an answer from the engine process before it "
                                              "counts as unresponsive (503 on /health and for waiting requests)",
-                                             HTTP_ROLES)
+                                             HTTP_ROLES | {PREFILL})
 
 
 @dataclass
 class DisaggArgs:
-    """Encode/language disaggregation: the registry, receive buffers, heartbeats, transfers."""
+    """Disaggregation (E->PD, E->P->D): the registry, receive buffers, heartbeats, transfers."""
 
     disagg: bool = option(False, "run a bootstrap, --num-encoders encoders and a language server here, each its "
-                          "own process", {SERVE})
+                          "own process (with --num-prefill/--num-decode: prefill and decode instances instead of "
+                          "the language server)", {SERVE})
     num_encoders: int = option(1, "encoder processes for --disagg", {SERVE})
-    bootstrap: str = option("127.0.0.1:8998", "host:port of `vlserve bootstrap`", {LANGUAGE, ENCODE},
+    num_prefill: int = option(0, "prefill instances for --disagg (E->P->D; needs --num-decode too)", {SERVE})
+    num_decode: int = option(0, "decode instances for --disagg (E->P->D); the first answers on --port, the others "
+                             "on the ports after it", {SERVE})
+    bootstrap: str = option("127.0.0.1:8998", "host:port of `vlserve bootstrap`", DISAGG_ROLES,
                             metavar="HOST:PORT")
     embedding_default_allocate_tokens: int = option(
         8192, "receive blocks pre-allocated per request, in tokens (longer outputs resume into more)",
-        {SERVE, LANGUAGE})
-    embedding_buffer_blocks: int = option(4096, "blocks in the receive buffer pool", {SERVE, LANGUAGE, ENCODE})
-    embedding_block_tokens: int = option(16, "tokens per receive buffer block", {SERVE, LANGUAGE, ENCODE})
-    heartbeat_interval: float = option(1.0, "seconds between heartbeats (registry and encoders)",
-                                       {SERVE, LANGUAGE, ENCODE, BOOTSTRAP})
+        {SERVE, LANGUAGE, PREFILL, DECODE})
+    embedding_buffer_blocks: int = option(4096, "blocks in the receive buffer pool (embedding rows; on a decode "
+                                          "instance KV rows, held only until copied into the KV cache)",
+                                          {SERVE} | DISAGG_ROLES, role_defaults={DECODE: 1024})
+    embedding_block_tokens: int = option(16, "tokens per receive buffer block", {SERVE} | DISAGG_ROLES)
+    heartbeat_interval: float = option(1.0, "seconds between heartbeats (registry and peers)",
+                                       {SERVE, BOOTSTRAP} | DISAGG_ROLES)
     heartbeat_failure_threshold: int = option(3, "missed heartbeats before an instance is dropped",
-                                              {SERVE, LANGUAGE, BOOTSTRAP})
-    transfer_timeout: float = option(120.0, "seconds one transfer may take before it fails (and, on an encoder, "
-                                     "before staged output nobody resumes is dropped)", {SERVE, LANGUAGE, ENCODE})
-    transfer_backend: str = option("zmq", "how embeddings move between encoders and language servers",
-                                   {SERVE, LANGUAGE, ENCODE}, choices=("zmq", "shm", "mooncake", "nixl"))
-    data_port: int | None = option(None, "ZeroMQ port language servers connect to (default: --port + 1)", {ENCODE})
+                                              {SERVE, LANGUAGE, PREFILL, DECODE, BOOTSTRAP})
+    transfer_timeout: float = option(120.0, "seconds one transfer may take before it fails (and, on a sender, "
+                                     "before staged output nobody resumes is dropped)", {SERVE} | DISAGG_ROLES)
+    transfer_backend: str = option("zmq", "how embeddings and KV move between roles", {SERVE} | DISAGG_ROLES,
+                                   choices=("zmq", "shm", "mooncake", "nixl"))
+    data_port: int | None = option(None, "ZeroMQ port receivers connect to (default: --port + 1)", {ENCODE, PREFILL})
     transfer_failure_prob: float = option(0.0, "fail this share of transfers on purpose (fault injection)",
-                                          {ENCODE}, env="VLSERVE_TRANSFER_FAILURE_PROB")
+                                          {ENCODE, PREFILL}, env="VLSERVE_TRANSFER_FAILURE_PROB")
     disagg_secret: str | None = option(None, "shared secret of every role: signs registry calls and encrypts the "
                                        "data channel (required off loopback; serve --disagg makes one)",
-                                       {SERVE, LANGUAGE, ENCODE, BOOTSTRAP}, env="VLSERVE_DISAGG_SECRET", secret=True)
+                                       {SERVE, BOOTSTRAP} | DISAGG_ROLES, env="VLSERVE_DISAGG_SECRET", secret=True)
 
 
 OPTION_GROUPS = (("engine", EngineArgs), ("server", ServerArgs), ("disaggregation", DisaggArgs))

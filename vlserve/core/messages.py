@@ -20,3 +20,11 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id (or, set by the front end, the stop string)
     num_cached_tokens: int = 0
+
+
+class Handoff(msgspec.Struct):
+    """What a prefill instance hands a decode instance beside the prompt's KV: the output of its one step (the
+    first token, with its logprobs) and the seeded request's random-generator state after that draw."""
+
+    first: EngineCoreOutput
+    generator_state: bytes | None = None

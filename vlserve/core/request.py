@@ -53,6 +53,10 @@ class Request:
         self.grammar = None  # the engine's RequestGrammar when params.structured_outputs is set
         self.hold_kv = False  # prefill instance: keep the KV blocks after finishing, until they are handed over
         self.held_since = 0.0  # when it finished with its KV held
+        # Decode instance: its prompt was computed elsewhere (no pictures here to recompute it from), so a
+        # preemption swaps its KV out to host memory instead of dropping it.
+        self.swap_on_preempt = False
+        self.swapped_kv = None  # [layers, 2, tokens, kv_heads, head_dim] while preempted that way
 
     @property
     def num_tokens(self) -> int:

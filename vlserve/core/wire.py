@@ -10,7 +10,7 @@ from __future__ import annotations
 import msgspec
 import torch
 
-from vlserve.core.messages import EngineCoreOutput
+from vlserve.core.messages import EngineCoreOutput, Handoff
 from vlserve.core.prompt import MultiModalItem, ProcessedPrompt
 from vlserve.core.sampling_params import SamplingParams
 
@@ -47,6 +47,8 @@ class AddRequest(msgspec.Struct, tag="add"):
     params: SamplingParams
     arrival_time: float
     block_rows: list[int] | None = None  # receive blocks holding the prompt's media rows (disaggregated)
+    hold_kv: bool = False  # prefill instance: the engine sends the prompt's KV back when the request finishes
+    handoff: Handoff | None = None  # decode instance: prefilled elsewhere; `block_rows` hold its KV rows
 
 
 class FinishRequests(msgspec.Struct, tag="finish"):
@@ -88,11 +90,20 @@ class RequestRejected(msgspec.Struct, array_like=True):
     status: int = 400
 
 
+class HandedKV(msgspec.Struct, array_like=True):
+    """A finished `hold_kv` request's prompt KV, one row per token (see engine.kv_handoff), as a tensor frame."""
+
+    request_id: str
+    rows: TensorRef
+    generator_state: bytes | None = None
+
+
 class EngineOutputs(msgspec.Struct, tag="outputs"):
     outputs: list[EngineCoreOutput]
     rejected: list[RequestRejected]
     stats: EngineStats
-    released: list[str] = []  # requests all of whose samples have left the engine: their prompts may be freed
+    released: list[str] = []  # requests whose prompt buffers the engine no longer reads: they may be freed
+    handed: list[HandedKV] = []  # prefill instance: KV of requests that finished with hold_kv
 
 
 class EngineReady(msgspec.Struct, tag="ready"):
@@ -165,8 +176,8 @@ def tensor_from_bytes(frame, dtype: torch.dtype, shape) -> torch.Tensor:
     return torch.frombuffer(data, dtype=dtype).reshape(shape) if data else torch.empty(shape, dtype=dtype)
 
 
-def prompt_to_wire(request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
-                   arrival_time: float) -> tuple[AddRequest, list[torch.Tensor]]:
+def prompt_to_wire(request_id: str, prompt: ProcessedPrompt, params: SamplingParams, arrival_time: float,
+                   hold_kv: bool = False, handoff: Handoff | None = None) -> tuple[AddRequest, list[torch.Tensor]]:
     tensors: list[torch.Tensor] = []
 
     def ref(t: torch.Tensor | None) -> TensorRef | None:
@@ -175,7 +186,7 @@ def prompt_to_wire(request_id: str, prompt: ProcessedPrompt, params: SamplingPar
     items = [WireMMItem(it.offset, it.num_tokens, tuple(it.grid_thw), it.mm_hash, ref(it.pixel_values),
                         ref(it.embeddings)) for it in prompt.mm_items]
     msg = AddRequest(request_id, prompt.prompt_token_ids, items, tensor_ref(prompt.mrope_positions, tensors),
-                     prompt.mrope_delta, params, arrival_time, prompt.block_rows)
+                     prompt.mrope_delta, params, arrival_time, prompt.block_rows, hold_kv, handoff)
     return msg, tensors
 
 

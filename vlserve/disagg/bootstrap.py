@@ -22,12 +22,12 @@ from vlserve.disagg.auth import HEADER, PeerAuth
 
 log = logging.getLogger("vlserve.disagg.bootstrap")
 
-ROLES = ("encode", "language")
+ROLES = ("encode", "language", "prefill", "decode")
 
 
 class InstanceInfo(msgspec.Struct):
     instance_id: str            # unique per process start (the client makes it: uuid4 hex)
-    role: str                   # "encode" | "language"
+    role: str                   # one of ROLES
     address: str                # host:port of its data endpoint (ZeroMQ), opaque to the registry
     http_address: str = ""      # host:port of its HTTP endpoint (health/metrics), opaque
     capacity: int = 1           # how many requests it takes at once (opaque hint)

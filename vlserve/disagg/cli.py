@@ -1,4 +1,5 @@
-"""`vlserve encode` (a vision-encoder service) and `vlserve bootstrap` (the registry where roles meet)."""
+"""`vlserve encode` (a vision-encoder service), `vlserve prefill` (a prefill instance) and `vlserve bootstrap`
+(the registry where roles meet)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import argparse
 import asyncio
 import logging
 
-from vlserve.core.config import BOOTSTRAP, ENCODE
+from vlserve.core.config import BOOTSTRAP, ENCODE, PREFILL
 from vlserve.core.errors import InvalidInputError
 from vlserve.core.options import add_options, options_from
 
@@ -20,6 +21,18 @@ def run_encode(ns: argparse.Namespace) -> int:
     # Precomputed embeddings reach an encoder only from a language server whose own --enable-mm-embeds let them in.
     opts.engine.enable_mm_embeds = True
     asyncio.run(run_encoder(opts, ns.log_level))
+    return 0
+
+
+def run_prefill(ns: argparse.Namespace) -> int:
+    from vlserve.disagg.prefill_service import run_prefill as run
+
+    opts = options_from(ns, PREFILL)
+    opts.engine.load_vision = False  # media go to encoder services
+    # Embedding entries reach a prefill instance only from a decode instance whose own --enable-mm-embeds let
+    # them in.
+    opts.engine.enable_mm_embeds = True
+    asyncio.run(run(opts, ns.log_level))
     return 0
 
 
@@ -50,6 +63,14 @@ def register_cli(subparsers) -> None:
                                 "--port and ZeroMQ on --data-port.")
     add_options(enc, ENCODE, model_required=True)
     enc.set_defaults(func=run_encode)
+
+    pre = subparsers.add_parser("prefill", help="a prefill instance (E->P->D disaggregation)",
+                                description="Prefills prompts for `vlserve decode` instances: media encoded by "
+                                "`vlserve encode` services, the prompt's KV and first token written into the decode "
+                                "instance's blocks. Serves HTTP /health and /metrics on --port and ZeroMQ on "
+                                "--data-port.")
+    add_options(pre, PREFILL, model_required=True)
+    pre.set_defaults(func=run_prefill)
 
     boot = subparsers.add_parser("bootstrap", help="the registry where encode and language instances meet")
     add_options(boot, BOOTSTRAP)

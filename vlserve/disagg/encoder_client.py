@@ -1,6 +1,8 @@
-"""The language server's side of disaggregation: find encoders, send them prompts with media, receive their
-output into this server's receive blocks (a run of blocks per round; a resumed transfer adds a run), and check
-everything an encoder sends before the engine may read it.
+"""The receiving side of disaggregation: find peers, send them prompts, receive their output into this server's
+receive blocks (a run of blocks per round; a resumed transfer adds a run), and check everything a peer sends
+before the engine may read it. The peers are encoders (embedding rows of media tokens, for a language server or
+a prefill instance) or prefill instances (every prompt token's KV row and the first token, for a decode
+instance): one protocol, told apart by `PeerKind`.
 
 A transfer goes Bootstrapping -> WaitingForInput -> Transferring -> Success | Failed | Rejected (the request's
 own fault). Every block it holds is freed on every path but success, which hands them to the caller. An encoder
@@ -22,7 +24,9 @@ import zmq.asyncio
 
 from vlserve.core.config import DisaggArgs
 from vlserve.core.errors import InvalidInputError, MediaTooLargeError, ServiceUnavailableError
+from vlserve.core.messages import Handoff
 from vlserve.core.prompt import MultiModalItem, ProcessedPrompt
+from vlserve.core.sampling_params import SamplingParams
 from vlserve.core.wire import Framer
 from vlserve.disagg.auth import PeerAuth, require_secret_off_loopback
 from vlserve.disagg.bootstrap import BootstrapClient, InstanceInfo
@@ -54,7 +58,24 @@ MAX_MM_HASH_CHARS = 128
 
 
 class EncoderFailure(Exception):
-    """This encoder could not deliver (it failed, died, timed out or sent nonsense): worth one retry elsewhere."""
+    """This peer could not deliver (it failed, died, timed out or sent nonsense): worth one retry elsewhere."""
+
+
+@dataclass(frozen=True)
+class PeerKind:
+    role: str  # the peers' role in the registry
+    name: str  # in messages
+    rows_for_every_token: bool  # KV rows for every prompt token, not embedding rows for media tokens only
+
+    def expects(self, cfg: VlserveConfig) -> tuple:
+        """What a peer's Pong must say to be paired: it produces exactly what this model needs."""
+        m = cfg.model
+        return (m.architecture, m.text.hidden_size, len(m.vision.deepstack_indexes),
+                m.kv_row_width if self.rows_for_every_token else 0)
+
+
+ENCODER_PEERS = PeerKind("encode", "encoder", rows_for_every_token=False)
+PREFILL_PEERS = PeerKind("prefill", "prefill instance", rows_for_every_token=True)
 
 
 @dataclass
@@ -72,8 +93,8 @@ class EncoderConn:
 
 class EncoderClient:
     def __init__(self, cfg: VlserveConfig, buffers: TransferBuffers, metrics: TransferMetrics, opts: DisaggArgs,
-                 self_info: InstanceInfo):
-        self.cfg, self.buffers, self.metrics, self.opts = cfg, buffers, metrics, opts
+                 self_info: InstanceInfo, peers: PeerKind = ENCODER_PEERS):
+        self.cfg, self.buffers, self.metrics, self.opts, self.peers = cfg, buffers, metrics, opts, peers
         registry_host = opts.bootstrap.rsplit(":", 1)[0]
         self.transport = TRANSPORTS[opts.transfer_backend](
             reachable_host(self_info.http_address.rsplit(":", 1)[0], toward=registry_host))
@@ -126,7 +147,7 @@ class EncoderClient:
         """The registry is for discovery only: an encoder is dropped when it stops answering our pings, not
         when the registry loses sight of it (a slow heartbeat or a registry restart must not cut live work).
         A dropped encoder stays out for a while: a dead one is still listed until the registry times it out."""
-        listed = {i.instance_id: i for i in await self.bootstrap.list_instances("encode")}
+        listed = {i.instance_id: i for i in await self.bootstrap.list_instances(self.peers.role)}
         now = time.monotonic()
         self.dropped = {iid: until for iid, until in self.dropped.items() if now < until}
         for iid, info in listed.items():
@@ -138,7 +159,7 @@ class EncoderClient:
                 enc = EncoderConn(info, sock)
                 enc.reader = asyncio.create_task(self._read(enc))
                 self.encoders[iid] = enc
-                logger.info("encoder %s at %s found; pairing", iid[:8], info.address)
+                logger.info("%s %s at %s found; pairing", self.peers.name, iid[:8], info.address)
 
     async def _ping_loop(self) -> None:
         nonce = itertools.count()
@@ -158,9 +179,10 @@ class EncoderClient:
         quarantine = 2 * self.opts.heartbeat_failure_threshold * self.opts.heartbeat_interval
         self.dropped[enc.info.instance_id] = time.monotonic() + (for_s if for_s is not None else quarantine)
         if not quiet:
-            logger.warning("encoder %s (%s) dropped: %s", enc.info.instance_id[:8], enc.info.address, why)
+            logger.warning("%s %s (%s) dropped: %s", self.peers.name, enc.info.instance_id[:8], enc.info.address,
+                           why)
         for q in enc.transfers.values():
-            q.put_nowait(EncoderFailure(f"encoder {enc.info.address} {why}"))
+            q.put_nowait(EncoderFailure(f"{self.peers.name} {enc.info.address} {why}"))
         if enc.reader is not None:
             enc.reader.cancel()
         enc.sock.close(linger=0)
@@ -188,17 +210,16 @@ class EncoderClient:
     def _pair(self, enc: EncoderConn, pong: Pong) -> None:
         if enc.paired:
             return
-        m = self.cfg.model
-        ours = (m.architecture, m.text.hidden_size, len(m.vision.deepstack_indexes))
-        theirs = (pong.architecture, pong.hidden_size, pong.deepstack_levels)
+        ours = self.peers.expects(self.cfg)
+        theirs = (pong.architecture, pong.hidden_size, pong.deepstack_levels, pong.kv_width)
         if theirs != ours:
-            logger.error("encoder %s serves %s (hidden size %d, %d deepstack levels); this server needs %s (hidden "
-                         "size %d, %d deepstack levels): not paired", enc.info.address, theirs[0][:64], *theirs[1:],
-                         *ours)
+            logger.error("%s %s serves %s (hidden size %d, %d deepstack levels, KV rows of %d); this server needs "
+                         "%s (hidden size %d, %d deepstack levels, KV rows of %d): not paired", self.peers.name,
+                         enc.info.address, theirs[0][:64], *theirs[1:], *ours)
             self._drop(enc, "its model does not match", quiet=True, for_s=300.0)
             return
         enc.paired = True
-        logger.info("encoder %s paired (%s)", enc.info.instance_id[:8], enc.info.address)
+        logger.info("%s %s paired (%s)", self.peers.name, enc.info.instance_id[:8], enc.info.address)
 
     # ---- transfers ---------------------------------------------------------------------------------------------
     def _pick(self, key: str, exclude: set[str]) -> EncoderConn | None:
@@ -212,9 +233,10 @@ class EncoderClient:
                 return e
         return min(live, key=lambda e: (e.in_flight, e.last_used))
 
-    async def encode(self, request_id: str, prompt: str, media: dict, uuids: dict,
-                     mm_kwargs: dict) -> ProcessedPrompt:
-        """The processed prompt, its embeddings in receive blocks (`block_rows`) the caller must free."""
+    async def encode(self, request_id: str, prompt: str, media: dict, uuids: dict, mm_kwargs: dict,
+                     params: SamplingParams | None = None) -> tuple[ProcessedPrompt, Handoff | None]:
+        """The processed prompt, its rows in receive blocks (`block_rows`) the caller must free; from a prefill
+        instance (`params` given) also its first token and random state."""
         key = _media_key(media)
         tried: set[str] = set()
         last: Exception | None = None
@@ -224,7 +246,7 @@ class EncoderClient:
                 break
             tried.add(enc.info.instance_id)
             try:
-                processed = await self._transfer(enc, request_id, prompt, media, uuids, mm_kwargs)
+                processed = await self._transfer(enc, request_id, prompt, media, uuids, mm_kwargs, params)
                 self.affinity[key] = enc.info.instance_id
                 self.affinity.move_to_end(key)
                 while len(self.affinity) > AFFINITY_ENTRIES:
@@ -232,12 +254,12 @@ class EncoderClient:
                 return processed
             except EncoderFailure as e:
                 retry = len(tried) < 2 and self._pick(key, tried) is not None
-                logger.warning("request %s: encoder %s failed (%s)%s", request_id, enc.info.address, e,
-                               "; retrying on another encoder" if retry else "")
+                logger.warning("request %s: %s %s failed (%s)%s", request_id, self.peers.name, enc.info.address, e,
+                               f"; retrying on another {self.peers.name}" if retry else "")
                 last = e
         if last is None:
-            raise ServiceUnavailableError("no encoder is available for a request with media; retry later")
-        raise ServiceUnavailableError(f"encoding failed after {len(tried)} attempt(s): {last}")
+            raise ServiceUnavailableError(f"no {self.peers.name} is available; retry later")
+        raise ServiceUnavailableError(f"the {self.peers.name} failed after {len(tried)} attempt(s): {last}")
 
     async def _allocate(self, tokens: int) -> list[int]:
         deadline = time.monotonic() + self.opts.transfer_timeout
@@ -262,7 +284,7 @@ class EncoderClient:
             self._block_freed.set()
 
     async def _transfer(self, enc: EncoderConn, request_id: str, prompt: str, media: dict, uuids: dict,
-                        mm_kwargs: dict) -> ProcessedPrompt:
+                        mm_kwargs: dict, params: SamplingParams | None) -> tuple[ProcessedPrompt, Handoff | None]:
         tid = next(self._ids)
         queue: asyncio.Queue = asyncio.Queue()
         enc.transfers[(request_id, tid)] = queue
@@ -277,13 +299,15 @@ class EncoderClient:
             run = await self._allocate(self.opts.embedding_default_allocate_tokens)
             blocks += run
             await enc.sock.send_multipart(self.requests.encode(EncodeRequest(
-                request_id, tid, prompt, media, uuids, mm_kwargs or {}, run, self.buffers.block_tokens, self.target)))
+                request_id, tid, prompt, media, uuids, mm_kwargs or {}, run, self.buffers.block_tokens, self.target,
+                params)))
             enter(TransferState.WAITING_FOR_INPUT)
             received = _Received()
             while True:
                 header, frames = await self._next_chunk(queue, enter)
                 enter(TransferState.TRANSFERRING)
-                received.check(header, run, self.buffers.block_tokens, self.cfg.max_model_len)
+                received.check(header, run, self.buffers.block_tokens, self.cfg.max_model_len,
+                               self.peers.rows_for_every_token)
                 try:
                     self.metrics.bytes(self.transport.receive(header, frames, self.buffers))
                 except ValueError as e:
@@ -298,10 +322,13 @@ class EncoderClient:
                 await enc.sock.send_multipart(self.requests.encode(ResumeRequest(request_id, tid, received.tokens,
                                                                                  run)))
             processed = self._assemble(prompt, blocks, received)
+            if (header.handoff is not None) != (params is not None):
+                raise EncoderFailure("a prefill's first token is missing" if params is not None else
+                                     "an encoder sent a first token")
             enter(TransferState.SUCCESS)
             self.metrics.transfer_latency.observe(time.perf_counter() - t0)
             succeeded = True
-            return processed
+            return processed, header.handoff
         except InvalidInputError:
             enter(TransferState.REJECTED)
             raise
@@ -368,7 +395,8 @@ class _Received:
         self.first: TransferChunk | None = None
         self.tokens = 0
 
-    def check(self, header: TransferChunk, run: list[int], block_tokens: int, max_model_len: int) -> None:
+    def check(self, header: TransferChunk, run: list[int], block_tokens: int, max_model_len: int,
+              rows_for_every_token: bool = False) -> None:
         first = self.first or header
         problems = []
         if not 0 < header.total_tokens <= max_model_len:
@@ -384,13 +412,19 @@ class _Received:
         end = header.start_token + header.num_tokens
         # Exactly one row for every media token of the chunk, in order: none missing (its slot would hold a stale
         # row of another request), none extra, none for text.
-        media = [(max(it.offset, header.start_token), min(it.offset + it.num_tokens, end)) for it in header.items]
-        if [(s.token, s.num_rows) for s in header.segments] != [(lo, hi - lo) for lo, hi in media if lo < hi]:
-            problems.append("embedding rows that do not match this chunk's media tokens")
+        if rows_for_every_token:  # KV: a row for every token of the chunk
+            rows = [(header.start_token, header.num_tokens)]
+        else:
+            media = [(max(it.offset, header.start_token), min(it.offset + it.num_tokens, end)) for it in header.items]
+            rows = [(lo, hi - lo) for lo, hi in media if lo < hi]
+        if [(s.token, s.num_rows) for s in header.segments] != rows:
+            problems.append("rows that do not match this chunk's tokens")
+        if header.handoff is not None and header.partial:
+            problems.append("a first token before the last chunk")
         if any(len(it.mm_hash) > MAX_MM_HASH_CHARS for it in header.items):
             problems.append("an oversized mm_hash")
         if problems:
-            raise EncoderFailure("the encoder sent " + "; ".join(problems))
+            raise EncoderFailure("the peer sent " + "; ".join(problems))
         self.first = first
         self.tokens = end
 

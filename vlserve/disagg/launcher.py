@@ -1,4 +1,6 @@
-"""`vlserve serve --disagg`: a bootstrap, N encoders and a language server on this machine, each its own process.
+"""`vlserve serve --disagg`: a bootstrap, N encoders and a language server on this machine, each its own process
+(E->PD); with `--num-prefill P --num-decode D`, P prefill and D decode instances instead of the language server
+(E->P->D).
 
 Each child's command line is built from the options (only the flags its role honours), never by editing argv.
 Children run in their own session, so a terminal's Ctrl-C reaches only this supervisor, which then stops them
@@ -19,7 +21,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from vlserve.core.config import BOOTSTRAP, ENCODE, LANGUAGE, Options
+from vlserve.core.config import BOOTSTRAP, DECODE, ENCODE, LANGUAGE, PREFILL, Options
+from vlserve.core.errors import InvalidInputError
 from vlserve.core.options import to_argv
 
 logger = logging.getLogger("vlserve.disagg")
@@ -90,8 +93,23 @@ def plan_children(opts: Options, log_level: str) -> list[Child]:
         ports = ["--host", "127.0.0.1", "--port", str(free_port()), "--data-port", str(free_port())]
         children.append(Child(f"encoder-{i}", [*vlserve, "encode", *_without(argv, "--host", "--port"), *ports,
                                                "--bootstrap", bootstrap], env))
-    argv, env = to_argv(opts, LANGUAGE)
-    children.append(Child("language", [*vlserve, "language", *argv, "--bootstrap", bootstrap], env))
+    d = opts.disagg
+    if not d.num_prefill and not d.num_decode:
+        argv, env = to_argv(opts, LANGUAGE)
+        children.append(Child("language", [*vlserve, "language", *argv, "--bootstrap", bootstrap], env))
+        return children
+    if d.num_prefill < 1 or d.num_decode < 1:
+        raise InvalidInputError("E->P->D needs at least one of each: --num-prefill P --num-decode D")
+    argv, env = to_argv(opts, PREFILL)
+    for i in range(d.num_prefill):
+        ports = ["--host", "127.0.0.1", "--port", str(free_port()), "--data-port", str(free_port())]
+        children.append(Child(f"prefill-{i}", [*vlserve, "prefill", *_without(argv, "--host", "--port"), *ports,
+                                               "--bootstrap", bootstrap], env))
+    argv, env = to_argv(opts, DECODE)
+    for i in range(d.num_decode):  # the first on the user's port, the others on the ports after it
+        port = ["--port", str(opts.server.port + i)]
+        children.append(Child(f"decode-{i}", [*vlserve, "decode", *_without(argv, "--port"), *port,
+                                              "--bootstrap", bootstrap], env))
     return children
 
 
@@ -156,7 +174,7 @@ class Supervisor:
             child.restart_at = now + backoff
 
     def shutdown(self) -> None:
-        """Language first, so it stops taking requests before its encoders go; the registry last."""
+        """API servers first, so they stop taking requests before their peers go; the registry last."""
         for child in reversed(self.children):
             child.stop()
             child.wait(STOP_TIMEOUT_S)
@@ -166,6 +184,8 @@ def run_roles(opts: Options, log_level: str) -> int:
     if opts.disagg.disagg_secret is None:  # the roles authenticate each other; children get it in their env
         opts.disagg.disagg_secret = secrets.token_urlsafe(32)
     children = plan_children(opts, log_level)
-    logger.info("starting a bootstrap, %d encoder(s) and a language server on %s:%d (Ctrl-C or SIGTERM stops all)",
-                opts.disagg.num_encoders, opts.server.host, opts.server.port)
+    d = opts.disagg
+    api = f"{d.num_prefill} prefill and {d.num_decode} decode instance(s)" if d.num_decode else "a language server"
+    logger.info("starting a bootstrap, %d encoder(s) and %s on %s:%d (Ctrl-C or SIGTERM stops all)",
+                d.num_encoders, api, opts.server.host, opts.server.port)
     return Supervisor(children).run()

@@ -3,6 +3,10 @@ then raw tensor frames it refers to. Nothing is pickled.
 
 Language -> encoder (DEALER -> ROUTER): EncodeRequest, ResumeRequest, AbortTransfer, Ping.
 Encoder -> language (the same connection back): TransferChunk (+ tensor frames), TransferFailed, Pong.
+
+Prefill/decode disaggregation speaks the same protocol: the decode instance is the receiver, the prefill
+instance the sender; an EncodeRequest then carries the sampling parameters, the chunks carry every prompt
+token's KV row, and the last chunk the prefill's first token (`handoff`).
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from typing import Any
 
 import msgspec
 
+from vlserve.core.messages import Handoff
+from vlserve.core.sampling_params import SamplingParams
 from vlserve.core.wire import TensorRef
 from vlserve.engine.transfer_buffers import BufferLayout
 
@@ -46,6 +52,7 @@ class EncodeRequest(msgspec.Struct, tag="encode"):
     block_ids: list[int]  # the receiver's blocks for tokens 0, 1, ... (the first run)
     block_tokens: int
     target: TransferTarget | None = None  # None: the data travels as frames (zmq)
+    params: SamplingParams | None = None  # to a prefill instance: how to sample the first token
 
 
 class ResumeRequest(msgspec.Struct, tag="resume"):
@@ -102,6 +109,7 @@ class TransferChunk(msgspec.Struct, tag="chunk"):
     fill_ids: TensorRef | None = None  # [num_tokens] int64; None when the transport wrote it into the blocks
     positions: TensorRef | None = None  # [num_tokens, 3] int64
     rows: TensorRef | None = None  # [sum of segment rows, width]
+    handoff: Handoff | None = None  # from a prefill instance, on the last chunk: its first token, random state
 
 
 class TransferFailed(msgspec.Struct, tag="failed"):
@@ -119,6 +127,7 @@ class Pong(msgspec.Struct, tag="pong"):
     architecture: str
     hidden_size: int
     deepstack_levels: int  # the encoder sends hidden_size x (1 + deepstack_levels) columns per media token
+    kv_width: int = 0  # a prefill instance: the KV row width it sends per token (0: an encoder)
 
 
 EncoderToLanguage = TransferChunk | TransferFailed | Pong

@@ -12,33 +12,50 @@ from vlserve.frontend.metrics import LATENCY_BUCKETS, PREFIX
 
 
 class _BufferGauges:
-    def __init__(self, buffers: TransferBuffers, labels: dict[str, str]):
-        self.buffers, self.labels = buffers, labels
+    def __init__(self, buffers: TransferBuffers, labels: dict[str, str], kind: str):
+        self.buffers, self.labels, self.kind = buffers, labels, kind
 
     def collect(self):
+        kind = self.kind
         for name, value, help_text in (
-                ("embedding_buffer_free_blocks", self.buffers.num_free, "Free embedding buffer blocks."),
-                ("embedding_buffer_total_blocks", self.buffers.num_blocks, "All embedding buffer blocks.")):
+                (f"{kind}_buffer_free_blocks", self.buffers.num_free, f"Free {kind} receive buffer blocks."),
+                (f"{kind}_buffer_total_blocks", self.buffers.num_blocks, f"All {kind} receive buffer blocks.")):
             g = GaugeMetricFamily(PREFIX + name, help_text, labels=list(self.labels))
             g.add_metric(list(self.labels.values()), float(value))
             yield g
 
 
+class ScrapeTimeGauges:
+    """Gauges read from the live objects at scrape time: `read()` gives (name, value, help) triples."""
+
+    def __init__(self, read):
+        self.read = read
+
+    def collect(self):
+        for name, value, help_text in self.read():
+            g = GaugeMetricFamily(PREFIX + name, help_text)
+            g.add_metric([], float(value))
+            yield g
+
+
 class TransferMetrics:
-    def __init__(self, registry: CollectorRegistry, buffers: TransferBuffers | None, role: str):
+    """`kind`: what moves, "embedding" (encoder -> language or prefill) or "kv" (prefill -> decode)."""
+
+    def __init__(self, registry: CollectorRegistry, buffers: TransferBuffers | None, role: str,
+                 kind: str = "embedding"):
         self.labels = {"role": role}
         if buffers is not None:
-            registry.register(_BufferGauges(buffers, self.labels))
-        self._transfers = Counter(PREFIX + "embedding_transfers", "Embedding transfers entering each state.",
+            registry.register(_BufferGauges(buffers, self.labels, kind))
+        self._transfers = Counter(PREFIX + f"{kind}_transfers", f"{kind.capitalize()} transfers entering each state.",
                                   ["role", "state"], registry=registry)
         for state in TransferState:  # every state shows up at 0 from the start
             self._transfers.labels(role, state.value)
-        self._bytes = Counter(PREFIX + "embedding_transfer_bytes", "Embedding transfer payload bytes.", ["role"],
-                              registry=registry).labels(role)
-        self._resumes = Counter(PREFIX + "embedding_transfer_resumes", "Transfers resumed into fresh blocks.",
+        self._bytes = Counter(PREFIX + f"{kind}_transfer_bytes", f"{kind.capitalize()} transfer payload bytes.",
+                              ["role"], registry=registry).labels(role)
+        self._resumes = Counter(PREFIX + f"{kind}_transfer_resumes", "Transfers resumed into fresh blocks.",
                                 ["role"], registry=registry).labels(role)
-        self.transfer_latency = Histogram(PREFIX + "embedding_transfer_latency_seconds",
-                                          "From sending an encode request to the last chunk.", ["role"],
+        self.transfer_latency = Histogram(PREFIX + f"{kind}_transfer_latency_seconds",
+                                          "From sending a request to its last chunk.", ["role"],
                                           registry=registry, buckets=LATENCY_BUCKETS).labels(role)
 
     def state(self, state: TransferState) -> None:

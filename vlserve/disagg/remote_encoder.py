@@ -1,5 +1,9 @@
-"""The language server's prompt encoder: prompts with media go to an encoder service, whose output lands in this
-server's receive blocks, where the engine reads it in place; prompts without media stay local.
+"""The prompt encoder of a server whose prompts are worked on elsewhere, the output landing in this server's
+receive blocks where the engine reads it:
+- a language server (or prefill instance): prompts with media go to an encoder service (embedding rows);
+  prompts without media stay local;
+- a decode instance: every prompt with text goes to a prefill instance (KV rows and the first token); only
+  token-id prompts are prefilled here.
 
 What this server's options forbid is refused here with the aggregated server's status (too many items,
 embeddings input off), before any encoder is asked; everything else is the encoder's to check under its own
@@ -11,10 +15,10 @@ from __future__ import annotations
 from vlserve.core.config import DisaggArgs
 from vlserve.core.errors import InvalidInputError
 from vlserve.disagg.bootstrap import InstanceInfo, new_instance_id
-from vlserve.disagg.encoder_client import EncoderClient
+from vlserve.disagg.encoder_client import ENCODER_PEERS, PREFILL_PEERS, EncoderClient, PeerKind
 from vlserve.disagg.metrics import TransferMetrics
 from vlserve.engine.transfer_buffers import TransferBuffers
-from vlserve.frontend.prompt_encoder import EncodedPrompt, LocalPromptEncoder
+from vlserve.frontend.prompt_encoder import N_REFUSED, EncodedPrompt, LocalPromptEncoder
 
 
 def _has_urls(media: dict) -> bool:
@@ -22,15 +26,17 @@ def _has_urls(media: dict) -> bool:
 
 
 class RemotePromptEncoder:
-    def __init__(self, engine, opts: DisaggArgs, http_address: str):
-        self.cfg = engine.cfg
+    def __init__(self, engine, opts: DisaggArgs, info: InstanceInfo, peers: PeerKind = ENCODER_PEERS):
+        """`info`: how this server registers (its role and the address peers reach it by)."""
+        self.cfg, self.peers = engine.cfg, peers
         self.local = LocalPromptEncoder(engine.input_processor, {}, engine.executor)  # text and embeddings
+        width = self.cfg.model.kv_row_width if peers.rows_for_every_token else self.cfg.model.embedding_width
         self.transfer_buffers = TransferBuffers.create(opts.embedding_buffer_blocks, opts.embedding_block_tokens,
-                                                       self.cfg.model.embedding_width, self.cfg.dtype)
-        metrics = TransferMetrics(engine.metrics.registry, self.transfer_buffers, "language")
-        info = InstanceInfo(new_instance_id(), "language", http_address, http_address)
-        self.client = EncoderClient(self.cfg, self.transfer_buffers, metrics, opts, info)
-        engine.metrics.registry.register(_EncoderGauge(self.client))
+                                                       width, self.cfg.dtype)
+        kind = "kv" if peers.rows_for_every_token else "embedding"
+        metrics = TransferMetrics(engine.metrics.registry, self.transfer_buffers, info.role, kind)
+        self.client = EncoderClient(self.cfg, self.transfer_buffers, metrics, opts, info, peers)
+        engine.metrics.registry.register(_PeerGauge(self.client))
         self.started = False
 
     async def start(self) -> None:
@@ -47,10 +53,16 @@ class RemotePromptEncoder:
         if self.started:
             await self.client.stop()
 
-    async def encode(self, prompt: dict, mm_processor_kwargs: dict | None, request_id: str) -> EncodedPrompt:
+    async def encode(self, prompt: dict, mm_processor_kwargs: dict | None, request_id: str,
+                     params=None) -> EncodedPrompt:
         media = prompt.get("multi_modal_data") or {}
-        if not _has_urls(media):
+        prefill = self.peers.rows_for_every_token
+        if not (_has_urls(media) or (prefill and "prompt" in prompt)):
             return await self.local.encode(prompt, mm_processor_kwargs, request_id)
+        if prefill and params is None:
+            raise InvalidInputError("a decode instance needs the request's sampling parameters to have it prefilled")
+        if prefill and params.n != 1:  # before any prefill work
+            raise InvalidInputError(N_REFUSED)
         for kind, items in media.items():
             limit = self.cfg.limit_mm_per_prompt.get(kind, 0)
             if len(items) > limit:
@@ -60,8 +72,9 @@ class RemotePromptEncoder:
                 raise InvalidInputError("image embeddings input is disabled; start with --enable-mm-embeds")
         if "prompt" not in prompt:
             raise InvalidInputError("a prompt with media needs its text (token ids cannot carry placeholders here)")
-        processed = await self.client.encode(request_id or "prompt", prompt["prompt"], media,
-                                             prompt.get("multi_modal_uuids") or {}, mm_processor_kwargs or {})
+        processed, handoff = await self.client.encode(request_id or "prompt", prompt["prompt"], media,
+                                                      prompt.get("multi_modal_uuids") or {}, mm_processor_kwargs or {},
+                                                      params if prefill else None)
         blocks = processed.block_rows
         released = []
 
@@ -70,22 +83,27 @@ class RemotePromptEncoder:
                 released.append(True)
                 self.client.free(blocks)
 
-        return EncodedPrompt(processed, release)
+        return EncodedPrompt(processed, release, handoff)
 
 
-def remote_prompt_encoder(opts: DisaggArgs, http_address: str):
+def remote_prompt_encoder(opts: DisaggArgs, http_address: str, role: str = "language", data_address: str = ""):
+    """A language server's (role "language"), a prefill instance's ("prefill": it registers its data address,
+    where decode instances reach it) or a decode instance's ("decode": its peers are prefill instances)."""
     def build(engine) -> RemotePromptEncoder:
-        return RemotePromptEncoder(engine, opts, http_address)
+        info = InstanceInfo(new_instance_id(), role, data_address or http_address, http_address)
+        return RemotePromptEncoder(engine, opts, info, PREFILL_PEERS if role == "decode" else ENCODER_PEERS)
     return build
 
 
-class _EncoderGauge:
+class _PeerGauge:
     def __init__(self, client: EncoderClient):
         self.client = client
 
     def collect(self):
         from prometheus_client.core import GaugeMetricFamily
 
-        g = GaugeMetricFamily("vlserve:encoders_available", "Encoders this language server can send work to.")
+        name = {"encode": "encoders_available", "prefill": "prefill_instances_available"}[self.client.peers.role]
+        g = GaugeMetricFamily(f"vlserve:{name}", f"{self.client.peers.name.capitalize()}s this server can send "
+                              "work to.")
         g.add_metric([], float(self.client.num_available))
         yield g

@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 
 import torch
 
 from vlserve.core.errors import InvalidInputError
-from vlserve.core.messages import EngineCoreOutput
+from vlserve.core.messages import EngineCoreOutput, Handoff
 from vlserve.core.prompt import ProcessedPrompt
 from vlserve.core.request import Request, RequestStatus
 from vlserve.core.sampling_params import SamplingParams, fan_out
 from vlserve.engine.config import VlserveConfig
-from vlserve.engine.kv_handoff import PrefilledKV
+from vlserve.engine.kv_handoff import PrefilledKV, kv_to_rows, rows_to_kv
 from vlserve.engine.model_runner import ModelRunner
 from vlserve.engine.prompt_check import check_prompt
 from vlserve.engine.scheduler import Scheduler
@@ -54,6 +55,8 @@ class EngineCore:
         self._parent_of: dict[str, str] = {}  # engine request id -> the API request it samples for
         self._open: dict[str, set[str]] = {}  # API request -> its samples still in the engine
         self._released: list[str] = []
+        self._handoffs: deque[Request] = deque()  # handed-over requests waiting for room (decode instance)
+        self._first_outputs: list[EngineCoreOutput] = []  # their first tokens, reported at the next step
         logger.info("engine ready in %.1fs: %s on %s, %s, %d KV blocks x %d tokens", time.perf_counter() - t0,
                     cfg.model.architecture, cfg.device, str(cfg.dtype).removeprefix("torch."), cfg.num_kv_blocks,
                     cfg.block_size)
@@ -110,35 +113,107 @@ class EngineCore:
         t = self.cfg.model.text
         check_prompt(prompt, self.cfg, None)
         handed.check(t.num_layers, t.num_kv_heads, t.head_dim, len(prompt.prompt_token_ids))
+        req = self._handed_request(request_id, prompt, params, handed.output_token_ids, handed.generator_state,
+                                   arrival_time)
+        if self.scheduler.finish_status(req, req.token_ids[-1]) is not None:
+            raise InvalidInputError(f"request {request_id!r} ended at its handed-over token: nothing to decode")
+        # Without its pictures here a preempted request could not be recomputed: then its KV is swapped out.
+        req.swap_on_preempt = any(it.pixel_values is None and it.embeddings is None for it in prompt.mm_items)
+        cached = self.scheduler.add_prefilled(req, handed.num_tokens)
+        if cached is None:
+            return False
+        self._write_handed_kv(req, handed.kv[:, :, cached:], cached)
+        self._parent_of[request_id] = request_id
+        self._open[request_id] = {request_id}
+        return True
+
+    def add_handoff(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, handoff: Handoff,
+                    arrival_time: float | None = None) -> None:
+        """Decode instance: a request prefilled by another instance, whose KV rows (`kv_handoff.kv_to_rows`) are
+        in this engine's receive blocks `prompt.block_rows`. Its first token is reported at the next step; it is
+        admitted as soon as there is room, and the receive blocks are released once its KV is copied in."""
+        if self.transfer is None or prompt.block_rows is None:
+            raise InvalidInputError("a handed-over request needs its KV rows in this engine's receive blocks")
+        check_prompt(prompt, self.cfg, (self.transfer.num_blocks, self.transfer.block_tokens))
+        if len(handoff.first.new_token_ids) != 1:
+            raise InvalidInputError("a handed-over request carries exactly the one token its prefill sampled")
+        state = None if handoff.generator_state is None else torch.frombuffer(bytearray(handoff.generator_state),
+                                                                               dtype=torch.uint8)
+        req = self._handed_request(request_id, prompt, params, handoff.first.new_token_ids, state, arrival_time)
+        req.num_cached_tokens = handoff.first.num_cached_tokens  # what the prefill saved: reported in usage
+        req.swap_on_preempt = True  # the receive blocks are reused once its KV is in: it cannot be recomputed here
+        first = EngineCoreOutput(request_id, list(handoff.first.new_token_ids), handoff.first.new_logprobs,
+                                 num_cached_tokens=handoff.first.num_cached_tokens)
+        status = self.scheduler.finish_status(req, req.token_ids[-1])
+        self._first_outputs.append(first)
+        self.generation_tokens_total += 1
+        if status is not None:  # it ends at the prefill's token: nothing to decode
+            first.finish_reason, first.stop_reason = status.value, req.stop_reason
+            self._release_buffers(request_id)
+            return
+        self._handoffs.append(req)
+        self._admit_handoffs()
+
+    def _handed_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
+                        output_token_ids: list[int], generator_state: torch.Tensor | None,
+                        arrival_time: float | None) -> Request:
+        """The request as the prefill left it, every check done (nothing is admitted yet)."""
         if params.n != 1:
             raise InvalidInputError("a handed-over request samples once (n = 1)")
+        if not output_token_ids:
+            raise InvalidInputError("a handed-over request needs the token its prefill sampled")
         self._check_id_free([request_id], request_id)
         req = Request(request_id, prompt, params, self.cfg.model.eos_token_ids, arrival_time)
-        req.token_ids += handed.output_token_ids
+        req.token_ids += output_token_ids
         self.scheduler.check_fits(req)
-        # Everything that can fail comes before admission, so a refusal leaves nothing behind.
-        if handed.generator_state is not None:
+        if generator_state is not None:
             req.generator = torch.Generator(device=self.cfg.device)
             try:
-                req.generator.set_state(handed.generator_state)
+                req.generator.set_state(generator_state)
             except RuntimeError as e:  # e.g. a CPU generator's state for a CUDA one
                 raise InvalidInputError(f"the handed-over random state does not fit this device: {e}") from None
         if params.structured_outputs is not None:
             req.grammar = self.grammars.build(params.structured_outputs, req.output_token_ids)
             req.grammar.matcher  # noqa: B018 - raises here if the grammar fails; usually cached, so quick
-        if self.scheduler.ends_at(req, req.token_ids[-1]):
-            raise InvalidInputError(f"request {request_id!r} ended at its handed-over token: nothing to decode")
-        if not self.scheduler.add_prefilled(req, handed.num_tokens):
-            return False
+        return req
+
+    def _admit_handoffs(self) -> None:
+        """Handed-over requests into the running set, in arrival order, while there is room."""
+        t = self.cfg.model.text
+        while self._handoffs:
+            req = self._handoffs[0]
+            n = req.num_prompt_tokens
+            cached = self.scheduler.add_prefilled(req, n)
+            if cached is None:
+                return
+            self._handoffs.popleft()
+            rows = self.transfer.read_rows(req.prompt.block_rows, cached, n - cached)
+            self._write_handed_kv(req, rows_to_kv(rows, t.num_layers, t.num_kv_heads, t.head_dim), cached)
+            self._release_buffers(req.request_id)
+
+    def _write_handed_kv(self, req: Request, kv: torch.Tensor, start: int = 0) -> None:
+        """KV of tokens start..start+kv.shape[2] (the ones before are shared from the prefix cache)."""
         try:
-            self.runner.write_kv(self.runner.token_slots(req, handed.num_tokens), handed.kv)
+            self.runner.write_kv(self.runner.token_slots(req, start + kv.shape[2])[start:], kv)
         except BaseException:
-            self.scheduler.finish_requests([request_id])
+            self.scheduler.finish_requests([req.request_id])
             raise
         self.scheduler.kv.cache_full_blocks(req)
-        self._parent_of[request_id] = request_id
-        self._open[request_id] = {request_id}
-        return True
+
+    def _release_buffers(self, request_id: str) -> None:
+        if self.report_released:
+            self._released.append(request_id)
+
+    def take_handed(self, outputs: list[EngineCoreOutput]) -> list[tuple[str, torch.Tensor, bytes | None]]:
+        """Prefill instance: (request id, KV rows, random state) of every request of `outputs` that finished with
+        its KV held; their blocks are freed."""
+        handed = []
+        for out in outputs:
+            if out.finish_reason is not None and out.request_id in self.scheduler.held:
+                kv = self.export_held(out.request_id)
+                state = None if kv.generator_state is None else kv.generator_state.numpy().tobytes()
+                handed.append((out.request_id, kv_to_rows(kv.kv), state))
+        return handed
 
     @property
     def has_released(self) -> bool:
@@ -164,18 +239,32 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         self._left(request_ids)
+        self._drop_handoffs(request_ids)
 
     def stop_requests(self, request_ids: list[str]) -> None:
         """Finished by the front end (a stop string matched): same clean-up as an abort, reported as stop."""
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
         self._left(request_ids)
+        self._drop_handoffs(request_ids)
+
+    def _drop_handoffs(self, request_ids: list[str]) -> None:
+        """Handed-over requests still waiting for room leave without being admitted; their rows are freed. A
+        first token not yet reported is dropped with them."""
+        gone = set(request_ids)
+        if self._first_outputs:
+            self._first_outputs = [o for o in self._first_outputs if o.request_id not in gone]
+        for req in [r for r in self._handoffs if r.request_id in gone]:
+            self._handoffs.remove(req)
+            self._release_buffers(req.request_id)
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or bool(self._handoffs or self._first_outputs)
 
     def _check_id_free(self, engine_ids: list[str], request_id: str) -> None:
-        if any(i in self.scheduler.requests or i in self.scheduler.held for i in engine_ids):
+        waiting_handoffs = {r.request_id for r in self._handoffs}
+        if any(i in self.scheduler.requests or i in self.scheduler.held or i in waiting_handoffs
+               for i in engine_ids):
             raise InvalidInputError(f"request id {request_id!r} is already in use")
 
     def take_failed(self) -> list[tuple[str, str]]:
@@ -201,14 +290,28 @@ class EngineCore:
             for rid in self.scheduler.release_stale_held(HELD_KV_TTL_S):
                 logger.warning("request %s: its prefilled KV was not taken within %.0f s; released", rid,
                                HELD_KV_TTL_S)
+        if self._handoffs:
+            self._admit_handoffs()
+        first, self._first_outputs = self._first_outputs, []
         sched = self.scheduler.schedule()
+        self._swap(sched)
         if sched.empty and self._building:  # only grammars being built: let the worker have the CPU
             time.sleep(0.001)
         sampled, logprobs = self.runner.execute(sched)
         outputs = self.scheduler.update_from_output(sched, sampled, logprobs)
         self.generation_tokens_total += len(outputs)
         self._left(o.request_id for o in outputs if o.finish_reason is not None)
-        return outputs
+        return first + outputs
+
+    def _swap(self, sched) -> None:
+        """KV of preempted requests that cannot be recomputed out to host memory (read before this step's
+        forward pass reuses their blocks), and back in for those readmitted."""
+        for req, block_ids, n in sched.swap_out:
+            req.swapped_kv = self.runner.read_kv(self.runner.block_slots(block_ids, n))
+        for req in sched.swap_in:
+            self.runner.write_kv(self.runner.token_slots(req, req.num_computed_tokens), req.swapped_kv)
+            req.swapped_kv = None
+            self.scheduler.kv.cache_full_blocks(req)
 
     def take_encoder_seconds(self) -> list[float]:
         """Vision-tower call durations since the last call (histogram samples for the metrics)."""

@@ -47,7 +47,7 @@ SHUTDOWN_WAIT_S = 10.0
 
 class EngineCoreClient:
     def __init__(self, args: EngineArgs, log_level: str = "INFO", heartbeat_timeout: float = 10.0,
-                 on_outputs: Callable[[EngineOutputs], None] | None = None,
+                 on_outputs: Callable[[EngineOutputs, list], None] | None = None,
                  on_failure: Callable[[str], None] | None = None,
                  on_recovery: Callable[[], None] | None = None, transfer_layout: BufferLayout | None = None):
         """`transfer_layout`: receive buffers the engine process maps (a disaggregated language server's)."""
@@ -55,7 +55,7 @@ class EngineCoreClient:
         self.transfer_layout = transfer_layout
         self.heartbeat_timeout = heartbeat_timeout
         self.stuck_after = max(STUCK_STEP_MIN_S, 30 * heartbeat_timeout)
-        self.on_outputs = on_outputs or (lambda msg: None)
+        self.on_outputs = on_outputs or (lambda msg, frames: None)  # frames: tensor frames of `handed` KV
         self.on_failure = on_failure or (lambda reason: None)
         self.on_recovery = on_recovery or (lambda: None)
         self.proc: multiprocessing.Process | None = None
@@ -155,7 +155,7 @@ class EngineCoreClient:
                 self._die(msg.message)
                 return
             if isinstance(msg, EngineOutputs):
-                self.on_outputs(msg)
+                self.on_outputs(msg, frames)
 
     # ---- liveness ----------------------------------------------------------------------------------------
     async def _watch(self) -> None:

@@ -32,11 +32,13 @@ from vlserve.core.wire import (
     EngineStats,
     FinishRequests,
     Framer,
+    HandedKV,
     Heartbeat,
     RequestRejected,
     Shutdown,
     prompt_from_wire,
     request_id_of,
+    tensor_ref,
 )
 from vlserve.engine.config import resolve_config
 from vlserve.engine.core import EngineCore
@@ -88,7 +90,7 @@ class EngineCoreLoop:
             self.rejected += [RequestRejected(rid, why, 400) for rid, why in self.core.take_failed()]
             self.progress.steps += 1
             if outputs or self.rejected or busy or self.core.has_released:
-                self._send(outputs)
+                self._send(outputs, self.core.take_handed(outputs) if self.core.held else [])
 
     def _drain_inputs(self) -> None:
         while True:
@@ -116,7 +118,11 @@ class EngineCoreLoop:
     def _handle(self, msg, frames) -> None:
         if isinstance(msg, AddRequest):
             try:
-                self.core.add_request(msg.request_id, prompt_from_wire(msg, frames), msg.params, msg.arrival_time)
+                prompt = prompt_from_wire(msg, frames)
+                if msg.handoff is not None:
+                    self.core.add_handoff(msg.request_id, prompt, msg.params, msg.handoff, msg.arrival_time)
+                else:
+                    self.core.add_request(msg.request_id, prompt, msg.params, msg.arrival_time, hold_kv=msg.hold_kv)
             except (VlserveError, ValueError) as e:
                 status = getattr(e, "http_status", 400)
                 self.rejected.append(RequestRejected(msg.request_id, str(e), status))
@@ -131,12 +137,14 @@ class EngineCoreLoop:
         elif isinstance(msg, Shutdown):
             self.running = False
 
-    def _send(self, outputs) -> None:
+    def _send(self, outputs, handed=()) -> None:
         metrics = self.core.get_metrics()
         stats = EngineStats(**{k: v for k, v in metrics.items() if k in EngineStats.__struct_fields__},
                             encoder_seconds=self.core.take_encoder_seconds())
-        self.outputs.send_multipart(self.out_framer.encode(EngineOutputs(outputs, self.rejected, stats,
-                                                                         self.core.take_released())))
+        tensors: list = []
+        kv = [HandedKV(rid, tensor_ref(rows, tensors), state) for rid, rows, state in handed]
+        msg = EngineOutputs(outputs, self.rejected, stats, self.core.take_released(), kv)
+        self.outputs.send_multipart(self.out_framer.encode(msg, tensors), copy=False)
         self.rejected = []
 
 

@@ -31,3 +31,17 @@ class PrefilledKV:
                                     f"{num_prompt_tokens}")
         if not self.output_token_ids:
             raise InvalidInputError("a handed-over request needs the token its prefill sampled")
+
+
+def kv_to_rows(kv: torch.Tensor) -> torch.Tensor:
+    """[layers, 2, n, kv_heads, head_dim] -> [n, width]: one row per token, so KV travels in the same receive
+    blocks and transports as embedding rows (a token's row lands in that token's slot)."""
+    return kv.permute(2, 0, 1, 3, 4).reshape(kv.shape[2], -1)
+
+
+def rows_to_kv(rows: torch.Tensor, layers: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+    """The inverse of `kv_to_rows`."""
+    if rows.dim() != 2 or rows.shape[1] != layers * 2 * kv_heads * head_dim:
+        raise InvalidInputError(f"KV rows of shape {tuple(rows.shape)} do not fit this model ({layers} layers, "
+                                f"{kv_heads} KV heads of {head_dim})")
+    return rows.view(rows.shape[0], layers, 2, kv_heads, head_dim).permute(1, 2, 0, 3, 4)

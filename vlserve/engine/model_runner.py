@@ -49,6 +49,11 @@ class ModelRunner:
     def token_slots(self, req: Request, num_tokens: int) -> torch.Tensor:
         return self._slots(req, 0, num_tokens)
 
+    def block_slots(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+        """KV slots of tokens 0..num_tokens held in `block_ids` (blocks a preemption is about to free)."""
+        idx = torch.arange(num_tokens)
+        return torch.tensor(block_ids)[idx // self.block_size] * self.block_size + idx % self.block_size
+
     def read_kv(self, slots: torch.Tensor) -> torch.Tensor:
         """[layers, 2, len(slots), kv_heads, head_dim]: the KV cache at these slots, on the CPU."""
         index = slots.to(self.device)

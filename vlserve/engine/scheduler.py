@@ -3,7 +3,9 @@
 There are no separate prefill and decode phases: every request has `num_computed_tokens` catching up with
 its `num_tokens`. Each step packs, under a token budget, first the running requests (one token for those
 decoding, a chunk for those still prefilling), then new ones from the waiting queue. When KV blocks run out,
-the most recently admitted running request is preempted: its blocks are freed and it is recomputed later.
+the most recently admitted running request is preempted: its blocks are freed and it is recomputed later
+(or, when its prompt was computed on another instance and cannot be recomputed here, its KV is swapped out to
+host memory and back).
 """
 
 from __future__ import annotations
@@ -114,6 +116,12 @@ class Scheduler:
             if req.grammar is not None and (not req.grammar.ready or req.grammar.error is not None):
                 not_ready.append(self.waiting.popleft())
                 continue
+            if req.swapped_kv is not None:
+                if not self._admit_computed(req, req.swapped_kv.shape[2]):
+                    break
+                self.waiting.popleft()
+                out.swap_in.append(req)  # it decodes from the next step on
+                continue
             cached = self.kv.find_cached_prefix(req)
             start = len(cached) * self.kv.block_size
             n, encode = self._plan_chunk(req, start, token_budget, encoder_budget)
@@ -172,6 +180,8 @@ class Scheduler:
             cache.lookup((rid, idx), items[idx])
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        if req.swap_on_preempt and req.num_computed_tokens:
+            out.swap_out.append((req, list(req.block_ids), req.num_computed_tokens))
         self.kv.free(req)
         out.free_encoder_keys.extend(self.encoder_cache.release_all(req.request_id, req.mm_items))
         req.num_computed_tokens = 0
@@ -216,12 +226,6 @@ class Scheduler:
                 out.finish_reason, out.stop_reason = status.value, req.stop_reason
             outputs.append(out)
         return outputs
-
-    def ends_at(self, req: Request, token: int) -> bool:
-        """Whether `token`, just appended, ends `req` (stop token, max_tokens, context, or a complete grammar)."""
-        if req.grammar is not None and req.grammar.finished:  # built and advanced by the caller
-            return True
-        return self._check_stop(req, token) is not None
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         p = req.params
@@ -277,16 +281,35 @@ class Scheduler:
             self.kv.free(req)
         return req
 
-    def add_prefilled(self, req: Request, num_computed: int) -> bool:
+    def add_prefilled(self, req: Request, num_computed: int) -> int | None:
         """Admits a request whose first `num_computed` tokens' KV another instance computed: straight into the
-        running set with blocks for them (the caller writes the KV). False, with nothing changed, without room."""
-        if len(self.running) >= self.cfg.max_num_seqs or not self.kv.allocate_slots(req, num_computed):
+        running set with blocks for them, sharing what the prefix cache already holds. Returns how many leading
+        tokens' KV is there already (the caller writes the rest); None, with nothing changed, without room."""
+        cached = self.kv.find_cached_prefix(req)
+        if not self._admit_computed(req, num_computed, cached):
+            return None
+        hit = len(cached) * self.kv.block_size
+        self.kv.record_lookup(req, hit)
+        self.requests[req.request_id] = req
+        return hit
+
+    def _admit_computed(self, req: Request, num_computed: int, cached: list[int] | None = None) -> bool:
+        """Into the running set with blocks for `num_computed` tokens (after the `cached` prefix blocks) whose
+        KV the caller writes."""
+        cached_tokens = len(cached or []) * self.kv.block_size
+        if len(self.running) >= self.cfg.max_num_seqs or \
+                not self.kv.allocate_slots(req, num_computed - cached_tokens, cached):
             return False
         req.num_computed_tokens = num_computed
         req.status = RequestStatus.RUNNING
-        self.requests[req.request_id] = req
         self.running.append(req)
         return True
+
+    def finish_status(self, req: Request, token: int) -> RequestStatus | None:
+        """How `req` ends at `token`, just appended (its grammar built and advanced by the caller), or None."""
+        if req.grammar is not None and req.grammar.finished:
+            return RequestStatus.FINISHED_STOPPED
+        return self._check_stop(req, token)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         """Abort (or stop, e.g. on a stop string found by the front end) requests that are still here."""

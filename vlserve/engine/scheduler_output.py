@@ -29,6 +29,10 @@ class SchedulerOutput:
     encode: list[tuple[Request, int]] = field(default_factory=list)  # (request, mm item index) to run the ViT on
     free_encoder_keys: list[str] = field(default_factory=list)  # encoder outputs the runner may drop now
     preempted: list[str] = field(default_factory=list)
+    # Preempted requests whose KV goes to host memory (their prompt cannot be recomputed here): (request, its
+    # blocks, tokens) to read before the forward pass writes anything; and requests whose KV comes back now.
+    swap_out: list[tuple[Request, list[int], int]] = field(default_factory=list)
+    swap_in: list[Request] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

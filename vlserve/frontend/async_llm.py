@@ -15,18 +15,21 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import torch
+
 from vlserve.core.config import EngineArgs
 from vlserve.core.errors import EngineDeadError, InvalidInputError, ServiceUnavailableError
+from vlserve.core.messages import EngineCoreOutput, Handoff
 from vlserve.core.outputs import RequestOutput
 from vlserve.core.sampling_params import SamplingParams, fan_out
-from vlserve.core.wire import EngineOutputs, FinishRequests, prompt_to_wire
+from vlserve.core.wire import EngineOutputs, FinishRequests, prompt_to_wire, tensor_from
 from vlserve.engine.config import resolve_config
 from vlserve.engine.core_client import EngineCoreClient
 from vlserve.frontend.input_processor import InputProcessor
 from vlserve.frontend.media.fetch import MediaFetcher, MediaPolicy
 from vlserve.frontend.metrics import ServerMetrics
 from vlserve.frontend.output_processor import OutputProcessor
-from vlserve.frontend.prompt_encoder import EncodedPrompt, LocalPromptEncoder, PromptEncoder
+from vlserve.frontend.prompt_encoder import N_REFUSED, EncodedPrompt, LocalPromptEncoder, PromptEncoder
 
 logger = logging.getLogger("vlserve.engine")
 
@@ -74,6 +77,21 @@ def default_prompt_encoder(engine: "AsyncLLM") -> PromptEncoder:
     """Local processing under the default (safe) media policy."""
     fetchers = {kind: MediaFetcher(MediaPolicy()) for kind in ("image", "video")}
     return LocalPromptEncoder(engine.input_processor, fetchers, engine.executor)
+
+
+@dataclass
+class _Prefill:
+    """A prefill waiting for its first token (an output) and its KV (handed back in the same message)."""
+
+    future: asyncio.Future
+    first: EngineCoreOutput | None = None
+
+    def fail(self, message: str, status: int) -> None:
+        if not self.future.done():
+            err = InvalidInputError(message) if status < 500 else ServiceUnavailableError(message)
+            if status < 500:
+                err.http_status = status
+            self.future.set_exception(err)
 
 
 class RequestHandle:
@@ -124,6 +142,7 @@ class AsyncLLM:
         self.executor = ThreadPoolExecutor(max_workers=media_threads, thread_name_prefix="vlserve-media")
         self.streams: dict[str, RequestStream] = {}
         self.releases: dict[str, Callable[[], None]] = {}  # request id -> frees its prompt once the engine is done
+        self.prefills: dict[str, _Prefill] = {}  # prefill instance: requests whose KV the engine sends back
         self.prompt_encoder: PromptEncoder = (prompt_encoder or default_prompt_encoder)(self)
         buffers = self.prompt_encoder.transfer_buffers  # where a remote encoder's rows land, if anywhere
         self.core = EngineCoreClient(args, log_level, heartbeat_timeout, on_outputs=self._handle,
@@ -165,11 +184,13 @@ class AsyncLLM:
 
     # ---- requests ----------------------------------------------------------------------------------------
     async def prepare(self, prompt: dict, mm_processor_kwargs: dict | None = None, arrival: float | None = None,
-                      request_id: str = "") -> PreparedPrompt:
-        """Media, tokenization and placeholder expansion through the prompt encoder (off the event loop)."""
+                      request_id: str = "", params: SamplingParams | None = None) -> PreparedPrompt:
+        """Media, tokenization and placeholder expansion through the prompt encoder (off the event loop).
+        `params`: the request's sampling parameters as far as known (all but a defaulted max_tokens); a prompt
+        encoder that prefills elsewhere (decode instance) samples the first token with them."""
         self.check_accepting()
         arrival = arrival if arrival is not None else time.monotonic()
-        encoded = await self.prompt_encoder.encode(prompt, mm_processor_kwargs, request_id)
+        encoded = await self.prompt_encoder.encode(prompt, mm_processor_kwargs, request_id, params)
         return PreparedPrompt(encoded, arrival)
 
     def check_accepting(self) -> None:
@@ -190,8 +211,10 @@ class AsyncLLM:
             self.check_accepting()
             if request_id in self.streams:
                 raise InvalidInputError(f"request id {request_id!r} is already in use")
-            prompt = prepared.encoded.prompt
-            msg, tensors = prompt_to_wire(request_id, prompt, params, prepared.arrival)
+            prompt, handoff = prepared.encoded.prompt, prepared.encoded.handoff
+            if handoff is not None and params.n != 1:
+                raise InvalidInputError(N_REFUSED)
+            msg, tensors = prompt_to_wire(request_id, prompt, params, prepared.arrival, handoff=handoff)
         except BaseException:
             if prepared.encoded.release is not None:
                 prepared.encoded.release()  # never reached the engine
@@ -204,6 +227,32 @@ class AsyncLLM:
         self.core.send(msg, tensors)
         return RequestHandle(self, request_id, stream)
 
+    async def prefill(self, prepared: PreparedPrompt, params: SamplingParams,
+                      request_id: str) -> tuple[Handoff, torch.Tensor]:
+        """Prefill instance: computes the prompt and samples its first token as the whole request would
+        (`params.for_prefill()`); returns that output with the random state, and the prompt's KV rows
+        ([tokens, width], see engine.kv_handoff). Cancelling aborts it in the engine."""
+        try:
+            self.check_accepting()
+            if request_id in self.streams or request_id in self.prefills:
+                raise InvalidInputError(f"request id {request_id!r} is already in use")
+            msg, tensors = prompt_to_wire(request_id, prepared.encoded.prompt, params.for_prefill(),
+                                          prepared.arrival, hold_kv=True)
+        except BaseException:
+            if prepared.encoded.release is not None:
+                prepared.encoded.release()
+            raise
+        waiting = _Prefill(asyncio.get_running_loop().create_future())
+        self.prefills[request_id] = waiting
+        if prepared.encoded.release is not None:
+            self.releases[request_id] = prepared.encoded.release
+        self.core.send(msg, tensors)
+        try:
+            return await waiting.future
+        finally:
+            if self.prefills.pop(request_id, None) is not None and self.core.dead_reason is None:
+                self.core.send(FinishRequests([request_id], "abort"))  # cancelled: nobody takes its KV
+
     def abort(self, request_id: str) -> None:
         self.streams.pop(request_id, None)
         child_ids = self.output_processor.abort(request_id)
@@ -211,9 +260,14 @@ class AsyncLLM:
             self.core.send(FinishRequests(child_ids, "abort"))
 
     # ---- engine outputs ------------------------------------------------------------------------------------
-    def _handle(self, msg: EngineOutputs) -> None:
+    def _handle(self, msg: EngineOutputs, frames: list) -> None:
         self.metrics.on_engine_stats(msg.stats)
+        if self.prefills:
+            msg.outputs = self._take_prefills(msg, frames)
         for rej in msg.rejected:
+            waiting = self.prefills.pop(rej.request_id, None)
+            if waiting is not None:
+                waiting.fail(rej.message, rej.status)
             stream = self.streams.pop(rej.request_id, None)
             self.output_processor.abort(rej.request_id)
             self._release(rej.request_id)  # refused at admission: the engine never used the prompt
@@ -235,6 +289,26 @@ class AsyncLLM:
                 del self.streams[out.request_id]
         for request_id in msg.released:
             self._release(request_id)
+
+    def _take_prefills(self, msg: EngineOutputs, frames: list) -> list[EngineCoreOutput]:
+        """Settles the prefills whose first token and KV arrived; returns the other requests' outputs."""
+        rest = []
+        for out in msg.outputs:
+            waiting = self.prefills.get(out.request_id)
+            if waiting is None:
+                rest.append(out)
+            else:
+                waiting.first = out
+        for handed in msg.handed:
+            waiting = self.prefills.pop(handed.request_id, None)
+            if waiting is not None and waiting.first is not None and not waiting.future.done():
+                waiting.future.set_result((Handoff(waiting.first, handed.generator_state),
+                                           tensor_from(handed.rows, frames)))
+        for rid, waiting in list(self.prefills.items()):
+            if waiting.first is not None and waiting.first.finish_reason == "abort":
+                del self.prefills[rid]  # e.g. its grammar refused the token: nothing to hand over
+                waiting.fail("the prefill was aborted by the engine", 500)
+        return rest
 
     def _release(self, request_id: str) -> None:
         release = self.releases.pop(request_id, None)
@@ -265,6 +339,9 @@ class AsyncLLM:
             stream.fail(EngineDeadError(f"the engine stopped: {reason}"))
             self.abort(rid)
         self.streams.clear()
+        for waiting in self.prefills.values():
+            if not waiting.future.done():
+                waiting.future.set_exception(EngineDeadError(f"the engine stopped: {reason}"))
         if self.core.dead_reason is not None or not log:
             for rid in list(self.releases):  # a dead engine reads nothing any more
                 self._release(rid)

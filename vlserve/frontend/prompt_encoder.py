@@ -16,10 +16,14 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Protocol
 
+from vlserve.core.messages import Handoff
 from vlserve.core.prompt import ProcessedPrompt
+from vlserve.core.sampling_params import SamplingParams
 from vlserve.engine.transfer_buffers import TransferBuffers
 from vlserve.frontend.input_processor import InputProcessor
 from vlserve.frontend.media.fetch import MediaFetcher
+
+N_REFUSED = "n > 1 is not supported by a decode instance (its prompt is prefilled once, elsewhere); send n requests"
 
 
 @dataclass
@@ -28,15 +32,20 @@ class EncodedPrompt:
     # Called once the engine is done with the prompt (or it never reached the engine): frees what the prompt's
     # embeddings occupy outside the engine (a disaggregated server's receive blocks).
     release: Callable[[], None] | None = None
+    # Prefilled on another instance (a decode server's prompt): the first token and random state; the prompt's
+    # `block_rows` then hold its KV rows.
+    handoff: Handoff | None = None
 
 
 class PromptEncoder(Protocol):
     # Receive blocks the engine process must map to read this encoder's output in place (None: none needed).
     transfer_buffers: TransferBuffers | None
 
-    async def encode(self, prompt: dict, mm_processor_kwargs: dict | None, request_id: str) -> EncodedPrompt:
+    async def encode(self, prompt: dict, mm_processor_kwargs: dict | None, request_id: str,
+                     params: SamplingParams | None = None) -> EncodedPrompt:
         """`prompt`: {"prompt": text | "prompt_token_ids": ids, "multi_modal_data": {kind: [url, ...]},
-        "multi_modal_uuids": {...}}; media sources are URLs (http(s), data:, file://) or embedding entries."""
+        "multi_modal_uuids": {...}}; media sources are URLs (http(s), data:, file://) or embedding entries.
+        `params`: the request's sampling parameters (all but a defaulted max_tokens), when known."""
 
     async def start(self) -> None: ...
 
@@ -58,7 +67,8 @@ class LocalPromptEncoder:
         for fetcher in self.fetchers.values():
             await fetcher.aclose()
 
-    async def encode(self, prompt: dict, mm_processor_kwargs: dict | None, request_id: str) -> EncodedPrompt:
+    async def encode(self, prompt: dict, mm_processor_kwargs: dict | None, request_id: str,
+                     params: SamplingParams | None = None) -> EncodedPrompt:
         media = prompt.get("multi_modal_data") or {}
         if media:
             prompt = {**prompt, "multi_modal_data": await self.fetch_all(media)}

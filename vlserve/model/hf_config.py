@@ -110,6 +110,12 @@ class ModelConfig:
         return self.text.hidden_size * self.rows_per_media_token
 
     @property
+    def kv_row_width(self) -> int:
+        """Columns of one token's KV across every layer (what a prefill instance sends per prompt token)."""
+        t = self.text
+        return t.num_layers * 2 * t.num_kv_heads * t.head_dim
+
+    @property
     def video_rules(self) -> str:
         """How videos are sampled, resized and laid out in the prompt ("qwen2" or "qwen3", see
         frontend/media/video.py)."""

@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import vlserve
-from vlserve.core.config import LANGUAGE, SERVE, Options, ServerArgs
+from vlserve.core.config import DISAGG_ROLES, SERVE, Options, ServerArgs
 from vlserve.frontend.async_llm import AsyncLLM
 from vlserve.frontend.media.fetch import MediaFetcher, MediaPolicy
 from vlserve.frontend.metrics import CONTENT_TYPE
@@ -41,12 +41,13 @@ def local_prompt_encoder(server: ServerArgs):
 
 
 def make_engine(opts: Options, log_level: str = "INFO", role: str = SERVE) -> AsyncLLM:
-    """Resolves the config and loads the tokenizer (clear errors here, before the engine process starts)."""
+    """Resolves the config and loads the tokenizer (clear errors here, before the engine process starts).
+    `role`: "serve" (media handled here), or "language" / "decode", whose prompts are worked on by peers."""
     server = opts.server
-    if role == LANGUAGE:
+    if role in DISAGG_ROLES:
         from vlserve.disagg.remote_encoder import remote_prompt_encoder
 
-        encoder = remote_prompt_encoder(opts.disagg, f"{server.host}:{server.port}")
+        encoder = remote_prompt_encoder(opts.disagg, f"{server.host}:{server.port}", role)
     else:
         encoder = local_prompt_encoder(server)
     template = load_chat_template(server.chat_template) if server.chat_template is not None else None

@@ -1,5 +1,6 @@
 """`vlserve serve` (the OpenAI-compatible server; a random demo checkpoint without --model; `--disagg` starts
-every role here) and `vlserve language` (the same server fed by encoder services)."""
+every role here), `vlserve language` (the same server fed by encoder services) and `vlserve decode` (the same
+server whose prompts are prefilled by `vlserve prefill` instances)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import argparse
 import asyncio
 import logging
 
-from vlserve.core.config import LANGUAGE, SERVE
+from vlserve.core.config import DECODE, LANGUAGE, SERVE
+from vlserve.core.errors import InvalidInputError
 from vlserve.core.options import add_options, options_from
 from vlserve.server.listen import bind_socket
 
@@ -26,6 +28,9 @@ def run_serve(ns: argparse.Namespace) -> int:
         logger.warning("no --model given: serving a RANDOM demo checkpoint (%s) as %r; it answers with random "
                        "text. To serve a real model: vlserve serve --model Qwen/Qwen2-VL-2B-Instruct (hub id or "
                        "local folder)", opts.engine.model, opts.server.served_model_name)
+    if (opts.disagg.num_prefill or opts.disagg.num_decode) and not opts.disagg.disagg:
+        sock.close()
+        raise InvalidInputError("--num-prefill/--num-decode start an E->P->D deployment: add --disagg")
     if opts.disagg.disagg:
         from vlserve.disagg.launcher import run_roles
 
@@ -37,14 +42,18 @@ def run_serve(ns: argparse.Namespace) -> int:
     return 0
 
 
-def run_language(ns: argparse.Namespace) -> int:
-    opts = options_from(ns, LANGUAGE)
+def run_language(ns: argparse.Namespace, role: str = LANGUAGE) -> int:
+    opts = options_from(ns, role)
     opts.engine.load_vision = False
     sock = bind_socket(opts.server.host, opts.server.port)
     from vlserve.server.api_server import serve
 
-    asyncio.run(serve(opts, ns.log_level, role=LANGUAGE, sock=sock))
+    asyncio.run(serve(opts, ns.log_level, role=role, sock=sock))
     return 0
+
+
+def run_decode(ns: argparse.Namespace) -> int:
+    return run_language(ns, DECODE)
 
 
 def register_cli(subparsers) -> None:
@@ -59,3 +68,11 @@ def register_cli(subparsers) -> None:
                                  "`vlserve encode` services (disaggregated serving)")
     add_options(lang, LANGUAGE, model_required=True)
     lang.set_defaults(func=run_language)
+
+    dec = subparsers.add_parser("decode", help="OpenAI-compatible server whose prompts are prefilled by `vlserve "
+                                "prefill` instances (E->P->D disaggregation)",
+                                description="Answers the OpenAI API; each prompt is prefilled by a prefill instance "
+                                "found through the bootstrap, whose KV lands in this server's receive blocks; "
+                                "decoding happens here.")
+    add_options(dec, DECODE, model_required=True)
+    dec.set_defaults(func=run_decode)

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from vlserve.core.errors import InvalidInputError
 from vlserve.core.outputs import CompletionOutput, RequestOutput
+from vlserve.core.sampling_params import SamplingParams
 from vlserve.frontend.async_llm import PreparedPrompt
 from vlserve.frontend.chat import parse_chat_messages
 from vlserve.frontend.tokenizer import render_chat
@@ -52,7 +53,8 @@ class OpenAIServingChat(OpenAIServing):
         tools, choice = body.tool_setup()
         parse_calls = choice.mode != "none"
         request_id = self.new_request_id(body.request_id)
-        prepared = await self.until_done_or_disconnect(raw, self._prepare(body, time.monotonic(), request_id))
+        prepared = await self.until_done_or_disconnect(raw, self._prepare(body, time.monotonic(), request_id,
+                                                                                   checked))
         try:
             params = body.sampling_params(self.max_tokens(prepared, body.requested_max_tokens()), top_k)
         except BaseException:
@@ -69,7 +71,8 @@ class OpenAIServingChat(OpenAIServing):
         final = first if first.finished else await self.until_done_or_disconnect(raw, self.final_output(outputs))
         return JSONResponse(self._response(request_id, final, top_k or 0, parse_calls))
 
-    async def _prepare(self, body: ChatCompletionRequest, arrival: float, request_id: str) -> PreparedPrompt:
+    async def _prepare(self, body: ChatCompletionRequest, arrival: float, request_id: str,
+                       params: SamplingParams) -> PreparedPrompt:
         if body.chat_template is not None and not self.server.trust_request_chat_template:
             raise InvalidInputError("chat_template in a request is refused by this server (a template is code); "
                                     "the operator may allow it with --trust-request-chat-template")
@@ -88,7 +91,7 @@ class OpenAIServingChat(OpenAIServing):
         text = await loop.run_in_executor(self.engine.executor, render_chat, self.engine.tokenizer, chat.messages,
                                           body.add_generation_prompt, body.chat_template, body.chat_template_kwargs,
                                           tools)
-        return await self.engine.prepare(chat.prompt(text), body.mm_processor_kwargs, arrival, request_id)
+        return await self.engine.prepare(chat.prompt(text), body.mm_processor_kwargs, arrival, request_id, params)
 
     def _response(self, request_id: str, out: RequestOutput, top_k: int, parse_calls: bool) -> dict:
         choices = []
@@ -147,9 +150,12 @@ class OpenAIServingChat(OpenAIServing):
                     sent_chars[i], sent_tokens[i], done[i] = len(c.text), len(c.token_ids), c.finish_reason is not None
                 if choices:
                     yield chunk(choices)
-                if out.finished:
+                if all(done):
                     break
-                out = await outputs.__anext__()
+                # The output is one object the engine keeps updating: it may have moved on, even finished, while
+                # the chunk above was being sent. Then the rest is already here; else wait for more.
+                if not out.finished:
+                    out = await outputs.__anext__()
             if include_usage:
                 yield chunk([], self.usage(out))
         except Exception as e:  # noqa: BLE001 - the status line is gone; the error goes in the stream

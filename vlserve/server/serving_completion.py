@@ -48,7 +48,8 @@ class OpenAIServingCompletion(OpenAIServing):
         gens = []
         try:
             for prompt, rid in zip(prompts, ids):
-                prepared = await self.until_done_or_disconnect(raw, self.engine.prepare(prompt, None, arrival, rid))
+                prepared = await self.until_done_or_disconnect(raw, self.engine.prepare(prompt, None, arrival, rid,
+                                                                                          checked))
                 try:
                     params = body.sampling_params(self.max_tokens(prepared, body.max_tokens), body.logprobs)
                 except BaseException:
@@ -136,8 +137,10 @@ class OpenAIServingCompletion(OpenAIServing):
                     if include_usage:
                         body["usage"] = None
                     yield sse(body)
-                if out.finished:
+                if all(sent.get(k * n + c.index, (0, 0, False))[2] for c in out.outputs):
                     finals[k] = out
+                elif out.finished:  # it finished while the chunk above was sent (one object, updated in place)
+                    queue.put_nowait((k, out))
             if include_usage:
                 yield sse({"id": request_id, "object": "text_completion", "created": stamp, "model": self.model_name,
                            "choices": [], "usage": self._sum_usage(list(finals.values()))})

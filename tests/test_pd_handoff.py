@@ -1,0 +1,201 @@
+"""The engine half of a decode instance: a prefill engine hands back a finished request's KV as one row per token
+(`take_handed`), the rows land in receive blocks (what the transports write), and the decode engine takes them
+with `add_handoff`. Its first output is the prefill's token, then decoding goes on token for token as one
+engine would: greedy, seeded, penalties, grammars, pictures. Handed-over requests that must be preempted swap
+their KV out to host memory (their pictures are not here to recompute from); the receive blocks are released
+once the KV is copied in, and also when a request still waiting for room is aborted; every pool ends full."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import IMG, assert_pool_full, noise_image
+from tests.test_kv_handoff import CASES, PROMPTS
+from vlserve import LLM, SamplingParams
+from vlserve.core.config import EngineArgs
+from vlserve.core.errors import InvalidInputError
+from vlserve.core.messages import Handoff
+from vlserve.core.prompt import MultiModalItem, ProcessedPrompt
+from vlserve.engine.config import resolve_config
+from vlserve.engine.core import EngineCore
+from vlserve.engine.kv_handoff import kv_to_rows, rows_to_kv
+from vlserve.engine.transfer_buffers import TransferBuffers
+
+PICTURE = {"prompt": f"{IMG} Describe it.", "multi_modal_data": {"image": noise_image(72, 56, 4)}}
+
+
+@pytest.fixture(scope="module")
+def path(tiny_ckpt):
+    return tiny_ckpt("qwen2_vl")
+
+
+@pytest.fixture(scope="module")
+def prefill(path):
+    return LLM(path, dtype="float32", num_kv_blocks=256, block_size=8)
+
+
+@pytest.fixture(scope="module")
+def whole(path):  # one engine doing all of it: the reference
+    return LLM(path, dtype="float32", num_kv_blocks=256, block_size=8)
+
+
+class Decode:
+    """A decode engine with receive blocks, as a decode instance's engine process has them."""
+
+    def __init__(self, path, num_kv_blocks: int = 256, max_num_seqs: int = 128):
+        cfg = resolve_config(EngineArgs(model=str(path), dtype="float32", num_kv_blocks=num_kv_blocks, block_size=8,
+                                        max_num_seqs=max_num_seqs), announce=False)
+        self.buffers = TransferBuffers.create(64, 16, cfg.model.kv_row_width, cfg.dtype, shared=False)
+        self.core = EngineCore(cfg, report_released=True, transfer=self.buffers)
+        self.blocks: dict[str, list[int]] = {}
+
+    def receive(self, rid: str, processed: ProcessedPrompt, rows: torch.Tensor) -> ProcessedPrompt:
+        """What a transport does: rows, fill ids and positions into a run of blocks; the prompt as it arrives."""
+        n = len(processed.prompt_token_ids)
+        blocks = self.buffers.allocate(n)
+        self.buffers.write_tokens(blocks, 0, torch.tensor(processed.prompt_token_ids),
+                                  processed.mrope_positions.T.contiguous())
+        self.buffers.write_rows(blocks, torch.arange(n), rows)
+        self.blocks[rid] = blocks
+        items = [MultiModalItem(it.offset, it.num_tokens, None, it.grid_thw, it.mm_hash) for it in processed.mm_items]
+        return ProcessedPrompt(processed.prompt_token_ids, items, processed.mrope_positions, processed.mrope_delta,
+                               block_rows=blocks)
+
+    def step(self) -> list:
+        outs = self.core.step()
+        for rid in self.core.take_released():
+            self.buffers.free(self.blocks.pop(rid))
+        return outs
+
+
+def prefilled(prefill: LLM, prompt, params: SamplingParams, rid: str):
+    """The prefill instance's part: (processed prompt, Handoff, KV rows)."""
+    core = prefill.engine.core
+    processed = prefill.engine.input_processor.process(prompt)
+    core.add_request(rid, processed, params.for_prefill(), hold_kv=True)
+    outs, handed = [], []
+    while core.has_unfinished:
+        step = core.step()
+        outs += step
+        handed += core.take_handed(step)
+    (hid, rows, state), = handed
+    assert hid == rid and not core.held
+    return processed, Handoff(outs[-1], state), rows
+
+
+def run(decode: Decode, rids: list[str]) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {rid: [] for rid in rids}
+    while decode.core.has_unfinished:
+        for out in decode.step():
+            tokens[out.request_id] += out.new_token_ids
+    return tokens
+
+
+def _whole(llm, prompt, params):
+    return llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_rows_round_trip():
+    kv = torch.randn(3, 2, 5, 2, 4)
+    rows = kv_to_rows(kv)
+    assert rows.shape == (5, 3 * 2 * 2 * 4)
+    assert torch.equal(rows[2], kv[:, :, 2].reshape(-1))  # a token's row holds only that token's KV
+    assert torch.equal(rows_to_kv(rows, 3, 2, 4), kv)
+    with pytest.raises(InvalidInputError, match="do not fit"):
+        rows_to_kv(rows[:, :-1], 3, 2, 4)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("prompt", [PROMPTS[0], PICTURE], ids=["text", "picture"])
+def test_handoff_through_receive_blocks_equals_one_engine(path, prefill, whole, prompt, case):
+    params = CASES[case]
+    decode = Decode(path)
+    processed, handoff, rows = prefilled(prefill, prompt, params, "r")
+    decode.core.add_handoff("r", decode.receive("r", processed, rows), params, handoff)
+    assert run(decode, ["r"])["r"] == _whole(whole, prompt, params)
+    assert not decode.blocks and decode.buffers.num_free == decode.buffers.num_blocks
+    assert_pool_full(prefill)
+    decode.core.scheduler.kv.pool.check_integrity()
+    assert decode.core.scheduler.kv.pool.num_free == decode.core.scheduler.kv.pool.num_blocks
+
+
+def test_a_request_that_ends_at_its_first_token_is_answered_without_admission(path, prefill):
+    decode = Decode(path)
+    params = SamplingParams(temperature=0, max_tokens=1)
+    processed, handoff, rows = prefilled(prefill, PROMPTS[1], params, "one")
+    decode.core.add_handoff("one", decode.receive("one", processed, rows), params, handoff)
+    outs = decode.step()
+    assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in outs] == \
+        [("one", handoff.first.new_token_ids, "length")]
+    assert not decode.core.has_unfinished and not decode.blocks
+
+
+def test_preempted_handoffs_swap_their_kv_and_stay_exact(path, prefill, whole):
+    """A pool too small for all of them: requests are preempted, their KV goes to host memory and back."""
+    decode = Decode(path, num_kv_blocks=26)
+    prompts = [PICTURE, PROMPTS[0], PROMPTS[1], PROMPTS[2]]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    rids = [f"s{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(rids, prompts):
+        processed, handoff, rows = prefilled(prefill, prompt, params, rid)
+        decode.core.add_handoff(rid, decode.receive(rid, processed, rows), params, handoff)
+    swaps = []
+    original = decode.core._swap
+    decode.core._swap = lambda sched: (swaps.append((len(sched.swap_out), len(sched.swap_in))), original(sched))
+    got = run(decode, rids)
+    assert got == {rid: _whole(whole, p, params) for rid, p in zip(rids, prompts)}
+    assert decode.core.get_metrics()["num_preemptions_total"] > 0, "the pool was meant to force preemptions"
+    assert sum(o for o, _ in swaps) > 0 and sum(o for o, _ in swaps) == sum(i for _, i in swaps)
+    assert not decode.blocks
+    decode.core.scheduler.kv.pool.check_integrity()
+    assert decode.core.scheduler.kv.pool.num_free == decode.core.scheduler.kv.pool.num_blocks
+
+
+def test_handoffs_wait_for_room_and_an_abort_releases_their_blocks(path, prefill, whole):
+    decode = Decode(path, max_num_seqs=1)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    for rid, prompt in (("a", PROMPTS[0]), ("b", PROMPTS[1]), ("c", PROMPTS[2])):
+        processed, handoff, rows = prefilled(prefill, prompt, params, rid)
+        decode.core.add_handoff(rid, decode.receive(rid, processed, rows), params, handoff)
+    assert [r.request_id for r in decode.core._handoffs] == ["b", "c"]  # one running at a time
+    with pytest.raises(InvalidInputError, match="already in use"):
+        decode.core.add_handoff("c", decode.receive("c2", processed, rows), params, handoff)
+    decode.buffers.free(decode.blocks.pop("c2"))
+    decode.core.abort_requests(["b"])
+    got = run(decode, ["a", "b", "c"])
+    assert got["a"] == _whole(whole, PROMPTS[0], params) and got["c"] == _whole(whole, PROMPTS[2], params)
+    assert got["b"] == []  # aborted before its first token was reported
+    assert not decode.blocks and decode.buffers.num_free == decode.buffers.num_blocks
+
+
+def test_bad_handoffs_are_refused_with_nothing_kept(path, prefill):
+    decode = Decode(path)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    processed, handoff, rows = prefilled(prefill, PROMPTS[0], params, "x")
+    arrived = decode.receive("x", processed, rows)
+    two = Handoff(type(handoff.first)("x", handoff.first.new_token_ids * 2), None)
+    with pytest.raises(InvalidInputError, match="exactly the one token"):
+        decode.core.add_handoff("x", arrived, params, two)
+    with pytest.raises(InvalidInputError, match="samples once"):
+        decode.core.add_handoff("x", arrived, SamplingParams(n=2, max_tokens=4), handoff)
+    with pytest.raises(InvalidInputError, match="receive blocks"):
+        decode.core.add_handoff("x", ProcessedPrompt(arrived.prompt_token_ids, [], arrived.mrope_positions, 0),
+                                params, handoff)
+    assert not decode.core.has_unfinished
+    decode.buffers.free(decode.blocks.pop("x"))
+
+
+def test_a_decode_engine_shares_its_cached_prefix_and_stays_exact(path, prefill, whole):
+    """The same picture twice: the second handoff takes the prefix blocks the first left in the cache and writes
+    only the rest of its KV."""
+    decode = Decode(path)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for rid in ("first", "again"):
+        processed, handoff, rows = prefilled(prefill, PICTURE, params, rid)
+        decode.core.add_handoff(rid, decode.receive(rid, processed, rows), params, handoff)
+        assert run(decode, [rid])[rid] == _whole(whole, PICTURE, params)
+    hits = decode.core.get_metrics()["prefix_cache_hits_total"]
+    assert hits >= (len(processed.prompt_token_ids) // 8 - 1) * 8 > 0
+    decode.core.scheduler.kv.pool.check_integrity()
+    assert not decode.blocks

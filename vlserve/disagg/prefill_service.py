@@ -1,0 +1,147 @@
+"""`vlserve prefill`: a prefill instance of an E->P->D deployment.
+
+A decode instance sends it a rendered prompt (with media URLs), the request's sampling parameters and the ids of
+its receive blocks. The prefill instance has the prompt's media encoded by encoder services (embedding rows in
+its own receive blocks, exactly like a language server), runs the prompt through its engine, samples the first
+token as the whole request would, and writes every prompt token's KV row (engine.kv_handoff) into the decode
+instance's blocks over the transport; the last chunk carries the first token and the random state. It speaks the
+encoders' protocol (disagg.messages) as the sender, with the same resume, abort and expiry (disagg.sender).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import random
+
+from fastapi import FastAPI
+from fastapi.responses import Response
+
+from vlserve.core.config import PREFILL, Options
+from vlserve.core.errors import InvalidInputError, VlserveError
+from vlserve.disagg.auth import PeerAuth, require_secret_off_loopback
+from vlserve.disagg.messages import (
+    EncodeRequest,
+    Pong,
+    TransferState,
+)
+from vlserve.disagg.metrics import ScrapeTimeGauges, TransferMetrics
+from vlserve.disagg.remote_encoder import remote_prompt_encoder
+from vlserve.disagg.sender import OutgoingTransfer, SenderService, every_token_rows
+from vlserve.disagg.transports import TRANSPORTS
+from vlserve.disagg.transports.base import reachable_host
+from vlserve.frontend.async_llm import AsyncLLM
+from vlserve.frontend.metrics import CONTENT_TYPE
+
+logger = logging.getLogger("vlserve.prefill")
+
+
+class PrefillService(SenderService):
+    def __init__(self, engine: AsyncLLM, opts: Options):
+        self.engine, d, host = engine, opts.disagg, opts.server.host
+        auth = PeerAuth(d.disagg_secret)
+        require_secret_off_loopback(auth, host, "this prefill instance")
+        # Its own sender, beside the receiver the engine's encoder client has: a NIXL agent is not safe to drive
+        # from a sending thread while the receiving side pumps it.
+        transport = TRANSPORTS[d.transfer_backend](reachable_host(host, toward=d.bootstrap.rsplit(":", 1)[0]))
+        self._setup(host, d.data_port or opts.server.port + 1, auth, transport,
+                    TransferMetrics(engine.metrics.registry, None, PREFILL, "kv"), d.transfer_timeout)
+        engine.metrics.registry.register(ScrapeTimeGauges(lambda: [
+            ("prefill_requests_in_flight", self.in_flight, "Prefills being computed for decode instances."),
+            ("prefill_transfers_held", len(self.sender.transfers) if self.sender else 0,
+             "KV transfers being sent or waiting for a decode instance to resume them.")]))
+        self.failure_prob, self.rng = d.transfer_failure_prob, random.Random()
+        self.working: dict[tuple, asyncio.Task] = {}  # transfers being prefilled: an abort cancels them
+        self._ids = itertools.count()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.working)
+
+    def pong(self, nonce: int) -> Pong:
+        m = self.engine.cfg.model
+        return Pong(nonce, self.in_flight, m.architecture, m.text.hidden_size, len(m.vision.deepstack_indexes),
+                    m.kv_row_width)
+
+    def on_request(self, peer: bytes, msg: EncodeRequest) -> None:
+        key = (peer, msg.request_id, msg.transfer_id)
+        self.working[key] = self.spawn(self._prefill(key, msg))
+
+    def on_abort(self, key) -> None:
+        task = self.working.get(key)
+        if task is not None and key not in self.sender.transfers:
+            task.cancel()  # still prefilling: the engine drops the request (a send under way is let finish)
+
+    async def _prefill(self, key, req: EncodeRequest) -> None:
+        self.metrics.state(TransferState.WAITING_FOR_INPUT)
+        try:
+            if req.params is None:
+                raise InvalidInputError("this is a prefill instance: a request needs its sampling parameters")
+            if self.failure_prob and self.rng.random() < self.failure_prob:
+                raise VlserveError("injected transfer failure (VLSERVE_TRANSFER_FAILURE_PROB / "
+                                   "--transfer-failure-prob)")
+            prompt = {"prompt": req.prompt, "multi_modal_data": req.media}
+            if any(any(v) for v in req.uuids.values()):
+                prompt["multi_modal_uuids"] = req.uuids
+            engine_id = f"p{next(self._ids)}-{req.request_id[:128]}"
+            prepared = await self.engine.prepare(prompt, req.mm_processor_kwargs, request_id=engine_id)
+            handoff, rows = await self.engine.prefill(prepared, req.params, engine_id)
+            transfer = OutgoingTransfer(key, prepared.encoded.prompt, req.block_tokens, every_token_rows(rows),
+                                        target=req.target, handoff=handoff)
+            if self.sender.hold(transfer):
+                await self.sender.send_chunk(transfer, 0, req.block_ids)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - every failure must reach the receiver, which frees its blocks
+            status = getattr(e, "http_status", 400) if isinstance(e, InvalidInputError) else 503
+            self.metrics.state(TransferState.REJECTED if status < 500 else TransferState.FAILED)
+            if status >= 500 and not isinstance(e, VlserveError):
+                logger.exception("prefilling %s failed", req.request_id[:128])
+            await self.sender.fail(key, str(e), status)
+        finally:
+            self.working.pop(key, None)
+
+    def http_app(self) -> FastAPI:
+        app = FastAPI(title="vlserve prefill", docs_url=None, redoc_url=None, openapi_url=None)
+
+        @app.get("/health")
+        async def health():
+            if not self.engine.is_healthy:
+                return Response(f"the engine is not available: {self.engine.unhealthy_reason}", status_code=503)
+            return Response(status_code=200)
+
+        @app.get("/metrics")
+        async def metrics():
+            return Response(self.engine.metrics.render(), media_type=CONTENT_TYPE)
+
+        return app
+
+
+async def run_prefill(opts: Options, log_level: str) -> None:
+    """The prefill role: bind the data socket, start the engine (which registers with the bootstrap through its
+    encoder client, under role "prefill" with the data address), serve until stopped."""
+    import uvicorn
+
+    host, port = opts.server.host, opts.server.port
+    data_port = opts.disagg.data_port or port + 1
+    encoder = remote_prompt_encoder(opts.disagg, f"{host}:{port}", PREFILL, data_address=f"{host}:{data_port}")
+    engine = AsyncLLM(opts.engine, opts.engine.model, media_threads=opts.server.media_threads, log_requests=False,
+                      log_level=log_level, heartbeat_timeout=opts.server.engine_heartbeat_timeout,
+                      prompt_encoder=encoder)
+    service = PrefillService(engine, opts)
+    service.bind()
+    await engine.start()
+    zmq_task = asyncio.create_task(service.serve())
+    logger.info("prefill instance ready: data tcp://%s:%d, http://%s:%d", host, data_port, host, port)
+    http = uvicorn.Server(uvicorn.Config(service.http_app(), host=host, port=port, log_level=log_level.lower(),
+                                         access_log=False, log_config=None))
+    try:
+        await http.serve()
+    finally:
+        zmq_task.cancel()
+        for task in list(service.tasks):
+            task.cancel()
+        await engine.shutdown()
+        service.transport.close()
+        service.auth.stop()

@@ -1,0 +1,236 @@
+"""The sending side of a transfer into a receiver's blocks, shared by encode services (embedding rows) and
+prefill instances (KV rows): chunk by chunk into the run of blocks the receiver offered, a resume when it
+offers more, an abort that waits for any write in flight, and expiry of transfers nobody resumes.
+
+What a transfer sends is the prompt's fill ids and positions for every token, and rows for some tokens
+(`rows_of`): media tokens' embeddings, or every token's KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import zmq
+import zmq.asyncio
+
+from vlserve.core.errors import VlserveError
+from vlserve.core.messages import Handoff
+from vlserve.core.prompt import ProcessedPrompt
+from vlserve.core.wire import Framer
+from vlserve.disagg.auth import PeerAuth
+from vlserve.disagg.messages import (
+    AbortTransfer,
+    EncodeRequest,
+    ItemMeta,
+    LanguageToEncoder,
+    Ping,
+    Pong,
+    ResumeRequest,
+    RowSegment,
+    TransferChunk,
+    TransferFailed,
+    TransferState,
+    TransferTarget,
+)
+from vlserve.disagg.metrics import TransferMetrics
+from vlserve.disagg.transports import ChunkData, Transport
+from vlserve.disagg.transports.base import ABORT_ACK_STATUS
+
+logger = logging.getLogger("vlserve.disagg")
+Key = tuple[bytes, str, int]  # (peer, request id, transfer id)
+
+
+@dataclass
+class OutgoingTransfer:
+    key: Key
+    prompt: ProcessedPrompt
+    block_tokens: int
+    # (start, end) -> the row segments of tokens start..end and their rows, in segment order
+    rows_of: Callable[[int, int], tuple[list[RowSegment], torch.Tensor]] | None = None  # set before sending
+    target: TransferTarget | None = None  # where the receiver's blocks are, for transports that write them
+    handoff: Handoff | None = None  # a prefill's first token and random state: sent with the last chunk
+    on_end: Callable[[], None] | None = None  # releases what the transfer holds (e.g. encoder-cache entries)
+    touched: float = 0.0
+    sending: asyncio.Future | None = None  # done when no write into the receiver's blocks is in flight
+
+
+def media_rows(prompt: ProcessedPrompt, item_rows: list[torch.Tensor], width: int):
+    """`rows_of` for embedding rows: each media token's row, text tokens none."""
+    def rows_of(start: int, end: int) -> tuple[list[RowSegment], torch.Tensor]:
+        segments, rows = [], []
+        for item, rows_of_item in zip(prompt.mm_items, item_rows):
+            lo, hi = max(start, item.offset), min(end, item.end)
+            if lo < hi:
+                segments.append(RowSegment(lo, hi - lo))
+                rows.append(rows_of_item[lo - item.offset : hi - item.offset])
+        return segments, (torch.cat(rows).cpu() if rows else torch.empty(0, width))
+    return rows_of
+
+
+def every_token_rows(rows: torch.Tensor):
+    """`rows_of` for KV rows: one row per prompt token."""
+    def rows_of(start: int, end: int) -> tuple[list[RowSegment], torch.Tensor]:
+        return [RowSegment(start, end - start)], rows[start:end]
+    return rows_of
+
+
+class TransferSender:
+    def __init__(self, sock: zmq.asyncio.Socket, transport: Transport, metrics: TransferMetrics, timeout: float):
+        self.sock, self.transport, self.metrics, self.timeout = sock, transport, metrics, timeout
+        self.replies = Framer(TransferFailed | Pong)
+        self.transfers: dict[Key, OutgoingTransfer] = {}
+        self.aborted: dict[Key, float] = {}  # aborted before (or while) we held them: until when
+
+    async def reply(self, peer: bytes, msg) -> None:
+        await self.sock.send_multipart([peer, *self.replies.encode(msg)])
+
+    async def fail(self, key: Key, message: str, status: int = 503) -> None:
+        """The receiver learns the transfer failed (and frees its blocks); what it held is released."""
+        self.end(key)
+        await self.reply(key[0], TransferFailed(key[1], key[2], message, status))
+
+    def hold(self, transfer: OutgoingTransfer) -> bool:
+        """From here on `end` releases what the transfer holds; False if the receiver already aborted it."""
+        if transfer.key in self.aborted:
+            return False
+        transfer.touched = time.monotonic()
+        self.transfers[transfer.key] = transfer
+        return True
+
+    async def send_chunk(self, transfer: OutgoingTransfer, start: int, block_ids: list[int]) -> None:
+        transfer.touched = time.monotonic()
+        prompt = transfer.prompt
+        total = prompt.num_tokens
+        n = min(total - start, len(block_ids) * transfer.block_tokens)
+        if n <= 0 or start < 0:
+            raise VlserveError(f"the receiver offered no room (start {start} of {total} tokens)")
+        end = start + n
+        segments, rows = transfer.rows_of(start, end)
+        data = ChunkData(torch.tensor(prompt.prompt_token_ids[start:end], dtype=torch.int64),
+                         prompt.mrope_positions[:, start:end].T.contiguous(), rows)
+        items = [ItemMeta(it.offset, it.num_tokens, tuple(it.grid_thw), it.mm_hash) for it in prompt.mm_items]
+        peer, request_id, transfer_id = transfer.key
+        header = TransferChunk(request_id, transfer_id, start, n, total, prompt.mrope_delta, items, block_ids,
+                               segments, partial=end < total, handoff=None if end < total else transfer.handoff)
+        if transfer.key not in self.transfers or transfer.key in self.aborted:
+            self.end(transfer.key)
+            return  # aborted meanwhile: its blocks may already be someone else's
+        self.metrics.state(TransferState.TRANSFERRING)
+        transfer.sending = asyncio.get_running_loop().create_future()
+        try:
+            self.metrics.bytes(await self.transport.send(self.sock, peer, header, data, transfer.target))
+        finally:
+            transfer.sending.set_result(None)
+        if header.partial:
+            self.metrics.resume()
+        else:
+            self.metrics.state(TransferState.SUCCESS)
+            self.end(transfer.key)
+
+    async def resume(self, peer: bytes, msg: ResumeRequest) -> None:
+        key = (peer, msg.request_id, msg.transfer_id)
+        transfer = self.transfers.get(key)
+        if transfer is None:
+            await self.reply(peer, TransferFailed(msg.request_id, msg.transfer_id, "nothing to resume (expired?)"))
+            return
+        try:
+            await self.send_chunk(transfer, msg.start_token, msg.block_ids)
+        except Exception as e:  # noqa: BLE001 - e.g. a bad start offset from the receiver
+            self.metrics.state(TransferState.FAILED)
+            await self.fail(key, f"resume failed: {e}")
+
+    async def abort(self, peer: bytes, msg: AbortTransfer) -> None:
+        """Nothing more is written for this transfer. A transport that writes the receiver's blocks itself then
+        says so (TransferFailed "aborted"), once any write in flight has landed: only then may the receiver
+        give those blocks to another request."""
+        key = (peer, msg.request_id, msg.transfer_id)
+        self.aborted[key] = time.monotonic() + self.timeout
+        transfer = self.transfers.get(key)
+        self.end(key)
+        if transfer is not None and transfer.sending is not None:
+            await asyncio.shield(transfer.sending)
+        if self.transport.writes_in_place:
+            await self.reply(peer, TransferFailed(msg.request_id, msg.transfer_id, "aborted", ABORT_ACK_STATUS))
+
+    def end(self, key: Key) -> None:
+        """The transfer is over (sent, failed, aborted or expired): what it holds is released."""
+        transfer = self.transfers.pop(key, None)
+        if transfer is not None and transfer.on_end is not None:
+            transfer.on_end()
+
+    async def expire_loop(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            self.aborted = {k: until for k, until in self.aborted.items() if until > now}
+            for key in [k for k, t in self.transfers.items() if now - t.touched > self.timeout]:
+                logger.warning("transfer %s expired before the receiver resumed it", key[1][:64])
+                self.metrics.state(TransferState.FAILED)
+                self.end(key)
+
+
+class SenderService:
+    """The control loop of a sending role (encode, prefill): a ROUTER socket receivers connect to, each message
+    handled in its own task, transfers through one `TransferSender`. A role says what it produces (`pong`) and
+    how it answers a request (`on_request`)."""
+
+    def _setup(self, host: str, data_port: int, auth: PeerAuth, transport: Transport, metrics: TransferMetrics,
+               timeout: float) -> None:
+        self.host, self.data_port, self.auth = host, data_port, auth
+        self.transport, self.metrics, self.timeout = transport, metrics, timeout
+        self.framer = Framer(LanguageToEncoder)
+        self.sender: TransferSender | None = None  # once bound
+        self.tasks: set[asyncio.Task] = set()
+
+    def bind(self) -> None:
+        """Bound before registering, so a receiver that finds us can connect at once."""
+        self.sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+        self.auth.secure_server(self.sock)
+        self.sock.bind(f"tcp://{self.host}:{self.data_port}")
+        self.sender = TransferSender(self.sock, self.transport, self.metrics, self.timeout)
+
+    async def serve(self) -> None:
+        sweeper = asyncio.create_task(self.sender.expire_loop())
+        try:
+            while True:
+                peer, *frames = await self.sock.recv_multipart()
+                try:
+                    msg = self.framer.decode(frames)
+                except Exception as e:  # noqa: BLE001 - a bad peer must not stop the service
+                    logger.warning("dropped an undecodable message: %s", e)
+                    continue
+                self._dispatch(peer, msg)
+        finally:
+            sweeper.cancel()
+            self.sock.close(linger=0)
+
+    def _dispatch(self, peer: bytes, msg) -> None:
+        if isinstance(msg, Ping):
+            self.spawn(self.sender.reply(peer, self.pong(msg.nonce)))
+        elif isinstance(msg, EncodeRequest):
+            self.on_request(peer, msg)
+        elif isinstance(msg, ResumeRequest):
+            self.spawn(self.sender.resume(peer, msg))
+        elif isinstance(msg, AbortTransfer):
+            self.on_abort((peer, msg.request_id, msg.transfer_id))
+            self.spawn(self.sender.abort(peer, msg))
+
+    def spawn(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
+
+    def pong(self, nonce: int) -> Pong:
+        raise NotImplementedError
+
+    def on_request(self, peer: bytes, msg: EncodeRequest) -> None:
+        raise NotImplementedError
+
+    def on_abort(self, key: Key) -> None:
+        """Before the sender drops the transfer: stop work still under way for it."""
