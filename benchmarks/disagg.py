@@ -92,7 +92,7 @@ async def transport_bandwidth(tokens: int = 512, hidden: int = 1024, rounds: int
     for _ in range(rounds):
         header = TransferChunk("r", 0, 0, tokens, tokens, 0, [ItemMeta(0, tokens, (1, 2, 2 * tokens), "h")], blocks,
                                [RowSegment(0, tokens)], partial=False)
-        sent += await transport.send(router, peer, header, data)
+        sent += await transport.send(router, peer, header, data, None)
         frames = await dealer.recv_multipart()
         transport.receive(framer.decode(frames), frames, buffers)
     dt = time.perf_counter() - t0
