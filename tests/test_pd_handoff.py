@@ -15,7 +15,7 @@ from tests.test_kv_handoff import CASES, PROMPTS
 from vlserve import LLM, SamplingParams
 from vlserve.core.config import EngineArgs
 from vlserve.core.errors import InvalidInputError
-from vlserve.core.messages import Handoff
+from vlserve.core.messages import EngineCoreOutput, Handoff, TokenLogprobs
 from vlserve.core.prompt import MultiModalItem, ProcessedPrompt
 from vlserve.engine.config import resolve_config
 from vlserve.engine.core import EngineCore
@@ -141,8 +141,9 @@ def test_preempted_handoffs_swap_their_kv_and_stay_exact(path, prefill, whole):
         processed, handoff, rows = prefilled(prefill, prompt, params, rid)
         decode.core.add_handoff(rid, decode.receive(rid, processed, rows), params, handoff)
     swaps = []
-    original = decode.core._swap
-    decode.core._swap = lambda sched: (swaps.append((len(sched.swap_out), len(sched.swap_in))), original(sched))
+    original = decode.core._move_kv
+    decode.core._move_kv = lambda sched: (swaps.append((len(sched.swap_out), sum(
+        not r.pending_kv.handed_over for r, _ in sched.kv_in))), original(sched))
     got = run(decode, rids)
     assert got == {rid: _whole(whole, p, params) for rid, p in zip(rids, prompts)}
     assert decode.core.get_metrics()["num_preemptions_total"] > 0, "the pool was meant to force preemptions"
@@ -158,12 +159,17 @@ def test_handoffs_wait_for_room_and_an_abort_releases_their_blocks(path, prefill
     for rid, prompt in (("a", PROMPTS[0]), ("b", PROMPTS[1]), ("c", PROMPTS[2])):
         processed, handoff, rows = prefilled(prefill, prompt, params, rid)
         decode.core.add_handoff(rid, decode.receive(rid, processed, rows), params, handoff)
-    assert [r.request_id for r in decode.core._handoffs] == ["b", "c"]  # one running at a time
+    assert [r.request_id for r in decode.core.scheduler.waiting] == ["a", "b", "c"]  # they queue like any request
     with pytest.raises(InvalidInputError, match="already in use"):
         decode.core.add_handoff("c", decode.receive("c2", processed, rows), params, handoff)
     decode.buffers.free(decode.blocks.pop("c2"))
     decode.core.abort_requests(["b"])
+    assert [r.request_id for r in decode.core.scheduler.waiting] == ["a", "c"]
+    early = decode.step()
+    assert [r.request_id for r in decode.core.scheduler.running] == ["a"]  # one at a time: c waits for room
     got = run(decode, ["a", "b", "c"])
+    for out in reversed(early):  # the first tokens, reported by that step
+        got[out.request_id][:0] = out.new_token_ids
     assert got["a"] == _whole(whole, PROMPTS[0], params) and got["c"] == _whole(whole, PROMPTS[2], params)
     assert got["b"] == []  # aborted before its first token was reported
     assert not decode.blocks and decode.buffers.num_free == decode.buffers.num_blocks
@@ -174,9 +180,15 @@ def test_bad_handoffs_are_refused_with_nothing_kept(path, prefill):
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     processed, handoff, rows = prefilled(prefill, PROMPTS[0], params, "x")
     arrived = decode.receive("x", processed, rows)
-    two = Handoff(type(handoff.first)("x", handoff.first.new_token_ids * 2), None)
-    with pytest.raises(InvalidInputError, match="exactly the one token"):
-        decode.core.add_handoff("x", arrived, params, two)
+    first = handoff.first
+    for bad, why in ((EngineCoreOutput("x", first.new_token_ids * 2), "exactly the one token"),
+                     (EngineCoreOutput("x", [10**6]), "outside the vocabulary"),
+                     (EngineCoreOutput("x", first.new_token_ids, [TokenLogprobs([1], [0.0], 1)]), "logprobs")):
+        with pytest.raises(InvalidInputError, match=why):
+            decode.core.add_handoff("x", arrived, params, Handoff(bad, None))
+    seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=4)
+    with pytest.raises(InvalidInputError, match="random state"):
+        decode.core.add_handoff("x", arrived, seeded, Handoff(first, None))
     with pytest.raises(InvalidInputError, match="samples once"):
         decode.core.add_handoff("x", arrived, SamplingParams(n=2, max_tokens=4), handoff)
     with pytest.raises(InvalidInputError, match="receive blocks"):

@@ -159,8 +159,9 @@ class DisaggArgs:
     bootstrap: str = option("127.0.0.1:8998", "host:port of `vlserve bootstrap`", DISAGG_ROLES,
                             metavar="HOST:PORT")
     embedding_default_allocate_tokens: int = option(
-        8192, "receive blocks pre-allocated per request, in tokens (longer outputs resume into more)",
-        {SERVE, LANGUAGE, PREFILL, DECODE})
+        8192, "receive blocks pre-allocated per request, in tokens (longer outputs resume into more; what a "
+        "request does not fill is freed when its transfer ends)", {SERVE, LANGUAGE, PREFILL, DECODE},
+        role_defaults={DECODE: 2048})
     embedding_buffer_blocks: int = option(4096, "blocks in the receive buffer pool (embedding rows; on a decode "
                                           "instance KV rows, held only until copied into the KV cache)",
                                           {SERVE} | DISAGG_ROLES, role_defaults={DECODE: 1024})

@@ -56,7 +56,7 @@ class Request:
         # Decode instance: its prompt was computed elsewhere (no pictures here to recompute it from), so a
         # preemption swaps its KV out to host memory instead of dropping it.
         self.swap_on_preempt = False
-        self.swapped_kv = None  # [layers, 2, tokens, kv_heads, head_dim] while preempted that way
+        self.pending_kv = None  # engine.kv_handoff.PendingKV: KV to write at (re)admission instead of computing
 
     @property
     def num_tokens(self) -> int:

@@ -321,6 +321,9 @@ class EncoderClient:
                 blocks += run
                 await enc.sock.send_multipart(self.requests.encode(ResumeRequest(request_id, tid, received.tokens,
                                                                                  run)))
+            keep = self.buffers.blocks_for(received.tokens)  # the rest of the run was never written
+            self.free(blocks[keep:])
+            blocks = blocks[:keep]
             processed = self._assemble(prompt, blocks, received)
             if (header.handoff is not None) != (params is not None):
                 raise EncoderFailure("a prefill's first token is missing" if params is not None else

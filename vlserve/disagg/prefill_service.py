@@ -66,7 +66,9 @@ class PrefillService(SenderService):
 
     def on_request(self, peer: bytes, msg: EncodeRequest) -> None:
         key = (peer, msg.request_id, msg.transfer_id)
-        self.working[key] = self.spawn(self._prefill(key, msg))
+        task = self.working[key] = self.spawn(self._prefill(key, msg))
+        # Popped when done, even if an abort cancels it before it ever ran.
+        task.add_done_callback(lambda _: self.working.pop(key, None))
 
     def on_abort(self, key) -> None:
         task = self.working.get(key)
@@ -99,8 +101,6 @@ class PrefillService(SenderService):
             if status >= 500 and not isinstance(e, VlserveError):
                 logger.exception("prefilling %s failed", req.request_id[:128])
             await self.sender.fail(key, str(e), status)
-        finally:
-            self.working.pop(key, None)
 
     def http_app(self) -> FastAPI:
         app = FastAPI(title="vlserve prefill", docs_url=None, redoc_url=None, openapi_url=None)

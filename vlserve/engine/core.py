@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 
 import torch
 
@@ -18,7 +17,7 @@ from vlserve.core.prompt import ProcessedPrompt
 from vlserve.core.request import Request, RequestStatus
 from vlserve.core.sampling_params import SamplingParams, fan_out
 from vlserve.engine.config import VlserveConfig
-from vlserve.engine.kv_handoff import PrefilledKV, kv_to_rows, rows_to_kv
+from vlserve.engine.kv_handoff import PendingKV, PrefilledKV, check_handed_first, kv_to_rows, rows_to_kv
 from vlserve.engine.model_runner import ModelRunner
 from vlserve.engine.prompt_check import check_prompt
 from vlserve.engine.scheduler import Scheduler
@@ -49,14 +48,15 @@ class EngineCore:
         self.runner = ModelRunner(cfg, model, transfer, self.grammars)
         self.scheduler = Scheduler(cfg)
         self._building: list[Request] = []  # requests whose grammar is being built
-        self._failed: list[tuple[str, str]] = []  # (API request, why) refused after admission
+        self._failed: list[tuple[str, str, int]] = []  # (API request, why, status) refused after admission
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self._parent_of: dict[str, str] = {}  # engine request id -> the API request it samples for
         self._open: dict[str, set[str]] = {}  # API request -> its samples still in the engine
         self._released: list[str] = []
-        self._handoffs: deque[Request] = deque()  # handed-over requests waiting for room (decode instance)
-        self._first_outputs: list[EngineCoreOutput] = []  # their first tokens, reported at the next step
+        self._unreported: dict[str, EngineCoreOutput] = {}  # handed-over first tokens waiting for their grammar
+        self._first_outputs: list[EngineCoreOutput] = []  # handed-over first tokens, reported at the next step
+        self._released_early: set[str] = set()  # handed over, their receive blocks released once the KV was in
         logger.info("engine ready in %.1fs: %s on %s, %s, %d KV blocks x %d tokens", time.perf_counter() - t0,
                     cfg.model.architecture, cfg.device, str(cfg.dtype).removeprefix("torch."), cfg.num_kv_blocks,
                     cfg.block_size)
@@ -130,33 +130,48 @@ class EngineCore:
     def add_handoff(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, handoff: Handoff,
                     arrival_time: float | None = None) -> None:
         """Decode instance: a request prefilled by another instance, whose KV rows (`kv_handoff.kv_to_rows`) are
-        in this engine's receive blocks `prompt.block_rows`. Its first token is reported at the next step; it is
-        admitted as soon as there is room, and the receive blocks are released once its KV is copied in."""
+        in this engine's receive blocks `prompt.block_rows`. It waits in the queue like any request; its first
+        token is reported at the next step (once its grammar is built), and when the scheduler admits it the KV
+        is copied in (a cached prefix shared) and the receive blocks are released at once."""
         if self.transfer is None or prompt.block_rows is None:
             raise InvalidInputError("a handed-over request needs its KV rows in this engine's receive blocks")
         check_prompt(prompt, self.cfg, (self.transfer.num_blocks, self.transfer.block_tokens))
-        if len(handoff.first.new_token_ids) != 1:
-            raise InvalidInputError("a handed-over request carries exactly the one token its prefill sampled")
+        first = handoff.first
+        check_handed_first(first, params, self.cfg.model.text.vocab_size, handoff.generator_state is not None)
         state = None if handoff.generator_state is None else torch.frombuffer(bytearray(handoff.generator_state),
                                                                                dtype=torch.uint8)
-        req = self._handed_request(request_id, prompt, params, handoff.first.new_token_ids, state, arrival_time)
-        req.num_cached_tokens = handoff.first.num_cached_tokens  # what the prefill saved: reported in usage
+        req = self._handed_request(request_id, prompt, params, first.new_token_ids, state, arrival_time,
+                                   wait_for_grammar=True)
+        req.num_cached_tokens = first.num_cached_tokens  # what the prefill saved: reported in usage
         req.swap_on_preempt = True  # the receive blocks are reused once its KV is in: it cannot be recomputed here
-        first = EngineCoreOutput(request_id, list(handoff.first.new_token_ids), handoff.first.new_logprobs,
-                                 num_cached_tokens=handoff.first.num_cached_tokens)
-        status = self.scheduler.finish_status(req, req.token_ids[-1])
+        t, blocks, n = self.cfg.model.text, prompt.block_rows, req.num_prompt_tokens
+        req.pending_kv = PendingKV(n, lambda start: rows_to_kv(self.transfer.read_rows(blocks, start, n - start),
+                                                               t.num_layers, t.num_kv_heads, t.head_dim),
+                                   handed_over=True)
+        self.scheduler.add_request(req)
+        self._parent_of[request_id] = request_id
+        self._open[request_id] = {request_id}
+        self._unreported[request_id] = EngineCoreOutput(request_id, list(first.new_token_ids), first.new_logprobs,
+                                                        num_cached_tokens=first.num_cached_tokens)
+        if req.grammar is not None and not req.grammar.ready:
+            self._building.append(req)  # reported once built: whether the token ends it depends on the grammar
+        else:
+            self._report_first(req)
+
+    def _report_first(self, req: Request) -> None:
+        """A handed-over request's first token goes out at the next step; if it ends the request, so does it."""
+        first = self._unreported.pop(req.request_id)
         self._first_outputs.append(first)
         self.generation_tokens_total += 1
-        if status is not None:  # it ends at the prefill's token: nothing to decode
+        status = self.scheduler.finish_status(req, req.token_ids[-1])
+        if status is not None:  # nothing to decode
             first.finish_reason, first.stop_reason = status.value, req.stop_reason
-            self._release_buffers(request_id)
-            return
-        self._handoffs.append(req)
-        self._admit_handoffs()
+            self.scheduler.finish_requests([req.request_id], status)
+            self._left([req.request_id])
 
     def _handed_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
                         output_token_ids: list[int], generator_state: torch.Tensor | None,
-                        arrival_time: float | None) -> Request:
+                        arrival_time: float | None, wait_for_grammar: bool = False) -> Request:
         """The request as the prefill left it, every check done (nothing is admitted yet)."""
         if params.n != 1:
             raise InvalidInputError("a handed-over request samples once (n = 1)")
@@ -174,22 +189,9 @@ class EngineCore:
                 raise InvalidInputError(f"the handed-over random state does not fit this device: {e}") from None
         if params.structured_outputs is not None:
             req.grammar = self.grammars.build(params.structured_outputs, req.output_token_ids)
-            req.grammar.matcher  # noqa: B018 - raises here if the grammar fails; usually cached, so quick
+            if not wait_for_grammar:
+                req.grammar.matcher  # noqa: B018 - raises here if the grammar fails; usually cached, so quick
         return req
-
-    def _admit_handoffs(self) -> None:
-        """Handed-over requests into the running set, in arrival order, while there is room."""
-        t = self.cfg.model.text
-        while self._handoffs:
-            req = self._handoffs[0]
-            n = req.num_prompt_tokens
-            cached = self.scheduler.add_prefilled(req, n)
-            if cached is None:
-                return
-            self._handoffs.popleft()
-            rows = self.transfer.read_rows(req.prompt.block_rows, cached, n - cached)
-            self._write_handed_kv(req, rows_to_kv(rows, t.num_layers, t.num_kv_heads, t.head_dim), cached)
-            self._release_buffers(req.request_id)
 
     def _write_handed_kv(self, req: Request, kv: torch.Tensor, start: int = 0) -> None:
         """KV of tokens start..start+kv.shape[2] (the ones before are shared from the prefix cache)."""
@@ -200,9 +202,26 @@ class EngineCore:
             raise
         self.scheduler.kv.cache_full_blocks(req)
 
-    def _release_buffers(self, request_id: str) -> None:
-        if self.report_released:
-            self._released.append(request_id)
+    def _move_kv(self, sched) -> None:
+        """Before this step's forward pass: KV of preempted requests that cannot be recomputed out to host memory
+        (their blocks are reused from now on), and the pending KV of requests admitted now into their blocks."""
+        for req, block_ids, n in sched.swap_out:
+            kv = self.runner.read_kv(self.runner.block_slots(block_ids, n))
+            req.pending_kv = PendingKV(n, lambda start, kv=kv: kv[:, :, start:])
+        for req, start in sched.kv_in:
+            pending, req.pending_kv = req.pending_kv, None
+            try:
+                self.runner.write_kv(self.runner.token_slots(req, pending.num_tokens)[start:], pending.read(start))
+            except Exception as e:  # noqa: BLE001 - that request fails (500), the engine goes on
+                logger.exception("request %s: its KV could not be written", req.request_id)
+                self.abort_requests([req.request_id])
+                self._failed.append((req.request_id, f"its KV could not be written: {type(e).__name__}", 500))
+                continue
+            self.scheduler.kv.cache_full_blocks(req)
+            if pending.handed_over:  # the receive blocks are free to reuse now
+                self._released_early.add(req.request_id)
+                if self.report_released:
+                    self._released.append(req.request_id)
 
     def take_handed(self, outputs: list[EngineCoreOutput]) -> list[tuple[str, torch.Tensor, bytes | None]]:
         """Prefill instance: (request id, KV rows, random state) of every request of `outputs` that finished with
@@ -233,8 +252,9 @@ class EngineCore:
             children.discard(child_id)
             if not children:
                 del self._open[parent]
-                if self.report_released:
+                if self.report_released and parent not in self._released_early:
                     self._released.append(parent)
+                self._released_early.discard(parent)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -248,27 +268,24 @@ class EngineCore:
         self._drop_handoffs(request_ids)
 
     def _drop_handoffs(self, request_ids: list[str]) -> None:
-        """Handed-over requests still waiting for room leave without being admitted; their rows are freed. A
-        first token not yet reported is dropped with them."""
+        """A handed-over first token not yet reported leaves with its request."""
         gone = set(request_ids)
         if self._first_outputs:
             self._first_outputs = [o for o in self._first_outputs if o.request_id not in gone]
-        for req in [r for r in self._handoffs if r.request_id in gone]:
-            self._handoffs.remove(req)
-            self._release_buffers(req.request_id)
+        for rid in gone & self._unreported.keys():
+            del self._unreported[rid]
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished or bool(self._handoffs or self._first_outputs)
+        return self.scheduler.has_unfinished or bool(self._first_outputs)
 
     def _check_id_free(self, engine_ids: list[str], request_id: str) -> None:
-        waiting_handoffs = {r.request_id for r in self._handoffs}
-        if any(i in self.scheduler.requests or i in self.scheduler.held or i in waiting_handoffs
-               for i in engine_ids):
+        if any(i in self.scheduler.requests or i in self.scheduler.held for i in engine_ids):
             raise InvalidInputError(f"request id {request_id!r} is already in use")
 
-    def take_failed(self) -> list[tuple[str, str]]:
-        """(request id, reason) of API requests refused after admission: their grammar failed to build."""
+    def take_failed(self) -> list[tuple[str, str, int]]:
+        """(request id, reason, status) of API requests refused after admission: their grammar failed to build,
+        or (500) their handed-over KV could not be written."""
         failed, self._failed = self._failed, []
         return failed
 
@@ -281,7 +298,9 @@ class EngineCore:
             elif req.grammar.error is not None and self.scheduler.requests.get(req.request_id) is req:
                 parent = self._parent_of[req.request_id]
                 self.abort_requests(sorted(self._open.get(parent, ())))
-                self._failed.append((parent, req.grammar.error))
+                self._failed.append((parent, req.grammar.error, 400))
+            elif req.request_id in self._unreported and self.scheduler.requests.get(req.request_id) is req:
+                self._report_first(req)
 
     def step(self) -> list[EngineCoreOutput]:
         if self._building:
@@ -290,11 +309,9 @@ class EngineCore:
             for rid in self.scheduler.release_stale_held(HELD_KV_TTL_S):
                 logger.warning("request %s: its prefilled KV was not taken within %.0f s; released", rid,
                                HELD_KV_TTL_S)
-        if self._handoffs:
-            self._admit_handoffs()
         first, self._first_outputs = self._first_outputs, []
         sched = self.scheduler.schedule()
-        self._swap(sched)
+        self._move_kv(sched)
         if sched.empty and self._building:  # only grammars being built: let the worker have the CPU
             time.sleep(0.001)
         sampled, logprobs = self.runner.execute(sched)
@@ -302,16 +319,6 @@ class EngineCore:
         self.generation_tokens_total += len(outputs)
         self._left(o.request_id for o in outputs if o.finish_reason is not None)
         return first + outputs
-
-    def _swap(self, sched) -> None:
-        """KV of preempted requests that cannot be recomputed out to host memory (read before this step's
-        forward pass reuses their blocks), and back in for those readmitted."""
-        for req, block_ids, n in sched.swap_out:
-            req.swapped_kv = self.runner.read_kv(self.runner.block_slots(block_ids, n))
-        for req in sched.swap_in:
-            self.runner.write_kv(self.runner.token_slots(req, req.num_computed_tokens), req.swapped_kv)
-            req.swapped_kv = None
-            self.scheduler.kv.cache_full_blocks(req)
 
     def take_encoder_seconds(self) -> list[float]:
         """Vision-tower call durations since the last call (histogram samples for the metrics)."""

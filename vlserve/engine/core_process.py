@@ -87,7 +87,7 @@ class EngineCoreLoop:
                 logger.warning("front-end process is gone; engine core exits")
                 return
             outputs = self.core.step() if self.core.has_unfinished else []
-            self.rejected += [RequestRejected(rid, why, 400) for rid, why in self.core.take_failed()]
+            self.rejected += [RequestRejected(rid, why, status) for rid, why, status in self.core.take_failed()]
             self.progress.steps += 1
             if outputs or self.rejected or busy or self.core.has_released:
                 self._send(outputs, self.core.take_handed(outputs) if self.core.held else [])

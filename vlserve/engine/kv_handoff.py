@@ -3,11 +3,14 @@ sampled, and the state of its random stream, so decoding goes on exactly as one 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from vlserve.core.errors import InvalidInputError
+from vlserve.core.messages import EngineCoreOutput
+from vlserve.core.sampling_params import SamplingParams
 
 
 @dataclass
@@ -33,6 +36,16 @@ class PrefilledKV:
             raise InvalidInputError("a handed-over request needs the token its prefill sampled")
 
 
+@dataclass
+class PendingKV:
+    """KV a waiting request has written into its blocks when the scheduler (re)admits it: swapped out to host
+    memory at a preemption, or handed over by a prefill instance into this engine's receive blocks."""
+
+    num_tokens: int  # tokens 0..num_tokens
+    read: Callable[[int], torch.Tensor]  # start -> [layers, 2, num_tokens - start, kv_heads, head_dim]
+    handed_over: bool = False  # in receive blocks: freed once written; a cached prefix is shared, not written
+
+
 def kv_to_rows(kv: torch.Tensor) -> torch.Tensor:
     """[layers, 2, n, kv_heads, head_dim] -> [n, width]: one row per token, so KV travels in the same receive
     blocks and transports as embedding rows (a token's row lands in that token's slot)."""
@@ -45,3 +58,22 @@ def rows_to_kv(rows: torch.Tensor, layers: int, kv_heads: int, head_dim: int) ->
         raise InvalidInputError(f"KV rows of shape {tuple(rows.shape)} do not fit this model ({layers} layers, "
                                 f"{kv_heads} KV heads of {head_dim})")
     return rows.view(rows.shape[0], layers, 2, kv_heads, head_dim).permute(1, 2, 0, 3, 4)
+
+
+def check_handed_first(first: EngineCoreOutput, params: SamplingParams, vocab_size: int, has_state: bool) -> None:
+    """Refuses a prefill's first output that this request could not have produced (a decode instance trusts no
+    peer blindly: a bad id or logprobs entry would crash the engine or the front end later)."""
+    if len(first.new_token_ids) != 1:
+        raise InvalidInputError("a handed-over request carries exactly the one token its prefill sampled")
+    token = first.new_token_ids[0]
+    if not 0 <= token < vocab_size:
+        raise InvalidInputError(f"the handed-over token {token} is outside the vocabulary")
+    entries = first.new_logprobs or []
+    want = 0 if params.logprobs is None else 1
+    ok = len(entries) == want and all(
+        len(e.token_ids) == len(e.logprobs) == 1 + params.logprobs and e.token_ids[0] == token
+        and all(0 <= t < vocab_size for t in e.token_ids) for e in entries)
+    if not ok:
+        raise InvalidInputError("the handed-over logprobs do not match the request's logprobs setting")
+    if params.seed is not None and not params.greedy and not has_state:
+        raise InvalidInputError("a seeded sampled request needs the prefill's random state to go on exactly")

@@ -116,11 +116,15 @@ class Scheduler:
             if req.grammar is not None and (not req.grammar.ready or req.grammar.error is not None):
                 not_ready.append(self.waiting.popleft())
                 continue
-            if req.swapped_kv is not None:
-                if not self._admit_computed(req, req.swapped_kv.shape[2]):
+            if req.pending_kv is not None:  # swapped out, or handed over: its KV is written, not computed
+                cached = self.kv.find_cached_prefix(req) if req.pending_kv.handed_over else []
+                if not self._admit_computed(req, req.pending_kv.num_tokens, cached):
                     break
+                hit = len(cached) * self.kv.block_size
+                if req.pending_kv.handed_over:
+                    self.kv.record_lookup(req, hit)
                 self.waiting.popleft()
-                out.swap_in.append(req)  # it decodes from the next step on
+                out.kv_in.append((req, hit))
                 continue
             cached = self.kv.find_cached_prefix(req)
             start = len(cached) * self.kv.block_size

@@ -52,7 +52,7 @@ class LLMEngine:
         outputs, stop_now = self.output_processor.process(self.core.step())
         if stop_now:
             self.core.stop_requests(stop_now)
-        for request_id, why in self.core.take_failed():
+        for request_id, why, _ in self.core.take_failed():
             self.output_processor.abort(request_id)
             self._failed.append((request_id, why))
         return outputs
