@@ -214,3 +214,23 @@ def test_serve_disagg_runs_e_p_d_in_one_command(tiny_ckpt, offline):
                           str(tiny_ckpt("qwen2_vl")), "--port", str(free_port())], capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode != 0 and "--num-prefill P --num-decode D" in bad.stderr
+
+
+def test_e_p_d_roles_share_the_cores_on_one_machine(monkeypatch):
+    """Encoder, prefill and decode run at the same time: each gets its share of the cores unless the user chose
+    OMP_NUM_THREADS; the registry gets none, and E->PD keeps every core for each role as before."""
+    from vlserve.core.config import Options
+    from vlserve.disagg.launcher import plan_children
+
+    opts = Options()
+    opts.engine.model = "/m"
+    opts.disagg.num_encoders, opts.disagg.num_prefill, opts.disagg.num_decode = 1, 1, 1
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    share = str(max(1, len(os.sched_getaffinity(0)) // 3))
+    children = {c.name: c.env.get("OMP_NUM_THREADS") for c in plan_children(opts, "INFO")}
+    assert children == {"bootstrap": None, "encoder-0": share, "prefill-0": share, "decode-0": share}
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    assert all("OMP_NUM_THREADS" not in c.env for c in plan_children(opts, "INFO"))
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    opts.disagg.num_prefill = opts.disagg.num_decode = 0
+    assert all("OMP_NUM_THREADS" not in c.env for c in plan_children(opts, "INFO"))
