@@ -7,6 +7,8 @@ once the KV is copied in, and also when a request still waiting for room is abor
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -211,3 +213,21 @@ def test_a_decode_engine_shares_its_cached_prefix_and_stays_exact(path, prefill,
     assert hits >= (len(processed.prompt_token_ids) // 8 - 1) * 8 > 0
     decode.core.scheduler.kv.pool.check_integrity()
     assert not decode.blocks
+
+
+def test_a_handed_token_its_grammar_refuses_is_a_clean_400(path, prefill):
+    """A prefill peer's token that the request's own grammar cannot accept: refused with 400, nothing reported
+    for it, its receive blocks released, the engine idle again."""
+    decode = Decode(path)
+    params = SamplingParams(temperature=0, max_tokens=4, structured_outputs={"regex": "a{3}"})
+    processed, handoff, rows = prefilled(prefill, PROMPTS[0], SamplingParams(temperature=0, max_tokens=4), "g")
+    bad = prefill.engine.input_processor.tokenizer.encode("zz", add_special_tokens=False)[:1]
+    decode.core.add_handoff("g", decode.receive("g", processed, rows), params,
+                            Handoff(EngineCoreOutput("g", bad), handoff.generator_state))
+    outs, deadline = [], time.monotonic() + 30
+    while decode.core.has_unfinished and time.monotonic() < deadline:
+        outs += decode.step()
+    assert not decode.core.has_unfinished and outs == []
+    (rid, why, status), = decode.core.take_failed()
+    assert (rid, status) == ("g", 400) and why
+    assert not decode.blocks  # released once

@@ -153,8 +153,10 @@ class EngineCore:
         self._open[request_id] = {request_id}
         self._unreported[request_id] = EngineCoreOutput(request_id, list(first.new_token_ids), first.new_logprobs,
                                                         num_cached_tokens=first.num_cached_tokens)
-        if req.grammar is not None and not req.grammar.ready:
-            self._building.append(req)  # reported once built: whether the token ends it depends on the grammar
+        if req.grammar is not None and (not req.grammar.ready or req.grammar.error is not None):
+            # Reported once built (whether the token ends it depends on the grammar); a failed one is refused
+            # there, with its receive blocks released.
+            self._building.append(req)
         else:
             self._report_first(req)
 
