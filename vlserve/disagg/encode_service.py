@@ -206,7 +206,6 @@ class _EncoderStats:
 
 async def run_encoder(opts: Options, log_level: str) -> None:
     """The encode role: bind the data socket, register with the bootstrap, serve until stopped."""
-    import uvicorn
 
     from vlserve.disagg.bootstrap import BootstrapClient, InstanceInfo, new_instance_id
 
@@ -216,14 +215,10 @@ async def run_encoder(opts: Options, log_level: str) -> None:
     info = InstanceInfo(new_instance_id(), "encode", f"{host}:{service.data_port}", f"{host}:{port}")
     boot = BootstrapClient(opts.disagg.bootstrap, info, opts.disagg.heartbeat_interval,
                            load_fn=lambda: service.in_flight, auth=service.auth)
-    zmq_task = asyncio.create_task(service.serve())
     await boot.start()
     logger.info("encoder ready: data tcp://%s, http://%s", info.address, info.http_address)
-    http = uvicorn.Server(uvicorn.Config(service.http_app(), host=host, port=port, log_level=log_level.lower(),
-                                         access_log=False, log_config=None))
     try:
-        await http.serve()
+        await service.run(service.http_app(), port, log_level)
     finally:
-        zmq_task.cancel()
         await boot.stop()
         await service.aclose()

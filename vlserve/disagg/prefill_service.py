@@ -121,8 +121,6 @@ class PrefillService(SenderService):
 async def run_prefill(opts: Options, log_level: str) -> None:
     """The prefill role: bind the data socket, start the engine (which registers with the bootstrap through its
     encoder client, under role "prefill" with the data address), serve until stopped."""
-    import uvicorn
-
     host, port = opts.server.host, opts.server.port
     data_port = opts.disagg.data_port or port + 1
     encoder = remote_prompt_encoder(opts.disagg, f"{host}:{port}", PREFILL, data_address=f"{host}:{data_port}")
@@ -132,16 +130,10 @@ async def run_prefill(opts: Options, log_level: str) -> None:
     service = PrefillService(engine, opts)
     service.bind()
     await engine.start()
-    zmq_task = asyncio.create_task(service.serve())
     logger.info("prefill instance ready: data tcp://%s:%d, http://%s:%d", host, data_port, host, port)
-    http = uvicorn.Server(uvicorn.Config(service.http_app(), host=host, port=port, log_level=log_level.lower(),
-                                         access_log=False, log_config=None))
     try:
-        await http.serve()
+        await service.run(service.http_app(), port, log_level)
     finally:
-        zmq_task.cancel()
-        for task in list(service.tasks):
-            task.cancel()
         await engine.shutdown()
         service.transport.close()
         service.auth.stop()

@@ -209,6 +209,20 @@ class SenderService:
             sweeper.cancel()
             self.sock.close(linger=0)
 
+    async def run(self, app, port: int, log_level: str) -> None:
+        """The data socket, and `app` (/health, /metrics) over HTTP on `port`, until the process is stopped."""
+        import uvicorn
+
+        data = asyncio.create_task(self.serve())
+        http = uvicorn.Server(uvicorn.Config(app, host=self.host, port=port, log_level=log_level.lower(),
+                                             access_log=False, log_config=None))
+        try:
+            await http.serve()
+        finally:
+            data.cancel()
+            for task in list(self.tasks):
+                task.cancel()
+
     def _dispatch(self, peer: bytes, msg) -> None:
         if isinstance(msg, Ping):
             self.spawn(self.sender.reply(peer, self.pong(msg.nonce)))
