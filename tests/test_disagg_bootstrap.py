@@ -163,9 +163,14 @@ def test_client_reregisters_after_being_dropped():
         await asyncio.sleep(0.03)
         assert (await client.list_instances())[0].load == 5
 
-        # Silence beyond the threshold: the registry drops it; the next heartbeat's 404 re-registers it.
-        clock.now += 10.0
-        await _wait_for(lambda: ("/heartbeat", 404) in transport.calls)
+        # Silence beyond the threshold: the registry drops it; the next heartbeat's 404 re-registers it. The clock
+        # jumps again until that happens: a heartbeat already past the registry's expiry check when the clock jumps
+        # lands on the new time and keeps the entry alive.
+        deadline = time.monotonic() + 10
+        while ("/heartbeat", 404) not in transport.calls:
+            assert time.monotonic() < deadline, "the registry never dropped the silent instance"
+            clock.now += 10.0
+            await asyncio.sleep(0.05)
         await _wait_for(lambda: client.registrations == 2)
         assert transport.calls.count(("/register", 200)) == 2
         assert [i.instance_id for i in await client.list_instances("encode")] == [info.instance_id]
