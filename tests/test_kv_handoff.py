@@ -1,7 +1,8 @@
 """Prefill on one engine, decode on another (the engine half of E→P→D): the prefill engine holds a finished
 request's KV blocks until they are exported, the decode engine takes them into its own blocks and goes on,
 token for token what one engine gives: greedy and seeded sampling, penalties, grammars, pictures, a decode
-engine short of blocks that preempts and recomputes; both pools full afterwards."""
+engine short of blocks that preempts and recomputes, one without room that queues the handoff; both pools full
+afterwards."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def handoff(prefill: LLM, decode: LLM, prompt, params: SamplingParams, rid: str)
         p_core.release_held(rid)
         return first
     handed = p_core.export_held(rid)
-    assert d_core.add_prefilled(rid, processed, params, handed)
+    d_core.add_prefilled(rid, processed, params, handed)
     tokens = list(first)
     while d_core.has_unfinished:
         for out in d_core.step():
@@ -100,7 +101,7 @@ def test_decode_engine_short_of_blocks_preempts_and_stays_exact(path, prefill, w
         while p_core.has_unfinished:
             for out in p_core.step():
                 got[f"t{i}"] += out.new_token_ids
-        assert d_core.add_prefilled(f"t{i}", processed, params, p_core.export_held(f"t{i}"))
+        d_core.add_prefilled(f"t{i}", processed, params, p_core.export_held(f"t{i}"))
     while d_core.has_unfinished:
         for out in d_core.step():
             got[out.request_id] += out.new_token_ids
@@ -110,7 +111,7 @@ def test_decode_engine_short_of_blocks_preempts_and_stays_exact(path, prefill, w
     assert_pool_full(tight)
 
 
-def test_a_decode_engine_without_room_says_so_and_keeps_nothing(path, prefill):
+def test_a_decode_engine_without_room_queues_the_handoff_until_there_is(path, prefill):
     full = LLM(path, dtype="float32", num_kv_blocks=12, block_size=4, max_model_len=48)
     p_core = prefill.engine.core
     processed = prefill.engine.input_processor.process(PROMPTS[1] * 3)
@@ -121,13 +122,15 @@ def test_a_decode_engine_without_room_says_so_and_keeps_nothing(path, prefill):
     handed = p_core.export_held("big")
     blocker = full.engine.input_processor.process("x " * 20)
     full.engine.core.add_request("blocker", blocker, SamplingParams(max_tokens=2, ignore_eos=True))
-    full.engine.core.step()  # the blocker now holds most blocks
-    assert not full.engine.core.add_prefilled("big", processed, params, handed)  # no room now: try later
-    while full.engine.core.has_unfinished:
-        full.engine.core.step()
-    assert full.engine.core.add_prefilled("big", processed, params, handed)
-    while full.engine.core.has_unfinished:
-        full.engine.core.step()
+    core = full.engine.core
+    core.step()  # the blocker now holds most blocks
+    core.add_prefilled("big", processed, params, handed)
+    core.step()
+    assert [r.request_id for r in core.scheduler.waiting] == ["big"]  # no room yet: it waits, KV not written
+    got = []
+    while core.has_unfinished:
+        got += [o for o in core.step() if o.request_id == "big"]
+    assert sum(len(o.new_token_ids) for o in got) == 1 and got[-1].finish_reason == "length"  # 2 with its first
     assert_pool_full(full)
 
 
@@ -182,7 +185,7 @@ def test_holds_never_leak(prefill, decode):
     assert_pool_full(decode)
 
 
-def test_a_failed_kv_write_leaves_nothing_admitted(prefill, decode, monkeypatch):
+def test_a_failed_kv_write_fails_that_request_and_leaves_nothing(prefill, decode, monkeypatch):
     p_core, d_core = prefill.engine.core, decode.engine.core
     processed = prefill.engine.input_processor.process(PROMPTS[1])
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -195,8 +198,11 @@ def test_a_failed_kv_write_leaves_nothing_admitted(prefill, decode, monkeypatch)
         raise RuntimeError("device lost")
 
     monkeypatch.setattr(d_core.runner, "write_kv", broken)
-    with pytest.raises(RuntimeError, match="device lost"):
-        d_core.add_prefilled("w", processed, params, handed)
-    assert not d_core.has_unfinished and "w" not in d_core.scheduler.requests
+    d_core.add_prefilled("w", processed, params, handed)
+    while d_core.has_unfinished:
+        assert not d_core.step()  # nothing comes out for it
+    (rid, why, status), = d_core.take_failed()
+    assert (rid, status) == ("w", 500) and "could not be written" in why
+    assert "w" not in d_core.scheduler.requests
     assert_pool_full(decode)
     assert_pool_full(prefill)

@@ -107,9 +107,9 @@ class EngineCore:
         self.scheduler.release_held(request_id)
 
     def add_prefilled(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
-                      handed: PrefilledKV, arrival_time: float | None = None) -> bool:
-        """A request another instance prefilled: its KV into our blocks, then decoding goes on here. False (and
-        nothing kept) while there is no room: try again later."""
+                      handed: PrefilledKV, arrival_time: float | None = None) -> None:
+        """A request another instance prefilled (its first token already known to the caller): it waits in the
+        queue like any request, and its KV is written into our blocks when the scheduler admits it."""
         t = self.cfg.model.text
         check_prompt(prompt, self.cfg, None)
         handed.check(t.num_layers, t.num_kv_heads, t.head_dim, len(prompt.prompt_token_ids))
@@ -119,13 +119,8 @@ class EngineCore:
             raise InvalidInputError(f"request {request_id!r} ended at its handed-over token: nothing to decode")
         # Without its pictures here a preempted request could not be recomputed: then its KV is swapped out.
         req.swap_on_preempt = any(it.pixel_values is None and it.embeddings is None for it in prompt.mm_items)
-        cached = self.scheduler.add_prefilled(req, handed.num_tokens)
-        if cached is None:
-            return False
-        self._write_handed_kv(req, handed.kv[:, :, cached:], cached)
-        self._parent_of[request_id] = request_id
-        self._open[request_id] = {request_id}
-        return True
+        kv = handed.kv
+        self._queue_handed(req, PendingKV(handed.num_tokens, lambda start: kv[:, :, start:], handed_over=True))
 
     def add_handoff(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, handoff: Handoff,
                     arrival_time: float | None = None) -> None:
@@ -145,12 +140,9 @@ class EngineCore:
         req.num_cached_tokens = first.num_cached_tokens  # what the prefill saved: reported in usage
         req.swap_on_preempt = True  # the receive blocks are reused once its KV is in: it cannot be recomputed here
         t, blocks, n = self.cfg.model.text, prompt.block_rows, req.num_prompt_tokens
-        req.pending_kv = PendingKV(n, lambda start: rows_to_kv(self.transfer.read_rows(blocks, start, n - start),
-                                                               t.num_layers, t.num_kv_heads, t.head_dim),
-                                   handed_over=True)
-        self.scheduler.add_request(req)
-        self._parent_of[request_id] = request_id
-        self._open[request_id] = {request_id}
+        self._queue_handed(req, PendingKV(n, lambda start: rows_to_kv(self.transfer.read_rows(blocks, start, n - start),
+                                                                      t.num_layers, t.num_kv_heads, t.head_dim),
+                                          handed_over=True))
         self._unreported[request_id] = EngineCoreOutput(request_id, list(first.new_token_ids), first.new_logprobs,
                                                         num_cached_tokens=first.num_cached_tokens)
         if req.grammar is not None and (not req.grammar.ready or req.grammar.error is not None):
@@ -159,6 +151,12 @@ class EngineCore:
             self._building.append(req)
         else:
             self._report_first(req)
+
+    def _queue_handed(self, req: Request, pending: PendingKV) -> None:
+        req.pending_kv = pending
+        self.scheduler.add_request(req)
+        self._parent_of[req.request_id] = req.request_id
+        self._open[req.request_id] = {req.request_id}
 
     def _report_first(self, req: Request) -> None:
         """A handed-over request's first token goes out at the next step; if it ends the request, so does it."""
@@ -195,15 +193,6 @@ class EngineCore:
                 req.grammar.matcher  # noqa: B018 - raises here if the grammar fails; usually cached, so quick
         return req
 
-    def _write_handed_kv(self, req: Request, kv: torch.Tensor, start: int = 0) -> None:
-        """KV of tokens start..start+kv.shape[2] (the ones before are shared from the prefix cache)."""
-        try:
-            self.runner.write_kv(self.runner.token_slots(req, start + kv.shape[2])[start:], kv)
-        except BaseException:
-            self.scheduler.finish_requests([req.request_id])
-            raise
-        self.scheduler.kv.cache_full_blocks(req)
-
     def _move_kv(self, sched) -> None:
         """Before this step's forward pass: KV of preempted requests that cannot be recomputed out to host memory
         (their blocks are reused from now on), and the pending KV of requests admitted now into their blocks."""
@@ -220,7 +209,7 @@ class EngineCore:
                 self._failed.append((req.request_id, f"its KV could not be written: {type(e).__name__}", 500))
                 continue
             self.scheduler.kv.cache_full_blocks(req)
-            if pending.handed_over:  # the receive blocks are free to reuse now
+            if pending.handed_over:  # the receive blocks (if any) are free to reuse now
                 self._released_early.add(req.request_id)
                 if self.report_released:
                     self._released.append(req.request_id)

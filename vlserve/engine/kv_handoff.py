@@ -43,7 +43,8 @@ class PendingKV:
 
     num_tokens: int  # tokens 0..num_tokens
     read: Callable[[int], torch.Tensor]  # start -> [layers, 2, num_tokens - start, kv_heads, head_dim]
-    handed_over: bool = False  # in receive blocks: freed once written; a cached prefix is shared, not written
+    handed_over: bool = False  # from another instance: a cached prefix is shared, not written; receive blocks
+    # holding it are released once it is written
 
 
 def kv_to_rows(kv: torch.Tensor) -> torch.Tensor:

@@ -285,21 +285,9 @@ class Scheduler:
             self.kv.free(req)
         return req
 
-    def add_prefilled(self, req: Request, num_computed: int) -> int | None:
-        """Admits a request whose first `num_computed` tokens' KV another instance computed: straight into the
-        running set with blocks for them, sharing what the prefix cache already holds. Returns how many leading
-        tokens' KV is there already (the caller writes the rest); None, with nothing changed, without room."""
-        cached = self.kv.find_cached_prefix(req)
-        if not self._admit_computed(req, num_computed, cached):
-            return None
-        hit = len(cached) * self.kv.block_size
-        self.kv.record_lookup(req, hit)
-        self.requests[req.request_id] = req
-        return hit
-
     def _admit_computed(self, req: Request, num_computed: int, cached: list[int] | None = None) -> bool:
         """Into the running set with blocks for `num_computed` tokens (after the `cached` prefix blocks) whose
-        KV the caller writes."""
+        KV the engine writes (`SchedulerOutput.kv_in`)."""
         cached_tokens = len(cached or []) * self.kv.block_size
         if len(self.running) >= self.cfg.max_num_seqs or \
                 not self.kv.allocate_slots(req, num_computed - cached_tokens, cached):
