@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -25,7 +24,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
 from vlserve.core.config import Options
-from vlserve.core.errors import InvalidInputError, ServiceUnavailableError, VlserveError
+from vlserve.core.errors import InvalidInputError, ServiceUnavailableError
 from vlserve.core.prompt import ProcessedPrompt
 from vlserve.disagg.auth import PeerAuth, require_secret_off_loopback
 from vlserve.disagg.messages import (
@@ -49,7 +48,6 @@ from vlserve.model.layers.packed_linear import packed_linear_supported
 from vlserve.model.loader import load_model
 
 logger = logging.getLogger("vlserve.encode")
-FAILURE_PROB_ENV = "VLSERVE_TRANSFER_FAILURE_PROB"
 
 
 class EncodeService(SenderService):
@@ -71,13 +69,12 @@ class EncodeService(SenderService):
         self.vit = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlserve-vit")  # one vision call at a time
         self.encoding: dict[str, asyncio.Future] = {}  # mm_hash -> its vision call, while it runs
         self.width = self.cfg.model.embedding_width
-        self.failure_prob, self.rng = d.transfer_failure_prob, random.Random()
         auth = PeerAuth(d.disagg_secret)
         require_secret_off_loopback(auth, server.host, "this encoder")
         transport = TRANSPORTS[d.transfer_backend](reachable_host(server.host, toward=d.bootstrap.rsplit(":", 1)[0]))
         self.registry = CollectorRegistry()
         self._setup(server.host, d.data_port or server.port + 1, auth, transport,
-                    TransferMetrics(self.registry, None, "encode"), d.transfer_timeout)
+                    TransferMetrics(self.registry, None, "encode"), d.transfer_timeout, d.transfer_failure_prob)
         self.registry.register(_EncoderStats(self))
         self.in_flight = 0
 
@@ -96,11 +93,7 @@ class EncodeService(SenderService):
         try:
             if req.params is not None:
                 raise InvalidInputError("this is an encoder, not a prefill instance: check the roles' registry")
-            if self.failure_prob and self.rng.random() < self.failure_prob:
-                raise VlserveError(f"injected transfer failure ({FAILURE_PROB_ENV} / --transfer-failure-prob)")
-            prompt = {"prompt": req.prompt, "multi_modal_data": req.media}
-            if any(any(v) for v in req.uuids.values()):
-                prompt["multi_modal_uuids"] = req.uuids
+            prompt = self.start_request(req)
             processed = (await self.prompts.encode(prompt, req.mm_processor_kwargs, req.request_id)).prompt
             holder = f"{req.request_id}/{req.transfer_id}/{peer.hex()}"
             transfer = OutgoingTransfer(key, processed, req.block_tokens, target=req.target,
@@ -114,11 +107,7 @@ class EncodeService(SenderService):
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - every failure must reach the receiver, which frees its blocks
-            status = e.http_status if isinstance(e, InvalidInputError) else 503
-            self.metrics.state(TransferState.REJECTED if status < 500 else TransferState.FAILED)
-            if status >= 500 and not isinstance(e, VlserveError):
-                logger.exception("encoding %s failed", req.request_id)
-            await self.sender.fail(key, str(e), status)
+            await self.request_failed(key, e)
         finally:
             self.in_flight -= 1
 

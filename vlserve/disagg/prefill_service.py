@@ -13,13 +13,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import random
 
 from fastapi import FastAPI
 from fastapi.responses import Response
 
 from vlserve.core.config import PREFILL, Options
-from vlserve.core.errors import InvalidInputError, VlserveError
+from vlserve.core.errors import InvalidInputError
 from vlserve.disagg.auth import PeerAuth, require_secret_off_loopback
 from vlserve.disagg.messages import (
     EncodeRequest,
@@ -46,12 +45,12 @@ class PrefillService(SenderService):
         # from a sending thread while the receiving side pumps it.
         transport = TRANSPORTS[d.transfer_backend](reachable_host(host, toward=d.bootstrap.rsplit(":", 1)[0]))
         self._setup(host, d.data_port or opts.server.port + 1, auth, transport,
-                    TransferMetrics(engine.metrics.registry, None, PREFILL, "kv"), d.transfer_timeout)
+                    TransferMetrics(engine.metrics.registry, None, PREFILL, "kv"), d.transfer_timeout,
+                    d.transfer_failure_prob)
         engine.metrics.registry.register(ScrapeTimeGauges(lambda: [
             ("prefill_requests_in_flight", self.in_flight, "Prefills being computed for decode instances."),
             ("prefill_transfers_held", len(self.sender.transfers) if self.sender else 0,
              "KV transfers being sent or waiting for a decode instance to resume them.")]))
-        self.failure_prob, self.rng = d.transfer_failure_prob, random.Random()
         self.working: dict[tuple, asyncio.Task] = {}  # transfers being prefilled: an abort cancels them
         self._ids = itertools.count()
 
@@ -80,12 +79,7 @@ class PrefillService(SenderService):
         try:
             if req.params is None:
                 raise InvalidInputError("this is a prefill instance: a request needs its sampling parameters")
-            if self.failure_prob and self.rng.random() < self.failure_prob:
-                raise VlserveError("injected transfer failure (VLSERVE_TRANSFER_FAILURE_PROB / "
-                                   "--transfer-failure-prob)")
-            prompt = {"prompt": req.prompt, "multi_modal_data": req.media}
-            if any(any(v) for v in req.uuids.values()):
-                prompt["multi_modal_uuids"] = req.uuids
+            prompt = self.start_request(req)
             engine_id = f"p{next(self._ids)}-{req.request_id[:128]}"
             prepared = await self.engine.prepare(prompt, req.mm_processor_kwargs, request_id=engine_id)
             handoff, rows = await self.engine.prefill(prepared, req.params, engine_id)
@@ -96,11 +90,7 @@ class PrefillService(SenderService):
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - every failure must reach the receiver, which frees its blocks
-            status = getattr(e, "http_status", 400) if isinstance(e, InvalidInputError) else 503
-            self.metrics.state(TransferState.REJECTED if status < 500 else TransferState.FAILED)
-            if status >= 500 and not isinstance(e, VlserveError):
-                logger.exception("prefilling %s failed", req.request_id[:128])
-            await self.sender.fail(key, str(e), status)
+            await self.request_failed(key, e)
 
     def http_app(self) -> FastAPI:
         app = FastAPI(title="vlserve prefill", docs_url=None, redoc_url=None, openapi_url=None)

@@ -18,7 +18,7 @@ from vlserve.disagg.bootstrap import InstanceInfo, new_instance_id
 from vlserve.disagg.encoder_client import ENCODER_PEERS, PREFILL_PEERS, EncoderClient, PeerKind
 from vlserve.disagg.metrics import TransferMetrics
 from vlserve.engine.transfer_buffers import TransferBuffers
-from vlserve.frontend.prompt_encoder import N_REFUSED, EncodedPrompt, LocalPromptEncoder
+from vlserve.frontend.prompt_encoder import EncodedPrompt, LocalPromptEncoder
 
 
 def _has_urls(media: dict) -> bool:
@@ -62,7 +62,8 @@ class RemotePromptEncoder:
         if prefill and params is None:
             raise InvalidInputError("a decode instance needs the request's sampling parameters to have it prefilled")
         if prefill and params.n != 1:  # before any prefill work
-            raise InvalidInputError(N_REFUSED)
+            raise InvalidInputError("n > 1 is not supported by a decode instance (its prompt is prefilled once, "
+                                    "elsewhere); send n requests")
         for kind, items in media.items():
             limit = self.cfg.limit_mm_per_prompt.get(kind, 0)
             if len(items) > limit:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from vlserve.core.errors import VlserveError
+from vlserve.core.errors import InvalidInputError, VlserveError
 from vlserve.core.messages import Handoff
 from vlserve.core.prompt import ProcessedPrompt
 from vlserve.core.wire import Framer
@@ -43,6 +44,7 @@ from vlserve.disagg.transports.base import ABORT_ACK_STATUS
 
 logger = logging.getLogger("vlserve.disagg")
 Key = tuple[bytes, str, int]  # (peer, request id, transfer id)
+FAILURE_PROB_ENV = "VLSERVE_TRANSFER_FAILURE_PROB"
 
 
 @dataclass
@@ -180,8 +182,9 @@ class SenderService:
     how it answers a request (`on_request`)."""
 
     def _setup(self, host: str, data_port: int, auth: PeerAuth, transport: Transport, metrics: TransferMetrics,
-               timeout: float) -> None:
+               timeout: float, failure_prob: float = 0.0) -> None:
         self.host, self.data_port, self.auth = host, data_port, auth
+        self.failure_prob, self.rng = failure_prob, random.Random()
         self.transport, self.metrics, self.timeout = transport, metrics, timeout
         self.framer = Framer(LanguageToEncoder)
         self.sender: TransferSender | None = None  # once bound
@@ -233,6 +236,24 @@ class SenderService:
         elif isinstance(msg, AbortTransfer):
             self.on_abort((peer, msg.request_id, msg.transfer_id))
             self.spawn(self.sender.abort(peer, msg))
+
+    def start_request(self, req: EncodeRequest) -> dict:
+        """The prompt a request names, after the fault injection of --transfer-failure-prob."""
+        if self.failure_prob and self.rng.random() < self.failure_prob:
+            raise VlserveError(f"injected transfer failure ({FAILURE_PROB_ENV} / --transfer-failure-prob)")
+        prompt = {"prompt": req.prompt, "multi_modal_data": req.media}
+        if any(any(v) for v in req.uuids.values()):
+            prompt["multi_modal_uuids"] = req.uuids
+        return prompt
+
+    async def request_failed(self, key: Key, error: Exception) -> None:
+        """Every failure reaches the receiver, which frees its blocks: the request's own fault with its 4xx,
+        anything else as a 503 (with a traceback when it is not one of ours)."""
+        status = getattr(error, "http_status", 400) if isinstance(error, InvalidInputError) else 503
+        self.metrics.state(TransferState.REJECTED if status < 500 else TransferState.FAILED)
+        if status >= 500 and not isinstance(error, VlserveError):
+            logger.error("request %s failed", key[1][:128], exc_info=error)
+        await self.sender.fail(key, str(error), status)
 
     def spawn(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)

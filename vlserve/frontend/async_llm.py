@@ -29,7 +29,7 @@ from vlserve.frontend.input_processor import InputProcessor
 from vlserve.frontend.media.fetch import MediaFetcher, MediaPolicy
 from vlserve.frontend.metrics import ServerMetrics
 from vlserve.frontend.output_processor import OutputProcessor
-from vlserve.frontend.prompt_encoder import N_REFUSED, EncodedPrompt, LocalPromptEncoder, PromptEncoder
+from vlserve.frontend.prompt_encoder import EncodedPrompt, LocalPromptEncoder, PromptEncoder
 
 logger = logging.getLogger("vlserve.engine")
 
@@ -212,8 +212,6 @@ class AsyncLLM:
             if request_id in self.streams:
                 raise InvalidInputError(f"request id {request_id!r} is already in use")
             prompt, handoff = prepared.encoded.prompt, prepared.encoded.handoff
-            if handoff is not None and params.n != 1:
-                raise InvalidInputError(N_REFUSED)
             msg, tensors = prompt_to_wire(request_id, prompt, params, prepared.arrival, handoff=handoff)
         except BaseException:
             if prepared.encoded.release is not None:

@@ -23,8 +23,6 @@ from vlserve.engine.transfer_buffers import TransferBuffers
 from vlserve.frontend.input_processor import InputProcessor
 from vlserve.frontend.media.fetch import MediaFetcher
 
-N_REFUSED = "n > 1 is not supported by a decode instance (its prompt is prefilled once, elsewhere); send n requests"
-
 
 @dataclass
 class EncodedPrompt:
