@@ -98,6 +98,13 @@ class EngineArgs:
     enable_mm_embeds: bool = option(False, "accept precomputed image embeddings (image_embeds parts)",
                                     {SERVE, LANGUAGE, DECODE, DEMO})
     seed: int = option(0, "engine seed", LM_ROLES)
+    tensor_parallel_size: int = option(
+        1, "split the language model (and, with --mm-encoder-tp-mode weights, the vision tower) over this many "
+        "ranks: one process each, cores split between them on CPU; several machines: start every rank with "
+        "torchrun", {SERVE, LANGUAGE, DEMO})
+    mm_encoder_tp_mode: str = option(
+        "weights", "vision tower under tensor parallelism: weights (split like the LM) or data (whole on every "
+        "rank, each encodes a share of the pictures)", {SERVE, DEMO}, choices=("weights", "data"))
     load_vision: bool = True  # False on a disaggregated language server: set by the role, not a flag
 
     @classmethod

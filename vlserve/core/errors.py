@@ -56,6 +56,10 @@ class EngineDeadError(ServiceUnavailableError):
     """The engine-core process is gone; nothing more can be generated."""
 
 
+class TensorParallelError(EngineDeadError):
+    """A tensor-parallel rank died or failed: the model can no longer run, the engine stops."""
+
+
 class ModelLoadError(VlserveError):
     """A checkpoint cannot be loaded: missing file, corrupt weights, unsupported architecture."""
 

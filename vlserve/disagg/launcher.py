@@ -10,12 +10,10 @@ that dies is restarted with backoff, a bounded number of times; the others keep 
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,26 +22,13 @@ from dataclasses import dataclass, field
 from vlserve.core.config import BOOTSTRAP, DECODE, ENCODE, LANGUAGE, PREFILL, Options
 from vlserve.core.errors import InvalidInputError
 from vlserve.core.options import to_argv
+from vlserve.core.processes import die_with_parent, free_port
 
 logger = logging.getLogger("vlserve.disagg")
 MAX_RESTARTS = 5  # per child within RESTART_WINDOW_S; one more crash stops the deployment
 RESTART_WINDOW_S = 300.0
 STOP_TIMEOUT_S = 15.0
 POLL_S = 0.2
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    """Runs in the child before exec: if the supervisor is killed outright, its children get SIGTERM."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # not Linux: children then outlive a SIGKILLed supervisor
 
 
 @dataclass
@@ -57,7 +42,7 @@ class Child:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(self.argv, env={**os.environ, **self.env}, start_new_session=True,
-                                     preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+                                     preexec_fn=die_with_parent if sys.platform == "linux" else None)
         self.restart_at = None
 
     @property

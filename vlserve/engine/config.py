@@ -17,6 +17,7 @@ from vlserve.model.loader import resolve_model_path, weight_files
 from vlserve.model.quantization import QuantizationConfig, resolve_quantization
 
 logger = logging.getLogger("vlserve.engine")
+WEIGHTS, DATA = "weights", "data"  # mm_encoder_tp_mode
 MIN_DEFAULT_KV_BYTES = 256 * 2**20  # the default KV cache is as large as the weights, and at least this
 CPU_FREE_MEMORY_SHARE = 0.5  # of what is free after the weights, the default KV cache takes at most this share
 GPU_FREE_MEMORY_SHARE = 0.9
@@ -45,15 +46,46 @@ class VlserveConfig:
     enable_mm_embeds: bool
     seed: int
     load_vision: bool
+    tensor_parallel_size: int = 1
+    mm_encoder_tp_mode: str = WEIGHTS
+    args: EngineArgs | None = None  # what it was resolved from (the other tensor-parallel ranks resolve it too)
 
     @property
     def kv_bytes_per_token(self) -> int:
         return kv_bytes_per_token(self.model, self.dtype)
 
 
-def kv_bytes_per_token(model: ModelConfig, dtype: torch.dtype) -> int:
+def kv_bytes_per_token(model: ModelConfig, dtype: torch.dtype, ranks: int = 1) -> int:
+    """Per rank: under tensor parallelism each rank caches its share of the key/value heads (at least one)."""
     t = model.text
-    return 2 * t.num_layers * t.num_kv_heads * t.head_dim * torch.empty((), dtype=dtype).element_size()
+    heads = max(t.num_kv_heads // ranks, 1)
+    return 2 * t.num_layers * heads * t.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def check_tensor_parallel(args: EngineArgs, model: ModelConfig, quantization: QuantizationConfig | None) -> None:
+    """Refuses at once what the ranks could not split evenly (rather than when every rank loads)."""
+    tp = args.tensor_parallel_size
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise InvalidInputError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+    if args.mm_encoder_tp_mode not in (WEIGHTS, DATA):
+        raise InvalidInputError(f"mm_encoder_tp_mode must be '{WEIGHTS}' or '{DATA}', got {args.mm_encoder_tp_mode!r}")
+    if tp == 1:
+        return
+    if quantization is not None and quantization.is_checkpoint_format:
+        raise InvalidInputError(f"a {quantization.method} 4-bit checkpoint cannot be split over ranks: use "
+                                "tensor_parallel_size 1, or int8 from the full-precision checkpoint")
+    t, v = model.text, model.vision
+    sizes = {"attention heads": t.num_heads, "MLP width": t.intermediate_size, "the intermediate size of "
+             "the experts": t.moe.intermediate_size if t.moe else tp}
+    if args.mm_encoder_tp_mode == WEIGHTS and args.load_vision:
+        sizes |= {"vision attention heads (try mm_encoder_tp_mode data)": v.num_heads,
+                  "vision MLP width (try mm_encoder_tp_mode data)": v.mlp_hidden}
+    for what, n in sizes.items():
+        if n % tp:
+            raise InvalidInputError(f"tensor_parallel_size {tp} does not divide the model's {what} ({n})")
+    kv = t.num_kv_heads
+    if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
+        raise InvalidInputError(f"tensor_parallel_size {tp} cannot share the model's {kv} key/value heads evenly")
 
 
 def _positive(name: str, value: int | float | None) -> None:
@@ -75,6 +107,7 @@ def resolve_config(args: EngineArgs, announce: bool = True) -> VlserveConfig:
     device = pick_device(args.device)
     dtype = resolve_dtype(args.dtype, model_cfg.checkpoint_dtype, device, announce)
     quantization = resolve_quantization(args.quantization, model_cfg.quantization)
+    check_tensor_parallel(args, model_cfg, quantization)
     max_model_len = args.max_model_len or min(model_cfg.text.max_position_embeddings, 32768)
     num_blocks = _num_kv_blocks(args, path, model_cfg, dtype, device, max_model_len)
     return VlserveConfig(
@@ -85,13 +118,14 @@ def resolve_config(args: EngineArgs, announce: bool = True) -> VlserveConfig:
         disable_chunked_mm_input=args.disable_chunked_mm_input,
         limit_mm_per_prompt={**DEFAULT_MM_LIMITS, **args.limit_mm_per_prompt},
         max_video_frames=args.max_video_frames, enable_mm_embeds=args.enable_mm_embeds, seed=args.seed,
-        load_vision=args.load_vision,
+        load_vision=args.load_vision, tensor_parallel_size=args.tensor_parallel_size,
+        mm_encoder_tp_mode=args.mm_encoder_tp_mode, args=args,
     )
 
 
 def _num_kv_blocks(args: EngineArgs, path: Path, model_cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                    max_model_len: int) -> int:
-    per_block = kv_bytes_per_token(model_cfg, dtype) * args.block_size
+    per_block = kv_bytes_per_token(model_cfg, dtype, args.tensor_parallel_size) * args.block_size
     if args.num_kv_blocks is not None:
         num_blocks = args.num_kv_blocks
     elif args.kv_cache_memory_gb is not None:
@@ -111,10 +145,10 @@ def default_kv_bytes(args: EngineArgs, path: Path, model_cfg: ModelConfig, dtype
     at full length needs (max_num_seqs x max_model_len), bounded by a share of the memory left after the weights,
     and never less than one sequence at full length (else long requests could never run).
     """
-    per_token = kv_bytes_per_token(model_cfg, dtype)
+    per_token = kv_bytes_per_token(model_cfg, dtype, args.tensor_parallel_size)  # all figures per rank
     need = args.max_num_seqs * max_model_len * per_token
     one_sequence = max_model_len * per_token
-    weights = _weight_bytes(path, model_cfg, dtype)
+    weights = _weight_bytes(path, model_cfg, dtype) // args.tensor_parallel_size
     budget = max(weights, MIN_DEFAULT_KV_BYTES)
     available = memory_available_bytes(device)
     if available is not None:

@@ -19,12 +19,12 @@ from vlserve.core.sampling_params import SamplingParams, fan_out
 from vlserve.engine.config import VlserveConfig
 from vlserve.engine.kv_handoff import PendingKV, PrefilledKV, check_handed_first, kv_to_rows, rows_to_kv
 from vlserve.engine.model_runner import ModelRunner
+from vlserve.engine.model_shard import ModelShard, load_shard
 from vlserve.engine.prompt_check import check_prompt
 from vlserve.engine.scheduler import Scheduler
 from vlserve.engine.structured.matchers import GrammarMatchers
+from vlserve.engine.tp.leader import TPLeader
 from vlserve.engine.transfer_buffers import TransferBuffers
-from vlserve.model.layers.packed_linear import packed_linear_supported
-from vlserve.model.loader import load_model
 
 logger = logging.getLogger(__name__)
 HELD_KV_TTL_S = 120.0  # a prefill's KV kept this long for its decode instance at most
@@ -39,13 +39,15 @@ class EngineCore:
         self.report_released = report_released
         self.transfer = transfer
         t0 = time.perf_counter()
-        model = model or load_model(cfg.model_path, cfg.model, cfg.dtype, cfg.device, with_vision=cfg.load_vision,
-                                    quantization=cfg.quantization)
-        if packed_linear_supported(cfg.device, cfg.dtype) and hasattr(model, "pack_for_cpu"):
-            logger.info("packed %d linears into oneDNN's layout", model.pack_for_cpu())
+        if model is not None:
+            executor = ModelShard(model, cfg)
+        elif cfg.tensor_parallel_size > 1:
+            executor = TPLeader.start(cfg)  # rank 0 here, the other ranks in their own processes
+        else:
+            executor = load_shard(cfg)
         self.grammars = GrammarMatchers(cfg.model_path, cfg.model.eos_token_ids, cfg.model.text.vocab_size,
                                         overlap=cfg.device.type != "cpu")
-        self.runner = ModelRunner(cfg, model, transfer, self.grammars)
+        self.runner = ModelRunner(cfg, executor, transfer, self.grammars)
         self.scheduler = Scheduler(cfg)
         self._building: list[Request] = []  # requests whose grammar is being built
         self._failed: list[tuple[str, str, int]] = []  # (API request, why, status) refused after admission
@@ -68,6 +70,8 @@ class EngineCore:
         `hold_kv` (a prefill instance): the finished request keeps its KV blocks for `export_held`."""
         if hold_kv and params.n != 1:
             raise InvalidInputError("a request whose KV is handed over samples once (n = 1)")
+        if hold_kv:
+            self._check_kv_movable()
         capacity = None if self.transfer is None else (self.transfer.num_blocks, self.transfer.block_tokens)
         check_prompt(prompt, self.cfg, capacity)
         children = [Request(cid, prompt, p, self.cfg.model.eos_token_ids, arrival_time)
@@ -87,6 +91,10 @@ class EngineCore:
         return [c.request_id for c in children]
 
     # ---- KV handed between instances (prefill -> decode) -------------------------------------------------------
+    def _check_kv_movable(self) -> None:
+        if self.cfg.tensor_parallel_size > 1:
+            raise InvalidInputError("KV handed between instances is not supported with tensor parallelism")
+
     @property
     def held(self) -> dict:
         return self.scheduler.held
@@ -110,6 +118,7 @@ class EngineCore:
                       handed: PrefilledKV, arrival_time: float | None = None) -> None:
         """A request another instance prefilled (its first token already known to the caller): it waits in the
         queue like any request, and its KV is written into our blocks when the scheduler admits it."""
+        self._check_kv_movable()
         t = self.cfg.model.text
         check_prompt(prompt, self.cfg, None)
         handed.check(t.num_layers, t.num_kv_heads, t.head_dim, len(prompt.prompt_token_ids))
@@ -128,6 +137,7 @@ class EngineCore:
         in this engine's receive blocks `prompt.block_rows`. It waits in the queue like any request; its first
         token is reported at the next step (once its grammar is built), and when the scheduler admits it the KV
         is copied in (a cached prefix shared) and the receive blocks are released at once."""
+        self._check_kv_movable()
         if self.transfer is None or prompt.block_rows is None:
             raise InvalidInputError("a handed-over request needs its KV rows in this engine's receive blocks")
         check_prompt(prompt, self.cfg, (self.transfer.num_blocks, self.transfer.block_tokens))
@@ -314,6 +324,14 @@ class EngineCore:
     def take_encoder_seconds(self) -> list[float]:
         """Vision-tower call durations since the last call (histogram samples for the metrics)."""
         return self.runner.take_encoder_seconds()
+
+    def check_alive(self) -> None:
+        """Raises TensorParallelError once a tensor-parallel rank is lost (the engine cannot go on)."""
+        self.runner.executor.check_alive()
+
+    def shutdown(self) -> None:
+        """Stops the other tensor-parallel ranks, if any (a single-device engine has nothing to stop)."""
+        self.runner.executor.shutdown()
 
     def get_metrics(self) -> dict[str, float]:
         s = self.scheduler

@@ -22,6 +22,7 @@ import zmq
 
 from vlserve.core.config import EngineArgs
 from vlserve.core.errors import VlserveError
+from vlserve.core.processes import die_with_parent
 from vlserve.core.wire import (
     AddRequest,
     EngineFailed,
@@ -79,6 +80,7 @@ class EngineCoreLoop:
 
     def run(self) -> None:
         while self.running:
+            self.core.check_alive()
             busy = self.core.has_unfinished
             self.progress.busy = busy
             if self.inputs.poll(0 if busy else IDLE_POLL_MS):
@@ -163,18 +165,6 @@ def _answer_heartbeats(ctx: zmq.Context, address: str, progress: Progress, stop:
         sock.close(linger=0)
 
 
-def _die_with_parent() -> None:
-    """If the front-end is killed outright, this process gets SIGTERM instead of lingering (Linux)."""
-    if sys.platform != "linux":
-        return
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def run_engine_core(args_json: bytes, addresses: dict[str, str], log_level: str = "INFO",
                     transfer_layout: bytes | None = None) -> None:
     """Entry point of the spawned process. Exits non-zero when the engine cannot start.
@@ -182,7 +172,7 @@ def run_engine_core(args_json: bytes, addresses: dict[str, str], log_level: str 
     `transfer_layout`: receive buffers (msgspec-encoded `BufferLayout`) to map, on a disaggregated server."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the front-end, which shuts us down in order
-    _die_with_parent()
+    die_with_parent()
     ctx = zmq.Context()
     inputs, outputs = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     inputs.connect(addresses["input"])
@@ -213,6 +203,8 @@ def run_engine_core(args_json: bytes, addresses: dict[str, str], log_level: str 
             logger.exception("engine core crashed")
             outputs.send_multipart(framer.encode(EngineFailed(f"engine core crashed: {type(e).__name__}: {e}")))
             exit_code = 1
+        finally:
+            core.shutdown()
     finally:
         stop.set()
         heartbeats.join(timeout=1)

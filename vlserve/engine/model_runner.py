@@ -1,9 +1,10 @@
 """Turns a scheduler step into tensors, runs the ViT and the LM, and samples.
 
 Per step: drop encoder outputs nobody needs → encode newly scheduled items in one ViT call → build the flat
-token batch (decode tokens first, then prefill chunks) with M-RoPE positions, slots and attention metadata →
-embed tokens and scatter image embeddings into their placeholder rows (Qwen3-VL: the DeepStack features of
-those rows set aside for the first decoder layers) → LM forward → logits only for rows that sample → sampler.
+token batch (decode tokens first, then prefill chunks) as a `ForwardBatch`: M-RoPE positions, slots, block
+tables, and the media embedding rows of its placeholder tokens → the executor embeds, scatters the media rows
+(Qwen3-VL: sets their DeepStack features aside for the first decoder layers), runs the LM and returns logits
+only for rows that sample → sampler.
 """
 
 from __future__ import annotations
@@ -12,38 +13,40 @@ import torch
 
 from vlserve.core.messages import TokenLogprobs
 from vlserve.core.request import Request
-from vlserve.engine.config import VlserveConfig
+from vlserve.engine.config import DATA, VlserveConfig
+from vlserve.engine.forward_batch import ForwardBatch
 from vlserve.engine.sampler import Sampler, SamplingMetadata, TokenBitmask
 from vlserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from vlserve.engine.structured.matchers import GrammarMatchers
 from vlserve.engine.transfer_buffers import TransferBuffers
 from vlserve.engine.vision_runner import VisionRunner
-from vlserve.model.decoder import DeepstackInput
-from vlserve.model.layers.attention import AttentionMetadata, build_prefill_span
 
 
 class ModelRunner:
-    def __init__(self, cfg: VlserveConfig, model: torch.nn.Module, transfer: TransferBuffers | None = None,
+    def __init__(self, cfg: VlserveConfig, executor, transfer: TransferBuffers | None = None,
                  grammars: GrammarMatchers | None = None):
-        """`transfer`: a disaggregated server's receive blocks, where items sent by encoders are read in place.
-        `grammars`: fills the token masks of requests with structured outputs."""
+        """`executor`: runs the vision tower and the LM (a `ModelShard`, or the tensor-parallel leader that runs
+        every rank's). `transfer`: a disaggregated server's receive blocks, where items sent by encoders are read
+        in place. `grammars`: fills the token masks of requests with structured outputs."""
         self.cfg = cfg
-        self.model = model
+        self.executor = executor
         self.transfer = transfer
         self.grammars = grammars
-        self.vision = VisionRunner(model, cfg.device) if getattr(model, "visual", None) is not None else None
+        model = executor.model
+        ranks = executor.tp.size if executor.encoder_mode == DATA else 1
+        self.vision = VisionRunner(executor, cfg.device, ranks) if getattr(model, "visual", None) is not None else None
         self.device = cfg.device
         self.block_size = cfg.block_size
-        t = cfg.model.text
-        num_slots = cfg.num_kv_blocks * cfg.block_size
-        # Zeroed, not empty: padded decode rows read slot 0, and 0-weight x NaN garbage would still be NaN.
-        self.kv_caches = [
-            torch.zeros(2, num_slots, t.num_kv_heads, t.head_dim, dtype=cfg.dtype, device=self.device)
-            for _ in range(t.num_layers)
-        ]
         self.sampler = Sampler()
-        self.hidden = t.hidden_size
-        self.deepstack_levels = len(cfg.model.vision.deepstack_indexes)
+        self.hidden = cfg.model.text.hidden_size
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.executor.model  # rank 0's share under tensor parallelism
+
+    @property
+    def kv_caches(self) -> list[torch.Tensor]:
+        return self.executor.kv_caches
 
     # ---- KV handed between instances ------------------------------------------------------------------------------
     def token_slots(self, req: Request, num_tokens: int) -> torch.Tensor:
@@ -56,13 +59,10 @@ class ModelRunner:
 
     def read_kv(self, slots: torch.Tensor) -> torch.Tensor:
         """[layers, 2, len(slots), kv_heads, head_dim]: the KV cache at these slots, on the CPU."""
-        index = slots.to(self.device)
-        return torch.stack([cache.index_select(1, index) for cache in self.kv_caches]).cpu()
+        return self.executor.read_kv(slots)
 
     def write_kv(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
-        index = slots.to(self.device)
-        for cache, layer in zip(self.kv_caches, kv):
-            cache.index_copy_(1, index, layer.to(self.device, cache.dtype))
+        self.executor.write_kv(slots, kv)
 
     def take_encoder_seconds(self) -> list[float]:
         """Vision-tower call durations since the last call (histogram samples for the metrics)."""
@@ -84,22 +84,19 @@ class ModelRunner:
             parts.append((torch.arange(max(start, p), end) + req.mrope_delta).expand(3, -1))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
-    def _decode_metadata(self, decode: list[ScheduledChunk], meta: AttentionMetadata) -> torch.Tensor:
-        """Block table, mask and write slots for all single-token rows at once; returns the write slots."""
+    def _decode_rows(self, decode: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Block table, context lengths and write slots of all single-token rows at once."""
         bs = self.block_size
         ctx = torch.tensor([c.end for c in decode])
         max_blocks = max(len(c.req.block_ids) for c in decode)
         table = torch.zeros(len(decode), max_blocks, dtype=torch.long)
         for row, c in enumerate(decode):
             table[row, : len(c.req.block_ids)] = torch.tensor(c.req.block_ids)
-        pos = torch.arange(max_blocks * bs)
-        meta.decode_blocks = table.view(-1)
-        meta.decode_mask = (pos.unsqueeze(0) < ctx.unsqueeze(1))[:, None, None, :]
-        meta.decode_context_lens = ctx
         last = ctx - 1
-        return table[torch.arange(len(decode)), last // bs] * bs + last % bs
+        return table, ctx, table[torch.arange(len(decode)), last // bs] * bs + last % bs
 
     def _prepare(self, chunks: list[ScheduledChunk]):
+        """The step's chunks in batch order (decode rows first) and the `ForwardBatch` that runs them."""
         decode = [c for c in chunks if c.num_tokens == 1]
         prefill = [c for c in chunks if c.num_tokens > 1]
         ordered = decode + prefill
@@ -107,58 +104,44 @@ class ModelRunner:
         for c in ordered:
             token_ids.extend(c.req.token_ids[c.start : c.end])
         positions = torch.cat([self._positions(c.req, c.start, c.end) for c in ordered], dim=1)
-
-        meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), num_decode_tokens=len(decode),
-                                 block_size=self.block_size)
-        slot_parts = []
+        table = ctx = None
+        slot_parts, spans, span_slots = [], [], []
         if decode:
-            slot_parts.append(self._decode_metadata(decode, meta))
+            table, ctx, decode_slots = self._decode_rows(decode)
+            slot_parts.append(decode_slots)
         row = len(decode)
         for c in prefill:
             ctx_slots = self._slots(c.req, 0, c.end)
             slot_parts.append(ctx_slots[c.start :])
-            meta.prefills.append(build_prefill_span(row, c.num_tokens, c.end, ctx_slots if c.start else None))
+            spans.append((row, c.num_tokens, c.end))
+            span_slots.append(ctx_slots if c.start else None)
             row += c.num_tokens
-        meta.slot_mapping = torch.cat(slot_parts)
-        return ordered, token_ids, positions, meta
+        media_rows, media = self._media(ordered)
+        sample_rows, row = [], 0
+        for c in ordered:
+            row += c.num_tokens
+            if c.samples:
+                sample_rows.append(row - 1)
+        batch = ForwardBatch(torch.tensor(token_ids), positions, torch.cat(slot_parts), len(decode), table, ctx,
+                             spans, span_slots, media_rows, media, torch.tensor(sample_rows, dtype=torch.long))
+        return ordered, batch
 
-    def _to_device(self, meta: AttentionMetadata) -> AttentionMetadata:
-        dev = self.device
-        if dev.type == "cpu":
-            return meta
-        meta.slot_mapping = meta.slot_mapping.to(dev, non_blocking=True)
-        if meta.decode_blocks is not None:
-            meta.decode_blocks = meta.decode_blocks.to(dev, non_blocking=True)
-            meta.decode_mask = meta.decode_mask.to(dev, non_blocking=True)
-            meta.decode_context_lens = meta.decode_context_lens.to(dev, non_blocking=True)
-        for span in meta.prefills:
-            if span.context_slots is not None:
-                span.context_slots = span.context_slots.to(dev, non_blocking=True)
-                span.mask = span.mask.to(dev, non_blocking=True)
-        return meta
-
-    def _embed(self, ordered: list[ScheduledChunk], token_ids: list[int]) -> tuple[torch.Tensor, DeepstackInput | None]:
-        """Token embeddings with media rows in place, and the DeepStack features of those rows (None when the
-        model has none or no media token is in this step)."""
-        ids = torch.tensor(token_ids, device=self.device)
-        embeds = self.model.embed_tokens(ids)
-        feature_rows: list[torch.Tensor] = []  # flat batch rows that get DeepStack features
-        features: list[torch.Tensor] = []  # [n, levels * hidden] each
+    def _media(self, ordered: list[ScheduledChunk]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Rows of the flat batch that take media embeddings, and those embeddings (DeepStack features after the
+        first `hidden` columns, Qwen3-VL), gathered from wherever each item's are; (None, None) if no media."""
+        dest: list[torch.Tensor] = []
+        rows: list[torch.Tensor] = []
         row = 0
         for c in ordered:
             for idx in c.req.items_overlapping(c.start, c.end):
                 lo, hi = max(c.start, c.req.mm_items[idx].offset), min(c.end, c.req.mm_items[idx].end)
                 first = row + lo - c.start
-                rows = self._item_rows(c.req, idx, lo, hi)
-                embeds[first : first + hi - lo] = rows[:, : self.hidden]
-                if self.deepstack_levels:
-                    feature_rows.append(torch.arange(first, first + hi - lo))
-                    features.append(rows[:, self.hidden :])
+                dest.append(torch.arange(first, first + hi - lo))
+                rows.append(self._item_rows(c.req, idx, lo, hi))
             row += c.num_tokens
-        if not features:
-            return embeds, None
-        stacked = torch.cat(features).view(-1, self.deepstack_levels, self.hidden).transpose(0, 1)
-        return embeds, DeepstackInput(torch.cat(feature_rows).to(self.device), stacked)
+        if not rows:
+            return None, None
+        return torch.cat(dest), torch.cat(rows)
 
     def _item_rows(self, req: Request, idx: int, lo: int, hi: int) -> torch.Tensor:
         """Embedding rows of prompt tokens [lo, hi), all inside item `idx`, from wherever that item's are."""
@@ -179,23 +162,14 @@ class ModelRunner:
             self.vision.encode([req.mm_items[idx] for req, idx in sched.encode])
         if sched.empty:
             return {}, {}
-        ordered, token_ids, positions, meta = self._prepare(sched.chunks)
-        rows, sampling = [], []
-        row = 0
-        for c in ordered:
-            row += c.num_tokens
-            if c.samples:
-                rows.append(row - 1)
-                sampling.append(c.req)
+        ordered, batch = self._prepare(sched.chunks)
+        sampling = [c.req for c in ordered if c.samples]
         # Grammar masks: on an accelerator they are filled while the forward pass runs.
         constrained = [i for i, r in enumerate(sampling) if r.grammar is not None]
         masks = self.grammars.start_masks([sampling[i].grammar for i in constrained]) if constrained else None
-
-        embeds, deepstack = self._embed(ordered, token_ids)
-        hidden = self.model(embeds, positions.to(self.device), self.kv_caches, self._to_device(meta), deepstack)
+        logits = self.executor.forward(batch)
         if not sampling:
             return {}, {}
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()
         bitmask = TokenBitmask(constrained, masks()) if masks is not None else None
         return self._sample(logits, sampling, bitmask)
 

@@ -36,9 +36,13 @@ def batches(items: list[MultiModalItem], budget: int | None) -> list[list[MultiM
 
 
 class VisionRunner:
-    def __init__(self, model: torch.nn.Module, device: torch.device):
+    def __init__(self, model, device: torch.device, ranks: int = 1):
+        """`model`: anything with the model's `encode_images` (a model, a `ModelShard`, the tensor-parallel
+        leader). `ranks`: ranks that share each call (the data-parallel encoder), so each still gets a CPU-sized
+        group of patches."""
         self.model = model
         self.device = device
+        self.ranks = ranks
         self.outputs: dict[str, torch.Tensor] = {}
         self.seconds: list[float] = []  # one entry per vision-tower call (histogram samples for the metrics)
 
@@ -46,7 +50,7 @@ class VisionRunner:
     def encode(self, items: list[MultiModalItem]) -> None:
         """Batched vision-tower calls over `items` (no attention across items); outputs land in `outputs`."""
         items = [it for it in items if it.mm_hash not in self.outputs]
-        budget = CPU_PATCHES_PER_CALL if self.device.type == "cpu" else None
+        budget = CPU_PATCHES_PER_CALL * self.ranks if self.device.type == "cpu" else None
         for group in batches(items, budget) if items else []:
             t0 = time.perf_counter()
             pixels = torch.cat([it.pixel_values for it in group]).to(self.device, non_blocking=True)

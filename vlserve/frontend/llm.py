@@ -37,6 +37,10 @@ class LLM:
     def config(self):
         return self.engine.cfg
 
+    def shutdown(self) -> None:
+        """Stops the engine's other processes (the tensor-parallel ranks) now rather than at exit."""
+        self.engine.shutdown()
+
     def get_tokenizer(self):
         return self.tokenizer
 

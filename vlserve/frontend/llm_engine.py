@@ -36,6 +36,9 @@ class LLMEngine:
         self.output_processor.add(request_id, processed.text, processed.prompt_token_ids, fan_out(params, request_id))
         return request_id
 
+    def shutdown(self) -> None:
+        self.core.shutdown()
+
     def abort_request(self, request_id: str) -> None:
         self.core.abort_requests(self.output_processor.abort(request_id))
 

@@ -16,6 +16,7 @@ import torch.nn as nn
 from vlserve.model.hf_config import TextConfig
 from vlserve.model.layers.attention import AttentionMetadata
 from vlserve.model.layers.norm import RMSNorm
+from vlserve.model.layers.parallel import VocabEmbedding, current_tp
 from vlserve.model.layers.rotary import MRotaryEmbedding
 
 
@@ -45,7 +46,7 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: TextConfig, make_layer: Callable[[TextConfig, int], DecoderLayer]):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, current_tp())
         self.layers = nn.ModuleList(make_layer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section, cfg.mrope_interleaved)

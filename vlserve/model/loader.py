@@ -23,6 +23,7 @@ from tqdm import tqdm
 from vlserve.core.errors import ModelLoadError
 from vlserve.model.hardware import resolve_dtype
 from vlserve.model.hf_config import ModelConfig, load_model_config
+from vlserve.model.layers.parallel import SINGLE, TPGroup, building_for, rule_for
 from vlserve.model.quantization import (
     INT4_SUFFIXES,
     QuantizationConfig,
@@ -185,10 +186,14 @@ def load_weights(model: nn.Module, folder: Path, files: list[Path] | None = None
                     if not quantized:
                         tensor = f.get_tensor(key)
                     param = params[name].data
+                    rule = rule_for(model, name)  # tensor parallel: this rank's part
                     if name.endswith("patch_embed.proj.weight"):
                         tensor = tensor.reshape(tensor.shape[0], -1)  # Conv3d kernel -> Linear
                     elif name.endswith(EXPERT_TENSORS):
-                        tensor = expert_tensor(tensor, param.shape, transformers_major)
+                        full = rule.full_shape(param.shape) if rule is not None else param.shape
+                        tensor = expert_tensor(tensor, full, transformers_major)
+                    if rule is not None:
+                        tensor = rule.local(tensor, shard)
                     target = _shard_view(model, name, param, shard) if shard else param
                     if target.shape != tensor.shape:
                         raise ModelLoadError(
@@ -220,9 +225,12 @@ def load_model(
     with_vision: bool = True,
     with_language: bool = True,
     quantization: QuantizationConfig | None = None,
+    tp: TPGroup = SINGLE,
+    vision_tp: TPGroup | None = None,
 ) -> nn.Module:
     """Build the model for `cfg.architecture` without random init (meta device) and fill it from safetensors;
-    `quantization` (see vlserve.model.quantization) swaps in quantized linears before or after loading."""
+    `quantization` (see vlserve.model.quantization) swaps in quantized linears before or after loading.
+    `tp`: this rank's share of a tensor-parallel model (`vision_tp`: the vision tower's, when it differs)."""
     cfg = cfg or load_model_config(folder)
     if quantization is None and cfg.quantization:  # a 4-bit checkpoint loads as one whatever the caller passed
         quantization = resolve_quantization(None, cfg.quantization)
@@ -230,8 +238,8 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, cfg.checkpoint_dtype, device)
     spec = get_model_spec(cfg)
     files = weight_files(folder)
-    with torch.device("meta"), _default_dtype(torch_dtype):
-        model = spec.build(cfg, with_vision=with_vision, with_language=with_language)
+    with torch.device("meta"), _default_dtype(torch_dtype), building_for(tp):
+        model = spec.build(cfg, with_vision=with_vision, with_language=with_language, vision_tp=vision_tp)
         if quantization is not None and quantization.is_checkpoint_format:
             logger.info("%s checkpoint: %d linears run in int4", quantization.method,
                         prepare_int4(model, files, quantization, our_name))

@@ -10,17 +10,24 @@ from vlserve.model.decoder import DecoderLayer, DecoderModel
 from vlserve.model.hf_config import TextConfig
 from vlserve.model.layers.attention import AttentionMetadata, paged_attention
 from vlserve.model.layers.mlp import GatedMLP
+from vlserve.model.layers.parallel import column_linear, current_tp, head_split, row_linear
 from vlserve.model.layers.rotary import rotate_heads_
 
 
 class Qwen2Attention(nn.Module):
-    def __init__(self, cfg: TextConfig):
+    """Under tensor parallelism each rank keeps whole query heads and the key/value heads they use (copies when
+    there are fewer key/value heads than ranks); o_proj's partial sums are reduced over ranks."""
+
+    def __init__(self, cfg: TextConfig, o_bias: bool = False):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.tp = tp = current_tp()
+        self.head_dim = cfg.head_dim
+        q = head_split(cfg.num_heads, cfg.head_dim, tp, "attention heads")
+        kv = head_split(cfg.num_kv_heads, cfg.head_dim, tp, "key/value heads")
+        self.q_size, self.kv_size = q.size, kv.size
+        self.num_heads, self.num_kv_heads = q.size // self.head_dim, kv.size // self.head_dim
+        self.qkv_proj = column_linear(cfg.hidden_size, {"q": q, "k": kv, "v": kv}, bias=cfg.qkv_bias)
+        self.o_proj = row_linear(q, cfg.hidden_size, o_bias, tp)
         self.scale = self.head_dim**-0.5
 
     def forward(self, x, cos, sin, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -29,7 +36,7 @@ class Qwen2Attention(nn.Module):
         # q and k heads are adjacent in the fused projection: rotate them in one pass, in place
         rotate_heads_(qkv, cos, sin, self.num_heads + self.num_kv_heads)
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
-        return self.o_proj(paged_attention(q, k, v, kv_cache, meta, self.scale))
+        return self.tp.all_reduce(self.o_proj(paged_attention(q, k, v, kv_cache, meta, self.scale)))
 
 
 def qwen2_layer(cfg: TextConfig, index: int) -> DecoderLayer:

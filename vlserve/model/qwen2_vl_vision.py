@@ -7,6 +7,7 @@ import torch.nn as nn
 
 from vlserve.model.hf_config import VisionConfig
 from vlserve.model.layers.mlp import get_activation, in_row_slices
+from vlserve.model.layers.parallel import column_linear, current_tp, even_split, row_linear
 from vlserve.model.vision_common import (
     PatchEmbed,
     PatchMerger,
@@ -21,12 +22,14 @@ from vlserve.model.vision_common import (
 class VisionMLP(nn.Module):
     def __init__(self, cfg: VisionConfig):
         super().__init__()
-        self.fc1 = nn.Linear(cfg.width, cfg.mlp_hidden)
-        self.fc2 = nn.Linear(cfg.mlp_hidden, cfg.width)
+        self.tp = tp = current_tp()
+        cols = even_split(cfg.mlp_hidden, tp, "vision MLP width")
+        self.fc1 = column_linear(cfg.width, {"": cols}, True)
+        self.fc2 = row_linear(cols, cfg.width, True, tp)
         self.act = get_activation(cfg.hidden_act)
 
     def forward(self, x):
-        return in_row_slices(lambda rows: self.fc2(self.act(self.fc1(rows))), x)
+        return self.tp.all_reduce(in_row_slices(lambda rows: self.fc2(self.act(self.fc1(rows))), x))
 
 
 class Qwen2VLVisionBlock(nn.Module):

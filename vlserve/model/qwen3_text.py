@@ -5,7 +5,6 @@ added after the first decoder layers, at visual positions only) arrives as the s
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 
 from vlserve.model.decoder import DecoderLayer, DecoderModel
 from vlserve.model.hf_config import TextConfig
@@ -21,8 +20,7 @@ class Qwen3Attention(Qwen2Attention):
     """Qwen2's fused projections (biases only with `attention_bias`, then on o_proj too) plus RMSNorm per q/k head."""
 
     def __init__(self, cfg: TextConfig):
-        super().__init__(cfg)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.qkv_bias)
+        super().__init__(cfg, o_bias=cfg.qkv_bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
@@ -32,7 +30,7 @@ class Qwen3Attention(Qwen2Attention):
         q = rotate_heads_(self.q_norm(q.view(T, self.num_heads, self.head_dim)), cos, sin, self.num_heads)
         k = rotate_heads_(self.k_norm(k.view(T, self.num_kv_heads, self.head_dim)), cos, sin, self.num_kv_heads)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        return self.o_proj(paged_attention(q, k, v, kv_cache, meta, self.scale))
+        return self.tp.all_reduce(self.o_proj(paged_attention(q, k, v, kv_cache, meta, self.scale)))
 
 
 def qwen3_layer(cfg: TextConfig, index: int) -> DecoderLayer:

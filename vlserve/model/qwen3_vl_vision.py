@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from vlserve.model.hf_config import VisionConfig
 from vlserve.model.layers.mlp import get_activation, in_row_slices
+from vlserve.model.layers.parallel import column_linear, current_tp, even_split, row_linear
 from vlserve.model.qwen2_vl_vision import Qwen2VLVisionBlock
 from vlserve.model.vision_common import (
     PatchEmbed,
@@ -53,12 +54,14 @@ class Qwen3VisionMLP(nn.Module):
 
     def __init__(self, cfg: VisionConfig):
         super().__init__()
-        self.linear_fc1 = nn.Linear(cfg.width, cfg.mlp_hidden)
-        self.linear_fc2 = nn.Linear(cfg.mlp_hidden, cfg.width)
+        self.tp = tp = current_tp()
+        cols = even_split(cfg.mlp_hidden, tp, "vision MLP width")
+        self.linear_fc1 = column_linear(cfg.width, {"": cols}, True)
+        self.linear_fc2 = row_linear(cols, cfg.width, True, tp)
         self.act = get_activation(cfg.hidden_act)
 
     def forward(self, x):
-        return in_row_slices(lambda rows: self.linear_fc2(self.act(self.linear_fc1(rows))), x)
+        return self.tp.all_reduce(in_row_slices(lambda rows: self.linear_fc2(self.act(self.linear_fc1(rows))), x))
 
 
 class Qwen3PatchMerger(nn.Module):
@@ -70,13 +73,15 @@ class Qwen3PatchMerger(nn.Module):
         self.hidden = cfg.width * cfg.spatial_merge_size**2
         self.norm_after_concat = norm_after_concat
         self.norm = nn.LayerNorm(self.hidden if norm_after_concat else cfg.width, eps=1e-6)
-        self.linear_fc1 = nn.Linear(self.hidden, self.hidden)
+        self.tp = tp = current_tp()
+        cols = even_split(self.hidden, tp, "vision merger width")
+        self.linear_fc1 = column_linear(self.hidden, {"": cols}, True)
         self.act = nn.GELU()
-        self.linear_fc2 = nn.Linear(self.hidden, cfg.out_dim)
+        self.linear_fc2 = row_linear(cols, cfg.out_dim, True, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.norm(x.view(-1, self.hidden)) if self.norm_after_concat else self.norm(x).view(-1, self.hidden)
-        return self.linear_fc2(self.act(self.linear_fc1(x)))
+        return self.tp.all_reduce(self.linear_fc2(self.act(self.linear_fc1(x))))
 
 
 class Qwen3VLVisionTransformer(nn.Module):

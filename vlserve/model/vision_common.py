@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from vlserve.model.hardware import detect
 from vlserve.model.hf_config import VisionConfig
+from vlserve.model.layers.parallel import column_linear, current_tp, even_split, head_split, row_linear
 from vlserve.model.layers.rotary import rotate_heads_
 
 GEMM_ATTENTION_SCORES = 1 << 22  # score elements per block of queries: a few MB, so the block stays in cache
@@ -131,18 +132,22 @@ def varlen_attention(q, k, v, plan: VarlenPlan) -> torch.Tensor:
 
 
 class VisionAttention(nn.Module):
+    """Tensor parallel like the LM's: whole heads per rank, proj's partial sums reduced."""
+
     def __init__(self, cfg: VisionConfig):
         super().__init__()
-        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
-        self.qkv = nn.Linear(cfg.width, 3 * cfg.width, bias=True)
-        self.proj = nn.Linear(cfg.width, cfg.width, bias=True)
+        self.tp = tp = current_tp()
+        heads = head_split(cfg.num_heads, cfg.head_dim, tp, "vision attention heads")
+        self.num_heads, self.head_dim = heads.size // cfg.head_dim, cfg.head_dim
+        self.qkv = column_linear(cfg.width, {"q": heads, "k": heads, "v": heads}, bias=True)
+        self.proj = row_linear(heads, cfg.width, True, tp)
 
     def forward(self, x, cos, sin, plan: VarlenPlan) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv(x).view(n, 3 * self.num_heads, self.head_dim)
         # rotary in fp32 like the reference (cos/sin are fp32), on q and k together, in place
         q, k, v = rotate_heads_(qkv, cos, sin, 2 * self.num_heads).view(n, 3, self.num_heads, self.head_dim).unbind(1)
-        return self.proj(varlen_attention(q, k, v, plan).reshape(n, -1))
+        return self.tp.all_reduce(self.proj(varlen_attention(q, k, v, plan).reshape(n, -1)))
 
 
 class PatchMerger(nn.Module):
@@ -152,10 +157,13 @@ class PatchMerger(nn.Module):
         super().__init__()
         self.ln_q = norm
         self.hidden = cfg.width * cfg.spatial_merge_size**2
-        self.mlp = nn.Sequential(nn.Linear(self.hidden, self.hidden), nn.GELU(), nn.Linear(self.hidden, cfg.out_dim))
+        self.tp = tp = current_tp()
+        cols = even_split(self.hidden, tp, "vision merger width")
+        self.mlp = nn.Sequential(column_linear(self.hidden, {"": cols}, True), nn.GELU(),
+                                 row_linear(cols, cfg.out_dim, True, tp))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mlp(self.ln_q(x).view(-1, self.hidden))
+        return self.tp.all_reduce(self.mlp(self.ln_q(x).view(-1, self.hidden)))
 
 
 def cu_lengths(grid_thw: list[tuple[int, int, int]]) -> list[int]:

@@ -18,18 +18,23 @@ from vlserve.model.decoder import DeepstackInput
 from vlserve.model.hf_config import ModelConfig
 from vlserve.model.layers.attention import AttentionMetadata
 from vlserve.model.layers.moe import Experts
+from vlserve.model.layers.parallel import TPGroup, building_for, current_tp, vocab_head
 
 
 class VisionLanguageModel(nn.Module):
     def __init__(self, cfg: ModelConfig, vision_cls: type[nn.Module], text_cls: type[nn.Module], with_vision=True,
-                 with_language=True):
+                 with_language=True, vision_tp: TPGroup | None = None):
+        """Both halves are built for `current_tp()`; `vision_tp` (a single rank: the data-parallel encoder)
+        overrides it for the vision tower."""
         super().__init__()
         self.cfg = cfg
-        self.visual = vision_cls(cfg.vision) if with_vision else None
+        self.tp = current_tp()
+        with building_for(vision_tp or self.tp):
+            self.visual = vision_cls(cfg.vision) if with_vision else None
         self.language_model = text_cls(cfg.text) if with_language else None
         self.lm_head = None
         if with_language and not cfg.text.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.text.hidden_size, cfg.text.vocab_size, bias=False)
+            self.lm_head = vocab_head(cfg.text.hidden_size, cfg.text.vocab_size, self.tp)
 
     def encode_images(self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> list[torch.Tensor]:
         """One ViT call for several items; returns each item's rows [tokens_i, embedding_width]."""
@@ -46,8 +51,12 @@ class VisionLanguageModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
-            return self.lm_head(hidden)
-        return hidden @ self.language_model.embed_tokens.weight.t()  # tied embeddings
+            logits = self.lm_head(hidden)
+        else:
+            logits = hidden @ self.language_model.embed_tokens.weight.t()  # tied embeddings
+        if self.tp.size == 1:
+            return logits
+        return self.tp.all_gather(logits, dim=-1)[:, : self.cfg.text.vocab_size]  # every rank's vocabulary slice
 
     def pack_for_cpu(self) -> int:
         """Prepacked oneDNN weights for every linear and MoE expert, the tied LM head included (a packed copy of

@@ -6,6 +6,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from vlserve.model.layers.parallel import column_linear, current_tp, even_split, row_linear
+
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid(x * 1.702).mul_(x)  # = x * sigmoid(1.702 x), one temporary fewer
@@ -38,16 +40,19 @@ def get_activation(name: str):
 
 
 class GatedMLP(nn.Module):
-    """act(gate(x)) * up(x) -> down. gate and up live in one matrix so each token costs one GEMM, not two."""
+    """act(gate(x)) * up(x) -> down. gate and up live in one matrix so each token costs one GEMM, not two.
+    Under tensor parallelism each rank keeps a slice of the hidden columns; down's partial sums are reduced."""
 
     def __init__(self, dim: int, hidden: int, act: str, bias: bool):
         super().__init__()
-        self.gate_up_proj = nn.Linear(dim, 2 * hidden, bias=bias)
-        self.down_proj = nn.Linear(hidden, dim, bias=bias)
+        self.tp = tp = current_tp()
+        cols = even_split(hidden, tp, "MLP width")
+        self.gate_up_proj = column_linear(dim, {"gate": cols, "up": cols}, bias)
+        self.down_proj = row_linear(cols, dim, bias, tp)
         self.act = get_activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return in_row_slices(self._rows, x)
+        return self.tp.all_reduce(in_row_slices(self._rows, x))
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

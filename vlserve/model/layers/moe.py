@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from vlserve.model.layers.mlp import get_activation
+from vlserve.model.layers.parallel import Column, Row, current_tp, even_split
 
 
 class SparseMoE(nn.Module):
@@ -24,6 +25,7 @@ class SparseMoE(nn.Module):
         self.num_experts, self.top_k = num_experts, top_k
         self.gate = nn.Linear(hidden, num_experts, bias=False)  # the router
         self.experts = Experts(hidden, intermediate, num_experts, act)
+        self.tp = current_tp()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
@@ -31,15 +33,18 @@ class SparseMoE(nn.Module):
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
         weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
-        return self.experts(x, experts, weights)
+        return self.tp.all_reduce(self.experts(x, experts, weights))
 
 
 class Experts(nn.Module):
     def __init__(self, hidden: int, intermediate: int, num_experts: int, act: str):
         super().__init__()
         self.num_experts = num_experts
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        # Tensor parallel: every rank runs every expert on a slice of its intermediate columns; SparseMoE reduces.
+        cols = even_split(intermediate, current_tp(), "expert intermediate size")
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * cols.size, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, cols.size))
+        self.tp_rules = {"gate_up_proj": Column({"gate": cols, "up": cols}, dim=1), "down_proj": Row(cols, dim=2)}
         self.act = get_activation(act)
         self.packed: list[tuple[nn.Module, nn.Module]] | None = None
 

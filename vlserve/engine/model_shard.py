@@ -1,0 +1,147 @@
+"""What one rank holds and runs: its share of the model's weights, its share of the KV cache, and the two calls
+a step makes, `encode_images` (the vision tower) and `forward` (the LM over a `ForwardBatch`, logits out).
+
+With one device this is the whole model. Under tensor parallelism every rank runs these calls in the same order
+(rank 0 tells the others what to run, see vlserve.engine.tp) and the model's layers meet in collectives.
+
+`--mm-encoder-tp-mode data` ("data parallel encoder"): the vision tower is whole on every rank, the pictures of
+a call are spread over the ranks by patch count (`balance`), each rank encodes its share and the rows are
+all-gathered back into the original order.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from vlserve.engine.config import DATA, VlserveConfig
+from vlserve.engine.forward_batch import ForwardBatch, attention_metadata
+from vlserve.model.decoder import DeepstackInput
+from vlserve.model.layers.packed_linear import packed_linear_supported
+from vlserve.model.layers.parallel import SINGLE, TPGroup
+from vlserve.model.loader import load_model
+
+logger = logging.getLogger("vlserve.engine")
+
+
+def balance(sizes: list[int], ranks: int) -> list[list[int]]:
+    """Items (by index) per rank: largest first, each to the least-loaded rank (the lowest rank on a tie).
+    Each rank's list keeps the order items were assigned in."""
+    loads = [0] * ranks
+    shares: list[list[int]] = [[] for _ in range(ranks)]
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):  # stable: equal sizes keep their order
+        rank = min(range(ranks), key=lambda r: loads[r])
+        shares[rank].append(i)
+        loads[rank] += sizes[i]
+    return shares
+
+
+def item_patches(pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+    return list(pixels.split([t * h * w for t, h, w in grids]))
+
+
+def load_shard(cfg: VlserveConfig, tp: TPGroup = SINGLE, device: torch.device | None = None) -> ModelShard:
+    """This rank's share of the model from the checkpoint (all of it at one rank), ready to run."""
+    device = device or cfg.device
+    vision_tp = SINGLE if cfg.mm_encoder_tp_mode == DATA else None  # data-parallel encoder: whole on every rank
+    model = load_model(cfg.model_path, cfg.model, cfg.dtype, device, with_vision=cfg.load_vision,
+                       quantization=cfg.quantization, tp=tp, vision_tp=vision_tp)
+    return ModelShard(model, cfg, tp, device)
+
+
+class ModelShard:
+    def __init__(self, model: torch.nn.Module, cfg: VlserveConfig, tp: TPGroup = SINGLE,
+                 device: torch.device | None = None):
+        device = device or cfg.device
+        if packed_linear_supported(device, cfg.dtype) and hasattr(model, "pack_for_cpu"):
+            logger.info("packed %d linears into oneDNN's layout", model.pack_for_cpu())
+        self.model = model
+        encoder_mode = cfg.mm_encoder_tp_mode
+        num_kv_blocks, block_size, dtype = cfg.num_kv_blocks, cfg.block_size, cfg.dtype
+        self.tp = tp
+        self.encoder_mode = encoder_mode
+        self.device = device
+        self.block_size = block_size
+        language = getattr(model, "language_model", None)
+        self.kv_caches: list[torch.Tensor] = []
+        if language is not None:
+            attn = language.layers[0].self_attn  # this rank's key/value heads
+            # Zeroed, not empty: padded decode rows read slot 0, and 0-weight x NaN garbage would still be NaN.
+            self.kv_caches = [
+                torch.zeros(2, num_kv_blocks * block_size, attn.num_kv_heads, attn.head_dim, dtype=dtype,
+                            device=device)
+                for _ in language.layers
+            ]
+            self.hidden = model.cfg.text.hidden_size
+            self.deepstack_levels = len(model.cfg.vision.deepstack_indexes)
+
+    # ---- vision tower ------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def encode_images(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+        """Each item's embedding rows. In data mode `pixels` are this rank's share only (`share_of`)."""
+        if self.encoder_mode == DATA and self.tp.size > 1:
+            return self._encode_share(pixels, grids)
+        return self.model.encode_images(pixels, grids)
+
+    def share_of(self, rank: int, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        """The patches rank `rank` encodes in data mode, its items one after another."""
+        items = item_patches(pixels, grids)
+        mine = balance([t * h * w for t, h, w in grids], self.tp.size)[rank]
+        return torch.cat([items[i] for i in mine]) if mine else pixels[:0]
+
+    def _encode_share(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+        unit = self.model.cfg.vision.spatial_merge_size ** 2
+        tokens = [t * h * w // unit for t, h, w in grids]
+        shares = balance([t * h * w for t, h, w in grids], self.tp.size)
+        width = self.model.cfg.embedding_width
+        mine = shares[self.tp.rank]
+        rows = (torch.cat(self.model.encode_images(pixels, [grids[i] for i in mine])) if mine
+                else torch.empty(0, width, dtype=self.model.visual.patch_embed.proj.weight.dtype, device=self.device))
+        longest = max(sum(tokens[i] for i in share) for share in shares)  # all_gather wants equal shapes
+        padded = torch.cat([rows, rows.new_zeros(longest - rows.shape[0], width)])
+        gathered = self.tp.all_gather(padded.unsqueeze(0), dim=0)  # [ranks, longest, width]
+        out: list[torch.Tensor | None] = [None] * len(grids)
+        for rank, share in enumerate(shares):
+            start = 0
+            for i in share:
+                out[i] = gathered[rank, start : start + tokens[i]]
+                start += tokens[i]
+        return out
+
+    # ---- language model ----------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """Logits (float32, full vocabulary) of `batch.sample_rows`; None when no row samples."""
+        dev = self.device
+        meta = attention_metadata(batch, self.block_size, dev)
+        embeds = self.model.embed_tokens(batch.token_ids.to(dev))
+        deepstack = None
+        if batch.media is not None:
+            rows = batch.media_rows.to(dev)
+            media = batch.media.to(dev, embeds.dtype)
+            embeds[rows] = media[:, : self.hidden]
+            if self.deepstack_levels:
+                features = media[:, self.hidden :].reshape(-1, self.deepstack_levels, self.hidden).transpose(0, 1)
+                deepstack = DeepstackInput(rows, features)
+        hidden = self.model(embeds, batch.positions.to(dev), self.kv_caches, meta, deepstack)
+        if batch.sample_rows.numel() == 0:
+            return None
+        return self.model.compute_logits(hidden[batch.sample_rows.to(dev)]).float()
+
+    def check_alive(self) -> None:
+        """Raises when the model can no longer run (a lost rank, under tensor parallelism); never here."""
+
+    def shutdown(self) -> None:
+        pass
+
+    # ---- KV cache contents (handed between instances) ---------------------------------------------------------
+    def read_kv(self, slots: torch.Tensor) -> torch.Tensor:
+        """[layers, 2, len(slots), kv_heads, head_dim]: the KV cache at these slots, on the CPU."""
+        index = slots.to(self.device)
+        return torch.stack([cache.index_select(1, index) for cache in self.kv_caches]).cpu()
+
+    def write_kv(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        index = slots.to(self.device)
+        for cache, layer in zip(self.kv_caches, kv):
+            cache.index_copy_(1, index, layer.to(self.device, cache.dtype))

@@ -1,0 +1,253 @@
+"""Rank 0 of a tensor-parallel engine: the scheduler's side. It starts (or, under torchrun, meets) the other
+ranks, and before each vision-tower call and each forward pass tells them what to run, then runs its own share;
+the model's collectives make the ranks meet inside.
+
+It offers what a `ModelShard` offers (`encode_images`, `forward`, `model`, `kv_caches`), so the model runner
+does not know how many ranks there are. A rank that dies is noticed at once: inside a collective the transport
+reports the closed connection, between steps `check_alive` sees the process gone or its failure message. Either
+way a `TensorParallelError` ends the engine (the server answers 503 and exits); nothing waits forever.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+import weakref
+
+import msgspec
+import torch
+import torch.distributed as dist
+import zmq
+
+from vlserve.core.errors import InvalidInputError, ModelLoadError, TensorParallelError
+from vlserve.core.wire import Framer, tensor_ref
+from vlserve.engine.config import DATA, VlserveConfig
+from vlserve.engine.forward_batch import ForwardBatch, batch_to_wire
+from vlserve.engine.model_shard import ModelShard, load_shard
+from vlserve.engine.tp.messages import Failed, FollowerMessage, Hello, LeaderMessage, Ready, RunEncode, RunForward, Stop
+from vlserve.engine.tp.placement import (
+    Placement,
+    device_for,
+    join_group,
+    leave_group,
+    local_placement,
+    pin_cores,
+    torchrun_placement,
+)
+
+logger = logging.getLogger("vlserve.tp")
+START_TIMEOUT_S = 600.0  # every rank loads the checkpoint before it answers
+COLLECTIVE_TIMEOUT_S = 600.0  # a rank silent this long inside one collective counts as dead
+SPEC_ENV = "VLSERVE_TP_SPEC"
+ADDRESS_BYTES = 1024
+
+
+def identity(rank: int) -> bytes:
+    return f"rank-{rank}".encode()
+
+
+def share_address(group_device: torch.device, text: str | None) -> str:
+    """Rank 0 tells every rank `text` through the process group (under torchrun nothing else connects them)."""
+    buf = torch.zeros(ADDRESS_BYTES, dtype=torch.uint8, device=group_device)
+    if text is not None:
+        data = text.encode()
+        buf[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    dist.broadcast(buf, 0)
+    return bytes(buf.cpu().tolist()).rstrip(b"\0").decode()
+
+
+class TPLeader:
+    def __init__(self, cfg: VlserveConfig, place: Placement, sock: zmq.Socket, procs: list[subprocess.Popen]):
+        self.cfg = cfg
+        self.place = place
+        self.sock = sock
+        self.procs = procs  # the other ranks when we started them (none under torchrun)
+        self.shard: ModelShard | None = None
+        self.failure: str | None = None
+        self._finalizer: weakref.finalize | None = None
+        self._out = Framer(LeaderMessage)
+        self._in = Framer(FollowerMessage)
+
+    # ---- start -------------------------------------------------------------------------------------------------
+    @classmethod
+    def start(cls, cfg: VlserveConfig) -> TPLeader:
+        size = cfg.tensor_parallel_size
+        place = torchrun_placement(size) or local_placement(size)
+        if place.rank != 0:
+            raise InvalidInputError(f"rank {place.rank} of a torchrun job runs a worker, not an engine: start it with "
+                                    "the same vlserve command (it becomes a worker by itself)")
+        device = device_for(cfg.device, place.local_rank)
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a rank that is gone raises instead of vanishing
+        sock.setsockopt(zmq.LINGER, 0)
+        one_machine = place.local_size == place.size
+        port = sock.bind_to_random_port("tcp://127.0.0.1" if one_machine else "tcp://*")
+        host = "127.0.0.1" if one_machine else os.environ.get("VLSERVE_TP_HOST", os.environ.get("MASTER_ADDR"))
+        address = f"tcp://{host}:{port}"
+        procs = [] if place.from_env else [_spawn(r, place, address, cfg) for r in range(1, size)]
+        # after the spawns: a child inherits its parent's cores, and each rank picks its slice of all of them
+        undo_pin = pin_cores(place.local_rank, place.local_size) if device.type == "cpu" else (lambda: None)
+        leader = cls(cfg, place, sock, procs)
+        leader._finalizer = weakref.finalize(leader, _stop, sock, ctx, procs, undo_pin)
+        try:
+            if not place.from_env:
+                leader._wait_for(Hello, "start")
+            group = join_group(place, device, COLLECTIVE_TIMEOUT_S)
+            if place.from_env:
+                share_address(device if device.type == "cuda" else torch.device("cpu"),
+                              json.dumps({"address": address, "num_kv_blocks": cfg.num_kv_blocks}))
+                leader._wait_for(Hello, "connect")
+            leader.shard = load_shard(cfg, group, device)
+            leader._wait_for(Ready, "load the model")
+        except BaseException:
+            leader.shutdown()
+            raise
+        logger.info("tensor parallel: %d ranks ready (%s)", size, "torchrun" if place.from_env else "local processes")
+        return leader
+
+    def _wait_for(self, kind: type, what: str) -> None:
+        pending = set(range(1, self.place.size))
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while pending:
+            if time.monotonic() > deadline:
+                raise TensorParallelError(f"tensor-parallel ranks {sorted(pending)} did not {what} within "
+                                          f"{START_TIMEOUT_S:.0f}s")
+            self._check_processes()
+            if not self.sock.poll(200):
+                continue
+            msg = self._receive()
+            if isinstance(msg, Failed):
+                raise ModelLoadError(f"tensor-parallel rank {msg.rank} failed to start: {msg.why}")
+            if isinstance(msg, kind):
+                pending.discard(msg.rank)
+
+    def _receive(self):
+        frames = self.sock.recv_multipart()
+        try:
+            return self._in.decode(frames[1:])
+        except msgspec.DecodeError as e:
+            logger.error("undecodable message from %r: %s", frames[0][:32], e)
+            return None
+
+    # ---- what the model runner calls -----------------------------------------------------------------------------
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.shard.model
+
+    @property
+    def kv_caches(self) -> list[torch.Tensor]:
+        return self.shard.kv_caches
+
+    @property
+    def tp(self):
+        return self.shard.tp
+
+    @property
+    def encoder_mode(self) -> str:
+        return self.shard.encoder_mode
+
+    def encode_images(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+        grids = [tuple(g) for g in grids]
+        data = self.encoder_mode == DATA
+        for rank in range(1, self.place.size):
+            tensors: list[torch.Tensor] = []
+            share = self.shard.share_of(rank, pixels, grids) if data else pixels
+            self._send(rank, RunEncode(grids, tensor_ref(share, tensors)), tensors)
+        mine = self.shard.share_of(0, pixels, grids) if data else pixels
+        return self._collective(lambda: self.shard.encode_images(mine, grids))
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor | None:
+        tensors: list[torch.Tensor] = []
+        msg = RunForward(batch_to_wire(batch, tensors))
+        frames = self._out.encode(msg, tensors)
+        for rank in range(1, self.place.size):
+            self._send_frames(rank, frames)
+        return self._collective(lambda: self.shard.forward(batch))
+
+    def read_kv(self, slots: torch.Tensor) -> torch.Tensor:
+        raise InvalidInputError("KV handed between instances is not supported with tensor parallelism")
+
+    write_kv = read_kv
+
+    # ---- failures ------------------------------------------------------------------------------------------------
+    def check_alive(self) -> None:
+        """Raises TensorParallelError once any rank has died or reported a failure (cheap: call it every loop)."""
+        if self.failure is None:
+            self._check_processes()
+            while self.failure is None and self.sock.poll(0):
+                msg = self._receive()
+                if isinstance(msg, Failed):
+                    self.failure = f"tensor-parallel rank {msg.rank} failed: {msg.why}"
+        if self.failure is not None:
+            raise TensorParallelError(f"{self.failure}; the engine stops")
+
+    def _check_processes(self) -> None:
+        for rank, proc in enumerate(self.procs, start=1):
+            if proc.poll() is not None and self.failure is None:
+                self.failure = f"tensor-parallel rank {rank} exited (code {proc.returncode})"
+        if self.failure is not None:
+            raise TensorParallelError(f"{self.failure}; the engine stops")
+
+    def _collective(self, fn):
+        self.check_alive()
+        try:
+            return fn()
+        except (RuntimeError, dist.DistError) as e:
+            time.sleep(0.2)  # let a dying rank's exit or failure message arrive, to name it
+            try:
+                self.check_alive()
+            except TensorParallelError:
+                raise
+            self.failure = f"a tensor-parallel collective failed ({type(e).__name__}: {str(e)[:300]})"
+            raise TensorParallelError(f"{self.failure}; the engine stops") from e
+
+    def _send(self, rank: int, msg, tensors: list[torch.Tensor] | None = None) -> None:
+        self._send_frames(rank, self._out.encode(msg, tensors))
+
+    def _send_frames(self, rank: int, frames: list) -> None:
+        try:
+            self.sock.send_multipart([identity(rank), *frames])
+        except zmq.ZMQError as e:  # unroutable: that rank is gone
+            self.failure = self.failure or f"tensor-parallel rank {rank} is unreachable ({e})"
+            raise TensorParallelError(f"{self.failure}; the engine stops") from e
+
+    # ---- stop ----------------------------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        if self.failure is None:
+            for rank in range(1, self.place.size):
+                try:
+                    self._send(rank, Stop())
+                except TensorParallelError:
+                    pass
+        self._finalizer()
+
+
+def _spawn(rank: int, place: Placement, address: str, cfg: VlserveConfig) -> subprocess.Popen:
+    """Another rank of this machine, in its own process (`python -m vlserve.engine.tp.worker`)."""
+    args = dataclasses.replace(cfg.args, model=str(cfg.model_path), num_kv_blocks=cfg.num_kv_blocks)
+    spec = {"placement": dataclasses.asdict(dataclasses.replace(place, rank=rank, local_rank=rank)),
+            "address": address, "args": dataclasses.asdict(args),
+            "log_level": logging.getLevelName(logging.getLogger().getEffectiveLevel())}
+    env = {**os.environ, SPEC_ENV: json.dumps(spec)}
+    return subprocess.Popen([sys.executable, "-m", "vlserve.engine.tp.worker"], env=env)
+
+
+def _stop(sock: zmq.Socket, ctx: zmq.Context, procs: list[subprocess.Popen], undo_pin) -> None:
+    """Waits briefly for the other ranks to leave, then ends whatever is left; frees the group and the cores."""
+    deadline = time.monotonic() + 10
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    leave_group()
+    sock.close(linger=0)
+    ctx.term()
+    undo_pin()

@@ -1,0 +1,104 @@
+"""Where each tensor-parallel rank runs: its rank numbers, how the ranks meet, and which CPU cores it owns.
+
+Two ways to get ranks:
+- **One machine (default).** The engine core is rank 0 and starts the other ranks as child processes; they meet
+  at a free loopback port (`tcp://127.0.0.1:PORT`).
+- **Several machines: torchrun's conventions.** Every process is started by `torchrun` (or anything that sets
+  `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`) and they meet through
+  `env://`. The process with `RANK=0` serves; the others only run their share of the model.
+
+On CPU every rank of a machine gets its own slice of the cores (pinned, and as many torch threads), so the ranks
+never compete for a core. An explicit `OMP_NUM_THREADS` still sets the thread count.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from vlserve.core.errors import InvalidInputError
+from vlserve.core.processes import free_port
+from vlserve.model.layers.parallel import TPGroup
+
+logger = logging.getLogger("vlserve.tp")
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class Placement:
+    rank: int
+    size: int
+    local_rank: int  # among the ranks of this machine
+    local_size: int
+    init_method: str  # "env://" under torchrun, else tcp://127.0.0.1:PORT
+
+    @property
+    def from_env(self) -> bool:
+        return self.init_method == "env://"
+
+
+def torchrun_placement(size: int) -> Placement | None:
+    """This process's place when torchrun (or the same variables) started it; None when not."""
+    if not all(v in os.environ for v in TORCHRUN_VARS):
+        return None
+    world = int(os.environ["WORLD_SIZE"])
+    if world != size:
+        raise InvalidInputError(f"tensor_parallel_size is {size} but WORLD_SIZE is {world}: start one process per "
+                                "rank")
+    rank = int(os.environ["RANK"])
+    return Placement(rank, world, int(os.environ.get("LOCAL_RANK", rank)),
+                     int(os.environ.get("LOCAL_WORLD_SIZE", world)), "env://")
+
+
+def local_placement(size: int) -> Placement:
+    return Placement(0, size, 0, size, f"tcp://127.0.0.1:{free_port()}")  # rank 0 binds it again at once
+
+
+def device_for(device: torch.device, local_rank: int) -> torch.device:
+    return torch.device("cuda", local_rank) if device.type == "cuda" else device
+
+
+def join_group(place: Placement, device: torch.device, timeout_s: float) -> TPGroup:
+    """Joins the process group (gloo on CPU, NCCL on CUDA); blocks until every rank has joined."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=place.init_method, rank=place.rank, world_size=place.size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return TPGroup(place.rank, place.size)
+
+
+def leave_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def pin_cores(local_rank: int, local_size: int) -> Callable[[], None]:
+    """Pins this process to its slice of the machine's cores and sets torch's threads to match; returns the
+    undo (an in-process rank 0, e.g. the offline `LLM`, gives the cores back when it shuts down)."""
+    if not hasattr(os, "sched_getaffinity"):
+        return lambda: None
+    before, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    cores = sorted(before)
+    per_rank = len(cores) // local_size
+    if per_rank == 0:
+        logger.warning("%d ranks share %d cores: not pinned", local_size, len(cores))
+        return lambda: None
+    mine = cores[local_rank * per_rank : (local_rank + 1) * per_rank]
+    os.sched_setaffinity(0, mine)
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(len(mine))
+    logger.info("tensor-parallel rank %d (local %d): cores %s, %d threads", local_rank, local_rank, mine,
+                torch.get_num_threads())
+
+    def undo() -> None:
+        os.sched_setaffinity(0, before)
+        torch.set_num_threads(threads)
+
+    return undo

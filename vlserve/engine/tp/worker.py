@@ -1,0 +1,96 @@
+"""A tensor-parallel rank other than 0: loads its share of the model, then runs whatever rank 0 tells it, step
+by step, until told to stop or rank 0 is gone.
+
+Started by rank 0 on one machine (`python -m vlserve.engine.tp.worker`, its place and the engine's options in
+the environment), or by torchrun on several (`vlserve serve ...` with `RANK` > 0 lands in `run_rank`).
+Any failure is reported to rank 0 before this process exits, so the engine stops instead of waiting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import sys
+
+import msgspec
+import torch
+import zmq
+
+from vlserve.core.config import EngineArgs
+from vlserve.core.processes import die_with_parent
+from vlserve.core.wire import Framer, tensor_from
+from vlserve.engine.config import resolve_config
+from vlserve.engine.forward_batch import batch_from_wire
+from vlserve.engine.model_shard import load_shard
+from vlserve.engine.tp.leader import COLLECTIVE_TIMEOUT_S, SPEC_ENV, identity, share_address
+from vlserve.engine.tp.messages import Failed, FollowerMessage, Hello, LeaderMessage, Ready, RunEncode, RunForward, Stop
+from vlserve.engine.tp.placement import Placement, device_for, join_group, leave_group, pin_cores
+
+logger = logging.getLogger("vlserve.tp")
+IDLE_POLL_MS = 1000
+
+
+def run_rank(place: Placement, args: EngineArgs, address: str | None = None) -> int:
+    """Runs this rank until rank 0 stops it; returns the exit code. `address`: rank 0's socket (None under
+    torchrun: rank 0 sends it, with the KV cache size, once the process group is up)."""
+    parent = os.getppid()
+    cfg = resolve_config(args, announce=False)
+    device = device_for(cfg.device, place.local_rank)
+    if device.type == "cpu":
+        pin_cores(place.local_rank, place.local_size)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, identity(place.rank))
+    sock.setsockopt(zmq.LINGER, 2000)  # a failure report still leaves before the process does
+    out, inp = Framer(FollowerMessage), Framer(LeaderMessage)
+    try:
+        if address is not None:
+            sock.connect(address)
+            sock.send_multipart(out.encode(Hello(place.rank)))
+        group = join_group(place, device, COLLECTIVE_TIMEOUT_S)
+        if address is None:
+            shared = json.loads(share_address(device if device.type == "cuda" else torch.device("cpu"), None))
+            cfg = dataclasses.replace(cfg, num_kv_blocks=shared["num_kv_blocks"])  # rank 0's scheduler decides
+            sock.connect(shared["address"])
+            sock.send_multipart(out.encode(Hello(place.rank)))
+        shard = load_shard(cfg, group, device)
+        sock.send_multipart(out.encode(Ready(place.rank)))
+        while True:
+            if not sock.poll(IDLE_POLL_MS):
+                if not place.from_env and os.getppid() != parent:
+                    logger.warning("rank %d: rank 0 is gone; exiting", place.rank)
+                    return 0
+                continue
+            frames = sock.recv_multipart()
+            msg = inp.decode(frames)
+            if isinstance(msg, RunForward):
+                shard.forward(batch_from_wire(msg.batch, frames))
+            elif isinstance(msg, RunEncode):
+                shard.encode_images(tensor_from(msg.pixels, frames), [tuple(g) for g in msg.grids])
+            elif isinstance(msg, Stop):
+                return 0
+    except (Exception, msgspec.DecodeError) as e:  # noqa: BLE001 - every failure goes to rank 0, then we exit
+        logger.exception("tensor-parallel rank %d failed", place.rank)
+        try:
+            sock.send_multipart(out.encode(Failed(place.rank, f"{type(e).__name__}: {str(e)[:500]}")))
+        except zmq.ZMQError:
+            pass
+        return 1
+    finally:
+        leave_group()
+        sock.close()
+        ctx.term()
+
+
+def main() -> None:
+    spec = json.loads(os.environ[SPEC_ENV])
+    logging.basicConfig(level=spec["log_level"], format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    die_with_parent()
+    place = Placement(**spec["placement"])
+    sys.exit(run_rank(place, EngineArgs(**spec["args"]), spec["address"]))
+
+
+if __name__ == "__main__":
+    main()
