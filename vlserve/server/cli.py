@@ -7,8 +7,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 
-from vlserve.core.config import DECODE, LANGUAGE, SERVE
+from vlserve.core.config import DECODE, LANGUAGE, SERVE, EngineArgs
 from vlserve.core.errors import InvalidInputError
 from vlserve.core.options import add_options, options_from
 from vlserve.server.listen import bind_socket
@@ -17,8 +18,24 @@ logger = logging.getLogger("vlserve.server")
 DEMO_NAME = "vlserve-demo"
 
 
+def tensor_parallel_worker(engine: EngineArgs) -> int | None:
+    """Under torchrun every rank runs the same command: the ranks other than 0 only run their share of the
+    model (their exit code is returned); None for the process that serves."""
+    if engine.tensor_parallel_size == 1 or os.environ.get("RANK", "0") == "0":
+        return None
+    from vlserve.engine.tp.worker import run_if_worker
+
+    if engine.model is None:
+        from vlserve.server.demo import demo_checkpoint
+
+        engine.model = str(demo_checkpoint())
+    return run_if_worker(engine)
+
+
 def run_serve(ns: argparse.Namespace) -> int:
     opts = options_from(ns, SERVE)
+    if (code := tensor_parallel_worker(opts.engine)) is not None:
+        return code
     sock = bind_socket(opts.server.host, opts.server.port)  # a taken port is reported before anything loads
     if opts.engine.model is None:
         from vlserve.server.demo import demo_checkpoint
@@ -45,6 +62,8 @@ def run_serve(ns: argparse.Namespace) -> int:
 def run_language(ns: argparse.Namespace, role: str = LANGUAGE) -> int:
     opts = options_from(ns, role)
     opts.engine.load_vision = False
+    if (code := tensor_parallel_worker(opts.engine)) is not None:
+        return code
     sock = bind_socket(opts.server.host, opts.server.port)
     from vlserve.server.api_server import serve
 

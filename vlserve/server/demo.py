@@ -39,6 +39,10 @@ def run(ns: argparse.Namespace) -> int:
     from vlserve import LLM, SamplingParams
 
     engine_args = options_from(ns, DEMO).engine
+    from vlserve.server.cli import tensor_parallel_worker
+
+    if (code := tensor_parallel_worker(engine_args)) is not None:
+        return code
     if engine_args.model is None:
         engine_args.model = str(demo_checkpoint())
         logger.warning("no --model given: using a RANDOM demo checkpoint at %s; it answers with random text. "

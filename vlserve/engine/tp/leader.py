@@ -94,7 +94,7 @@ class TPLeader:
         # after the spawns: a child inherits its parent's cores, and each rank picks its slice of all of them
         undo_pin = pin_cores(place.local_rank, place.local_size) if device.type == "cpu" else (lambda: None)
         leader = cls(cfg, place, sock, procs)
-        leader._finalizer = weakref.finalize(leader, _stop, sock, ctx, procs, undo_pin)
+        leader._finalizer = weakref.finalize(leader, _stop, sock, ctx, place.size, procs, undo_pin)
         try:
             if not place.from_env:
                 leader._wait_for(Hello, "start")
@@ -219,12 +219,7 @@ class TPLeader:
 
     # ---- stop ----------------------------------------------------------------------------------------------------
     def shutdown(self) -> None:
-        if self.failure is None:
-            for rank in range(1, self.place.size):
-                try:
-                    self._send(rank, Stop())
-                except TensorParallelError:
-                    pass
+        """Stops the other ranks and leaves the group (also done at exit, or when the engine is dropped)."""
         self._finalizer()
 
 
@@ -238,8 +233,15 @@ def _spawn(rank: int, place: Placement, address: str, cfg: VlserveConfig) -> sub
     return subprocess.Popen([sys.executable, "-m", "vlserve.engine.tp.worker"], env=env)
 
 
-def _stop(sock: zmq.Socket, ctx: zmq.Context, procs: list[subprocess.Popen], undo_pin) -> None:
-    """Waits briefly for the other ranks to leave, then ends whatever is left; frees the group and the cores."""
+def _stop(sock: zmq.Socket, ctx: zmq.Context, size: int, procs: list[subprocess.Popen], undo_pin) -> None:
+    """Tells the other ranks to stop, waits briefly for the ones we started, then ends whatever is left; frees
+    the group and the cores."""
+    stop = Framer(LeaderMessage).encode(Stop())
+    for rank in range(1, size):
+        try:
+            sock.send_multipart([identity(rank), *stop], flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # that rank is gone already
     deadline = time.monotonic() + 10
     for proc in procs:
         try:
@@ -248,6 +250,6 @@ def _stop(sock: zmq.Socket, ctx: zmq.Context, procs: list[subprocess.Popen], und
             proc.kill()
             proc.wait()
     leave_group()
-    sock.close(linger=0)
+    sock.close(linger=500 if not procs else 0)  # torchrun's ranks are not ours to wait for: let the stop leave
     ctx.term()
     undo_pin()

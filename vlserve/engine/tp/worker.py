@@ -26,7 +26,7 @@ from vlserve.engine.forward_batch import batch_from_wire
 from vlserve.engine.model_shard import load_shard
 from vlserve.engine.tp.leader import COLLECTIVE_TIMEOUT_S, SPEC_ENV, identity, share_address
 from vlserve.engine.tp.messages import Failed, FollowerMessage, Hello, LeaderMessage, Ready, RunEncode, RunForward, Stop
-from vlserve.engine.tp.placement import Placement, device_for, join_group, leave_group, pin_cores
+from vlserve.engine.tp.placement import Placement, device_for, join_group, leave_group, pin_cores, torchrun_placement
 
 logger = logging.getLogger("vlserve.tp")
 IDLE_POLL_MS = 1000
@@ -82,6 +82,16 @@ def run_rank(place: Placement, args: EngineArgs, address: str | None = None) -> 
         leave_group()
         sock.close()
         ctx.term()
+
+
+def run_if_worker(args: EngineArgs) -> int | None:
+    """Under torchrun, a rank other than 0 runs its share of the model here (returns its exit code); None for the
+    process that should go on to serve (rank 0, or no torchrun)."""
+    place = torchrun_placement(args.tensor_parallel_size)
+    if place is None or place.rank == 0:
+        return None
+    logger.info("torchrun rank %d of %d: running as a tensor-parallel worker", place.rank, place.size)
+    return run_rank(place, args)
 
 
 def main() -> None:
