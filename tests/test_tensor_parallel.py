@@ -274,3 +274,16 @@ def test_server_with_two_ranks_answers_then_reports_a_dead_rank(tiny_ckpt):
             time.sleep(0.1)
         else:
             raise AssertionError("the engine process did not exit")
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--disagg", "--mm-encoder-tp-mode", "data"], "the vision tower runs in the encoder services"),
+    (["--disagg", "--num-prefill", "1", "--num-decode", "1", "--tensor-parallel-size", "2"],
+     "not supported by prefill and decode instances"),
+])
+def test_serve_refuses_what_disaggregated_roles_would_ignore(tiny_ckpt, flags, match):
+    from tests.server_utils import free_port
+
+    bad = subprocess.run([sys.executable, "-m", "vlserve", "serve", *flags, "--model", str(tiny_ckpt("qwen2_vl")),
+                          "--port", str(free_port())], capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and match in bad.stderr, bad.stderr[-1000:]

@@ -32,6 +32,7 @@ from vlserve.engine.model_shard import ModelShard, load_shard
 from vlserve.engine.tp.messages import Failed, FollowerMessage, Hello, LeaderMessage, Ready, RunEncode, RunForward, Stop
 from vlserve.engine.tp.placement import (
     Placement,
+    collectives_file,
     device_for,
     join_group,
     leave_group,
@@ -90,21 +91,23 @@ class TPLeader:
         port = sock.bind_to_random_port("tcp://127.0.0.1" if one_machine else "tcp://*")
         host = "127.0.0.1" if one_machine else os.environ.get("VLSERVE_TP_HOST", os.environ.get("MASTER_ADDR"))
         address = f"tcp://{host}:{port}"
-        procs = [] if place.from_env else [_spawn(r, place, address, cfg) for r in range(1, size)]
+        shm_path = collectives_file(place, device)
+        procs = [] if place.from_env else [_spawn(r, place, address, shm_path, cfg) for r in range(1, size)]
         # after the spawns: a child inherits its parent's cores, and each rank picks its slice of all of them
         undo_pin = pin_cores(place.local_rank, place.local_size) if device.type == "cpu" else (lambda: None)
         leader = cls(cfg, place, sock, procs)
-        leader._finalizer = weakref.finalize(leader, _stop, sock, ctx, place.size, procs, undo_pin)
+        leader._finalizer = weakref.finalize(leader, _stop, sock, ctx, place.size, procs, undo_pin, shm_path)
         try:
             if not place.from_env:
                 leader._wait_for(Hello, "start")
-            group = join_group(place, device, COLLECTIVE_TIMEOUT_S)
+            group = join_group(place, device, COLLECTIVE_TIMEOUT_S, shm_path)
             if place.from_env:
-                share_address(device if device.type == "cuda" else torch.device("cpu"),
-                              json.dumps({"address": address, "num_kv_blocks": cfg.num_kv_blocks}))
+                share_address(device if device.type == "cuda" else torch.device("cpu"), json.dumps(
+                    {"address": address, "num_kv_blocks": cfg.num_kv_blocks, "shm_path": shm_path}))
                 leader._wait_for(Hello, "connect")
             leader.shard = load_shard(cfg, group, device)
             leader._wait_for(Ready, "load the model")
+            _unlink(shm_path)  # every rank has mapped it: the name can go (no file left behind by a crash)
         except BaseException:
             leader.shutdown()
             raise
@@ -223,17 +226,26 @@ class TPLeader:
         self._finalizer()
 
 
-def _spawn(rank: int, place: Placement, address: str, cfg: VlserveConfig) -> subprocess.Popen:
+def _spawn(rank: int, place: Placement, address: str, shm_path: str | None, cfg: VlserveConfig) -> subprocess.Popen:
     """Another rank of this machine, in its own process (`python -m vlserve.engine.tp.worker`)."""
     args = dataclasses.replace(cfg.args, model=str(cfg.model_path), num_kv_blocks=cfg.num_kv_blocks)
     spec = {"placement": dataclasses.asdict(dataclasses.replace(place, rank=rank, local_rank=rank)),
-            "address": address, "args": dataclasses.asdict(args),
+            "address": address, "shm_path": shm_path, "args": dataclasses.asdict(args),
             "log_level": logging.getLevelName(logging.getLogger().getEffectiveLevel())}
     env = {**os.environ, SPEC_ENV: json.dumps(spec)}
     return subprocess.Popen([sys.executable, "-m", "vlserve.engine.tp.worker"], env=env)
 
 
-def _stop(sock: zmq.Socket, ctx: zmq.Context, size: int, procs: list[subprocess.Popen], undo_pin) -> None:
+def _unlink(path: str | None) -> None:
+    if path:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def _stop(sock: zmq.Socket, ctx: zmq.Context, size: int, procs: list[subprocess.Popen], undo_pin,
+          shm_path: str | None) -> None:
     """Tells the other ranks to stop, waits briefly for the ones we started, then ends whatever is left; frees
     the group and the cores."""
     stop = Framer(LeaderMessage).encode(Stop())
@@ -250,6 +262,7 @@ def _stop(sock: zmq.Socket, ctx: zmq.Context, size: int, procs: list[subprocess.
             proc.kill()
             proc.wait()
     leave_group()
+    _unlink(shm_path)
     sock.close(linger=500 if not procs else 0)  # torchrun's ranks are not ours to wait for: let the stop leave
     ctx.term()
     undo_pin()

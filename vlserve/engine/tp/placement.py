@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,7 +25,10 @@ import torch.distributed as dist
 
 from vlserve.core.errors import InvalidInputError
 from vlserve.core.processes import free_port
+from vlserve.engine.transfer_buffers import shm_dir
+from vlserve.model.layers import shm_collectives
 from vlserve.model.layers.parallel import TPGroup
+from vlserve.model.layers.shm_collectives import ShmCollectives
 
 logger = logging.getLogger("vlserve.tp")
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -64,14 +68,39 @@ def device_for(device: torch.device, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank) if device.type == "cuda" else device
 
 
-def join_group(place: Placement, device: torch.device, timeout_s: float) -> TPGroup:
-    """Joins the process group (gloo on CPU, NCCL on CUDA); blocks until every rank has joined."""
+def join_group(place: Placement, device: torch.device, timeout_s: float, shm_path: str | None = None) -> TPGroup:
+    """Joins the process group (gloo on CPU, NCCL on CUDA); blocks until every rank has joined. `shm_path`: the
+    shared file of the same-machine collectives (see shm_collectives), used for CPU tensors when given."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=place.init_method, rank=place.rank, world_size=place.size,
                             timeout=datetime.timedelta(seconds=timeout_s))
-    return TPGroup(place.rank, place.size)
+    local = ShmCollectives(shm_path, place.rank, place.size, timeout_s) if shm_path else None
+    return TPGroup(place.rank, place.size, local=local)
+
+
+def collectives_file(place: Placement, device: torch.device) -> str | None:
+    """A new shared file for the same-machine collectives, or None where they do not apply (CUDA, ranks on
+    several machines, not x86-64, VLSERVE_TP_SHM=0)."""
+    if (device.type != "cpu" or place.local_size != place.size or not shm_collectives.supported()
+            or os.environ.get("VLSERVE_TP_SHM", "1") == "0"):
+        return None
+    size = shm_collectives.file_size(place.size)
+    folder = shm_dir()
+    if folder is None or _free_bytes(folder) < 2 * size:
+        folder = tempfile.gettempdir()  # a small /dev/shm (containers): a mapped file works as well
+    fd, path = tempfile.mkstemp(prefix="vlserve-tp-", dir=folder)
+    try:
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+    return path
+
+
+def _free_bytes(folder: str) -> int:
+    st = os.statvfs(folder)
+    return st.f_bavail * st.f_frsize
 
 
 def leave_group() -> None:

@@ -27,12 +27,13 @@ from vlserve.engine.model_shard import load_shard
 from vlserve.engine.tp.leader import COLLECTIVE_TIMEOUT_S, SPEC_ENV, identity, share_address
 from vlserve.engine.tp.messages import Failed, FollowerMessage, Hello, LeaderMessage, Ready, RunEncode, RunForward, Stop
 from vlserve.engine.tp.placement import Placement, device_for, join_group, leave_group, pin_cores, torchrun_placement
+from vlserve.model.layers.shm_collectives import ShmCollectives
 
 logger = logging.getLogger("vlserve.tp")
 IDLE_POLL_MS = 1000
 
 
-def run_rank(place: Placement, args: EngineArgs, address: str | None = None) -> int:
+def run_rank(place: Placement, args: EngineArgs, address: str | None = None, shm_path: str | None = None) -> int:
     """Runs this rank until rank 0 stops it; returns the exit code. `address`: rank 0's socket (None under
     torchrun: rank 0 sends it, with the KV cache size, once the process group is up)."""
     parent = os.getppid()
@@ -49,10 +50,14 @@ def run_rank(place: Placement, args: EngineArgs, address: str | None = None) -> 
         if address is not None:
             sock.connect(address)
             sock.send_multipart(out.encode(Hello(place.rank)))
-        group = join_group(place, device, COLLECTIVE_TIMEOUT_S)
-        if address is None:
+            group = join_group(place, device, COLLECTIVE_TIMEOUT_S, shm_path)
+        if address is None:  # torchrun: rank 0 says where the rest is once the group is up
+            group = join_group(place, device, COLLECTIVE_TIMEOUT_S)
             shared = json.loads(share_address(device if device.type == "cuda" else torch.device("cpu"), None))
             cfg = dataclasses.replace(cfg, num_kv_blocks=shared["num_kv_blocks"])  # rank 0's scheduler decides
+            if shared["shm_path"]:
+                group = dataclasses.replace(group, local=ShmCollectives(shared["shm_path"], place.rank, place.size,
+                                                                        COLLECTIVE_TIMEOUT_S))
             sock.connect(shared["address"])
             sock.send_multipart(out.encode(Hello(place.rank)))
         shard = load_shard(cfg, group, device)
@@ -99,7 +104,7 @@ def main() -> None:
     logging.basicConfig(level=spec["log_level"], format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     die_with_parent()
     place = Placement(**spec["placement"])
-    sys.exit(run_rank(place, EngineArgs(**spec["args"]), spec["address"]))
+    sys.exit(run_rank(place, EngineArgs(**spec["args"]), spec["address"], spec["shm_path"]))
 
 
 if __name__ == "__main__":

@@ -33,17 +33,23 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     group: Any = None  # a torch.distributed ProcessGroup; None: the default group
+    local: Any = None  # ShmCollectives when every rank is on this machine (CPU tensors go through it)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place."""
-        if self.size > 1:
-            dist.all_reduce(x, group=self.group)
+        if self.size == 1:
+            return x
+        if self.local is not None and x.device.type == "cpu":
+            return self.local.all_reduce(x)
+        dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Every rank's `x` (same shapes) concatenated along `dim`, in rank order."""
         if self.size == 1:
             return x
+        if self.local is not None and x.device.type == "cpu":
+            return self.local.all_gather(x, dim)
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
