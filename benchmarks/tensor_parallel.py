@@ -101,8 +101,9 @@ def main() -> None:
     print(f"{'setup':<14} {'offline tok/s':>14} {'vs TP=1':>8} {'batch-1 decode tok/s':>21} {'vs TP=1':>8} "
           f"{'vision patches/s':>17} {'vs TP=1':>8}")
     for name, r in results.items():
-        print(f"{name:<14} {r['tok/s']:>14.1f} {r['tok/s'] / base['tok/s']:>7.2f}x {r['decode']:>21.1f} "
-              f"{r['decode'] / base['decode']:>7.2f}x {r['patches/s']:>17.0f} {r['patches/s'] / base['patches/s']:>7.2f}x")
+        ratio = {key: r[key] / base[key] for key in r}
+        print(f"{name:<14} {r['tok/s']:>14.1f} {ratio['tok/s']:>7.2f}x {r['decode']:>21.1f} {ratio['decode']:>7.2f}x "
+              f"{r['patches/s']:>17.0f} {ratio['patches/s']:>7.2f}x")
     print(f"offline at TP=1: {base['tok/s'] / bound:.0%} of the compute bound")
 
 

@@ -46,6 +46,58 @@ def test_balance_covers_every_item_once_within_one_item_of_even():
         assert max(loads) - min(loads) <= max(sizes)
 
 
+# ---- same-machine collectives --------------------------------------------------------------------------------
+def _pair(tmp_path, monkeypatch, slot_bytes: int):
+    from vlserve.model.layers import shm_collectives as shm
+
+    monkeypatch.setattr(shm, "SLOT_BYTES", slot_bytes)
+    path = tmp_path / "collectives"
+    path.write_bytes(b"\0" * shm.file_size(2))
+    return [shm.ShmCollectives(str(path), r, 2, timeout_s=30) for r in range(2)]
+
+
+def _both(ranks, fn):
+    """Runs fn(rank object, rank) on two threads (two ranks of one process) and returns both results."""
+    out = [None, None]
+
+    def run(r):
+        out[r] = fn(ranks[r], r)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads), "a collective hung"
+    return out
+
+
+@pytest.mark.parametrize("slot_bytes", [4 * 2**20, 256])  # one slot, or chunks through small slots
+def test_shared_memory_collectives_sum_and_gather_in_rank_order(tmp_path, monkeypatch, slot_bytes):
+    ranks = _pair(tmp_path, monkeypatch, slot_bytes)
+    gen = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(37, 19, generator=gen) for _ in range(2)]
+    for _ in range(3):  # calls in a row alternate the two sets of slots
+        sums = _both(ranks, lambda c, r: c.all_reduce(inputs[r].clone()))
+        assert torch.equal(sums[0], sums[1]) and torch.equal(sums[0], inputs[0] + inputs[1])
+        gathered = _both(ranks, lambda c, r: c.all_gather(inputs[r].to(torch.bfloat16), dim=1))
+        assert torch.equal(gathered[0], torch.cat([inputs[0], inputs[1]], dim=1).to(torch.bfloat16))
+        assert torch.equal(gathered[0], gathered[1])
+
+
+def test_shared_memory_collectives_notice_a_dead_rank(tmp_path, monkeypatch):
+    from vlserve.model.layers.shm_collectives import LINE
+
+    ranks = _pair(tmp_path, monkeypatch, 4096)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    ranks[0].control[1 * LINE + 1] = gone.pid  # rank 1's process, now dead, never answers
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1 .* is gone"):
+        ranks[0].all_reduce(torch.ones(4))
+    assert time.monotonic() - t0 < 5
+
+
 # ---- every rank's share, put back together, is the checkpoint ------------------------------------------------
 def _check_shards(path, ranks: int, vision_tp=None):
     whole = dict(load_model(path, dtype="float32").named_parameters())
@@ -160,11 +212,15 @@ def expected(tiny_ckpt):
     return get
 
 
-@pytest.mark.parametrize("mode", ["weights", "data"])
-@pytest.mark.parametrize("arch", ARCHES)
-def test_two_ranks_match_transformers_batched_chunked_and_preempted(tiny_ckpt, expected, arch, mode):
-    """Two ranks (gloo), every prompt in one batch: a 16-token step budget splits pictures across steps, a pool
-    of 40 four-token blocks forces preemptions; then again in another order, with prefix-cache hits."""
+@pytest.mark.parametrize("arch, mode, collectives", [(arch, mode, "shm") for arch in ARCHES for mode in
+                                                     ("weights", "data")] + [("qwen2_vl", "weights", "gloo")])
+def test_two_ranks_match_transformers_batched_chunked_and_preempted(tiny_ckpt, expected, monkeypatch, arch, mode,
+                                                                     collectives):
+    """Two ranks, every prompt in one batch: a 16-token step budget splits pictures across steps, a pool of 40
+    four-token blocks forces preemptions; then again in another order, with prefix-cache hits. Collectives
+    through shared memory (ranks on one machine), and once through gloo (as between machines)."""
+    if collectives == "gloo":
+        monkeypatch.setenv("VLSERVE_TP_SHM", "0")
     want = expected(arch)
     llm = LLM(str(tiny_ckpt(arch)), dtype="float32", tensor_parallel_size=2, mm_encoder_tp_mode=mode,
               num_kv_blocks=40, block_size=4, max_num_batched_tokens=16)

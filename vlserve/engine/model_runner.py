@@ -33,8 +33,9 @@ class ModelRunner:
         self.transfer = transfer
         self.grammars = grammars
         model = executor.model
-        ranks = executor.tp.size if executor.encoder_mode == DATA else 1
-        self.vision = VisionRunner(executor, cfg.device, ranks) if getattr(model, "visual", None) is not None else None
+        whole_step = executor.encoder_mode == DATA and executor.tp.size > 1
+        has_vision = getattr(model, "visual", None) is not None
+        self.vision = VisionRunner(executor, cfg.device, whole_step) if has_vision else None
         self.device = cfg.device
         self.block_size = cfg.block_size
         self.sampler = Sampler()

@@ -17,6 +17,7 @@ import torch
 
 from vlserve.engine.config import DATA, VlserveConfig
 from vlserve.engine.forward_batch import ForwardBatch, attention_metadata
+from vlserve.engine.vision_runner import cpu_budget, groups_of
 from vlserve.model.decoder import DeepstackInput
 from vlserve.model.layers.packed_linear import packed_linear_supported
 from vlserve.model.layers.parallel import SINGLE, TPGroup
@@ -96,8 +97,13 @@ class ModelShard:
         shares = balance([t * h * w for t, h, w in grids], self.tp.size)
         width = self.model.cfg.embedding_width
         mine = shares[self.tp.rank]
-        rows = (torch.cat(self.model.encode_images(pixels, [grids[i] for i in mine])) if mine
-                else torch.empty(0, width, dtype=self.model.visual.patch_embed.proj.weight.dtype, device=self.device))
+        pixels = pixels.to(self.device)
+        parts = item_patches(pixels, [grids[i] for i in mine])
+        rows = [torch.empty(0, width, dtype=self.model.visual.patch_embed.proj.weight.dtype, device=self.device)]
+        for group in groups_of([p.shape[0] for p in parts], cpu_budget(self.device)) if mine else []:
+            group_pixels = torch.cat([parts[j] for j in group])
+            rows += self.model.encode_images(group_pixels, [grids[mine[j]] for j in group])
+        rows = torch.cat(rows)
         longest = max(sum(tokens[i] for i in share) for share in shares)  # all_gather wants equal shapes
         padded = torch.cat([rows, rows.new_zeros(longest - rows.shape[0], width)])
         gathered = self.tp.all_gather(padded.unsqueeze(0), dim=0)  # [ranks, longest, width]

@@ -19,30 +19,38 @@ from vlserve.core.prompt import MultiModalItem
 CPU_PATCHES_PER_CALL = 2048
 
 
-def batches(items: list[MultiModalItem], budget: int | None) -> list[list[MultiModalItem]]:
-    """Consecutive groups of at most `budget` patches (an item larger than that alone); one group if None."""
+def groups_of(sizes: list[int], budget: int | None) -> list[list[int]]:
+    """Indices in consecutive groups of at most `budget` patches (an item larger than that alone); one group if
+    None."""
     if budget is None:
-        return [items]
-    groups: list[list[MultiModalItem]] = [[]]
+        return [list(range(len(sizes)))]
+    groups: list[list[int]] = [[]]
     used = 0
-    for it in items:
-        n = it.pixel_values.shape[0]
+    for i, n in enumerate(sizes):
         if groups[-1] and used + n > budget:
             groups.append([])
             used = 0
-        groups[-1].append(it)
+        groups[-1].append(i)
         used += n
     return groups
 
 
+def batches(items: list[MultiModalItem], budget: int | None) -> list[list[MultiModalItem]]:
+    return [[items[i] for i in g] for g in groups_of([it.pixel_values.shape[0] for it in items], budget)]
+
+
+def cpu_budget(device: torch.device) -> int | None:
+    return CPU_PATCHES_PER_CALL if device.type == "cpu" else None
+
+
 class VisionRunner:
-    def __init__(self, model, device: torch.device, ranks: int = 1):
+    def __init__(self, model, device: torch.device, whole_step: bool = False):
         """`model`: anything with the model's `encode_images` (a model, a `ModelShard`, the tensor-parallel
-        leader). `ranks`: ranks that share each call (the data-parallel encoder), so each still gets a CPU-sized
-        group of patches."""
+        leader). `whole_step`: one call with every item of the step (the data-parallel encoder spreads them
+        over its ranks first, then each rank groups its share)."""
         self.model = model
         self.device = device
-        self.ranks = ranks
+        self.whole_step = whole_step
         self.outputs: dict[str, torch.Tensor] = {}
         self.seconds: list[float] = []  # one entry per vision-tower call (histogram samples for the metrics)
 
@@ -50,7 +58,7 @@ class VisionRunner:
     def encode(self, items: list[MultiModalItem]) -> None:
         """Batched vision-tower calls over `items` (no attention across items); outputs land in `outputs`."""
         items = [it for it in items if it.mm_hash not in self.outputs]
-        budget = CPU_PATCHES_PER_CALL * self.ranks if self.device.type == "cpu" else None
+        budget = None if self.whole_step else cpu_budget(self.device)
         for group in batches(items, budget) if items else []:
             t0 = time.perf_counter()
             pixels = torch.cat([it.pixel_values for it in group]).to(self.device, non_blocking=True)
