@@ -289,6 +289,43 @@ def test_a_dead_rank_stops_the_engine_with_a_clear_error(tiny_ckpt):
     assert torch.get_num_threads() == int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))
 
 
+def _children_running(module: str) -> list[int]:
+    pids = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            children = open(f"/proc/self/task/{task}/children").read().split()
+        except OSError:
+            continue
+        for pid in children:
+            try:
+                if module in open(f"/proc/{pid}/cmdline").read():
+                    pids.append(int(pid))
+            except OSError:
+                pass
+    return pids
+
+
+def test_a_rank_that_dies_while_starting_fails_the_start_at_once(tiny_ckpt):
+    errors = []
+
+    def start():
+        try:
+            LLM(str(tiny_ckpt("qwen2_vl")), dtype="float32", tensor_parallel_size=2, num_kv_blocks=64)
+        except Exception as e:  # noqa: BLE001 - what the test inspects
+            errors.append(e)
+
+    t = threading.Thread(target=start)
+    t.start()
+    deadline = time.monotonic() + 20
+    while not (workers := _children_running("vlserve.engine.tp.worker")):
+        assert time.monotonic() < deadline, "no rank process was started"
+        time.sleep(0.01)
+    os.kill(workers[0], signal.SIGKILL)
+    t.join(30)
+    assert not t.is_alive(), "the start hung on a dead rank"
+    assert len(errors) == 1 and isinstance(errors[0], TensorParallelError) and "rank 1 exited" in str(errors[0])
+
+
 def test_torchrun_ranks_meet_through_env(tiny_ckpt, tmp_path):
     """torchrun starts both ranks (`env://`); rank 0 runs the demo, rank 1 becomes a worker by itself, and the
     answer is the single-device one."""

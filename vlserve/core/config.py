@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 # Roles: processes a user starts. "serve" is the aggregated server (and the `--disagg` launcher), "language" and
 # "encode" the two halves of an E->PD deployment, "prefill" and "decode" the language half split in two (E->P->D),
 # "bootstrap" their registry, "demo" offline generation.
@@ -187,6 +189,15 @@ class DisaggArgs:
     disagg_secret: str | None = option(None, "shared secret of every role: signs registry calls and encrypts the "
                                        "data channel (required off loopback; serve --disagg makes one)",
                                        {SERVE, BOOTSTRAP} | DISAGG_ROLES, env="VLSERVE_DISAGG_SECRET", secret=True)
+
+
+def encode_args(args: EngineArgs) -> bytes:
+    """Engine options as JSON, for the processes that resolve them again (the engine core, tensor-parallel ranks)."""
+    return msgspec.json.encode(dataclasses.asdict(args))
+
+
+def decode_args(data: bytes) -> EngineArgs:
+    return EngineArgs(**msgspec.json.decode(data))
 
 
 OPTION_GROUPS = (("engine", EngineArgs), ("server", ServerArgs), ("disaggregation", DisaggArgs))

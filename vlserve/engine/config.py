@@ -52,7 +52,8 @@ class VlserveConfig:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return kv_bytes_per_token(self.model, self.dtype)
+        """Per rank (each caches its share of the key/value heads)."""
+        return kv_bytes_per_token(self.model, self.dtype, self.tensor_parallel_size)
 
 
 def kv_bytes_per_token(model: ModelConfig, dtype: torch.dtype, ranks: int = 1) -> int:
@@ -62,7 +63,8 @@ def kv_bytes_per_token(model: ModelConfig, dtype: torch.dtype, ranks: int = 1) -
     return 2 * t.num_layers * heads * t.head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-def check_tensor_parallel(args: EngineArgs, model: ModelConfig, quantization: QuantizationConfig | None) -> None:
+def check_tensor_parallel(args: EngineArgs, model: ModelConfig, quantization: QuantizationConfig | None,
+                          device: torch.device) -> None:
     """Refuses at once what the ranks could not split evenly (rather than when every rank loads)."""
     tp = args.tensor_parallel_size
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
@@ -71,6 +73,13 @@ def check_tensor_parallel(args: EngineArgs, model: ModelConfig, quantization: Qu
         raise InvalidInputError(f"mm_encoder_tp_mode must be '{WEIGHTS}' or '{DATA}', got {args.mm_encoder_tp_mode!r}")
     if tp == 1:
         return
+    if device.type == "cuda":
+        if device.index is not None:
+            raise InvalidInputError("with tensor_parallel_size > 1 rank r runs on cuda:r (of CUDA_VISIBLE_DEVICES); "
+                                    f"pass --device cuda, not {device}")
+        if torch.cuda.device_count() < tp:
+            raise InvalidInputError(f"tensor_parallel_size {tp} needs {tp} CUDA devices on this machine, "
+                                    f"{torch.cuda.device_count()} are visible")
     if quantization is not None and quantization.is_checkpoint_format:
         raise InvalidInputError(f"a {quantization.method} 4-bit checkpoint cannot be split over ranks: use "
                                 "tensor_parallel_size 1, or int8 from the full-precision checkpoint")
@@ -107,7 +116,7 @@ def resolve_config(args: EngineArgs, announce: bool = True) -> VlserveConfig:
     device = pick_device(args.device)
     dtype = resolve_dtype(args.dtype, model_cfg.checkpoint_dtype, device, announce)
     quantization = resolve_quantization(args.quantization, model_cfg.quantization)
-    check_tensor_parallel(args, model_cfg, quantization)
+    check_tensor_parallel(args, model_cfg, quantization, device)
     max_model_len = args.max_model_len or min(model_cfg.text.max_position_embeddings, 32768)
     num_blocks = _num_kv_blocks(args, path, model_cfg, dtype, device, max_model_len)
     return VlserveConfig(
@@ -145,16 +154,19 @@ def default_kv_bytes(args: EngineArgs, path: Path, model_cfg: ModelConfig, dtype
     at full length needs (max_num_seqs x max_model_len), bounded by a share of the memory left after the weights,
     and never less than one sequence at full length (else long requests could never run).
     """
-    per_token = kv_bytes_per_token(model_cfg, dtype, args.tensor_parallel_size)  # all figures per rank
+    ranks = args.tensor_parallel_size
+    per_token = kv_bytes_per_token(model_cfg, dtype, ranks)  # all figures per rank
     need = args.max_num_seqs * max_model_len * per_token
     one_sequence = max_model_len * per_token
-    weights = _weight_bytes(path, model_cfg, dtype) // args.tensor_parallel_size
+    weights = _weight_bytes(path, model_cfg, dtype) // ranks  # about: a data-parallel vision tower is whole
     budget = max(weights, MIN_DEFAULT_KV_BYTES)
     available = memory_available_bytes(device)
     if available is not None:
         share = GPU_FREE_MEMORY_SHARE if device.type == "cuda" else CPU_FREE_MEMORY_SHARE
-        room = int(max(available - weights, 0) * share)
-        budget = room if device.type == "cuda" else min(budget, room)
+        if device.type == "cuda":  # a device per rank
+            budget = int(max(available - weights, 0) * share)
+        else:  # the ranks of a machine share its memory
+            budget = min(budget, int(max(available - weights * ranks, 0) * share) // ranks)
     kv = max(min(need, budget), one_sequence)
     if available is not None and kv > available - weights:
         logger.warning("the KV cache for one %d-token sequence (%.2f GiB) exceeds the free memory; lower "

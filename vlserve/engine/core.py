@@ -40,6 +40,8 @@ class EngineCore:
         self.transfer = transfer
         t0 = time.perf_counter()
         if model is not None:
+            if cfg.tensor_parallel_size > 1:
+                raise InvalidInputError("a model object runs on one device: tensor_parallel_size must be 1")
             executor = ModelShard(model, cfg)
         elif cfg.tensor_parallel_size > 1:
             executor = TPLeader.start(cfg)  # rank 0 here, the other ranks in their own processes

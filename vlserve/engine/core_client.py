@@ -24,7 +24,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from vlserve.core.config import EngineArgs
+from vlserve.core.config import EngineArgs, encode_args
 from vlserve.core.errors import VlserveError
 from vlserve.core.wire import (
     EngineFailed,
@@ -36,7 +36,7 @@ from vlserve.core.wire import (
     Heartbeat,
     Shutdown,
 )
-from vlserve.engine.core_process import encode_args, run_engine_core
+from vlserve.engine.core_process import run_engine_core
 from vlserve.engine.transfer_buffers import BufferLayout
 
 logger = logging.getLogger("vlserve.engine")

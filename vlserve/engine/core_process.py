@@ -10,7 +10,6 @@ holding the GIL) is noticed within seconds, and a main loop stuck inside one ste
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import signal
@@ -20,7 +19,7 @@ import threading
 import msgspec
 import zmq
 
-from vlserve.core.config import EngineArgs
+from vlserve.core.config import decode_args
 from vlserve.core.errors import VlserveError
 from vlserve.core.processes import die_with_parent
 from vlserve.core.wire import (
@@ -48,14 +47,6 @@ from vlserve.model.hardware import log_once
 
 logger = logging.getLogger("vlserve.engine")
 IDLE_POLL_MS = 1000
-
-
-def encode_args(args: EngineArgs) -> bytes:
-    return msgspec.json.encode(dataclasses.asdict(args))
-
-
-def decode_args(data: bytes) -> EngineArgs:
-    return EngineArgs(**msgspec.json.decode(data))
 
 
 class Progress:

@@ -23,7 +23,7 @@ class Qwen2Attention(nn.Module):
         self.tp = tp = current_tp()
         self.head_dim = cfg.head_dim
         q = head_split(cfg.num_heads, cfg.head_dim, tp, "attention heads")
-        kv = head_split(cfg.num_kv_heads, cfg.head_dim, tp, "key/value heads")
+        kv = head_split(cfg.num_kv_heads, cfg.head_dim, tp, "key/value heads", copies=True)
         self.q_size, self.kv_size = q.size, kv.size
         self.num_heads, self.num_kv_heads = q.size // self.head_dim, kv.size // self.head_dim
         self.qkv_proj = column_linear(cfg.hidden_size, {"q": q, "k": kv, "v": kv}, bias=cfg.qkv_bias)

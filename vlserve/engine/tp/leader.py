@@ -16,6 +16,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 import weakref
 
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
+from vlserve.core.config import encode_args
 from vlserve.core.errors import InvalidInputError, ModelLoadError, TensorParallelError
 from vlserve.core.wire import Framer, tensor_ref
 from vlserve.engine.config import DATA, VlserveConfig
@@ -57,6 +59,9 @@ def share_address(group_device: torch.device, text: str | None) -> str:
     buf = torch.zeros(ADDRESS_BYTES, dtype=torch.uint8, device=group_device)
     if text is not None:
         data = text.encode()
+        if len(data) > ADDRESS_BYTES:
+            raise InvalidInputError(f"tensor-parallel set-up message too long ({len(data)} bytes); use a shorter "
+                                    "temporary directory path")
         buf[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
     dist.broadcast(buf, 0)
     return bytes(buf.cpu().tolist()).rstrip(b"\0").decode()
@@ -100,7 +105,7 @@ class TPLeader:
         try:
             if not place.from_env:
                 leader._wait_for(Hello, "start")
-            group = join_group(place, device, COLLECTIVE_TIMEOUT_S, shm_path)
+            group = leader._join(device, shm_path)
             if place.from_env:
                 share_address(device if device.type == "cuda" else torch.device("cpu"), json.dumps(
                     {"address": address, "num_kv_blocks": cfg.num_kv_blocks, "shm_path": shm_path}))
@@ -113,6 +118,29 @@ class TPLeader:
             raise
         logger.info("tensor parallel: %d ranks ready (%s)", size, "torchrun" if place.from_env else "local processes")
         return leader
+
+    def _join(self, device: torch.device, shm_path: str | None):
+        """Joins the process group while watching the ranks we started: one that dies before it joins would
+        otherwise leave us waiting for the rendezvous timeout."""
+        result: dict = {}
+
+        def join():
+            try:
+                result["group"] = join_group(self.place, device, COLLECTIVE_TIMEOUT_S, shm_path)
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+                result["error"] = e
+
+        thread = threading.Thread(target=join, name="vlserve-tp-join", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while thread.is_alive():
+            thread.join(0.2)
+            self._check_processes()
+            if time.monotonic() > deadline:
+                raise TensorParallelError(f"the tensor-parallel ranks did not meet within {START_TIMEOUT_S:.0f}s")
+        if "error" in result:
+            raise result["error"]
+        return result["group"]
 
     def _wait_for(self, kind: type, what: str) -> None:
         pending = set(range(1, self.place.size))
@@ -158,12 +186,16 @@ class TPLeader:
     def encode_images(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> list[torch.Tensor]:
         grids = [tuple(g) for g in grids]
         data = self.encoder_mode == DATA
+        frames = None if data else self._encode_frames(grids, pixels)  # the same message for every rank
         for rank in range(1, self.place.size):
-            tensors: list[torch.Tensor] = []
-            share = self.shard.share_of(rank, pixels, grids) if data else pixels
-            self._send(rank, RunEncode(grids, tensor_ref(share, tensors)), tensors)
+            self._send_frames(rank, self._encode_frames(grids, self.shard.share_of(rank, pixels, grids)) if data
+                              else frames)
         mine = self.shard.share_of(0, pixels, grids) if data else pixels
         return self._collective(lambda: self.shard.encode_images(mine, grids))
+
+    def _encode_frames(self, grids: list[tuple[int, int, int]], pixels: torch.Tensor) -> list:
+        tensors: list[torch.Tensor] = []
+        return self._out.encode(RunEncode(grids, tensor_ref(pixels, tensors)), tensors)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor | None:
         tensors: list[torch.Tensor] = []
@@ -198,17 +230,21 @@ class TPLeader:
             raise TensorParallelError(f"{self.failure}; the engine stops")
 
     def _collective(self, fn):
+        """Runs rank 0's share of a step the other ranks were told to run. Whatever interrupts it (a lost rank,
+        an error here, Ctrl-C) leaves the ranks out of step, so the engine cannot go on after it."""
         self.check_alive()
         try:
             return fn()
-        except (RuntimeError, dist.DistError) as e:
+        except BaseException as e:
             time.sleep(0.2)  # let a dying rank's exit or failure message arrive, to name it
             try:
                 self.check_alive()
-            except TensorParallelError:
-                raise
-            self.failure = f"a tensor-parallel collective failed ({type(e).__name__}: {str(e)[:300]})"
-            raise TensorParallelError(f"{self.failure}; the engine stops") from e
+            except TensorParallelError as lost:
+                raise lost from e
+            self.failure = f"a step failed on rank 0 ({type(e).__name__}: {str(e)[:300]})"
+            if isinstance(e, Exception):
+                raise TensorParallelError(f"{self.failure}; the engine stops") from e
+            raise
 
     def _send(self, rank: int, msg, tensors: list[torch.Tensor] | None = None) -> None:
         self._send_frames(rank, self._out.encode(msg, tensors))
@@ -230,7 +266,7 @@ def _spawn(rank: int, place: Placement, address: str, shm_path: str | None, cfg:
     """Another rank of this machine, in its own process (`python -m vlserve.engine.tp.worker`)."""
     args = dataclasses.replace(cfg.args, model=str(cfg.model_path), num_kv_blocks=cfg.num_kv_blocks)
     spec = {"placement": dataclasses.asdict(dataclasses.replace(place, rank=rank, local_rank=rank)),
-            "address": address, "shm_path": shm_path, "args": dataclasses.asdict(args),
+            "address": address, "shm_path": shm_path, "args": encode_args(args).decode(), "parent": os.getpid(),
             "log_level": logging.getLevelName(logging.getLogger().getEffectiveLevel())}
     env = {**os.environ, SPEC_ENV: json.dumps(spec)}
     return subprocess.Popen([sys.executable, "-m", "vlserve.engine.tp.worker"], env=env)

@@ -84,12 +84,14 @@ def collectives_file(place: Placement, device: torch.device) -> str | None:
     """A new shared file for the same-machine collectives, or None where they do not apply (CUDA, ranks on
     several machines, not x86-64, VLSERVE_TP_SHM=0)."""
     if (device.type != "cpu" or place.local_size != place.size or not shm_collectives.supported()
-            or os.environ.get("VLSERVE_TP_SHM", "1") == "0"):
+            or place.size > shm_collectives.MAX_RANKS or os.environ.get("VLSERVE_TP_SHM", "1") == "0"):
         return None
     size = shm_collectives.file_size(place.size)
     folder = shm_dir()
     if folder is None or _free_bytes(folder) < 2 * size:
-        folder = tempfile.gettempdir()  # a small /dev/shm (containers): a mapped file works as well
+        logger.warning("no room for %d MiB in /dev/shm: the ranks' collectives go through gloo (slower)",
+                       size // 2**20)
+        return None
     fd, path = tempfile.mkstemp(prefix="vlserve-tp-", dir=folder)
     try:
         os.ftruncate(fd, size)

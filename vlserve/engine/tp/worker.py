@@ -18,7 +18,7 @@ import msgspec
 import torch
 import zmq
 
-from vlserve.core.config import EngineArgs
+from vlserve.core.config import EngineArgs, decode_args
 from vlserve.core.processes import die_with_parent
 from vlserve.core.wire import Framer, tensor_from
 from vlserve.engine.config import resolve_config
@@ -33,10 +33,11 @@ logger = logging.getLogger("vlserve.tp")
 IDLE_POLL_MS = 1000
 
 
-def run_rank(place: Placement, args: EngineArgs, address: str | None = None, shm_path: str | None = None) -> int:
-    """Runs this rank until rank 0 stops it; returns the exit code. `address`: rank 0's socket (None under
-    torchrun: rank 0 sends it, with the KV cache size, once the process group is up)."""
-    parent = os.getppid()
+def run_rank(place: Placement, args: EngineArgs, address: str | None = None, shm_path: str | None = None,
+             parent: int | None = None) -> int:
+    """Runs this rank until rank 0 stops it or is gone; returns the exit code. `address`: rank 0's socket (None
+    under torchrun: rank 0 sends it, with the KV cache size, once the process group is up). `parent`: rank 0's
+    pid when it started this process."""
     cfg = resolve_config(args, announce=False)
     device = device_for(cfg.device, place.local_rank)
     if device.type == "cpu":
@@ -45,6 +46,11 @@ def run_rank(place: Placement, args: EngineArgs, address: str | None = None, shm
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, identity(place.rank))
     sock.setsockopt(zmq.LINGER, 2000)  # a failure report still leaves before the process does
+    # rank 0's end of the connection closing (its process gone, wherever it ran) ends this rank too
+    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(monitor, zmq.POLLIN)
     out, inp = Framer(FollowerMessage), Framer(LeaderMessage)
     try:
         if address is not None:
@@ -63,10 +69,11 @@ def run_rank(place: Placement, args: EngineArgs, address: str | None = None, shm
         shard = load_shard(cfg, group, device)
         sock.send_multipart(out.encode(Ready(place.rank)))
         while True:
-            if not sock.poll(IDLE_POLL_MS):
-                if not place.from_env and os.getppid() != parent:
-                    logger.warning("rank %d: rank 0 is gone; exiting", place.rank)
-                    return 0
+            ready = dict(poller.poll(IDLE_POLL_MS))
+            if monitor in ready or (parent is not None and os.getppid() != parent):
+                logger.warning("rank %d: rank 0 is gone; exiting", place.rank)
+                return 1
+            if sock not in ready:
                 continue
             frames = sock.recv_multipart()
             msg = inp.decode(frames)
@@ -85,6 +92,8 @@ def run_rank(place: Placement, args: EngineArgs, address: str | None = None, shm
         return 1
     finally:
         leave_group()
+        sock.disable_monitor()
+        monitor.close(linger=0)
         sock.close()
         ctx.term()
 
@@ -103,8 +112,10 @@ def main() -> None:
     spec = json.loads(os.environ[SPEC_ENV])
     logging.basicConfig(level=spec["log_level"], format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     die_with_parent()
+    if os.getppid() != spec["parent"]:  # rank 0 died before the line above could take effect
+        sys.exit(1)
     place = Placement(**spec["placement"])
-    sys.exit(run_rank(place, EngineArgs(**spec["args"]), spec["address"], spec["shm_path"]))
+    sys.exit(run_rank(place, decode_args(spec["args"].encode()), spec["address"], spec["shm_path"], spec["parent"]))
 
 
 if __name__ == "__main__":

@@ -92,10 +92,11 @@ def even_split(full: int, tp: TPGroup, what: str) -> Split:
     return Split(full, tp.rank * size, size)
 
 
-def head_split(num_heads: int, head_dim: int, tp: TPGroup, what: str) -> Split:
-    """Whole heads per rank. Fewer heads than ranks (GQA key/value heads): each rank keeps a copy of the head its
-    query heads use, which needs the rank count to be a multiple of the head count."""
-    if num_heads >= tp.size:
+def head_split(num_heads: int, head_dim: int, tp: TPGroup, what: str, copies: bool = False) -> Split:
+    """Whole heads per rank. `copies` (GQA key/value heads): with fewer heads than ranks each rank keeps a copy
+    of the head its query heads use, which needs the rank count to be a multiple of the head count. Heads whose
+    outputs are summed over ranks (query heads) are never copied: they would count twice."""
+    if num_heads >= tp.size or not copies:
         heads = even_split(num_heads, tp, what)
         return Split(num_heads * head_dim, heads.start * head_dim, heads.size * head_dim)
     if tp.size % num_heads:
@@ -124,6 +125,8 @@ class Column:
             s = self.pieces[piece]
             return tensor.narrow(self.dim, s.start, s.size) if tensor.shape[self.dim] == s.full else tensor
         splits = list(self.pieces.values())
+        if all(s.size == s.full for s in splits):
+            return tensor  # one rank: the whole tensor, no copy
         if tensor.dim() <= self.dim or tensor.shape[self.dim] != sum(s.full for s in splits):
             return tensor  # not what this layer holds: the loader's shape check says so
         parts = tensor.split([s.full for s in splits], self.dim)  # a fused tensor: split each piece on its own

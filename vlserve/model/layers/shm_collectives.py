@@ -26,6 +26,7 @@ import torch
 SLOT_BYTES = 4 * 2**20
 CONTROL_BYTES = 4096  # per rank: sequence number and pid, one cache line apart from the next rank's
 LINE = 8  # int64s per cache line
+MAX_RANKS = CONTROL_BYTES // (LINE * 8)
 
 
 def supported() -> bool:
