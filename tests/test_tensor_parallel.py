@@ -14,8 +14,9 @@ import time
 import pytest
 import torch
 
-from tests.conftest import ARCHES, IMG, assert_pool_full, noise_image
+from tests.conftest import ARCHES, assert_pool_full
 from tests.hf_reference import HFReference
+from tests.test_parity import _prompts  # the parity suite's mixed workload
 from vlserve import LLM, SamplingParams
 from vlserve.core.errors import InvalidInputError, TensorParallelError
 from vlserve.engine.model_shard import balance
@@ -181,20 +182,6 @@ def test_a_4bit_checkpoint_is_not_split(tiny_ckpt, tmp_path):
 
 
 # ---- two ranks, token for token -----------------------------------------------------------------------------
-def _prompts():
-    long_text = "Explain the difference between a list and a tuple in Python, with examples. " * 4
-    return [
-        ("Hello, how are you?", []),
-        (f"Describe this picture: {IMG}", [noise_image(120, 90, 1)]),
-        (f"{IMG} and {IMG} and {IMG}: what differs?",
-         [noise_image(64, 200, 2, "RGBA"), noise_image(150, 150, 3, "L"), noise_image(90, 60, 4, "P")]),
-        (long_text, []),
-        (f"First {IMG} then text", [noise_image(224, 224, 5)]),
-        (f"{IMG}", [noise_image(300, 100, 6)]),
-        (f"Compare {IMG} with the same picture {IMG}", [noise_image(120, 90, 1), noise_image(120, 90, 1)]),
-    ]
-
-
 def _requests(prompts):
     return [{"prompt": p, "multi_modal_data": {"image": imgs}} if imgs else p for p, imgs in prompts]
 
@@ -230,7 +217,7 @@ def test_two_ranks_match_transformers_batched_chunked_and_preempted(tiny_ckpt, e
             assert out.prompt_token_ids == want[i][0]
             assert out.outputs[0].token_ids == want[i][1], f"prompt {i} differs at two ranks ({mode})"
         assert llm.engine.core.scheduler.num_preemptions > 0
-        order = [5, 2, 0, 6, 1, 4, 3]
+        order = [5, 2, 8, 0, 6, 1, 7, 4, 3]
         outs = llm.generate(_requests([_prompts()[i] for i in order]), GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == [want[i][1] for i in order]
         assert llm.engine.core.scheduler.kv.prefix_hits > 0
