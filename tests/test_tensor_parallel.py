@@ -367,3 +367,19 @@ def test_serve_refuses_what_disaggregated_roles_would_ignore(tiny_ckpt, flags, m
     bad = subprocess.run([sys.executable, "-m", "vlserve", "serve", *flags, "--model", str(tiny_ckpt("qwen2_vl")),
                           "--port", str(free_port())], capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and match in bad.stderr, bad.stderr[-1000:]
+
+
+def test_language_server_with_two_ranks_takes_pictures_from_an_encoder(tiny_ckpt):
+    """E->PD with a tensor-parallel language server: rank 0 reads the encoder's rows from its receive blocks and
+    hands them to every rank with the step; the answers are the aggregated single-device ones."""
+    from tests.test_disagg import CASES, Cluster, ask, expected_text, wait_language_blocks_free
+
+    offline = LLM(str(tiny_ckpt("qwen2_vl")), dtype="float32", max_model_len=2048, limit_mm_per_prompt={"image": 4})
+    cluster = Cluster(tiny_ckpt("qwen2_vl"), {"tp": ["--tensor-parallel-size", "2"]})
+    try:
+        cluster.wait_encoders("tp", 1)
+        for name, messages in CASES.items():
+            assert ask(cluster.client("tp"), messages) == expected_text(offline, messages), name
+        wait_language_blocks_free(lambda: cluster.metrics("tp"))
+    finally:
+        cluster.close()
