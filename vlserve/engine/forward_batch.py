@@ -33,18 +33,21 @@ class ForwardBatch:
 
 
 def attention_metadata(batch: ForwardBatch, block_size: int, device: torch.device) -> AttentionMetadata:
-    meta = AttentionMetadata(slot_mapping=batch.slot_mapping.to(device), num_decode_tokens=batch.num_decode,
+    def put(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device, non_blocking=True)
+
+    meta = AttentionMetadata(slot_mapping=put(batch.slot_mapping), num_decode_tokens=batch.num_decode,
                              block_size=block_size)
     if batch.num_decode:
         table, ctx = batch.decode_table, batch.decode_context_lens
         pos = torch.arange(table.shape[1] * block_size)
-        meta.decode_blocks = table.reshape(-1).to(device)
-        meta.decode_mask = (pos.unsqueeze(0) < ctx.unsqueeze(1))[:, None, None, :].to(device)
-        meta.decode_context_lens = ctx.to(device)
+        meta.decode_blocks = put(table.reshape(-1))
+        meta.decode_mask = put((pos.unsqueeze(0) < ctx.unsqueeze(1))[:, None, None, :])
+        meta.decode_context_lens = put(ctx)
     for (start, num_tokens, context_len), slots in zip(batch.prefills, batch.prefill_slots):
         span = build_prefill_span(start, num_tokens, context_len, slots)
-        if span.context_slots is not None and device.type != "cpu":
-            span.context_slots, span.mask = span.context_slots.to(device), span.mask.to(device)
+        if span.context_slots is not None:
+            span.context_slots, span.mask = put(span.context_slots), put(span.mask)
         meta.prefills.append(span)
     return meta
 
