@@ -243,7 +243,30 @@ def test_two_ranks_match_one_for_qwen3(tiny_ckpt, arch, mode):
         two.shutdown()
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL); the CPU tests above run "
+                    "the same model code through gloo and shared memory")
+def test_two_gpus_match_one(tiny_ckpt):
+    path = str(tiny_ckpt("qwen2_5_vl"))
+    one = LLM(path, dtype="float32", device="cuda", num_kv_blocks=256)
+    want = [o.outputs[0].token_ids for o in one.generate(_requests(_prompts()), GREEDY, use_tqdm=False)]
+    del one
+    for mode in ("weights", "data"):
+        two = LLM(path, dtype="float32", device="cuda", num_kv_blocks=256, tensor_parallel_size=2,
+                  mm_encoder_tp_mode=mode)
+        try:
+            assert [o.outputs[0].token_ids for o in two.generate(_requests(_prompts()), GREEDY, use_tqdm=False)] == want
+        finally:
+            two.shutdown()
+
+
 # ---- a rank that dies ---------------------------------------------------------------------------------------
+def _collective_files() -> list[str]:
+    from vlserve.engine.transfer_buffers import shm_dir
+
+    folder = shm_dir()
+    return sorted(f for f in os.listdir(folder) if f.startswith("vlserve-tp-")) if folder else []
+
+
 def test_a_dead_rank_stops_the_engine_with_a_clear_error(tiny_ckpt):
     llm = LLM(str(tiny_ckpt("qwen2_vl")), dtype="float32", tensor_parallel_size=2, num_kv_blocks=512)
     leader = llm.engine.core.runner.executor
@@ -273,6 +296,7 @@ def test_a_dead_rank_stops_the_engine_with_a_clear_error(tiny_ckpt):
         t0 = time.monotonic()
         llm.shutdown()
         assert time.monotonic() - t0 < 15
+    assert _collective_files() == []
     assert torch.get_num_threads() == int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))
 
 
@@ -311,6 +335,8 @@ def test_a_rank_that_dies_while_starting_fails_the_start_at_once(tiny_ckpt):
     t.join(30)
     assert not t.is_alive(), "the start hung on a dead rank"
     assert len(errors) == 1 and isinstance(errors[0], TensorParallelError) and "rank 1 exited" in str(errors[0])
+    assert _collective_files() == [], "the shared file of a failed start was left behind"
+    assert _children_running("vlserve.engine.tp.worker") == []
 
 
 def test_torchrun_ranks_meet_through_env(tiny_ckpt, tmp_path):

@@ -39,7 +39,6 @@ class ModelRunner:
         self.device = cfg.device
         self.block_size = cfg.block_size
         self.sampler = Sampler()
-        self.hidden = cfg.model.text.hidden_size
 
     @property
     def model(self) -> torch.nn.Module:

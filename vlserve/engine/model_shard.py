@@ -58,22 +58,18 @@ class ModelShard:
         if packed_linear_supported(device, cfg.dtype) and hasattr(model, "pack_for_cpu"):
             logger.info("packed %d linears into oneDNN's layout", model.pack_for_cpu())
         self.model = model
-        encoder_mode = cfg.mm_encoder_tp_mode
-        num_kv_blocks, block_size, dtype = cfg.num_kv_blocks, cfg.block_size, cfg.dtype
         self.tp = tp
-        self.encoder_mode = encoder_mode
+        self.encoder_mode = cfg.mm_encoder_tp_mode
         self.device = device
-        self.block_size = block_size
+        self.block_size = cfg.block_size
         language = getattr(model, "language_model", None)
         self.kv_caches: list[torch.Tensor] = []
         if language is not None:
             attn = language.layers[0].self_attn  # this rank's key/value heads
+            slots = cfg.num_kv_blocks * cfg.block_size
             # Zeroed, not empty: padded decode rows read slot 0, and 0-weight x NaN garbage would still be NaN.
-            self.kv_caches = [
-                torch.zeros(2, num_kv_blocks * block_size, attn.num_kv_heads, attn.head_dim, dtype=dtype,
-                            device=device)
-                for _ in language.layers
-            ]
+            self.kv_caches = [torch.zeros(2, slots, attn.num_kv_heads, attn.head_dim, dtype=cfg.dtype, device=device)
+                              for _ in language.layers]
             self.hidden = model.cfg.text.hidden_size
             self.deepstack_levels = len(model.cfg.vision.deepstack_indexes)
 

@@ -68,8 +68,7 @@ def share_address(group_device: torch.device, text: str | None) -> str:
 
 
 class TPLeader:
-    def __init__(self, cfg: VlserveConfig, place: Placement, sock: zmq.Socket, procs: list[subprocess.Popen]):
-        self.cfg = cfg
+    def __init__(self, place: Placement, sock: zmq.Socket, procs: list[subprocess.Popen]):
         self.place = place
         self.sock = sock
         self.procs = procs  # the other ranks when we started them (none under torchrun)
@@ -100,7 +99,7 @@ class TPLeader:
         procs = [] if place.from_env else [_spawn(r, place, address, shm_path, cfg) for r in range(1, size)]
         # after the spawns: a child inherits its parent's cores, and each rank picks its slice of all of them
         undo_pin = pin_cores(place.local_rank, place.local_size) if device.type == "cpu" else (lambda: None)
-        leader = cls(cfg, place, sock, procs)
+        leader = cls(place, sock, procs)
         leader._finalizer = weakref.finalize(leader, _stop, sock, ctx, place.size, procs, undo_pin, shm_path)
         try:
             if not place.from_env:

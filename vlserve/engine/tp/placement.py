@@ -61,7 +61,8 @@ def torchrun_placement(size: int) -> Placement | None:
 
 
 def local_placement(size: int) -> Placement:
-    return Placement(0, size, 0, size, f"tcp://127.0.0.1:{free_port()}")  # rank 0 binds it again at once
+    # rank 0 binds this port again once the other ranks run: another process could take it in between (rare)
+    return Placement(0, size, 0, size, f"tcp://127.0.0.1:{free_port()}")
 
 
 def device_for(device: torch.device, local_rank: int) -> torch.device:
@@ -125,7 +126,7 @@ def pin_cores(local_rank: int, local_size: int) -> Callable[[], None]:
     os.sched_setaffinity(0, mine)
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(len(mine))
-    logger.info("tensor-parallel rank %d (local %d): cores %s, %d threads", local_rank, local_rank, mine,
+    logger.info("tensor-parallel rank (local %d of %d): cores %s, %d threads", local_rank, local_size, mine,
                 torch.get_num_threads())
 
     def undo() -> None:
