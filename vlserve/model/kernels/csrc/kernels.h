@@ -4,6 +4,8 @@
 #pragma once
 #include <cstdint>
 
+constexpr long VLS_ATT_ROWS = 64;  // prefill attention: query rows (position x head) per unit of work
+
 #define VLS_DECLARE_KERNELS(NS)                                                                                    \
     namespace NS {                                                                                                 \
     void int8_rows(const float* x, long M, long K, const int8_t* q, const float* scale, float* y, long N,          \
@@ -25,6 +27,14 @@
                      const uint16_t* sin);                                                                         \
     void rotary_bf16_f32(uint16_t* x, long rows, long row_stride, long heads, long D, const float* cos,           \
                          const float* sin);                                                                        \
+    long prefill_attention_scratch(long D);                                                                        \
+    void prefill_attention_f32(const float* q, const float* k, const float* v, float* out, long q_stride,          \
+                               long k_stride, long v_stride, long out_stride, long D, long G, long p0, long p1,    \
+                               long ctx, long prefix, bool causal, float scale, float* scratch);                   \
+    void prefill_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out,            \
+                                long q_stride, long k_stride, long v_stride, long out_stride, long D, long G,      \
+                                long p0, long p1, long ctx, long prefix, bool causal, float scale,                 \
+                                float* scratch);                                                                   \
     }
 
 VLS_DECLARE_KERNELS(vls_avx512)

@@ -10,7 +10,7 @@
 namespace vls_avx2 {
 namespace {
 constexpr long W = 8;
-constexpr int MB_I8 = 2, NB_I8 = 4, MB_I4 = 1, NB_I4 = 2;
+constexpr int MB_I8 = 2, NB_I8 = 4, MB_I4 = 1, NB_I4 = 2, MB_ATT = 4, NB_ATT = 2, MB_ATTV = 2;
 using vf = __m256;
 inline vf vzero() { return _mm256_setzero_ps(); }
 inline vf vset1(float a) { return _mm256_set1_ps(a); }
@@ -53,7 +53,31 @@ inline vf vload_bf16(const uint16_t* p) {
     __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
+inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+inline float vhmax(vf a) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+// e^x (Cephes' polynomial, ~1 ulp); -inf and anything below -87.3 give exactly 0
+inline vf vexp(vf x0) {
+    const vf x = _mm256_max_ps(_mm256_min_ps(x0, vset1(88.f)), vset1(-87.3f));
+    const vf n = _mm256_round_ps(vmul(x, vset1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    vf r = _mm256_fnmadd_ps(n, vset1(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, vset1(-2.12194440e-4f), r);
+    vf p = vset1(1.9875691500e-4f);
+    p = vfma(p, r, vset1(1.3981999507e-3f));
+    p = vfma(p, r, vset1(8.3334519073e-3f));
+    p = vfma(p, r, vset1(4.1665795894e-2f));
+    p = vfma(p, r, vset1(1.6666665459e-1f));
+    p = vfma(p, r, vset1(5.0000001201e-1f));
+    p = vadd(vfma(p, vmul(r, r), r), vset1(1.f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(vmul(p, _mm256_castsi256_ps(e)), _mm256_cmp_ps(x0, vset1(-87.3f), _CMP_GE_OQ));
+}
 }  // namespace
 #include "kernels_impl.h"
+#include "attention_impl.h"
 }  // namespace vls_avx2
 #pragma GCC pop_options

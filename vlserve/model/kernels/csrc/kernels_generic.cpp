@@ -7,7 +7,7 @@
 namespace vls_generic {
 namespace {
 constexpr long W = 1;
-constexpr int MB_I8 = 1, NB_I8 = 4, MB_I4 = 1, NB_I4 = 2;
+constexpr int MB_I8 = 1, NB_I8 = 4, MB_I4 = 1, NB_I4 = 2, MB_ATT = 1, NB_ATT = 4, MB_ATTV = 1;
 using vf = float;
 inline vf vzero() { return 0.f; }
 inline vf vset1(float a) { return a; }
@@ -42,6 +42,10 @@ inline vf vload_bf16(const uint16_t* p) {
     std::memcpy(&f, &bits, sizeof f);
     return f;
 }
+inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+inline float vhmax(vf a) { return a; }
+inline vf vexp(vf x) { return __builtin_expf(x); }
 }  // namespace
 #include "kernels_impl.h"
+#include "attention_impl.h"
 }  // namespace vls_generic

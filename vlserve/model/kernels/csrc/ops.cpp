@@ -2,6 +2,8 @@
 // paged decode attention that reads the KV cache in place. Each picks the best ISA copy this CPU runs, capped by
 // the caller's `isa` (0 generic, 1 AVX2, 2 AVX-512), and splits its work over torch's threads.
 #include <ATen/Parallel.h>
+#include <algorithm>
+#include <vector>
 #include <torch/extension.h>
 
 #include "kernels.h"
@@ -207,6 +209,49 @@ void rotary_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& si
     });
 }
 
+// Attention of a prompt's queries q [L, H, D] to its keys and values k/v [S, KVH, D] (rows may be strided, heads
+// contiguous; fp32 or bf16, all one dtype), H a multiple of KVH. causal: query i sees keys up to S - L + i (a
+// cached prefix of S - L keys comes first). Returns [L, H, D] in q's dtype.
+torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, bool causal,
+                                double scale, int64_t cap) {
+    TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(),
+                "prefill_attention: q [L, H, D], k/v [S, KVH, D]");
+    const long L = q.size(0), H = q.size(1), D = q.size(2), S = k.size(0), KVH = k.size(1);
+    TORCH_CHECK(k.size(2) == D && H % KVH == 0 && H / KVH <= VLS_ATT_ROWS, "prefill_attention: heads");
+    TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type() &&
+                    (q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kBFloat16),
+                "prefill_attention: q, k, v all fp32 or all bf16");
+    TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "prefill_attention: CPU tensors");
+    for (const auto* t : {&q, &k, &v})
+        TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == D, "prefill_attention: heads must be contiguous");
+    TORCH_CHECK(!causal || S >= L, "prefill_attention: a causal prompt needs its own keys");
+    auto out = torch::empty({L, H, D}, q.options());
+    const int isa = fit(pick(cap), D);
+    const long G = H / KVH, per_block = VLS_ATT_ROWS / G, blocks = (L + per_block - 1) / per_block;
+    const long units = KVH * blocks, scratch = vls_generic::prefill_attention_scratch(D);
+    const bool bf16 = q.scalar_type() == torch::kBFloat16;
+    const float sc = static_cast<float>(scale);
+    at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> buf(scratch);
+        for (int64_t u = begin; u < end; u++) {
+            // later query blocks see more keys: interleave cheap and dear units so that contiguous ranges balance
+            const long c = u % 2 == 0 ? u / 2 : units - 1 - u / 2;
+            const long h = c % KVH, p0 = c / KVH * per_block, p1 = std::min(L, p0 + per_block);
+            if (bf16)
+                VLS_DISPATCH(isa, prefill_attention_bf16, static_cast<const uint16_t*>(q.data_ptr()) + h * G * D,
+                             static_cast<const uint16_t*>(k.data_ptr()) + h * D,
+                             static_cast<const uint16_t*>(v.data_ptr()) + h * D,
+                             static_cast<uint16_t*>(out.data_ptr()) + h * G * D, q.stride(0), k.stride(0),
+                             v.stride(0), H * D, D, G, p0, p1, S, S - L, causal, sc, buf.data());
+            else
+                VLS_DISPATCH(isa, prefill_attention_f32, q.data_ptr<float>() + h * G * D, k.data_ptr<float>() + h * D,
+                             v.data_ptr<float>() + h * D, out.data_ptr<float>() + h * G * D, q.stride(0), k.stride(0),
+                             v.stride(0), H * D, D, G, p0, p1, S, S - L, causal, sc, buf.data());
+        }
+    });
+    return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -216,4 +261,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("paged_decode_attention", &paged_decode_attention);
     m.def("rms_norm", &rms_norm);
     m.def("rotary_", &rotary_);
+    m.def("prefill_attention", &prefill_attention);
 }
