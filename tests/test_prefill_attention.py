@@ -7,12 +7,17 @@ import torch
 import torch.nn.functional as F
 
 from tests.test_cpu_kernels import DTYPES, ISAS, _close
+from tests.test_cpu_kernels import kernels as built
 from vlserve.model.kernels import cpu_kernels
 from vlserve.model.layers import attention
 from vlserve.model.layers.attention import AttentionMetadata, build_prefill_span, paged_attention
 
-kernels = cpu_kernels.load()
+kernels = built
 pytestmark = pytest.mark.skipif(kernels is None, reason="no C++ compiler here: the torch fallbacks run instead")
+# the copies of test_cpu_kernels, and the one with bf16 dot products (it takes bf16 inputs; fp32 ones run the
+# AVX-512 copy under it)
+ISAS_DP = ISAS + [pytest.param(3, id="avx512_bf16", marks=pytest.mark.skipif(
+    kernels is not None and kernels.cpu_isa() < 3, reason="this CPU has no AVX-512-BF16"))]
 
 
 def _reference(q, k, v, causal: bool, scale: float) -> torch.Tensor:
@@ -34,13 +39,14 @@ def _fused(L: int, S: int, heads: int, kv_heads: int, d: int, dtype, spread: flo
     return q, k, v
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", ISAS_DP)
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("L, S, heads, kv_heads, d, causal", [
     (37, 37, 8, 2, 128, True),  # a prompt alone, GQA 4:1
     (64, 100, 4, 2, 16, True),  # a chunk after a prefix: early rows see none of the last key block
     (70, 200, 10, 2, 64, True),  # GQA 5:1 (12 positions x 5 heads per unit), prefix longer than a key block
     (1, 9, 4, 1, 32, True),  # one new token after eight cached ones
+    (3, 67, 2, 2, 16, True),  # an odd number of keys: the last bf16 pair is half padding
     (150, 150, 10, 10, 64, False),  # vision: no mask, one head per group
     (33, 33, 16, 16, 80, False),  # Qwen2-VL's ViT head size
     (20, 20, 4, 4, 72, False),  # Qwen3-VL's (not a multiple of 16: a narrower copy runs)

@@ -19,7 +19,7 @@ from vlserve.model.hardware import ISA_ORDER, detect
 
 logger = logging.getLogger("vlserve.kernels")
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ["ops.cpp", "kernels_avx512.cpp", "kernels_avx2.cpp", "kernels_generic.cpp"]
+SOURCES = ["ops.cpp", "kernels_avx512bf16.cpp", "kernels_avx512.cpp", "kernels_avx2.cpp", "kernels_generic.cpp"]
 DISABLE_ENV = "VLSERVE_CPU_KERNELS"  # "0" turns them off (torch fallbacks everywhere)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what the attention, norm and rotary kernels take
 
@@ -54,9 +54,13 @@ def load():
 
 
 def isa_cap() -> int:
-    """0 generic, 1 AVX2, 2 AVX-512: what hardware.detect() allows (after VLSERVE_CPU_ISA)."""
+    """0 generic, 1 AVX2, 2 AVX-512, 3 AVX-512 with bf16 dot products: what hardware.detect() allows (after
+    VLSERVE_CPU_ISA)."""
     level = ISA_ORDER.index(detect().cpu_isa)
-    return 2 if level >= ISA_ORDER.index("avx512") else 1 if level >= ISA_ORDER.index("avx2") else 0
+    for cap, name in ((3, "avx512_bf16"), (2, "avx512"), (1, "avx2")):
+        if level >= ISA_ORDER.index(name):
+            return cap
+    return 0
 
 
 def for_tensor(x: torch.Tensor, dtypes: tuple[torch.dtype, ...] = KERNEL_DTYPES):

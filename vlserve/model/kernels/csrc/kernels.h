@@ -5,6 +5,7 @@
 #include <cstdint>
 
 constexpr long VLS_ATT_ROWS = 64;  // prefill attention: query rows (position x head) per unit of work
+constexpr long VLS_ATT_KEYS = 64;  // and keys per block (key/value heads are packed padded to a multiple)
 
 #define VLS_DECLARE_KERNELS(NS)                                                                                    \
     namespace NS {                                                                                                 \
@@ -28,15 +29,21 @@ constexpr long VLS_ATT_ROWS = 64;  // prefill attention: query rows (position x 
     void rotary_bf16_f32(uint16_t* x, long rows, long row_stride, long heads, long D, const float* cos,           \
                          const float* sin);                                                                        \
     long prefill_attention_scratch(long D);                                                                        \
-    void prefill_attention_f32(const float* q, const float* k, const float* v, float* out, long q_stride,          \
-                               long k_stride, long v_stride, long out_stride, long D, long G, long p0, long p1,    \
-                               long ctx, long prefix, bool causal, float scale, float* scratch);                   \
-    void prefill_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out,            \
-                                long q_stride, long k_stride, long v_stride, long out_stride, long D, long G,      \
-                                long p0, long p1, long ctx, long prefix, bool causal, float scale,                 \
-                                float* scratch);                                                                   \
+    void prefill_attention_f32(const float* q, const float* kt, const float* vt, long s_pad, float* out,           \
+                               long q_stride, long out_stride, long D, long G, long p0, long p1, long last_key,    \
+                               long visible0, bool causal, float scale, float* scratch);                           \
+    void prefill_attention_bf16(const uint16_t* q, const float* kt, const float* vt, long s_pad, uint16_t* out,    \
+                                long q_stride, long out_stride, long D, long G, long p0, long p1, long last_key,   \
+                                long visible0, bool causal, float scale, float* scratch);                          \
     }
 
 VLS_DECLARE_KERNELS(vls_avx512)
 VLS_DECLARE_KERNELS(vls_avx2)
 VLS_DECLARE_KERNELS(vls_generic)
+
+// Only on CPUs with AVX-512-BF16: prefill attention with bf16 dot products (kernels_avx512bf16.cpp).
+namespace vls_avx512bf16 {
+void prefill_attention_dp(const uint16_t* q, const uint16_t* kt, const uint16_t* vt, long s_pad, uint16_t* out,
+                          long q_stride, long out_stride, long D, long G, long p0, long p1, long last_key,
+                          long visible0, bool causal, float scale, float* scratch);
+}

@@ -1,6 +1,7 @@
 // Torch entry points of vlserve's CPU kernels: weight-only int8 / int4 linears for small row counts (decode) and
 // paged decode attention that reads the KV cache in place. Each picks the best ISA copy this CPU runs, capped by
-// the caller's `isa` (0 generic, 1 AVX2, 2 AVX-512), and splits its work over torch's threads.
+// the caller's `isa` (0 generic, 1 AVX2, 2 AVX-512, 3 AVX-512 with bf16 dot products), and splits its work over
+// torch's threads.
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <vector>
@@ -14,7 +15,7 @@ int cpu_isa() {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
-        return 2;
+        return __builtin_cpu_supports("avx512bf16") ? 3 : 2;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
     return 0;
 }
@@ -23,7 +24,7 @@ int pick(int64_t cap) { return static_cast<int>(std::min<int64_t>(cap, cpu_isa()
 
 #define VLS_DISPATCH(isa, fn, ...)                                 \
     do {                                                           \
-        if ((isa) == 2) vls_avx512::fn(__VA_ARGS__);               \
+        if ((isa) >= 2) vls_avx512::fn(__VA_ARGS__);               \
         else if ((isa) == 1) vls_avx2::fn(__VA_ARGS__);            \
         else vls_generic::fn(__VA_ARGS__);                         \
     } while (0)
@@ -211,25 +212,40 @@ void rotary_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& si
 
 // Attention of a prompt's queries q [L, H, D] to its keys and values k/v [S, KVH, D] (rows may be strided, heads
 // contiguous; fp32 or bf16, all one dtype), H a multiple of KVH. causal: query i sees keys up to S - L + i (a
-// cached prefix of S - L keys comes first). Returns [L, H, D] in q's dtype.
+// cached prefix of S - L keys comes first). Returns [L, H, D] in q's dtype. Keys and values are packed once per
+// call in the layout of the copy that runs (attention_impl.h); `isa` 3 allows the bf16 dot-product copy.
 torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, bool causal,
                                 double scale, int64_t cap) {
     TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(),
                 "prefill_attention: q [L, H, D], k/v [S, KVH, D]");
     const long L = q.size(0), H = q.size(1), D = q.size(2), S = k.size(0), KVH = k.size(1);
-    TORCH_CHECK(k.size(2) == D && H % KVH == 0 && H / KVH <= VLS_ATT_ROWS, "prefill_attention: heads");
+    TORCH_CHECK(k.size(2) == D && H % KVH == 0 && H / KVH <= VLS_ATT_ROWS && D % 2 == 0, "prefill_attention: heads");
     TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type() &&
                     (q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kBFloat16),
                 "prefill_attention: q, k, v all fp32 or all bf16");
     TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "prefill_attention: CPU tensors");
-    for (const auto* t : {&q, &k, &v})
-        TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == D, "prefill_attention: heads must be contiguous");
+    TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D, "prefill_attention: q's heads must be contiguous");
     TORCH_CHECK(!causal || S >= L, "prefill_attention: a causal prompt needs its own keys");
     auto out = torch::empty({L, H, D}, q.options());
-    const int isa = fit(pick(cap), D);
+    const bool bf16 = q.scalar_type() == torch::kBFloat16;
+    const bool dp = bf16 && pick(cap) >= 3 && D % 16 == 0;
+    const int isa = fit(std::min(pick(cap), 2), D);
+    const long s_pad = (S + VLS_ATT_KEYS - 1) / VLS_ATT_KEYS * VLS_ATT_KEYS;
+    // per key/value head, zero-padded to whole key blocks: keys transposed, values as rows (or bf16 pairs)
+    auto heads_major = [&](const torch::Tensor& x) {
+        return torch::constant_pad_nd(x.permute({1, 0, 2}).to(dp ? torch::kBFloat16 : torch::kFloat),
+                                      {0, 0, 0, s_pad - S});  // [KVH, s_pad, D]
+    };
+    torch::Tensor kt, vt;
+    if (dp) {
+        kt = heads_major(k).view({KVH, s_pad, D / 2, 2}).permute({0, 2, 1, 3}).contiguous();  // [KVH, D/2, s_pad, 2]
+        vt = heads_major(v).view({KVH, s_pad / 2, 2, D}).permute({0, 1, 3, 2}).contiguous();  // [KVH, s_pad/2, D, 2]
+    } else {
+        kt = heads_major(k).transpose(1, 2).contiguous();  // [KVH, D, s_pad]
+        vt = heads_major(v).contiguous();                  // [KVH, s_pad, D]
+    }
     const long G = H / KVH, per_block = VLS_ATT_ROWS / G, blocks = (L + per_block - 1) / per_block;
     const long units = KVH * blocks, scratch = vls_generic::prefill_attention_scratch(D);
-    const bool bf16 = q.scalar_type() == torch::kBFloat16;
     const float sc = static_cast<float>(scale);
     at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> buf(scratch);
@@ -237,16 +253,23 @@ torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, 
             // later query blocks see more keys: interleave cheap and dear units so that contiguous ranges balance
             const long c = u % 2 == 0 ? u / 2 : units - 1 - u / 2;
             const long h = c % KVH, p0 = c / KVH * per_block, p1 = std::min(L, p0 + per_block);
-            if (bf16)
+            const long last_key = causal ? S - L + p1 : S, visible0 = causal ? S - L + p0 + 1 : S;
+            const long head = h * D * s_pad;  // this head's packed keys and values
+            if (dp)
+                vls_avx512bf16::prefill_attention_dp(
+                    static_cast<const uint16_t*>(q.data_ptr()) + h * G * D,
+                    static_cast<const uint16_t*>(kt.data_ptr()) + head,
+                    static_cast<const uint16_t*>(vt.data_ptr()) + head, s_pad, static_cast<uint16_t*>(out.data_ptr()) + h * G * D, q.stride(0), H * D, D, G, p0, p1,
+                    last_key, visible0, causal, sc, buf.data());
+            else if (bf16)
                 VLS_DISPATCH(isa, prefill_attention_bf16, static_cast<const uint16_t*>(q.data_ptr()) + h * G * D,
-                             static_cast<const uint16_t*>(k.data_ptr()) + h * D,
-                             static_cast<const uint16_t*>(v.data_ptr()) + h * D,
-                             static_cast<uint16_t*>(out.data_ptr()) + h * G * D, q.stride(0), k.stride(0),
-                             v.stride(0), H * D, D, G, p0, p1, S, S - L, causal, sc, buf.data());
+                             kt.data_ptr<float>() + head, vt.data_ptr<float>() + head, s_pad,
+                             static_cast<uint16_t*>(out.data_ptr()) + h * G * D, q.stride(0), H * D, D, G, p0, p1,
+                             last_key, visible0, causal, sc, buf.data());
             else
-                VLS_DISPATCH(isa, prefill_attention_f32, q.data_ptr<float>() + h * G * D, k.data_ptr<float>() + h * D,
-                             v.data_ptr<float>() + h * D, out.data_ptr<float>() + h * G * D, q.stride(0), k.stride(0),
-                             v.stride(0), H * D, D, G, p0, p1, S, S - L, causal, sc, buf.data());
+                VLS_DISPATCH(isa, prefill_attention_f32, q.data_ptr<float>() + h * G * D, kt.data_ptr<float>() + head,
+                             vt.data_ptr<float>() + head, s_pad, out.data_ptr<float>() + h * G * D, q.stride(0),
+                             H * D, D, G, p0, p1, last_key, visible0, causal, sc, buf.data());
         }
     });
     return out;
@@ -255,7 +278,7 @@ torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.def("cpu_isa", &cpu_isa, "best kernel ISA this CPU runs: 0 generic, 1 AVX2, 2 AVX-512");
+    m.def("cpu_isa", &cpu_isa, "best kernel ISA this CPU runs: 0 generic, 1 AVX2, 2 AVX-512, 3 AVX-512-BF16");
     m.def("int8_linear", &int8_linear);
     m.def("int4_linear", &int4_linear);
     m.def("paged_decode_attention", &paged_decode_attention);
