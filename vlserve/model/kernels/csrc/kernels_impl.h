@@ -99,8 +99,8 @@ void int4_rows(const float* x, const float* xsum, long M, long K, const uint8_t*
 
 // ---- paged decode attention, one (sequence, kv head) at a time, reading the cache where it lies -----------
 // q: [G, D] (the G query heads sharing this kv head); k/v rows: token t sits at slot blocks[t / bs] * bs + t % bs,
-// `stride` elements apart, already offset to this kv head. Scores come out as [G, out_stride] (softmax is
-// done outside, vectorised by torch), then values take the probabilities back: out [G, D] = p @ V.
+// `stride` elements apart, already offset to this kv head. Scores come out as [G, out_stride], softmax_rows turns
+// them into probabilities in place, then values take them back: out [G, D] = p @ V.
 template <typename T>
 static inline void scores_impl(const float* q, const T* k, long stride, const int64_t* blocks, long ctx, long bs,
                                long D, long G, float scale, float* out, long out_stride) {
@@ -163,6 +163,32 @@ static inline void values_impl(const float* p, long p_stride, const T* v, long s
         values_heads<4>(p, p_stride, v, stride, blocks, ctx, bs, D, G, out);
     else
         values_heads<1>(p, p_stride, v, stride, blocks, ctx, bs, D, G, out);
+}
+
+// softmax over the first n entries of each of `rows` rows, `stride` apart, in place
+void softmax_rows(float* s, long rows, long n, long stride) {
+    const long nv = n / W * W;
+    for (long r = 0; r < rows; r++) {
+        float* x = s + r * stride;
+        float mx = -__builtin_inff();
+        if (nv) {
+            vf m = vload(x);
+            for (long i = W; i < nv; i += W) m = vmax(m, vload(x + i));
+            mx = vhmax(m);
+        }
+        for (long i = nv; i < n; i++) mx = x[i] > mx ? x[i] : mx;
+        vf sum = vzero();
+        float tail = 0.f;
+        for (long i = 0; i < nv; i += W) {
+            const vf e = vexp(vsub(vload(x + i), vset1(mx)));
+            vstore(x + i, e);
+            sum = vadd(sum, e);
+        }
+        for (long i = nv; i < n; i++) tail += (x[i] = __builtin_expf(x[i] - mx));
+        const float inv = 1.f / (vsum(sum) + tail);
+        for (long i = 0; i < nv; i += W) vstore(x + i, vmul(vload(x + i), vset1(inv)));
+        for (long i = nv; i < n; i++) x[i] *= inv;
+    }
 }
 
 void scores_f32(const float* q, const float* k, long stride, const int64_t* blocks, long ctx, long bs, long D, long G,

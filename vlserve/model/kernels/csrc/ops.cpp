@@ -112,43 +112,36 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
     auto lens = context_lens.contiguous();
     const long max_blocks = table.size(1), max_ctx = lens.max().item<int64_t>();
     TORCH_CHECK(max_ctx <= max_blocks * block_size, "paged_decode_attention: context longer than its block table");
-    auto scores = torch::full({B, H, max_ctx}, -std::numeric_limits<float>::infinity(), qf.options());
-    const int isa = pick(cap);
     const bool bf16 = k_cache.scalar_type() == torch::kBFloat16;
+    const int isa = std::min(pick(cap), 2);
     const long stride = KVH * D;
     const int64_t *tp = table.data_ptr<int64_t>(), *lp = lens.data_ptr<int64_t>();
     const float* qp = qf.data_ptr<float>();
-    float* sp = scores.data_ptr<float>();
-    const void *kp = k_cache.data_ptr(), *vp = v_cache.data_ptr();
-    // one (sequence, kv head) at a time, spread over torch's threads
-    auto each_unit = [&](auto&& fn) {
-        at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-            for (int64_t u = begin; u < end; u++) fn(u / KVH, u % KVH, (u / KVH * H + u % KVH * G));
-        });
-    };
-    each_unit([&](long b, long h, long head0) {
-        const float* qh = qp + head0 * D;
-        float* out = sp + head0 * max_ctx;
-        if (bf16)
-            VLS_DISPATCH(isa, scores_bf16, qh, static_cast<const uint16_t*>(kp) + h * D, stride, tp + b * max_blocks,
-                         lp[b], block_size, D, G, static_cast<float>(scale), out, max_ctx);
-        else
-            VLS_DISPATCH(isa, scores_f32, qh, static_cast<const float*>(kp) + h * D, stride, tp + b * max_blocks,
-                         lp[b], block_size, D, G, static_cast<float>(scale), out, max_ctx);
-    });
-    auto probs = torch::softmax(scores, -1).contiguous();
     auto out = torch::empty({B, H, D}, qf.options());
-    const float* pp = probs.data_ptr<float>();
     float* op = out.data_ptr<float>();
-    each_unit([&](long b, long h, long head0) {
-        const float* p = pp + head0 * max_ctx;
-        float* o = op + head0 * D;
-        if (bf16)
-            VLS_DISPATCH(isa, values_bf16, p, max_ctx, static_cast<const uint16_t*>(vp) + h * D, stride,
-                         tp + b * max_blocks, lp[b], block_size, D, G, o);
-        else
-            VLS_DISPATCH(isa, values_f32, p, max_ctx, static_cast<const float*>(vp) + h * D, stride,
-                         tp + b * max_blocks, lp[b], block_size, D, G, o);
+    const void *kp = k_cache.data_ptr(), *vp = v_cache.data_ptr();
+    const float sc = static_cast<float>(scale);
+    // one (sequence, kv head) at a time, spread over torch's threads: scores, softmax and values in one pass
+    at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> probs(G * max_ctx);
+        for (int64_t u = begin; u < end; u++) {
+            const long b = u / KVH, h = u % KVH, head0 = b * H + h * G, ctx = lp[b];
+            const int64_t* blocks = tp + b * max_blocks;
+            float* p = probs.data();
+            if (bf16)
+                VLS_DISPATCH(isa, scores_bf16, qp + head0 * D, static_cast<const uint16_t*>(kp) + h * D, stride,
+                             blocks, ctx, block_size, D, G, sc, p, ctx);
+            else
+                VLS_DISPATCH(isa, scores_f32, qp + head0 * D, static_cast<const float*>(kp) + h * D, stride, blocks,
+                             ctx, block_size, D, G, sc, p, ctx);
+            VLS_DISPATCH(isa, softmax_rows, p, G, ctx, ctx);
+            if (bf16)
+                VLS_DISPATCH(isa, values_bf16, p, ctx, static_cast<const uint16_t*>(vp) + h * D, stride, blocks, ctx,
+                             block_size, D, G, op + head0 * D);
+            else
+                VLS_DISPATCH(isa, values_f32, p, ctx, static_cast<const float*>(vp) + h * D, stride, blocks, ctx,
+                             block_size, D, G, op + head0 * D);
+        }
     });
     return out.to(q.scalar_type());
 }
