@@ -175,3 +175,40 @@ def test_rotary_kernel_is_bit_identical(isa, head_dim):
         q = qkv[:, :heads].float()
         want = (q * cos32[:, None] + rotate_half(q) * sin32[:, None]).to(dtype)
         assert torch.equal(x[:, :heads], want)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("width", [4096, 64, 40, 13])
+def test_silu_mul_kernel(isa, width):
+    """SwiGLU's silu(gate) * up: bf16 bit-identical to torch's ops, fp32 within an ulp or two (another exp)."""
+    torch.manual_seed(width)
+    for dtype in DTYPES:
+        x = (torch.randn(9, 2 * width) * 4).to(dtype)  # wide enough that exp under- and overflows matter
+        gate, up = x.chunk(2, dim=-1)
+        got, want = kernels.silu_mul(x, isa), F.silu(gate) * up
+        if dtype == torch.bfloat16:
+            assert torch.equal(got, want)
+        else:
+            assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_gated_mlp_uses_the_silu_kernel(monkeypatch):
+    from vlserve.model.layers.mlp import GatedMLP
+
+    torch.manual_seed(0)
+    mlp = GatedMLP(32, 48, "silu", bias=False).to(torch.bfloat16)
+    x = torch.randn(5, 32, dtype=torch.bfloat16)
+
+    class Spy:
+        calls = 0
+
+        def silu_mul(self, *args):
+            Spy.calls += 1
+            return kernels.silu_mul(*args)
+
+    with torch.inference_mode():
+        monkeypatch.setattr(cpu_kernels, "load", lambda: Spy())
+        fused = mlp(x)
+        assert Spy.calls == 1
+        monkeypatch.setattr(cpu_kernels, "load", lambda: None)  # the torch ops instead
+        assert torch.equal(fused, mlp(x))

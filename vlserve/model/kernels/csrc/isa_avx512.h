@@ -32,6 +32,7 @@ inline void vload_u4(const uint8_t* p, vf& lo, vf& hi) {
 inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
 // fp32 -> the nearest bf16 (ties to even), still as fp32 (low 16 bits zero); NaN payloads are not preserved
 inline vf vround_bf16(vf a) {
     __m512i b = _mm512_castps_si512(a);

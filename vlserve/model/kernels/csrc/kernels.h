@@ -22,6 +22,8 @@ constexpr long VLS_ATT_KEYS = 64;  // and keys per block (key/value heads are pa
     void values_bf16(const float* p, long p_stride, const uint16_t* v, long stride, const int64_t* blocks,        \
                      long ctx, long bs, long D, long G, float* out);                                               \
     void softmax_rows(float* s, long rows, long n, long stride);                                                   \
+    void silu_mul_f32(const float* x, float* y, long rows, long I);                                                \
+    void silu_mul_bf16(const uint16_t* x, uint16_t* y, long rows, long I);                                         \
     void rms_norm_f32(const float* x, const float* w, float* y, long rows, long H, float eps);                     \
     void rms_norm_bf16(const uint16_t* x, const uint16_t* w, uint16_t* y, long rows, long H, float eps);           \
     void rotary_f32(float* x, long rows, long row_stride, long heads, long D, const float* cos, const float* sin);  \

@@ -38,6 +38,7 @@ inline void vload_u4(const uint8_t* p, vf& lo, vf& hi) {
 inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
 inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
 inline vf vround_bf16(vf a) {
     __m256i b = _mm256_castps_si256(a);
     __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));

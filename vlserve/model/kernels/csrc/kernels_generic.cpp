@@ -24,6 +24,7 @@ inline void vload_u4(const uint8_t* p, vf& lo, vf& hi) {
 inline vf vmul(vf a, vf b) { return a * b; }
 inline vf vadd(vf a, vf b) { return a + b; }
 inline vf vsub(vf a, vf b) { return a - b; }
+inline vf vdiv(vf a, vf b) { return a / b; }
 inline vf vround_bf16(vf a) {
     uint32_t bits;
     std::memcpy(&bits, &a, sizeof bits);

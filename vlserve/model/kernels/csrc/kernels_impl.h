@@ -240,6 +240,22 @@ void rms_norm_bf16(const uint16_t* x, const uint16_t* w, uint16_t* y, long rows,
     rms_norm_impl(x, w, y, rows, H, eps);
 }
 
+// SwiGLU's gate: y = T(T(silu(g)) * u) per row of x = [g | u] (I values each), as torch computes
+// silu(g) * u in dtype T (silu in fp32, rounded; the product of the rounded values, rounded), in one pass.
+template <typename T>
+static inline void silu_mul_impl(const T* x, T* y, long rows, long I) {
+    for (long r = 0; r < rows; r++) {
+        const T *g = x + r * 2 * I, *u = g + I;
+        for (long i = 0; i < I; i += W) {
+            const vf gv = vloadT(g + i);
+            const vf silu = rnd<T>(vdiv(gv, vadd(vset1(1.f), vexp(vsub(vzero(), gv)))));
+            vstoreT(y + r * I + i, vmul(silu, vloadT(u + i)), true);
+        }
+    }
+}
+void silu_mul_f32(const float* x, float* y, long rows, long I) { silu_mul_impl(x, y, rows, I); }
+void silu_mul_bf16(const uint16_t* x, uint16_t* y, long rows, long I) { silu_mul_impl(x, y, rows, I); }
+
 // Rotary in place on the first `heads` heads of each row (head_dim D, rows `row_stride` apart):
 // x = x * cos + rotate_half(x) * sin, cos/sin [rows, D] (of type C). `per_op`: round to T after every op (the
 // LM computes in its dtype); otherwise compute in fp32 and round once (the vision towers rotate in fp32).

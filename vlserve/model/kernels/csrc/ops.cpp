@@ -176,6 +176,26 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
     return y;
 }
 
+// x [..., 2I] = [gate | up] (fp32 or bf16, contiguous) -> silu(gate) * up [..., I], rounding as torch does in x's dtype
+torch::Tensor silu_mul(const torch::Tensor& x, int64_t cap) {
+    TORCH_CHECK(x.device().is_cpu() && x.is_contiguous() && x.size(-1) % 2 == 0, "silu_mul: contiguous [..., 2I]");
+    const long I = x.size(-1) / 2, rows = x.numel() / (2 * I);
+    auto sizes = x.sizes().vec();
+    sizes.back() = I;
+    auto y = torch::empty(sizes, x.options());
+    const int isa = fit(pick(cap), I);
+    const bool bf16 = x.scalar_type() == torch::kBFloat16;
+    TORCH_CHECK(bf16 || x.scalar_type() == torch::kFloat, "silu_mul: fp32 or bf16");
+    at::parallel_for(0, rows, 4, [&](int64_t b, int64_t e) {
+        if (bf16)
+            VLS_DISPATCH(isa, silu_mul_bf16, static_cast<const uint16_t*>(x.data_ptr()) + b * 2 * I,
+                         static_cast<uint16_t*>(y.data_ptr()) + b * I, e - b, I);
+        else
+            VLS_DISPATCH(isa, silu_mul_f32, x.data_ptr<float>() + b * 2 * I, y.data_ptr<float>() + b * I, e - b, I);
+    });
+    return y;
+}
+
 // In place on x [T, heads_total, D] (rows may be strided, heads contiguous): rotary on the first `heads` heads.
 // cos/sin [T, D]: in x's dtype (rounded after every op, as a computation in that dtype) or fp32 (computed in
 // fp32, rounded once).
@@ -276,6 +296,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("int4_linear", &int4_linear);
     m.def("paged_decode_attention", &paged_decode_attention);
     m.def("rms_norm", &rms_norm);
+    m.def("silu_mul", &silu_mul);
     m.def("rotary_", &rotary_);
     m.def("prefill_attention", &prefill_attention);
 }
