@@ -23,7 +23,7 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=24)
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--phases", default="offline,decode,ttft")
+    ap.add_argument("--phases", default="offline,decode,ttft,prefill")
     args = ap.parse_args()
     from vllm import LLM, SamplingParams
 

@@ -20,7 +20,9 @@ QUESTIONS = [
     "Is there any text in this image? If so, transcribe it exactly and explain what it means.",
     "Write a short story inspired by this picture, with a beginning, a middle and an end.",
 ]
-DECODE_PROMPT = "<|im_start|>user\nCount from one to a thousand, one number per line.<|im_end|>\n<|im_start|>assistant\n"
+PREFILL_WORDS = " ".join(f"w{i}" for i in range(150))  # ~410 tokens per prompt with the chat template
+DECODE_PROMPT = ("<|im_start|>user\nCount from one to a thousand, one number per line.<|im_end|>\n"
+                 "<|im_start|>assistant\n")
 
 
 def picture(w: int, h: int, seed: int) -> Image.Image:
@@ -49,7 +51,7 @@ def _inputs(work: list[dict]) -> list[dict]:
 
 
 def run_phases(llm, sampling_params_cls, work: list[dict], decode_tokens: int = 128, ttft_runs: int = 3,
-               phases: tuple[str, ...] = ("offline", "decode", "ttft")) -> dict:
+               phases: tuple[str, ...] = ("offline", "decode", "ttft", "prefill")) -> dict:
     """Times the phases on an engine that is already built; returns plain numbers (JSON-friendly).
 
     offline: the whole workload in one `generate` call (greedy, ignore_eos: every request makes exactly its
@@ -77,6 +79,18 @@ def run_phases(llm, sampling_params_cls, work: list[dict], decode_tokens: int = 
         timed(1 + decode_tokens)  # warm the decode path at this length
         per_token = min((timed(1 + decode_tokens) - timed(1)) / decode_tokens for _ in range(2))
         out["decode_tok_s"] = 1.0 / per_token
+    if "prefill" in phases:
+        def prefill(salt: int) -> tuple[int, float]:
+            # every prompt new (its first token differs), so no prefix cache can help; one output token each
+            prompts = [f"<|im_start|>user\n{salt} {i} {PREFILL_WORDS}<|im_end|>\n<|im_start|>assistant\n"
+                       for i in range(24)]
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, sp(temperature=0.0, max_tokens=1), use_tqdm=False)
+            return sum(len(o.prompt_token_ids) for o in outs), time.perf_counter() - t0
+
+        prefill(0)  # warm
+        runs = [prefill(salt) for salt in (1, 2)]
+        out["prefill_tok_s"] = max(n / dt for n, dt in runs)
     if "ttft" in phases:
         times = []
         for i in range(ttft_runs):

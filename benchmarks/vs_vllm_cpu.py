@@ -1,9 +1,10 @@
 """vlserve against vLLM-CPU on the same offline picture workload, in one run, beside this machine's limits.
 
 Both engines run `picture_workload.run_phases` (same pictures, prompts, output lengths, dtype by vlserve's `auto`
-rule), each in its own fresh process, one after the other: the whole workload offline, batch-1 decode, and the
-time to first token of one unseen 448x448 picture. vlserve can also run with `--quantization` values (extra rows,
-same run). First this machine's limits are measured: GEMM GFLOP/s (fp32, bf16) and memory read GB/s.
+rule), each in its own fresh process, one after the other: the whole workload offline, batch-1 decode, the time
+to first token of one unseen 448x448 picture, and the prompt throughput of 24 new ~410-token text prompts.
+vlserve can also run with `--quantization` values (extra rows, same run). First this machine's limits are
+measured: GEMM GFLOP/s (fp32, bf16) and memory read GB/s.
 
     .venv/bin/python benchmarks/vs_vllm_cpu.py --vllm-venv /path/peer/venv [--model DIR] [--quantization int8]
 
@@ -69,7 +70,7 @@ def best_of(a: dict | None, b: dict | None) -> dict | None:
             if key == "offline_seconds" and value < a.get(key, value):
                 best["offline_output_tokens"] = b["offline_output_tokens"]
                 best["offline_prompt_tokens"] = b["offline_prompt_tokens"]
-        elif key == "decode_tok_s":
+        elif key in ("decode_tok_s", "prefill_tok_s"):
             best[key] = max(value, a.get(key, value))
     return best
 
@@ -84,7 +85,7 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=24)
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--phases", default="offline,decode,ttft")
+    ap.add_argument("--phases", default="offline,decode,ttft,prefill")
     ap.add_argument("--rounds", type=int, default=1, help="run every engine this many times, alternating, and keep "
                     "each figure's best (the machines' speed drifts by tens of percent over minutes)")
     ap.add_argument("--quantization-one", help=argparse.SUPPRESS)  # internal: run one vlserve row, print JSON
@@ -132,6 +133,7 @@ def main() -> None:
     work_tokens = sum(w["max_tokens"] for w in make_workload(args.num_requests))
     elt = torch.empty((), dtype=dtype).element_size()
     offline_bound = decode_bound = ttft_bound = None
+    prefill_bound = flops[dtype] / (2 * active_lm_params(args.model))  # linears only: attention adds ~10% at 410
     for name, r in rows.items():
         if not r:
             continue
@@ -150,23 +152,25 @@ def main() -> None:
 
     print(f"\nworkload: {args.num_requests} requests, one picture each, {work_tokens} output tokens; bounds: offline "
           f"= GEMM rate / LM FLOPs per output token (prompt tokens included); decode = read GB/s / weight bytes "
-          f"per token; TTFT = ViT + LM prefill FLOPs / GEMM rate")
+          f"per token; TTFT = ViT + LM prefill FLOPs / GEMM rate; prefill = GEMM rate / LM FLOPs per token")
     base = rows.get("vLLM-CPU")
-    print(f"{'engine':<16}{'offline tok/s':>14}{'decode tok/s':>14}{'TTFT 448 ms':>13}   vs vLLM-CPU (off/dec/ttft)")
+    print(f"{'engine':<16}{'offline tok/s':>14}{'decode tok/s':>14}{'TTFT 448 ms':>13}{'prefill tok/s':>15}"
+          f"   vs vLLM-CPU (off/dec/ttft/prefill)")
     for name, r in rows.items():
         if not r:
             print(f"{name:<16}{'failed':>14}")
             continue
-        off, dec, ttft = r.get("offline_tok_s"), r.get("decode_tok_s"), r.get("ttft_448_s")
-        line = (f"{name:<16}{off or 0:>14.1f}{dec or 0:>14.1f}{(ttft or 0) * 1e3:>13.0f}")
+        off, dec, ttft, pre = (r.get(k) for k in ("offline_tok_s", "decode_tok_s", "ttft_448_s", "prefill_tok_s"))
+        line = f"{name:<16}{off or 0:>14.1f}{dec or 0:>14.1f}{(ttft or 0) * 1e3:>13.0f}{pre or 0:>15.0f}"
         if base and r is not base:
             ratios = [(a / b if a and b else 0) for a, b in ((off, base.get("offline_tok_s")),
-                                                             (dec, base.get("decode_tok_s")))]
-            t = base.get("ttft_448_s") / ttft if ttft and base.get("ttft_448_s") else 0
-            line += f"   {ratios[0]:.2f}x / {ratios[1]:.2f}x / {t:.2f}x (TTFT: theirs / ours)"
+                                                             (dec, base.get("decode_tok_s")),
+                                                             (base.get("ttft_448_s"), ttft),
+                                                             (pre, base.get("prefill_tok_s")))]
+            line += "   " + " / ".join(f"{x:.2f}x" for x in ratios) + " (TTFT: theirs / ours)"
         print(line)
     print(f"{'machine bound':<16}{offline_bound or 0:>14.1f}{decode_bound or 0:>14.1f}{(ttft_bound or 0) * 1e3:>13.0f}"
-          f"   (decode bound for {dtype_name} weights)")
+          f"{prefill_bound:>15.0f}   (decode bound for {dtype_name} weights)")
     for name, r in rows.items():
         if r and offline_bound:
             parts = [f"offline {100 * r.get('offline_tok_s', 0) / offline_bound:.0f}%",
@@ -174,6 +178,8 @@ def main() -> None:
                      f"{r['decode_bound']:.0f} tok/s bound"]
             if r.get("ttft_448_s"):
                 parts.append(f"TTFT bound/ours {100 * ttft_bound / r['ttft_448_s']:.0f}%")
+            if r.get("prefill_tok_s"):
+                parts.append(f"prefill {100 * r['prefill_tok_s'] / prefill_bound:.0f}%")
             print(f"  {name:<14}: " + ", ".join(parts))
     if "vlserve" in rows and rows["vlserve"]:
         for name, r in rows.items():

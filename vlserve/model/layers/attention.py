@@ -1,4 +1,4 @@
-"""Paged attention over a flat batch of tokens, written with torch's scaled_dot_product_attention.
+"""Paged attention over a flat batch of tokens: vlserve's CPU kernels, torch's scaled_dot_product_attention elsewhere.
 
 Layout of one layer's KV cache: `[2, num_blocks * block_size, num_kv_heads, head_dim]` (K then V); a token's
 slot is `block_id * block_size + offset`. The runner builds one `AttentionMetadata` per step and every layer

@@ -47,21 +47,11 @@ inline vf vload_bf16(const uint16_t* p) {
     __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
+inline vf vmin(vf a, vf b) { return _mm512_min_ps(a, b); }
 inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
 inline float vhmax(vf a) { return _mm512_reduce_max_ps(a); }
-// e^x (Cephes' polynomial, ~1 ulp); -inf and anything below -120 give exactly 0
-inline vf vexp(vf x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, vset1(88.f)), vset1(-120.f));
-    const vf n = _mm512_roundscale_ps(vmul(x, vset1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    vf r = _mm512_fnmadd_ps(n, vset1(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, vset1(-2.12194440e-4f), r);
-    vf p = vset1(1.9875691500e-4f);
-    p = vfma(p, r, vset1(1.3981999507e-3f));
-    p = vfma(p, r, vset1(8.3334519073e-3f));
-    p = vfma(p, r, vset1(4.1665795894e-2f));
-    p = vfma(p, r, vset1(1.6666665459e-1f));
-    p = vfma(p, r, vset1(5.0000001201e-1f));
-    p = vadd(vfma(p, vmul(r, r), r), vset1(1.f));
-    return _mm512_scalef_ps(p, n);
-}
+// for vexp (kernels_impl.h): nearest integer, 2^n for integral n in [-126, 127], zero where x < lo
+inline vf vround_int(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf vpow2i(vf n) { return _mm512_scalef_ps(vset1(1.f), n); }
+inline vf vzero_below(vf v, vf x, float lo) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, vset1(lo), _CMP_GE_OQ), v); }
 }  // namespace

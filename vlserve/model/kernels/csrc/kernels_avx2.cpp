@@ -54,6 +54,7 @@ inline vf vload_bf16(const uint16_t* p) {
     __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
+inline vf vmin(vf a, vf b) { return _mm256_min_ps(a, b); }
 inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
 inline float vhmax(vf a) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -61,23 +62,14 @@ inline float vhmax(vf a) {
     m = _mm_max_ss(m, _mm_movehdup_ps(m));
     return _mm_cvtss_f32(m);
 }
-// e^x (Cephes' polynomial, ~1 ulp); -inf and anything below -87.3 give exactly 0
-inline vf vexp(vf x0) {
-    const vf x = _mm256_max_ps(_mm256_min_ps(x0, vset1(88.f)), vset1(-87.3f));
-    const vf n = _mm256_round_ps(vmul(x, vset1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    vf r = _mm256_fnmadd_ps(n, vset1(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, vset1(-2.12194440e-4f), r);
-    vf p = vset1(1.9875691500e-4f);
-    p = vfma(p, r, vset1(1.3981999507e-3f));
-    p = vfma(p, r, vset1(8.3334519073e-3f));
-    p = vfma(p, r, vset1(4.1665795894e-2f));
-    p = vfma(p, r, vset1(1.6666665459e-1f));
-    p = vfma(p, r, vset1(5.0000001201e-1f));
-    p = vadd(vfma(p, vmul(r, r), r), vset1(1.f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_and_ps(vmul(p, _mm256_castsi256_ps(e)), _mm256_cmp_ps(x0, vset1(-87.3f), _CMP_GE_OQ));
+// for vexp (kernels_impl.h): nearest integer, 2^n for integral n in [-126, 127], zero where x < lo
+inline vf vround_int(vf a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf vpow2i(vf n) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
 }
+inline vf vzero_below(vf v, vf x, float lo) { return _mm256_and_ps(v, _mm256_cmp_ps(x, vset1(lo), _CMP_GE_OQ)); }
 }  // namespace
+#include "math_impl.h"
 #include "kernels_impl.h"
 #include "attention_impl.h"
 }  // namespace vls_avx2

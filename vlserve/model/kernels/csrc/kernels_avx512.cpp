@@ -9,6 +9,7 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
 namespace vls_avx512 {
 #include "isa_avx512.h"
+#include "math_impl.h"
 #include "kernels_impl.h"
 #include "attention_impl.h"
 }  // namespace vls_avx512

@@ -10,6 +10,7 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
 namespace vls_avx512bf16 {
 #include "isa_avx512.h"
+#include "math_impl.h"
 static inline void vstoreT(uint16_t* p, vf a, bool) { vstore_bf16(p, vround_bf16(a)); }
 #define VLS_DPBF16
 #include "attention_impl.h"

@@ -43,10 +43,14 @@ inline vf vload_bf16(const uint16_t* p) {
     std::memcpy(&f, &bits, sizeof f);
     return f;
 }
+inline vf vmin(vf a, vf b) { return a < b ? a : b; }
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 inline float vhmax(vf a) { return a; }
-inline vf vexp(vf x) { return __builtin_expf(x); }
+inline vf vround_int(vf a) { return __builtin_nearbyintf(a); }
+inline vf vpow2i(vf n) { return __builtin_ldexpf(1.f, static_cast<int>(n)); }
+inline vf vzero_below(vf v, vf x, float lo) { return x >= lo ? v : 0.f; }
 }  // namespace
+#include "math_impl.h"
 #include "kernels_impl.h"
 #include "attention_impl.h"
 }  // namespace vls_generic
