@@ -108,6 +108,12 @@ def test_paged_attention_prefills_match_the_sdpa_path(monkeypatch, dtype):
     monkeypatch.setattr(cpu_kernels, "load", lambda: Spy())
     with_kernel = run()
     assert Spy.calls == 2
-    monkeypatch.setattr(attention, "_prefill_kernels", lambda q: None)
+    monkeypatch.setattr(attention, "_prefill_kernels", lambda q, k: None)
     _close(with_kernel, run(), dtype)
     assert Spy.calls == 2
+
+
+def test_groups_larger_than_a_unit_keep_sdpa():
+    q, k = torch.randn(3, 65, 16), torch.randn(3, 1, 16)
+    assert attention._prefill_kernels(q, k) is None
+    assert attention._prefill_kernels(q[:, :64], k) is kernels
