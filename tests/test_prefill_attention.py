@@ -117,3 +117,20 @@ def test_groups_larger_than_a_unit_keep_sdpa():
     q, k = torch.randn(3, 65, 16), torch.randn(3, 1, 16)
     assert attention._prefill_kernels(q, k) is None
     assert attention._prefill_kernels(q[:, :64], k) is kernels
+
+
+@pytest.mark.skipif(kernels is None or kernels.cpu_isa() < 2, reason="the vision towers use the kernel on AVX-512")
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_vision_varlen_attention_through_the_kernel(monkeypatch, dtype):
+    """Three pictures of different lengths in one call: per-picture kernel calls equal the padded fallback."""
+    from vlserve.model import vision_common
+
+    torch.manual_seed(5)
+    lengths = [16, 64, 36]
+    qkv = torch.randn(sum(lengths), 3, 4, 16).to(dtype)
+    q, k, v = qkv.unbind(1)
+    plan = vision_common.plan_varlen(lengths, torch.device("cpu"))
+    assert vision_common._kernels(q) is not None
+    with_kernel = vision_common.varlen_attention(q, k, v, plan)
+    monkeypatch.setattr(vision_common, "_kernels", lambda q: None)
+    _close(with_kernel, vision_common.varlen_attention(q, k, v, plan), dtype)

@@ -91,7 +91,7 @@ def plan_varlen(lengths: list[int], device: torch.device, max_waste: float = 0.2
 
 def attention(q, k, v, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Full attention, [B, heads, L, d] -> [B, heads, L, d]; `mask` [B, 1, 1, S] (True: attend). Used where
-    vlserve's kernel is not (see `varlen_attention`).
+    vlserve's kernel is not (see `varlen_attention`; on AVX-512 the kernel computes fp32 scores in every dtype).
 
     On CPUs that multiply bf16 in hardware, bf16 attention runs as two GEMMs per block of queries: ~350
     GFLOP/s on AVX-512-BF16, against ~160 for torch's CPU flash kernel, whose inner loop is not a GEMM. The
