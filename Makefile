@@ -6,7 +6,11 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install test serve bench clean
 
+# The CPU kernels are built (or found already built) on every install: a build is cached by a hash of its
+# sources, compiler and torch, so a checkout whose kernel sources changed gets its own build, and no server ever
+# compiles at start.
 install: $(STAMP)
+	@$(PY) -m vlserve.model.kernels.cpu_kernels || echo "vlserve CPU kernels not built: torch fallbacks are used"
 
 # torch is pinned and installed first on its own: `pip install torch==2.13.0` takes the CPU wheel on
 # CPU-only machines (local wheel cache) and the CUDA build from the index on GPU machines. Installing it
@@ -21,7 +25,6 @@ $(STAMP): pyproject.toml
 		{ apt-get install -y -qq --no-install-recommends libibverbs1 >/dev/null 2>&1 || \
 		  { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq --no-install-recommends libibverbs1 >/dev/null; }; }; } || \
 		echo "libibverbs1 missing: --transfer-backend mooncake will not start (apt-get install libibverbs1)"
-	$(PY) -m vlserve.model.kernels.cpu_kernels || echo "vlserve CPU kernels not built: torch fallbacks are used"
 	touch $(STAMP)
 
 test: install

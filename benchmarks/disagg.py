@@ -94,7 +94,7 @@ async def transport_bandwidth(tokens: int = 512, hidden: int = 1024, rounds: int
                                [RowSegment(0, tokens)], partial=False)
         sent += await transport.send(router, peer, header, data, None)
         frames = await dealer.recv_multipart()
-        transport.receive(framer.decode(frames), frames, buffers)
+        await transport.receive(framer.decode(frames), frames, buffers)
     dt = time.perf_counter() - t0
     router.close(0)
     dealer.close(0)

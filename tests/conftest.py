@@ -15,6 +15,14 @@ IMG = "<|vision_start|><|image_pad|><|vision_end|>"
 torch.set_num_threads(2)
 
 
+def pytest_sessionstart(session):
+    """The CPU kernels of these sources: `make install` built them; a checkout whose kernel sources changed since
+    compiles its own build once here (servers and engines never compile)."""
+    from vlserve.model.kernels import cpu_kernels
+
+    cpu_kernels.build()
+
+
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
     """arch -> folder of a tiny random checkpoint (initializer_range 0.15 so pictures change the output)."""

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import httpx
 
+from vlserve.core.processes import die_with_parent
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -20,8 +22,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_vlserve(args: list[str], **popen_kwargs) -> subprocess.Popen:
+    """`python -m vlserve ARGS` in a process group of its own that dies with this test process, even when the test
+    run is killed outright (no fixture teardown then): nothing a test starts outlives it."""
+    return subprocess.Popen([sys.executable, "-m", "vlserve", *args], start_new_session=True,
+                            preexec_fn=die_with_parent, **popen_kwargs)
+
+
 def stop(proc: subprocess.Popen) -> None:
-    """Ctrl-C first (the process shuts its children down in order), then kill."""
+    """Ctrl-C first (the process shuts its children down in order), then kill; then whatever is left of its
+    process group (start_vlserve) goes too."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
         try:
@@ -29,6 +39,11 @@ def stop(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+    try:
+        if os.getpgid(proc.pid) == proc.pid:  # pid not reused yet: the group is still the one we started
+            os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, name: str, read_log) -> None:
@@ -50,12 +65,12 @@ class RemoteServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
-        cmd = [sys.executable, "-m", "vlserve", "serve", "--model", str(model), "--port", str(self.port), *args]
+        cmd = ["serve", "--model", str(model), "--port", str(self.port), *args]
         if api_key:
             cmd += ["--api-key", api_key]
         self.log = tempfile.NamedTemporaryFile("w+", prefix="vlserve-server-", suffix=".log", delete=False)
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.proc = start_vlserve(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self._wait_healthy(timeout)
 
     def _wait_healthy(self, timeout: float) -> None:
@@ -112,8 +127,8 @@ class RoleProcess:
     def __init__(self, name: str, args: list[str], health_url: str, timeout: float = 180, env: dict | None = None):
         self.name, self.health_url = name, health_url
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"vlserve-{name}-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen([sys.executable, "-m", "vlserve", *args], stdout=self.log,
-                                     stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+        self.proc = start_vlserve(args, stdout=self.log, stderr=subprocess.STDOUT,
+                                  env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
         self.timeout = timeout
 
     def wait_healthy(self) -> "RoleProcess":

@@ -44,6 +44,7 @@ def test_registry_refuses_unsigned_and_forged_calls():
             assert (await c.post("/register", content=b"{}", headers=forged)).status_code == 401
             assert (await c.get("/instances")).status_code == 401  # nobody may even list the members
             assert (await c.get("/health")).status_code == 200
+            assert (await c.get("/ready")).status_code == 200  # probes need no secret
         # The real client with the secret registers; with another secret it is refused.
         good = BootstrapClient("http://registry", InstanceInfo(new_instance_id(), "encode", "10.0.0.1:5"),
                                transport=httpx.ASGITransport(app=app), auth=PeerAuth(SECRET))

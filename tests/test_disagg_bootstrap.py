@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from vlserve.disagg.bootstrap import (
+    Backoff,
     BootstrapClient,
     InstanceInfo,
     build_bootstrap_app,
@@ -91,6 +92,7 @@ def test_register_list_heartbeat_deregister():
             assert (await c.delete("/instances/e1")).status_code == 404
             assert _ids(await c.get("/instances")) == ["l1"]
             assert (await c.get("/health")).status_code == 200
+            assert (await c.get("/ready")).json()["status"] == "ready"
     asyncio.run(main())
 
 
@@ -191,7 +193,7 @@ def test_client_start_retries_until_registry_answers(caplog):
             await client.start()
         assert [c[1] for c in transport.calls[:3]] == [None, None, 200]
         warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
-        assert len(warnings) == 2 and all(r.exc_info is None for r in warnings)  # no tracebacks
+        assert len(warnings) == 1 and all(r.exc_info is None for r in warnings)  # one line, no traceback
         assert [i.instance_id for i in await client.list_instances()] == [info.instance_id]
         await client.stop(deregister=False)
         assert info.instance_id in app.state.instances  # left to expire
@@ -210,6 +212,122 @@ def test_client_survives_registry_outage():
         await _wait_for(lambda: client.registrations == 2)
         assert info.instance_id in app.state.instances
         await client.stop()
+    asyncio.run(main())
+
+
+class StepSleep:
+    """A fake `sleep` for BootstrapClient: records each delay and moves `clock` by it. With `manual`, every sleep
+    waits for the test's `step()`, so the test walks the heartbeat loop one beat at a time."""
+
+    def __init__(self, clock: FakeClock, manual: bool = False) -> None:
+        self.clock, self.manual, self.delays = clock, manual, []
+        self._go: asyncio.Queue = asyncio.Queue()
+
+    async def __call__(self, delay: float) -> None:
+        self.delays.append(delay)
+        self.clock.now += delay
+        if self.manual:
+            await self._go.get()
+        else:
+            await asyncio.sleep(0)
+
+    async def step(self, n: int = 1) -> None:
+        """Lets n sleeps end, and returns once the loop is asleep again."""
+        for _ in range(n):
+            before = len(self.delays)
+            self._go.put_nowait(None)
+            await _wait_for(lambda n=before: len(self.delays) > n)
+
+
+def _records(caplog, level: int) -> list[str]:
+    """The client's log lines at `level` (the in-process registry's own lines start with "instance")."""
+    return [m for r in caplog.records if r.levelno == level and r.name == "vlserve.disagg.bootstrap"
+            and not (m := r.getMessage()).startswith("instance ")]
+
+
+def test_backoff_doubles_up_to_the_cap_with_jitter_and_resets():
+    b = Backoff(1.0, cap=30.0, rng=lambda: 0.0)
+    assert [b.next() for _ in range(8)] == [1, 2, 4, 8, 16, 30, 30, 30]
+    b.reset()
+    assert b.next() == 1
+    shortest = Backoff(1.0, cap=30.0, jitter=0.1, rng=lambda: 1.0)  # jitter only shortens: never above the cap
+    assert [round(shortest.next(), 6) for _ in range(7)] == [0.9, 1.8, 3.6, 7.2, 14.4, 27.0, 27.0]
+    with pytest.raises(ValueError):
+        Backoff(0.0)
+
+
+def test_client_start_backs_off_and_says_so_once(caplog):
+    """A registry that is not there: tries at 1, 2, 4, ... 30, 30 s, one warning (not one per try), and one info
+    line when it finally answers."""
+    async def main():
+        app = build_bootstrap_app(clock=FakeClock())
+        transport = RecordingTransport(httpx.ASGITransport(app=app), fail_first=8)
+        clock = FakeClock()
+        sleep = StepSleep(clock)
+        info = InstanceInfo(instance_id=new_instance_id(), role="language", address="127.0.0.1:7004")
+        client = BootstrapClient("127.0.0.1:1", info, heartbeat_interval=1.0, transport=transport,
+                                 sleep=sleep, clock=clock, rng=lambda: 0.0)
+        with caplog.at_level(logging.DEBUG, logger="vlserve.disagg.bootstrap"):
+            await client.start()
+            await client.stop(deregister=False)
+        assert sleep.delays[:8] == [1, 2, 4, 8, 16, 30, 30, 30]
+        assert client.registrations == 1
+        assert _records(caplog, logging.WARNING) == [
+            "registry at 127.0.0.1:1 unreachable (ConnectError: connection refused); retrying with backoff up to 30s"]
+        infos = _records(caplog, logging.INFO)
+        assert len(infos) == 1 and infos[0].startswith(f"registered {info.instance_id} (language, 127.0.0.1:7004)"
+                                                       " with the registry at 127.0.0.1:1")
+        assert infos[0].endswith("(it was unreachable for 121s, 8 failed tries)")
+        assert len(_records(caplog, logging.DEBUG)) == 7  # the other tries, for whoever asks
+        assert all(r.exc_info is None for r in caplog.records)
+    asyncio.run(main())
+
+
+def test_client_reminds_only_every_few_minutes_while_the_registry_stays_away(caplog):
+    async def main():
+        app = build_bootstrap_app(clock=FakeClock())
+        transport = RecordingTransport(httpx.ASGITransport(app=app), fail_first=40)  # 1+2+...+16 + 35*30 s
+        clock = FakeClock()
+        client = BootstrapClient("registry:8998", InstanceInfo(new_instance_id(), "encode", "127.0.0.1:7005"),
+                                 transport=transport, sleep=StepSleep(clock), clock=clock, rng=lambda: 0.0,
+                                 remind_every=300.0)
+        with caplog.at_level(logging.WARNING, logger="vlserve.disagg.bootstrap"):
+            await client.start()
+            await client.stop(deregister=False)
+        warnings = _records(caplog, logging.WARNING)
+        # First try at t=0, then reminders at the first tries at least 300 s after the last line: t=301, 601, 901.
+        assert len(warnings) == 4
+        assert "still unreachable after 301s and 15 tries" in warnings[1]
+    asyncio.run(main())
+
+
+def test_heartbeats_keep_their_interval_and_back_off_only_while_the_registry_is_away(caplog):
+    async def main():
+        app = build_bootstrap_app(heartbeat_interval=1.0, clock=FakeClock())
+        transport = RecordingTransport(httpx.ASGITransport(app=app))
+        clock = FakeClock()
+        sleep = StepSleep(clock, manual=True)
+        info = InstanceInfo(instance_id=new_instance_id(), role="encode", address="127.0.0.1:7006")
+        client = BootstrapClient("registry:8998", info, heartbeat_interval=1.0, transport=transport,
+                                 sleep=sleep, clock=clock, rng=lambda: 0.0)
+        with caplog.at_level(logging.INFO, logger="vlserve.disagg.bootstrap"):
+            await client.start()
+            await _wait_for(lambda: len(sleep.delays) == 1)
+            await sleep.step(3)
+            assert sleep.delays == [1, 1, 1, 1]  # registered: the normal interval
+            assert transport.calls.count(("/heartbeat", 200)) == 3
+
+            transport.fail_first = 4  # the registry goes away...
+            app.state.instances.clear()  # ...and comes back empty, like a restart
+            await sleep.step(6)
+            assert sleep.delays[4:] == [1, 2, 4, 8, 1, 1]  # backing off, then the normal interval again
+            assert client.registrations == 2 and info.instance_id in app.state.instances
+            await client.stop()
+        warnings = _records(caplog, logging.WARNING)
+        assert len(warnings) == 1 and warnings[0].startswith("registry at registry:8998 unreachable (ConnectError")
+        infos = _records(caplog, logging.INFO)
+        assert len(infos) == 2  # registered, and registered again after the outage: nothing per try
+        assert infos[1].endswith("(it was unreachable for 15s, 4 failed tries)")
     asyncio.run(main())
 
 
@@ -259,3 +377,30 @@ def test_real_bootstrap_process():
             proc.wait()
         proc.stdout.close()
     assert proc.returncode in (0, -15)
+
+
+def test_language_side_says_once_that_it_cannot_list_peers(caplog):
+    """The language server lists its encoders every heartbeat: a registry outage is one warning, not one a second."""
+    from types import SimpleNamespace
+
+    from vlserve.disagg.encoder_client import EncoderClient
+
+    calls = []
+
+    async def refresh():
+        calls.append(1)
+        if len(calls) == 8:
+            raise asyncio.CancelledError  # end the loop
+        if len(calls) in (4, 5):
+            return  # the registry came back for a while
+        raise httpx.ConnectError("connection refused")
+
+    fake = SimpleNamespace(opts=SimpleNamespace(heartbeat_interval=0.001), quarantined={}, _refresh=refresh,
+                           peers=SimpleNamespace(role="encode"), encoders={})
+    with caplog.at_level(logging.DEBUG, logger="vlserve.disagg"):
+        with pytest.raises(asyncio.CancelledError):
+            asyncio.run(EncoderClient._refresh_loop(fake))
+    failures = [r for r in caplog.records if "could not list encode instances" in r.getMessage()]
+    assert len(failures) == 5  # tries 1-3 and 6-7 failed
+    assert [r.levelno for r in failures] == [logging.WARNING, logging.DEBUG, logging.DEBUG,
+                                             logging.WARNING, logging.DEBUG]

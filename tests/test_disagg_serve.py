@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from tests.server_utils import free_port, scrape, stop, wait_healthy
+from tests.server_utils import free_port, scrape, start_vlserve, stop, wait_healthy
 from tests.test_disagg import (
     SECRET,
     Cluster,
@@ -49,12 +48,11 @@ def offline(tiny_ckpt):
 def deployment(tiny_ckpt):
     port = free_port()
     log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"serve-disagg-{port}.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "vlserve", "serve", "--disagg", "--num-encoders", "2", "--model",
-                             str(tiny_ckpt("qwen2_vl")), "--dtype", "float32", "--max-model-len", "2048", "--port",
-                             str(port), "--limit-mm-per-prompt", "image=3", "--heartbeat-interval", "0.3",
-                             "--max-image-pixels", "1000000", "--max-media-bytes", str(MAX_MEDIA_BYTES),
-                             "--transfer-timeout", "33"], stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = start_vlserve(["serve", "--disagg", "--num-encoders", "2", "--model", str(tiny_ckpt("qwen2_vl")),
+                          "--dtype", "float32", "--max-model-len", "2048", "--port", str(port), "--limit-mm-per-prompt",
+                          "image=3", "--heartbeat-interval", "0.3", "--max-image-pixels", "1000000",
+                          "--max-media-bytes", str(MAX_MEDIA_BYTES), "--transfer-timeout", "33"], stdout=log,
+                         stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, url + "/health", 180, "serve --disagg", lambda: Path(log.name).read_text()[-3000:])

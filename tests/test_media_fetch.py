@@ -395,12 +395,38 @@ def test_file_bad_form(media_dir, url):
 # --- other schemes ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "url", ["ftp://example.com/img.png", "gopher://example.com/", "/etc/passwd", "img.png", "javascript:alert(1)"]
-)
+@pytest.mark.parametrize("url", ["ftp://example.com/img.png", "gopher://example.com/", "javascript:alert(1)"])
 def test_unsupported_scheme(url):
-    with pytest.raises(MediaFetchError, match="unsupported URL scheme"):
+    scheme = url.split(":")[0]
+    with pytest.raises(MediaFetchError) as e:
         fetch(url)
+    assert str(e.value).startswith(f"unsupported URL scheme '{scheme}' in media URL '{url}': the supported ones are "
+                                   "data:, http://, https:// and file://")
+    assert e.value.http_status == 400
+
+
+@pytest.mark.parametrize("path, example", [
+    ("/tmp/cat.jpg", "file:///tmp/cat.jpg"),
+    ("/etc/passwd", "file:///etc/passwd"),
+    ("cat.jpg", "file:///path/on/the/server/cat.jpg"),
+    ("pics/my cat.jpg", "file:///path/on/the/server/my%20cat.jpg"),
+    ("C:\\pics\\cat.jpg", "file:///path/on/the/server/cat.jpg"),  # a drive letter is no scheme
+])
+def test_a_plain_path_is_not_a_url_and_the_error_says_what_to_send(path, example, media_dir):
+    with pytest.raises(MediaFetchError) as e:
+        fetch(path)
+    assert e.value.http_status == 400
+    assert str(e.value) == (f"{path!r} is not a URL: send a data: URL, an http(s):// URL, or {example} with the "
+                            "server started with --allowed-local-media-path set")
+    # A server that allows local files: the hint is only where the file must be.
+    with pytest.raises(MediaFetchError, match=r"is not a URL: .* naming a file under the server's "
+                                              r"--allowed-local-media-path$"):
+        fetch(path, _file_policy(media_dir))
+
+
+def test_an_empty_media_url_is_refused_clearly():
+    with pytest.raises(MediaFetchError, match="media URL is empty"):
+        fetch("")
 
 
 # --- DNS rebinding: the address checked is the address connected to ---------------------------------------

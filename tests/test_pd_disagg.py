@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_utils import free_port, scrape, stop, wait_healthy
+from tests.server_utils import free_port, scrape, start_vlserve, stop, wait_healthy
 from tests.test_disagg import (
     BACKENDS,
     CASES,
@@ -194,11 +194,10 @@ def test_a_killed_decode_instance_leaves_nothing_held(pd):
 def test_serve_disagg_runs_e_p_d_in_one_command(tiny_ckpt, offline):
     port = free_port()
     log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"serve-epd-{port}.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "vlserve", "serve", "--disagg", "--num-encoders", "1",
-                             "--num-prefill", "1", "--num-decode", "1", "--model", str(tiny_ckpt("qwen2_vl")),
-                             "--dtype", "float32", "--max-model-len", "2048", "--limit-mm-per-prompt", "image=4",
-                             "--port", str(port), "--heartbeat-interval", "0.3"], stdout=log,
-                            stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = start_vlserve(["serve", "--disagg", "--num-encoders", "1", "--num-prefill", "1", "--num-decode", "1",
+                          "--model", str(tiny_ckpt("qwen2_vl")), "--dtype", "float32", "--max-model-len", "2048",
+                          "--limit-mm-per-prompt", "image=4", "--port", str(port), "--heartbeat-interval", "0.3"],
+                         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, url + "/health", 180, "serve --disagg E->P->D", lambda: Path(log.name).read_text()[-3000:])

@@ -13,14 +13,15 @@ import time
 
 import pytest
 
-from tests.server_utils import free_port, wait_healthy
+from tests.server_utils import free_port, start_vlserve, wait_healthy
+from vlserve.core.errors import EXIT_CONFIG
 
 START_FAILURE_TRIES = 3  # the note reports 10; three keep the suite fast and still catch a flaky hang
 
 
 def _vlserve(*args: str, **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "vlserve", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, **kw)
+    return start_vlserve(list(args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,7 @@ def test_engine_start_failure_exits_nonzero_quickly_every_time(broken):
         proc = _vlserve("serve", "--model", str(broken), "--port", str(free_port()))
         out, _ = proc.communicate(timeout=60)
         took = time.monotonic() - t0
-        assert proc.returncode == 1, out
+        assert proc.returncode == EXIT_CONFIG, out  # a corrupt checkpoint: restarting it would not help
         assert took < 30, f"took {took:.1f}s to give up"
         assert "the engine failed to start" in out and "corrupt" in out
         assert "Traceback" not in out.split("ERROR vlserve:")[-1]
@@ -85,3 +86,98 @@ def test_disagg_stops_every_role_quietly(tiny_ckpt, sig):
     assert " WARNING " not in out and " ERROR " not in out and "Traceback" not in out, out[-3000:]
     with socket.socket() as s:  # the port is free again
         s.bind(("127.0.0.1", port))
+
+
+def _engine_child(pid: int, timeout: float = 60) -> int:
+    """The engine-core process of the server `pid` as soon as it exists (it is then still importing)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for child in _children(pid):
+            try:
+                if "spawn_main" in open(f"/proc/{child}/cmdline").read():
+                    return child
+            except FileNotFoundError:
+                pass
+        time.sleep(0.02)
+    raise AssertionError("no engine process appeared")
+
+
+def _gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if open(f"/proc/{pid}/stat").read().split()[2] == "Z":
+                return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _transfer_files(pid: int) -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if n.startswith(f"vlserve-transfer-{pid}-")]
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm here")
+def test_sigterm_during_start_up_stops_the_engine_and_leaves_no_file(tiny_ckpt):
+    """SIGTERM while the engine process still loads: the server stops it and removes its receive-buffer file
+    (a language server's) instead of dying on the spot and leaving both behind."""
+    proc = _vlserve("language", "--model", str(tiny_ckpt("qwen2_vl")), "--port", str(free_port()), "--bootstrap",
+                    f"127.0.0.1:{free_port()}", "--dtype", "float32", "--max-model-len", "512")
+    try:
+        engine = _engine_child(proc.pid)
+        assert _transfer_files(proc.pid), "the receive buffers are made before the engine starts"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert "SIGTERM during start-up: stopped" in out and "Traceback" not in out, out[-3000:]
+    assert _gone(engine, 10), "the engine process outlived its server"
+    assert not _transfer_files(proc.pid)
+
+
+def test_an_engine_whose_server_was_killed_while_it_started_exits(tiny_ckpt):
+    """SIGKILL (nothing can be cleaned up) while the engine process still imports: it notices it has no server
+    once it can and exits, instead of loading the model for nobody and living on under init."""
+    proc = _vlserve("serve", "--model", str(tiny_ckpt("qwen2_vl")), "--port", str(free_port()), "--dtype",
+                    "float32", "--max-model-len", "512")
+    try:
+        engine = _engine_child(proc.pid)
+        proc.kill()
+        proc.wait()
+        assert _gone(engine, 60), "the engine process lives on without its server"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_disagg_with_a_bad_model_stops_at_once_and_says_which_role(tmp_path):
+    t0 = time.monotonic()
+    proc = _vlserve("serve", "--disagg", "--model", str(tmp_path / "no-such-model"), "--port", str(free_port()))
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_CONFIG, out
+    assert time.monotonic() - t0 < 40, out  # was ~58 s: every role restarted 5 times
+    assert "restarting" not in out and "cannot start with this configuration" in out, out
+    assert "[encoder-0] vlserve: model" in out and "no such folder" in out, out  # the role names its lines
+
+
+def test_servers_a_test_starts_die_with_the_test_process(tiny_ckpt, tmp_path):
+    """A test run killed outright (no teardown) leaves no server or engine process behind."""
+    script = tmp_path / "holder.py"
+    script.write_text(
+        "import sys, time\n"
+        "from tests.server_utils import RemoteServer\n"
+        "srv = RemoteServer(sys.argv[1], '--dtype', 'float32', '--max-model-len', '512')\n"
+        "print(srv.proc.pid, srv.engine_pid(), flush=True)\n"
+        "time.sleep(600)\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    holder = subprocess.Popen([sys.executable, str(script), str(tiny_ckpt("qwen2_vl"))], stdout=subprocess.PIPE,
+                              text=True, cwd=root, env={**os.environ, "PYTHONPATH": root})
+    try:
+        server, engine = map(int, holder.stdout.readline().split())
+    finally:
+        holder.kill()
+        holder.wait()
+    assert _gone(server, 30) and _gone(engine, 30), "a server outlived the test process that started it"

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -18,7 +20,9 @@ from vlserve import LLM, SamplingParams
 from vlserve.core.errors import InvalidInputError, ModelLoadError
 from vlserve.model.layers.quantized_linear import Int4Linear, Int8Linear
 from vlserve.model.loader import load_model
-from vlserve.tools.int4_export import export_int4
+from vlserve.model.quantization import resolve_quantization
+from vlserve.tools import int4_export
+from vlserve.tools.int4_export import export_int4, fitting_group_sizes
 
 GROUP = 32  # the tiny models' widths are 64 and 128; released checkpoints use 128 (same code path)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -197,7 +201,7 @@ def test_unsupported_quantization_config_is_refused(int4_ckpt, tmp_path, qc, mat
 
 
 def test_quantization_option_must_fit_the_checkpoint(tiny_ckpt, int4_ckpt):
-    with pytest.raises(InvalidInputError, match="needs a awq checkpoint"):
+    with pytest.raises(InvalidInputError, match="needs an AWQ checkpoint"):
         LLM(str(tiny_ckpt("qwen2_vl")), dtype="float32", quantization="awq", num_kv_blocks=16)
     with pytest.raises(InvalidInputError, match="checkpoint is awq-quantized"):
         LLM(str(int4_ckpt("qwen2_vl", "awq")), dtype="float32", quantization="int8", num_kv_blocks=16)
@@ -236,3 +240,89 @@ def test_cli_refuses_an_unknown_quantization(tiny_ckpt, capsys):
 def test_load_model_reads_the_checkpoint_quantization_itself(int4_ckpt):
     model = load_model(int4_ckpt("qwen2_vl", "awq"), dtype="float32")  # no quantization argument
     assert any(isinstance(m, Int4Linear) for m in model.modules())
+
+
+@pytest.mark.parametrize("method, article", [("awq", "an AWQ"), ("gptq", "a GPTQ")])
+def test_asking_for_int4_on_a_dense_checkpoint_names_the_format_with_its_article(method, article):
+    with pytest.raises(InvalidInputError) as e:
+        resolve_quantization(method, ())
+    assert str(e.value).startswith(f"quantization '{method}' needs {article} checkpoint, and this one has no "
+                                   "quantization_config")
+
+
+# ---- int4_export: user mistakes are one clear line, before anything is written ------------------------------
+def test_fitting_group_sizes():
+    assert fitting_group_sizes([64, 128]) == [32, 64]
+    assert fitting_group_sizes([3584, 18944]) == [32, 64, 128, 256, 512]  # Qwen2-VL-7B: 128 fits
+    assert fitting_group_sizes([96, 192]) == [32, 96]
+    assert fitting_group_sizes([48, 64]) == []
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_export_with_a_group_size_too_big_for_the_model_says_which_fits(tiny_ckpt, tmp_path, method):
+    # The tiny model's linears take 64 and 128 inputs: the default group size (128) cannot divide 64.
+    dst = tmp_path / "out"
+    with pytest.raises(InvalidInputError) as e:
+        export_int4(tiny_ckpt("qwen2_vl"), dst, method)  # group_size 128, the default
+    assert str(e.value) == ("--group-size 128 does not divide the input size 64 of model.layers.0.mlp.gate_proj; use "
+                            "--group-size 64, which divides all of this checkpoint's input sizes (64, 128)")
+    assert not dst.exists()  # refused before writing anything
+    with pytest.raises(InvalidInputError, match=r"^--group-size 50: vlserve loads 4-bit checkpoints whose group size "
+                                                r"is a positive multiple of 32; use --group-size 32, "):
+        export_int4(tiny_ckpt("qwen2_vl"), dst, method, 50)
+    with pytest.raises(InvalidInputError, match="^--group-size 0: .*; use --group-size 32, "):
+        export_int4(tiny_ckpt("qwen2_vl"), dst, method, 0)
+    assert not dst.exists()
+    # The suggestion works: the checkpoint loads and runs.
+    llm = LLM(str(export_int4(tiny_ckpt("qwen2_vl"), dst, method, 64)), dtype="float32", num_kv_blocks=16)
+    assert len(llm.generate(["hi"], GREEDY)[0].outputs[0].token_ids) == GREEDY.max_tokens
+
+
+def _fake_checkpoint(folder, shapes: dict[str, tuple[int, int]]) -> str:
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["Qwen2VLForConditionalGeneration"]}))
+    save_file({name: torch.zeros(shape) for name, shape in shapes.items()}, str(folder / "model.safetensors"))
+    return str(folder)
+
+
+@pytest.mark.parametrize("shapes, message", [
+    ({"model.layers.0.self_attn.q_proj.weight": (64, 64), "model.layers.0.mlp.down_proj.weight": (64, 48)},
+     ("no --group-size fits this checkpoint: vlserve needs a multiple of 32 that divides every quantized linear's "
+      "input size, and model.layers.0.mlp.down_proj takes 48 (input sizes here: 48, 64)")),
+    ({"model.layers.0.self_attn.k_proj.weight": (60, 128)},
+     ("model.layers.0.self_attn.k_proj has 60 output channels; 4-bit packing needs a multiple of 8, so no "
+      "--group-size can make this checkpoint exportable")),
+    ({"model.embed_tokens.weight": (100, 64)},
+     ("found none of the decoder layers' linears to quantize (names like model.layers.0.self_attn.q_proj.weight); "
+      "is this a Qwen-VL checkpoint?")),
+])
+def test_export_refuses_shapes_it_cannot_pack(tmp_path, shapes, message):
+    src = _fake_checkpoint(tmp_path / "src", shapes)
+    with pytest.raises(InvalidInputError) as e:
+        export_int4(src, tmp_path / "dst", "awq")
+    assert str(e.value) == message
+
+
+def test_export_refuses_a_missing_or_quantized_source(tmp_path, int4_ckpt):
+    with pytest.raises(InvalidInputError, match="is not a checkpoint folder"):
+        export_int4(tmp_path / "nope", tmp_path / "dst")
+    with pytest.raises(InvalidInputError, match=r"is already quantized \(awq\); export from the full-precision"):
+        export_int4(int4_ckpt("qwen2_vl", "awq"), tmp_path / "dst", "awq", GROUP)
+    with pytest.raises(InvalidInputError, match="method must be one of awq, gptq"):
+        export_int4(tmp_path / "nope", tmp_path / "dst", "int3")
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_export_cli_prints_one_line_and_exits_nonzero(tiny_ckpt, tmp_path, capsys, method):
+    assert int4_export.main([str(tiny_ckpt("qwen2_vl")), str(tmp_path / "out"), "--method", method]) == 2
+    err = capsys.readouterr().err
+    assert err == ("error: --group-size 128 does not divide the input size 64 of model.layers.0.mlp.gate_proj; use "
+                   "--group-size 64, which divides all of this checkpoint's input sizes (64, 128)\n")
+
+
+def test_export_module_entry_has_no_traceback(tiny_ckpt, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "vlserve.tools.int4_export", str(tiny_ckpt("qwen2_vl")),
+                           str(tmp_path / "out"), "--method", "gptq"], capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and proc.stderr.startswith("error: --group-size 128 does not divide")

@@ -365,6 +365,7 @@ def test_api_key_is_required_on_v1_routes(server):
     r = httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer wrong"})
     assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
     assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/ready").status_code == 200  # probes need no key; aggregated: ready when alive
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
 

@@ -16,6 +16,7 @@ from tests.conftest import IMG, assert_pool_full, noise_image
 from vlserve import LLM, SamplingParams, StructuredOutputsParams
 from vlserve.core.errors import InvalidInputError
 from vlserve.engine.sampler import TokenBitmask, _apply_token_bitmask
+from vlserve.engine.structured.grammar import ascii_lark_regexes, ascii_regex, grammar_for
 
 PROMPTS = ["Hello, how are you?", "def fibonacci(n):", "The quick brown fox", "three python one"]
 PERSON = {
@@ -258,3 +259,79 @@ def test_a_matcher_for_a_request_with_output_replays_it(path):
         wrong.matcher  # noqa: B018 - waits for the build
     assert "does not match its grammar" in wrong.error
     matchers.shutdown()
+
+
+# \d \w \s and their complements, as vLLM's users read them (xgrammar, outlines, Python's re.ASCII); the grammar
+# engine's own regex syntax (Rust's) makes them Unicode classes, where a random model finds "٣" or "߄" easily.
+ASCII_CLASS_REGEXES = [r"\d{3}-\d{4}", r"\w{8}", r"[\d.]{6}", r"[^\D]{4}\W", r"\S{3}\s\S{3}", r"[^\d\s]{5}"]
+
+
+@pytest.mark.parametrize("spec_of", [lambda p: {"regex": p}, lambda p: {"grammar": f'start: "<" T ">"\nT: /{p}/'}],
+                         ids=["regex", "lark-terminal"])
+def test_sampled_regex_classes_are_ascii(llm, spec_of):
+    for pattern in ASCII_CLASS_REGEXES:
+        want = pattern if "regex" in spec_of(pattern) else f"<{pattern}>"
+        params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=40, structured_outputs=spec_of(pattern))
+                  for seed in range(16)]
+        for out in llm.generate(["Phone:"] * len(params), params, use_tqdm=False):
+            c = out.outputs[0]
+            assert c.finish_reason == "stop" and re.fullmatch(want, c.text, re.ASCII), (pattern, c.text)
+
+
+def test_json_schema_pattern_is_ecmascript(llm):
+    """A schema's "pattern" follows ECMAScript (JSON Schema's dialect): \\d and \\w are ASCII there too."""
+    schema = {"type": "object", "properties": {"code": {"type": "string", "pattern": r"^\d{4}\w{3}$"}},
+              "required": ["code"], "additionalProperties": False}
+    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=60, structured_outputs={"json": schema})
+              for seed in range(16)]
+    for out in llm.generate(["Code:"] * len(params), params, use_tqdm=False):
+        assert re.fullmatch(r"\d{4}\w{3}", json.loads(out.outputs[0].text)["code"], re.ASCII), out.outputs[0].text
+
+
+@pytest.fixture(scope="module")
+def llg_tokenizer(path):
+    import llguidance.hf
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    return tok, llguidance.hf.from_tokenizer(tok, eos_token=tok.eos_token_id)
+
+
+CLASS_CASES = [r"\d+", r"\D+", r"\w+", r"\W+", r"\s+", r"\S+", r"[\d.]+", r"[^\d]+", r"[^\D]+", r"[\w-]+", r"[\W\d]+",
+               r"[^\s\d]+", r"\\d", r"[\\d]+", r"\d{3}-\d{4}", r"(?:\w\s?)+"]
+CLASS_TEXTS = ["123", "٣", "१२", "12٣", "０", "abc_Z9", "é", "ǃ", "K", " ", "\t\n\r\f\v", "\u00a0", "\u2003", "\u3000",
+               "\u0085", "-", "a.b", "1.5", "\\d", "d", "\\", "x y", "123-4567", "١٢٣-٤٥٦٧", "a_1 b"]
+
+
+@pytest.mark.parametrize("kind", ["regex", "grammar"])
+@pytest.mark.parametrize("pattern", CLASS_CASES)
+def test_regex_classes_admit_what_python_re_ascii_admits(llg_tokenizer, kind, pattern):
+    """Whole texts the grammar admits == those Python's re.fullmatch(pattern, text, re.ASCII) admits."""
+    import llguidance
+
+    tok, llt = llg_tokenizer
+    spec = StructuredOutputsParams(**{kind: pattern if kind == "regex" else f"start: /{pattern}/"})
+    for text in CLASS_TEXTS:
+        m = llguidance.LLMatcher(llt, grammar_for(spec))
+        ids = tok.encode(text)
+        admitted = m.validate_tokens(ids) == len(ids) and m.consume_tokens(ids) and m.is_accepting()
+        assert admitted == bool(re.fullmatch(pattern, text, re.ASCII)), (pattern, text)
+
+
+def test_ascii_rewrite_of_regexes_and_lark_terminals():
+    assert ascii_regex(r"\d{3}-\d{4}") == "[0-9]{3}-[0-9]{4}"
+    assert ascii_regex(r"\\d\\\d") == r"\\d\\[0-9]"  # an escaped backslash, then d; then \\ and \d
+    assert ascii_regex(r"[^\d.]\D") == "[^[0-9].][^0-9]"
+    assert ascii_regex("a/b") == r"a\/b"  # ready for /.../
+    with pytest.raises(ValueError, match="unfinished escape"):
+        ascii_regex("ab\\")
+    lark = r"""start: "\\d/\" # not a comment" A B C <|a/b\d|> # a comment /\d/
+A: /[\d#\"]+\//i  // a comment /\w/
+B: %json {"type": "string", "pattern": "^\\d/\\w$"}
+C: /\\d\s/ | /\//"""
+    assert ascii_lark_regexes(lark) == r"""start: "\\d/\" # not a comment" A B C <|a/b\d|> # a comment /\d/
+A: /[[0-9]#\"]+\//i  // a comment /\w/
+B: %json {"type": "string", "pattern": "^\\d/\\w$"}
+C: /\\d[ \t\n\r\f\v]/ | /\//"""  # the %json pattern is ECMAScript's, left to the JSON compiler
+    with pytest.raises(InvalidInputError, match="structured_outputs.regex cannot be compiled: .*unfinished escape"):
+        grammar_for(StructuredOutputsParams(regex="12\\"))

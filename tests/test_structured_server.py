@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 import jsonschema
@@ -19,6 +20,7 @@ from tests.test_server_api import data_url, image_part, user
 from tests.test_structured_outputs import PERSON
 from tests.test_tool_calls import TOOLS, WEATHER
 from vlserve import LLM, SamplingParams
+from vlserve.server.demo import demo_image
 
 
 @pytest.fixture(scope="module")
@@ -197,3 +199,103 @@ def test_openai_error_type(client, model):
     with pytest.raises(openai.BadRequestError):
         _chat(client, model, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
             "type": "object", "properties": {"a": {"$ref": "#/nope"}}}}})
+
+
+def _post_either(server, model, route: str, body: dict):
+    where = {"messages": user("hi")} if route.endswith("chat/completions") else {"prompt": "hi"}
+    return server.post(route, json={"model": model, "max_tokens": 5, **where, **body})
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("body, field", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nope"}}}},
+     "response_format.json_schema.schema cannot be compiled"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "string", "format": "no-such-format"}}}}, "response_format.json_schema.schema cannot be compiled"),
+    ({"guided_json": {"$ref": "#/nope"}}, "guided_json cannot be compiled"),
+    ({"guided_json": "{not json"}, "guided_json is not valid JSON"),
+    ({"guided_regex": "(("}, "guided_regex cannot be compiled"),
+    ({"guided_choice": []}, "guided_choice must be a non-empty list"),
+    ({"structured_outputs": {"json": {"$ref": "#/nope"}}}, "structured_outputs.json cannot be compiled"),
+    ({"structured_outputs": {"regex": "(("}}, "structured_outputs.regex cannot be compiled"),
+    ({"structured_outputs": {"grammar": ""}}, "structured_outputs.grammar must be a non-empty string"),
+    ({"structured_outputs": {"json": {"$ref": "#/nope"}}, "response_format": {"type": "text"}},
+     "structured_outputs.json cannot be compiled"),
+])
+def test_a_bad_constraint_is_reported_under_the_field_the_client_sent(server, model, route, body, field):
+    resp = _post_either(server, model, route, body)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["message"].startswith(field), resp.json()["error"]["message"]
+
+
+def test_a_tool_whose_parameters_cannot_compile_is_named(server, model):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/missing"}}}]
+    resp = _post_either(server, model, "/v1/chat/completions", {"tools": tools, "tool_choice": "required"})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["message"].startswith("tools[].function.parameters cannot be compiled: ")
+
+
+# The README's example, as written there. Its bounds keep the worst answer within max_tokens=200: a random
+# model writes the string until the limit otherwise, and the JSON comes back cut (LengthFinishReasonError).
+class Receipt(pydantic.BaseModel):
+    shop: str = pydantic.Field(max_length=20)
+    total_cents: int = pydantic.Field(ge=0, le=10_000_000)
+    paid_by_card: bool
+
+
+@pytest.fixture(scope="module")
+def demo_model(tiny_ckpt):
+    return str(tiny_ckpt("qwen2_vl", "small"))  # what `vlserve serve` without --model makes: the same weights
+
+
+def test_the_readme_receipt_fits_its_max_tokens_at_worst(demo_model):
+    """Every answer the schema admits is at most 175 bytes, hence at most 175 tokens (each token of the demo
+    tokenizer is at least a byte; special tokens never match JSON text). A string character costs at most 6
+    bytes, the \\u001f escape (4-byte UTF-8 characters are less; general \\u escapes are refused)."""
+    import llguidance
+    import llguidance.hf
+    from openai.lib._pydantic import to_strict_json_schema
+    from transformers import AutoTokenizer
+
+    from vlserve.engine.structured.grammar import grammar_for
+    from vlserve.server.protocol import _response_format
+
+    tok = AutoTokenizer.from_pretrained(demo_model)
+    llt = llguidance.hf.from_tokenizer(tok, eos_token=tok.eos_token_id)
+    assert min(len(llt.decode_bytes([t])) for t in range(llt.vocab_size) if not llt.is_special_token(t)) >= 1
+    spec = _response_format({"type": "json_schema", "json_schema": {
+        "name": "Receipt", "schema": to_strict_json_schema(Receipt), "strict": True}})
+
+    def admitted(text: str) -> bool:
+        m = llguidance.LLMatcher(llt, grammar_for(spec))
+        ids = [t for b in text.encode() for t in llt.tokenize_bytes(bytes([b]))]  # the most tokens: byte by byte
+        return m.validate_tokens(ids) == len(ids) and m.consume_tokens(ids) and m.is_stopped()
+
+    def receipt(shop: str, cents: str = "10000000") -> str:
+        return '{"shop":"' + shop + '","total_cents":' + cents + ',"paid_by_card":false}'
+
+    worst = receipt("\\u001f" * 20)
+    assert admitted(worst) and len(worst.encode()) == 175  # max_tokens=200 leaves room
+    assert admitted(receipt("\U0001f600" * 20)) and len(receipt("\U0001f600" * 20).encode()) < 175
+    for too_much in (receipt("\\u001f" * 21), receipt("a", "10000001"), receipt("a", "-1"), receipt("\\ud83d\\ude00"),
+                     receipt("\\u00e9")):
+        assert not admitted(too_much), too_much
+
+
+def test_the_readme_parse_example_works_with_the_demo_model(demo_model):
+    """`client.chat.completions.parse(...)` as the README writes it, sampled with 40 seeds: always parsed."""
+    with RemoteServer(demo_model) as server:
+        client = server.client(timeout=120)
+        image_url = data_url(demo_image())
+
+        def example(seed: int):
+            resp = client.chat.completions.parse(
+                model=demo_model, response_format=Receipt, max_tokens=200, temperature=1.0, seed=seed,
+                messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_url}},
+                                                       {"type": "text", "text": "Read this receipt."}]}])
+            return resp.choices[0]
+
+        with ThreadPoolExecutor(8) as pool:
+            choices = list(pool.map(example, range(40)))
+    assert all(isinstance(c.message.parsed, Receipt) and c.finish_reason == "stop" for c in choices)
+    assert len({c.message.parsed.shop for c in choices}) > 20  # sampled, not one answer 40 times

@@ -177,7 +177,7 @@ def test_a_4bit_checkpoint_is_not_split(tiny_ckpt, tmp_path):
     from vlserve.tools.int4_export import export_int4
 
     path = export_int4(tiny_ckpt("qwen2_vl"), tmp_path / "awq", "awq", 32)
-    with pytest.raises(InvalidInputError, match="4-bit checkpoint cannot be split"):
+    with pytest.raises(InvalidInputError, match="AWQ 4-bit checkpoints cannot be split"):
         LLM(str(path), dtype="float32", tensor_parallel_size=2)
 
 
@@ -369,10 +369,7 @@ def test_server_with_two_ranks_answers_then_reports_a_dead_rank(tiny_ckpt):
         ranks = [int(p) for p in open(f"/proc/{engine}/task/{engine}/children").read().split()]
         assert len(ranks) == 1
         os.kill(ranks[0], signal.SIGKILL)
-        deadline = time.monotonic() + 20
-        while server.post("/v1/completions", json=body).status_code != 503:
-            assert time.monotonic() < deadline, "no 503 after a rank died"
-            time.sleep(0.2)
+        assert server.proc.wait(30) == 1, "the server kept running after a rank died"  # its supervisor restarts it
         assert "tensor-parallel rank 1" in server.read_log()
         for _ in range(100):  # the engine process exits
             if not os.path.exists(f"/proc/{engine}") or open(f"/proc/{engine}/stat").read().split()[2] == "Z":

@@ -215,3 +215,75 @@ def test_bad_tools_and_choices(tools, choice, message):
 def test_bad_tool_turns(message):
     with pytest.raises(InvalidInputError):
         parse_chat_messages([message])
+
+
+def _stream_calls(text: str, step: int) -> tuple[str, list[dict]]:
+    stream, content, calls = ToolCallStream(), [], []
+    for end in range(step, len(text) + step, step):
+        new_content, new_calls = stream.feed(text[:end], finished=end >= len(text))
+        content.append(new_content)
+        calls += new_calls
+    return "".join(content), calls
+
+
+def _one_call(name: str, arguments_text: str, key: str = "arguments", first: bool = False) -> str:
+    members = [f'"name": "{name}"', f'"{key}": {arguments_text}']
+    return "<tool_call>\n{" + ", ".join(members[::-1] if first else members) + "}\n</tool_call>"
+
+
+@pytest.mark.parametrize("arguments", [
+    '{"x": 0.1000000000000000055, "big": 123456789012345678901234567890, "e": 1E+400, "neg": -0.0, "f": 2.50}',
+    '{"n": ' + "9" * 5000 + "}",  # more digits than Python's int() takes
+    '{ "a" :[1 ,2,\t{"b" : {"c": [ ]}}] ,"d":{} }',  # the model's own spacing
+    '{"s": "}{ ][ \\" \\\\\\" , : \\u0041 \\/ </tool_call> {\\"k\\": 1}"}',  # braces, quotes, escapes in a string
+    '{"city": "Zürich", "emoji": "😀", "escaped": "\\u00e9\\ud83d\\ude00", "rtl": "שלום"}',
+    '{"deep": [[[[{"a": [{"b": [[["x"]]]}]}]]]], "t": true, "f": false, "n": null}',
+    "{}",
+    "[1, 2]",  # not an object, passed on as written (as vLLM does)
+])
+def test_arguments_are_the_models_own_text(arguments):
+    """The "arguments" reach the client exactly as written (numbers not rounded, spacing and escapes kept), in
+    the whole answer and at every split of a stream, whatever the key order."""
+    for first in (False, True):
+        text = "Sure. " + _one_call("f", arguments, first=first) + " done"
+        content, calls = extract_tool_calls(text)
+        assert content == "Sure.done"  # whitespace next to a call is not content
+        assert [c["function"]["arguments"] for c in calls] == [arguments]
+        assert calls[0]["function"]["name"] == "f"
+        for step in (1, 5, 64):
+            streamed_content, streamed = _stream_calls(text, step)
+            assert streamed_content == "Sure.done"
+            assert [c["function"]["arguments"] for c in streamed] == [arguments]
+
+
+def test_arguments_variants():
+    """"parameters" (some models write it) like "arguments"; none given: "{}"; a repeated key: its last value,
+    as JSON readers take it; arguments written as a JSON string: that string, which must hold JSON."""
+    assert extract_tool_calls(_one_call("f", '{"a": 1.10}', key="parameters"))[1][0]["function"]["arguments"] == \
+        '{"a": 1.10}'
+    assert extract_tool_calls('<tool_call>{"name": "f"}</tool_call>')[1][0]["function"]["arguments"] == "{}"
+    twice = '<tool_call>{"name": "f", "arguments": {"a": 1}, "arguments": {"a":  2.0}}</tool_call>'
+    assert extract_tool_calls(twice)[1][0]["function"]["arguments"] == '{"a":  2.0}'
+    quoted = _one_call("f", json.dumps('{"a": 0.1000000000000000055}'))
+    assert extract_tool_calls(quoted)[1][0]["function"]["arguments"] == '{"a": 0.1000000000000000055}'
+
+
+@pytest.mark.parametrize("arguments", [
+    '{"x": NaN}', '{"x": Infinity}', '{"x": [1, -Infinity]}', '{"a": {"b": NaN}}',
+    '"{\\"x\\": NaN}"',  # a string whose content is not strict JSON
+    '"Oslo"',
+])
+def test_arguments_that_are_not_strict_json_are_no_call(arguments):
+    """vLLM's hermes parser leaves an answer it cannot parse as content; here the block that is no strict JSON
+    stays content (the other calls are still calls), the same whole and streamed."""
+    good = _one_call("add", '{"a": 1, "b": 2}')
+    bad = _one_call("f", arguments)
+    text = f"{good}\n{bad}"
+    content, calls = extract_tool_calls(text)
+    assert content == bad
+    assert _calls(calls) == [("add", {"a": 1, "b": 2})]
+    for step in (1, 3, 50):
+        streamed_content, streamed = _stream_calls(text, step)
+        assert streamed_content == bad
+        assert _calls(streamed) == [("add", {"a": 1, "b": 2})]
+    assert extract_tool_calls(bad) == (bad, [])

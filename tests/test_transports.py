@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 
 import pytest
 import torch
@@ -73,7 +74,7 @@ def test_shm_maps_only_vlserve_buffer_files(tmp_path):
     try:
         asyncio.run(go())
         with pytest.raises(ValueError, match="must not carry tensor frames"):
-            link.receiver.receive(header, [b"", b"x"], buffers)
+            asyncio.run(link.receiver.receive(header, [b"", b"x"], buffers))
     finally:
         link.close()
         buffers.unlink()
@@ -159,3 +160,61 @@ def msgspec_replace(layout, **changes):
     import msgspec
 
     return msgspec.structs.replace(layout, **changes)
+
+
+@pytest.mark.parametrize("backend", ["zmq", "shm"])
+def test_copies_into_the_blocks_run_off_the_event_loop(backend, monkeypatch):
+    """The copy that grows with a chunk (~100 MiB of KV for a 7B model) never runs on the event loop: on the
+    receiver for ZeroMQ (it copies the frames), on the sender for shared memory (it writes the mapped file)."""
+    buffers = _buffers()
+    link = Loopback(backend, buffers)
+    threads = []
+    write_rows = TransferBuffers.write_rows
+
+    def spy(self, *args):
+        threads.append(threading.current_thread())
+        return write_rows(self, *args)
+
+    monkeypatch.setattr(TransferBuffers, "write_rows", spy)
+
+    async def go():
+        await link.connect()
+        header, data = media_chunk([3, 4], BLOCK_TOKENS, 20, (2, 18), WIDTH)
+        await link.transfer(header, data)
+
+    try:
+        asyncio.run(go())
+    finally:
+        link.close()
+        buffers.unlink()
+    assert threads and threading.main_thread() not in threads
+
+
+def test_a_cancelled_copy_is_waited_for_before_the_caller_goes_on():
+    """Cancelling whoever waits for a copy (a client that disconnects) must not let its blocks be freed while a
+    worker thread still writes into them: the cancellation takes effect once the copy has ended."""
+    from vlserve.disagg.transports.base import in_thread
+
+    started, release = threading.Event(), threading.Event()
+    log = []
+
+    def copy():
+        started.set()
+        release.wait(10)
+        log.append("copied")
+
+    async def go():
+        task = asyncio.ensure_future(in_thread(copy))
+        await asyncio.get_running_loop().run_in_executor(None, started.wait, 10)
+        task.cancel()
+        await asyncio.sleep(0.2)
+        task.cancel()  # twice: still waits
+        await asyncio.sleep(0.2)
+        assert not task.done(), "the caller went on while the copy was still writing"
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        log.append("caller done")
+
+    asyncio.run(go())
+    assert log == ["copied", "caller done"]

@@ -8,11 +8,13 @@ import logging
 import sys
 
 from vlserve.bench import cli as bench_cli
-from vlserve.core.errors import VlserveError
+from vlserve.core.errors import VlserveError, exit_code
+from vlserve.core.processes import log_format
 from vlserve.disagg import cli as disagg_cli
 from vlserve.server import cli as server_cli
 from vlserve.server import demo
 from vlserve.tools import cli as tools_cli
+from vlserve.tools.tiny_arches import family_names
 
 COMMANDS = [server_cli.register_cli, demo.register_cli, tools_cli.register_cli, bench_cli.register_cli,
             disagg_cli.register_cli]
@@ -20,7 +22,7 @@ LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vlserve", description="Serve vision-language models (Qwen2-VL family) "
+    parser = argparse.ArgumentParser(prog="vlserve", description=f"Serve vision-language models ({family_names()}) "
                                      "with an OpenAI-compatible API.")
     parser.add_argument("--log-level", default="INFO", choices=LOG_LEVELS, help="log verbosity (default: INFO)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -36,13 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, format=log_format())
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per registry call or media fetch is noise
     try:
         return int(args.func(args) or 0)
     except VlserveError as e:
         logging.getLogger("vlserve").error("%s", e)
-        return 1
+        return exit_code(e)
     except KeyboardInterrupt:
         return 130
 

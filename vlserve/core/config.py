@@ -134,8 +134,10 @@ class ServerArgs:
     max_media_bytes: int = option(20 * 2**20, "largest picture in bytes (download, data URL or file)", MEDIA_ROLES)
     max_video_bytes: int = option(200 * 2**20, "largest video in bytes (download, data URL or file)", MEDIA_ROLES)
     media_fetch_timeout: float = option(10.0, "seconds per media download", MEDIA_ROLES)
-    max_image_pixels: int = option(DEFAULT_MAX_PIXELS_DECODED, "largest picture in pixels (width x height), "
-                                   "checked before decoding and again after resizing", MEDIA_ROLES)
+    max_image_pixels: int = option(DEFAULT_MAX_PIXELS_DECODED, "largest picture or video frame in pixels (width x "
+                                   "height): a larger one is refused before decoding, and pictures are resized for "
+                                   "the encoder to at most this many (under the model's own max_pixels)",
+                                   MEDIA_ROLES)
     max_waiting_requests: int | None = option(None, "answer 503 when this many requests already wait (default: no "
                                               "limit)", HTTP_ROLES)
     media_threads: int = option(4, "threads that tokenize, decode and preprocess", {SERVE} | DISAGG_ROLES)
@@ -179,6 +181,10 @@ class DisaggArgs:
                                        {SERVE, BOOTSTRAP} | DISAGG_ROLES)
     heartbeat_failure_threshold: int = option(3, "missed heartbeats before an instance is dropped",
                                               {SERVE, LANGUAGE, PREFILL, DECODE, BOOTSTRAP})
+    peer_wait_timeout: float = option(
+        5.0, "seconds a request waits for a peer to pair (an encoder, or a prefill instance) when none is, before "
+        "it is refused with 503: a restart or a start-up race costs latency, not errors",
+        {SERVE, LANGUAGE, PREFILL, DECODE})
     transfer_timeout: float = option(120.0, "seconds one transfer may take before it fails (and, on a sender, "
                                      "before staged output nobody resumes is dropped)", {SERVE} | DISAGG_ROLES)
     transfer_backend: str = option("zmq", "how embeddings and KV move between roles", {SERVE} | DISAGG_ROLES,

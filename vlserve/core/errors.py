@@ -1,5 +1,7 @@
 """Exceptions vlserve raises on purpose. Each carries the HTTP status the server answers with."""
 
+EXIT_CONFIG = 78  # sysexits' EX_CONFIG: the process cannot start with these options or this checkpoint
+
 
 class VlserveError(Exception):
     """Base class of every error vlserve raises deliberately."""
@@ -60,9 +62,19 @@ class TensorParallelError(EngineDeadError):
     """A tensor-parallel rank died or failed: the model can no longer run, the engine stops."""
 
 
-class ModelLoadError(VlserveError):
+class ConfigurationError(VlserveError):
+    """The server cannot start with these options or this checkpoint: restarting it will not help (the process
+    exits with EXIT_CONFIG, and `serve --disagg` stops instead of restarting the role)."""
+
+
+class ModelLoadError(ConfigurationError):
     """A checkpoint cannot be loaded: missing file, corrupt weights, unsupported architecture."""
 
 
 class UnsupportedModelError(ModelLoadError):
     """The checkpoint's `architectures` names no model vlserve implements."""
+
+
+def exit_code(error: VlserveError) -> int:
+    """A process's exit code for an error that ends it: EXIT_CONFIG when the options or checkpoint are wrong."""
+    return EXIT_CONFIG if isinstance(error, (ConfigurationError, InvalidInputError)) else 1

@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
+import logging
+import os
 import signal
 import socket
 import sys
+
+
+LOG_TAG_ENV = "VLSERVE_LOG_TAG"  # `serve --disagg` names each role's lines (and its engine process's) with it
+
+
+def log_format() -> str:
+    """Every vlserve process logs with this format; under `serve --disagg` each line says which role wrote it."""
+    tag = os.environ.get(LOG_TAG_ENV, "").replace("%", "%%")
+    return "%(asctime)s %(levelname)s " + (f"[{tag}] " if tag else "") + "%(name)s: %(message)s"
 
 
 def die_with_parent() -> None:
@@ -24,3 +36,54 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class SigtermStop:
+    """A server's life under `with SigtermStop() as sigterm:` (inside its task). During start-up, SIGTERM cancels
+    that task instead of ending the process on the spot: its `finally` blocks stop what it started (an engine
+    process loading a model, receive-buffer files), and the `with` ends quietly, the code after it running.
+    Once `serving()`, a SIGTERM is only noted: uvicorn stops on it, and its re-raise of the signal after stopping
+    must not cut the shutdown short."""
+
+    def __init__(self):
+        self.received = False
+        self._serving = False
+
+    def __enter__(self) -> "SigtermStop":
+        self._loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+
+        def on_sigterm() -> None:
+            self.received = True
+            if not self._serving:
+                task.cancel()
+
+        self._loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+        return self
+
+    def serving(self) -> None:
+        self._serving = True
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self._loop.remove_signal_handler(signal.SIGTERM)
+        if exc_type is asyncio.CancelledError and self.received and not self._serving:
+            logging.getLogger("vlserve").info("SIGTERM during start-up: stopped")
+            return True
+        return False
+
+
+async def finish(awaitable):
+    """Awaits `awaitable` to its end even if the caller is cancelled meanwhile (a shutdown must not stop half
+    way, a copy into shared blocks must land before they are freed); then re-raises the cancellation."""
+    work = asyncio.ensure_future(awaitable)
+    cancelled = False
+    while not work.done():
+        try:
+            await asyncio.wait([work])
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        if not work.cancelled():
+            work.exception()  # the caller is gone: its failure is nobody's to report
+        raise asyncio.CancelledError()
+    return work.result()

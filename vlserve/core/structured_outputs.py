@@ -18,6 +18,23 @@ KINDS = ("json", "regex", "choice", "grammar", "json_object")
 MAX_SPEC_CHARS = 1 << 20  # a schema or grammar bigger than this is refused before anything compiles it
 
 
+class StructuredOutputsError(InvalidInputError):
+    """A constraint of `kind` that is wrong (`problem`: "cannot be compiled: ...", ...). The message names the
+    request field it came in, by default vLLM's `structured_outputs.<kind>`; the server names the field the
+    client actually sent (`response_format.json_schema.schema`, `guided_json`, ...) with `for_field`."""
+
+    def __init__(self, kind: str, problem: str, field: str | None = None):
+        self.kind, self.problem = kind, problem
+        self.field = field or f"structured_outputs.{kind}"
+        super().__init__(f"{self.field} {problem}")
+
+    def for_field(self, field: str) -> StructuredOutputsError:
+        return StructuredOutputsError(self.kind, self.problem, field)
+
+    def __reduce__(self):
+        return type(self), (self.kind, self.problem, self.field)
+
+
 class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     json: str | dict[str, Any] | None = None  # a JSON schema; kept as canonical text after validation
     regex: str | None = None
@@ -41,19 +58,19 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         value = getattr(self, kind)
         if kind == "choice":
             if not value or not all(isinstance(c, str) and c for c in value):
-                raise InvalidInputError("structured_outputs.choice must be a non-empty list of non-empty strings")
+                raise StructuredOutputsError(kind, "must be a non-empty list of non-empty strings")
         elif kind != "json_object":
             if not isinstance(value, str) or not value.strip():
-                raise InvalidInputError(f"structured_outputs.{kind} must be a non-empty string")
+                raise StructuredOutputsError(kind, "must be a non-empty string")
             if len(value) > MAX_SPEC_CHARS:
-                raise InvalidInputError(f"structured_outputs.{kind} is longer than {MAX_SPEC_CHARS} characters")
+                raise StructuredOutputsError(kind, f"is longer than {MAX_SPEC_CHARS} characters")
         if kind == "json":
             try:
                 schema = jsonlib.loads(value)
             except (ValueError, RecursionError) as e:
-                raise InvalidInputError(f"structured_outputs.json is not valid JSON: {e}") from None
+                raise StructuredOutputsError(kind, f"is not valid JSON: {e}") from None
             if not isinstance(schema, (dict, bool)):
-                raise InvalidInputError("structured_outputs.json must be a JSON schema (an object)")
+                raise StructuredOutputsError(kind, "must be a JSON schema (an object)")
 
     @property
     def kind(self) -> str:
@@ -79,4 +96,6 @@ def structured_outputs_from(value: Any) -> StructuredOutputsParams | None:
     try:
         return msgspec.convert(value, StructuredOutputsParams)
     except msgspec.ValidationError as e:
+        if isinstance(e.__cause__, StructuredOutputsError):  # msgspec wraps what __post_init__ raised
+            raise e.__cause__ from None
         raise InvalidInputError(f"structured_outputs: {e}") from None

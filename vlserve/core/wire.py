@@ -115,6 +115,7 @@ class EngineFailed(msgspec.Struct, tag="failed"):
     """The engine could not start, or hit an internal error and stopped."""
 
     message: str
+    config_error: bool = False  # it cannot start with these options or this checkpoint (retrying will not help)
 
 
 EngineMessage = EngineOutputs | EngineReady | EngineFailed

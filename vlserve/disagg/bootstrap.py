@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 import uuid
-from typing import Callable
+from collections.abc import Awaitable, Callable
 
 import httpx
 import msgspec
@@ -37,6 +38,10 @@ class InstanceInfo(msgspec.Struct):
 class Heartbeat(msgspec.Struct):
     instance_id: str
     load: int = 0
+
+
+# Probes a load balancer or kubelet sends unsigned.
+_PROBES = ("/health", "/ready")
 
 
 def new_instance_id() -> str:
@@ -75,7 +80,7 @@ def build_bootstrap_app(heartbeat_interval: float = 1.0, failure_threshold: int 
 
     @app.middleware("http")
     async def _authenticate_then_prune(request: Request, call_next):
-        if request.url.path != "/health" and auth.enabled:
+        if request.url.path not in _PROBES and auth.enabled:
             body = await request.body()
             if not auth.verify(request.method, _signed_path(request.url.path, request.url.query), body,
                                request.headers.get(HEADER)):
@@ -136,6 +141,11 @@ def build_bootstrap_app(heartbeat_interval: float = 1.0, failure_threshold: int 
     async def health() -> Response:
         return _json({"status": "ok", "instances": len(instances)})
 
+    @app.get("/ready")
+    async def ready() -> Response:
+        # The registry needs no peer: once it answers, it can take registrations.
+        return _json({"status": "ready", "instances": len(instances)})
+
     return app
 
 
@@ -148,12 +158,41 @@ def _base_url(url: str) -> str:
     return url if "://" in url else f"http://{url}"
 
 
+class Backoff:
+    """Delays between retries: `initial`, doubling up to `cap`, each shortened by up to `jitter` (a fraction) so
+    that many clients of one restarted registry do not retry in lock-step. `reset()` after a success."""
+
+    def __init__(self, initial: float, cap: float = 30.0, jitter: float = 0.1,
+                 rng: Callable[[], float] = random.random) -> None:
+        if initial <= 0 or cap < initial or not 0 <= jitter < 1:
+            raise ValueError(f"need 0 < initial <= cap and 0 <= jitter < 1, got {initial}, {cap}, {jitter}")
+        self.initial, self.cap, self.jitter, self.rng = initial, cap, jitter, rng
+        self._next = initial
+
+    def next(self) -> float:
+        delay = self._next
+        self._next = min(self.cap, self._next * 2)
+        return delay * (1.0 - self.jitter * self.rng())
+
+    def reset(self) -> None:
+        self._next = self.initial
+
+
 class BootstrapClient:
-    """Registers one instance, heartbeats in the background, re-registers whenever the registry forgets it."""
+    """Registers one instance, heartbeats in the background, re-registers whenever the registry forgets it.
+
+    While the registry cannot be reached (at start or later) the client retries with exponential backoff, from
+    the heartbeat interval up to `retry_max_delay` seconds, and says so once: one warning when the registry
+    becomes unreachable, a reminder every `remind_every` seconds while it stays so (each try at debug level), and
+    one info line when it answers again. Connected, it heartbeats at the normal interval. `sleep`, `clock` and
+    `rng` (the jitter) are injectable so tests follow the retries without waiting."""
 
     def __init__(self, url: str, info: InstanceInfo, heartbeat_interval: float = 1.0,
                  load_fn: Callable[[], int] | None = None,
-                 transport: httpx.AsyncBaseTransport | None = None, auth: PeerAuth | None = None) -> None:
+                 transport: httpx.AsyncBaseTransport | None = None, auth: PeerAuth | None = None,
+                 retry_max_delay: float = 30.0, remind_every: float = 300.0,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+                 clock: Callable[[], float] = time.monotonic, rng: Callable[[], float] = random.random) -> None:
         self.url = _base_url(url)
         self.info = info
         self.heartbeat_interval = heartbeat_interval
@@ -163,8 +202,19 @@ class BootstrapClient:
         self._http = httpx.AsyncClient(base_url=self.url, transport=transport, timeout=max(2.0, 2 * heartbeat_interval),
                                        event_hooks={"request": [self._sign]})
         self._task: asyncio.Task | None = None
-        self._connected = False
         self.registrations = 0  # how many times the registry accepted us (observability, tests)
+        self.retry_max_delay = max(retry_max_delay, heartbeat_interval)
+        self._backoff = Backoff(heartbeat_interval, self.retry_max_delay, rng=rng)
+        self.remind_every = remind_every
+        self._sleep, self._clock = sleep, clock
+        self._down_since: float | None = None  # when the registry stopped answering; None while it answers
+        self._reminded_at = 0.0
+        self._failures = 0
+
+    @property
+    def address(self) -> str:
+        """host:port of the registry, for messages."""
+        return self._http.base_url.netloc.decode() or self.url
 
     async def _sign(self, request: httpx.Request) -> None:
         path = _signed_path(request.url.path, request.url.query.decode())
@@ -172,6 +222,33 @@ class BootstrapClient:
 
     def _load(self) -> int:
         return int(self.load_fn()) if self.load_fn is not None else self.info.load
+
+    # ---- reachability: what the log says while the registry is away -------------------------------------------
+    def _unreachable(self, e: Exception) -> float:
+        """Notes one failed try; returns how long to wait before the next one."""
+        delay = self._backoff.next()
+        self._failures += 1
+        now = self._clock()
+        reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        if self._down_since is None:
+            self._down_since = self._reminded_at = now
+            log.warning("registry at %s unreachable (%s); retrying with backoff up to %gs",
+                        self.address, reason, self.retry_max_delay)
+        elif now - self._reminded_at >= self.remind_every:
+            self._reminded_at = now
+            log.warning("registry at %s still unreachable after %.0fs and %d tries (%s); still retrying",
+                        self.address, now - self._down_since, self._failures, reason)
+        else:
+            log.debug("registry at %s unreachable (%s); next try in %.2fs", self.address, reason, delay)
+        return delay
+
+    def _reachable(self) -> str:
+        """Notes an answer; returns "" or, after an outage, how long it lasted (for the one line that ends it)."""
+        outage = "" if self._down_since is None else (
+            f" (it was unreachable for {self._clock() - self._down_since:.0f}s, {self._failures} failed tries)")
+        self._down_since, self._failures = None, 0
+        self._backoff.reset()
+        return outage
 
     async def _register_once(self) -> None:
         """One attempt; raises httpx.HTTPError on transport trouble, ValueError when the registry refuses."""
@@ -186,50 +263,49 @@ class BootstrapClient:
         if isinstance(server_interval, (int, float)) and server_interval > 0:
             self._interval = min(self.heartbeat_interval, float(server_interval))
         self.registrations += 1
-        self._connected = True
+        log.info("registered %s (%s, %s) with the registry at %s%s", self.info.instance_id, self.info.role,
+                 self.info.address, self.address, self._reachable())
 
     async def start(self) -> None:
-        """Registers (retrying until the registry answers), then heartbeats in a background task."""
+        """Registers (retrying with backoff until the registry answers), then heartbeats in a background task."""
         while True:
             try:
                 await self._register_once()
                 break
             except httpx.HTTPError as e:
-                # Expected while the registry is starting: one warning line per try, no traceback.
-                log.warning("bootstrap registry %s not reachable (%s: %s); retrying in %.1fs",
-                            self.url, type(e).__name__, e, self.heartbeat_interval)
-                await asyncio.sleep(self.heartbeat_interval)
-        log.info("registered %s (%s, %s) with %s", self.info.instance_id, self.info.role,
-                 self.info.address, self.url)
+                # Expected while the registry is starting: said once, without a traceback.
+                await self._sleep(self._unreachable(e))
         self._task = asyncio.create_task(self._heartbeat_loop(), name="bootstrap-heartbeat")
 
     async def _heartbeat_loop(self) -> None:
+        delay = self._interval
         while True:
-            await asyncio.sleep(self._interval)
+            await self._sleep(delay)
             try:
                 await self._beat()
+                delay = self._interval
             except asyncio.CancelledError:
                 raise
             except (httpx.HTTPError, ValueError) as e:
-                # Keep trying forever: a restarted registry must get everyone back.
-                if self._connected:
-                    log.warning("heartbeat to %s failed (%s: %s); will keep trying",
-                                self.url, type(e).__name__, e)
-                self._connected = False
+                # Keep trying forever (a restarted registry must get everyone back), backing off meanwhile.
+                delay = self._unreachable(e)
             except Exception:
                 log.exception("unexpected heartbeat error")  # never let the loop die silently
+                delay = self._interval
 
     async def _beat(self) -> None:
         body = msgspec.json.encode(Heartbeat(self.info.instance_id, self._load()))
         resp = await self._http.post("/heartbeat", content=body, headers={"content-type": "application/json"})
         if resp.status_code == 404:
-            log.info("registry %s forgot %s; registering again", self.url, self.info.instance_id)
+            # (expected after an outage: a restarted registry is empty; the registration line follows)
+            log.log(logging.DEBUG if self._down_since is not None else logging.INFO,
+                    "registry at %s forgot %s; registering again", self.address, self.info.instance_id)
             await self._register_once()
             return
         resp.raise_for_status()
-        if not self._connected:
-            log.info("heartbeats to %s resumed", self.url)
-        self._connected = True
+        outage = self._reachable()
+        if outage:  # it answered again without having forgotten us
+            log.info("heartbeats to the registry at %s resumed%s", self.address, outage)
 
     async def list_instances(self, role: str | None = None) -> list[InstanceInfo]:
         params = {"role": role} if role is not None else None

@@ -20,8 +20,7 @@ def run_encode(ns: argparse.Namespace) -> int:
     opts = options_from(ns, ENCODE)
     # Precomputed embeddings reach an encoder only from a language server whose own --enable-mm-embeds let them in.
     opts.engine.enable_mm_embeds = True
-    asyncio.run(run_encoder(opts, ns.log_level))
-    return 0
+    return asyncio.run(run_encoder(opts, ns.log_level))
 
 
 def run_prefill(ns: argparse.Namespace) -> int:
@@ -32,8 +31,7 @@ def run_prefill(ns: argparse.Namespace) -> int:
     # Embedding entries reach a prefill instance only from a decode instance whose own --enable-mm-embeds let
     # them in.
     opts.engine.enable_mm_embeds = True
-    asyncio.run(run(opts, ns.log_level))
-    return 0
+    return asyncio.run(run(opts, ns.log_level))
 
 
 def run_bootstrap(ns: argparse.Namespace) -> int:

@@ -20,11 +20,12 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from fastapi import FastAPI
 from fastapi.responses import Response
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
 from vlserve.core.config import Options
 from vlserve.core.errors import InvalidInputError, ServiceUnavailableError
+from vlserve.core.processes import SigtermStop, finish
 from vlserve.core.prompt import ProcessedPrompt
 from vlserve.disagg.auth import PeerAuth, require_secret_off_loopback
 from vlserve.disagg.messages import (
@@ -41,7 +42,7 @@ from vlserve.engine.encoder_cache import EncoderCacheManager
 from vlserve.engine.vision_runner import VisionRunner
 from vlserve.frontend.input_processor import InputProcessor
 from vlserve.frontend.media.fetch import MediaFetcher, MediaPolicy
-from vlserve.frontend.metrics import CONTENT_TYPE, PREFIX
+from vlserve.frontend.metrics import CONTENT_TYPE, LATENCY_BUCKETS, PREFIX
 from vlserve.frontend.prompt_encoder import LocalPromptEncoder
 from vlserve.model.hardware import log_once
 from vlserve.model.layers.packed_linear import packed_linear_supported
@@ -76,6 +77,8 @@ class EncodeService(SenderService):
         self._setup(server.host, d.data_port or server.port + 1, auth, transport,
                     TransferMetrics(self.registry, None, "encode"), d.transfer_timeout, d.transfer_failure_prob)
         self.registry.register(_EncoderStats(self))
+        self.encoder_latency = Histogram(PREFIX + "encoder_latency_seconds", "Vision encoder time per ViT call.",
+                                         registry=self.registry, buckets=LATENCY_BUCKETS)
         self.in_flight = 0
 
     def pong(self, nonce: int) -> Pong:
@@ -116,39 +119,60 @@ class EncodeService(SenderService):
         They stay held for `holder` until its transfer ends."""
         items = prompt.mm_items
         todo, waits = [], []
-        for i, item in enumerate(items):
-            if not item.needs_encoder:
-                continue
-            if self.cache.holds((holder, i), item) or self.cache.lookup((holder, i), item):
-                if item.mm_hash in self.encoding:
-                    waits.append(self.encoding[item.mm_hash])
-                continue
-            if not self.cache.can_allocate(item.num_tokens):
-                raise ServiceUnavailableError("the encoder cache is full of pictures still being sent; retry later")
-            self.vision.free(self.cache.allocate((holder, i), item))
-            if item.mm_hash not in self.encoding:
-                self.encoding[item.mm_hash] = asyncio.get_running_loop().create_future()
-                todo.append(item)
+        try:
+            for i, item in enumerate(items):
+                if not item.needs_encoder:
+                    continue
+                if self.cache.holds((holder, i), item) or self.cache.lookup((holder, i), item):
+                    if item.mm_hash in self.encoding:
+                        waits.append(self.encoding[item.mm_hash])
+                    continue
+                if not self.cache.can_allocate(item.num_tokens):
+                    raise ServiceUnavailableError("the encoder cache is full of pictures still being sent; retry "
+                                                  "later")
+                self.vision.free(self.cache.allocate((holder, i), item))
+                if item.mm_hash not in self.encoding:
+                    self.encoding[item.mm_hash] = asyncio.get_running_loop().create_future()
+                    todo.append(item)
+        except BaseException as e:
+            self._encoded(todo, e)  # what this request set out to encode never will be
+            raise
         if todo:
-            try:
-                await asyncio.get_running_loop().run_in_executor(self.vit, self.vision.encode, todo)
-            except BaseException as e:
-                for item in todo:
-                    self._finish_encoding(item.mm_hash, e)
-                raise
-            for item in todo:
-                self._finish_encoding(item.mm_hash, None)
+            # Settled when the tower is done, even if this request is cancelled meanwhile (others may wait on it).
+            call = asyncio.get_running_loop().run_in_executor(self.vit, self._run_tower, todo)
+            call.add_done_callback(
+                lambda done: self._encoded(todo, asyncio.CancelledError() if done.cancelled() else done.exception()))
+            await asyncio.shield(call)
         for wait in waits:
             await asyncio.shield(wait)
         return [self.vision.outputs[it.mm_hash] if it.needs_encoder else it.embeddings for it in items]
 
-    def _finish_encoding(self, mm_hash: str, error: BaseException | None) -> None:
-        future = self.encoding.pop(mm_hash, None)
-        if future is not None and not future.done():
+    def _run_tower(self, items: list) -> None:
+        """On the vision thread: the tower over `items`, each call's time into the latency histogram."""
+        try:
+            self.vision.encode(items)
+        finally:
+            for seconds in self.vision.take_seconds():
+                self.encoder_latency.observe(seconds)
+
+    def _encoded(self, items: list, error: BaseException | None) -> None:
+        """The tower is done with `items` (or will never run them): requests waiting for them go on, or fail with
+        `error`. A failed encoding leaves no trace: its cache entries go (a later request for the same picture
+        encodes it again instead of finding an entry with no output) and so do any outputs it stored."""
+        if error is not None:
+            hashes = [it.mm_hash for it in items]
+            self.vision.free(hashes)
+            for mm_hash in hashes:
+                self.cache.discard(mm_hash)
+        for item in items:
+            future = self.encoding.pop(item.mm_hash, None)
+            if future is None or future.done():
+                continue
             if error is None:
                 future.set_result(None)
             else:
                 future.set_exception(ServiceUnavailableError(f"the vision encoder failed: {error}"))
+                future.exception()  # retrieved: a failure nobody else waited for is not "never retrieved"
 
     # ---- HTTP side ---------------------------------------------------------------------------------------
     def http_app(self) -> FastAPI:
@@ -156,6 +180,10 @@ class EncodeService(SenderService):
 
         @app.get("/health")
         async def health():
+            return Response(status_code=200)
+
+        @app.get("/ready")
+        async def ready():  # it serves as soon as it answers: its model is loaded and its data socket bound
             return Response(status_code=200)
 
         @app.get("/metrics")
@@ -172,7 +200,8 @@ class EncodeService(SenderService):
 
 
 class _EncoderStats:
-    """Encoder-cache counters, vision-call latency and load of an encode service, read at scrape time."""
+    """Encoder-cache counters and load of an encode service, read at scrape time (the vision-call latency is a
+    histogram of its own, observed as calls end)."""
 
     def __init__(self, service: EncodeService):
         self.service = service
@@ -193,21 +222,27 @@ class _EncoderStats:
              "Embedding rows in the encoder cache (1 + DeepStack levels per media token).")]).collect()
 
 
-async def run_encoder(opts: Options, log_level: str) -> None:
+async def run_encoder(opts: Options, log_level: str) -> int:
     """The encode role: bind the data socket, register with the bootstrap, serve until stopped."""
 
     from vlserve.disagg.bootstrap import BootstrapClient, InstanceInfo, new_instance_id
 
-    service = EncodeService(opts)
-    service.bind()
-    host, port = opts.server.host, opts.server.port
-    info = InstanceInfo(new_instance_id(), "encode", f"{host}:{service.data_port}", f"{host}:{port}")
-    boot = BootstrapClient(opts.disagg.bootstrap, info, opts.disagg.heartbeat_interval,
-                           load_fn=lambda: service.in_flight, auth=service.auth)
-    await boot.start()
-    logger.info("encoder ready: data tcp://%s, http://%s", info.address, info.http_address)
-    try:
-        await service.run(service.http_app(), port, log_level)
-    finally:
-        await boot.stop()
-        await service.aclose()
+    # (the model loads synchronously: a SIGTERM then takes effect at the first await)
+    with SigtermStop() as sigterm:
+        service = EncodeService(opts)
+        try:
+            service.bind()
+            host, port = opts.server.host, opts.server.port
+            info = InstanceInfo(new_instance_id(), "encode", f"{host}:{service.data_port}", f"{host}:{port}")
+            boot = BootstrapClient(opts.disagg.bootstrap, info, opts.disagg.heartbeat_interval,
+                                   load_fn=lambda: service.in_flight, auth=service.auth)
+            await boot.start()
+            try:
+                logger.info("encoder ready: data tcp://%s, http://%s", info.address, info.http_address)
+                sigterm.serving()
+                await service.run(service.http_app(), port, log_level)
+            finally:
+                await finish(boot.stop())
+        finally:
+            await finish(service.aclose())
+    return 0

@@ -113,6 +113,7 @@ class EncoderClient:
         self.quarantined: dict[tuple[str, int], tuple[list[int], float]] = {}  # blocks an encoder may still write
         self._tasks: list[asyncio.Task] = []
         self._block_freed = asyncio.Event()
+        self._peer_paired = asyncio.Event()
 
     async def start(self) -> None:
         await self.bootstrap.start()
@@ -133,6 +134,7 @@ class EncoderClient:
 
     # ---- membership and heartbeats ----------------------------------------------------------------------------
     async def _refresh_loop(self) -> None:
+        listing_failed = False
         while True:
             await asyncio.sleep(self.opts.heartbeat_interval)
             now = time.monotonic()
@@ -141,7 +143,12 @@ class EncoderClient:
             try:
                 await self._refresh()
             except Exception as e:  # noqa: BLE001 - the registry may be restarting; keep the encoders we know
-                logger.warning("could not list encoders: %s", e)
+                # Said once per outage: the bootstrap client already reports the registry's absence and return.
+                (logger.debug if listing_failed else logger.warning)(
+                    "could not list %s instances (keeping the %d known): %s", self.peers.role, len(self.encoders), e)
+                listing_failed = True
+            else:
+                listing_failed = False
 
     async def _refresh(self) -> None:
         """The registry is for discovery only: an encoder is dropped when it stops answering our pings, not
@@ -219,6 +226,7 @@ class EncoderClient:
             self._drop(enc, "its model does not match", quiet=True, for_s=300.0)
             return
         enc.paired = True
+        self._peer_paired.set()
         logger.info("%s %s paired (%s)", self.peers.name, enc.info.instance_id[:8], enc.info.address)
 
     # ---- transfers ---------------------------------------------------------------------------------------------
@@ -241,7 +249,7 @@ class EncoderClient:
         tried: set[str] = set()
         last: Exception | None = None
         for _ in range(2):  # the first try and one retry on another encoder
-            enc = self._pick(key, tried)
+            enc = self._pick(key, tried) if tried else await self._first_peer(key)
             if enc is None:
                 break
             tried.add(enc.info.instance_id)
@@ -258,8 +266,24 @@ class EncoderClient:
                                f"; retrying on another {self.peers.name}" if retry else "")
                 last = e
         if last is None:
-            raise ServiceUnavailableError(f"no {self.peers.name} is available; retry later")
+            raise ServiceUnavailableError(f"no {self.peers.name} is available (none paired within "
+                                          f"--peer-wait-timeout {self.opts.peer_wait_timeout:g}s); retry later")
         raise ServiceUnavailableError(f"the {self.peers.name} failed after {len(tried)} attempt(s): {last}")
+
+    async def _first_peer(self, key: str) -> EncoderConn | None:
+        """A peer for a request's first try: when none is paired (a start-up race, a peer restarting), wait up
+        to --peer-wait-timeout for one to pair rather than refuse at once."""
+        deadline = time.monotonic() + self.opts.peer_wait_timeout
+        while (enc := self._pick(key, set())) is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            self._peer_paired.clear()
+            try:
+                await asyncio.wait_for(self._peer_paired.wait(), left)
+            except asyncio.TimeoutError:
+                return None
+        return enc
 
     async def _allocate(self, tokens: int) -> list[int]:
         deadline = time.monotonic() + self.opts.transfer_timeout
@@ -309,7 +333,7 @@ class EncoderClient:
                 received.check(header, run, self.buffers.block_tokens, self.cfg.max_model_len,
                                self.peers.rows_for_every_token)
                 try:
-                    self.metrics.bytes(self.transport.receive(header, frames, self.buffers))
+                    self.metrics.bytes(await self.transport.receive(header, frames, self.buffers))
                 except ValueError as e:
                     raise EncoderFailure(f"malformed chunk: {e}") from None
                 if header.start_token == 0:

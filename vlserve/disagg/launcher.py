@@ -5,7 +5,9 @@
 Each child's command line is built from the options (only the flags its role honours), never by editing argv.
 Children run in their own session, so a terminal's Ctrl-C reaches only this supervisor, which then stops them
 in order (language first, registry last: nothing logs a failed deregistration). SIGTERM does the same. A child
-that dies is restarted with backoff, a bounded number of times; the others keep serving meanwhile.
+that dies is restarted with backoff, a bounded number of times; the others keep serving meanwhile. A child that
+exits with EXIT_CONFIG (a bad --model, a corrupt checkpoint) stops the deployment at once: restarts would fail
+the same way. Each child's log lines carry its name.
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ import time
 from dataclasses import dataclass, field
 
 from vlserve.core.config import BOOTSTRAP, DECODE, ENCODE, LANGUAGE, PREFILL, Options
-from vlserve.core.errors import InvalidInputError
+from vlserve.core.errors import EXIT_CONFIG, InvalidInputError
 from vlserve.core.options import to_argv
-from vlserve.core.processes import die_with_parent, free_port
+from vlserve.core.processes import LOG_TAG_ENV, die_with_parent, free_port
 
 logger = logging.getLogger("vlserve.disagg")
 MAX_RESTARTS = 5  # per child within RESTART_WINDOW_S; one more crash stops the deployment
@@ -41,7 +43,8 @@ class Child:
     restart_at: float | None = None
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.argv, env={**os.environ, **self.env}, start_new_session=True,
+        env = {**os.environ, **self.env, LOG_TAG_ENV: self.name}  # its log lines say which role wrote them
+        self.proc = subprocess.Popen(self.argv, env=env, start_new_session=True,
                                      preexec_fn=die_with_parent if sys.platform == "linux" else None)
         self.restart_at = None
 
@@ -130,7 +133,7 @@ class Supervisor:
     def __init__(self, children: list[Child]):
         self.children = children
         self.stopping = False
-        self.failed = False
+        self.exit_code = 0
 
     def _on_signal(self, signum, _frame) -> None:
         if not self.stopping:
@@ -138,6 +141,7 @@ class Supervisor:
         self.stopping = True
 
     def run(self) -> int:
+        """0 once stopped by a signal; 1 when a role kept crashing, EXIT_CONFIG when one cannot start at all."""
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             for child in self.children:
@@ -149,7 +153,7 @@ class Supervisor:
             self.shutdown()
             for s, handler in previous.items():
                 signal.signal(s, handler)
-        return 1 if self.failed else 0
+        return self.exit_code
 
     def _check(self) -> None:
         now = time.monotonic()
@@ -162,11 +166,16 @@ class Supervisor:
             if child.running:
                 continue
             code = child.proc.returncode
+            if code == EXIT_CONFIG:  # the options or the checkpoint are wrong: every restart would fail the same way
+                logger.error("%s cannot start with this configuration (see its error above); stopping the "
+                             "deployment", child.name)
+                self.exit_code, self.stopping = EXIT_CONFIG, True
+                return
             child.crashes = [t for t in child.crashes if now - t < RESTART_WINDOW_S] + [now]
             if len(child.crashes) > MAX_RESTARTS:
                 logger.error("%s exited (code %s) %d times within %.0fs; stopping the deployment", child.name, code,
                              len(child.crashes), RESTART_WINDOW_S)
-                self.failed = self.stopping = True
+                self.exit_code, self.stopping = 1, True
                 return
             backoff = min(0.5 * 2 ** (len(child.crashes) - 1), 10.0)
             logger.warning("%s exited (code %s); restarting it in %.1fs (the other roles keep serving)",

@@ -19,6 +19,7 @@ from fastapi.responses import Response
 
 from vlserve.core.config import PREFILL, Options
 from vlserve.core.errors import InvalidInputError
+from vlserve.core.processes import SigtermStop, finish
 from vlserve.disagg.auth import PeerAuth, require_secret_off_loopback
 from vlserve.disagg.messages import (
     EncodeRequest,
@@ -101,6 +102,11 @@ class PrefillService(SenderService):
                 return Response(f"the engine is not available: {self.engine.unhealthy_reason}", status_code=503)
             return Response(status_code=200)
 
+        @app.get("/ready")
+        async def ready():
+            reason = self.engine.not_ready_reason
+            return Response(f"not ready: {reason}" if reason else None, status_code=503 if reason else 200)
+
         @app.get("/metrics")
         async def metrics():
             return Response(self.engine.metrics.render(), media_type=CONTENT_TYPE)
@@ -108,22 +114,33 @@ class PrefillService(SenderService):
         return app
 
 
-async def run_prefill(opts: Options, log_level: str) -> None:
+async def run_prefill(opts: Options, log_level: str) -> int:
     """The prefill role: bind the data socket, start the engine (which registers with the bootstrap through its
-    encoder client, under role "prefill" with the data address), serve until stopped."""
+    encoder client, under role "prefill" with the data address), serve until stopped. Returns the exit code: 1
+    when the engine died (a supervisor restarts the instance)."""
     host, port = opts.server.host, opts.server.port
     data_port = opts.disagg.data_port or port + 1
-    encoder = remote_prompt_encoder(opts.disagg, f"{host}:{port}", PREFILL, data_address=f"{host}:{data_port}")
-    engine = AsyncLLM(opts.engine, opts.engine.model, media_threads=opts.server.media_threads, log_requests=False,
-                      log_level=log_level, heartbeat_timeout=opts.server.engine_heartbeat_timeout,
-                      prompt_encoder=encoder)
-    service = PrefillService(engine, opts)
-    service.bind()
-    await engine.start()
-    logger.info("prefill instance ready: data tcp://%s:%d, http://%s:%d", host, data_port, host, port)
-    try:
-        await service.run(service.http_app(), port, log_level)
-    finally:
-        await engine.shutdown()
-        service.transport.close()
-        service.auth.stop()
+    with SigtermStop() as sigterm:
+        encoder = remote_prompt_encoder(opts.disagg, f"{host}:{port}", PREFILL,
+                                        data_address=f"{host}:{data_port}")
+        engine = AsyncLLM(opts.engine, opts.engine.model, media_threads=opts.server.media_threads,
+                          log_requests=False, log_level=log_level,
+                          heartbeat_timeout=opts.server.engine_heartbeat_timeout, prompt_encoder=encoder)
+        service = PrefillService(engine, opts)
+        try:
+            service.bind()
+            await engine.start()
+            logger.info("prefill instance ready: data tcp://%s:%d, http://%s:%d", host, data_port, host, port)
+            sigterm.serving()
+            try:
+                await service.run(service.http_app(), port, log_level, stop=engine.dead)
+            finally:
+                await finish(engine.shutdown())
+        finally:
+            service.transport.close()
+            service.auth.stop()
+        if engine.core.dead_reason is not None:
+            logger.error("the engine is gone (%s): exiting with code 1", engine.core.dead_reason)
+            return 1
+        return 0
+    return 0  # stopped by SIGTERM during start-up

@@ -47,6 +47,13 @@ class RemotePromptEncoder:
         await self.client.start()
         self.started = True
 
+    def not_ready_reason(self) -> str | None:
+        if not self.started:
+            return "starting"
+        if not self.client.num_available:
+            return f"no {self.peers.name} is paired yet"
+        return None
+
     async def stop(self) -> None:
         """Also right after a failed start-up (the engine never came up): then only the file goes."""
         self.transfer_buffers.unlink()

@@ -40,7 +40,7 @@ from vlserve.disagg.messages import (
 )
 from vlserve.disagg.metrics import TransferMetrics
 from vlserve.disagg.transports import ChunkData, Transport
-from vlserve.disagg.transports.base import ABORT_ACK_STATUS
+from vlserve.disagg.transports.base import ABORT_ACK_STATUS, in_thread
 
 logger = logging.getLogger("vlserve.disagg")
 Key = tuple[bytes, str, int]  # (peer, request id, transfer id)
@@ -112,7 +112,7 @@ class TransferSender:
         if n <= 0 or start < 0:
             raise VlserveError(f"the receiver offered no room (start {start} of {total} tokens)")
         end = start + n
-        segments, rows = transfer.rows_of(start, end)
+        segments, rows = await in_thread(transfer.rows_of, start, end)  # gathers a chunk's rows: a copy
         data = ChunkData(torch.tensor(prompt.prompt_token_ids[start:end], dtype=torch.int64),
                          prompt.mrope_positions[:, start:end].T.contiguous(), rows)
         items = [ItemMeta(it.offset, it.num_tokens, tuple(it.grid_thw), it.mm_hash) for it in prompt.mm_items]
@@ -212,17 +212,26 @@ class SenderService:
             sweeper.cancel()
             self.sock.close(linger=0)
 
-    async def run(self, app, port: int, log_level: str) -> None:
-        """The data socket, and `app` (/health, /metrics) over HTTP on `port`, until the process is stopped."""
+    async def run(self, app, port: int, log_level: str, stop: asyncio.Event | None = None) -> None:
+        """The data socket, and `app` (/health, /ready, /metrics) over HTTP on `port`, until the process is
+        stopped or `stop` is set (its engine died)."""
         import uvicorn
 
         data = asyncio.create_task(self.serve())
         http = uvicorn.Server(uvicorn.Config(app, host=self.host, port=port, log_level=log_level.lower(),
                                              access_log=False, log_config=None))
+
+        async def stop_when_set() -> None:
+            await stop.wait()
+            http.should_exit = True
+
+        watch = asyncio.create_task(stop_when_set()) if stop is not None else None
         try:
             await http.serve()
         finally:
             data.cancel()
+            if watch is not None:
+                watch.cancel()
             for task in list(self.tasks):
                 task.cancel()
 

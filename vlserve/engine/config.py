@@ -81,7 +81,7 @@ def check_tensor_parallel(args: EngineArgs, model: ModelConfig, quantization: Qu
             raise InvalidInputError(f"tensor_parallel_size {tp} needs {tp} CUDA devices on this machine, "
                                     f"{torch.cuda.device_count()} are visible")
     if quantization is not None and quantization.is_checkpoint_format:
-        raise InvalidInputError(f"a {quantization.method} 4-bit checkpoint cannot be split over ranks: use "
+        raise InvalidInputError(f"{quantization.method.upper()} 4-bit checkpoints cannot be split over ranks: use "
                                 "tensor_parallel_size 1, or int8 from the full-precision checkpoint")
     t, v = model.text, model.vision
     sizes = {"attention heads": t.num_heads, "MLP width": t.intermediate_size, "the intermediate size of "

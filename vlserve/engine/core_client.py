@@ -13,6 +13,7 @@ import asyncio
 import itertools
 import logging
 import multiprocessing
+import os
 import shutil
 import sys
 import tempfile
@@ -25,7 +26,8 @@ import zmq
 import zmq.asyncio
 
 from vlserve.core.config import EngineArgs, encode_args
-from vlserve.core.errors import VlserveError
+from vlserve.core.errors import ConfigurationError, VlserveError
+from vlserve.core.processes import finish
 from vlserve.core.wire import (
     EngineFailed,
     EngineInput,
@@ -92,13 +94,13 @@ class EngineCoreClient:
         self.proc = multiprocessing.get_context("spawn").Process(
             target=run_engine_core,
             args=(encode_args(self.args), addresses, self.log_level,
-                  None if self.transfer_layout is None else msgspec.msgpack.encode(self.transfer_layout)),
+                  None if self.transfer_layout is None else msgspec.msgpack.encode(self.transfer_layout), os.getpid()),
             name="vlserve-engine-core", daemon=True)
         self.proc.start()
         try:
             ready = await self._wait_ready()
-        except BaseException:
-            await self.shutdown()
+        except BaseException:  # failed, or cancelled (SIGTERM) while it loads: it reads no message yet, so stop it
+            await finish(self.shutdown(stop_now=True))
             raise
         self._tasks = [asyncio.create_task(self._output_loop()), asyncio.create_task(self._watch())]
         return ready
@@ -110,16 +112,22 @@ class EngineCoreClient:
                 if isinstance(msg, EngineReady):
                     return msg
                 if isinstance(msg, EngineFailed):
-                    raise VlserveError(f"the engine failed to start: {msg.message}")
+                    error = ConfigurationError if msg.config_error else VlserveError
+                    raise error(f"the engine failed to start: {msg.message}")
             elif not self.proc.is_alive():
                 raise VlserveError(f"the engine process exited during start-up (exit code {self.proc.exitcode})")
 
-    async def shutdown(self) -> None:
+    async def shutdown(self, stop_now: bool = False) -> None:
+        """In order: the engine finishes its step and exits. `stop_now`: SIGTERM (a start-up that will not be
+        used); either way SIGKILL after a while."""
         for task in self._tasks:
             task.cancel()
         self._tasks = []
         if self.proc is not None and self.proc.is_alive():
-            if self.dead_reason is None and self.unresponsive_reason is None:
+            if stop_now:
+                self.proc.terminate()
+                await asyncio.get_running_loop().run_in_executor(None, self.proc.join, SHUTDOWN_WAIT_S)
+            elif self.dead_reason is None and self.unresponsive_reason is None:
                 self.send(Shutdown())
                 await asyncio.get_running_loop().run_in_executor(None, self.proc.join, SHUTDOWN_WAIT_S)
             if self.proc.is_alive():

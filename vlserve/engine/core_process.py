@@ -20,8 +20,8 @@ import msgspec
 import zmq
 
 from vlserve.core.config import decode_args
-from vlserve.core.errors import VlserveError
-from vlserve.core.processes import die_with_parent
+from vlserve.core.errors import ConfigurationError, InvalidInputError, VlserveError
+from vlserve.core.processes import die_with_parent, log_format
 from vlserve.core.wire import (
     AddRequest,
     EngineFailed,
@@ -58,7 +58,8 @@ class Progress:
 
 
 class EngineCoreLoop:
-    def __init__(self, core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, progress: Progress):
+    def __init__(self, core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, progress: Progress,
+                 parent_pid: int):
         self.core = core
         self.inputs = inputs
         self.outputs = outputs
@@ -66,7 +67,7 @@ class EngineCoreLoop:
         self.in_framer = Framer(EngineInput)
         self.out_framer = Framer(EngineMessage)
         self.rejected: list[RequestRejected] = []
-        self.parent_pid = os.getppid()
+        self.parent_pid = parent_pid
         self.running = True
 
     def run(self) -> None:
@@ -157,13 +158,18 @@ def _answer_heartbeats(ctx: zmq.Context, address: str, progress: Progress, stop:
 
 
 def run_engine_core(args_json: bytes, addresses: dict[str, str], log_level: str = "INFO",
-                    transfer_layout: bytes | None = None) -> None:
+                    transfer_layout: bytes | None = None, parent_pid: int | None = None) -> None:
     """Entry point of the spawned process. Exits non-zero when the engine cannot start.
 
-    `transfer_layout`: receive buffers (msgspec-encoded `BufferLayout`) to map, on a disaggregated server."""
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    `transfer_layout`: receive buffers (msgspec-encoded `BufferLayout`) to map, on a disaggregated server.
+    `parent_pid`: the front-end's (this process outlives it by no more than a poll)."""
+    logging.basicConfig(level=log_level, format=log_format())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the front-end, which shuts us down in order
     die_with_parent()
+    parent_pid = parent_pid or os.getppid()
+    if os.getppid() != parent_pid:  # the front-end died while this process was still importing: nobody to serve
+        logger.warning("front-end process is gone before the engine started; exiting")
+        sys.exit(1)
     ctx = zmq.Context()
     inputs, outputs = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     inputs.connect(addresses["input"])
@@ -184,12 +190,13 @@ def run_engine_core(args_json: bytes, addresses: dict[str, str], log_level: str 
         except Exception as e:  # noqa: BLE001 - any start-up failure must reach the front-end as a message
             if not isinstance(e, VlserveError):  # ours have clear messages; anything else needs its traceback
                 logger.exception("engine core failed to start")
-            outputs.send_multipart(framer.encode(EngineFailed(f"{type(e).__name__}: {e}")))
+            config_error = isinstance(e, (ConfigurationError, InvalidInputError))
+            outputs.send_multipart(framer.encode(EngineFailed(f"{type(e).__name__}: {e}", config_error)))
             exit_code = 1
             return
         outputs.send_multipart(framer.encode(EngineReady(core.cfg.num_kv_blocks, core.cfg.max_model_len)))
         try:
-            EngineCoreLoop(core, inputs, outputs, progress).run()
+            EngineCoreLoop(core, inputs, outputs, progress, parent_pid).run()
         except Exception as e:  # noqa: BLE001 - report, then exit: the front-end fails pending requests with 503
             logger.exception("engine core crashed")
             outputs.send_multipart(framer.encode(EngineFailed(f"engine core crashed: {type(e).__name__}: {e}")))

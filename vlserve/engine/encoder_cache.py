@@ -95,6 +95,13 @@ class EncoderCacheManager:
     def release_all(self, owner: str, items: list[MultiModalItem]) -> list[str]:
         return [h for i, item in enumerate(items) for h in self.release((owner, i), item)]
 
+    def discard(self, mm_hash: str) -> None:
+        """Forget an entry whatever holds it (its encoding failed: there is no output to hand out). Its holders'
+        later releases find nothing and do nothing."""
+        if mm_hash in self._size:
+            self._freeable.pop(mm_hash, None)
+            self._drop(mm_hash)
+
     def holds(self, holder: Holder, item: MultiModalItem) -> bool:
         return holder in self._holders.get(item.mm_hash, ())
 

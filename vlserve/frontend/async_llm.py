@@ -20,6 +20,7 @@ import torch
 from vlserve.core.config import EngineArgs
 from vlserve.core.errors import EngineDeadError, InvalidInputError, ServiceUnavailableError
 from vlserve.core.messages import EngineCoreOutput, Handoff
+from vlserve.core.processes import finish
 from vlserve.core.outputs import RequestOutput
 from vlserve.core.sampling_params import SamplingParams, fan_out
 from vlserve.core.wire import EngineOutputs, FinishRequests, prompt_to_wire, tensor_from
@@ -140,6 +141,7 @@ class AsyncLLM:
         self.max_waiting_requests = max_waiting_requests
         self.log_requests = log_requests
         self.executor = ThreadPoolExecutor(max_workers=media_threads, thread_name_prefix="vlserve-media")
+        self.dead = asyncio.Event()  # set once the engine process is gone for good
         self.streams: dict[str, RequestStream] = {}
         self.releases: dict[str, Callable[[], None]] = {}  # request id -> frees its prompt once the engine is done
         self.prefills: dict[str, _Prefill] = {}  # prefill instance: requests whose KV the engine sends back
@@ -154,14 +156,15 @@ class AsyncLLM:
         try:
             ready = await self.core.start()
         except BaseException:
-            await self.prompt_encoder.stop()
+            await finish(self.prompt_encoder.stop())
             raise
         logger.info("engine core ready (pid %d): %d KV blocks, max_model_len %d", self.core.proc.pid,
                     ready.num_kv_blocks, ready.max_model_len)
         try:
             await self.prompt_encoder.start()
         except BaseException:
-            await self.core.shutdown()
+            await finish(self.prompt_encoder.stop())
+            await finish(self.core.shutdown())
             raise
 
     async def shutdown(self) -> None:
@@ -177,6 +180,13 @@ class AsyncLLM:
     @property
     def unhealthy_reason(self) -> str | None:
         return self.core.dead_reason or self.core.unresponsive_reason
+
+    @property
+    def not_ready_reason(self) -> str | None:
+        """Why this server cannot serve what it accepts right now (None: ready). Liveness is `is_healthy`."""
+        if not self.is_healthy:
+            return f"the engine is not available: {self.unhealthy_reason}"
+        return self.prompt_encoder.not_ready_reason()
 
     @property
     def stats(self):
@@ -333,6 +343,8 @@ class AsyncLLM:
 
     def _fail_all(self, reason: str, log: bool = True) -> None:
         """Every request in flight fails with 503 (the engine died or stopped answering) and leaves the engine."""
+        if self.core.dead_reason is not None:
+            self.dead.set()
         for rid, stream in list(self.streams.items()):
             stream.fail(EngineDeadError(f"the engine stopped: {reason}"))
             self.abort(rid)

@@ -62,7 +62,8 @@ class _Item:
 
 class InputProcessor:
     """`max_image_pixels` bounds every picture and video frame twice: as decoded (checked from the header,
-    before decoding) and as resized for the encoder (checked before resizing)."""
+    before decoding: a larger one is refused) and as resized for the encoder (the resize target shrinks to fit
+    under it; checked again before resizing)."""
 
     def __init__(self, cfg: VlserveConfig, tokenizer, image_cfg: ImageProcessorConfig,
                  max_image_pixels: int = DEFAULT_MAX_PIXELS_DECODED):
@@ -131,13 +132,11 @@ class InputProcessor:
                                     f"(supported: {', '.join(sorted(MM_KWARGS))})")
         images = self._sources("image", mm_data, uuids)
         videos = self._sources("video", mm_data, uuids)
-        min_px, max_px = resolve_pixel_limits(self.image_cfg, kwargs.get("min_pixels"), kwargs.get("max_pixels"))
+        min_px, max_px = resolve_pixel_limits(self.image_cfg, kwargs.get("min_pixels"), kwargs.get("max_pixels"),
+                                              cap=self.max_image_pixels)
         if min_px > max(self.image_cfg.max_pixels, self.image_cfg.min_pixels):
             raise InvalidInputError(f"min_pixels {min_px} is above this model's max_pixels "
                                     f"({self.image_cfg.max_pixels})")
-        if max_px > self.max_image_pixels:
-            raise InvalidInputError(f"max_pixels {max_px} is above the server's --max-image-pixels "
-                                    f"({self.max_image_pixels})")
         pixel_params = {"min_pixels": min_px, "max_pixels": max_px}  # what changes the encoder's output
         image_items = [self._image(src, uid, pixel_params) for src, uid in images]
         per_video = [self._video(src, uid, kwargs, pixel_params) for src, uid in videos]
@@ -188,7 +187,7 @@ class InputProcessor:
     def _video(self, src: Any, uid: str | None, kwargs: dict, pixel_params: dict) -> tuple[list[_Item], list[float]]:
         """The video's items: one, or with Qwen3-VL's layout one per temporal patch plus each patch's time in
         seconds (for the prompt)."""
-        opts = self.video_opts.with_overrides(kwargs, self.cfg.max_video_frames)
+        opts = self.video_opts.with_overrides(kwargs, self.cfg.max_video_frames, self.max_image_pixels)
         video = load_video(list(src) if isinstance(src, np.ndarray) else src, opts, self.max_image_pixels)
         lo, hi = pixel_params["min_pixels"], pixel_params["max_pixels"]
         t, h, w = video_grid(video, self.image_cfg, opts, lo, hi)

@@ -49,6 +49,9 @@ class PromptEncoder(Protocol):
 
     async def stop(self) -> None: ...
 
+    def not_ready_reason(self) -> str | None:
+        """Why this server cannot yet serve what it accepts (no peer paired), or None."""
+
 
 class LocalPromptEncoder:
     transfer_buffers = None
@@ -64,6 +67,9 @@ class LocalPromptEncoder:
     async def stop(self) -> None:
         for fetcher in self.fetchers.values():
             await fetcher.aclose()
+
+    def not_ready_reason(self) -> str | None:
+        return None
 
     async def encode(self, prompt: dict, mm_processor_kwargs: dict | None, request_id: str,
                      params: SamplingParams | None = None) -> EncodedPrompt:

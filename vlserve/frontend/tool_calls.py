@@ -3,7 +3,10 @@
 A call is written `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`. `tool_choice` "required"
 or a named function turns into a grammar that admits only such calls of the offered tools, arguments valid
 against each tool's JSON schema; "auto" leaves the model free and parses what it writes; "none" offers no tools.
-Parsing reads the detokenized text, so it works the same for the whole answer and for a stream.
+Parsing reads the detokenized text, so it works the same for the whole answer and for a stream. A call's
+"arguments" reach the client exactly as the model wrote them (its numbers, spacing and escapes untouched), and
+only if they are strict JSON: a block holding NaN or Infinity is no call and stays in the content, as vLLM's
+hermes parser leaves text it cannot parse.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
+from json.decoder import scanstring
 
 from vlserve.core.errors import InvalidInputError
 from vlserve.core.structured_outputs import StructuredOutputsParams
@@ -95,17 +99,66 @@ def _call_schema(fn: dict) -> dict:
     return schema
 
 
-def _call_from(data) -> dict | None:
-    """One OpenAI tool call from the JSON between the tags, or None if it is not a call."""
+def _call_from(data, text: str, at: int) -> dict | None:
+    """One OpenAI tool call from the JSON `data` read at text[at:], or None if it is not a call.
+
+    The arguments are the model's own text of the "arguments" value (its numbers, spacing and escapes kept),
+    or, when the model wrote them as a JSON string, that string's content, which must then be strict JSON too.
+    """
     if not isinstance(data, dict) or not isinstance(data.get("name"), str):
         return None
-    args = data.get("arguments", data.get("parameters", {}))
-    arguments = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+    spans = _member_spans(text, at)
+    key = "arguments" if "arguments" in data else "parameters" if "parameters" in data else None
+    if key is None:
+        arguments = "{}"
+    elif isinstance(data[key], str):
+        arguments = data[key]
+        try:
+            _STRICT.decode(arguments)
+        except (ValueError, RecursionError):
+            return None
+    else:
+        start, end = spans[key]
+        arguments = text[start:end]
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": data["name"], "arguments": arguments}}
 
 
-_DECODER = json.JSONDecoder()
+def _not_json(constant: str):
+    raise ValueError(f"{constant} is not JSON")
+
+
+class _Number:
+    """A number the parser saw. Its value is never needed (arguments are passed on as text), so it is never
+    converted: no float rounding, no limit on an integer's digits."""
+
+
+_NUMBER = _Number()
+# Strict JSON: Python's json takes NaN, Infinity and -Infinity, which no other JSON reader does.
+_STRICT = json.JSONDecoder(parse_constant=_not_json, parse_int=lambda _: _NUMBER, parse_float=lambda _: _NUMBER)
+_JSON_SPACE = " \t\n\r"
+
+
+def _skip_space(text: str, i: int) -> int:
+    while i < len(text) and text[i] in _JSON_SPACE:
+        i += 1
+    return i
+
+
+def _member_spans(text: str, at: int) -> dict[str, tuple[int, int]]:
+    """key -> (start, end) of its value's text, for the JSON object at text[at:] (already known to parse).
+    A repeated key keeps its last value, as the parsed object does."""
+    spans: dict[str, tuple[int, int]] = {}
+    i = _skip_space(text, at + 1)  # past "{"
+    while text[i] == '"':
+        key, i = scanstring(text, i + 1)
+        start = _skip_space(text, _skip_space(text, i) + 1)  # past ":"
+        _, end = _STRICT.raw_decode(text, start)
+        spans[key] = (start, end)
+        i = _skip_space(text, end)
+        if text[i] == ",":
+            i = _skip_space(text, i + 1)
+    return spans
 
 
 def _scan_call(text: str, start: int, finished: bool) -> tuple[str, dict | None, int]:
@@ -116,8 +169,8 @@ def _scan_call(text: str, start: int, finished: bool) -> tuple[str, dict | None,
     """
     body = len(text) - len(text[start:].lstrip())
     try:
-        data, json_end = _DECODER.raw_decode(text, body)
-    except (ValueError, RecursionError):  # incomplete, or not JSON: only the end of the answer tells which
+        data, json_end = _STRICT.raw_decode(text, body)
+    except (ValueError, RecursionError):  # incomplete, or not strict JSON: only the answer's end tells which
         if not finished:
             return "wait", None, 0
         close = text.find(CALL_END, start)
@@ -125,7 +178,7 @@ def _scan_call(text: str, start: int, finished: bool) -> tuple[str, dict | None,
     after = text[json_end:].lstrip()
     close_at = len(text) - len(after)
     if after.startswith(CALL_END):
-        call = _call_from(data)
+        call = _call_from(data, text, body)
         return ("call" if call else "text"), call, close_at + len(CALL_END)
     if not finished and CALL_END.startswith(after):
         return "wait", None, 0

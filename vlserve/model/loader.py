@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from vlserve.core.errors import ModelLoadError
 from vlserve.model.hardware import resolve_dtype
+from vlserve.model.kernels import cpu_kernels
 from vlserve.model.hf_config import ModelConfig, load_model_config
 from vlserve.model.layers.parallel import SINGLE, TPGroup, building_for, rule_for
 from vlserve.model.quantization import (
@@ -247,4 +248,6 @@ def load_model(
     load_weights(model, folder, files, quantization)
     if quantization is not None and quantization.method == "int8":
         logger.info("int8: %d decoder linears quantized at load time", quantize_int8(model))
+    if device.type == "cpu":
+        cpu_kernels.load()  # now, not inside the first request (and the log says at start if they are missing)
     return model.eval().requires_grad_(False)

@@ -119,11 +119,17 @@ def resolve_quantization(requested: str | None, checkpoint: tuple[tuple[str, obj
     if requested is None:
         return None
     if requested in CHECKPOINT_METHODS:
-        raise InvalidInputError(f"quantization '{requested}' needs a {requested} checkpoint, and this one has no "
-                                "quantization_config; int8 quantizes a full-precision checkpoint at load time")
+        raise InvalidInputError(f"quantization '{requested}' needs {_with_article(requested.upper())} checkpoint, and "
+                                "this one has no quantization_config; int8 quantizes a full-precision checkpoint at "
+                                "load time")
     if requested not in LOAD_TIME_METHODS:
         raise InvalidInputError(f"unknown quantization '{requested}'; choose one of {', '.join(METHODS)}")
     return QuantizationConfig(requested)
+
+
+def _with_article(acronym: str) -> str:
+    """"an AWQ", "a GPTQ": the article goes by how the first letter is spelled out."""
+    return f"{'an' if acronym[:1] in 'AEFHILMNORSX' else 'a'} {acronym}"
 
 
 # ---- applying a method to a model -------------------------------------------------------------------------

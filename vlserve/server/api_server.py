@@ -7,6 +7,7 @@ serves on the socket already bound.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import logging
@@ -17,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 import vlserve
 from vlserve.core.config import DISAGG_ROLES, SERVE, Options, ServerArgs
+from vlserve.core.processes import SigtermStop, finish
 from vlserve.frontend.async_llm import AsyncLLM
 from vlserve.frontend.media.fetch import MediaFetcher, MediaPolicy
 from vlserve.frontend.metrics import CONTENT_TYPE
@@ -104,9 +106,16 @@ def build_app(engine: AsyncLLM, server: ServerArgs) -> FastAPI:
         return {"object": "list", "data": [card]}
 
     @app.get("/health")
-    async def health():
+    async def health():  # liveness: the engine is alive (a restart is what helps otherwise)
         if not engine.is_healthy:
             return error_response(f"the engine is not available: {engine.unhealthy_reason}", 503)
+        return Response(status_code=200)
+
+    @app.get("/ready")
+    async def ready():  # readiness: this instance can serve what it accepts (its engine and the peers it needs)
+        reason = engine.not_ready_reason
+        if reason is not None:
+            return error_response(f"not ready: {reason}", 503)
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -125,20 +134,39 @@ def _body_schema(model) -> dict:
                             "required": True}}
 
 
-async def serve(opts: Options, log_level: str = "INFO", role: str = SERVE, sock: socket.socket | None = None) -> None:
-    """Port (unless the caller bound it already), then engine, then uvicorn until SIGINT/SIGTERM."""
+async def serve(opts: Options, log_level: str = "INFO", role: str = SERVE, sock: socket.socket | None = None) -> int:
+    """Port (unless the caller bound it already), then engine, then uvicorn until SIGINT/SIGTERM. Returns the
+    exit code: 1 when the engine died while serving (the server stops, as vLLM's does, so that a supervisor
+    restarts it rather than it answering 503 for ever)."""
     import uvicorn
 
     server = opts.server
     sock = sock or bind_socket(server.host, server.port)
     try:
-        engine = make_engine(opts, log_level, role)
-        await engine.start()
-        try:
-            config = uvicorn.Config(build_app(engine, server), log_level=log_level.lower(), access_log=False,
-                                    timeout_graceful_shutdown=5, log_config=None)
-            await uvicorn.Server(config).serve(sockets=[sock])
-        finally:
-            await engine.shutdown()
+        with SigtermStop() as sigterm:
+            engine = make_engine(opts, log_level, role)
+            await engine.start()
+            try:
+                config = uvicorn.Config(build_app(engine, server), log_level=log_level.lower(), access_log=False,
+                                        timeout_graceful_shutdown=5, log_config=None)
+                http = uvicorn.Server(config)
+                sigterm.serving()
+                watch = asyncio.create_task(stop_when_engine_dies(engine, http))
+                try:
+                    await http.serve(sockets=[sock])
+                finally:
+                    watch.cancel()
+            finally:
+                await finish(engine.shutdown())
+            return 1 if engine.core.dead_reason is not None else 0
+        return 0  # stopped by SIGTERM during start-up
     finally:
         sock.close()
+
+
+async def stop_when_engine_dies(engine: AsyncLLM, http) -> None:
+    """Tells uvicorn to stop (after answering what is in flight) once the engine process is gone for good."""
+    await engine.dead.wait()
+    logger.error("the engine is gone (%s): stopping this server with exit code 1 so that its supervisor "
+                 "restarts it", engine.core.dead_reason)
+    http.should_exit = True

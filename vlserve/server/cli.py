@@ -62,8 +62,7 @@ def run_serve(ns: argparse.Namespace) -> int:
         return run_roles(opts, ns.log_level)
     from vlserve.server.api_server import serve
 
-    asyncio.run(serve(opts, ns.log_level, sock=sock))
-    return 0
+    return asyncio.run(serve(opts, ns.log_level, sock=sock))
 
 
 def run_language(ns: argparse.Namespace, role: str = LANGUAGE) -> int:
@@ -74,8 +73,7 @@ def run_language(ns: argparse.Namespace, role: str = LANGUAGE) -> int:
     sock = bind_socket(opts.server.host, opts.server.port)
     from vlserve.server.api_server import serve
 
-    asyncio.run(serve(opts, ns.log_level, role=role, sock=sock))
-    return 0
+    return asyncio.run(serve(opts, ns.log_level, role=role, sock=sock))
 
 
 def run_decode(ns: argparse.Namespace) -> int:

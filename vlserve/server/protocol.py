@@ -15,11 +15,11 @@ import re
 from typing import Any, Callable
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from vlserve.core.errors import InvalidInputError
 from vlserve.core.sampling_params import MAX_LOGPROBS, SamplingParams
-from vlserve.core.structured_outputs import StructuredOutputsParams, structured_outputs_from
+from vlserve.core.structured_outputs import StructuredOutputsError, StructuredOutputsParams, structured_outputs_from
 from vlserve.frontend.tool_calls import ToolChoice, call_grammar, check_tool_choice, check_tools
 
 logger = logging.getLogger("vlserve.server")
@@ -93,6 +93,8 @@ class _SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # Which of the spellings above gave the output constraint: errors about it name the field the client sent.
+    _constraint_source: str = PrivateAttr(default="structured_outputs")
 
     def check_fields(self, max_n: int) -> None:
         """Refuse what cannot be honoured; log (once per name) unknown fields that change nothing."""
@@ -122,22 +124,40 @@ class _SamplingFields(BaseModel):
         values.update({k: v for k, v in optional.items() if v is not None})
         return SamplingParams(**values)
 
-
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The output constraint, from whichever one of the three spellings the request used."""
-        given = {}
-        if self.structured_outputs is not None:
-            given["structured_outputs"] = structured_outputs_from(self.structured_outputs)
-        if self.response_format is not None:
-            given["response_format"] = _response_format(self.response_format)
         guided = {k: getattr(self, f"guided_{k}") for k in ("json", "regex", "choice", "grammar")
                   if getattr(self, f"guided_{k}") is not None}
-        if guided:
-            given["guided_*"] = structured_outputs_from(guided)
-        given = {k: v for k, v in given.items() if v is not None}
+        given = {}
+        for source, value, convert in (("structured_outputs", self.structured_outputs, structured_outputs_from),
+                                       ("response_format", self.response_format, _response_format),
+                                       ("guided_*", guided or None, structured_outputs_from)):
+            if value is not None:
+                try:
+                    spec = convert(value)
+                except StructuredOutputsError as e:
+                    raise e.for_field(_client_field(source, e.kind)) from None
+                if spec is not None:
+                    given[source] = spec
         if len(given) > 1:
             raise InvalidInputError(f"give one output constraint, not {' and '.join(given)}")
+        self._constraint_source = next(iter(given), "structured_outputs")
         return next(iter(given.values()), None)
+
+    def constraint_error(self, error: StructuredOutputsError) -> StructuredOutputsError:
+        """`error`, about this request's output constraint, naming the field the client gave it in."""
+        return error.for_field(_client_field(self._constraint_source, error.kind))
+
+
+def _client_field(source: str, kind: str) -> str:
+    """The request field, as the client wrote it, that gave a constraint of `kind` from `source`."""
+    if source == "response_format":
+        return "response_format.json_schema.schema" if kind == "json" else "response_format"
+    if source == "guided_*":
+        return f"guided_{kind}"
+    if source == "tools":
+        return "tools[].function.parameters"
+    return f"structured_outputs.{kind}"
 
 
 def _response_format(value: dict) -> StructuredOutputsParams | None:
@@ -187,6 +207,8 @@ class ChatCompletionRequest(_SamplingFields):
         if forced is not None and constraint is not None:
             raise InvalidInputError("tool_choice 'required' or a named function already fixes the output's form; "
                                     "it cannot be combined with response_format or structured_outputs")
+        if forced is not None:
+            self._constraint_source = "tools"  # the grammar of the calls: only the tools' schemas can break it
         return forced or constraint
 
     def requested_max_tokens(self) -> int | None:

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from vlserve.core.errors import InvalidInputError
 from vlserve.core.outputs import CompletionOutput, RequestOutput
 from vlserve.core.sampling_params import SamplingParams
+from vlserve.core.structured_outputs import StructuredOutputsError
 from vlserve.frontend.async_llm import PreparedPrompt
 from vlserve.frontend.chat import parse_chat_messages
 from vlserve.frontend.tokenizer import render_chat
@@ -49,7 +50,10 @@ class OpenAIServingChat(OpenAIServing):
         self.engine.check_accepting()
         top_k = body.logprobs_count()
         checked = body.sampling_params(body.requested_max_tokens(), top_k)  # refuse bad values before any work
-        await self.check_structured_outputs(checked)
+        try:
+            await self.check_structured_outputs(checked)
+        except StructuredOutputsError as e:  # name the field the client sent, e.g. response_format's schema
+            raise body.constraint_error(e) from None
         tools, choice = body.tool_setup()
         parse_calls = choice.mode != "none"
         request_id = self.new_request_id(body.request_id)

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from vlserve.core.errors import InvalidInputError
 from vlserve.core.outputs import CompletionOutput, RequestOutput
+from vlserve.core.structured_outputs import StructuredOutputsError
 from vlserve.server.protocol import CompletionRequest
 from vlserve.server.serving import SSE_DONE, OpenAIServing, created, sse
 
@@ -42,7 +43,10 @@ class OpenAIServingCompletion(OpenAIServing):
             raise InvalidInputError(f"{len(prompts)} prompts x n={body.n} is more than the {self.server.max_n} "
                                     "sequences one request may ask for (--max-n)")
         checked = body.sampling_params(body.max_tokens, body.logprobs)  # refuse bad values before any work
-        await self.check_structured_outputs(checked)
+        try:
+            await self.check_structured_outputs(checked)
+        except StructuredOutputsError as e:  # name the field the client sent, e.g. response_format's schema
+            raise body.constraint_error(e) from None
         request_id = self.new_request_id(body.request_id)
         ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
         gens = []

@@ -6,7 +6,9 @@ import argparse
 import sys
 from typing import Any
 
-ARCHES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe")
+from vlserve.tools.tiny_arches import TINY_ARCHES, family_names
+
+ARCHES = tuple(TINY_ARCHES)
 SIZES = ("tiny", "small", "medium")
 
 
@@ -26,11 +28,12 @@ def register_cli(subparsers: Any) -> None:
     """Add `make-tiny-model OUT --arch ... [--size ...] [--seed N]` to an argparse subparsers object."""
     parser = subparsers.add_parser(
         "make-tiny-model",
-        help="write a small random Qwen2-VL / Qwen2.5-VL checkpoint (offline)",
+        help=f"write a small random checkpoint ({family_names()}; offline)",
         description="Create a random HF-format checkpoint with a freshly trained BPE tokenizer.",
     )
     parser.add_argument("out", metavar="OUT", help="output folder (created if missing)")
-    parser.add_argument("--arch", choices=ARCHES, required=True, help="model family")
+    parser.add_argument("--arch", choices=ARCHES, required=True, metavar="ARCH",
+                        help="model family: " + ", ".join(f"{name} ({a.family})" for name, a in TINY_ARCHES.items()))
     parser.add_argument("--size", choices=SIZES, default="tiny", help="tiny, small or medium (~240M params; "
                         "default: tiny)")
     parser.add_argument("--seed", type=int, default=0, help="random seed of the weights (default: 0)")

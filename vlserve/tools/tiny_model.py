@@ -1,5 +1,5 @@
-"""Create small random Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3-VL-MoE checkpoints in the Hugging Face layout,
-fully offline.
+"""Create small random checkpoints of the families listed in tiny_arches.py in the Hugging Face layout, fully
+offline.
 
 The weights come from transformers' own model classes, so the folder is exactly what
 `from_pretrained` expects; the tokenizer is a freshly trained byte-level BPE (see bpe_tokenizer.py).
@@ -16,20 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from safetensors import safe_open
 from tqdm import tqdm
-from transformers import (
-    GenerationConfig,
-    PreTrainedModel,
-    Qwen2_5_VLConfig,
-    Qwen2_5_VLForConditionalGeneration,
-    Qwen2VLConfig,
-    Qwen2VLForConditionalGeneration,
-    Qwen3VLConfig,
-    Qwen3VLForConditionalGeneration,
-    Qwen3VLMoeConfig,
-    Qwen3VLMoeForConditionalGeneration,
-)
+from transformers import GenerationConfig, PreTrainedModel
 
 from vlserve.core.errors import InvalidInputError
 from vlserve.tools.bpe_tokenizer import (
@@ -37,12 +27,12 @@ from vlserve.tools.bpe_tokenizer import (
     save_tokenizer,
     special_token_ids,
 )
+from vlserve.tools.tiny_arches import TINY_ARCHES
 
+# arch -> (transformers config class, model class); the families themselves are listed in tiny_arches.py
 ARCHES: dict[str, tuple[type, type]] = {
-    "qwen2_vl": (Qwen2VLConfig, Qwen2VLForConditionalGeneration),
-    "qwen2_5_vl": (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration),
-    "qwen3_vl": (Qwen3VLConfig, Qwen3VLForConditionalGeneration),
-    "qwen3_vl_moe": (Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration),
+    name: (getattr(transformers, a.config_class), getattr(transformers, a.model_class))
+    for name, a in TINY_ARCHES.items()
 }
 QWEN3 = ("qwen3_vl", "qwen3_vl_moe")
 

@@ -10,12 +10,14 @@ once (`target`), and every request carries that description to the encoder.
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
 import zmq.asyncio
 
+from vlserve.core.processes import finish
 from vlserve.core.wire import Framer
 from vlserve.disagg.messages import EncoderToLanguage, TransferChunk, TransferTarget
 from vlserve.engine.transfer_buffers import DTYPES, TransferBuffers
@@ -56,9 +58,10 @@ class Transport(ABC):
         """Encoder side: deliver `data` into the receiver's `header.block_ids`; returns the payload bytes."""
 
     @abstractmethod
-    def receive(self, header: TransferChunk, frames: list, buffers: TransferBuffers) -> int:
+    async def receive(self, header: TransferChunk, frames: list, buffers: TransferBuffers) -> int:
         """Language side: after this the chunk's data is in `header.block_ids` (a run starting at token
-        `header.start_token`); returns the payload bytes. Raises ValueError for a malformed chunk."""
+        `header.start_token`); returns the payload bytes. Raises ValueError for a malformed chunk. A copy that
+        grows with the chunk runs off the event loop (`in_thread`)."""
 
     def close(self) -> None:
         pass
@@ -83,12 +86,19 @@ class InPlaceTransport(Transport):
 
     @abstractmethod
     async def write(self, header: TransferChunk, data: ChunkData, target: TransferTarget) -> None:
-        """Puts the chunk into the receiver's blocks; done when it returns."""
+        """Puts the chunk into the receiver's blocks (off the event loop: `in_thread`); done when it returns."""
 
-    def receive(self, header: TransferChunk, frames: list, buffers: TransferBuffers) -> int:
+    async def receive(self, header: TransferChunk, frames: list, buffers: TransferBuffers) -> int:
         if header.fill_ids is not None or header.rows is not None or len(frames) > 1:
             raise ValueError(f"a {self.name} chunk is written in place; it must not carry tensor frames")
         return header_nbytes(header, buffers.layout)
+
+
+async def in_thread(fn, *args):
+    """`fn(*args)` on a worker thread, so a copy that grows with a request never holds up the event loop. A
+    caller cancelled meanwhile still returns only once `fn` has ended, then raises CancelledError: a write into
+    receive blocks must land before anyone may free those blocks or say that nothing more is written."""
+    return await finish(asyncio.get_running_loop().run_in_executor(None, fn, *args))
 
 
 def reachable_host(host: str, toward: str | None = None) -> str:

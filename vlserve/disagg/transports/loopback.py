@@ -37,7 +37,7 @@ class Loopback:
         await self.sender.send(self.router, self.peer, header, data, target or self.target)
         frames = await self.dealer.recv_multipart(copy=False)
         frames = [f.buffer for f in frames]
-        return self.receiver.receive(self.framer.decode(frames), frames, self.buffers)
+        return await self.receiver.receive(self.framer.decode(frames), frames, self.buffers)
 
     def close(self) -> None:
         self.router.close(0)

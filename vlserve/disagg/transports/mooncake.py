@@ -8,12 +8,10 @@ addressed by the "host:port" of its transfer engine, which travels in the reques
 
 from __future__ import annotations
 
-import asyncio
-
 import torch
 
 from vlserve.disagg.messages import TransferChunk, TransferTarget
-from vlserve.disagg.transports.base import ChunkData, InPlaceTransport
+from vlserve.disagg.transports.base import ChunkData, InPlaceTransport, in_thread
 from vlserve.disagg.transports.remote_write import StagedWrites
 from vlserve.engine.transfer_buffers import TransferBuffers
 
@@ -59,7 +57,7 @@ class MooncakeTransport(InPlaceTransport):
 
     # ---- sender ----------------------------------------------------------------------------------------------
     async def write(self, header: TransferChunk, data: ChunkData, target: TransferTarget) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, self._write, header, data, target)
+        await in_thread(self._write, header, data, target)
 
     def _write(self, header: TransferChunk, data: ChunkData, target: TransferTarget) -> None:
         with self.staged.lock:

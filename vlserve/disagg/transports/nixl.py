@@ -5,7 +5,6 @@ alone over the control connection."""
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 import uuid
@@ -13,7 +12,7 @@ import uuid
 import torch
 
 from vlserve.disagg.messages import TransferChunk, TransferTarget
-from vlserve.disagg.transports.base import ChunkData, InPlaceTransport
+from vlserve.disagg.transports.base import ChunkData, InPlaceTransport, in_thread
 from vlserve.disagg.transports.remote_write import StagedWrites
 from vlserve.engine.transfer_buffers import TransferBuffers
 
@@ -76,7 +75,7 @@ class NixlTransport(InPlaceTransport):
             time.sleep(PUMP_PERIOD_S)
 
     async def write(self, header: TransferChunk, data: ChunkData, target: TransferTarget) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, self._write, header, data, target)
+        await in_thread(self._write, header, data, target)
 
     def _write(self, header: TransferChunk, data: ChunkData, target: TransferTarget) -> None:
         with self.staged.lock:

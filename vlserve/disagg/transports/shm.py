@@ -14,7 +14,7 @@ import tempfile
 import msgspec
 
 from vlserve.disagg.messages import TransferChunk, TransferTarget
-from vlserve.disagg.transports.base import ChunkData, InPlaceTransport, write_chunk
+from vlserve.disagg.transports.base import ChunkData, InPlaceTransport, in_thread, write_chunk
 from vlserve.engine.transfer_buffers import TRANSFER_FILE_PREFIX, TransferBuffers, shm_dir
 
 MAX_MAPPED = 16  # receivers whose buffers stay mapped (one per language server on this host)
@@ -69,4 +69,4 @@ class ShmTransport(InPlaceTransport):
         return mapped
 
     async def write(self, header: TransferChunk, data: ChunkData, target: TransferTarget) -> None:
-        write_chunk(self._buffers(target), header, data)
+        await in_thread(write_chunk, self._buffers(target), header, data)

@@ -7,7 +7,7 @@ import zmq.asyncio
 
 from vlserve.core.wire import Framer, tensor_from, tensor_ref
 from vlserve.disagg.messages import EncoderToLanguage, TransferChunk, TransferTarget
-from vlserve.disagg.transports.base import ChunkData, Transport, write_chunk
+from vlserve.disagg.transports.base import ChunkData, Transport, in_thread, write_chunk
 from vlserve.engine.transfer_buffers import TransferBuffers
 
 
@@ -27,7 +27,10 @@ class ZmqTransport(Transport):
         await sock.send_multipart([peer, *self.framer.encode(header, tensors)], copy=False)
         return data.nbytes
 
-    def receive(self, header: TransferChunk, frames: list, buffers: TransferBuffers) -> int:
+    async def receive(self, header: TransferChunk, frames: list, buffers: TransferBuffers) -> int:
+        return await in_thread(self._receive, header, frames, buffers)
+
+    def _receive(self, header: TransferChunk, frames: list, buffers: TransferBuffers) -> int:
         if header.fill_ids is None or header.positions is None or header.rows is None:
             raise ValueError("a ZeroMQ chunk must carry its tensors as frames")
         data = ChunkData(tensor_from(header.fill_ids, frames), tensor_from(header.positions, frames),

@@ -20,7 +20,7 @@ import llguidance
 import torch
 
 from vlserve.core.errors import InvalidInputError
-from vlserve.core.structured_outputs import StructuredOutputsParams
+from vlserve.core.structured_outputs import StructuredOutputsError, StructuredOutputsParams
 from vlserve.engine.structured.grammar import grammar_for
 
 MAX_CACHED_GRAMMARS = 256
@@ -77,7 +77,7 @@ class GrammarMatchers:
         if fresh is None:
             fresh = llguidance.LLMatcher(self._llg_tokenizer(), grammar_for(spec), log_level=0)
             if fresh.is_error():
-                raise InvalidInputError(f"structured_outputs.{spec.kind} cannot be compiled: {fresh.get_error()}")
+                raise StructuredOutputsError(spec.kind, f"cannot be compiled: {fresh.get_error()}")
             self._compiled[spec.key] = fresh
             if len(self._compiled) > MAX_CACHED_GRAMMARS:
                 self._compiled.popitem(last=False)

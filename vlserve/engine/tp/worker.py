@@ -19,7 +19,7 @@ import torch
 import zmq
 
 from vlserve.core.config import EngineArgs, decode_args
-from vlserve.core.processes import die_with_parent
+from vlserve.core.processes import die_with_parent, log_format
 from vlserve.core.wire import Framer, tensor_from
 from vlserve.engine.config import resolve_config
 from vlserve.engine.forward_batch import batch_from_wire
@@ -110,7 +110,7 @@ def run_if_worker(args: EngineArgs) -> int | None:
 
 def main() -> None:
     spec = json.loads(os.environ[SPEC_ENV])
-    logging.basicConfig(level=spec["log_level"], format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=spec["log_level"], format=log_format())
     die_with_parent()
     if os.getppid() != spec["parent"]:  # rank 0 died before the line above could take effect
         sys.exit(1)

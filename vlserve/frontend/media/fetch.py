@@ -18,7 +18,7 @@ import stat
 from dataclasses import dataclass
 from http.cookiejar import CookieJar, DefaultCookiePolicy
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 import httpcore
 import httpx
@@ -27,6 +27,7 @@ from vlserve.core.errors import InvalidInputError, MediaFetchError, MediaTooLarg
 from vlserve.frontend.media.data_url import decode_data_url
 
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*):")
+_WINDOWS_PATH = re.compile(r"^[a-zA-Z]:[\\/]")  # C:\cat.jpg, D:/x.png: a path, not scheme "c"
 _CHUNK = 64 * 1024
 
 
@@ -175,11 +176,25 @@ class MediaFetcher:
                 raise MediaFetchError(
                     f"fetching media URL {_short(url)!r} timed out after {self.policy.timeout_s:g}s"
                 ) from None
-        shown = f"{scheme!r}" if scheme else "none"
+        if not scheme or _WINDOWS_PATH.match(url):
+            raise MediaFetchError(self._not_a_url(url))
         raise MediaFetchError(
-            f"unsupported URL scheme {shown} in media URL: "
-            "use http://, https://, data: or (if the server allows) file://"
+            f"unsupported URL scheme {scheme!r} in media URL {_short(url, 80)!r}: the supported ones are data:, "
+            "http://, https:// and file:// (file:// only on a server started with --allowed-local-media-path)"
         )
+
+    def _not_a_url(self, url: str) -> str:
+        """The error for a plain path (or anything else without a scheme) sent where a URL belongs."""
+        if not url.strip():
+            return "media URL is empty: send a data: URL, an http(s):// URL or a file:// URL"
+        if url.startswith("/"):
+            example = "file://" + quote(url)
+        else:  # relative, or a Windows path: a file:// URL names an absolute path on the server
+            example = "file:///path/on/the/server/" + quote(re.split(r"[\\/]", url)[-1])
+        where = ("naming a file under the server's --allowed-local-media-path" if self._local_root is not None
+                 else "with the server started with --allowed-local-media-path set")
+        return (f"{_short(url, 120)!r} is not a URL: send a data: URL, an http(s):// URL, or "
+                f"{_short(example, 160)} {where}")
 
     # -- file: ---------------------------------------------------------------------------------
 

@@ -252,14 +252,21 @@ def smart_resize(
 
 
 def resolve_pixel_limits(
-    cfg: ImageProcessorConfig, min_pixels: int | None = None, max_pixels: int | None = None
+    cfg: ImageProcessorConfig, min_pixels: int | None = None, max_pixels: int | None = None, cap: int | None = None
 ) -> tuple[int, int]:
-    """Apply per-request overrides on top of the model's limits, validating user-supplied values."""
+    """The resize bounds: per-request overrides on top of the model's limits, validating user-supplied values.
+
+    `cap` (the server's --max-image-pixels) shrinks the model's own bounds to fit under it, so every picture is
+    resized to at most `cap` pixels; only a request that asks for more than the cap itself is refused."""
     for name, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
             raise InvalidInputError(f"{name} must be a positive integer, got {v!r}")
-    lo = cfg.min_pixels if min_pixels is None else min_pixels
-    hi = cfg.max_pixels if max_pixels is None else max_pixels
+        if v is not None and cap is not None and v > cap:
+            raise InvalidInputError(f"{name} {v} is above the server's --max-image-pixels ({cap})")
+    model_hi = cfg.max_pixels if cap is None else min(cfg.max_pixels, cap)
+    model_lo = cfg.min_pixels if cap is None else min(cfg.min_pixels, model_hi)
+    lo = model_lo if min_pixels is None else min_pixels
+    hi = model_hi if max_pixels is None else max_pixels
     if lo > hi:
         raise InvalidInputError(f"min_pixels ({lo}) must not exceed max_pixels ({hi})")
     return lo, hi

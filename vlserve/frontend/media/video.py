@@ -50,6 +50,7 @@ class VideoOptions:
     total_pixels: int = DEFAULT_TOTAL_PIXELS
     rules: str = "qwen2"  # which sampling and resizing rules (see the module docstring)
     min_pixels: int | None = None  # "qwen3": the whole clip's lower bound (None: the image processor's)
+    max_frame_pixels: int | None = None  # "qwen3": the server's cap on one resized frame (--max-image-pixels)
 
     @classmethod
     def for_model(cls, folder: str | os.PathLike, rules: str, server_max_frames: int) -> "VideoOptions":
@@ -74,10 +75,13 @@ class VideoOptions:
         except (ValueError, TypeError, AttributeError, UnicodeDecodeError) as e:
             raise ModelLoadError(f"{path}: unreadable video settings ({type(e).__name__}: {e})") from e
 
-    def with_overrides(self, kwargs: dict, server_max_frames: int) -> "VideoOptions":
-        """Per-request `mm_processor_kwargs` (fps, max_frames, total_pixels), never beyond the server's cap."""
+    def with_overrides(self, kwargs: dict, server_max_frames: int,
+                       max_frame_pixels: int | None = None) -> "VideoOptions":
+        """Per-request `mm_processor_kwargs` (fps, max_frames, total_pixels), never beyond the server's caps
+        (frames, and pixels of one resized frame)."""
         values = {"fps": self.fps, "min_frames": self.min_frames, "max_frames": self.max_frames,
-                  "total_pixels": self.total_pixels, "rules": self.rules, "min_pixels": self.min_pixels}
+                  "total_pixels": self.total_pixels, "rules": self.rules, "min_pixels": self.min_pixels,
+                  "max_frame_pixels": max_frame_pixels}
         for key in ("fps", "max_frames", "total_pixels"):
             v = kwargs.get(key)
             if v is None:
@@ -329,6 +333,11 @@ def _qwen3_frame_size(n: int, h0: int, w0: int, cfg: ImageProcessorConfig, opts:
     elif t * h * w < lo:
         beta = math.sqrt(lo / (n * h0 * w0))
         h, w = math.ceil(h0 * beta / factor) * factor, math.ceil(w0 * beta / factor) * factor
+    cap = opts.max_frame_pixels
+    if cap is not None and h * w > cap:  # the server's cap shrinks the frames, as it shrinks a picture
+        beta = math.sqrt(h0 * w0 / cap)
+        h = max(factor, math.floor(h0 / beta / factor) * factor)
+        w = max(factor, math.floor(w0 / beta / factor) * factor)
     return h, w
 
 

@@ -1,0 +1,61 @@
+"""What `vlserve --help` says about the model families comes from the registries, so it cannot drift."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+
+import pytest
+
+from vlserve.cli import build_parser
+from vlserve.tools.tiny_arches import TINY_ARCHES
+
+
+def _text(capsys, *argv: str) -> str:
+    """`vlserve [argv] --help`, on one line (argparse wraps lines where it likes)."""
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args([*argv, "--help"])
+    assert e.value.code == 0
+    return re.sub(r"\s+", " ", capsys.readouterr().out)
+
+
+def _subcommand(name: str) -> argparse.ArgumentParser:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+def test_top_level_help_names_every_family_make_tiny_model_writes(capsys):
+    text = _text(capsys)
+    families = ", ".join(a.family for a in TINY_ARCHES.values())
+    assert f"Serve vision-language models ({families}) with an OpenAI-compatible API." in text
+    assert "Qwen2-VL family" not in text
+    line = text[text.index("make-tiny-model"):]
+    for arch in TINY_ARCHES.values():
+        assert arch.family in line[:200], f"make-tiny-model's summary leaves out {arch.family}"
+
+
+def test_make_tiny_model_help_lists_every_arch_it_accepts(capsys):
+    text = _text(capsys, "make-tiny-model")
+    for name, arch in TINY_ARCHES.items():
+        assert f"{name} ({arch.family})" in text
+    accepted = next(a for a in _subcommand("make-tiny-model")._actions if a.dest == "arch").choices
+    assert tuple(accepted) == tuple(TINY_ARCHES)
+
+
+def test_make_tiny_model_and_the_served_models_are_the_same_families():
+    # Every family make-tiny-model writes is one vlserve serves, and every served one has a tiny checkpoint.
+    from vlserve.model.registry import MODEL_REGISTRY
+    from vlserve.tools.tiny_model import ARCHES
+
+    assert {a.model_class for a in TINY_ARCHES.values()} == set(MODEL_REGISTRY)
+    assert {name: (c.__name__, m.__name__) for name, (c, m) in ARCHES.items()} == {
+        name: (a.config_class, a.model_class) for name, a in TINY_ARCHES.items()}
+
+
+def test_help_from_a_fresh_process_imports_no_torch():
+    code = ("import sys; from vlserve.cli import build_parser; build_parser(); "
+            "print('torch' in sys.modules, 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["False", "False"]

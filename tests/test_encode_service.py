@@ -1,0 +1,138 @@
+"""The encode service's own bookkeeping, in process (no sockets): a vision call that fails leaves nothing behind
+in the encoder cache (the next request for that picture encodes it again instead of finding an entry with no
+output), every waiter fails with it, and each call's time lands in the latency histogram, not in a list that
+grows for ever."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+
+import pytest
+from prometheus_client import generate_latest
+
+from tests.conftest import noise_image
+from tests.test_disagg import data_url
+from vlserve.core.config import EngineArgs, Options
+from vlserve.disagg.encode_service import EncodeService
+
+IMG = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+@pytest.fixture(scope="module")
+def service(tiny_ckpt):
+    svc = EncodeService(Options(engine=EngineArgs(model=str(tiny_ckpt("qwen2_vl")), dtype="float32")))
+    yield svc
+    asyncio.run(svc.aclose())
+
+
+class FailingTower:
+    """The model's encode_images, failing the next `failures` calls."""
+
+    def __init__(self, model, failures: int):
+        self.model, self.failures, self.calls = model, failures, 0
+
+    def encode_images(self, pixels, grids):
+        self.calls += 1
+        if self.failures:
+            self.failures -= 1
+            raise RuntimeError("the tower broke")
+        return self.model.encode_images(pixels, grids)
+
+
+def _metric(service: EncodeService, name: str) -> float:
+    for line in generate_latest(service.registry).decode().splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise KeyError(name)
+
+
+async def _prompt(service: EncodeService, seed: int):
+    prompt = {"prompt": f"{IMG}Describe.", "multi_modal_data": {"image": [data_url(noise_image(56, 56, seed))]}}
+    return (await service.prompts.encode(prompt, {}, "r")).prompt
+
+
+def _run(coro, unretrieved: list):
+    loop = asyncio.new_event_loop()
+    loop.set_exception_handler(lambda _loop, context: unretrieved.append(context.get("message")))
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        loop.close()
+        gc.collect()  # an exception never retrieved is reported when its future is collected
+
+
+def test_a_failed_vision_call_leaves_no_entry_and_the_next_request_encodes_again(service, monkeypatch):
+    tower = FailingTower(service.vision.model, failures=1)
+    monkeypatch.setattr(service.vision, "model", tower)
+    unretrieved: list = []
+
+    async def scenario():
+        prompt = await _prompt(service, 1)
+        with pytest.raises(RuntimeError, match="the tower broke"):
+            await service._embeddings(prompt, "first")
+        assert prompt.mm_items[0].mm_hash not in service.cache, "the failed encoding's entry is still cached"
+        service.cache.release_all("first", prompt.mm_items)  # what the transfer's end does
+        rows = await service._embeddings(prompt, "second")  # a miss: encoded again, not a KeyError
+        assert rows[0].shape[0] == prompt.mm_items[0].num_tokens
+        service.vision.free(service.cache.release_all("second", prompt.mm_items))
+
+    _run(scenario(), unretrieved)
+    assert tower.calls == 2 and not unretrieved, unretrieved
+    service.cache.check_integrity()
+
+
+def test_waiters_on_a_failed_call_fail_too_and_nothing_is_held(service, monkeypatch):
+    tower = FailingTower(service.vision.model, failures=1)
+    monkeypatch.setattr(service.vision, "model", tower)
+    unretrieved: list = []
+
+    async def scenario():
+        prompt = await _prompt(service, 2)
+        results = await asyncio.gather(service._embeddings(prompt, "a"), service._embeddings(prompt, "b"),
+                                       return_exceptions=True)
+        assert all(isinstance(r, Exception) for r in results), results
+        for holder in ("a", "b"):
+            service.cache.release_all(holder, prompt.mm_items)
+        assert prompt.mm_items[0].mm_hash not in service.cache and not service.encoding
+        assert (await service._embeddings(prompt, "c"))[0] is not None
+        service.vision.free(service.cache.release_all("c", prompt.mm_items))
+
+    _run(scenario(), unretrieved)
+    assert not unretrieved, unretrieved
+    service.cache.check_integrity()
+    assert not any(service.cache._holders.values())
+
+
+def test_a_full_cache_refusal_leaves_no_half_started_encoding(service, monkeypatch):
+    """Refused for lack of room after an earlier item of the prompt was set up to encode: that item's entry and
+    its 'in flight' mark go too (a later request would otherwise wait on an encoding that never runs)."""
+    unretrieved: list = []
+
+    async def scenario():
+        prompt = await _prompt(service, 3)
+        other = await _prompt(service, 4)
+        prompt.mm_items.append(other.mm_items[0])  # two pictures; the second finds no room
+        monkeypatch.setattr(service.cache, "can_allocate", lambda n, protect=frozenset(): not service.encoding)
+        with pytest.raises(Exception, match="encoder cache is full"):
+            await service._embeddings(prompt, "full")
+        monkeypatch.undo()
+        service.cache.release_all("full", prompt.mm_items)
+        assert not service.encoding and prompt.mm_items[0].mm_hash not in service.cache
+
+    _run(scenario(), unretrieved)
+    service.cache.check_integrity()
+
+
+def test_each_vision_call_is_observed_once_and_not_kept(service):
+    before = _metric(service, "vlserve:encoder_latency_seconds_count")
+
+    async def scenario():
+        for seed in (10, 11, 12):
+            prompt = await _prompt(service, seed)
+            await service._embeddings(prompt, f"m{seed}")
+            service.vision.free(service.cache.release_all(f"m{seed}", prompt.mm_items))
+
+    _run(scenario(), [])
+    assert _metric(service, "vlserve:encoder_latency_seconds_count") == before + 3
+    assert service.vision.seconds == [], "vision-call times pile up in the encode service"

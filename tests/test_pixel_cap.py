@@ -1,0 +1,70 @@
+"""--max-image-pixels: a cap under the model's max_pixels shrinks the resize target instead of refusing every
+picture; only what is over the cap by itself (a decoded picture, a request's own min/max_pixels) is refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import noise_image
+from tests.test_video import clip_frames
+from vlserve.core.config import EngineArgs
+from vlserve.core.errors import InvalidInputError, MediaTooLargeError
+from vlserve.engine.config import resolve_config
+from vlserve.frontend.input_processor import InputProcessor
+
+IMG = "<|vision_start|><|image_pad|><|vision_end|>"
+VID = "<|vision_start|><|video_pad|><|vision_end|>"
+CAP = 40_000
+
+
+def processor(ckpt, cap: int | None = None) -> InputProcessor:
+    cfg = resolve_config(EngineArgs(model=str(ckpt), dtype="float32"), announce=False)
+    return InputProcessor.for_model(cfg, **({} if cap is None else {"max_image_pixels": cap}))
+
+
+def resized_pixels(proc: InputProcessor, item) -> int:
+    _, h, w = item.grid_thw
+    return h * w * proc.image_cfg.patch_size**2
+
+
+def picture(proc: InputProcessor, img, **mm_kwargs):
+    return proc.process({"prompt": f"{IMG}hi", "multi_modal_data": {"image": [img]}}, mm_kwargs).mm_items[0]
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen3_vl"])
+def test_a_cap_below_the_models_max_pixels_shrinks_pictures(tiny_ckpt, arch):
+    capped, free = processor(tiny_ckpt(arch), CAP), processor(tiny_ckpt(arch))
+    assert capped.image_cfg.max_pixels > CAP, "the checkpoint must allow more than the cap for this test"
+    # (the decoded size must be within the cap too; 211 x 189 rounds to 224 x 196 = 43,904 pixels unless shrunk)
+    for size in ((64, 64), (200, 200), (211, 189), (189, 211)):
+        got = picture(capped, noise_image(*size, 1))
+        assert resized_pixels(capped, got) <= CAP
+        # exactly what the model does when asked for max_pixels=CAP
+        want = picture(free, noise_image(*size, 1), max_pixels=CAP)
+        assert (got.grid_thw, got.mm_hash) == (want.grid_thw, want.mm_hash)
+        assert got.pixel_values.equal(want.pixel_values)
+    small = picture(capped, noise_image(40, 40, 2))  # under the cap: as without one
+    assert small.grid_thw == picture(free, noise_image(40, 40, 2)).grid_thw
+
+
+def test_what_is_over_the_cap_by_itself_is_refused(tiny_ckpt):
+    proc = processor(tiny_ckpt("qwen2_vl"), CAP)
+    with pytest.raises(InvalidInputError, match="max_pixels 50000 is above the server's --max-image-pixels"):
+        picture(proc, noise_image(64, 64, 1), max_pixels=50_000)
+    with pytest.raises(InvalidInputError, match="min_pixels 45000 is above the server's --max-image-pixels"):
+        picture(proc, noise_image(64, 64, 1), min_pixels=45_000)
+    with pytest.raises(MediaTooLargeError):  # decoded size over the cap: refused before decoding
+        picture(proc, noise_image(250, 170, 1))
+    assert resized_pixels(proc, picture(proc, noise_image(64, 64, 1), max_pixels=CAP)) <= CAP
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen3_vl"])
+def test_a_cap_shrinks_video_frames_too(tiny_ckpt, arch):
+    cap = 20_000
+    capped, free = processor(tiny_ckpt(arch), cap), processor(tiny_ckpt(arch))
+    frames = clip_frames(4, h=154, w=127)  # within the cap as decoded, over it once rounded to the grid
+    video = {"prompt": f"{VID}hi", "multi_modal_data": {"video": [frames]}}
+    uncapped = free.process(video).mm_items
+    assert max(resized_pixels(free, it) for it in uncapped) > cap, "the frames must be larger than the cap"
+    items = capped.process(video).mm_items
+    assert items and all(resized_pixels(capped, it) <= cap for it in items)

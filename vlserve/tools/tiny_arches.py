@@ -1,0 +1,30 @@
+"""The model families `make-tiny-model --arch` writes: the one list of them.
+
+Light on purpose (no torch, no transformers): `vlserve --help` reads it to say which families there are, and
+tiny_model.py resolves the transformers classes named here when it runs. A test keeps this list equal to the
+architectures vlserve serves (vlserve.model.registry).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TinyArch:
+    family: str  # the family's name as its model cards write it
+    config_class: str  # transformers class names
+    model_class: str  # also config.json's `architectures` entry
+
+
+TINY_ARCHES: dict[str, TinyArch] = {
+    "qwen2_vl": TinyArch("Qwen2-VL", "Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
+    "qwen2_5_vl": TinyArch("Qwen2.5-VL", "Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
+    "qwen3_vl": TinyArch("Qwen3-VL", "Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
+    "qwen3_vl_moe": TinyArch("Qwen3-VL-MoE", "Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration"),
+}
+
+
+def family_names() -> str:
+    """"Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE": for help texts."""
+    return ", ".join(a.family for a in TINY_ARCHES.values())
