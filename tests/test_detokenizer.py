@@ -187,3 +187,22 @@ def test_incomplete_trailing_char_not_emitted(tokenizer):
     assert detok.output_text in ("ok", "ok ")
     detok.update(ids[-1:])
     assert detok.output_text == "ok 🙃"
+
+
+def _held_by_definition(text: str, stops: list[str]) -> int:
+    """The longest end of `text` that begins some stop string (shorter than it), by brute force."""
+    return max((k for s in stops for k in range(1, min(len(s) - 1, len(text)) + 1) if text.endswith(s[:k])),
+               default=0)
+
+
+def test_held_back_text_is_the_longest_end_that_begins_a_stop_string():
+    """The bounded search (tail of the longest stop, first-character candidates) agrees with the definition."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        stops = ["".join(rng.choice("ab\u00e9") for _ in range(rng.randint(1, 7))) for _ in range(rng.randint(1, 4))]
+        detok = IncrementalDetokenizer(None, [], SamplingParams(stop=stops))
+        detok._text = "".join(rng.choice("ab\u00e9") for _ in range(rng.randint(0, 12)))
+        assert detok._stop_prefix_len() == _held_by_definition(detok._text, stops), (detok._text, stops)
+

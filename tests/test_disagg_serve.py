@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -228,6 +230,32 @@ class NonsenseEncoder:
                 await sock.send_multipart([peer, *outbox.encode(chunk, tensors)])
 
 
+def test_a_language_server_whose_engine_dies_is_restarted(deployment, offline):
+    """SIGKILL of the language server's engine process: the role exits (status 1) instead of answering 503
+    forever, the supervisor restarts it, and it serves again."""
+    proc, url, client, log = deployment
+    language = next(pid for pid, cmd in _children(proc.pid).items() if " language " in cmd)
+    log.seek(0)
+    engine = int(re.findall(r"\[language\] .*engine core ready \(pid (\d+)\)", log.read())[-1])
+    assert engine in _children(language)
+    os.kill(engine, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while True:
+        log.seek(0)
+        restarted = "restarting language" in log.read()
+        try:
+            ready = restarted and httpx.get(url + "/ready", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            ready = False
+        if ready:
+            break
+        assert time.monotonic() < deadline, "the language server was not restarted"
+        time.sleep(0.2)
+    assert language not in _children(proc.pid)
+    assert ask(client, [{"role": "user", "content": "text only"}]) == expected_text(
+        offline, [{"role": "user", "content": "text only"}])
+
+
 def test_nonsense_from_an_encoder_is_retried_elsewhere(tiny_ckpt, offline):
     cluster = Cluster(tiny_ckpt("qwen2_vl"), {"main": []})
     try:
@@ -267,3 +295,42 @@ def test_an_encoder_of_another_model_is_never_paired(tiny_ckpt, offline, mismatc
         assert ask(cluster.client("main"), messages) == expected_text(offline, messages)
     finally:
         cluster.close()
+
+
+def test_a_crash_looping_role_never_takes_the_others_down(caplog):
+    """An encoder killed over and over is restarted ever more slowly (every 60 s once crash-looping); the
+    supervisor never stops the deployment for it. Only a configuration error (exit 78) does."""
+    import sys
+
+    from vlserve.core.errors import EXIT_CONFIG
+    from vlserve.disagg.launcher import CRASH_LOOP_BACKOFF_S, MAX_RESTARTS, Child, Supervisor
+
+    def child(name: str, code: int | None) -> Child:
+        script = "import time; time.sleep(60)" if code is None else f"raise SystemExit({code})"
+        return Child(name, [sys.executable, "-c", script], {})
+
+    crashing, healthy = child("encoder-0", 1), child("language", None)
+    sup = Supervisor([crashing, healthy])
+    for c in sup.children:
+        c.start()
+    now = 1000.0
+    try:
+        with caplog.at_level(logging.WARNING, logger="vlserve.disagg"):
+            for _ in range(3 * MAX_RESTARTS):
+                crashing.proc.wait(10)
+                sup._check(now)
+                assert not sup.stopping and healthy.running
+                now = crashing.restart_at  # the supervisor's clock moves to the planned restart
+                sup._check(now)
+        assert any("crash-looping" in r.getMessage() for r in caplog.records)
+        crashing.proc.wait(10)
+        sup._check(now)
+        assert crashing.restart_at - now == CRASH_LOOP_BACKOFF_S
+        config_error = child("encoder-1", EXIT_CONFIG)
+        sup.children.append(config_error)
+        config_error.start()
+        config_error.proc.wait(10)
+        sup._check(now + 1)
+        assert sup.stopping and sup.exit_code == EXIT_CONFIG
+    finally:
+        sup.shutdown()

@@ -68,3 +68,45 @@ def test_a_cap_shrinks_video_frames_too(tiny_ckpt, arch):
     assert max(resized_pixels(free, it) for it in uncapped) > cap, "the frames must be larger than the cap"
     items = capped.process(video).mm_items
     assert items and all(resized_pixels(capped, it) <= cap for it in items)
+
+
+@pytest.mark.parametrize("mode, refused", [("RGB", False), ("L", False), ("P", False), ("I;16", False),
+                                           ("F", True), ("I", True)])
+def test_the_cap_counts_the_bytes_a_picture_decodes_to(mode, refused):
+    """A cap of N pixels allows N x 3 bytes: a float or 32-bit picture of as many pixels decodes to more (a 62 MP
+    mode-F TIFF is a 480 KB file and 248 MB decoded), and is refused from its header, before decoding."""
+    import io
+
+    from PIL import Image
+
+    from vlserve.frontend.media.image import load_image
+
+    buf = io.BytesIO()
+    Image.new(mode, (100, 100)).save(buf, format="TIFF")
+    if refused:
+        with pytest.raises(MediaTooLargeError, match=f"mode {mode}, which decode to 40000 bytes"):
+            load_image(buf.getvalue(), max_pixels_decoded=10_000)
+    else:
+        assert load_image(buf.getvalue(), max_pixels_decoded=10_000).size == (100, 100)
+    assert load_image(buf.getvalue(), max_pixels_decoded=20_000).mode == "RGB"  # under the cap: converted
+
+
+def test_deep_pictures_are_scaled_to_8_bits_in_slices():
+    """16-bit and float pictures are scaled to 8 bits a slice of rows at a time: the float64 temporaries stay
+    small instead of 16 bytes per pixel of the whole picture."""
+    import tracemalloc
+
+    import numpy as np
+    from PIL import Image
+
+    from vlserve.frontend.media.image import to_rgb
+
+    rng = np.random.default_rng(0)
+    deep = Image.fromarray(rng.integers(0, 65535, (2000, 1500), dtype=np.uint16))  # 3 MP, I;16
+    tracemalloc.start()
+    rgb = to_rgb(deep)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < 3e6 * 5, f"{peak / 1e6:.0f} MB for a 3 MP picture"  # was ~26 bytes per pixel
+    expected = np.clip(np.rint(np.asarray(deep).astype(np.float64) * (255 / 65535)), 0, 255).astype(np.uint8)
+    assert np.array_equal(np.asarray(rgb)[..., 0], expected)

@@ -70,6 +70,13 @@ HOSTILE = {
                                                              "chat_template": NESTED_LOOPS}, 400),
     "a huge template output": ("/v1/chat/completions", {"messages": user("hi"), "max_tokens": 2,
                                                         "chat_template": "{{ 'x' * 20000000 }}"}, 400),
+    "a template building a gigabyte": ("/v1/chat/completions", {"messages": user("hi"), "max_tokens": 2,
+                                                                "chat_template": "{{ 'x' * 1000000000 }}"}, 400),
+    "the most stop strings, 128 samples": ("/v1/completions", {
+        "prompt": "go", "n": 128, "max_tokens": 24, "ignore_eos": True,
+        "stop": [f"{i:02d}" + "ab" * 511 for i in range(64)]}, 200),  # each end of a sample begins many of them
+    "logprobs of 32 samples": ("/v1/chat/completions", {"messages": user("hi"), "n": 32, "max_tokens": 100,
+                                                       "ignore_eos": True, "logprobs": True, "top_logprobs": 20}, 200),
     "a 15 MB picture": ("/v1/chat/completions", {"messages": user(image_part(data_url(noise_image(2300, 2300, 1))),
                                                                   "hi"), "max_tokens": 2}, 200),
 }
@@ -211,6 +218,92 @@ def test_after_all_that_the_server_is_healthy_and_the_pool_full(server):
 
 
 def test_raw_garbage_bodies(server):
-    for body in (b"", b"[]", b"null", b"\xff\xfe", b'{"messages": [', base64.b64encode(b"x" * 100), b'"str"'):
+    deep = b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "x": '
+    for body in (b"", b"[]", b"null", b"\xff\xfe", b'{"messages": [', base64.b64encode(b"x" * 100), b'"str"',
+                 b'{"messages": [{"role": "user", "content": "\xff\xfe\xc3"}], "max_tokens": 2}',  # not UTF-8
+                 deep + b"[" * 1000 + b"]" * 1000 + b"}", deep + b'{"a":' * 100_000 + b"1" + b"}" * 100_001):
         r = _post(server, "/v1/chat/completions", body)
-        assert r.status_code == 400, (body, r.text)
+        assert r.status_code == 400, (body[:80], r.text)
+    # Nested within the bound, in every field that takes free JSON: never a 5xx either.
+    for depth in (200, 900):
+        schema = json.loads('{"a":' * depth + "1" + "}" * depth)
+        for extra in ({"chat_template_kwargs": {"k": schema}}, {"mm_processor_kwargs": {"k": schema}},
+                      {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {
+                          "type": "object", "properties": {"p": schema}}}}},
+                      {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+                          "type": "object", "properties": {"p": schema}}}}]}):
+            r = _post(server, "/v1/chat/completions", {"messages": user("hi"), "max_tokens": 2, **extra})
+            assert r.status_code < 500, (depth, list(extra), r.text[:300])
+
+
+@pytest.mark.parametrize("body, flag", [
+    ({"stop": ["s"] * 65}, "--max-stop-strings"),
+    ({"stop": "s" * 1025}, "--max-stop-string-chars"),
+    ({"stop_token_ids": [1] * 65}, "--max-stop-strings"),
+    ({"stop": ["x"] * 10_000}, "--max-stop-strings"),
+    ({"n": 128, "max_tokens": 300, "logprobs": True, "top_logprobs": 20}, "--max-logprob-entries"),
+    ({"n": 2, "logprobs": True, "top_logprobs": 20, "max_tokens": None}, None),  # defaulted max_tokens: fits
+])
+def test_per_token_work_is_bounded_before_any_is_done(server, body, flag):
+    r = _post(server, "/v1/chat/completions", {"messages": user("hi"), "max_tokens": 2, **body})
+    if flag is None:
+        assert r.status_code == 200, r.text[:300]
+        return
+    assert r.status_code == 400 and flag in r.json()["error"]["message"], r.text[:300]
+
+
+def test_the_completions_logprob_budget_counts_every_prompt(server):
+    body = {"prompt": ["a"] * 16, "n": 8, "max_tokens": 400, "logprobs": 5}  # 128 x 400 x 6 = 307,200: fits
+    assert _post(server, "/v1/completions", {**body, "max_tokens": 2}).status_code == 200
+    r = _post(server, "/v1/completions", {**body, "max_tokens": 400, "logprobs": 20})  # 128 x 400 x 21: too many
+    assert r.status_code == 400 and "--max-logprob-entries" in r.text, r.text[:300]
+
+
+def _closed_within(sock, seconds: float, trickle: bytes = b"") -> bytes:
+    """Sends `trickle` a byte at a time (0.2 s apart) until the server closes; what it answered, if anything."""
+    import socket
+
+    deadline = time.monotonic() + seconds
+    sock.settimeout(0.2)
+    got = b""
+    for i in range(10_000):
+        assert time.monotonic() < deadline, "the slow client's connection was kept open"
+        if trickle:
+            try:
+                sock.sendall(trickle[i % len(trickle):i % len(trickle) + 1])
+            except OSError:
+                return got
+        try:
+            chunk = sock.recv(4096)
+        except socket.timeout:
+            continue
+        except OSError:
+            return got
+        if not chunk:
+            return got
+        got += chunk
+    raise AssertionError("unreachable")
+
+
+def test_slow_clients_are_cut_off(tiny_ckpt):
+    """Headers must arrive within --header-read-timeout (the connection is closed), a body within
+    --body-read-timeout (408); other clients are served meanwhile."""
+    import socket
+
+    with RemoteServer(tiny_ckpt("qwen2_vl"), "--dtype", "float32", "--max-model-len", "512",
+                      "--header-read-timeout", "1", "--body-read-timeout", "1.5") as srv:
+        addr = ("127.0.0.1", srv.port)
+        with HealthProbe(srv.url) as probe, socket.create_connection(addr) as silent, \
+                socket.create_connection(addr) as dribbling, socket.create_connection(addr) as slow_body:
+            slow_body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                              b"Content-Length: 1000\r\n\r\n{")
+            assert _closed_within(silent, 5) == b""
+            assert _closed_within(dribbling, 5, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n") == b""
+            reply = _closed_within(slow_body, 5, b" ")
+            assert reply.startswith(b"HTTP/1.1 408") and b"--body-read-timeout" in reply, reply[:300]
+        assert not probe.failures and probe.worst < HEALTH_BUDGET_S
+        # A kept-alive connection that is quick keeps working across requests.
+        with httpx.Client(timeout=30) as c:
+            for _ in range(2):
+                assert c.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+                time.sleep(0.5)

@@ -145,6 +145,16 @@ class ServerArgs:
     max_request_bytes: int = option(64 * 2**20, "largest request body in bytes; a bigger one gets 413 before it is "
                                     "read", HTTP_ROLES)
     max_n: int = option(128, "most samples (n) one request may ask for", HTTP_ROLES)
+    header_read_timeout: float = option(10.0, "seconds a client may take to send a request's headers; the "
+                                        "connection is closed after that", HTTP_ROLES)
+    body_read_timeout: float = option(60.0, "seconds a client may take to send a request's body; 408 after that",
+                                      HTTP_ROLES)
+    max_stop_strings: int = option(64, "most stop strings one request may give (and most stop_token_ids)",
+                                   HTTP_ROLES)
+    max_stop_string_chars: int = option(1024, "longest stop string, in characters", HTTP_ROLES)
+    max_logprob_entries: int = option(
+        2**19, "most log-probabilities one request may ask for: sequences (n x prompts) x max_tokens x "
+        "(top_logprobs + 1)", HTTP_ROLES)
     chat_template: str | None = option(None, "chat template replacing the checkpoint's: a file, or the template "
                                        "text itself", HTTP_ROLES, metavar="FILE")
     trust_request_chat_template: bool = option(False, "accept a chat_template sent in a request (refused "

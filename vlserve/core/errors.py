@@ -31,6 +31,13 @@ class RequestTooLargeError(InvalidInputError):
     error_type = "PayloadTooLargeError"
 
 
+class RequestTimeoutError(InvalidInputError):
+    """The client took longer than the server allows to send its request body (--body-read-timeout)."""
+
+    http_status = 408
+    error_type = "RequestTimeoutError"
+
+
 class MediaFetchError(InvalidInputError):
     """A media URL was refused by policy or could not be fetched (bad status, timeout, unreachable)."""
 

@@ -5,9 +5,10 @@
 Each child's command line is built from the options (only the flags its role honours), never by editing argv.
 Children run in their own session, so a terminal's Ctrl-C reaches only this supervisor, which then stops them
 in order (language first, registry last: nothing logs a failed deregistration). SIGTERM does the same. A child
-that dies is restarted with backoff, a bounded number of times; the others keep serving meanwhile. A child that
-exits with EXIT_CONFIG (a bad --model, a corrupt checkpoint) stops the deployment at once: restarts would fail
-the same way. Each child's log lines carry its name.
+that dies is restarted with backoff (growing to CRASH_LOOP_BACKOFF_S while it keeps crashing, as a kubelet's
+CrashLoopBackOff does); the others keep serving meanwhile, and a crash-looping role never takes them down. A
+child that exits with EXIT_CONFIG (a bad --model, a corrupt checkpoint) stops the deployment at once: restarts
+would fail the same way. Each child's log lines carry its name.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from vlserve.core.options import to_argv
 from vlserve.core.processes import LOG_TAG_ENV, die_with_parent, free_port
 
 logger = logging.getLogger("vlserve.disagg")
-MAX_RESTARTS = 5  # per child within RESTART_WINDOW_S; one more crash stops the deployment
+MAX_RESTARTS = 5  # quick restarts per child within RESTART_WINDOW_S; after that it is crash-looping
 RESTART_WINDOW_S = 300.0
+CRASH_LOOP_BACKOFF_S = 60.0  # the delay between restarts of a crash-looping child
 STOP_TIMEOUT_S = 15.0
 POLL_S = 0.2
 
@@ -141,7 +143,7 @@ class Supervisor:
         self.stopping = True
 
     def run(self) -> int:
-        """0 once stopped by a signal; 1 when a role kept crashing, EXIT_CONFIG when one cannot start at all."""
+        """0 once stopped by a signal; EXIT_CONFIG when a role cannot start with this configuration."""
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             for child in self.children:
@@ -155,8 +157,8 @@ class Supervisor:
                 signal.signal(s, handler)
         return self.exit_code
 
-    def _check(self) -> None:
-        now = time.monotonic()
+    def _check(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
         for child in self.children:
             if child.restart_at is not None:
                 if now >= child.restart_at:
@@ -173,10 +175,11 @@ class Supervisor:
                 return
             child.crashes = [t for t in child.crashes if now - t < RESTART_WINDOW_S] + [now]
             if len(child.crashes) > MAX_RESTARTS:
-                logger.error("%s exited (code %s) %d times within %.0fs; stopping the deployment", child.name, code,
-                             len(child.crashes), RESTART_WINDOW_S)
-                self.exit_code, self.stopping = 1, True
-                return
+                logger.error("%s is crash-looping: it exited (code %s) %d times within %.0fs; restarting it every "
+                             "%.0fs meanwhile (the other roles keep serving)", child.name, code, len(child.crashes),
+                             RESTART_WINDOW_S, CRASH_LOOP_BACKOFF_S)
+                child.restart_at = now + CRASH_LOOP_BACKOFF_S
+                continue
             backoff = min(0.5 * 2 ** (len(child.crashes) - 1), 10.0)
             logger.warning("%s exited (code %s); restarting it in %.1fs (the other roles keep serving)",
                            child.name, code, backoff)

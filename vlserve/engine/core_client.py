@@ -164,6 +164,8 @@ class EngineCoreClient:
                 return
             if isinstance(msg, EngineOutputs):
                 self.on_outputs(msg, frames)
+                # A ready socket returns at once: let /health and other requests in between two steps' outputs.
+                await asyncio.sleep(0)
 
     # ---- liveness ----------------------------------------------------------------------------------------
     async def _watch(self) -> None:

@@ -33,6 +33,8 @@ class IncrementalDetokenizer:
         # Text a later token could turn into a stop string is cut then, so it must not be shown before. With
         # include_stop_str_in_output the cut falls after the match, inside text not shown yet: nothing to hold.
         self._hold_prefixes = not self._include_stop and bool(self._stops)
+        self._longest_stop = max(map(len, self._stops), default=0)
+        self._held_for, self._held = -1, 0  # _stop_prefix_len's answer, for the text length it was computed at
 
         context = list(prompt_token_ids[-_PROMPT_CONTEXT:])
         self._ids: list[int] = context  # prompt context + output ids
@@ -57,13 +59,20 @@ class IncrementalDetokenizer:
         return self._text[: len(self._text) - self._stop_prefix_len()]
 
     def _stop_prefix_len(self) -> int:
-        """Length of the longest end of the text that begins some stop string."""
-        text, best = self._text, 0
+        """Length of the longest end of the text that begins some stop string. Only the last (longest stop - 1)
+        characters can matter, and each stop is tried from where its first character occurs there, longest
+        candidate first, with C-level string operations: the cost is bounded by the stop limits, not the text."""
+        if self._held_for == len(self._text):
+            return self._held
+        tail, best = self._text[max(0, len(self._text) - self._longest_stop + 1):], 0
         for stop in self._stops:
-            for k in range(min(len(stop) - 1, len(text)), best, -1):
-                if text.endswith(stop[:k]):
-                    best = k
+            i = tail.find(stop[0], max(0, len(tail) - len(stop) + 1))
+            while i != -1 and len(tail) - i > best:
+                if stop.startswith(tail[i:]):
+                    best = len(tail) - i
                     break
+                i = tail.find(stop[0], i + 1)
+        self._held_for, self._held = len(self._text), best
         return best
 
     @property
@@ -107,11 +116,10 @@ class IncrementalDetokenizer:
         )
 
     def _check_stop(self, old_len: int) -> str | None:
-        # A new match must end inside the new text, so it starts no earlier than this.
-        start = max(0, old_len - max(len(s) for s in self._stops) + 1)
         best: tuple[int, str] | None = None
         for stop in self._stops:
-            idx = self._text.find(stop, start)
+            # A new match must end inside the new text, so it starts no earlier than this: only new text is read.
+            idx = self._text.find(stop, max(0, old_len - len(stop) + 1))
             if idx != -1 and (best is None or idx < best[0]):
                 best = (idx, stop)  # earliest match wins; ties go to list order
         if best is None:

@@ -26,6 +26,9 @@ class _Parent:
 class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        # A logprob entry shows each alternative token's text: one decode per distinct id, bounded by the vocabulary
+        # (a request with top_logprobs=20 would otherwise decode 21 ids per token on the event loop).
+        self._token_text: dict[int, str] = {}
         self._parents: dict[str, _Parent] = {}
         self._parent_of: dict[str, str] = {}
 
@@ -93,9 +96,15 @@ class OutputProcessor:
             for rank_i, (tid, val) in enumerate(zip(lp.token_ids, lp.logprobs)):
                 rank = lp.sampled_rank if rank_i == 0 else rank_i
                 if tid not in entry:
-                    entry[tid] = Logprob(val, rank, self.tokenizer.decode([tid]))
+                    entry[tid] = Logprob(val, rank, self._text_of(tid))
             out.logprobs.append(entry)
             out.cumulative_logprob += lp.logprobs[0]
+
+    def _text_of(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def abort(self, request_id: str) -> list[str]:
         """Forget a parent request; returns its child ids so the engine can free them."""

@@ -6,6 +6,7 @@ import logging
 from pathlib import Path
 
 from vlserve.core.errors import InvalidInputError, ModelLoadError
+from vlserve.frontend import template_sandbox
 from vlserve.frontend.tool_prompt import hermes_messages, template_knows_tools
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
             kwargs["tools"] = tools
     elif tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
         messages = hermes_messages(messages, tools or [])
+    template_sandbox.install()
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                              chat_template=chat_template, **kwargs)

@@ -140,6 +140,8 @@ async def serve(opts: Options, log_level: str = "INFO", role: str = SERVE, sock:
     restarts it rather than it answering 503 for ever)."""
     import uvicorn
 
+    from vlserve.server.slow_clients import header_timeout_protocol
+
     server = opts.server
     sock = sock or bind_socket(server.host, server.port)
     try:
@@ -148,7 +150,8 @@ async def serve(opts: Options, log_level: str = "INFO", role: str = SERVE, sock:
             await engine.start()
             try:
                 config = uvicorn.Config(build_app(engine, server), log_level=log_level.lower(), access_log=False,
-                                        timeout_graceful_shutdown=5, log_config=None)
+                                        timeout_graceful_shutdown=5, log_config=None,
+                                        http=header_timeout_protocol(server.header_read_timeout))
                 http = uvicorn.Server(config)
                 sigterm.serving()
                 watch = asyncio.create_task(stop_when_engine_dies(engine, http))

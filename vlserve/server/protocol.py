@@ -17,6 +17,7 @@ from typing import Any, Callable
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
+from vlserve.core.config import ServerArgs
 from vlserve.core.errors import InvalidInputError
 from vlserve.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from vlserve.core.structured_outputs import StructuredOutputsError, StructuredOutputsParams, structured_outputs_from
@@ -96,7 +97,7 @@ class _SamplingFields(BaseModel):
     # Which of the spellings above gave the output constraint: errors about it name the field the client sent.
     _constraint_source: str = PrivateAttr(default="structured_outputs")
 
-    def check_fields(self, max_n: int) -> None:
+    def check_fields(self, server: ServerArgs) -> None:
         """Refuse what cannot be honoured; log (once per name) unknown fields that change nothing."""
         for name, value in (self.model_extra or {}).items():
             refuse = UNSUPPORTED.get(name)
@@ -105,8 +106,18 @@ class _SamplingFields(BaseModel):
             if refuse is None and name not in _logged_ignored and len(_logged_ignored) < 1000:
                 _logged_ignored.add(name)
                 logger.warning("the request field %r is not used by vlserve and was ignored", name[:64])
-        if self.n > max_n:
-            raise InvalidInputError(f"n must be at most {max_n} (--max-n), got {self.n}")
+        if self.n > server.max_n:
+            raise InvalidInputError(f"n must be at most {server.max_n} (--max-n), got {self.n}")
+        # Bounded before any work: each stop string is checked against the output after every token.
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        for name, items in (("stop", stops), ("stop_token_ids", self.stop_token_ids or [])):
+            if len(items) > server.max_stop_strings:
+                raise InvalidInputError(f"{name} may hold at most {server.max_stop_strings} entries "
+                                        f"(--max-stop-strings), got {len(items)}")
+        longest = max(stops, key=len, default="")
+        if len(longest) > server.max_stop_string_chars:
+            raise InvalidInputError(f"a stop string may be at most {server.max_stop_string_chars} characters long "
+                                    f"(--max-stop-string-chars), got one of {len(longest)}")
         if self.stream_options is not None and not self.stream:
             raise InvalidInputError("stream_options is only allowed when stream is true")
         if self.request_id is not None and not REQUEST_ID.match(self.request_id):
@@ -257,6 +268,10 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
     except msgspec.DecodeError as e:
         raise InvalidInputError(f"the request body is not valid JSON ({e}); NaN, Infinity and lone surrogates "
                                 "are not JSON") from None
+    except UnicodeDecodeError as e:  # msgspec checks the UTF-8 of strings only when it decodes them
+        raise InvalidInputError(f"the request body is not valid UTF-8 (byte {e.start}: {e.reason})") from None
+    except RecursionError:
+        raise InvalidInputError("the request body nests JSON arrays or objects too deeply") from None
     if not isinstance(data, dict):
         raise InvalidInputError("the request body must be a JSON object")
     try:

@@ -4,16 +4,18 @@ SSE framing."""
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
 from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from vlserve.core.config import ServerArgs
-from vlserve.core.errors import InvalidInputError, NotFoundError, RequestTooLargeError
+from vlserve.core.errors import InvalidInputError, NotFoundError, RequestTimeoutError, RequestTooLargeError
 from vlserve.core.outputs import RequestOutput
 from vlserve.core.sampling_params import SamplingParams
 from vlserve.engine.structured.grammar import grammar_for
@@ -39,17 +41,24 @@ def sse(data: dict | str) -> bytes:
 SSE_DONE = sse("[DONE]")
 
 
-async def read_body(raw: HTTPRequest, limit: int) -> bytes:
-    """The request body, refused with 413 as soon as it is known to exceed `limit` (header or bytes read)."""
+async def read_body(raw: HTTPRequest, limit: int, timeout: float = math.inf) -> bytes:
+    """The request body, refused with 413 as soon as it is known to exceed `limit` (header or bytes read), and
+    with 408 if it has not all arrived `timeout` seconds after its headers (a slow-loris client)."""
     declared = raw.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise RequestTooLargeError(f"the request body is {declared} bytes, over the limit of {limit} bytes "
                                    "(--max-request-bytes)")
     body = bytearray()
-    async for chunk in raw.stream():
-        body += chunk
-        if len(body) > limit:
-            raise RequestTooLargeError(f"the request body is over the limit of {limit} bytes (--max-request-bytes)")
+    try:
+        async with asyncio.timeout(None if math.isinf(timeout) else timeout):
+            async for chunk in raw.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise RequestTooLargeError(f"the request body is over the limit of {limit} bytes "
+                                               "(--max-request-bytes)")
+    except TimeoutError:
+        raise RequestTimeoutError(f"the request body did not arrive within {timeout:g}s (--body-read-timeout); "
+                                  f"{len(body)} bytes came") from None
     return bytes(body)
 
 
@@ -62,12 +71,12 @@ class OpenAIServing:
         self.model_name = model_name
 
     async def parse(self, raw: HTTPRequest, model: type[BaseModel]):
-        body = await read_body(raw, self.server.max_request_bytes)
+        body = await read_body(raw, self.server.max_request_bytes, self.server.body_read_timeout)
         if len(body) <= PARSE_INLINE_BYTES:
             parsed = parse_body(body, model)
         else:
             parsed = await asyncio.get_running_loop().run_in_executor(self.engine.executor, parse_body, body, model)
-        parsed.check_fields(self.server.max_n)
+        parsed.check_fields(self.server)
         return parsed
 
     async def check_structured_outputs(self, params: SamplingParams) -> None:
@@ -96,6 +105,25 @@ class OpenAIServing:
             raise InvalidInputError(f"this model's maximum context length is {limit} tokens; the prompt has "
                                     f"{prompt.num_tokens} tokens and max_tokens is {requested}: reduce one of them")
         return requested
+
+    def check_logprob_budget(self, sequences: int, max_tokens: int | None, top_logprobs: int | None) -> None:
+        """What logprobs cost grows with sequences x tokens x alternatives: refused above --max-logprob-entries."""
+        if top_logprobs is None or max_tokens is None:
+            return
+        entries, limit = sequences * max_tokens * (top_logprobs + 1), self.server.max_logprob_entries
+        if entries > limit:
+            raise InvalidInputError(
+                f"{sequences} sequences x max_tokens {max_tokens} x {top_logprobs + 1} log-probabilities per token "
+                f"is {entries}, over the {limit} one request may ask for (--max-logprob-entries): lower n, "
+                "max_tokens or top_logprobs")
+
+    async def json_response(self, build: Callable[[], dict], off_loop: bool) -> Response:
+        """The answer as JSON; a big one (logprobs of many tokens) is built and encoded on a worker thread."""
+        if not off_loop:
+            return JSONResponse(build())
+        body = await asyncio.get_running_loop().run_in_executor(self.engine.executor,
+                                                                lambda: _json.encode(build()))
+        return Response(body, media_type="application/json")
 
     async def until_done_or_disconnect(self, raw: HTTPRequest, work: Awaitable):
         """Runs `work`; if the client goes away first, cancels it (which aborts the request in the engine).

@@ -7,7 +7,7 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from vlserve.core.errors import InvalidInputError
 from vlserve.core.outputs import CompletionOutput, RequestOutput
@@ -50,6 +50,7 @@ class OpenAIServingChat(OpenAIServing):
         self.engine.check_accepting()
         top_k = body.logprobs_count()
         checked = body.sampling_params(body.requested_max_tokens(), top_k)  # refuse bad values before any work
+        self.check_logprob_budget(body.n, body.requested_max_tokens(), top_k)
         try:
             await self.check_structured_outputs(checked)
         except StructuredOutputsError as e:  # name the field the client sent, e.g. response_format's schema
@@ -61,6 +62,7 @@ class OpenAIServingChat(OpenAIServing):
                                                                                    checked))
         try:
             params = body.sampling_params(self.max_tokens(prepared, body.requested_max_tokens()), top_k)
+            self.check_logprob_budget(body.n, params.max_tokens, top_k)
         except BaseException:
             if prepared.encoded.release is not None:
                 prepared.encoded.release()
@@ -73,7 +75,8 @@ class OpenAIServingChat(OpenAIServing):
             return StreamingResponse(self._stream(request_id, first, outputs, include_usage, top_k or 0,
                                                   parse_calls), media_type="text/event-stream")
         final = first if first.finished else await self.until_done_or_disconnect(raw, self.final_output(outputs))
-        return JSONResponse(self._response(request_id, final, top_k or 0, parse_calls))
+        return await self.json_response(lambda: self._response(request_id, final, top_k or 0, parse_calls),
+                                        off_loop=top_k is not None)
 
     async def _prepare(self, body: ChatCompletionRequest, arrival: float, request_id: str,
                        params: SamplingParams) -> PreparedPrompt:

@@ -7,7 +7,7 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from vlserve.core.errors import InvalidInputError
 from vlserve.core.outputs import CompletionOutput, RequestOutput
@@ -43,6 +43,7 @@ class OpenAIServingCompletion(OpenAIServing):
             raise InvalidInputError(f"{len(prompts)} prompts x n={body.n} is more than the {self.server.max_n} "
                                     "sequences one request may ask for (--max-n)")
         checked = body.sampling_params(body.max_tokens, body.logprobs)  # refuse bad values before any work
+        self.check_logprob_budget(len(prompts) * body.n, body.max_tokens, body.logprobs)
         try:
             await self.check_structured_outputs(checked)
         except StructuredOutputsError as e:  # name the field the client sent, e.g. response_format's schema
@@ -56,6 +57,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                                                                           checked))
                 try:
                     params = body.sampling_params(self.max_tokens(prepared, body.max_tokens), body.logprobs)
+                    self.check_logprob_budget(len(prompts) * body.n, params.max_tokens, body.logprobs)
                 except BaseException:
                     if prepared.encoded.release is not None:
                         prepared.encoded.release()
@@ -74,10 +76,13 @@ class OpenAIServingCompletion(OpenAIServing):
         finals = await self.until_done_or_disconnect(
             raw, asyncio.gather(*(self._last(f, g) for f, g in zip(firsts, gens))))
         n = body.n
-        choices = [self._choice(k * n + c.index, c, top_k) for k, out in enumerate(finals) for c in out.outputs]
-        usage = self._sum_usage(finals)
-        return JSONResponse({"id": request_id, "object": "text_completion", "created": created(),
-                             "model": self.model_name, "choices": choices, "usage": usage})
+
+        def response() -> dict:
+            choices = [self._choice(k * n + c.index, c, top_k) for k, out in enumerate(finals) for c in out.outputs]
+            return {"id": request_id, "object": "text_completion", "created": created(), "model": self.model_name,
+                    "choices": choices, "usage": self._sum_usage(finals)}
+
+        return await self.json_response(response, off_loop=body.logprobs is not None)
 
     @staticmethod
     async def _first_outputs(gens: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:

@@ -18,7 +18,7 @@ from typing import Any, Union
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageMode, ImageOps, UnidentifiedImageError
 
 from vlserve.core.config import DEFAULT_MAX_PIXELS_DECODED
 from vlserve.core.errors import InvalidInputError, MediaTooLargeError, ModelLoadError
@@ -45,7 +45,7 @@ def load_image(source: ImageSource, max_pixels_decoded: int = DEFAULT_MAX_PIXELS
     untrusted users must decide whether local files are allowed at all.
     """
     if isinstance(source, Image.Image):
-        _check_decoded_size(source.width, source.height, max_pixels_decoded)
+        _check_decoded_size(source.width, source.height, max_pixels_decoded, source.mode)
         return to_rgb(source)
     if isinstance(source, (bytes, bytearray, memoryview)):
         return _decode(io.BytesIO(bytes(source)), max_pixels_decoded, what="image bytes")
@@ -81,7 +81,7 @@ def _decode(fp: Any, max_pixels_decoded: int, what: str) -> Image.Image:
         raise MediaTooLargeError(f"{what}: {e}") from None
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
         raise InvalidInputError(f"{what} is not a decodable image ({e.__class__.__name__})") from None
-    _check_decoded_size(img.width, img.height, max_pixels_decoded)
+    _check_decoded_size(img.width, img.height, max_pixels_decoded, img.mode)
     try:
         img.load()
         return to_rgb(_apply_exif_orientation(img))
@@ -100,13 +100,29 @@ def _apply_exif_orientation(img: Image.Image) -> Image.Image:
         return img
 
 
-def _check_decoded_size(width: int, height: int, max_pixels_decoded: int) -> None:
+def _bytes_per_pixel(mode: str) -> int:
+    try:
+        m = ImageMode.getmode(mode)
+    except KeyError:
+        return 4  # an unknown mode: assume the widest common one
+    return len(m.bands) * np.dtype(m.typestr).itemsize
+
+
+def _check_decoded_size(width: int, height: int, max_pixels_decoded: int, mode: str = "RGB") -> None:
+    """Refused before decoding when the pixels, or the bytes they decode to, exceed the cap. A cap of N pixels
+    allows N x 3 bytes (RGB): a float (mode F) or 16-bit picture of as many pixels decodes to more and is
+    refused, rather than costing several times the memory the operator sized for."""
     if width <= 0 or height <= 0:
         raise InvalidInputError(f"image has empty size {width}x{height}")
     if width * height > max_pixels_decoded:
         raise MediaTooLargeError(
             f"image is {width}x{height} = {width * height} pixels, more than the {max_pixels_decoded} allowed"
         )
+    decoded = width * height * _bytes_per_pixel(mode)
+    if decoded > max_pixels_decoded * 3:
+        raise MediaTooLargeError(
+            f"image is {width}x{height} pixels of mode {mode}, which decode to {decoded} bytes, more than the "
+            f"{max_pixels_decoded * 3} allowed ({max_pixels_decoded} pixels x 3 bytes)")
 
 
 def to_rgb(img: Image.Image) -> Image.Image:
@@ -127,15 +143,22 @@ def to_rgb(img: Image.Image) -> Image.Image:
     return img.convert("RGB")  # L, P, CMYK, YCbCr, LAB, HSV, 1 ...
 
 
+_DEEP_ROWS_PIXELS = 1 << 18  # scaled in slices of about this many pixels: float64 temporaries stay ~2 MB
+
+
 def _deep_to_l(img: Image.Image) -> Image.Image:
-    arr = np.asarray(img).astype(np.float64)
+    arr = np.asarray(img)
+    top = arr.max() if arr.size else 0
     if img.mode == "F":
-        peak = 1.0 if arr.size and arr.max() <= 1.0 else 255.0
-    elif img.mode == "I" and (arr.size == 0 or arr.max() <= 255):
+        peak = 1.0 if arr.size and top <= 1.0 else 255.0
+    elif img.mode == "I" and (arr.size == 0 or top <= 255):
         peak = 255.0  # 8-bit data stored in a 32-bit container
     else:
         peak = 65535.0
-    out = np.clip(np.rint(arr * (255.0 / peak)), 0, 255).astype(np.uint8)
+    out = np.empty(arr.shape, dtype=np.uint8)
+    rows = max(1, _DEEP_ROWS_PIXELS // max(1, arr.shape[1] if arr.ndim > 1 else 1))
+    for r in range(0, arr.shape[0], rows):
+        out[r:r + rows] = np.clip(np.rint(arr[r:r + rows].astype(np.float64) * (255.0 / peak)), 0, 255)
     return Image.fromarray(out, mode="L")
 
 
