@@ -1,7 +1,8 @@
 """Peers of a disaggregated deployment prove they hold the shared secret (`--disagg-secret`).
 
-- The registry's HTTP API: every call is signed (HMAC-SHA256 over method, path, timestamp and body) and the
-  registry refuses unsigned, forged or stale (> MAX_SKEW_S) calls.
+- The registry's HTTP API: every call is signed (HMAC-SHA256 over method, path, timestamp, a random nonce and
+  body) and the registry refuses unsigned, forged, stale (> MAX_SKEW_S) or replayed (nonce already seen) calls.
+  The header alone (present, well-formed, fresh) is checked before a byte of the body is read.
 - The ZeroMQ data channel: CurveZMQ, with keys derived from the secret. An encoder accepts only clients that
   hold the client key (ZAP), and a language server can only complete the handshake with an encoder that holds
   the server key; everything on the wire is encrypted.
@@ -12,9 +13,12 @@ Without a secret both stay open, which is allowed only on loopback addresses.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import hmac
 import ipaddress
 import logging
+import re
+import secrets
 import time
 
 import zmq
@@ -25,6 +29,38 @@ from vlserve.core.errors import InvalidInputError
 logger = logging.getLogger("vlserve.disagg.auth")
 HEADER = "x-vlserve-signature"
 MAX_SKEW_S = 60.0
+MAX_NONCES = 65536  # replay memory: ~1000 signed calls/s over the freshness window, ~15 MB when full
+# "<unix time>:<32 hex nonce>:<64 hex HMAC>"
+_HEADER_RE = re.compile(r"(\d{1,12}(?:\.\d{1,6})?):([0-9a-f]{32}):([0-9a-f]{64})")
+
+
+class ReplayMemoryFull(Exception):
+    """More fresh signed calls than MAX_NONCES: refuse (the caller retries) rather than forget a nonce early."""
+
+
+class NonceMemory:
+    """The nonces of accepted calls, each kept until its signature goes stale (its timestamp + MAX_SKEW_S): after
+    that the freshness check refuses a replay anyway. Bounded: evicted by time, at most `max_entries`."""
+
+    def __init__(self, max_entries: int = MAX_NONCES):
+        self.max_entries = max_entries
+        self._expiry: dict[str, float] = {}
+        self._heap: list[tuple[float, str]] = []  # (expiry, nonce), soonest first
+
+    def __len__(self) -> int:
+        return len(self._expiry)
+
+    def admit(self, nonce: str, ts: float, now: float) -> bool:
+        """False if `nonce` was seen within the window; raises ReplayMemoryFull when it cannot remember it."""
+        while self._heap and self._heap[0][0] < now:
+            del self._expiry[heapq.heappop(self._heap)[1]]
+        if nonce in self._expiry:
+            return False
+        if len(self._expiry) >= self.max_entries:
+            raise ReplayMemoryFull(f"{len(self._expiry)} fresh signatures remembered, the most it keeps")
+        self._expiry[nonce] = ts + MAX_SKEW_S
+        heapq.heappush(self._heap, (ts + MAX_SKEW_S, nonce))
+        return True
 
 
 def _keypair(secret: str, purpose: str) -> tuple[bytes, bytes]:
@@ -55,20 +91,37 @@ class PeerAuth:
         if self.secret is None:
             return {}
         ts = f"{now if now is not None else time.time():.3f}"
-        return {HEADER: f"{ts}:{self._mac(method, path, body, ts)}"}
+        nonce = secrets.token_hex(16)  # a fresh one per call: the registry refuses it a second time
+        return {HEADER: f"{ts}:{nonce}:{self._mac(method, path, body, ts, nonce)}"}
 
-    def verify(self, method: str, path: str, body: bytes, header: str | None, now: float | None = None) -> bool:
+    def plausible(self, header: str | None, now: float | None = None) -> bool:
+        """What can be checked before reading the body: the header is there, well-formed and fresh."""
+        return self.secret is None or self._parse(header, now) is not None
+
+    def verify(self, method: str, path: str, body: bytes, header: str | None, now: float | None = None,
+               nonces: NonceMemory | None = None) -> bool:
+        """A fresh, well-formed signature of exactly this call; with `nonces`, also one never seen before
+        (remembered from here on). Raises ReplayMemoryFull when `nonces` cannot take one more."""
         if self.secret is None:
             return True
-        ts, _, mac = (header or "").partition(":")
-        try:
-            fresh = abs((now if now is not None else time.time()) - float(ts)) <= MAX_SKEW_S
-        except ValueError:
+        parsed = self._parse(header, now)
+        if parsed is None:
             return False
-        return fresh and hmac.compare_digest(mac, self._mac(method, path, body, ts))
+        ts, nonce, mac = parsed
+        if not hmac.compare_digest(mac, self._mac(method, path, body, ts, nonce)):
+            return False
+        # Only a valid signature is remembered: a forger cannot fill the memory.
+        now = now if now is not None else time.time()
+        return nonces is None or nonces.admit(nonce, float(ts), now)
 
-    def _mac(self, method: str, path: str, body: bytes, ts: str) -> str:
-        msg = f"{method.upper()}\n{path}\n{ts}\n".encode() + body
+    def _parse(self, header: str | None, now: float | None) -> tuple[str, str, str] | None:
+        m = _HEADER_RE.fullmatch(header or "")
+        if m is None or abs((now if now is not None else time.time()) - float(m[1])) > MAX_SKEW_S:
+            return None
+        return m[1], m[2], m[3]
+
+    def _mac(self, method: str, path: str, body: bytes, ts: str, nonce: str) -> str:
+        msg = f"{method.upper()}\n{path}\n{ts}\n{nonce}\n".encode() + body
         return hmac.new(self.secret.encode(), msg, hashlib.sha256).hexdigest()
 
     # ---- ZeroMQ (data channel) ----------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from vlserve.disagg.auth import HEADER, PeerAuth
+from vlserve.disagg.auth import HEADER, NonceMemory, PeerAuth, ReplayMemoryFull
 
 log = logging.getLogger("vlserve.disagg.bootstrap")
 
@@ -42,6 +42,8 @@ class Heartbeat(msgspec.Struct):
 
 # Probes a load balancer or kubelet sends unsigned.
 _PROBES = ("/health", "/ready")
+# Registrations and heartbeats are a few hundred bytes: anything bigger is refused (413) unread.
+MAX_BODY_BYTES = 64 * 1024
 
 
 def new_instance_id() -> str:
@@ -53,15 +55,75 @@ def _json(obj, status: int = 200) -> Response:
 
 
 def _error(message: str, status: int) -> Response:
-    err_type = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError"}.get(status,
-                                                                                           "InternalServerError")
+    err_type = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                413: "RequestTooLargeError", 503: "ServiceUnavailableError"}.get(status, "InternalServerError")
     return _json({"error": {"message": message, "type": err_type, "code": status}}, status)
 
 
+class _Gate:
+    """Outermost (pure ASGI): every call but the probes is judged by its headers before a byte of its body is read
+    (signature there, well-formed and fresh; Content-Length within `max_body`), its body is read only up to
+    `max_body`, and then the signature is checked over it, nonce included (a replay gets 401)."""
+
+    def __init__(self, app, auth: PeerAuth, max_body: int):
+        self.app, self.auth, self.max_body = app, auth, max_body
+        self.nonces = NonceMemory()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in _PROBES:
+            return await self.app(scope, receive, send)
+        request = Request(scope)  # headers only: it reads no body
+        header, now = request.headers.get(HEADER), time.time()  # signatures carry wall-clock time
+        if not self.auth.plausible(header, now):
+            return await self._refuse(request, "missing or invalid signature (--disagg-secret)", 401, send)
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body):
+            return await self._refuse(request, f"request body over {self.max_body} bytes", 413, send)
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            if len(body) > self.max_body:  # no Content-Length (chunked), or one that lied
+                return await self._refuse(request, f"request body over {self.max_body} bytes", 413, send)
+            if not message.get("more_body", False):
+                break
+        try:
+            signed = self.auth.verify(request.method, _signed_path(request.url.path, request.url.query),
+                                      bytes(body), header, now, self.nonces)
+        except ReplayMemoryFull as e:
+            return await self._refuse(request, f"too many signed calls at once ({e}); retry", 503, send)
+        if not signed:
+            return await self._refuse(request, "invalid or replayed signature (--disagg-secret)", 401, send)
+        delivered = False
+
+        async def replay():
+            nonlocal delivered
+            if delivered:
+                return await receive()  # only a disconnect can follow
+            delivered = True
+            return {"type": "http.request", "body": bytes(body), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, request: Request, message: str, status: int, send) -> None:
+        log.warning("refused %s %s from %s: %s", request.method, request.url.path[:64],
+                    request.client.host if request.client else "?", message)
+        # An unread body is the server's to discard (uvicorn closes the connection).
+        await _error(message, status)(request.scope, _no_body, send)
+
+
+async def _no_body():
+    return {"type": "http.disconnect"}
+
+
 def build_bootstrap_app(heartbeat_interval: float = 1.0, failure_threshold: int = 3,
-                        clock: Callable[[], float] = time.monotonic, auth: PeerAuth | None = None) -> FastAPI:
+                        clock: Callable[[], float] = time.monotonic, auth: PeerAuth | None = None,
+                        max_body: int = MAX_BODY_BYTES) -> FastAPI:
     """The registry as an ASGI app; `clock` is injectable so tests move time without sleeping. With `auth`
-    holding a secret, every call but /health must be signed with it."""
+    holding a secret, every call but /health and /ready must be signed with it; a body over `max_body` bytes is
+    refused (413) without being read."""
     auth = auth or PeerAuth(None)
     timeout = heartbeat_interval * failure_threshold
     # instance_id -> [info, last_seen]; insertion order keeps listings stable.
@@ -79,16 +141,11 @@ def build_bootstrap_app(heartbeat_interval: float = 1.0, failure_threshold: int 
                          iid, info.role, info.address, now - seen)
 
     @app.middleware("http")
-    async def _authenticate_then_prune(request: Request, call_next):
-        if request.url.path not in _PROBES and auth.enabled:
-            body = await request.body()
-            if not auth.verify(request.method, _signed_path(request.url.path, request.url.query), body,
-                               request.headers.get(HEADER)):
-                log.warning("refused an unauthenticated %s %s from %s", request.method, request.url.path[:64],
-                            request.client.host if request.client else "?")
-                return _error("missing or invalid signature (--disagg-secret)", 401)
+    async def _prune(request: Request, call_next):
         prune()
         return await call_next(request)
+
+    app.add_middleware(_Gate, auth=auth, max_body=max_body)  # added last: runs first, before _prune
 
     @app.post("/register")
     async def register(request: Request) -> Response:

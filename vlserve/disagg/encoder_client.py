@@ -44,7 +44,7 @@ from vlserve.disagg.messages import (
 )
 from vlserve.disagg.metrics import TransferMetrics
 from vlserve.disagg.transports import TRANSPORTS
-from vlserve.disagg.transports.base import reachable_host
+from vlserve.disagg.transports.base import chunk_row_tokens, in_thread, reachable_host
 from vlserve.engine.config import VlserveConfig
 from vlserve.engine.prompt_check import check_prompt
 from vlserve.engine.transfer_buffers import AUX_MROPE_DELTA, AUX_NUM_ITEMS, AUX_TOTAL_TOKENS, TransferBuffers
@@ -55,6 +55,7 @@ QUARANTINE_S = 15.0
 logger = logging.getLogger("vlserve.disagg")
 AFFINITY_ENTRIES = 4096
 MAX_MM_HASH_CHARS = 128
+INLINE_CHECK_VALUES = 1 << 16  # a finiteness check of more values than this runs off the event loop
 
 
 class EncoderFailure(Exception):
@@ -171,6 +172,7 @@ class EncoderClient:
     async def _ping_loop(self) -> None:
         nonce = itertools.count()
         while True:
+            self.buffers.restore_file()  # a buffer file resized behind our back: put back before anyone reads it
             for enc in list(self.encoders.values()):
                 enc.missed += 1
                 if enc.missed > self.opts.heartbeat_failure_threshold:
@@ -309,6 +311,8 @@ class EncoderClient:
 
     async def _transfer(self, enc: EncoderConn, request_id: str, prompt: str, media: dict, uuids: dict,
                         mm_kwargs: dict, params: SamplingParams | None) -> tuple[ProcessedPrompt, Handoff | None]:
+        self.buffers.restore_file()
+        restored = self.buffers.restored  # a restore later on means this transfer's rows were lost
         tid = next(self._ids)
         queue: asyncio.Queue = asyncio.Queue()
         enc.transfers[(request_id, tid)] = queue
@@ -336,6 +340,11 @@ class EncoderClient:
                     self.metrics.bytes(await self.transport.receive(header, frames, self.buffers))
                 except ValueError as e:
                     raise EncoderFailure(f"malformed chunk: {e}") from None
+                if self.buffers.restore_file() or self.buffers.restored != restored:
+                    raise EncoderFailure("this server's receive buffer file was resized by someone else during the "
+                                         "transfer: what arrived is lost")
+                if not await self._rows_finite(header, run):
+                    raise EncoderFailure(f"the {self.peers.name} sent rows holding NaN or infinite values")
                 if header.start_token == 0:
                     self.buffers.write_aux(run, [header.total_tokens, header.mrope_delta, len(header.items)])
                 if not header.partial:
@@ -373,6 +382,14 @@ class EncoderClient:
                 self.free(blocks)
             enc.in_flight -= 1
             enc.transfers.pop((request_id, tid), None)
+
+    async def _rows_finite(self, header: TransferChunk, run: list[int]) -> bool:
+        """The chunk's rows, as they landed in our blocks, hold only finite values (a peer's NaN would otherwise
+        become a 200 of garbage). One pass over the rows: off the event loop once it is more than a few."""
+        tokens = chunk_row_tokens(header)
+        if tokens.numel() * self.buffers.layout.width <= INLINE_CHECK_VALUES:
+            return self.buffers.rows_finite(run, tokens)
+        return await in_thread(self.buffers.rows_finite, run, tokens)
 
     async def _next_chunk(self, queue: asyncio.Queue, enter) -> tuple[TransferChunk, list]:
         try:

@@ -15,14 +15,17 @@ the same allocator as the KV cache); the engine process attaches read-only in sp
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import tempfile
+import weakref
 
 import msgspec
 import torch
 
 from vlserve.engine.block_pool import BlockPool
 
+logger = logging.getLogger("vlserve.disagg")
 AUX_FIELDS = 4
 AUX_TOTAL_TOKENS, AUX_MROPE_DELTA, AUX_NUM_ITEMS = 0, 1, 2
 _ALIGN = 64
@@ -105,6 +108,8 @@ class TransferBuffers:
         self.positions = views["positions"].view(torch.int64).view(-1, 3)  # [slots, 3]
         self.aux = views["aux"].view(torch.int64).view(-1, AUX_FIELDS)  # [blocks, AUX_FIELDS]
         self.pool = BlockPool(layout.num_blocks) if owner else None
+        self.lock_fd: int | None = None  # the owner's open file (shared buffers), locked while it lives
+        self.restored = 0  # times the file was found resized by someone else and put back
 
     @classmethod
     def create(cls, num_blocks: int, block_tokens: int, width: int, dtype: torch.dtype,
@@ -119,6 +124,8 @@ class TransferBuffers:
         dtype_name = str(dtype).removeprefix("torch.")
         buffers = cls(BufferLayout(path, num_blocks, block_tokens, width, dtype_name), owner=True)
         buffers.lock_fd = fd if shared else None
+        if shared:  # the name goes at the latest when this process exits normally, whatever path it takes
+            buffers._at_exit = weakref.finalize(buffers, _unlink_if_ours, path, os.getpid())
         return buffers
 
     @classmethod
@@ -127,14 +134,46 @@ class TransferBuffers:
 
     def unlink(self) -> None:
         """Removes the file name; every process that mapped it keeps its mapping (no leak if one crashes)."""
+        if getattr(self, "_at_exit", None) is not None:
+            self._at_exit.detach()
         if self.layout.path:
             try:
                 os.unlink(self.layout.path)
             except FileNotFoundError:
                 pass
-        if getattr(self, "lock_fd", None) is not None:
+        if self.lock_fd is not None:
             os.close(self.lock_fd)  # the name is gone: no sweep can find the file any more
             self.lock_fd = None
+
+    def restore_file(self) -> bool:
+        """Owner: puts the shared file back to its size if something else truncated (or grew) it, so that no
+        process mapping it touches memory past its end (SIGBUS) and encoders that map it by name accept it again.
+        What the lost pages held is gone (they come back as zeros): True tells the caller so."""
+        if self.lock_fd is None:
+            return False
+        size = os.fstat(self.lock_fd).st_size
+        if size == self.layout.nbytes:
+            return False
+        logger.error("the receive buffer file %s has %d bytes instead of %d (something else resized it); "
+                     "restoring its size: transfers under way fail and are retried", self.layout.path, size,
+                     self.layout.nbytes)
+        os.ftruncate(self.lock_fd, self.layout.nbytes)
+        self.restored += 1
+        return True
+
+    def rows_finite(self, block_ids: list[int], tokens: torch.Tensor) -> bool:
+        """Whether the embedding rows at run token indices `tokens` hold no NaN or inf. Reads them in place, a
+        run of consecutive slots at a time (aminmax propagates NaN and allocates nothing per element)."""
+        if not tokens.numel():
+            return True
+        slots = self.slots(block_ids, tokens)
+        breaks = (torch.nonzero(slots[1:] != slots[:-1] + 1).flatten() + 1).tolist()
+        for lo, hi in zip([0, *breaks], [*breaks, slots.numel()]):
+            first = int(slots[lo])
+            low, high = torch.aminmax(self.embeddings[first : first + hi - lo])
+            if not (torch.isfinite(low) and torch.isfinite(high)):
+                return False
+        return True
 
     # ---- allocation (the owner) ----------------------------------------------------------------------------
     @property
@@ -211,3 +250,11 @@ class TransferBuffers:
 
     def read_aux(self, block_ids: list[int]) -> list[int]:
         return self.aux[block_ids[0]].tolist()
+
+
+def _unlink_if_ours(path: str, pid: int) -> None:
+    if os.getpid() == pid:  # not in a forked child that inherited the finalizer
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass

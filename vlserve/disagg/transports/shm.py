@@ -2,22 +2,47 @@
 writes each chunk straight into the named blocks; only the header travels, over the control connection.
 
 The encoder maps nothing but a vlserve transfer file of exactly the announced size in the shared-memory
-directory, so an authenticated peer still cannot make it write anywhere else.
+directory, so an authenticated peer still cannot make it write anywhere else. It keeps the file open and checks
+its size again right before every write: memory past the end of a truncated file is a SIGBUS, not an exception,
+so a file shrunk behind our back must be refused before it is touched. (The language server puts the size back
+when it notices: `TransferBuffers.restore_file`.) Only a truncation racing a write already under way can still
+fault; whoever can do that runs as this user and could kill the process anyway.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import stat
 import tempfile
+from dataclasses import dataclass
 
 import msgspec
 
+from vlserve.core.errors import VlserveError
 from vlserve.disagg.messages import TransferChunk, TransferTarget
 from vlserve.disagg.transports.base import ChunkData, InPlaceTransport, in_thread, write_chunk
 from vlserve.engine.transfer_buffers import TRANSFER_FILE_PREFIX, TransferBuffers, shm_dir
 
 MAX_MAPPED = 16  # receivers whose buffers stay mapped (one per language server on this host)
+
+
+class FileResized(VlserveError, ValueError):
+    """The receiver's buffer file no longer has the size of its layout: writing would fault. (Ours, with a clear
+    message: the receiver logs it, no traceback.)"""
+
+
+@dataclass
+class _Mapped:
+    buffers: TransferBuffers
+    file: io.FileIO  # the very file mapped, open for fstat; closed when the last user lets go of this entry
+
+    def write(self, header: TransferChunk, data: ChunkData) -> None:
+        size, want = os.fstat(self.file.fileno()).st_size, self.buffers.layout.nbytes
+        if size != want:
+            raise FileResized(f"the receiver's buffer file {self.buffers.layout.path} now has {size} bytes, its "
+                              f"layout says {want} (truncated or resized by someone else): nothing written")
+        write_chunk(self.buffers, header, data)
 
 
 class ShmTransport(InPlaceTransport):
@@ -26,19 +51,19 @@ class ShmTransport(InPlaceTransport):
 
     def __init__(self, host: str = "127.0.0.1"):
         super().__init__(host)
-        self._mapped: dict[str, TransferBuffers] = {}
+        self._mapped: dict[str, _Mapped] = {}
 
     def target(self, buffers: TransferBuffers) -> TransferTarget:
         if not buffers.layout.path:
             raise ValueError("the shm transport needs receive buffers in a shared file")
         return TransferTarget(self.name, buffers.layout)
 
-    def _buffers(self, target: TransferTarget) -> TransferBuffers:
+    def _buffers(self, target: TransferTarget) -> _Mapped:
         layout = target.layout
         for path in [p for p in self._mapped if not os.path.exists(p)]:
             del self._mapped[path]  # that server has stopped: let its memory go
         mapped = self._mapped.get(layout.path)
-        if mapped is not None and mapped.layout == layout:
+        if mapped is not None and mapped.buffers.layout == layout:
             return mapped
         folder = os.path.realpath(shm_dir() or tempfile.gettempdir())
         name = os.path.basename(layout.path)
@@ -51,6 +76,7 @@ class ShmTransport(InPlaceTransport):
                              "the encoder and the language server on one machine") from None
         except OSError as e:
             raise ValueError(f"refusing to map {layout.path!r}: {e}") from None
+        file = io.FileIO(fd, "r+", closefd=True)  # kept open: every write checks its size first
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
@@ -59,14 +85,21 @@ class ShmTransport(InPlaceTransport):
                 raise ValueError(f"the receiver's buffer file has {info.st_size} bytes, its layout says "
                                  f"{layout.nbytes}")
             via_fd = msgspec.structs.replace(layout, path=f"/proc/self/fd/{fd}")
-            mapped = TransferBuffers(via_fd, owner=False)
-        finally:
-            os.close(fd)  # the mapping stays
+            buffers = TransferBuffers(via_fd, owner=False)
+        except BaseException:
+            file.close()
+            raise
         if len(self._mapped) >= MAX_MAPPED:
             self._mapped.pop(next(iter(self._mapped)))
-        mapped.layout = layout
-        self._mapped[layout.path] = mapped
+        buffers.layout = layout
+        mapped = self._mapped[layout.path] = _Mapped(buffers, file)
         return mapped
 
     async def write(self, header: TransferChunk, data: ChunkData, target: TransferTarget) -> None:
-        await in_thread(write_chunk, self._buffers(target), header, data)
+        mapped = self._buffers(target)
+        try:
+            await in_thread(mapped.write, header, data)
+        except FileResized:
+            if self._mapped.get(target.layout.path) is mapped:
+                del self._mapped[target.layout.path]  # mapped afresh (and checked) next time
+            raise

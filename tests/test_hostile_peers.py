@@ -1,0 +1,355 @@
+"""Hostile peers (issue #25): the registry judges a call by its headers before reading its body, bounds the body
+and refuses a replayed signature; a truncated shared-memory buffer file is a clean error, not a SIGBUS, and is
+put back by the language server; rows that are not finite (NaN, inf) never reach the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import os
+import socket
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import httpx
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from tests.test_disagg import offline  # noqa: F401 - a fixture
+from tests.test_disagg import Cluster, ask, expected_text, picture_chat, wait_language_blocks_free
+from vlserve.core.config import DisaggArgs
+from vlserve.core.errors import ServiceUnavailableError
+from vlserve.core.wire import Framer
+from vlserve.disagg.auth import HEADER, NonceMemory, PeerAuth, ReplayMemoryFull
+from vlserve.disagg.bootstrap import MAX_BODY_BYTES, InstanceInfo, build_bootstrap_app
+from vlserve.disagg.encoder_client import ENCODER_PEERS, PREFILL_PEERS, EncoderClient, EncoderConn
+from vlserve.disagg.messages import (
+    EncodeRequest,
+    EncoderToLanguage,
+    ItemMeta,
+    LanguageToEncoder,
+    RowSegment,
+    TransferChunk,
+)
+from vlserve.disagg.metrics import TransferMetrics
+from vlserve.disagg.transports import TRANSPORTS
+from vlserve.disagg.transports.base import ChunkData
+from vlserve.engine.transfer_buffers import TransferBuffers
+
+SECRET = "correct horse battery staple"
+REG = b'{"instance_id": "i1", "role": "encode", "address": "127.0.0.1:5"}'
+
+
+# ---- registry ------------------------------------------------------------------------------------------------
+class _CountedBody:
+    """A request body streamed in 1 MiB pieces, counting how many the server pulled."""
+
+    def __init__(self, pieces: int, piece: bytes = b"x" * (1 << 20)):
+        self.pieces, self.piece, self.pulled = pieces, piece, 0
+
+    async def __aiter__(self):
+        for _ in range(self.pieces):
+            self.pulled += 1
+            yield self.piece
+
+
+def _client(app) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://registry")
+
+
+def test_an_unsigned_or_stale_call_is_refused_before_its_body_is_read():
+    app = build_bootstrap_app(auth=PeerAuth(SECRET))
+    stale = PeerAuth(SECRET).sign("POST", "/register", REG, now=time.time() - 3600)
+
+    async def go():
+        async with _client(app) as c:
+            for headers in ({}, {HEADER: "1:2"}, stale):
+                body = _CountedBody(32)
+                r = await c.post("/register", content=body, headers=headers)
+                assert r.status_code == 401, r.text
+                assert body.pulled <= 1, f"the registry read {body.pulled} MiB of an unauthenticated body"
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("secret", [SECRET, None])
+def test_a_body_over_the_limit_is_refused_with_413(secret):
+    app = build_bootstrap_app(auth=PeerAuth(secret))
+    big = b" " * (MAX_BODY_BYTES + 1) + REG
+
+    async def go():
+        async with _client(app) as c:
+            # Announced by Content-Length: refused unread.
+            r = await c.post("/register", content=big, headers=PeerAuth(secret).sign("POST", "/register", big))
+            assert r.status_code == 413 and "bytes" in r.json()["error"]["message"], r.text
+            # Streamed without a length (chunked): refused once the limit is passed, the rest unread.
+            body = _CountedBody(32, b" " * (1 << 20))
+            whole = b" " * (32 << 20)
+            r = await c.post("/register", content=body, headers=PeerAuth(secret).sign("POST", "/register", whole))
+            assert r.status_code == 413, r.text
+            assert body.pulled <= 2
+            # A registration of ordinary size still goes through.
+            r = await c.post("/register", content=REG, headers=PeerAuth(secret).sign("POST", "/register", REG))
+            assert r.status_code == 200, r.text
+
+    asyncio.run(go())
+
+
+def test_a_replayed_signed_call_is_refused():
+    app = build_bootstrap_app(auth=PeerAuth(SECRET))
+
+    async def go():
+        async with _client(app) as c:
+            signed = PeerAuth(SECRET).sign("POST", "/register", REG)
+            assert (await c.post("/register", content=REG, headers=signed)).status_code == 200
+            replay = await c.post("/register", content=REG, headers=signed)
+            assert replay.status_code == 401 and "replayed" in replay.json()["error"]["message"]
+            # The same call signed anew (a fresh nonce) is fine: the client's retries are not replays.
+            fresh = PeerAuth(SECRET).sign("POST", "/register", REG)
+            assert (await c.post("/register", content=REG, headers=fresh)).status_code == 200
+
+    asyncio.run(go())
+
+
+def test_the_nonce_is_signed_and_the_memory_is_bounded_and_forgets_by_time():
+    auth = PeerAuth(SECRET)
+    header = auth.sign("POST", "/heartbeat", b"{}", now=1000.0)[HEADER]
+    ts, nonce, mac = header.split(":")
+    other = f"{ts}:{'0' * 32}:{mac}"  # a nonce swapped under the same MAC
+    assert auth.verify("POST", "/heartbeat", b"{}", header, now=1001.0)
+    assert not auth.verify("POST", "/heartbeat", b"{}", other, now=1001.0)
+
+    memory = NonceMemory(max_entries=2)
+    assert auth.verify("POST", "/heartbeat", b"{}", header, now=1001.0, nonces=memory)
+    assert not auth.verify("POST", "/heartbeat", b"{}", header, now=1002.0, nonces=memory)  # replayed
+    assert not auth.verify("POST", "/heartbeat", b"{}", other, now=1002.0, nonces=memory)  # forged: not remembered
+    assert len(memory) == 1
+    memory.admit("b" * 32, 1000.0, 1002.0)
+    with pytest.raises(ReplayMemoryFull):  # full of fresh nonces: refuse rather than forget one early
+        memory.admit("c" * 32, 1000.0, 1002.0)
+    assert memory.admit("c" * 32, 1000.0, 1061.0) and len(memory) == 1  # the stale ones went
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _raw_post(port: int, headers: dict[str, str], body: bytes = b"") -> bytes:
+    """Sends the head of a POST /register (and `body`, however short of its Content-Length); the answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        s.sendall(f"POST /register HTTP/1.1\r\nHost: x\r\n{head}\r\n".encode() + body)
+        return s.recv(4096)
+
+
+def test_a_real_registry_answers_a_huge_announced_body_without_waiting_for_it():
+    """400 MB announced, a few bytes sent: the answer comes at once (before, the registry read it all first)."""
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "vlserve", "bootstrap", "--port", str(port)],
+                            env={**os.environ, "VLSERVE_DISAGG_SECRET": SECRET},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=0.5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "registry did not come up"
+            time.sleep(0.05)
+        huge = {"Content-Length": str(400 << 20), "Content-Type": "application/json"}
+        assert _raw_post(port, huge, b"{").startswith(b"HTTP/1.1 401")
+        signed = {**huge, **PeerAuth(SECRET).sign("POST", "/register", b"{")}
+        assert _raw_post(port, signed, b"{").startswith(b"HTTP/1.1 413")
+        ok = {"Content-Length": str(len(REG)), **PeerAuth(SECRET).sign("POST", "/register", REG)}
+        assert _raw_post(port, ok, REG).startswith(b"HTTP/1.1 200")
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+
+
+# ---- shared memory: a truncated buffer file --------------------------------------------------------------------
+_TRUNCATE_THEN_WRITE = """
+import asyncio, os, torch
+from vlserve.disagg.transports.loopback import Loopback, media_chunk
+from vlserve.engine.transfer_buffers import TransferBuffers
+
+buffers = TransferBuffers.create(64, 16, 48, torch.float32)
+link = Loopback("shm", buffers)
+header, data = media_chunk([3, 4], 16, 20, (2, 18), 48)
+
+async def go():
+    await link.connect()
+    await link.transfer(header, data)  # the encoder maps the file
+    os.truncate(buffers.layout.path, 4096)  # something truncates it behind everyone's back
+    try:
+        await link.transfer(header, data)
+    except ValueError as e:
+        print("REFUSED:", e, flush=True)
+    assert buffers.restore_file() and buffers.restored == 1  # the language server notices and puts it back
+    await link.transfer(header, data)
+    assert torch.equal(buffers.read_rows([3, 4], 2, 16), data.rows)
+    print("SERVING", flush=True)
+
+asyncio.run(go())
+link.close()
+print(buffers.layout.path, flush=True)  # exits without unlink(): the file must go anyway
+"""
+
+
+def test_a_truncated_shm_file_is_a_clean_error_then_restored_and_gone_at_exit():
+    """Run apart: before the fix, writing the mapped memory past the new end of the file was a SIGBUS."""
+    child = subprocess.run([sys.executable, "-c", _TRUNCATE_THEN_WRITE], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, (child.returncode, child.stdout, child.stderr[-3000:])
+    lines = child.stdout.splitlines()
+    assert lines[0].startswith("REFUSED:") and "has 4096 bytes" in lines[0] and "nothing written" in lines[0]
+    assert lines[1] == "SERVING"
+    assert not os.path.exists(lines[2]), "the buffer file outlived its process"
+
+
+@pytest.mark.parametrize("ending", ["return", "raise SystemExit(3)", "raise RuntimeError('boom')"])
+def test_the_buffer_file_goes_when_its_process_exits_without_unlink(ending):
+    code = ("import torch\nfrom vlserve.engine.transfer_buffers import TransferBuffers\n"
+            "buffers = TransferBuffers.create(4, 4, 8, torch.float32)\nprint(buffers.layout.path, flush=True)\n"
+            f"def end():\n    {ending}\nend()\n")
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    path = child.stdout.splitlines()[0]
+    assert path and not os.path.exists(path), f"{path} outlived its process ({child.returncode})"
+
+
+# ---- rows that are not finite ----------------------------------------------------------------------------------
+class _Peer:
+    """An encoder (or prefill instance) behind an EncoderClient, through the real transport: answers each request
+    with one chunk of 20 tokens, poisoning a row when the request id says so ("nan", "inf")."""
+
+    def __init__(self, client, backend: str):
+        self.client, self.transport = client, TRANSPORTS[backend]("127.0.0.1")
+        self.enc = EncoderConn(InstanceInfo("fake", client.peers.role, "127.0.0.1:1"), self, paired=True)
+        client.encoders["fake"] = self.enc
+
+    async def send_multipart(self, frames, copy: bool = True) -> None:  # what the client sends its peer
+        msg = Framer(LanguageToEncoder).decode(frames)
+        if not isinstance(msg, EncodeRequest):
+            return  # an abort: nothing of ours is in flight
+        n, width = 20, self.client.buffers.layout.width
+        if self.client.peers.rows_for_every_token:  # KV: a row for every token
+            items, segments = [], [RowSegment(0, n)]
+        else:  # embeddings: rows for the picture's tokens 2..17
+            items, segments = [ItemMeta(2, 16, (1, 8, 8), "h")], [RowSegment(2, 16)]
+        rows = torch.randn(segments[0].num_rows, width)
+        for bad, value in (("nan", float("nan")), ("inf", float("inf"))):
+            if bad in msg.request_id:
+                rows[7, width // 2] = value
+        header = TransferChunk(msg.request_id, msg.transfer_id, 0, n, n, 0, items, msg.block_ids, segments, False)
+        data = ChunkData(torch.arange(n), torch.zeros(n, 3, dtype=torch.int64), rows)
+        await self.transport.send(_Back(self.enc), b"peer", header, data, msg.target)
+        if "truncate" in msg.request_id:  # the file shrinks after the write, before the receiver looks
+            os.truncate(self.client.buffers.layout.path, 0)
+
+
+class _Back:
+    """The peer's socket toward the client: hands each message over as the client's reader would."""
+
+    def __init__(self, enc):
+        self.enc = enc
+
+    async def send_multipart(self, frames, copy: bool = True) -> None:
+        frames = [bytes(memoryview(f)) for f in frames[1:]]  # [0] is the peer's id on a ROUTER
+        msg = Framer(EncoderToLanguage).decode(frames)
+        self.enc.transfers[(msg.request_id, msg.transfer_id)].put_nowait((msg, frames))
+
+
+def _receiver(kind: str, backend: str = "zmq"):
+    buffers = TransferBuffers.create(16, 16, 96, torch.bfloat16, shared=backend == "shm")
+    opts = DisaggArgs(bootstrap="127.0.0.1:9", embedding_default_allocate_tokens=32, transfer_backend=backend,
+                      peer_wait_timeout=1.0, transfer_timeout=10.0)
+    peers = PREFILL_PEERS if kind == "kv" else ENCODER_PEERS
+    client = EncoderClient(SimpleNamespace(max_model_len=1024), buffers,
+                           TransferMetrics(CollectorRegistry(), buffers, "language", kind), opts,
+                           InstanceInfo("me", "language", "127.0.0.1:2", "127.0.0.1:3"), peers)
+    # What the engine would be handed: the blocks, which the caller frees once done.
+    client._assemble = lambda text, blocks, received: SimpleNamespace(block_rows=blocks)
+    return client, _Peer(client, backend)
+
+
+@pytest.mark.parametrize("kind", ["embedding", "kv"])
+def test_rows_with_nan_or_inf_fail_their_request_and_others_keep_going(kind):
+    client, _ = _receiver(kind)
+
+    async def go():
+        media = {"image": ["http://x/1.png"]}
+        asks = [client.encode(rid, "p", media, {}, {}) for rid in ("ok-1", "nan-1", "ok-2", "inf-1", "ok-3")]
+        return await asyncio.gather(*asks, return_exceptions=True)
+
+    try:
+        results = asyncio.run(go())
+        for rid, got in zip(("ok-1", "nan-1", "ok-2", "inf-1", "ok-3"), results):
+            if rid.startswith("ok"):
+                assert not isinstance(got, BaseException), (rid, got)
+                client.free(got[0].block_rows)
+            else:
+                assert isinstance(got, ServiceUnavailableError), (rid, got)
+                assert "NaN or infinite values" in str(got), got
+        assert client.buffers.num_free == client.buffers.num_blocks  # every block came back
+    finally:
+        client.transport.close()
+
+
+def test_the_receiver_restores_a_truncated_shm_file_and_fails_only_what_it_lost():
+    client, _ = _receiver("embedding", "shm")
+    buffers, media = client.buffers, {"image": ["http://x/1.png"]}
+
+    async def go():
+        got, _ = await client.encode("ok-1", "p", media, {}, {})  # the encoder has the file mapped now
+        client.free(got.block_rows)
+        os.truncate(buffers.layout.path, 0)  # between transfers: put back before the next one is sent
+        got, _ = await client.encode("ok-2", "p", media, {}, {})
+        client.free(got.block_rows)
+        assert buffers.restored == 1 and os.path.getsize(buffers.layout.path) == buffers.layout.nbytes
+        with pytest.raises(ServiceUnavailableError, match="resized by someone else"):  # during one: it is lost
+            await client.encode("truncate-1", "p", media, {}, {})
+        assert buffers.restored == 2
+        for blocks, _ in client.quarantined.values():  # (the encoder would confirm its abort)
+            client.free(blocks)
+        got, _ = await client.encode("ok-3", "p", media, {}, {})  # and the next one is fine
+        client.free(got.block_rows)
+
+    try:
+        asyncio.run(go())
+        assert buffers.num_free == buffers.num_blocks
+    finally:
+        client.transport.close()
+        buffers.unlink()
+
+
+def test_a_deployment_over_shm_survives_its_buffer_file_being_truncated(tiny_ckpt, offline):
+    """The issue as reported: the encoder died of SIGBUS, every picture request after was a 503 and the file
+    outlived the shutdown. Now the language server puts the file's size back before the encoder writes again."""
+    cluster, path = Cluster(tiny_ckpt("qwen2_vl"), {"main": []}, backend="shm"), None
+    try:
+        cluster.wait_encoders("main", 1)
+        client, language, encoder = cluster.client("main"), cluster.languages["main"], cluster.encoders["A"]
+        assert ask(client, picture_chat(1)) == expected_text(offline, picture_chat(1))  # the encoder maps the file
+        [path] = glob.glob(f"/dev/shm/vlserve-transfer-{language.proc.pid}-*") or \
+            glob.glob(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"vlserve-transfer-{language.proc.pid}-*"))
+        os.truncate(path, 0)
+        for seed in (2, 3):
+            assert ask(client, picture_chat(seed)) == expected_text(offline, picture_chat(seed))
+        assert encoder.proc.poll() is None, encoder.read_log()[-3000:]
+        assert "restoring its size" in language.read_log()
+        wait_language_blocks_free(lambda: cluster.metrics("main"))
+    finally:
+        cluster.close()
+    assert path and not os.path.exists(path), "the buffer file outlived the language server"
