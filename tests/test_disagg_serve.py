@@ -252,6 +252,7 @@ def test_a_language_server_whose_engine_dies_is_restarted(deployment, offline):
         assert time.monotonic() < deadline, "the language server was not restarted"
         time.sleep(0.2)
     assert language not in _children(proc.pid)
+    assert httpx.get(url + "/ready").json() == {"status": "ready", "degraded": []}
     assert ask(client, [{"role": "user", "content": "text only"}]) == expected_text(
         offline, [{"role": "user", "content": "text only"}])
 
@@ -297,12 +298,13 @@ def test_an_encoder_of_another_model_is_never_paired(tiny_ckpt, offline, mismatc
         cluster.close()
 
 
-def test_a_crash_looping_role_never_takes_the_others_down(caplog):
+def test_a_crash_looping_role_never_takes_the_others_down(caplog, tmp_path, monkeypatch):
     """An encoder killed over and over is restarted ever more slowly (every 60 s once crash-looping); the
     supervisor never stops the deployment for it. Only a configuration error (exit 78) does."""
     import sys
 
     from vlserve.core.errors import EXIT_CONFIG
+    from vlserve.core.processes import DEPLOYMENT_STATE_ENV, read_degraded
     from vlserve.disagg.launcher import CRASH_LOOP_BACKOFF_S, MAX_RESTARTS, Child, Supervisor
 
     def child(name: str, code: int | None) -> Child:
@@ -310,7 +312,9 @@ def test_a_crash_looping_role_never_takes_the_others_down(caplog):
         return Child(name, [sys.executable, "-c", script], {})
 
     crashing, healthy = child("encoder-0", 1), child("language", None)
-    sup = Supervisor([crashing, healthy])
+    state = tmp_path / "deployment.state"
+    sup = Supervisor([crashing, healthy], str(state))
+    assert healthy.env[DEPLOYMENT_STATE_ENV] == str(state) and state.read_text() == ""
     for c in sup.children:
         c.start()
     now = 1000.0
@@ -326,6 +330,10 @@ def test_a_crash_looping_role_never_takes_the_others_down(caplog):
         crashing.proc.wait(10)
         sup._check(now)
         assert crashing.restart_at - now == CRASH_LOOP_BACKOFF_S
+        # The API roles' /ready reads this: the deployment serves, degraded, and says which role is missing.
+        monkeypatch.setenv(DEPLOYMENT_STATE_ENV, str(state))
+        assert [line.split(":")[0] for line in read_degraded()] == ["encoder-0"]
+        assert "crash-looping" in read_degraded()[0]
         config_error = child("encoder-1", EXIT_CONFIG)
         sup.children.append(config_error)
         config_error.start()
@@ -334,3 +342,4 @@ def test_a_crash_looping_role_never_takes_the_others_down(caplog):
         assert sup.stopping and sup.exit_code == EXIT_CONFIG
     finally:
         sup.shutdown()
+    assert not state.exists()

@@ -14,6 +14,29 @@ import sys
 LOG_TAG_ENV = "VLSERVE_LOG_TAG"  # `serve --disagg` names each role's lines (and its engine process's) with it
 
 
+DEPLOYMENT_STATE_ENV = "VLSERVE_DEPLOYMENT_STATE"  # `serve --disagg`: a file naming the roles that keep crashing
+
+
+def write_degraded(path: str, problems: list[str]) -> None:
+    """The supervisor's side: one line per role in trouble, replaced atomically (readers never see half)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write("\n".join(problems))
+    os.replace(tmp, path)
+
+
+def read_degraded() -> list[str]:
+    """An API role's side, for /ready: what the supervisor reported (nothing outside `serve --disagg`)."""
+    path = os.environ.get(DEPLOYMENT_STATE_ENV)
+    if not path:
+        return []
+    try:
+        with open(path, encoding="utf-8") as f:
+            return [line for line in f.read(65536).splitlines() if line]
+    except OSError:
+        return []
+
+
 def log_format() -> str:
     """Every vlserve process logs with this format; under `serve --disagg` each line says which role wrote it."""
     tag = os.environ.get(LOG_TAG_ENV, "").replace("%", "%%")

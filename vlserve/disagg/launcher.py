@@ -13,19 +13,21 @@ would fail the same way. Each child's log lines carry its name.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
 from vlserve.core.config import BOOTSTRAP, DECODE, ENCODE, LANGUAGE, PREFILL, Options
 from vlserve.core.errors import EXIT_CONFIG, InvalidInputError
 from vlserve.core.options import to_argv
-from vlserve.core.processes import LOG_TAG_ENV, die_with_parent, free_port
+from vlserve.core.processes import DEPLOYMENT_STATE_ENV, LOG_TAG_ENV, die_with_parent, free_port, write_degraded
 
 logger = logging.getLogger("vlserve.disagg")
 MAX_RESTARTS = 5  # quick restarts per child within RESTART_WINDOW_S; after that it is crash-looping
@@ -132,10 +134,28 @@ def _without(argv: list[str], *flags: str) -> list[str]:
 
 
 class Supervisor:
-    def __init__(self, children: list[Child]):
+    def __init__(self, children: list[Child], state_path: str | None = None):
         self.children = children
         self.stopping = False
         self.exit_code = 0
+        # Crash-looping roles, reported in the API roles' /ready (they keep serving without them).
+        self.state_path = state_path
+        self.degraded: dict[str, str] = {}
+        if state_path is not None:
+            write_degraded(state_path, [])
+            for child in children:
+                child.env[DEPLOYMENT_STATE_ENV] = state_path
+
+    def _report(self, name: str, problem: str | None) -> None:
+        if self.degraded.get(name) == problem:
+            return
+        if problem is None:
+            del self.degraded[name]
+            logger.info("%s is up again", name)
+        else:
+            self.degraded[name] = problem
+        if self.state_path is not None:
+            write_degraded(self.state_path, [f"{n}: {p}" for n, p in self.degraded.items()])
 
     def _on_signal(self, signum, _frame) -> None:
         if not self.stopping:
@@ -166,6 +186,8 @@ class Supervisor:
                     child.start()
                 continue
             if child.running:
+                if child.name in self.degraded and now - child.crashes[-1] > RESTART_WINDOW_S:
+                    self._report(child.name, None)  # it has stayed up for a whole window
                 continue
             code = child.proc.returncode
             if code == EXIT_CONFIG:  # the options or the checkpoint are wrong: every restart would fail the same way
@@ -179,6 +201,8 @@ class Supervisor:
                              "%.0fs meanwhile (the other roles keep serving)", child.name, code, len(child.crashes),
                              RESTART_WINDOW_S, CRASH_LOOP_BACKOFF_S)
                 child.restart_at = now + CRASH_LOOP_BACKOFF_S
+                self._report(child.name, f"crash-looping: exited (code {code}) {len(child.crashes)} times within "
+                                         f"{RESTART_WINDOW_S:.0f}s; restarted every {CRASH_LOOP_BACKOFF_S:.0f}s")
                 continue
             backoff = min(0.5 * 2 ** (len(child.crashes) - 1), 10.0)
             logger.warning("%s exited (code %s); restarting it in %.1fs (the other roles keep serving)",
@@ -190,6 +214,9 @@ class Supervisor:
         for child in reversed(self.children):
             child.stop()
             child.wait(STOP_TIMEOUT_S)
+        if self.state_path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.state_path)
 
 
 def run_roles(opts: Options, log_level: str) -> int:
@@ -200,4 +227,6 @@ def run_roles(opts: Options, log_level: str) -> int:
     api = f"{d.num_prefill} prefill and {d.num_decode} decode instance(s)" if d.num_decode else "a language server"
     logger.info("starting a bootstrap, %d encoder(s) and %s on %s:%d (Ctrl-C or SIGTERM stops all)",
                 d.num_encoders, api, opts.server.host, opts.server.port)
-    return Supervisor(children).run()
+    fd, state = tempfile.mkstemp(prefix="vlserve-deployment-", suffix=".state")
+    os.close(fd)
+    return Supervisor(children, state).run()

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 import vlserve
 from vlserve.core.config import DISAGG_ROLES, SERVE, Options, ServerArgs
-from vlserve.core.processes import SigtermStop, finish
+from vlserve.core.processes import SigtermStop, finish, read_degraded
 from vlserve.frontend.async_llm import AsyncLLM
 from vlserve.frontend.media.fetch import MediaFetcher, MediaPolicy
 from vlserve.frontend.metrics import CONTENT_TYPE
@@ -116,7 +116,8 @@ def build_app(engine: AsyncLLM, server: ServerArgs) -> FastAPI:
         reason = engine.not_ready_reason
         if reason is not None:
             return error_response(f"not ready: {reason}", 503)
-        return Response(status_code=200)
+        # Under `serve --disagg`: roles that keep crashing while this one serves without them.
+        return JSONResponse({"status": "ready", "degraded": read_degraded()})
 
     @app.get("/metrics")
     async def metrics():
