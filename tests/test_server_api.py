@@ -418,6 +418,18 @@ def test_disconnected_stream_is_aborted_and_frees_blocks(server):
     assert generated < MAX_MODEL_LEN - 8, "the request ran to the end although its client left"
 
 
+def test_a_client_that_leaves_a_plain_request_aborts_it(server):
+    """Without streaming too: the server notices the disconnect (through its API-key middleware) and stops
+    generating, instead of running the request to max_tokens for nobody."""
+    before = server.metrics()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=_long_completion(stream=False), headers=server.headers(),
+                   timeout=1.0)
+    after = _wait_idle(server)
+    generated = after["vlserve:generation_tokens_total"] - before["vlserve:generation_tokens_total"]
+    assert generated < MAX_MODEL_LEN - 8, "the request ran to the end although its client left"
+
+
 def test_full_waiting_queue_answers_503(server):
     async def scenario():
         async with httpx.AsyncClient(base_url=server.url, headers=server.headers(), timeout=60) as http:

@@ -107,6 +107,22 @@ class EngineArgs:
     mm_encoder_tp_mode: str = option(
         "weights", "vision tower under tensor parallelism: weights (split like the LM) or data (whole on every "
         "rank, each encodes a share of the pictures)", {SERVE, DEMO}, choices=("weights", "data"))
+    # Structured outputs: what one constraint may cost, checked before anything compiles it.
+    structured_outputs_max_rules: int = option(
+        4096, "most rules (and terminals) in a structured_outputs grammar, Lark or GBNF", LM_ROLES)
+    structured_outputs_max_choices: int = option(16384, "most strings in structured_outputs.choice", LM_ROLES)
+    structured_outputs_max_min_length: int = option(
+        16384, "longest text any part of a constraint may force, in characters: a literal, a choice, a minimum "
+        "repetition (a{n}, minLength, minItems) times what it repeats", LM_ROLES)
+    structured_outputs_compile_timeout: float = option(
+        10.0, "seconds one schema, regex or grammar may take to compile; 400 after that", LM_ROLES)
+    structured_outputs_threads: int = option(
+        2, "threads compiling constraints (apart from the media threads), in the front end and in the engine",
+        LM_ROLES)
+    structured_outputs_max_queued: int = option(
+        16, "constraints that may wait for a compile thread; more get 503 at once", LM_ROLES)
+    structured_outputs_cache_mb: int = option(
+        512, "memory for compiled constraints kept for reuse (an LRU, sized by estimate), in MiB", LM_ROLES)
     load_vision: bool = True  # False on a disaggregated language server: set by the role, not a flag
 
     @classmethod

@@ -8,11 +8,12 @@ inside `SamplingParams` to the engine process unchanged. The engine turns it int
 from __future__ import annotations
 
 import json as jsonlib
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from vlserve.core.errors import InvalidInputError
+from vlserve.core.errors import ConfigurationError, InvalidInputError
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 MAX_SPEC_CHARS = 1 << 20  # a schema or grammar bigger than this is refused before anything compiles it
@@ -59,6 +60,8 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if kind == "choice":
             if not value or not all(isinstance(c, str) and c for c in value):
                 raise StructuredOutputsError(kind, "must be a non-empty list of non-empty strings")
+            if sum(map(len, value)) > MAX_SPEC_CHARS:  # the same bound as one schema or grammar
+                raise StructuredOutputsError(kind, f"is longer than {MAX_SPEC_CHARS} characters in all")
         elif kind != "json_object":
             if not isinstance(value, str) or not value.strip():
                 raise StructuredOutputsError(kind, "must be a non-empty string")
@@ -81,6 +84,33 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         """What the compiled grammar depends on: requests with equal keys share one."""
         value = self.choice if self.kind == "choice" else getattr(self, self.kind)
         return (self.kind, tuple(value) if isinstance(value, list) else value, self.disable_any_whitespace)
+
+
+@dataclass(frozen=True)
+class GrammarLimits:
+    """What compiling one constraint may cost (the `structured_outputs_*` engine options): checked on the spec
+    before anything compiles it, then by the grammar engine's own limits, then against the clock."""
+
+    max_rules: int = 4096
+    max_choices: int = 16384
+    max_min_length: int = 16384
+    compile_timeout: float = 10.0
+    threads: int = 2
+    max_queued: int = 16
+    cache_mb: int = 512
+
+    @classmethod
+    def from_args(cls, args: Any) -> GrammarLimits:
+        """From EngineArgs' `structured_outputs_<name>` fields (None: the defaults)."""
+        if args is None:
+            return cls()
+        limits = cls(**{name: getattr(args, f"structured_outputs_{name}") for name in cls.__dataclass_fields__})
+        for name in cls.__dataclass_fields__:
+            value = getattr(limits, name)
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not number or value < 0 or (value == 0 and name != "max_queued"):  # no queue at all is fine
+                raise ConfigurationError(f"structured_outputs_{name} must be a positive number, got {value!r}")
+        return limits
 
 
 def structured_outputs_from(value: Any) -> StructuredOutputsParams | None:

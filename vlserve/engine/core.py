@@ -16,6 +16,7 @@ from vlserve.core.messages import EngineCoreOutput, Handoff
 from vlserve.core.prompt import ProcessedPrompt
 from vlserve.core.request import Request, RequestStatus
 from vlserve.core.sampling_params import SamplingParams, fan_out
+from vlserve.core.structured_outputs import GrammarLimits
 from vlserve.engine.config import VlserveConfig
 from vlserve.engine.kv_handoff import PendingKV, PrefilledKV, check_handed_first, kv_to_rows, rows_to_kv
 from vlserve.engine.model_runner import ModelRunner
@@ -48,7 +49,7 @@ class EngineCore:
         else:
             executor = load_shard(cfg)
         self.grammars = GrammarMatchers(cfg.model_path, cfg.model.eos_token_ids, cfg.model.text.vocab_size,
-                                        overlap=cfg.device.type != "cpu")
+                                        overlap=cfg.device.type != "cpu", limits=GrammarLimits.from_args(cfg.args))
         self.runner = ModelRunner(cfg, executor, transfer, self.grammars)
         self.scheduler = Scheduler(cfg)
         self._building: list[Request] = []  # requests whose grammar is being built
@@ -84,7 +85,8 @@ class EngineCore:
         for child in children:
             child.hold_kv = hold_kv
             if child.params.structured_outputs is not None:
-                child.grammar = self.grammars.build(child.params.structured_outputs, child.output_token_ids)
+                child.grammar = self.grammars.build(child.params.structured_outputs, child.output_token_ids,
+                                                    child.request_id)
                 self._building.append(child)
             self.scheduler.add_request(child)
             self.prompt_tokens_total += child.num_prompt_tokens
@@ -200,7 +202,7 @@ class EngineCore:
             except RuntimeError as e:  # e.g. a CPU generator's state for a CUDA one
                 raise InvalidInputError(f"the handed-over random state does not fit this device: {e}") from None
         if params.structured_outputs is not None:
-            req.grammar = self.grammars.build(params.structured_outputs, req.output_token_ids)
+            req.grammar = self.grammars.build(params.structured_outputs, req.output_token_ids, request_id)
             if not wait_for_grammar:
                 req.grammar.matcher  # noqa: B018 - raises here if the grammar fails; usually cached, so quick
         return req
@@ -260,6 +262,10 @@ class EngineCore:
                 self._released_early.discard(parent)
 
     def abort_requests(self, request_ids: list[str]) -> None:
+        for rid in request_ids:  # a grammar not being built yet never will be
+            req = self.scheduler.requests.get(rid)
+            if req is not None and req.grammar is not None:
+                req.grammar.cancel()
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         self._left(request_ids)
         self._drop_handoffs(request_ids)
@@ -305,6 +311,15 @@ class EngineCore:
             elif req.request_id in self._unreported and self.scheduler.requests.get(req.request_id) is req:
                 self._report_first(req)
 
+    def _fail_broken_grammars(self) -> None:
+        """A matcher that failed mid-answer (a limit of the grammar engine) fails its API request with the reason
+        (500, as vLLM's FINISHED_ERROR): an answer cut there is not one its grammar accepts."""
+        for child_id, why in self.grammars.take_failures():
+            parent = self._parent_of.get(child_id)
+            if parent is not None:
+                self.abort_requests(sorted(self._open.get(parent, ())))
+                self._failed.append((parent, why, 500))
+
     def step(self) -> list[EngineCoreOutput]:
         if self._building:
             self._check_grammars()
@@ -319,6 +334,7 @@ class EngineCore:
             time.sleep(0.001)
         sampled, logprobs = self.runner.execute(sched)
         outputs = self.scheduler.update_from_output(sched, sampled, logprobs)
+        self._fail_broken_grammars()
         self.generation_tokens_total += len(outputs)
         self._left(o.request_id for o in outputs if o.finish_reason is not None)
         return first + outputs

@@ -23,9 +23,11 @@ from vlserve.core.messages import EngineCoreOutput, Handoff
 from vlserve.core.processes import finish
 from vlserve.core.outputs import RequestOutput
 from vlserve.core.sampling_params import SamplingParams, fan_out
+from vlserve.core.structured_outputs import GrammarLimits
 from vlserve.core.wire import EngineOutputs, FinishRequests, prompt_to_wire, tensor_from
 from vlserve.engine.config import resolve_config
 from vlserve.engine.core_client import EngineCoreClient
+from vlserve.frontend.grammar_compiler import GrammarCompiler
 from vlserve.frontend.input_processor import InputProcessor
 from vlserve.frontend.media.fetch import MediaFetcher, MediaPolicy
 from vlserve.frontend.metrics import ServerMetrics
@@ -141,6 +143,8 @@ class AsyncLLM:
         self.max_waiting_requests = max_waiting_requests
         self.log_requests = log_requests
         self.executor = ThreadPoolExecutor(max_workers=media_threads, thread_name_prefix="vlserve-media")
+        # Constraints compile on their own bounded pool: a slow grammar never holds up media work.
+        self.grammar_compiler = GrammarCompiler(GrammarLimits.from_args(args))
         self.dead = asyncio.Event()  # set once the engine process is gone for good
         self.streams: dict[str, RequestStream] = {}
         self.releases: dict[str, Callable[[], None]] = {}  # request id -> frees its prompt once the engine is done
@@ -172,6 +176,7 @@ class AsyncLLM:
         await self.core.shutdown()
         self._fail_all("the server is shutting down", log=False)
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.grammar_compiler.shutdown()
 
     @property
     def is_healthy(self) -> bool:

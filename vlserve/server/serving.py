@@ -15,15 +15,14 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from vlserve.core.config import ServerArgs
-from vlserve.core.errors import InvalidInputError, NotFoundError, RequestTimeoutError, RequestTooLargeError
+from vlserve.core.errors import (InvalidInputError, NotFoundError, RequestTimeoutError, RequestTooLargeError,
+                                 VlserveError)
 from vlserve.core.outputs import RequestOutput
 from vlserve.core.sampling_params import SamplingParams
-from vlserve.engine.structured.grammar import grammar_for
 from vlserve.frontend.async_llm import AsyncLLM, PreparedPrompt
 from vlserve.server.errors import error_body, error_from_exception, log_client_error
 from vlserve.server.protocol import parse_body
 
-DISCONNECT_POLL_S = 0.5
 PARSE_INLINE_BYTES = 256 * 1024  # bigger bodies are parsed on a thread, off the event loop
 _json = msgspec.json.Encoder()
 # U+2028/U+2029 are legal raw in JSON but end a line for JavaScript and some SSE readers: send them escaped.
@@ -79,11 +78,24 @@ class OpenAIServing:
         parsed.check_fields(self.server)
         return parsed
 
-    async def check_structured_outputs(self, params: SamplingParams) -> None:
-        """A schema or grammar that cannot compile is refused here (400 with the reason), off the event loop."""
-        if params.structured_outputs is not None:
-            await asyncio.get_running_loop().run_in_executor(self.engine.executor, grammar_for,
-                                                             params.structured_outputs)
+    async def check_structured_outputs(self, params: SamplingParams, raw: HTTPRequest | None = None) -> None:
+        """A schema or grammar that cannot compile is refused here (400 with the reason), on the constraint
+        compile threads (503 when they are all taken). A client that leaves stops the wait, and its compile, if
+        it has not started: told by the disconnect message itself (`is_disconnected` polls never see one
+        through the app's HTTP middleware)."""
+        if params.structured_outputs is None:
+            return
+        check = asyncio.ensure_future(self.engine.grammar_compiler.check(params.structured_outputs))
+        left = asyncio.ensure_future(_client_leaves(raw)) if raw is not None else None
+        try:
+            await asyncio.wait({check} if left is None else {check, left}, return_when=asyncio.FIRST_COMPLETED)
+            if not check.done():
+                raise ClientGoneError("the client disconnected while its constraint was being compiled")
+            check.result()
+        finally:
+            for task in (check, left):
+                if task is not None:
+                    task.cancel()
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -131,18 +143,21 @@ class OpenAIServing:
         A prepared prompt that finishes just as it is abandoned is released, so its buffers never leak.
         """
         task = asyncio.ensure_future(work)
+        # Told by the disconnect message itself: `is_disconnected()` polls never see one through the app's HTTP
+        # middleware, and a plain (not streamed) request would run to max_tokens for nobody.
+        left = asyncio.ensure_future(_client_leaves(raw))
         try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-                if done:
-                    return task.result()
-                if await raw.is_disconnected():
-                    task.cancel()
-                    raise asyncio.CancelledError("client disconnected")
+            await asyncio.wait({task, left}, return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                return task.result()
+            task.cancel()
+            raise asyncio.CancelledError("client disconnected")
         except BaseException:
             task.cancel()
             task.add_done_callback(_release_abandoned)
             raise
+        finally:
+            left.cancel()
 
     @staticmethod
     async def final_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
@@ -163,6 +178,20 @@ class OpenAIServing:
         message, status = error_from_exception(exc)
         log_client_error(f"stream {request_id}", status, message)
         return sse(error_body(message, status))
+
+
+class ClientGoneError(VlserveError):
+    """Nobody reads this answer; it ends the handler without an error logged (a cancelled one is, by the
+    HTTP middleware: "No response returned")."""
+
+    http_status = 499  # nginx's "client closed request"
+    error_type = "ClientClosedRequest"
+
+
+async def _client_leaves(raw: HTTPRequest) -> None:
+    """Returns once the client disconnects (its body was read whole: nothing else can arrive)."""
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _release_abandoned(task: asyncio.Future) -> None:

@@ -52,7 +52,7 @@ class OpenAIServingChat(OpenAIServing):
         checked = body.sampling_params(body.requested_max_tokens(), top_k)  # refuse bad values before any work
         self.check_logprob_budget(body.n, body.requested_max_tokens(), top_k)
         try:
-            await self.check_structured_outputs(checked)
+            await self.check_structured_outputs(checked, raw)
         except StructuredOutputsError as e:  # name the field the client sent, e.g. response_format's schema
             raise body.constraint_error(e) from None
         tools, choice = body.tool_setup()

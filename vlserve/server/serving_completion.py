@@ -45,7 +45,7 @@ class OpenAIServingCompletion(OpenAIServing):
         checked = body.sampling_params(body.max_tokens, body.logprobs)  # refuse bad values before any work
         self.check_logprob_budget(len(prompts) * body.n, body.max_tokens, body.logprobs)
         try:
-            await self.check_structured_outputs(checked)
+            await self.check_structured_outputs(checked, raw)
         except StructuredOutputsError as e:  # name the field the client sent, e.g. response_format's schema
             raise body.constraint_error(e) from None
         request_id = self.new_request_id(body.request_id)

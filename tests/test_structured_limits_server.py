@@ -1,0 +1,128 @@
+"""Costly constraints against `vlserve serve` (issue #25, items 2 and 5): slow grammars compile on their own
+bounded pool while /health, pictures and other requests are served; past the pool and its queue a request gets
+503 at once; a client that leaves frees its place; a huge choice list is refused at once; a grammar that
+fails in the middle of an answer fails the request with the reason (500, or an error event in a stream)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import noise_image
+from tests.server_utils import RemoteServer
+from tests.test_server_api import data_url, image_part, user
+from tests.test_structured_limits import FAILS_MID_ANSWER, words
+
+ROUTE = "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+def model(tiny_ckpt):
+    return str(tiny_ckpt("qwen2_vl"))
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    # One compile thread, two places in its queue, one media thread: the smallest pools show what waits on what.
+    with RemoteServer(model, "--dtype", "float32", "--structured-outputs-threads", "1",
+                      "--structured-outputs-max-queued", "2", "--structured-outputs-compile-timeout", "60",
+                      "--media-threads", "1") as s:
+        yield s
+
+
+def slow_grammar(seed: int) -> dict:
+    """A valid schema, within every limit, that takes seconds to compile: 15k required properties (600 KB)."""
+    names = [f"p{seed}_{i}" for i in range(15_000)]
+    return {"json": {"type": "object", "properties": {n: {"type": "integer"} for n in names}, "required": names}}
+
+
+def body(model: str, constraint: dict | None = None, **kw) -> dict:
+    out = {"model": model, "messages": user("hi"), "max_tokens": 1, **kw}
+    if constraint is not None:
+        out["structured_outputs"] = constraint
+    return out
+
+
+def post_in_thread(server, payload: dict, timeout: float, results: list) -> threading.Thread:
+    def run():
+        try:
+            results.append(httpx.post(server.url + ROUTE, json=payload, timeout=timeout).status_code)
+        except httpx.TimeoutException:
+            results.append("left")
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def test_slow_grammars_hold_up_neither_health_nor_pictures_and_the_rest_get_503(server, model):
+    results: list = []
+    slow = [post_in_thread(server, body(model, slow_grammar(seed)), 120, results) for seed in range(3)]
+    time.sleep(1.0)  # all three in: one compiles, two wait
+    started = time.monotonic()
+    refused = server.post(ROUTE, json=body(model, slow_grammar(3)))
+    assert refused.status_code == 503 and "--structured-outputs-max-queued" in refused.text, refused.text
+    assert time.monotonic() - started < 1.0
+    for _ in range(5):
+        started = time.monotonic()
+        assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+        assert time.monotonic() - started < 1.0
+    started = time.monotonic()
+    picture = server.post(ROUTE, json=body(model, messages=user(image_part(data_url(noise_image(64, 48, 1))), "hi")))
+    assert picture.status_code == 200, picture.text
+    assert time.monotonic() - started < 5.0
+    assert any(t.is_alive() for t in slow), "the grammars were all compiled already: the test shows nothing"
+    for t in slow:
+        t.join(120)
+    assert results == [200, 200, 200]
+
+
+def test_a_client_that_leaves_frees_its_place(server, model):
+    results: list = []
+    gone = [post_in_thread(server, body(model, slow_grammar(10 + seed)), 0.5, results) for seed in range(3)]
+    for t in gone:
+        t.join()
+    assert results == ["left"] * 3
+    time.sleep(1.0)  # the server notices within its disconnect poll (0.5 s): the two queued compiles are dropped
+    started = time.monotonic()
+    ok = server.post(ROUTE, json=body(model, {"choice": ["ok-after"]}, max_tokens=5))
+    assert ok.status_code == 200, ok.text  # 503 if the abandoned compiles still held the queue
+    assert ok.json()["choices"][0]["message"]["content"] == "ok-after"
+    assert time.monotonic() - started < 30
+
+
+def test_a_huge_choice_list_is_refused_at_once(server, model):
+    started = time.monotonic()
+    resp = server.post(ROUTE, json=body(model, {"choice": words(200_000, k=3)}))
+    assert resp.status_code == 400
+    assert resp.json()["error"]["message"].startswith("structured_outputs.choice has 200000 strings, over the "
+                                                      "limit of 16384 (--structured-outputs-max-choices)")
+    assert time.monotonic() - started < 5.0
+
+
+def test_a_grammar_that_can_never_finish_is_a_400(server, model):
+    resp = server.post(ROUTE, json=body(model, {"grammar": 'start: "a" start'}))
+    assert resp.status_code == 400
+    assert resp.json()["error"]["message"].startswith("structured_outputs.grammar can never be finished")
+    resp = server.post(ROUTE, json=body(model, {"regex": "a{1000000}"}))
+    assert resp.status_code == 400 and "--structured-outputs-max-min-length" in resp.text
+
+
+def test_a_grammar_failing_mid_answer_is_an_error_with_the_reason(server, model):
+    resp = server.post(ROUTE, json=body(model, {"grammar": FAILS_MID_ANSWER}, max_tokens=20))
+    assert resp.status_code == 500, resp.text
+    message = resp.json()["error"]["message"]
+    assert message.startswith("structured_outputs.grammar failed after 1 token(s) of output, in the grammar engine: ")
+    with httpx.stream("POST", server.url + ROUTE, json=body(model, {"grammar": FAILS_MID_ANSWER}, max_tokens=20,
+                                                           stream=True), timeout=60) as stream:
+        assert stream.status_code == 200
+        events = [line[6:] for line in stream.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == 500 and "failed after 1 token(s) of output" in error["message"]
+    ok = server.post(ROUTE, json=body(model, {"choice": ["fine"]}, max_tokens=5))
+    assert ok.json()["choices"][0]["message"]["content"] == "fine"
