@@ -12,6 +12,7 @@ import time
 import httpx
 import pytest
 
+from tests.server_utils import wait_healthy
 from vlserve.disagg.bootstrap import (
     Backoff,
     BootstrapClient,
@@ -354,16 +355,7 @@ def test_real_bootstrap_process():
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 20
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            try:
-                if httpx.get(f"{base}/health", timeout=0.5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "registry did not come up"
-            time.sleep(0.05)
+        wait_healthy(proc, f"{base}/health", 20, "registry", lambda: proc.stdout.read().decode())
         r = httpx.post(f"{base}/register", json=_reg("real-1", role="language", address="127.0.0.1:9000"))
         assert r.status_code == 200 and r.json()["heartbeat_interval"] == 1.0
         assert _ids(httpx.get(f"{base}/instances", params={"role": "language"})) == ["real-1"]

@@ -18,8 +18,15 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from tests.test_disagg import offline  # noqa: F401 - a fixture
-from tests.test_disagg import Cluster, ask, expected_text, picture_chat, wait_language_blocks_free
+from tests.server_utils import wait_healthy
+from tests.test_disagg import (
+    Cluster,
+    ask,
+    expected_text,
+    offline,  # noqa: F401 - a fixture
+    picture_chat,
+    wait_language_blocks_free,
+)
 from vlserve.core.config import DisaggArgs
 from vlserve.core.errors import ServiceUnavailableError
 from vlserve.core.wire import Framer
@@ -154,16 +161,7 @@ def test_a_real_registry_answers_a_huge_announced_body_without_waiting_for_it():
                             env={**os.environ, "VLSERVE_DISAGG_SECRET": SECRET},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=0.5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "registry did not come up"
-            time.sleep(0.05)
+        wait_healthy(proc, f"http://127.0.0.1:{port}/health", 20, "registry", lambda: proc.stdout.read().decode())
         huge = {"Content-Length": str(400 << 20), "Content-Type": "application/json"}
         assert _raw_post(port, huge, b"{").startswith(b"HTTP/1.1 401")
         signed = {**huge, **PeerAuth(SECRET).sign("POST", "/register", b"{")}

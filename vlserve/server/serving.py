@@ -78,24 +78,13 @@ class OpenAIServing:
         parsed.check_fields(self.server)
         return parsed
 
-    async def check_structured_outputs(self, params: SamplingParams, raw: HTTPRequest | None = None) -> None:
+    async def check_structured_outputs(self, params: SamplingParams, raw: HTTPRequest) -> None:
         """A schema or grammar that cannot compile is refused here (400 with the reason), on the constraint
         compile threads (503 when they are all taken). A client that leaves stops the wait, and its compile, if
         it has not started: told by the disconnect message itself (`is_disconnected` polls never see one
         through the app's HTTP middleware)."""
-        if params.structured_outputs is None:
-            return
-        check = asyncio.ensure_future(self.engine.grammar_compiler.check(params.structured_outputs))
-        left = asyncio.ensure_future(_client_leaves(raw)) if raw is not None else None
-        try:
-            await asyncio.wait({check} if left is None else {check, left}, return_when=asyncio.FIRST_COMPLETED)
-            if not check.done():
-                raise ClientGoneError("the client disconnected while its constraint was being compiled")
-            check.result()
-        finally:
-            for task in (check, left):
-                if task is not None:
-                    task.cancel()
+        if params.structured_outputs is not None:
+            await self.until_done_or_disconnect(raw, self.engine.grammar_compiler.check(params.structured_outputs))
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -150,8 +139,7 @@ class OpenAIServing:
             await asyncio.wait({task, left}, return_when=asyncio.FIRST_COMPLETED)
             if task.done():
                 return task.result()
-            task.cancel()
-            raise asyncio.CancelledError("client disconnected")
+            raise ClientGoneError("the client disconnected before its answer was ready")
         except BaseException:
             task.cancel()
             task.add_done_callback(_release_abandoned)
