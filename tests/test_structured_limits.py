@@ -360,3 +360,49 @@ def test_a_grammar_that_fails_as_soon_as_it_starts_is_refused(llm):
     with pytest.raises(InvalidInputError, match=re.escape("structured_outputs.grammar fails as soon as it starts")):
         llm.generate(["Hello"], SamplingParams(max_tokens=5, structured_outputs={"grammar": forced}), use_tqdm=False)
     assert_pool_full(llm)
+
+
+def test_a_timeout_is_not_remembered_as_the_specs_outcome_and_errors_are_kept_without_their_frames(monkeypatch):
+    """A compile over its budget may be quicker on a less busy host: the next request tries again. Other
+    errors are cached as fresh copies, so no traceback keeps a grammar or matcher alive in the cache."""
+    from vlserve.core.structured_outputs import GrammarLimits
+    from vlserve.engine.structured.grammar import CompileTimeout, cacheable
+    from vlserve.frontend import grammar_compiler
+
+    outcomes = [CompileTimeout("regex", "took 12.0s to compile"), None]
+
+    def flaky(spec, limits):
+        outcome = outcomes.pop(0)
+        if outcome is not None:
+            raise outcome
+        return "grammar"
+
+    monkeypatch.setattr(grammar_compiler, "grammar_for", flaky)
+
+    async def main():
+        compiler = grammar_compiler.GrammarCompiler(GrammarLimits(threads=1))
+        try:
+            with pytest.raises(CompileTimeout):
+                await compiler.check(_regex("a"))
+            await compiler.check(_regex("a"))  # compiled again, and now in time
+        finally:
+            compiler.shutdown()
+
+    asyncio.run(main())
+    assert not outcomes
+    try:
+        raise StructuredOutputsError("regex", "cannot be compiled: x")
+    except StructuredOutputsError as e:
+        raised, kept = e, cacheable(e)
+    assert kept is not raised and kept.__traceback__ is None and str(kept) == str(raised)
+
+
+def test_a_grammar_too_deep_for_the_checks_is_left_to_the_grammar_engine():
+    """The pre-compile reader recurses per nested group: past Python's limit it has no opinion (it used to raise
+    RecursionError, a 500); the grammar engine then judges it and says why (a 400)."""
+    from vlserve.engine.structured.lark_check import lark_facts
+
+    deep = "start: " + "(" * 400 + '"a"' + ")" * 400
+    assert lark_facts(deep) is None
+    with pytest.raises(StructuredOutputsError, match="too deeply nested"):
+        compile_on_pool(StructuredOutputsParams(grammar=deep))

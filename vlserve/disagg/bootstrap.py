@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from vlserve.disagg.auth import HEADER, NonceMemory, PeerAuth, ReplayMemoryFull
+from vlserve.server.errors import error_body
 
 log = logging.getLogger("vlserve.disagg.bootstrap")
 
@@ -55,9 +56,7 @@ def _json(obj, status: int = 200) -> Response:
 
 
 def _error(message: str, status: int) -> Response:
-    err_type = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                413: "RequestTooLargeError", 503: "ServiceUnavailableError"}.get(status, "InternalServerError")
-    return _json({"error": {"message": message, "type": err_type, "code": status}}, status)
+    return _json(error_body(message, status), status)  # the API server's error JSON, types included
 
 
 class _Gate:

@@ -18,7 +18,7 @@ from concurrent.futures import Future
 from vlserve.core.errors import ServiceUnavailableError
 from vlserve.core.structured_outputs import GrammarLimits, StructuredOutputsError, StructuredOutputsParams
 from vlserve.engine.structured.cache import ByteLRU, spec_digest
-from vlserve.engine.structured.grammar import grammar_for
+from vlserve.engine.structured.grammar import cacheable, grammar_for
 from vlserve.engine.structured.pool import CompilePool
 
 _UNKNOWN = object()
@@ -91,7 +91,9 @@ class GrammarCompiler:
         try:
             grammar_for(spec, self.limits)
         except StructuredOutputsError as e:
-            self._outcomes.put(digest, e, len(str(e)))
+            kept = cacheable(e)
+            if kept is not None:
+                self._outcomes.put(digest, kept, len(str(e)))
             raise
         self._outcomes.put(digest, None, 0)
 

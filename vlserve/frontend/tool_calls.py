@@ -107,7 +107,6 @@ def _call_from(data, text: str, at: int) -> dict | None:
     """
     if not isinstance(data, dict) or not isinstance(data.get("name"), str):
         return None
-    spans = _member_spans(text, at)
     key = "arguments" if "arguments" in data else "parameters" if "parameters" in data else None
     if key is None:
         arguments = "{}"
@@ -118,7 +117,7 @@ def _call_from(data, text: str, at: int) -> dict | None:
         except (ValueError, RecursionError):
             return None
     else:
-        start, end = spans[key]
+        start, end = _member_spans(text, at)[key]  # the model's own text of the value
         arguments = text[start:end]
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": data["name"], "arguments": arguments}}

@@ -61,10 +61,20 @@ def grammar_for(spec: StructuredOutputsParams, limits: GrammarLimits = DEFAULT_L
     return grammar
 
 
+class CompileTimeout(StructuredOutputsError):
+    """Over the time budget: not a fact about the spec (a busy host is slower), so never cached as its outcome."""
+
+
+def cacheable(e: StructuredOutputsError) -> StructuredOutputsError | None:
+    """What a cache of outcomes may keep of `e`: without its traceback (whose frames hold the grammar and
+    matchers), and nothing for a timeout."""
+    return None if isinstance(e, CompileTimeout) else e.for_field(e.field)  # a fresh copy: `e` is being raised
+
+
 def check_time(kind: str, started: float, limits: GrammarLimits) -> None:
     took = time.monotonic() - started
     if took > limits.compile_timeout:
-        raise StructuredOutputsError(kind, f"took {took:.1f}s to compile, over the limit of "
+        raise CompileTimeout(kind, f"took {took:.1f}s to compile, over the limit of "
                                            f"{limits.compile_timeout:g}s (--structured-outputs-compile-timeout)")
 
 

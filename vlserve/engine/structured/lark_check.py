@@ -109,7 +109,7 @@ class _Reader:
     def skip_to(self, punct: str) -> None:
         while self.peek() != punct:
             kind, value = self.take()
-            if kind == "eof" or value in ("{", "::"):  # templates and parametric rules
+            if value in ("{", "::"):  # templates and parametric rules (the end of the text: IndexError)
                 raise _NoOpinion(value)
         self.take()
 
@@ -267,7 +267,7 @@ def lark_facts(text: str) -> LarkFacts | None:
     try:
         reader = _Reader(text)
         reader.grammar()
-    except (_NoOpinion, IndexError, ValueError):
+    except (_NoOpinion, IndexError, ValueError, RecursionError):  # too deep to read here: the engine judges it
         return None
     if "start" not in reader.c.rules:
         return None

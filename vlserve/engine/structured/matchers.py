@@ -29,7 +29,7 @@ import torch
 from vlserve.core.errors import InvalidInputError
 from vlserve.core.structured_outputs import GrammarLimits, StructuredOutputsError, StructuredOutputsParams
 from vlserve.engine.structured.cache import MATCHER_BASE_BYTES, MATCHER_BYTES_PER_CHAR, ByteLRU, spec_digest
-from vlserve.engine.structured.grammar import DEFAULT_LIMITS, check_time, grammar_for, parser_limits
+from vlserve.engine.structured.grammar import DEFAULT_LIMITS, cacheable, check_time, grammar_for, parser_limits
 from vlserve.engine.structured.pool import CompilePool
 
 
@@ -128,7 +128,9 @@ class GrammarMatchers:
             try:
                 fresh, grammar_chars = self._compile(spec)
             except StructuredOutputsError as e:
-                self._compiled.put(digest, e, len(str(e)))
+                kept = cacheable(e)
+                if kept is not None:
+                    self._compiled.put(digest, kept, len(str(e)))
                 raise
             self._compiled.put(digest, fresh, MATCHER_BASE_BYTES + MATCHER_BYTES_PER_CHAR * grammar_chars)
         if isinstance(fresh, StructuredOutputsError):
