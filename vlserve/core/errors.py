@@ -85,3 +85,14 @@ class UnsupportedModelError(ModelLoadError):
 def exit_code(error: VlserveError) -> int:
     """A process's exit code for an error that ends it: EXIT_CONFIG when the options or checkpoint are wrong."""
     return EXIT_CONFIG if isinstance(error, (ConfigurationError, InvalidInputError)) else 1
+
+
+# OpenAI-style error JSON, the same from every vlserve HTTP server (API, registry, roles).
+_STATUS_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                 405: "MethodNotAllowedError", 413: "PayloadTooLargeError", 422: "UnprocessableEntityError",
+                 503: "ServiceUnavailableError"}
+
+
+def error_body(message: str, status: int, err_type: str | None = None) -> dict:
+    err_type = err_type or _STATUS_TYPES.get(status, "InternalServerError")
+    return {"error": {"message": message, "type": err_type, "param": None, "code": status}}

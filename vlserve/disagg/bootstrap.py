@@ -19,8 +19,8 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from vlserve.core.errors import error_body
 from vlserve.disagg.auth import HEADER, NonceMemory, PeerAuth, ReplayMemoryFull
-from vlserve.server.errors import error_body
 
 log = logging.getLogger("vlserve.disagg.bootstrap")
 

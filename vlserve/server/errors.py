@@ -12,19 +12,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from vlserve.core.errors import VlserveError
+from vlserve.core.errors import VlserveError, error_body
 
 logger = logging.getLogger("vlserve.server")
 LOGGED_MESSAGE_CHARS = 300
-
-_STATUS_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                 405: "MethodNotAllowedError", 413: "PayloadTooLargeError", 422: "UnprocessableEntityError",
-                 503: "ServiceUnavailableError"}
-
-
-def error_body(message: str, status: int, err_type: str | None = None) -> dict:
-    err_type = err_type or _STATUS_TYPES.get(status, "InternalServerError")
-    return {"error": {"message": message, "type": err_type, "param": None, "code": status}}
 
 
 def error_response(message: str, status: int, err_type: str | None = None) -> JSONResponse:
