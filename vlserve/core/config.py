@@ -26,6 +26,7 @@ HTTP_ROLES = frozenset({SERVE, LANGUAGE, DECODE})  # roles that answer the OpenA
 DISAGG_ROLES = frozenset({LANGUAGE, ENCODE, PREFILL, DECODE})  # roles that meet through the registry
 MODEL_ROLES = frozenset({SERVE, DEMO}) | DISAGG_ROLES  # roles that load (part of) the model
 MEDIA_ROLES = frozenset({SERVE, ENCODE})  # roles that fetch and decode media
+KV_ROLES = frozenset({PREFILL, DECODE})  # roles whose engine moves KV between instances (a KV connector)
 DEFAULT_MM_LIMITS = {"image": 8, "video": 1}  # kinds a user does not name keep these
 DEFAULT_MAX_PIXELS_DECODED = 64_000_000  # 64 MP
 

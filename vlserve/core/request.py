@@ -51,12 +51,6 @@ class Request:
         self.num_cached_blocks = 0  # leading blocks already registered in the prefix cache
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
         self.grammar = None  # the engine's RequestGrammar when params.structured_outputs is set
-        self.hold_kv = False  # prefill instance: keep the KV blocks after finishing, until they are handed over
-        self.held_since = 0.0  # when it finished with its KV held
-        # Decode instance: its prompt was computed elsewhere (no pictures here to recompute it from), so a
-        # preemption swaps its KV out to host memory instead of dropping it.
-        self.swap_on_preempt = False
-        self.pending_kv = None  # engine.kv_handoff.PendingKV: KV to write at (re)admission instead of computing
 
     @property
     def num_tokens(self) -> int:

@@ -47,7 +47,6 @@ class AddRequest(msgspec.Struct, tag="add"):
     params: SamplingParams
     arrival_time: float
     block_rows: list[int] | None = None  # receive blocks holding the prompt's media rows (disaggregated)
-    hold_kv: bool = False  # prefill instance: the engine sends the prompt's KV back when the request finishes
     handoff: Handoff | None = None  # decode instance: prefilled elsewhere; `block_rows` hold its KV rows
 
 
@@ -91,7 +90,8 @@ class RequestRejected(msgspec.Struct, array_like=True):
 
 
 class HandedKV(msgspec.Struct, array_like=True):
-    """A finished `hold_kv` request's prompt KV, one row per token (see engine.kv_handoff), as a tensor frame."""
+    """A finished request's prompt KV exported by a prefill engine, one row per token (see engine.kv_handoff), as a
+    tensor frame."""
 
     request_id: str
     rows: TensorRef
@@ -103,7 +103,7 @@ class EngineOutputs(msgspec.Struct, tag="outputs"):
     rejected: list[RequestRejected]
     stats: EngineStats
     released: list[str] = []  # requests whose prompt buffers the engine no longer reads: they may be freed
-    handed: list[HandedKV] = []  # prefill instance: KV of requests that finished with hold_kv
+    handed: list[HandedKV] = []  # prefill instance: KV of requests that finished (its KV connector's exports)
 
 
 class EngineReady(msgspec.Struct, tag="ready"):
@@ -178,7 +178,7 @@ def tensor_from_bytes(frame, dtype: torch.dtype, shape) -> torch.Tensor:
 
 
 def prompt_to_wire(request_id: str, prompt: ProcessedPrompt, params: SamplingParams, arrival_time: float,
-                   hold_kv: bool = False, handoff: Handoff | None = None) -> tuple[AddRequest, list[torch.Tensor]]:
+                   handoff: Handoff | None = None) -> tuple[AddRequest, list[torch.Tensor]]:
     tensors: list[torch.Tensor] = []
 
     def ref(t: torch.Tensor | None) -> TensorRef | None:
@@ -187,7 +187,7 @@ def prompt_to_wire(request_id: str, prompt: ProcessedPrompt, params: SamplingPar
     items = [WireMMItem(it.offset, it.num_tokens, tuple(it.grid_thw), it.mm_hash, ref(it.pixel_values),
                         ref(it.embeddings)) for it in prompt.mm_items]
     msg = AddRequest(request_id, prompt.prompt_token_ids, items, tensor_ref(prompt.mrope_positions, tensors),
-                     prompt.mrope_delta, params, arrival_time, prompt.block_rows, hold_kv, handoff)
+                     prompt.mrope_delta, params, arrival_time, prompt.block_rows, handoff)
     return msg, tensors
 
 

@@ -125,7 +125,8 @@ async def run_prefill(opts: Options, log_level: str) -> int:
                                         data_address=f"{host}:{data_port}")
         engine = AsyncLLM(opts.engine, opts.engine.model, media_threads=opts.server.media_threads,
                           log_requests=False, log_level=log_level,
-                          heartbeat_timeout=opts.server.engine_heartbeat_timeout, prompt_encoder=encoder)
+                          heartbeat_timeout=opts.server.engine_heartbeat_timeout, prompt_encoder=encoder,
+                          kv_role=PREFILL)
         service = PrefillService(engine, opts)
         try:
             service.bind()

@@ -1,7 +1,8 @@
 """The engine core: scheduler + model runner, advanced one step at a time.
 
 `step()` is the whole loop body: schedule() -> execute() -> update_from_output(). This object is what runs
-in the engine process once the server splits front end and engine.
+in the engine process once the server splits front end and engine. A role that moves KV between instances
+(prefill, decode) plugs in a KV connector (engine/kv_connector/); this file knows none of them.
 """
 
 from __future__ import annotations
@@ -12,13 +13,13 @@ import time
 import torch
 
 from vlserve.core.errors import InvalidInputError
-from vlserve.core.messages import EngineCoreOutput, Handoff
+from vlserve.core.messages import EngineCoreOutput
 from vlserve.core.prompt import ProcessedPrompt
 from vlserve.core.request import Request, RequestStatus
 from vlserve.core.sampling_params import SamplingParams, fan_out
 from vlserve.core.structured_outputs import GrammarLimits
 from vlserve.engine.config import VlserveConfig
-from vlserve.engine.kv_handoff import PendingKV, PrefilledKV, check_handed_first, kv_to_rows, rows_to_kv
+from vlserve.engine.kv_connector import ExportedKV, KVConnector, KVTransfer
 from vlserve.engine.model_runner import ModelRunner
 from vlserve.engine.model_shard import ModelShard, load_shard
 from vlserve.engine.prompt_check import check_prompt
@@ -28,14 +29,14 @@ from vlserve.engine.tp.leader import TPLeader
 from vlserve.engine.transfer_buffers import TransferBuffers
 
 logger = logging.getLogger(__name__)
-HELD_KV_TTL_S = 120.0  # a prefill's KV kept this long for its decode instance at most
 
 
 class EngineCore:
     def __init__(self, cfg: VlserveConfig, model: torch.nn.Module | None = None, report_released: bool = False,
-                 transfer: TransferBuffers | None = None):
+                 transfer: TransferBuffers | None = None, connector: KVConnector | None = None):
         """`report_released`: collect the requests whose samples have all left (a front-end in another process
-        frees their prompts' buffers then). `transfer`: receive blocks an encoder service writes into."""
+        frees their prompts' buffers then). `transfer`: receive blocks peers write prompts into. `connector`:
+        the role's KV connector, if its KV is not all computed here."""
         self.cfg = cfg
         self.report_released = report_released
         self.transfer = transfer
@@ -51,7 +52,10 @@ class EngineCore:
         self.grammars = GrammarMatchers(cfg.model_path, cfg.model.eos_token_ids, cfg.model.text.vocab_size,
                                         overlap=cfg.device.type != "cpu", limits=GrammarLimits.from_args(cfg.args))
         self.runner = ModelRunner(cfg, executor, transfer, self.grammars)
-        self.scheduler = Scheduler(cfg)
+        self.scheduler = Scheduler(cfg, connector)
+        self.connector = connector
+        if connector is not None:
+            connector.bind(self.scheduler, self.runner, transfer)
         self._building: list[Request] = []  # requests whose grammar is being built
         self._failed: list[tuple[str, str, int]] = []  # (API request, why, status) refused after admission
         self.prompt_tokens_total = 0
@@ -59,185 +63,84 @@ class EngineCore:
         self._parent_of: dict[str, str] = {}  # engine request id -> the API request it samples for
         self._open: dict[str, set[str]] = {}  # API request -> its samples still in the engine
         self._released: list[str] = []
-        self._unreported: dict[str, EngineCoreOutput] = {}  # handed-over first tokens waiting for their grammar
-        self._first_outputs: list[EngineCoreOutput] = []  # handed-over first tokens, reported at the next step
-        self._released_early: set[str] = set()  # handed over, their receive blocks released once the KV was in
+        # Outputs a request arrived with (sampled elsewhere): waiting for its grammar, then reported at the next step.
+        self._arrived_with: dict[str, EngineCoreOutput] = {}
+        self._ready_arrived: list[EngineCoreOutput] = []
+        self._released_early: set[str] = set()  # prompts released once their KV was loaded, before they left
+        self._exported: list[ExportedKV] = []
         logger.info("engine ready in %.1fs: %s on %s, %s, %d KV blocks x %d tokens", time.perf_counter() - t0,
                     cfg.model.architecture, cfg.device, str(cfg.dtype).removeprefix("torch."), cfg.num_kv_blocks,
                     cfg.block_size)
 
     def add_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
-                    arrival_time: float | None = None, hold_kv: bool = False) -> list[str]:
+                    arrival_time: float | None = None, kv_transfer: KVTransfer | None = None) -> list[str]:
         """Admits the n samples of one request together, or none of them; returns their engine request ids.
 
-        `hold_kv` (a prefill instance): the finished request keeps its KV blocks for `export_held`."""
-        if hold_kv and params.n != 1:
-            raise InvalidInputError("a request whose KV is handed over samples once (n = 1)")
-        if hold_kv:
-            self._check_kv_movable()
+        `kv_transfer`: the request's KV was computed elsewhere (the connector loads it; see kv_connector/)."""
+        if kv_transfer is not None and self.connector is None:
+            raise InvalidInputError("this engine computes its own KV: it takes none from other instances")
+        if self.connector is not None:
+            self.connector.check_request(prompt, params, kv_transfer)
         capacity = None if self.transfer is None else (self.transfer.num_blocks, self.transfer.block_tokens)
         check_prompt(prompt, self.cfg, capacity)
         children = [Request(cid, prompt, p, self.cfg.model.eos_token_ids, arrival_time)
                     for cid, p in fan_out(params, request_id)]
         self._check_id_free([c.request_id for c in children], request_id)
+        arrived: dict[str, EngineCoreOutput] = {}
+        try:  # every check before anything is queued
+            for child in children:
+                if self.connector is not None and (out := self.connector.admit(child, kv_transfer)) is not None:
+                    arrived[child.request_id] = out
+                self.scheduler.check_fits(child)
+        except BaseException:
+            if self.connector is not None:
+                self.connector.forget([c.request_id for c in children])
+            raise
         for child in children:
-            self.scheduler.check_fits(child)  # raises before anything is queued
-        for child in children:
-            child.hold_kv = hold_kv
-            if child.params.structured_outputs is not None:
+            if child.params.structured_outputs is not None:  # replays the tokens it arrived with, if any
                 child.grammar = self.grammars.build(child.params.structured_outputs, child.output_token_ids,
                                                     child.request_id)
                 self._building.append(child)
             self.scheduler.add_request(child)
-            self.prompt_tokens_total += child.num_prompt_tokens
             self._parent_of[child.request_id] = request_id
+            if child.request_id in arrived:  # its prompt was computed elsewhere: only what it generates counts
+                self._arrived_with[child.request_id] = arrived[child.request_id]
+            else:
+                self.prompt_tokens_total += child.num_prompt_tokens
         self._open[request_id] = {c.request_id for c in children}
+        for child in children:
+            if child.request_id in arrived and child.grammar is None:
+                self._report_arrived(child)
         return [c.request_id for c in children]
 
-    # ---- KV handed between instances (prefill -> decode) -------------------------------------------------------
-    def _check_kv_movable(self) -> None:
-        if self.cfg.tensor_parallel_size > 1:
-            raise InvalidInputError("KV handed between instances is not supported with tensor parallelism")
-
-    @property
-    def held(self) -> dict:
-        return self.scheduler.held
-
-    def export_held(self, request_id: str) -> PrefilledKV:
-        """A finished prefill's KV, sampled tokens and random state; its blocks are freed."""
-        req = self.scheduler.held.get(request_id)
-        if req is None:
-            raise InvalidInputError(f"nothing held for request {request_id!r}")
-        try:
-            kv = self.runner.read_kv(self.runner.token_slots(req, req.num_prompt_tokens))
-            state = req.generator.get_state() if req.generator is not None else None
-            return PrefilledKV(kv, list(req.output_token_ids), state)
-        finally:
-            self.scheduler.release_held(request_id)
-
-    def release_held(self, request_id: str) -> None:
-        self.scheduler.release_held(request_id)
-
-    def add_prefilled(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
-                      handed: PrefilledKV, arrival_time: float | None = None) -> None:
-        """A request another instance prefilled (its first token already known to the caller): it waits in the
-        queue like any request, and its KV is written into our blocks when the scheduler admits it."""
-        self._check_kv_movable()
-        t = self.cfg.model.text
-        check_prompt(prompt, self.cfg, None)
-        handed.check(t.num_layers, t.num_kv_heads, t.head_dim, len(prompt.prompt_token_ids))
-        req = self._handed_request(request_id, prompt, params, handed.output_token_ids, handed.generator_state,
-                                   arrival_time)
-        if self.scheduler.finish_status(req, req.token_ids[-1]) is not None:
-            raise InvalidInputError(f"request {request_id!r} ended at its handed-over token: nothing to decode")
-        # Without its pictures here a preempted request could not be recomputed: then its KV is swapped out.
-        req.swap_on_preempt = any(it.pixel_values is None and it.embeddings is None for it in prompt.mm_items)
-        kv = handed.kv
-        self._queue_handed(req, PendingKV(handed.num_tokens, lambda start: kv[:, :, start:], handed_over=True))
-
-    def add_handoff(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, handoff: Handoff,
-                    arrival_time: float | None = None) -> None:
-        """Decode instance: a request prefilled by another instance, whose KV rows (`kv_handoff.kv_to_rows`) are
-        in this engine's receive blocks `prompt.block_rows`. It waits in the queue like any request; its first
-        token is reported at the next step (once its grammar is built), and when the scheduler admits it the KV
-        is copied in (a cached prefix shared) and the receive blocks are released at once."""
-        self._check_kv_movable()
-        if self.transfer is None or prompt.block_rows is None:
-            raise InvalidInputError("a handed-over request needs its KV rows in this engine's receive blocks")
-        check_prompt(prompt, self.cfg, (self.transfer.num_blocks, self.transfer.block_tokens))
-        first = handoff.first
-        check_handed_first(first, params, self.cfg.model.text.vocab_size, handoff.generator_state is not None)
-        state = None if handoff.generator_state is None else torch.frombuffer(bytearray(handoff.generator_state),
-                                                                               dtype=torch.uint8)
-        req = self._handed_request(request_id, prompt, params, first.new_token_ids, state, arrival_time,
-                                   wait_for_grammar=True)
-        req.num_cached_tokens = first.num_cached_tokens  # what the prefill saved: reported in usage
-        req.swap_on_preempt = True  # the receive blocks are reused once its KV is in: it cannot be recomputed here
-        t, blocks, n = self.cfg.model.text, prompt.block_rows, req.num_prompt_tokens
-        self._queue_handed(req, PendingKV(n, lambda start: rows_to_kv(self.transfer.read_rows(blocks, start, n - start),
-                                                                      t.num_layers, t.num_kv_heads, t.head_dim),
-                                          handed_over=True))
-        self._unreported[request_id] = EngineCoreOutput(request_id, list(first.new_token_ids), first.new_logprobs,
-                                                        num_cached_tokens=first.num_cached_tokens)
-        if req.grammar is not None and (not req.grammar.ready or req.grammar.error is not None):
-            # Reported once built (whether the token ends it depends on the grammar); a failed one is refused
-            # there, with its receive blocks released.
-            self._building.append(req)
-        else:
-            self._report_first(req)
-
-    def _queue_handed(self, req: Request, pending: PendingKV) -> None:
-        req.pending_kv = pending
-        self.scheduler.add_request(req)
-        self._parent_of[req.request_id] = req.request_id
-        self._open[req.request_id] = {req.request_id}
-
-    def _report_first(self, req: Request) -> None:
-        """A handed-over request's first token goes out at the next step; if it ends the request, so does it."""
-        first = self._unreported.pop(req.request_id)
-        self._first_outputs.append(first)
-        self.generation_tokens_total += 1
+    def _report_arrived(self, req: Request) -> None:
+        """The output a request arrived with goes out at the next step; if it ends the request, so does it."""
+        out = self._arrived_with.pop(req.request_id)
+        self._ready_arrived.append(out)
+        self.generation_tokens_total += len(out.new_token_ids)
         status = self.scheduler.finish_status(req, req.token_ids[-1])
         if status is not None:  # nothing to decode
-            first.finish_reason, first.stop_reason = status.value, req.stop_reason
+            out.finish_reason, out.stop_reason = status.value, req.stop_reason
             self.scheduler.finish_requests([req.request_id], status)
             self._left([req.request_id])
 
-    def _handed_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
-                        output_token_ids: list[int], generator_state: torch.Tensor | None,
-                        arrival_time: float | None, wait_for_grammar: bool = False) -> Request:
-        """The request as the prefill left it, every check done (nothing is admitted yet)."""
-        if params.n != 1:
-            raise InvalidInputError("a handed-over request samples once (n = 1)")
-        if not output_token_ids:
-            raise InvalidInputError("a handed-over request needs the token its prefill sampled")
-        self._check_id_free([request_id], request_id)
-        req = Request(request_id, prompt, params, self.cfg.model.eos_token_ids, arrival_time)
-        req.token_ids += output_token_ids
-        self.scheduler.check_fits(req)
-        if generator_state is not None:
-            req.generator = torch.Generator(device=self.cfg.device)
-            try:
-                req.generator.set_state(generator_state)
-            except RuntimeError as e:  # e.g. a CPU generator's state for a CUDA one
-                raise InvalidInputError(f"the handed-over random state does not fit this device: {e}") from None
-        if params.structured_outputs is not None:
-            req.grammar = self.grammars.build(params.structured_outputs, req.output_token_ids, request_id)
-            if not wait_for_grammar:
-                req.grammar.matcher  # noqa: B018 - raises here if the grammar fails; usually cached, so quick
-        return req
-
     def _move_kv(self, sched) -> None:
-        """Before this step's forward pass: KV of preempted requests that cannot be recomputed out to host memory
-        (their blocks are reused from now on), and the pending KV of requests admitted now into their blocks."""
-        for req, block_ids, n in sched.swap_out:
-            kv = self.runner.read_kv(self.runner.block_slots(block_ids, n))
-            req.pending_kv = PendingKV(n, lambda start, kv=kv: kv[:, :, start:])
-        for req, start in sched.kv_in:
-            pending, req.pending_kv = req.pending_kv, None
-            try:
-                self.runner.write_kv(self.runner.token_slots(req, pending.num_tokens)[start:], pending.read(start))
-            except Exception as e:  # noqa: BLE001 - that request fails (500), the engine goes on
-                logger.exception("request %s: its KV could not be written", req.request_id)
-                self.abort_requests([req.request_id])
-                self._failed.append((req.request_id, f"its KV could not be written: {type(e).__name__}", 500))
-                continue
-            self.scheduler.kv.cache_full_blocks(req)
-            if pending.handed_over:  # the receive blocks (if any) are free to reuse now
-                self._released_early.add(req.request_id)
+        """Before this step's forward pass: the connector moves KV out of reused blocks and into admitted ones."""
+        moved = self.connector.move_kv(sched)
+        for rid, why in moved.failed:
+            self.abort_requests([rid])
+            self._failed.append((self._parent_of.get(rid, rid), why, 500))
+        for rid in moved.loaded:  # the prompt's inputs (receive blocks) are not needed any more
+            parent = self._parent_of.get(rid, rid)
+            if parent not in self._released_early:
+                self._released_early.add(parent)
                 if self.report_released:
-                    self._released.append(req.request_id)
+                    self._released.append(parent)
 
-    def take_handed(self, outputs: list[EngineCoreOutput]) -> list[tuple[str, torch.Tensor, bytes | None]]:
-        """Prefill instance: (request id, KV rows, random state) of every request of `outputs` that finished with
-        its KV held; their blocks are freed."""
-        handed = []
-        for out in outputs:
-            if out.finish_reason is not None and out.request_id in self.scheduler.held:
-                kv = self.export_held(out.request_id)
-                state = None if kv.generator_state is None else kv.generator_state.numpy().tobytes()
-                handed.append((out.request_id, kv_to_rows(kv.kv), state))
-        return handed
+    def take_exported(self) -> list[ExportedKV]:
+        """KV the connector exported since the last call (requests whose KV leaves this instance)."""
+        exported, self._exported = self._exported, []
+        return exported
 
     @property
     def has_released(self) -> bool:
@@ -268,33 +171,36 @@ class EngineCore:
                 req.grammar.cancel()
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         self._left(request_ids)
-        self._drop_handoffs(request_ids)
+        self._drop_arrived(request_ids)
 
     def stop_requests(self, request_ids: list[str]) -> None:
         """Finished by the front end (a stop string matched): same clean-up as an abort, reported as stop."""
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
         self._left(request_ids)
-        self._drop_handoffs(request_ids)
+        self._drop_arrived(request_ids)
 
-    def _drop_handoffs(self, request_ids: list[str]) -> None:
-        """A handed-over first token not yet reported leaves with its request."""
+    def _drop_arrived(self, request_ids: list[str]) -> None:
+        """An output a request arrived with, not yet reported, leaves with it; so does the connector's state."""
         gone = set(request_ids)
-        if self._first_outputs:
-            self._first_outputs = [o for o in self._first_outputs if o.request_id not in gone]
-        for rid in gone & self._unreported.keys():
-            del self._unreported[rid]
+        if self._ready_arrived:
+            self._ready_arrived = [o for o in self._ready_arrived if o.request_id not in gone]
+        for rid in gone & self._arrived_with.keys():
+            del self._arrived_with[rid]
+        if self.connector is not None:
+            self.connector.forget(request_ids)
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished or bool(self._first_outputs)
+        return self.scheduler.has_unfinished or bool(self._ready_arrived)
 
     def _check_id_free(self, engine_ids: list[str], request_id: str) -> None:
-        if any(i in self.scheduler.requests or i in self.scheduler.held for i in engine_ids):
+        if any(i in self.scheduler.requests or (self.connector is not None and self.connector.owns(i))
+               for i in engine_ids):
             raise InvalidInputError(f"request id {request_id!r} is already in use")
 
     def take_failed(self) -> list[tuple[str, str, int]]:
         """(request id, reason, status) of API requests refused after admission: their grammar failed to build,
-        or (500) their handed-over KV could not be written."""
+        or (500) the KV they arrived with could not be written."""
         failed, self._failed = self._failed, []
         return failed
 
@@ -308,8 +214,8 @@ class EngineCore:
                 parent = self._parent_of[req.request_id]
                 self.abort_requests(sorted(self._open.get(parent, ())))
                 self._failed.append((parent, req.grammar.error, 400))
-            elif req.request_id in self._unreported and self.scheduler.requests.get(req.request_id) is req:
-                self._report_first(req)
+            elif req.request_id in self._arrived_with and self.scheduler.requests.get(req.request_id) is req:
+                self._report_arrived(req)
 
     def _fail_broken_grammars(self) -> None:
         """A matcher that failed mid-answer (a limit of the grammar engine) fails its API request with the reason
@@ -323,13 +229,12 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         if self._building:
             self._check_grammars()
-        if self.scheduler.held:
-            for rid in self.scheduler.release_stale_held(HELD_KV_TTL_S):
-                logger.warning("request %s: its prefilled KV was not taken within %.0f s; released", rid,
-                               HELD_KV_TTL_S)
-        first, self._first_outputs = self._first_outputs, []
+        if self.connector is not None:
+            self.connector.start_step()
+        arrived, self._ready_arrived = self._ready_arrived, []
         sched = self.scheduler.schedule()
-        self._move_kv(sched)
+        if self.connector is not None:
+            self._move_kv(sched)
         if sched.empty and self._building:  # only grammars being built: let the worker have the CPU
             time.sleep(0.001)
         sampled, logprobs = self.runner.execute(sched)
@@ -337,7 +242,9 @@ class EngineCore:
         self._fail_broken_grammars()
         self.generation_tokens_total += len(outputs)
         self._left(o.request_id for o in outputs if o.finish_reason is not None)
-        return first + outputs
+        if self.connector is not None:
+            self._exported += self.connector.after_step(outputs)
+        return arrived + outputs
 
     def take_encoder_seconds(self) -> list[float]:
         """Vision-tower call durations since the last call (histogram samples for the metrics)."""

@@ -51,9 +51,11 @@ class EngineCoreClient:
     def __init__(self, args: EngineArgs, log_level: str = "INFO", heartbeat_timeout: float = 10.0,
                  on_outputs: Callable[[EngineOutputs, list], None] | None = None,
                  on_failure: Callable[[str], None] | None = None,
-                 on_recovery: Callable[[], None] | None = None, transfer_layout: BufferLayout | None = None):
-        """`transfer_layout`: receive buffers the engine process maps (a disaggregated language server's)."""
-        self.args, self.log_level = args, log_level
+                 on_recovery: Callable[[], None] | None = None, transfer_layout: BufferLayout | None = None,
+                 kv_role: str | None = None):
+        """`transfer_layout`: receive buffers the engine process maps (a disaggregated language server's).
+        `kv_role`: the role whose KV connector the engine plugs in (prefill, decode), if any."""
+        self.args, self.log_level, self.kv_role = args, log_level, kv_role
         self.transfer_layout = transfer_layout
         self.heartbeat_timeout = heartbeat_timeout
         self.stuck_after = max(STUCK_STEP_MIN_S, 30 * heartbeat_timeout)
@@ -94,7 +96,8 @@ class EngineCoreClient:
         self.proc = multiprocessing.get_context("spawn").Process(
             target=run_engine_core,
             args=(encode_args(self.args), addresses, self.log_level,
-                  None if self.transfer_layout is None else msgspec.msgpack.encode(self.transfer_layout), os.getpid()),
+                  None if self.transfer_layout is None else msgspec.msgpack.encode(self.transfer_layout), os.getpid(),
+                  self.kv_role),
             name="vlserve-engine-core", daemon=True)
         self.proc.start()
         try:

@@ -42,6 +42,7 @@ from vlserve.core.wire import (
 )
 from vlserve.engine.config import resolve_config
 from vlserve.engine.core import EngineCore
+from vlserve.engine.kv_connector import make_connector
 from vlserve.engine.transfer_buffers import BufferLayout, TransferBuffers
 from vlserve.model.hardware import log_once
 
@@ -84,7 +85,7 @@ class EngineCoreLoop:
             self.rejected += [RequestRejected(rid, why, status) for rid, why, status in self.core.take_failed()]
             self.progress.steps += 1
             if outputs or self.rejected or busy or self.core.has_released:
-                self._send(outputs, self.core.take_handed(outputs) if self.core.held else [])
+                self._send(outputs, self.core.take_exported())
 
     def _drain_inputs(self) -> None:
         while True:
@@ -113,10 +114,7 @@ class EngineCoreLoop:
         if isinstance(msg, AddRequest):
             try:
                 prompt = prompt_from_wire(msg, frames)
-                if msg.handoff is not None:
-                    self.core.add_handoff(msg.request_id, prompt, msg.params, msg.handoff, msg.arrival_time)
-                else:
-                    self.core.add_request(msg.request_id, prompt, msg.params, msg.arrival_time, hold_kv=msg.hold_kv)
+                self.core.add_request(msg.request_id, prompt, msg.params, msg.arrival_time, kv_transfer=msg.handoff)
             except (VlserveError, ValueError) as e:
                 status = getattr(e, "http_status", 400)
                 self.rejected.append(RequestRejected(msg.request_id, str(e), status))
@@ -136,7 +134,7 @@ class EngineCoreLoop:
         stats = EngineStats(**{k: v for k, v in metrics.items() if k in EngineStats.__struct_fields__},
                             encoder_seconds=self.core.take_encoder_seconds())
         tensors: list = []
-        kv = [HandedKV(rid, tensor_ref(rows, tensors), state) for rid, rows, state in handed]
+        kv = [HandedKV(e.request_id, tensor_ref(e.rows, tensors), e.generator_state) for e in handed]
         msg = EngineOutputs(outputs, self.rejected, stats, self.core.take_released(), kv)
         self.outputs.send_multipart(self.out_framer.encode(msg, tensors), copy=False)
         self.rejected = []
@@ -158,11 +156,13 @@ def _answer_heartbeats(ctx: zmq.Context, address: str, progress: Progress, stop:
 
 
 def run_engine_core(args_json: bytes, addresses: dict[str, str], log_level: str = "INFO",
-                    transfer_layout: bytes | None = None, parent_pid: int | None = None) -> None:
+                    transfer_layout: bytes | None = None, parent_pid: int | None = None,
+                    kv_role: str | None = None) -> None:
     """Entry point of the spawned process. Exits non-zero when the engine cannot start.
 
     `transfer_layout`: receive buffers (msgspec-encoded `BufferLayout`) to map, on a disaggregated server.
-    `parent_pid`: the front-end's (this process outlives it by no more than a poll)."""
+    `parent_pid`: the front-end's (this process outlives it by no more than a poll). `kv_role`: the role whose
+    KV connector the engine plugs in (kv_connector.KV_CONNECTORS), None for an engine that computes all its KV."""
     logging.basicConfig(level=log_level, format=log_format())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the front-end, which shuts us down in order
     die_with_parent()
@@ -186,7 +186,8 @@ def run_engine_core(args_json: bytes, addresses: dict[str, str], log_level: str 
             transfer = None
             if transfer_layout is not None:
                 transfer = TransferBuffers.attach(msgspec.msgpack.decode(transfer_layout, type=BufferLayout))
-            core = EngineCore(resolve_config(decode_args(args_json)), report_released=True, transfer=transfer)
+            cfg = resolve_config(decode_args(args_json))
+            core = EngineCore(cfg, report_released=True, transfer=transfer, connector=make_connector(kv_role, cfg))
         except Exception as e:  # noqa: BLE001 - any start-up failure must reach the front-end as a message
             if not isinstance(e, VlserveError):  # ours have clear messages; anything else needs its traceback
                 logger.exception("engine core failed to start")

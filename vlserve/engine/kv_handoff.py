@@ -1,50 +1,13 @@
-"""What a prefill instance hands a decode instance for one request: the KV of its prompt, the token(s) it
-sampled, and the state of its random stream, so decoding goes on exactly as one engine would have."""
+"""What a prefill instance hands a decode instance for one request: the KV of its prompt as one row per token, the
+token it sampled, and the state of its random stream, so decoding goes on exactly as one engine would have."""
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from vlserve.core.errors import InvalidInputError
 from vlserve.core.messages import EngineCoreOutput
 from vlserve.core.sampling_params import SamplingParams
-
-
-@dataclass
-class PrefilledKV:
-    kv: torch.Tensor  # [layers, 2, num_tokens, kv_heads, head_dim]: tokens 0..num_tokens of the prompt
-    output_token_ids: list[int]  # what the prefill instance sampled (its first token)
-    generator_state: torch.Tensor | None  # the seeded request's torch.Generator state after those draws
-
-    @property
-    def num_tokens(self) -> int:
-        return self.kv.shape[2]
-
-    def check(self, layers: int, kv_heads: int, head_dim: int, num_prompt_tokens: int) -> None:
-        """Refuses KV that cannot be this request's on this model."""
-        if self.kv.dim() != 5 or self.kv.shape[0] != layers or tuple(self.kv.shape[3:]) != (kv_heads, head_dim) \
-                or self.kv.shape[1] != 2:
-            raise InvalidInputError(f"handed-over KV of shape {tuple(self.kv.shape)} does not fit this model "
-                                    f"({layers} layers, {kv_heads} KV heads of {head_dim})")
-        if self.num_tokens != num_prompt_tokens:
-            raise InvalidInputError(f"handed-over KV for {self.num_tokens} tokens; the prompt has "
-                                    f"{num_prompt_tokens}")
-        if not self.output_token_ids:
-            raise InvalidInputError("a handed-over request needs the token its prefill sampled")
-
-
-@dataclass
-class PendingKV:
-    """KV a waiting request has written into its blocks when the scheduler (re)admits it: swapped out to host
-    memory at a preemption, or handed over by a prefill instance into this engine's receive blocks."""
-
-    num_tokens: int  # tokens 0..num_tokens
-    read: Callable[[int], torch.Tensor]  # start -> [layers, 2, num_tokens - start, kv_heads, head_dim]
-    handed_over: bool = False  # from another instance: a cached prefix is shared, not written; receive blocks
-    # holding it are released once it is written
 
 
 def kv_to_rows(kv: torch.Tensor) -> torch.Tensor:

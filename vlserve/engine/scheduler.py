@@ -4,14 +4,14 @@ There are no separate prefill and decode phases: every request has `num_computed
 its `num_tokens`. Each step packs, under a token budget, first the running requests (one token for those
 decoding, a chunk for those still prefilling), then new ones from the waiting queue. When KV blocks run out,
 the most recently admitted running request is preempted: its blocks are freed and it is recomputed later
-(or, when its prompt was computed on another instance and cannot be recomputed here, its KV is swapped out to
-host memory and back).
+(or, when the engine's KV connector says it cannot be recomputed here, its KV is read out first and written back
+at readmission). The connector (engine/kv_connector/, none on an aggregated engine) also says which waiting
+requests have KV to load instead of computing, and keeps the blocks of requests whose KV it exports.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 
 from vlserve.core.errors import InvalidInputError
@@ -20,20 +20,21 @@ from vlserve.core.request import Request, RequestStatus
 from vlserve.engine.config import VlserveConfig
 from vlserve.engine.encoder_cache import EncoderCacheManager
 from vlserve.engine.kv_cache_manager import KVCacheManager
+from vlserve.engine.kv_connector.base import KVConnector
 from vlserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(self, cfg: VlserveConfig):
+    def __init__(self, cfg: VlserveConfig, connector: KVConnector | None = None):
         self.cfg = cfg
+        self.connector = connector
         self.kv = KVCacheManager(cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.encoder_cache = EncoderCacheManager.for_model(cfg.encoder_cache_size, cfg.model)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self.held: dict[str, Request] = {}  # finished, KV blocks kept for handing over (prefill instance)
         self._freed_encoder_keys: list[str] = []
         self.num_preemptions = 0
 
@@ -116,12 +117,13 @@ class Scheduler:
             if req.grammar is not None and (not req.grammar.ready or req.grammar.error is not None):
                 not_ready.append(self.waiting.popleft())
                 continue
-            if req.pending_kv is not None:  # swapped out, or handed over: its KV is written, not computed
-                cached = self.kv.find_cached_prefix(req) if req.pending_kv.handed_over else []
-                if not self._admit_computed(req, req.pending_kv.num_tokens, cached):
+            pending = None if self.connector is None else self.connector.pending_kv(req)
+            if pending is not None:  # its KV is written, not computed
+                cached = self.kv.find_cached_prefix(req) if pending.from_peer else []
+                if not self._admit_computed(req, pending.num_tokens, cached):
                     break
                 hit = len(cached) * self.kv.block_size
-                if req.pending_kv.handed_over:
+                if pending.from_peer:
                     self.kv.record_lookup(req, hit)
                 self.waiting.popleft()
                 out.kv_in.append((req, hit))
@@ -184,8 +186,8 @@ class Scheduler:
             cache.lookup((rid, idx), items[idx])
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
-        if req.swap_on_preempt and req.num_computed_tokens:
-            out.swap_out.append((req, list(req.block_ids), req.num_computed_tokens))
+        if req.num_computed_tokens and self.connector is not None and self.connector.keeps_kv_on_preempt(req):
+            out.kv_out.append((req, list(req.block_ids), req.num_computed_tokens))
         self.kv.free(req)
         out.free_encoder_keys.extend(self.encoder_cache.release_all(req.request_id, req.mm_items))
         req.num_computed_tokens = 0
@@ -262,28 +264,10 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = status
-        if req.hold_kv and status != RequestStatus.FINISHED_ABORTED and req.block_ids:
-            req.held_since = time.monotonic()
-            self.held[req.request_id] = req  # its blocks go when it is handed over or released
-        else:
-            self.kv.free(req)
+        if self.connector is None or not self.connector.request_finished(req, status):
+            self.kv.free(req)  # else the connector frees them once it has exported the KV
         self._freed_encoder_keys.extend(self.encoder_cache.release_all(req.request_id, req.mm_items))
         del self.requests[req.request_id]
-
-    def release_stale_held(self, ttl: float) -> list[str]:
-        """Frees holds nobody took within `ttl` seconds (the decode side died or gave up); their ids."""
-        now = time.monotonic()
-        stale = [rid for rid, req in self.held.items() if now - req.held_since > ttl]
-        for rid in stale:
-            self.release_held(rid)
-        return stale
-
-    def release_held(self, request_id: str) -> Request | None:
-        """Frees the blocks of a held request (after its KV was read, or when nobody wants it)."""
-        req = self.held.pop(request_id, None)
-        if req is not None:
-            self.kv.free(req)
-        return req
 
     def _admit_computed(self, req: Request, num_computed: int, cached: list[int] | None = None) -> bool:
         """Into the running set with blocks for `num_computed` tokens (after the `cached` prefix blocks) whose
@@ -309,5 +293,3 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is not None:
                 self._finish(req, status)
-            elif status == RequestStatus.FINISHED_ABORTED:
-                self.release_held(rid)  # finished, its KV kept for a handover nobody will take now

@@ -29,11 +29,11 @@ class SchedulerOutput:
     encode: list[tuple[Request, int]] = field(default_factory=list)  # (request, mm item index) to run the ViT on
     free_encoder_keys: list[str] = field(default_factory=list)  # encoder outputs the runner may drop now
     preempted: list[str] = field(default_factory=list)
-    # Preempted requests whose KV goes to host memory (their prompt cannot be recomputed here): (request, its
+    # Preempted requests whose KV the connector keeps (their prompt cannot be recomputed here): (request, its
     # blocks, tokens) to read before the forward pass writes anything.
-    swap_out: list[tuple[Request, list[int], int]] = field(default_factory=list)
-    # Admitted requests whose `pending_kv` is written now: (request, first token to write; the ones before are
-    # shared from the prefix cache). They compute from the next step on.
+    kv_out: list[tuple[Request, list[int], int]] = field(default_factory=list)
+    # Admitted requests whose pending KV (the connector's) is written now: (request, first token to write; the
+    # ones before are shared from the prefix cache). They compute from the next step on.
     kv_in: list[tuple[Request, int]] = field(default_factory=list)
 
     @property

@@ -131,7 +131,7 @@ class AsyncLLM:
     def __init__(self, args: EngineArgs, model_name: str, max_waiting_requests: int | None = None,
                  media_threads: int = 4, log_requests: bool = True, log_level: str = "INFO",
                  max_image_pixels: int | None = None, heartbeat_timeout: float = 10.0,
-                 prompt_encoder: Callable[["AsyncLLM"], PromptEncoder] | None = None):
+                 prompt_encoder: Callable[["AsyncLLM"], PromptEncoder] | None = None, kv_role: str | None = None):
         # Config files only: the weights load in the engine process, which also logs the dtype decision.
         self.cfg = resolve_config(args, announce=False)
         self.model_name = model_name
@@ -153,7 +153,7 @@ class AsyncLLM:
         buffers = self.prompt_encoder.transfer_buffers  # where a remote encoder's rows land, if anywhere
         self.core = EngineCoreClient(args, log_level, heartbeat_timeout, on_outputs=self._handle,
                                      on_failure=self._fail_all,
-                                     transfer_layout=None if buffers is None else buffers.layout)
+                                     transfer_layout=None if buffers is None else buffers.layout, kv_role=kv_role)
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -250,7 +250,7 @@ class AsyncLLM:
             if request_id in self.streams or request_id in self.prefills:
                 raise InvalidInputError(f"request id {request_id!r} is already in use")
             msg, tensors = prompt_to_wire(request_id, prepared.encoded.prompt, params.for_prefill(),
-                                          prepared.arrival, hold_kv=True)
+                                          prepared.arrival)
         except BaseException:
             if prepared.encoded.release is not None:
                 prepared.encoded.release()

@@ -17,7 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import vlserve
-from vlserve.core.config import DISAGG_ROLES, SERVE, Options, ServerArgs
+from vlserve.core.config import DISAGG_ROLES, KV_ROLES, SERVE, Options, ServerArgs
 from vlserve.core.processes import SigtermStop, finish, read_degraded
 from vlserve.frontend.async_llm import AsyncLLM
 from vlserve.frontend.media.fetch import MediaFetcher, MediaPolicy
@@ -57,7 +57,7 @@ def make_engine(opts: Options, log_level: str = "INFO", role: str = SERVE) -> As
                       max_waiting_requests=server.max_waiting_requests, media_threads=server.media_threads,
                       log_requests=not server.disable_log_requests, log_level=log_level,
                       max_image_pixels=server.max_image_pixels, heartbeat_timeout=server.engine_heartbeat_timeout,
-                      prompt_encoder=encoder)
+                      prompt_encoder=encoder, kv_role=role if role in KV_ROLES else None)
     if template is not None:
         engine.tokenizer.chat_template = template
     return engine

@@ -1,0 +1,21 @@
+"""KV connectors by engine role (see base.py): the prefill role exports the KV it computed, the decode role loads
+KV computed elsewhere. An engine without one (aggregated, language, offline) computes all of its KV."""
+
+from __future__ import annotations
+
+from vlserve.core.config import DECODE, PREFILL
+from vlserve.engine.kv_connector.base import ExportedKV, KVConnector, KVTransfer, MovedKV, PendingKV
+from vlserve.engine.kv_connector.decode import DecodeConnector
+from vlserve.engine.kv_connector.prefill import PrefillConnector
+
+KV_CONNECTORS: dict[str, type[KVConnector]] = {PREFILL: PrefillConnector, DECODE: DecodeConnector}
+
+
+def make_connector(role: str | None, cfg) -> KVConnector | None:
+    """The connector of an engine serving `role`, or None for roles whose engine computes all its KV."""
+    connector = KV_CONNECTORS.get(role) if role is not None else None
+    return None if connector is None else connector(cfg)
+
+
+__all__ = ["KV_CONNECTORS", "DecodeConnector", "ExportedKV", "KVConnector", "KVTransfer", "MovedKV", "PendingKV",
+           "PrefillConnector", "make_connector"]

@@ -1,0 +1,106 @@
+"""The KV connector: what an engine role does with KV besides computing it.
+
+The aggregated engine computes every request's KV and frees it when the request ends; it has no connector. A role
+that moves KV between instances plugs one in (our own take on vLLM v1's KV connector):
+- the scheduler asks it, when it admits a waiting request, whether that request's KV is to be loaded rather than
+  computed (`pending_kv`); when it preempts one, whether its KV must be kept because it cannot be recomputed here
+  (`keeps_kv_on_preempt`); and when one finishes, whether the connector keeps its blocks (`request_finished`);
+- the engine core lets it check and prepare a request as it arrives (`check_request`, `admit`), move KV around a
+  step's forward pass (`move_kv`), and take what it exports after the step (`after_step`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from vlserve.core.messages import EngineCoreOutput, Handoff
+from vlserve.core.prompt import ProcessedPrompt
+from vlserve.core.request import Request, RequestStatus
+from vlserve.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from vlserve.engine.scheduler_output import SchedulerOutput
+
+KVTransfer = Handoff  # what arrives with a request whose KV was computed elsewhere
+
+
+@dataclass
+class PendingKV:
+    """KV a waiting request has written into its blocks when the scheduler (re)admits it, instead of computing it."""
+
+    num_tokens: int  # tokens 0..num_tokens
+    read: Callable[[int], torch.Tensor]  # start -> [layers, 2, num_tokens - start, kv_heads, head_dim]
+    # From another instance: a prefix already cached here is shared rather than written, and the prompt's receive
+    # blocks are released once it is written. (KV swapped out at a preemption is neither.)
+    from_peer: bool = False
+
+
+@dataclass
+class ExportedKV:
+    """A finished request's prompt KV, one row per token (see kv_handoff.kv_to_rows), and its random state."""
+
+    request_id: str
+    rows: torch.Tensor
+    generator_state: bytes | None
+
+
+@dataclass
+class MovedKV:
+    """What `move_kv` did: requests whose KV from a peer is in (their prompt's inputs may be released now), and
+    requests whose KV could not be written (request id, why): they fail, the engine goes on."""
+
+    loaded: list[str]
+    failed: list[tuple[str, str]]
+
+
+class KVConnector:
+    """The hooks an engine calls; every one does nothing here, a role overrides the ones it needs."""
+
+    def bind(self, scheduler, runner, transfer) -> None:
+        """Called once by the engine core: the scheduler (its KV manager), the model runner (reads and writes KV
+        by slot) and the receive buffers (or None) this connector works with."""
+        self.scheduler, self.runner, self.transfer = scheduler, runner, transfer
+
+    # ---- arrival (engine core) -----------------------------------------------------------------------------
+    def check_request(self, prompt: ProcessedPrompt, params: SamplingParams, kv_transfer: KVTransfer | None) -> None:
+        """Refuses (InvalidInputError) a request this role cannot take, before anything is queued."""
+
+    def admit(self, req: Request, kv_transfer: KVTransfer | None) -> EngineCoreOutput | None:
+        """Prepares one sample before it is queued. Returns the output it arrived with (produced elsewhere), which
+        the engine reports once the request is ready, or None."""
+        return None
+
+    def owns(self, request_id: str) -> bool:
+        """True while the connector keeps state under this id (its id is not free)."""
+        return False
+
+    def forget(self, request_ids: list[str]) -> None:
+        """These requests were aborted or stopped: drop whatever is kept for them."""
+
+    # ---- scheduler -----------------------------------------------------------------------------------------
+    def pending_kv(self, req: Request) -> PendingKV | None:
+        return None
+
+    def keeps_kv_on_preempt(self, req: Request) -> bool:
+        return False
+
+    def request_finished(self, req: Request, status: RequestStatus) -> bool:
+        """True: the connector keeps the request's blocks (it frees them later); False: the scheduler frees them."""
+        return False
+
+    # ---- a step ----------------------------------------------------------------------------------------------
+    def start_step(self) -> None:
+        """Before scheduling: expire what nobody came for."""
+
+    def move_kv(self, sched: SchedulerOutput) -> MovedKV:
+        """Before the forward pass: KV out of blocks the step reuses (`sched.kv_out`), KV into blocks of requests
+        admitted with pending KV (`sched.kv_in`)."""
+        return MovedKV([], [])
+
+    def after_step(self, outputs: list[EngineCoreOutput]) -> list[ExportedKV]:
+        """After the step: the KV of requests that finished and whose KV leaves this instance."""
+        return []

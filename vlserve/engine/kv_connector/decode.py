@@ -1,0 +1,102 @@
+"""The decode role's connector: a request arrives prefilled by another instance, its KV as one row per token in
+this engine's receive blocks (`prompt.block_rows`) and its first token (with the random state) in a `Handoff`.
+It waits in the queue like any request; when the scheduler admits it, its KV is written into its blocks (a prefix
+already cached here is shared) and the receive blocks are released at once. Its pictures are not here to
+recompute it from, so a preemption swaps its KV out to host memory and back in at readmission."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from vlserve.core.errors import ConfigurationError, InvalidInputError
+from vlserve.core.messages import EngineCoreOutput
+from vlserve.core.prompt import ProcessedPrompt
+from vlserve.core.request import Request, RequestStatus
+from vlserve.core.sampling_params import SamplingParams
+from vlserve.engine.kv_connector.base import KVConnector, KVTransfer, MovedKV, PendingKV
+from vlserve.engine.kv_handoff import check_handed_first, rows_to_kv
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeConnector(KVConnector):
+    def __init__(self, cfg):
+        if cfg.tensor_parallel_size > 1:
+            raise ConfigurationError("KV handed between instances is not supported with tensor parallelism: "
+                                     "run the decode role with --tensor-parallel-size 1")
+        self.cfg = cfg
+        self._pending: dict[str, PendingKV] = {}  # KV to write when the request is (re)admitted
+        self._not_recomputable: set[str] = set()  # handed-over requests: preempting one swaps its KV out
+
+    def check_request(self, prompt: ProcessedPrompt, params: SamplingParams, kv_transfer: KVTransfer | None) -> None:
+        if kv_transfer is None:
+            return  # computed here like on any engine
+        if params.n != 1:
+            raise InvalidInputError("a handed-over request samples once (n = 1)")
+        if self.transfer is None or prompt.block_rows is None:
+            raise InvalidInputError("a handed-over request needs its KV rows in this engine's receive blocks")
+        check_handed_first(kv_transfer.first, params, self.cfg.model.text.vocab_size,
+                           kv_transfer.generator_state is not None)
+
+    def admit(self, req: Request, kv_transfer: KVTransfer | None) -> EngineCoreOutput | None:
+        if kv_transfer is None:
+            return None
+        first = kv_transfer.first
+        req.token_ids += first.new_token_ids
+        if kv_transfer.generator_state is not None:
+            state = torch.frombuffer(bytearray(kv_transfer.generator_state), dtype=torch.uint8)
+            req.generator = torch.Generator(device=self.cfg.device)
+            try:
+                req.generator.set_state(state)
+            except RuntimeError as e:  # e.g. a CPU generator's state for a CUDA one, or a truncated state
+                raise InvalidInputError(f"the handed-over random state does not fit this device: {e}") from None
+        req.num_cached_tokens = first.num_cached_tokens  # what the prefill saved: reported in usage
+        t, blocks, n = self.cfg.model.text, req.prompt.block_rows, req.num_prompt_tokens
+        transfer = self.transfer
+
+        def read(start: int) -> torch.Tensor:
+            return rows_to_kv(transfer.read_rows(blocks, start, n - start), t.num_layers, t.num_kv_heads, t.head_dim)
+
+        self._pending[req.request_id] = PendingKV(n, read, from_peer=True)
+        self._not_recomputable.add(req.request_id)
+        return EngineCoreOutput(req.request_id, list(first.new_token_ids), first.new_logprobs,
+                                num_cached_tokens=first.num_cached_tokens)
+
+    def owns(self, request_id: str) -> bool:
+        return request_id in self._pending or request_id in self._not_recomputable
+
+    def forget(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._pending.pop(rid, None)
+            self._not_recomputable.discard(rid)
+
+    def pending_kv(self, req: Request) -> PendingKV | None:
+        return self._pending.get(req.request_id)
+
+    def keeps_kv_on_preempt(self, req: Request) -> bool:
+        return req.request_id in self._not_recomputable
+
+    def request_finished(self, req: Request, status: RequestStatus) -> bool:
+        self.forget([req.request_id])
+        return False
+
+    def move_kv(self, sched) -> MovedKV:
+        runner = self.runner
+        for req, block_ids, n in sched.kv_out:  # read before this step's forward pass reuses the blocks
+            kv = runner.read_kv(runner.block_slots(block_ids, n))
+            self._pending[req.request_id] = PendingKV(n, lambda start, kv=kv: kv[:, :, start:])
+        moved = MovedKV([], [])
+        for req, start in sched.kv_in:
+            pending = self._pending.pop(req.request_id)
+            try:
+                runner.write_kv(runner.token_slots(req, pending.num_tokens)[start:], pending.read(start))
+            except Exception as e:  # noqa: BLE001 - that request fails (500), the engine goes on
+                logger.exception("request %s: its KV could not be written", req.request_id)
+                moved.failed.append((req.request_id, f"its KV could not be written: {type(e).__name__}"))
+                continue
+            self.scheduler.kv.cache_full_blocks(req)
+            if pending.from_peer:
+                moved.loaded.append(req.request_id)
+        return moved

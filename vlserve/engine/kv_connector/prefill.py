@@ -1,0 +1,74 @@
+"""The prefill role's connector: every request computes its prompt and samples its first token; when it finishes
+its blocks are kept, read out as KV rows after the step (sent back to the front end, which hands them to a decode
+instance) and freed. A hold nobody takes (the step's outputs were lost) expires."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from vlserve.core.errors import ConfigurationError, InvalidInputError
+from vlserve.core.messages import EngineCoreOutput
+from vlserve.core.prompt import ProcessedPrompt
+from vlserve.core.request import Request, RequestStatus
+from vlserve.core.sampling_params import SamplingParams
+from vlserve.engine.kv_connector.base import ExportedKV, KVConnector, KVTransfer
+from vlserve.engine.kv_handoff import kv_to_rows
+
+logger = logging.getLogger(__name__)
+HELD_KV_TTL_S = 120.0  # a finished prefill's blocks are kept this long at most
+
+
+class PrefillConnector(KVConnector):
+    def __init__(self, cfg, ttl: float = HELD_KV_TTL_S):
+        if cfg.tensor_parallel_size > 1:
+            raise ConfigurationError("KV handed between instances is not supported with tensor parallelism: "
+                                     "run the prefill role with --tensor-parallel-size 1")
+        self.ttl = ttl
+        self.held: dict[str, tuple[Request, float]] = {}  # finished, blocks kept until exported: (request, since)
+
+    def check_request(self, prompt: ProcessedPrompt, params: SamplingParams, kv_transfer: KVTransfer | None) -> None:
+        if kv_transfer is not None:
+            raise InvalidInputError("a prefill engine takes no handed-over KV")
+        if params.n != 1:
+            raise InvalidInputError("a request whose KV is handed over samples once (n = 1)")
+
+    def owns(self, request_id: str) -> bool:
+        return request_id in self.held
+
+    def forget(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._release(rid)
+
+    def request_finished(self, req: Request, status: RequestStatus) -> bool:
+        if status == RequestStatus.FINISHED_ABORTED or not req.block_ids:
+            return False
+        self.held[req.request_id] = (req, time.monotonic())
+        return True
+
+    def start_step(self) -> None:
+        now = time.monotonic()
+        for rid in [rid for rid, (_, since) in self.held.items() if now - since > self.ttl]:
+            logger.warning("request %s: its prefilled KV was not taken within %.0f s; released", rid, self.ttl)
+            self._release(rid)
+
+    def after_step(self, outputs: list[EngineCoreOutput]) -> list[ExportedKV]:
+        return [self.export(out.request_id) for out in outputs
+                if out.finish_reason is not None and out.request_id in self.held]
+
+    def export(self, request_id: str) -> ExportedKV:
+        """A held request's prompt KV as rows, with its random state; its blocks are freed."""
+        if request_id not in self.held:
+            raise InvalidInputError(f"nothing held for request {request_id!r}")
+        req, _ = self.held[request_id]
+        try:
+            kv = self.runner.read_kv(self.runner.token_slots(req, req.num_prompt_tokens))
+            state = None if req.generator is None else req.generator.get_state().numpy().tobytes()
+            return ExportedKV(request_id, kv_to_rows(kv), state)
+        finally:
+            self._release(request_id)
+
+    def _release(self, request_id: str) -> None:
+        held = self.held.pop(request_id, None)
+        if held is not None:
+            self.scheduler.kv.free(held[0])
