@@ -43,6 +43,7 @@ from vlserve.core.wire import (
 from vlserve.engine.config import resolve_config
 from vlserve.engine.core import EngineCore
 from vlserve.engine.transfer_buffers import BufferLayout, TransferBuffers
+from vlserve.model.facts import decode_facts
 from vlserve.model.hardware import log_once
 
 logger = logging.getLogger("vlserve.engine")
@@ -157,10 +158,11 @@ def _answer_heartbeats(ctx: zmq.Context, address: str, progress: Progress, stop:
         sock.close(linger=0)
 
 
-def run_engine_core(args_json: bytes, addresses: dict[str, str], log_level: str = "INFO",
+def run_engine_core(args_json: bytes, facts_json: bytes, addresses: dict[str, str], log_level: str = "INFO",
                     transfer_layout: bytes | None = None, parent_pid: int | None = None) -> None:
     """Entry point of the spawned process. Exits non-zero when the engine cannot start.
 
+    `facts_json`: the model facts the front end resolved (`ModelFacts`): used as they are, never resolved again.
     `transfer_layout`: receive buffers (msgspec-encoded `BufferLayout`) to map, on a disaggregated server.
     `parent_pid`: the front-end's (this process outlives it by no more than a poll)."""
     logging.basicConfig(level=log_level, format=log_format())
@@ -186,7 +188,8 @@ def run_engine_core(args_json: bytes, addresses: dict[str, str], log_level: str 
             transfer = None
             if transfer_layout is not None:
                 transfer = TransferBuffers.attach(msgspec.msgpack.decode(transfer_layout, type=BufferLayout))
-            core = EngineCore(resolve_config(decode_args(args_json)), report_released=True, transfer=transfer)
+            cfg = resolve_config(decode_args(args_json), decode_facts(facts_json))
+            core = EngineCore(cfg, report_released=True, transfer=transfer)
         except Exception as e:  # noqa: BLE001 - any start-up failure must reach the front-end as a message
             if not isinstance(e, VlserveError):  # ours have clear messages; anything else needs its traceback
                 logger.exception("engine core failed to start")
