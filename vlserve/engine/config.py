@@ -52,7 +52,7 @@ class VlserveConfig:
     load_language: bool = True
     tensor_parallel_size: int = 1
     mm_encoder_tp_mode: str = WEIGHTS
-    args: EngineArgs | None = None  # what it was resolved from (the other tensor-parallel ranks resolve it too)
+    args: EngineArgs | None = None  # what it was resolved from (sent, with `facts`, to the other tensor-parallel ranks)
 
     @property
     def kv_bytes_per_token(self) -> int:
