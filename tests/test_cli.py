@@ -38,9 +38,10 @@ def test_every_flag_has_help_and_shows_its_default(role):
 
 EXPECTED = {  # flags a role must list, and flags it must not (it would silently ignore them)
     ENCODE: ({"--max-image-pixels", "--allowed-local-media-path", "--max-media-bytes", "--data-port",
-              "--transfer-timeout", "--encoder-cache-size", "--disagg-secret"},
+              "--transfer-timeout", "--encoder-cache-size", "--disagg-secret", "--tensor-parallel-size",
+              "--mm-encoder-tp-mode"},
              {"--max-model-len", "--api-key", "--max-num-seqs", "--num-kv-blocks", "--served-model-name",
-              "--enable-mm-embeds", "--max-n", "--tensor-parallel-size", "--peer-wait-timeout"}),
+              "--enable-mm-embeds", "--max-n", "--peer-wait-timeout"}),
     LANGUAGE: ({"--max-model-len", "--api-key", "--bootstrap", "--transfer-timeout", "--enable-mm-embeds",
                 "--disagg-secret", "--max-request-bytes", "--tensor-parallel-size", "--peer-wait-timeout"},
                {"--allowed-local-media-path", "--max-image-pixels", "--encoder-cache-size", "--data-port",

@@ -1,19 +1,23 @@
 """The encode service's own bookkeeping, in process (no sockets): a vision call that fails leaves nothing behind
 in the encoder cache (the next request for that picture encodes it again instead of finding an entry with no
 output), every waiter fails with it, and each call's time lands in the latency histogram, not in a list that
-grows for ever."""
+grows for ever. Its tower loads through the engine's executor: two ranks (split weights, or a data-parallel
+encoder) encode what one does, and what the ranks cannot split is refused at start."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import gc
 
 import pytest
+import torch
 from prometheus_client import generate_latest
 
 from tests.conftest import noise_image
 from tests.test_disagg import data_url
-from vlserve.core.config import EngineArgs, Options
+from vlserve.core.config import ENCODE, EngineArgs, Options
+from vlserve.core.errors import ConfigurationError
 from vlserve.disagg.encode_service import EncodeService
 
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -136,3 +140,52 @@ def test_each_vision_call_is_observed_once_and_not_kept(service):
     _run(scenario(), [])
     assert _metric(service, "vlserve:encoder_latency_seconds_count") == before + 3
     assert service.vision.seconds == [], "vision-call times pile up in the encode service"
+
+
+# ---- the tower loads like the engine's model: tensor-parallel ranks, or a data-parallel encoder ----------------
+def _rows(service: EncodeService, seeds: tuple[int, ...]) -> list:
+    """Each picture's rows, all pictures in one vision call (the data-parallel encoder spreads them)."""
+
+    async def scenario():
+        prompts = [await _prompt(service, seed) for seed in seeds]
+        prompts[0].mm_items.extend(item for p in prompts[1:] for item in p.mm_items)
+        rows = [r.clone() for r in await service._embeddings(prompts[0], "tp")]
+        service.vision.free(service.cache.release_all("tp", prompts[0].mm_items))
+        return rows
+
+    return _run(scenario(), [])
+
+
+@pytest.mark.parametrize("mode", ["weights", "data"])
+def test_two_ranks_encode_what_one_does(service, tiny_ckpt, mode):
+    """`vlserve encode --tensor-parallel-size 2 [--mm-encoder-tp-mode data]`: the tower's weights split over two
+    rank processes (or whole on each, the pictures shared out), the rows the single-device service's."""
+    two = EncodeService(Options(engine=EngineArgs(model=str(tiny_ckpt("qwen2_vl")), dtype="float32",
+                                                  tensor_parallel_size=2, mm_encoder_tp_mode=mode)))
+    try:
+        assert two.tower.tp.size == 2 and two.vision.whole_step == (mode == "data")
+        assert two.cfg.num_kv_blocks == 0 and getattr(two.tower.model, "language_model", None) is None
+        seeds = (20, 21, 22)
+        for got, want in zip(_rows(two, seeds), _rows(service, seeds), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    finally:
+        asyncio.run(two.aclose())
+    assert all(proc.poll() is not None for proc in two.tower.procs), "a rank outlived its encode service"
+
+
+def test_a_tower_the_ranks_cannot_split_is_refused_at_start_naming_the_flags(tiny_ckpt):
+    """The tiny tower has two heads: four ranks cannot split its weights, and say to share out pictures instead."""
+    opts = Options(engine=EngineArgs(model=str(tiny_ckpt("qwen2_vl")), dtype="float32", tensor_parallel_size=4))
+    with pytest.raises(ConfigurationError, match=r"tensor_parallel_size 4 does not divide the model's vision "
+                                                 r"attention heads \(try mm_encoder_tp_mode data\)"):
+        EncodeService(opts)
+
+
+def test_encode_takes_the_tensor_parallel_flags():
+    from vlserve.core.options import add_options, options_from
+
+    parser = argparse.ArgumentParser()
+    add_options(parser, ENCODE)
+    ns = parser.parse_args(["--model", "m", "--tensor-parallel-size", "2", "--mm-encoder-tp-mode", "data"])
+    engine = options_from(ns, ENCODE).engine
+    assert (engine.tensor_parallel_size, engine.mm_encoder_tp_mode) == (2, "data")

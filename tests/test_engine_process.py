@@ -13,6 +13,7 @@ from vlserve.core.prompt import ProcessedPrompt
 from vlserve.core.sampling_params import SamplingParams
 from vlserve.core.wire import EngineOutputs, prompt_to_wire
 from vlserve.engine.core_client import EngineCoreClient
+from vlserve.model.facts import resolve_model_facts
 
 
 def _text_prompt(ids: list[int]) -> ProcessedPrompt:
@@ -23,8 +24,8 @@ def test_bad_messages_are_answered_and_the_engine_survives(tiny_ckpt):
     got: list[EngineOutputs] = []
 
     async def run():
-        client = EngineCoreClient(EngineArgs(model=str(tiny_ckpt("qwen2_vl")), dtype="float32", num_kv_blocks=32),
-                                  on_outputs=lambda msg, frames: got.append(msg))
+        args = EngineArgs(model=str(tiny_ckpt("qwen2_vl")), dtype="float32", num_kv_blocks=32)
+        client = EngineCoreClient(args, resolve_model_facts(args), on_outputs=lambda msg, frames: got.append(msg))
         await client.start()
         try:
             params = SamplingParams(max_tokens=2, temperature=0)

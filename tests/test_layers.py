@@ -89,3 +89,13 @@ def test_help_imports_no_torch(command):
             f"    main({[command, '--help'] if command else ['--help']!r})")
     loaded = _modules_loaded(code)
     assert "torch" not in loaded and "transformers" not in loaded
+
+
+def test_front_ends_read_model_facts_without_the_engine_config_or_the_loader():
+    """A front end (API server, language/decode/prefill roles) resolves the model facts itself and ships them:
+    neither the engine's config module nor the weight loader is imported into it."""
+    loaded = _modules_loaded("import vlserve.server.api_server, vlserve.server.cli, vlserve.frontend.async_llm\n"
+                             "import vlserve.disagg.remote_encoder, vlserve.disagg.prefill_service\n"
+                             "import vlserve.disagg.launcher, vlserve.model.facts")
+    assert "vlserve.frontend.async_llm" in loaded and "vlserve.model.facts" in loaded
+    assert not loaded & {"vlserve.engine.config", "vlserve.model.loader", "vlserve.engine.core"}

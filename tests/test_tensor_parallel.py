@@ -380,7 +380,6 @@ def test_server_with_two_ranks_answers_then_reports_a_dead_rank(tiny_ckpt):
 
 
 @pytest.mark.parametrize("flags, match", [
-    (["--disagg", "--mm-encoder-tp-mode", "data"], "the vision tower runs in the encoder services"),
     (["--disagg", "--num-prefill", "1", "--num-decode", "1", "--tensor-parallel-size", "2"],
      "not supported by prefill and decode instances"),
 ])
@@ -390,6 +389,19 @@ def test_serve_refuses_what_disaggregated_roles_would_ignore(tiny_ckpt, flags, m
     bad = subprocess.run([sys.executable, "-m", "vlserve", "serve", *flags, "--model", str(tiny_ckpt("qwen2_vl")),
                           "--port", str(free_port())], capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and match in bad.stderr, bad.stderr[-1000:]
+
+
+def test_serve_disagg_hands_the_tensor_parallel_flags_to_encoders_and_language_server():
+    """The encode role honours them too (its tower loads like the engine's model): none is dropped."""
+    from vlserve.core.config import Options
+    from vlserve.disagg.launcher import plan_children
+
+    opts = Options()
+    opts.engine.model, opts.engine.tensor_parallel_size, opts.engine.mm_encoder_tp_mode = "/m", 2, "data"
+    argv = {c.name: c.argv for c in plan_children(opts, "INFO")}
+    assert "--mm-encoder-tp-mode" in argv["encoder-0"] and "--mm-encoder-tp-mode" not in argv["language"]
+    for role in ("encoder-0", "language"):
+        assert argv[role][argv[role].index("--tensor-parallel-size") + 1] == "2"
 
 
 def test_language_server_with_two_ranks_takes_pictures_from_an_encoder(tiny_ckpt):

@@ -14,6 +14,8 @@ from typing import Any
 
 import msgspec
 
+from vlserve.core.errors import InvalidInputError
+
 # Roles: processes a user starts. "serve" is the aggregated server (and the `--disagg` launcher), "language" and
 # "encode" the two halves of an E->PD deployment, "prefill" and "decode" the language half split in two (E->P->D),
 # "bootstrap" their registry, "demo" offline generation.
@@ -104,10 +106,10 @@ class EngineArgs:
     tensor_parallel_size: int = option(
         1, "split the language model (and, with --mm-encoder-tp-mode weights, the vision tower) over this many "
         "ranks: one process each, cores split between them on CPU; several machines: start every rank with "
-        "torchrun", {SERVE, LANGUAGE, DEMO})
+        "torchrun", {SERVE, LANGUAGE, ENCODE, DEMO})
     mm_encoder_tp_mode: str = option(
         "weights", "vision tower under tensor parallelism: weights (split like the LM) or data (whole on every "
-        "rank, each encodes a share of the pictures)", {SERVE, DEMO}, choices=("weights", "data"))
+        "rank, each encodes a share of the pictures)", {SERVE, ENCODE, DEMO}, choices=("weights", "data"))
     # Structured outputs: what one constraint may cost, checked before anything compiles it.
     structured_outputs_max_rules: int = option(
         4096, "most rules (and terminals) in a structured_outputs grammar, Lark or GBNF", LM_ROLES)
@@ -125,10 +127,27 @@ class EngineArgs:
     structured_outputs_cache_mb: int = option(
         512, "memory for compiled constraints kept for reuse (an LRU, sized by estimate), in MiB", LM_ROLES)
     load_vision: bool = True  # False on a disaggregated language server: set by the role, not a flag
+    load_language: bool = True  # False on an encode service (the vision tower only): set by the role
 
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
+
+    def mm_limits(self) -> dict[str, int]:
+        """Media items per prompt by kind: the user's limits over the defaults."""
+        return {**DEFAULT_MM_LIMITS, **self.limit_mm_per_prompt}
+
+    def check(self) -> None:
+        """Refuses values no engine can run with (the front end before it starts the engine, the engine again)."""
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks",
+                     "kv_cache_memory_gb", "max_video_frames"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not value > 0):
+                raise InvalidInputError(f"{name} must be positive, got {value}")
+        if self.encoder_cache_size < 0 or self.max_num_encoder_input_tokens <= 0:
+            raise InvalidInputError("encoder_cache_size must be >= 0 and max_num_encoder_input_tokens > 0")
+        if self.model is None:
+            raise InvalidInputError("no model given")
 
 
 @dataclass

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 
 from vlserve.core.config import BOOTSTRAP, ENCODE, PREFILL
 from vlserve.core.errors import InvalidInputError
@@ -18,8 +19,15 @@ def run_encode(ns: argparse.Namespace) -> int:
     from vlserve.disagg.encode_service import run_encoder
 
     opts = options_from(ns, ENCODE)
+    opts.engine.load_language = False  # the vision tower only
     # Precomputed embeddings reach an encoder only from a language server whose own --enable-mm-embeds let them in.
     opts.engine.enable_mm_embeds = True
+    if opts.engine.tensor_parallel_size > 1 and os.environ.get("RANK", "0") != "0":
+        from vlserve.engine.tp.worker import run_if_worker  # under torchrun: ranks other than 0 run their share
+
+        code = run_if_worker(opts.engine)
+        if code is not None:
+            return code
     return asyncio.run(run_encoder(opts, ns.log_level))
 
 

@@ -5,7 +5,9 @@ A language server sends a prompt with media and the ids of its receive blocks. T
   `LocalPromptEncoder` an aggregated server uses (decoding, preprocessing, tokenizing, placeholder expansion,
   M-RoPE positions, every size limit);
 - runs the vision tower with the engine's `VisionRunner`, deciding what to run and what to keep with the
-  engine's `EncoderCacheManager` (keyed by mm_hash): a picture seen before is not encoded again;
+  engine's `EncoderCacheManager` (keyed by mm_hash): a picture seen before is not encoded again. The tower is
+  loaded like the engine's model (`start_executor`: a `ModelShard`, or a tensor-parallel leader whose ranks
+  split its weights, or with `--mm-encoder-tp-mode data` each encode a share of the pictures);
 - writes, chunk by chunk, each token's fill id and positions and each media token's embedding row into the
   receiver's blocks through the transport. Text tokens never carry a row. When the receiver's blocks run out it
   asks to resume; meanwhile the rows wait in the encoder cache, held for that transfer (no staging copy).
@@ -14,6 +16,7 @@ A language server sends a prompt with media and the ids of its receive blocks. T
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
@@ -24,7 +27,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
 from vlserve.core.config import Options
-from vlserve.core.errors import InvalidInputError, ServiceUnavailableError
+from vlserve.core.errors import ConfigurationError, InvalidInputError, ServiceUnavailableError
 from vlserve.core.processes import SigtermStop, finish
 from vlserve.core.prompt import ProcessedPrompt
 from vlserve.disagg.auth import PeerAuth, require_secret_off_loopback
@@ -39,40 +42,44 @@ from vlserve.disagg.transports import TRANSPORTS
 from vlserve.disagg.transports.base import reachable_host
 from vlserve.engine.config import resolve_config
 from vlserve.engine.encoder_cache import EncoderCacheManager
+from vlserve.engine.executor import encodes_whole_step, start_executor
 from vlserve.engine.vision_runner import VisionRunner
+from vlserve.frontend.config import FrontendConfig
 from vlserve.frontend.input_processor import InputProcessor
 from vlserve.frontend.media.fetch import MediaFetcher, MediaPolicy
 from vlserve.frontend.metrics import CONTENT_TYPE, LATENCY_BUCKETS, PREFIX
 from vlserve.frontend.prompt_encoder import LocalPromptEncoder
+from vlserve.model.facts import resolve_model_facts
 from vlserve.model.hardware import log_once
-from vlserve.model.layers.packed_linear import packed_linear_supported
-from vlserve.model.loader import load_model
 
 logger = logging.getLogger("vlserve.encode")
 
 
 class EncodeService(SenderService):
     def __init__(self, opts: Options):
-        engine, server, d = opts.engine, opts.server, opts.disagg
+        server, d = opts.server, opts.disagg
+        engine = dataclasses.replace(opts.engine, load_language=False)  # the vision tower only, no KV cache
         self.opts, self.d = opts, d
-        self.cfg = resolve_config(engine)
+        auth = PeerAuth(d.disagg_secret)
+        require_secret_off_loopback(auth, server.host, "this encoder")  # refused before anything loads
+        facts = resolve_model_facts(engine)
+        try:
+            self.cfg = resolve_config(engine, facts)
+        except InvalidInputError as e:  # e.g. a --tensor-parallel-size that cannot split this tower
+            raise ConfigurationError(f"this encoder cannot start with these options: {e}") from None
         log_once()
-        processor = InputProcessor.for_model(self.cfg, server.max_image_pixels)
+        processor = InputProcessor.for_model(FrontendConfig.of(facts, engine), server.max_image_pixels)
         self.executor = ThreadPoolExecutor(max_workers=server.media_threads, thread_name_prefix="vlserve-media")
         fetchers = {kind: MediaFetcher(MediaPolicy.from_args(server, kind)) for kind in ("image", "video")}
         self.prompts = LocalPromptEncoder(processor, fetchers, self.executor)
-        model = load_model(self.cfg.model_path, self.cfg.model, self.cfg.dtype, self.cfg.device, with_language=False,
-                           quantization=self.cfg.quantization)
-        if packed_linear_supported(self.cfg.device, self.cfg.dtype):
-            model.pack_for_cpu()
-        self.vision = VisionRunner(model, self.cfg.device)
+        transport = TRANSPORTS[d.transfer_backend](reachable_host(server.host, toward=d.bootstrap.rsplit(":", 1)[0]))
+        # Loaded like the engine's model: one device, or tensor-parallel ranks (stopped with this service).
+        self.tower = start_executor(self.cfg)
+        self.vision = VisionRunner(self.tower, self.cfg.device, encodes_whole_step(self.tower))
         self.cache = EncoderCacheManager.for_model(self.cfg.encoder_cache_size, self.cfg.model)
         self.vit = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlserve-vit")  # one vision call at a time
         self.encoding: dict[str, asyncio.Future] = {}  # mm_hash -> its vision call, while it runs
         self.width = self.cfg.model.embedding_width
-        auth = PeerAuth(d.disagg_secret)
-        require_secret_off_loopback(auth, server.host, "this encoder")
-        transport = TRANSPORTS[d.transfer_backend](reachable_host(server.host, toward=d.bootstrap.rsplit(":", 1)[0]))
         self.registry = CollectorRegistry()
         self._setup(server.host, d.data_port or server.port + 1, auth, transport,
                     TransferMetrics(self.registry, None, "encode"), d.transfer_timeout, d.transfer_failure_prob)
@@ -179,8 +186,9 @@ class EncodeService(SenderService):
         app = FastAPI(title="vlserve encode", docs_url=None, redoc_url=None, openapi_url=None)
 
         @app.get("/health")
-        async def health():
-            return Response(status_code=200)
+        async def health():  # a lost tensor-parallel rank ends the tower for good (every call fails after it)
+            failure = getattr(self.tower, "failure", None)
+            return Response(failure, status_code=503) if failure else Response(status_code=200)
 
         @app.get("/ready")
         async def ready():  # it serves as soon as it answers: its model is loaded and its data socket bound
@@ -196,7 +204,9 @@ class EncodeService(SenderService):
         await self.prompts.stop()
         self.auth.stop()
         self.executor.shutdown(wait=False, cancel_futures=True)
-        self.vit.shutdown(wait=False, cancel_futures=True)
+        # a vision call in flight finishes first: the tensor-parallel ranks are stopped between calls
+        await asyncio.to_thread(self.vit.shutdown, wait=True, cancel_futures=True)
+        self.tower.shutdown()
 
 
 class _EncoderStats:

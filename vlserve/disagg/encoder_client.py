@@ -45,9 +45,9 @@ from vlserve.disagg.messages import (
 from vlserve.disagg.metrics import TransferMetrics
 from vlserve.disagg.transports import TRANSPORTS
 from vlserve.disagg.transports.base import chunk_row_tokens, in_thread, reachable_host
-from vlserve.engine.config import VlserveConfig
 from vlserve.engine.prompt_check import check_prompt
 from vlserve.engine.transfer_buffers import AUX_MROPE_DELTA, AUX_NUM_ITEMS, AUX_TOTAL_TOKENS, TransferBuffers
+from vlserve.frontend.config import FrontendConfig
 
 # After a failed transfer over a transport that writes in place, its blocks wait this long at most for the
 # encoder's word that nothing more is written (its writes time out sooner: see transports/).
@@ -68,7 +68,7 @@ class PeerKind:
     name: str  # in messages
     rows_for_every_token: bool  # KV rows for every prompt token, not embedding rows for media tokens only
 
-    def expects(self, cfg: VlserveConfig) -> tuple:
+    def expects(self, cfg: FrontendConfig) -> tuple:
         """What a peer's Pong must say to be paired: it produces exactly what this model needs."""
         m = cfg.model
         return (m.architecture, m.text.hidden_size, len(m.vision.deepstack_indexes),
@@ -93,7 +93,7 @@ class EncoderConn:
 
 
 class EncoderClient:
-    def __init__(self, cfg: VlserveConfig, buffers: TransferBuffers, metrics: TransferMetrics, opts: DisaggArgs,
+    def __init__(self, cfg: FrontendConfig, buffers: TransferBuffers, metrics: TransferMetrics, opts: DisaggArgs,
                  self_info: InstanceInfo, peers: PeerKind = ENCODER_PEERS):
         self.cfg, self.buffers, self.metrics, self.opts, self.peers = cfg, buffers, metrics, opts, peers
         registry_host = opts.bootstrap.rsplit(":", 1)[0]

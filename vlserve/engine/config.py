@@ -1,5 +1,5 @@
-"""Engine arguments resolved once into a config: model files found, dtype and device picked for this hardware,
-cache sizes final."""
+"""Engine arguments resolved into a config: the model facts (files, dtype, device, context length; see
+vlserve.model.facts) as the front end resolved them, cache sizes final."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ from pathlib import Path
 
 import torch
 
-from vlserve.core.config import DEFAULT_MM_LIMITS, EngineArgs
+from vlserve.core.config import EngineArgs
 from vlserve.core.errors import InvalidInputError
-from vlserve.model.hardware import memory_available_bytes, pick_device, resolve_dtype
-from vlserve.model.hf_config import ModelConfig, load_model_config
-from vlserve.model.loader import resolve_model_path, weight_files
+from vlserve.model.facts import ModelFacts, resolve_model_facts
+from vlserve.model.hardware import memory_available_bytes
+from vlserve.model.hf_config import ModelConfig
+from vlserve.model.loader import weight_files
 from vlserve.model.quantization import QuantizationConfig, resolve_quantization
 
 logger = logging.getLogger("vlserve.engine")
@@ -25,7 +26,8 @@ GPU_FREE_MEMORY_SHARE = 0.9
 
 @dataclass(frozen=True)
 class VlserveConfig:
-    """Everything the engine needs, resolved: paths, dtype, device and cache sizes are final here."""
+    """Everything the engine needs, resolved: paths, dtype, device and cache sizes are final here. `model_path`,
+    `model`, `dtype`, `device` and `max_model_len` are `facts`' own, in torch's types."""
 
     model_path: Path
     model: ModelConfig
@@ -46,9 +48,11 @@ class VlserveConfig:
     enable_mm_embeds: bool
     seed: int
     load_vision: bool
+    facts: ModelFacts
+    load_language: bool = True
     tensor_parallel_size: int = 1
     mm_encoder_tp_mode: str = WEIGHTS
-    args: EngineArgs | None = None  # what it was resolved from (the other tensor-parallel ranks resolve it too)
+    args: EngineArgs | None = None  # what it was resolved from (sent, with `facts`, to the other tensor-parallel ranks)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -84,51 +88,44 @@ def check_tensor_parallel(args: EngineArgs, model: ModelConfig, quantization: Qu
         raise InvalidInputError(f"{quantization.method.upper()} 4-bit checkpoints cannot be split over ranks: use "
                                 "tensor_parallel_size 1, or int8 from the full-precision checkpoint")
     t, v = model.text, model.vision
-    sizes = {"attention heads": t.num_heads, "MLP width": t.intermediate_size, "the intermediate size of "
-             "the experts": t.moe.intermediate_size if t.moe else tp}
+    sizes = {}
+    if args.load_language:
+        sizes |= {"attention heads": t.num_heads, "MLP width": t.intermediate_size, "the intermediate size of "
+                  "the experts": t.moe.intermediate_size if t.moe else tp}
     if args.mm_encoder_tp_mode == WEIGHTS and args.load_vision:
         sizes |= {"vision attention heads (try mm_encoder_tp_mode data)": v.num_heads,
                   "vision MLP width (try mm_encoder_tp_mode data)": v.mlp_hidden}
     for what, n in sizes.items():
         if n % tp:
             raise InvalidInputError(f"tensor_parallel_size {tp} does not divide the model's {what} ({n})")
+    if not args.load_language:
+        return
     kv = t.num_kv_heads
     if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
         raise InvalidInputError(f"tensor_parallel_size {tp} cannot share the model's {kv} key/value heads evenly")
 
 
-def _positive(name: str, value: int | float | None) -> None:
-    if value is not None and (isinstance(value, bool) or not value > 0):
-        raise InvalidInputError(f"{name} must be positive, got {value}")
-
-
-def resolve_config(args: EngineArgs, announce: bool = True) -> VlserveConfig:
-    """`announce`: log the dtype decision (the process that loads the model does; a front-end need not)."""
-    for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks",
-                 "kv_cache_memory_gb", "max_video_frames"):
-        _positive(name, getattr(args, name))
-    if args.encoder_cache_size < 0 or args.max_num_encoder_input_tokens <= 0:
-        raise InvalidInputError("encoder_cache_size must be >= 0 and max_num_encoder_input_tokens > 0")
-    if args.model is None:
-        raise InvalidInputError("no model given")
-    path = resolve_model_path(args.model)
-    model_cfg = load_model_config(path)
-    device = pick_device(args.device)
-    dtype = resolve_dtype(args.dtype, model_cfg.checkpoint_dtype, device, announce)
+def resolve_config(args: EngineArgs, facts: ModelFacts | None = None, announce: bool = True) -> VlserveConfig:
+    """`facts`: as a front end resolved them (used as they are); None: resolved here, from `args`. `announce`:
+    log the dtype decision when resolving them."""
+    args.check()
+    facts = facts or resolve_model_facts(args, announce)
+    path, model_cfg, max_model_len = facts.path, facts.model, facts.max_model_len
+    device, dtype = facts.torch_device, facts.torch_dtype
     quantization = resolve_quantization(args.quantization, model_cfg.quantization)
     check_tensor_parallel(args, model_cfg, quantization, device)
-    max_model_len = args.max_model_len or min(model_cfg.text.max_position_embeddings, 32768)
-    num_blocks = _num_kv_blocks(args, path, model_cfg, dtype, device, max_model_len)
+    # an encode service has no KV cache
+    num_blocks = _num_kv_blocks(args, path, model_cfg, dtype, device, max_model_len) if args.load_language else 0
     return VlserveConfig(
-        model_path=path, model=model_cfg, dtype=dtype, device=device, quantization=quantization, max_model_len=max_model_len,
+        model_path=path, model=model_cfg, dtype=dtype, device=device, quantization=quantization,
+        max_model_len=max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size, num_kv_blocks=num_blocks, enable_prefix_caching=args.enable_prefix_caching,
         encoder_cache_size=args.encoder_cache_size, max_num_encoder_input_tokens=args.max_num_encoder_input_tokens,
-        disable_chunked_mm_input=args.disable_chunked_mm_input,
-        limit_mm_per_prompt={**DEFAULT_MM_LIMITS, **args.limit_mm_per_prompt},
+        disable_chunked_mm_input=args.disable_chunked_mm_input, limit_mm_per_prompt=args.mm_limits(),
         max_video_frames=args.max_video_frames, enable_mm_embeds=args.enable_mm_embeds, seed=args.seed,
-        load_vision=args.load_vision, tensor_parallel_size=args.tensor_parallel_size,
-        mm_encoder_tp_mode=args.mm_encoder_tp_mode, args=args,
+        load_vision=args.load_vision, facts=facts, load_language=args.load_language,
+        tensor_parallel_size=args.tensor_parallel_size, mm_encoder_tp_mode=args.mm_encoder_tp_mode, args=args,
     )
 
 

@@ -21,11 +21,11 @@ from vlserve.core.structured_outputs import GrammarLimits
 from vlserve.engine.config import VlserveConfig
 from vlserve.engine.kv_connector import ExportedKV, KVConnector, KVTransfer
 from vlserve.engine.model_runner import ModelRunner
-from vlserve.engine.model_shard import ModelShard, load_shard
+from vlserve.engine.executor import start_executor
+from vlserve.engine.model_shard import ModelShard
 from vlserve.engine.prompt_check import check_prompt
 from vlserve.engine.scheduler import Scheduler
 from vlserve.engine.structured.matchers import GrammarMatchers
-from vlserve.engine.tp.leader import TPLeader
 from vlserve.engine.transfer_buffers import TransferBuffers
 
 logger = logging.getLogger(__name__)
@@ -45,10 +45,8 @@ class EngineCore:
             if cfg.tensor_parallel_size > 1:
                 raise InvalidInputError("a model object runs on one device: tensor_parallel_size must be 1")
             executor = ModelShard(model, cfg)
-        elif cfg.tensor_parallel_size > 1:
-            executor = TPLeader.start(cfg)  # rank 0 here, the other ranks in their own processes
         else:
-            executor = load_shard(cfg)
+            executor = start_executor(cfg)  # with tensor parallelism: rank 0 here, the others in their processes
         self.grammars = GrammarMatchers(cfg.model_path, cfg.model.eos_token_ids, cfg.model.text.vocab_size,
                                         overlap=cfg.device.type != "cpu", limits=GrammarLimits.from_args(cfg.args))
         self.runner = ModelRunner(cfg, executor, transfer, self.grammars)

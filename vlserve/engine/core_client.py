@@ -38,8 +38,8 @@ from vlserve.core.wire import (
     Heartbeat,
     Shutdown,
 )
-from vlserve.engine.core_process import run_engine_core
 from vlserve.engine.transfer_buffers import BufferLayout
+from vlserve.model.facts import ModelFacts, encode_facts
 
 logger = logging.getLogger("vlserve.engine")
 HEARTBEAT_INTERVAL_S = 1.0
@@ -47,15 +47,24 @@ STUCK_STEP_MIN_S = 300.0  # a step may take minutes on a CPU; never call a step 
 SHUTDOWN_WAIT_S = 10.0
 
 
+def _engine_process(*args) -> None:
+    """The spawned process's entry: the engine's modules (model loader, scheduler, ...) are imported there only,
+    never into the front end."""
+    from vlserve.engine.core_process import run_engine_core
+
+    run_engine_core(*args)
+
+
 class EngineCoreClient:
-    def __init__(self, args: EngineArgs, log_level: str = "INFO", heartbeat_timeout: float = 10.0,
+    def __init__(self, args: EngineArgs, facts: ModelFacts, log_level: str = "INFO", heartbeat_timeout: float = 10.0,
                  on_outputs: Callable[[EngineOutputs, list], None] | None = None,
                  on_failure: Callable[[str], None] | None = None,
                  on_recovery: Callable[[], None] | None = None, transfer_layout: BufferLayout | None = None,
                  kv_role: str | None = None):
-        """`transfer_layout`: receive buffers the engine process maps (a disaggregated language server's).
+        """`facts`: resolved by the front end, shipped to the engine process, which uses them as they are.
+        `transfer_layout`: receive buffers the engine process maps (a disaggregated language server's).
         `kv_role`: the role whose KV connector the engine plugs in (prefill, decode), if any."""
-        self.args, self.log_level, self.kv_role = args, log_level, kv_role
+        self.args, self.facts, self.log_level, self.kv_role = args, facts, log_level, kv_role
         self.transfer_layout = transfer_layout
         self.heartbeat_timeout = heartbeat_timeout
         self.stuck_after = max(STUCK_STEP_MIN_S, 30 * heartbeat_timeout)
@@ -94,8 +103,8 @@ class EngineCoreClient:
         self.hb_sock = self._async_ctx.socket(zmq.PAIR)
         self.hb_sock.bind(addresses["heartbeat"])
         self.proc = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core,
-            args=(encode_args(self.args), addresses, self.log_level,
+            target=_engine_process,
+            args=(encode_args(self.args), encode_facts(self.facts), addresses, self.log_level,
                   None if self.transfer_layout is None else msgspec.msgpack.encode(self.transfer_layout), os.getpid(),
                   self.kv_role),
             name="vlserve-engine-core", daemon=True)

@@ -44,6 +44,7 @@ from vlserve.engine.config import resolve_config
 from vlserve.engine.core import EngineCore
 from vlserve.engine.kv_connector import make_connector
 from vlserve.engine.transfer_buffers import BufferLayout, TransferBuffers
+from vlserve.model.facts import decode_facts
 from vlserve.model.hardware import log_once
 
 logger = logging.getLogger("vlserve.engine")
@@ -155,11 +156,12 @@ def _answer_heartbeats(ctx: zmq.Context, address: str, progress: Progress, stop:
         sock.close(linger=0)
 
 
-def run_engine_core(args_json: bytes, addresses: dict[str, str], log_level: str = "INFO",
+def run_engine_core(args_json: bytes, facts_json: bytes, addresses: dict[str, str], log_level: str = "INFO",
                     transfer_layout: bytes | None = None, parent_pid: int | None = None,
                     kv_role: str | None = None) -> None:
     """Entry point of the spawned process. Exits non-zero when the engine cannot start.
 
+    `facts_json`: the model facts the front end resolved (`ModelFacts`): used as they are, never resolved again.
     `transfer_layout`: receive buffers (msgspec-encoded `BufferLayout`) to map, on a disaggregated server.
     `parent_pid`: the front-end's (this process outlives it by no more than a poll). `kv_role`: the role whose
     KV connector the engine plugs in (kv_connector.KV_CONNECTORS), None for an engine that computes all its KV."""
@@ -186,7 +188,7 @@ def run_engine_core(args_json: bytes, addresses: dict[str, str], log_level: str 
             transfer = None
             if transfer_layout is not None:
                 transfer = TransferBuffers.attach(msgspec.msgpack.decode(transfer_layout, type=BufferLayout))
-            cfg = resolve_config(decode_args(args_json))
+            cfg = resolve_config(decode_args(args_json), decode_facts(facts_json))
             core = EngineCore(cfg, report_released=True, transfer=transfer, connector=make_connector(kv_role, cfg))
         except Exception as e:  # noqa: BLE001 - any start-up failure must reach the front-end as a message
             if not isinstance(e, VlserveError):  # ours have clear messages; anything else needs its traceback

@@ -13,7 +13,8 @@ import torch
 
 from vlserve.core.messages import TokenLogprobs
 from vlserve.core.request import Request
-from vlserve.engine.config import DATA, VlserveConfig
+from vlserve.engine.config import VlserveConfig
+from vlserve.engine.executor import encodes_whole_step
 from vlserve.engine.forward_batch import ForwardBatch
 from vlserve.engine.sampler import Sampler, SamplingMetadata, TokenBitmask
 from vlserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
@@ -33,7 +34,7 @@ class ModelRunner:
         self.transfer = transfer
         self.grammars = grammars
         model = executor.model
-        whole_step = executor.encoder_mode == DATA and executor.tp.size > 1
+        whole_step = encodes_whole_step(executor)
         has_vision = getattr(model, "visual", None) is not None
         self.vision = VisionRunner(executor, cfg.device, whole_step) if has_vision else None
         self.device = cfg.device

@@ -3,15 +3,20 @@ prompt is refused with a clear error for that request and can never crash the en
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from vlserve.core.errors import InvalidInputError
 from vlserve.core.prompt import ProcessedPrompt
-from vlserve.engine.config import VlserveConfig
+
+if TYPE_CHECKING:  # a front end checks what its peers assembled too, without the engine's config module
+    from vlserve.engine.config import VlserveConfig
 
 
 def check_prompt(prompt: ProcessedPrompt, cfg: VlserveConfig, block_capacity: tuple[int, int] | None = None) -> None:
-    """`block_capacity`: (blocks, tokens per block) of the receive buffers this engine reads, if any."""
+    """`cfg`: the engine's config, or a front end's (anything with its `model` and `load_vision`).
+    `block_capacity`: (blocks, tokens per block) of the receive buffers this engine reads, if any."""
     ids, vocab = prompt.prompt_token_ids, cfg.model.text.vocab_size
     if not ids:
         raise InvalidInputError("the prompt is empty")

@@ -25,14 +25,15 @@ from vlserve.core.outputs import RequestOutput
 from vlserve.core.sampling_params import SamplingParams, fan_out
 from vlserve.core.structured_outputs import GrammarLimits
 from vlserve.core.wire import EngineOutputs, FinishRequests, prompt_to_wire, tensor_from
-from vlserve.engine.config import resolve_config
 from vlserve.engine.core_client import EngineCoreClient
+from vlserve.frontend.config import FrontendConfig
 from vlserve.frontend.grammar_compiler import GrammarCompiler
 from vlserve.frontend.input_processor import InputProcessor
 from vlserve.frontend.media.fetch import MediaFetcher, MediaPolicy
 from vlserve.frontend.metrics import ServerMetrics
 from vlserve.frontend.output_processor import OutputProcessor
 from vlserve.frontend.prompt_encoder import EncodedPrompt, LocalPromptEncoder, PromptEncoder
+from vlserve.model.facts import resolve_model_facts
 
 logger = logging.getLogger("vlserve.engine")
 
@@ -132,8 +133,10 @@ class AsyncLLM:
                  media_threads: int = 4, log_requests: bool = True, log_level: str = "INFO",
                  max_image_pixels: int | None = None, heartbeat_timeout: float = 10.0,
                  prompt_encoder: Callable[["AsyncLLM"], PromptEncoder] | None = None, kv_role: str | None = None):
-        # Config files only: the weights load in the engine process, which also logs the dtype decision.
-        self.cfg = resolve_config(args, announce=False)
+        """`kv_role`: the role (prefill, decode) whose KV connector the engine process plugs in, if any."""
+        # Config files only (the weights load in the engine process), resolved here once: the engine gets them.
+        self.facts = resolve_model_facts(args)
+        self.cfg = FrontendConfig.of(self.facts, args)
         self.model_name = model_name
         limits = {} if max_image_pixels is None else {"max_image_pixels": max_image_pixels}
         self.input_processor = InputProcessor.for_model(self.cfg, **limits)
@@ -151,7 +154,7 @@ class AsyncLLM:
         self.prefills: dict[str, _Prefill] = {}  # prefill instance: requests whose KV the engine sends back
         self.prompt_encoder: PromptEncoder = (prompt_encoder or default_prompt_encoder)(self)
         buffers = self.prompt_encoder.transfer_buffers  # where a remote encoder's rows land, if anywhere
-        self.core = EngineCoreClient(args, log_level, heartbeat_timeout, on_outputs=self._handle,
+        self.core = EngineCoreClient(args, self.facts, log_level, heartbeat_timeout, on_outputs=self._handle,
                                      on_failure=self._fail_all,
                                      transfer_layout=None if buffers is None else buffers.layout, kv_role=kv_role)
 

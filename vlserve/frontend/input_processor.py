@@ -12,7 +12,7 @@ import torch
 from vlserve.core.config import DEFAULT_MAX_PIXELS_DECODED
 from vlserve.core.errors import InvalidInputError, MediaTooLargeError
 from vlserve.core.prompt import MultiModalItem, ProcessedPrompt
-from vlserve.engine.config import VlserveConfig
+from vlserve.frontend.config import FrontendConfig
 from vlserve.frontend.media.data_url import decode_base64
 from vlserve.frontend.media.hashing import (
     hash_embeddings,
@@ -65,7 +65,7 @@ class InputProcessor:
     before decoding: a larger one is refused) and as resized for the encoder (the resize target shrinks to fit
     under it; checked again before resizing)."""
 
-    def __init__(self, cfg: VlserveConfig, tokenizer, image_cfg: ImageProcessorConfig,
+    def __init__(self, cfg: FrontendConfig, tokenizer, image_cfg: ImageProcessorConfig,
                  max_image_pixels: int = DEFAULT_MAX_PIXELS_DECODED):
         self.cfg = cfg
         self.tokenizer = tokenizer
@@ -90,7 +90,7 @@ class InputProcessor:
         self.max_prompt_chars = cfg.max_model_len * max(max((len(t) for t in tokenizer.get_vocab()), default=1), 1)
 
     @classmethod
-    def for_model(cls, cfg: VlserveConfig, max_image_pixels: int = DEFAULT_MAX_PIXELS_DECODED) -> "InputProcessor":
+    def for_model(cls, cfg: FrontendConfig, max_image_pixels: int = DEFAULT_MAX_PIXELS_DECODED) -> "InputProcessor":
         """With the checkpoint's own tokenizer and image-processor settings (every front-end starts this way)."""
         return cls(cfg, load_tokenizer(cfg.model_path), ImageProcessorConfig.from_pretrained(cfg.model_path),
                    max_image_pixels)

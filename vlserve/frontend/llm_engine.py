@@ -10,6 +10,7 @@ from vlserve.core.outputs import RequestOutput
 from vlserve.core.sampling_params import SamplingParams, fan_out
 from vlserve.engine.config import VlserveConfig, resolve_config
 from vlserve.engine.core import EngineCore
+from vlserve.frontend.config import FrontendConfig
 from vlserve.frontend.input_processor import InputProcessor
 from vlserve.frontend.output_processor import OutputProcessor
 
@@ -17,7 +18,7 @@ from vlserve.frontend.output_processor import OutputProcessor
 class LLMEngine:
     def __init__(self, args: EngineArgs):
         self.cfg: VlserveConfig = resolve_config(args)
-        self.input_processor = InputProcessor.for_model(self.cfg)
+        self.input_processor = InputProcessor.for_model(FrontendConfig.of(self.cfg.facts, args))
         self.tokenizer = self.input_processor.tokenizer
         self.core = EngineCore(self.cfg)
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -15,6 +15,11 @@ from typing import Any
 
 from vlserve.core.errors import ModelLoadError
 
+# A quantization_config value kept in ModelConfig: a scalar or a flat list of them (typed, so the config crosses
+# processes as a msgspec message and comes back equal).
+QuantScalar = str | int | float | bool | None
+QuantValue = QuantScalar | tuple[QuantScalar, ...]
+
 QWEN2_VL, QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
                                                "Qwen3VLForConditionalGeneration",
                                                "Qwen3VLMoeForConditionalGeneration")
@@ -97,7 +102,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     checkpoint_dtype: str | None  # dtype named in config.json ("bfloat16", ...), used by dtype="auto"
     transformers_major: int | None = None  # major version that saved it (tie-breaks tensor layouts)
-    quantization: tuple[tuple[str, object], ...] = ()  # the checkpoint's quantization_config, items sorted
+    quantization: tuple[tuple[str, QuantValue], ...] = ()  # the checkpoint's quantization_config, items sorted
 
     @property
     def rows_per_media_token(self) -> int:
@@ -247,13 +252,23 @@ def _transformers_major(raw: dict) -> int | None:
     return int(head) if head.isdigit() else None
 
 
-def _quantization_items(raw: dict) -> tuple[tuple[str, object], ...]:
-    """The checkpoint's quantization_config (top level, or the text config's), hashable; () when unquantized."""
+def _is_scalar(value: object) -> bool:
+    return value is None or isinstance(value, (str, int, float))
+
+
+def _quantization_items(raw: dict) -> tuple[tuple[str, QuantValue], ...]:
+    """The checkpoint's quantization_config (top level, or the text config's), hashable; () when unquantized.
+    Nested objects and lists of lists are left out: no quantizer here reads one."""
     qc = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config") or {}
     if not isinstance(qc, dict):
         raise ModelLoadError(f"config.json: quantization_config must be an object, got {type(qc).__name__}")
-    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in qc.items()
-                        if not isinstance(v, dict)))
+    items = []
+    for key, value in qc.items():
+        if isinstance(value, list) and all(map(_is_scalar, value)):
+            items.append((key, tuple(value)))
+        elif _is_scalar(value):
+            items.append((key, value))
+    return tuple(sorted(items))
 
 
 def parse_model_config(raw: dict, folder: Path) -> ModelConfig:

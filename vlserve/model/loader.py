@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -55,30 +54,10 @@ FUSED_PIECES = [
     (".mlp.gate_proj.", ".mlp.gate_up_proj.", "gate"),
     (".mlp.up_proj.", ".mlp.gate_up_proj.", "up"),
 ]
-HUB_FILE_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "tokenizer*", "*.tiktoken"]
 PROGRESS_BAR_MIN_BYTES = 256 * 2**20
 # tqdm's default lock is a multiprocessing semaphore, which processes stopped by a signal leave behind (and the
 # resource tracker then warns about); a thread lock is all one process needs.
 tqdm.set_lock(threading.RLock())
-
-def resolve_model_path(model: str | os.PathLike) -> Path:
-    """A local folder as is; otherwise a hub id, fetched (or found in the local hub cache)."""
-    path = Path(model).expanduser()
-    if path.is_dir():
-        return path
-    if path.exists():
-        raise ModelLoadError(f"{model}: not a folder; expected a Hugging Face model folder or hub id")
-    if str(model).count("/") != 1 or str(model).startswith(("/", ".", "~")):
-        raise ModelLoadError(f"model '{model}': no such folder, and it does not look like a hub id (org/name)")
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(repo_id=str(model), allow_patterns=HUB_FILE_PATTERNS))
-    except Exception as e:  # offline, unknown repo, gated, network: all end the same way for the user
-        raise ModelLoadError(
-            f"model '{model}' is not a local folder and could not be fetched from the Hugging Face hub "
-            f"({type(e).__name__}: {e}). Download it first (e.g. `hf download {model}`) or pass a folder."
-        ) from e
 
 
 def weight_files(folder: Path) -> list[Path]:

@@ -48,10 +48,6 @@ def run_serve(ns: argparse.Namespace) -> int:
     if (opts.disagg.num_prefill or opts.disagg.num_decode) and not opts.disagg.disagg:
         sock.close()
         raise InvalidInputError("--num-prefill/--num-decode start an E->P->D deployment: add --disagg")
-    if opts.disagg.disagg and opts.engine.mm_encoder_tp_mode != "weights":
-        sock.close()
-        raise InvalidInputError("--mm-encoder-tp-mode: with --disagg the vision tower runs in the encoder "
-                                "services, one process each; scale them with --num-encoders")
     if opts.disagg.disagg and opts.disagg.num_decode and opts.engine.tensor_parallel_size > 1:
         sock.close()
         raise InvalidInputError("--tensor-parallel-size is not supported by prefill and decode instances (E->P->D)")

@@ -42,6 +42,7 @@ from vlserve.engine.tp.placement import (
     pin_cores,
     torchrun_placement,
 )
+from vlserve.model.facts import encode_facts
 
 logger = logging.getLogger("vlserve.tp")
 START_TIMEOUT_S = 600.0  # every rank loads the checkpoint before it answers
@@ -263,9 +264,11 @@ class TPLeader:
 
 def _spawn(rank: int, place: Placement, address: str, shm_path: str | None, cfg: VlserveConfig) -> subprocess.Popen:
     """Another rank of this machine, in its own process (`python -m vlserve.engine.tp.worker`)."""
-    args = dataclasses.replace(cfg.args, model=str(cfg.model_path), num_kv_blocks=cfg.num_kv_blocks)
+    # (an encode service has no KV cache: 0 blocks, left to resolve as none)
+    args = dataclasses.replace(cfg.args, model=str(cfg.model_path), num_kv_blocks=cfg.num_kv_blocks or None)
     spec = {"placement": dataclasses.asdict(dataclasses.replace(place, rank=rank, local_rank=rank)),
-            "address": address, "shm_path": shm_path, "args": encode_args(args).decode(), "parent": os.getpid(),
+            "address": address, "shm_path": shm_path, "args": encode_args(args).decode(),
+            "facts": encode_facts(cfg.facts).decode(), "parent": os.getpid(),
             "log_level": logging.getLevelName(logging.getLogger().getEffectiveLevel())}
     env = {**os.environ, SPEC_ENV: json.dumps(spec)}
     return subprocess.Popen([sys.executable, "-m", "vlserve.engine.tp.worker"], env=env)

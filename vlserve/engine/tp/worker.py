@@ -27,18 +27,20 @@ from vlserve.engine.model_shard import load_shard
 from vlserve.engine.tp.leader import COLLECTIVE_TIMEOUT_S, SPEC_ENV, identity, share_address
 from vlserve.engine.tp.messages import Failed, FollowerMessage, Hello, LeaderMessage, Ready, RunEncode, RunForward, Stop
 from vlserve.engine.tp.placement import Placement, device_for, join_group, leave_group, pin_cores, torchrun_placement
+from vlserve.model.facts import ModelFacts, decode_facts
 from vlserve.model.layers.shm_collectives import ShmCollectives
 
 logger = logging.getLogger("vlserve.tp")
 IDLE_POLL_MS = 1000
 
 
-def run_rank(place: Placement, args: EngineArgs, address: str | None = None, shm_path: str | None = None,
-             parent: int | None = None) -> int:
+def run_rank(place: Placement, args: EngineArgs, facts: ModelFacts | None = None, address: str | None = None,
+             shm_path: str | None = None, parent: int | None = None) -> int:
     """Runs this rank until rank 0 stops it or is gone; returns the exit code. `address`: rank 0's socket (None
     under torchrun: rank 0 sends it, with the KV cache size, once the process group is up). `parent`: rank 0's
-    pid when it started this process."""
-    cfg = resolve_config(args, announce=False)
+    pid when it started this process. `facts`: rank 0's (None under torchrun: each rank resolves them, from the
+    same options)."""
+    cfg = resolve_config(args, facts, announce=False)
     device = device_for(cfg.device, place.local_rank)
     if device.type == "cpu":
         pin_cores(place.local_rank, place.local_size)
@@ -115,7 +117,8 @@ def main() -> None:
     if os.getppid() != spec["parent"]:  # rank 0 died before the line above could take effect
         sys.exit(1)
     place = Placement(**spec["placement"])
-    sys.exit(run_rank(place, decode_args(spec["args"].encode()), spec["address"], spec["shm_path"], spec["parent"]))
+    sys.exit(run_rank(place, decode_args(spec["args"].encode()), decode_facts(spec["facts"]), spec["address"],
+                      spec["shm_path"], spec["parent"]))
 
 
 if __name__ == "__main__":
