@@ -214,6 +214,18 @@ def test_only_media_rows_travel(cluster, offline):
     assert moved == resp.usage.prompt_tokens * (8 + 24) + media_tokens * hidden * 4  # float32 rows
 
 
+def test_a_request_refused_after_its_picture_was_encoded_gives_its_blocks_back(cluster):
+    """The rows have landed in this server's receive blocks when max_tokens turns out not to fit: a 400, and the
+    prepared prompt's owner frees the blocks (nothing in the server frees them by hand)."""
+    cluster.wait_encoders("main", 1)
+    client = cluster.client("main")
+    before = cluster.metrics("main")['vlserve:embedding_transfers_total{role="language",state="success"}']
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.chat.completions.create(model=client.served_model, messages=picture_chat(9), max_tokens=2048)
+    assert cluster.metrics("main")['vlserve:embedding_transfers_total{role="language",state="success"}'] > before
+    wait_language_blocks_free(lambda: cluster.metrics("main"))
+
+
 def test_2e1l_spreads_work_over_both_encoders(cluster, offline):
     cluster.start_encoder("B")
     cluster.wait_encoders("main", 2)

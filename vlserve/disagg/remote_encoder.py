@@ -84,14 +84,9 @@ class RemotePromptEncoder:
                                                       prompt.get("multi_modal_uuids") or {}, mm_processor_kwargs or {},
                                                       params if prefill else None)
         blocks = processed.block_rows
-        released = []
-
-        def release() -> None:  # once: the engine is done with the rows (or never got them)
-            if not released:
-                released.append(True)
-                self.client.free(blocks)
-
-        return EncodedPrompt(processed, release, handoff)
+        # Called once, by the prompt's owner (frontend.prepared_prompt): the engine is done with the rows, or
+        # never got them.
+        return EncodedPrompt(processed, lambda: self.client.free(blocks), handoff)
 
 
 def remote_prompt_encoder(opts: DisaggArgs, http_address: str, role: str = "language", data_address: str = ""):

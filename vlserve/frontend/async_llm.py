@@ -32,22 +32,11 @@ from vlserve.frontend.input_processor import InputProcessor
 from vlserve.frontend.media.fetch import MediaFetcher, MediaPolicy
 from vlserve.frontend.metrics import ServerMetrics
 from vlserve.frontend.output_processor import OutputProcessor
-from vlserve.frontend.prompt_encoder import EncodedPrompt, LocalPromptEncoder, PromptEncoder
+from vlserve.frontend.prepared_prompt import PreparedPrompt
+from vlserve.frontend.prompt_encoder import LocalPromptEncoder, PromptEncoder
 from vlserve.model.facts import resolve_model_facts
 
 logger = logging.getLogger("vlserve.engine")
-
-
-@dataclass
-class PreparedPrompt:
-    """A prompt after input processing, ready to be sent; `arrival` starts the TTFT and e2e clocks."""
-
-    encoded: EncodedPrompt
-    arrival: float
-
-    @property
-    def num_tokens(self) -> int:
-        return self.encoded.prompt.num_tokens
 
 
 class RequestStream:
@@ -150,7 +139,8 @@ class AsyncLLM:
         self.grammar_compiler = GrammarCompiler(GrammarLimits.from_args(args))
         self.dead = asyncio.Event()  # set once the engine process is gone for good
         self.streams: dict[str, RequestStream] = {}
-        self.releases: dict[str, Callable[[], None]] = {}  # request id -> frees its prompt once the engine is done
+        # request id -> frees its prompt (taken over from its PreparedPrompt) once the engine is done with it
+        self.releases: dict[str, Callable[[], None]] = {}
         self.prefills: dict[str, _Prefill] = {}  # prefill instance: requests whose KV the engine sends back
         self.prompt_encoder: PromptEncoder = (prompt_encoder or default_prompt_encoder)(self)
         buffers = self.prompt_encoder.transfer_buffers  # where a remote encoder's rows land, if anywhere
@@ -205,11 +195,13 @@ class AsyncLLM:
                       request_id: str = "", params: SamplingParams | None = None) -> PreparedPrompt:
         """Media, tokenization and placeholder expansion through the prompt encoder (off the event loop).
         `params`: the request's sampling parameters as far as known (all but a defaulted max_tokens); a prompt
-        encoder that prefills elsewhere (decode instance) samples the first token with them."""
+        encoder that prefills elsewhere (decode instance) samples the first token with them.
+
+        The caller owns the result: it sends it (`generate` / `prefill`) or closes it (`with prepared:`)."""
         self.check_accepting()
         arrival = arrival if arrival is not None else time.monotonic()
         encoded = await self.prompt_encoder.encode(prompt, mm_processor_kwargs, request_id, params)
-        return PreparedPrompt(encoded, arrival)
+        return PreparedPrompt.from_encoded(encoded, arrival)
 
     def check_accepting(self) -> None:
         if not self.core.available:
@@ -223,51 +215,59 @@ class AsyncLLM:
                     f"{self.max_waiting_requests}); retry later")
 
     def generate(self, prepared: PreparedPrompt, params: SamplingParams, request_id: str) -> "RequestHandle":
-        """Sends the request now (or raises, with its prompt freed); iterate the handle for its cumulative
-        outputs, the last one `finished`. Closing the handle early (client gone) aborts it in the engine."""
+        """Takes the prompt over and sends the request now (or raises, with the prompt freed); iterate the handle
+        for its cumulative outputs, the last one `finished`. Closing the handle early (client gone) aborts it in
+        the engine."""
+        release = prepared.hand_over()
         try:
             self.check_accepting()
-            if request_id in self.streams:
-                raise InvalidInputError(f"request id {request_id!r} is already in use")
-            prompt, handoff = prepared.encoded.prompt, prepared.encoded.handoff
-            msg, tensors = prompt_to_wire(request_id, prompt, params, prepared.arrival, handoff=handoff)
+            self._check_id_free(request_id)
+            prompt = prepared.prompt
+            msg, tensors = prompt_to_wire(request_id, prompt, params, prepared.arrival, handoff=prepared.handoff)
+            children = fan_out(params, request_id)
         except BaseException:
-            if prepared.encoded.release is not None:
-                prepared.encoded.release()  # never reached the engine
+            if release is not None:
+                release()  # never reached the engine
             raise
         stream = RequestStream(prepared.arrival)
         self.streams[request_id] = stream
-        self.output_processor.add(request_id, prompt.text, prompt.prompt_token_ids, fan_out(params, request_id))
-        if prepared.encoded.release is not None:
-            self.releases[request_id] = prepared.encoded.release
-        self.core.send(msg, tensors)
+        self.output_processor.add(request_id, prompt.text, prompt.prompt_token_ids, children)
+        self._send(msg, tensors, request_id, release)
         return RequestHandle(self, request_id, stream)
 
     async def prefill(self, prepared: PreparedPrompt, params: SamplingParams,
                       request_id: str) -> tuple[Handoff, torch.Tensor]:
-        """Prefill instance: computes the prompt and samples its first token as the whole request would
-        (`params.for_prefill()`); returns that output with the random state, and the prompt's KV rows
+        """Prefill instance: takes the prompt over, computes it and samples its first token as the whole request
+        would (`params.for_prefill()`); returns that output with the random state, and the prompt's KV rows
         ([tokens, width], see engine.kv_handoff). Cancelling aborts it in the engine."""
+        release = prepared.hand_over()
         try:
             self.check_accepting()
-            if request_id in self.streams or request_id in self.prefills:
-                raise InvalidInputError(f"request id {request_id!r} is already in use")
-            msg, tensors = prompt_to_wire(request_id, prepared.encoded.prompt, params.for_prefill(),
-                                          prepared.arrival)
+            self._check_id_free(request_id)
+            msg, tensors = prompt_to_wire(request_id, prepared.prompt, params.for_prefill(), prepared.arrival)
         except BaseException:
-            if prepared.encoded.release is not None:
-                prepared.encoded.release()
+            if release is not None:
+                release()
             raise
         waiting = _Prefill(asyncio.get_running_loop().create_future())
         self.prefills[request_id] = waiting
-        if prepared.encoded.release is not None:
-            self.releases[request_id] = prepared.encoded.release
-        self.core.send(msg, tensors)
+        self._send(msg, tensors, request_id, release)
         try:
             return await waiting.future
         finally:
             if self.prefills.pop(request_id, None) is not None and self.core.dead_reason is None:
                 self.core.send(FinishRequests([request_id], "abort"))  # cancelled: nobody takes its KV
+
+    def _check_id_free(self, request_id: str) -> None:
+        # An id whose prompt is not yet released is still the engine's: its report must free that prompt only.
+        if request_id in self.streams or request_id in self.prefills or request_id in self.releases:
+            raise InvalidInputError(f"request id {request_id!r} is already in use")
+
+    def _send(self, msg, tensors: list, request_id: str, release: Callable[[], None] | None) -> None:
+        """From here the engine's report (released, refused, or its death) frees the prompt."""
+        if release is not None:
+            self.releases[request_id] = release
+        self.core.send(msg, tensors)
 
     def abort(self, request_id: str) -> None:
         self.streams.pop(request_id, None)

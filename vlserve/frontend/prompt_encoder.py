@@ -27,8 +27,9 @@ from vlserve.frontend.media.fetch import MediaFetcher
 @dataclass
 class EncodedPrompt:
     prompt: ProcessedPrompt
-    # Called once the engine is done with the prompt (or it never reached the engine): frees what the prompt's
-    # embeddings occupy outside the engine (a disaggregated server's receive blocks).
+    # Frees what the prompt's rows occupy outside the engine (a disaggregated server's receive blocks). Called
+    # once, by the prompt's one owner (`frontend.prepared_prompt.PreparedPrompt`, then the engine client): when
+    # the engine is done with the prompt, or it never reached the engine.
     release: Callable[[], None] | None = None
     # Prefilled on another instance (a decode server's prompt): the first token and random state; the prompt's
     # `block_rows` then hold its KV rows.

@@ -19,7 +19,8 @@ from vlserve.core.errors import (InvalidInputError, NotFoundError, RequestTimeou
                                  VlserveError)
 from vlserve.core.outputs import RequestOutput
 from vlserve.core.sampling_params import SamplingParams
-from vlserve.frontend.async_llm import AsyncLLM, PreparedPrompt
+from vlserve.frontend.async_llm import AsyncLLM
+from vlserve.frontend.prepared_prompt import PreparedPrompt
 from vlserve.server.errors import error_body, error_from_exception, log_client_error
 from vlserve.server.protocol import parse_body
 
@@ -129,7 +130,8 @@ class OpenAIServing:
     async def until_done_or_disconnect(self, raw: HTTPRequest, work: Awaitable):
         """Runs `work`; if the client goes away first, cancels it (which aborts the request in the engine).
 
-        A prepared prompt that finishes just as it is abandoned is released, so its buffers never leak.
+        A prepared prompt that arrives after all, once its handler has given up on it, is closed: nobody else
+        holds it.
         """
         task = asyncio.ensure_future(work)
         # Told by the disconnect message itself: `is_disconnected()` polls never see one through the app's HTTP
@@ -142,7 +144,7 @@ class OpenAIServing:
             raise ClientGoneError("the client disconnected before its answer was ready")
         except BaseException:
             task.cancel()
-            task.add_done_callback(_release_abandoned)
+            task.add_done_callback(_close_abandoned)
             raise
         finally:
             left.cancel()
@@ -182,12 +184,9 @@ async def _client_leaves(raw: HTTPRequest) -> None:
         pass
 
 
-def _release_abandoned(task: asyncio.Future) -> None:
-    if task.cancelled() or task.exception() is not None:
-        return
-    result = task.result()
-    if isinstance(result, PreparedPrompt) and result.encoded.release is not None:
-        result.encoded.release()
+def _close_abandoned(task: asyncio.Future) -> None:
+    if not task.cancelled() and task.exception() is None and isinstance(task.result(), PreparedPrompt):
+        task.result().close()
 
 
 def created() -> int:

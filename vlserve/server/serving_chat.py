@@ -13,7 +13,7 @@ from vlserve.core.errors import InvalidInputError
 from vlserve.core.outputs import CompletionOutput, RequestOutput
 from vlserve.core.sampling_params import SamplingParams
 from vlserve.core.structured_outputs import StructuredOutputsError
-from vlserve.frontend.async_llm import PreparedPrompt
+from vlserve.frontend.prepared_prompt import PreparedPrompt
 from vlserve.frontend.chat import parse_chat_messages
 from vlserve.frontend.tokenizer import render_chat
 from vlserve.frontend.tool_calls import ToolCallStream, extract_tool_calls
@@ -60,21 +60,21 @@ class OpenAIServingChat(OpenAIServing):
         request_id = self.new_request_id(body.request_id)
         prepared = await self.until_done_or_disconnect(raw, self._prepare(body, time.monotonic(), request_id,
                                                                                    checked))
-        try:
+        with prepared:  # closed here unless the engine takes it over
             params = body.sampling_params(self.max_tokens(prepared, body.requested_max_tokens()), top_k)
             self.check_logprob_budget(body.n, params.max_tokens, top_k)
+            outputs = self.engine.generate(prepared, params, request_id)
+        try:
+            # The first output is awaited before answering, so a request the engine refuses still gets its 4xx.
+            first = await self.until_done_or_disconnect(raw, outputs.__anext__())
+            if body.stream:
+                include_usage = bool(body.stream_options and body.stream_options.include_usage)
+                return StreamingResponse(self._stream(request_id, first, outputs, include_usage, top_k or 0,
+                                                      parse_calls), media_type="text/event-stream")
+            final = first if first.finished else await self.until_done_or_disconnect(raw, self.final_output(outputs))
         except BaseException:
-            if prepared.encoded.release is not None:
-                prepared.encoded.release()
+            outputs.close()  # e.g. the client left just as an output arrived: nobody reads the rest
             raise
-        outputs = self.engine.generate(prepared, params, request_id)
-        # The first output is awaited before answering, so a request the engine refuses still gets its 4xx.
-        first = await self.until_done_or_disconnect(raw, outputs.__anext__())
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._stream(request_id, first, outputs, include_usage, top_k or 0,
-                                                  parse_calls), media_type="text/event-stream")
-        final = first if first.finished else await self.until_done_or_disconnect(raw, self.final_output(outputs))
         return await self.json_response(lambda: self._response(request_id, final, top_k or 0, parse_calls),
                                         off_loop=top_k is not None)
 

@@ -50,31 +50,25 @@ class OpenAIServingCompletion(OpenAIServing):
             raise body.constraint_error(e) from None
         request_id = self.new_request_id(body.request_id)
         ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
-        gens = []
+        gens, top_k = [], body.logprobs or 0
         try:
             for prompt, rid in zip(prompts, ids):
-                prepared = await self.until_done_or_disconnect(raw, self.engine.prepare(prompt, None, arrival, rid,
-                                                                                          checked))
-                try:
+                preparing = self.engine.prepare(prompt, None, arrival, rid, checked)
+                with await self.until_done_or_disconnect(raw, preparing) as prepared:  # closed unless sent
                     params = body.sampling_params(self.max_tokens(prepared, body.max_tokens), body.logprobs)
                     self.check_logprob_budget(len(prompts) * body.n, params.max_tokens, body.logprobs)
-                except BaseException:
-                    if prepared.encoded.release is not None:
-                        prepared.encoded.release()
-                    raise
-                gens.append(self.engine.generate(prepared, params, rid))
+                    gens.append(self.engine.generate(prepared, params, rid))
+            firsts = await self.until_done_or_disconnect(raw, self._first_outputs(gens))
+            if body.stream:
+                include_usage = bool(body.stream_options and body.stream_options.include_usage)
+                return StreamingResponse(self._stream(request_id, firsts, gens, include_usage, top_k),
+                                         media_type="text/event-stream")
+            finals = await self.until_done_or_disconnect(
+                raw, asyncio.gather(*(self._last(f, g) for f, g in zip(firsts, gens))))
         except BaseException:
-            for g in gens:  # one prompt refused: the others must not keep running
+            for g in gens:  # one prompt refused, or the client left: none runs on for nobody
                 g.close()
             raise
-        firsts = await self.until_done_or_disconnect(raw, self._first_outputs(gens))
-        top_k = body.logprobs or 0
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._stream(request_id, firsts, gens, include_usage, top_k),
-                                     media_type="text/event-stream")
-        finals = await self.until_done_or_disconnect(
-            raw, asyncio.gather(*(self._last(f, g) for f, g in zip(firsts, gens))))
         n = body.n
 
         def response() -> dict:
