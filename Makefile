@@ -30,7 +30,8 @@ $(STAMP): pyproject.toml
 # Every test has one tier (tests/tiers.py; pyproject.toml registers them as markers), so a run can pick by cost:
 #   unit          this process only, no model engine
 #   engine        an engine on a tiny checkpoint, in this process
-#   multiprocess  vlserve processes: servers, roles, an engine process, tensor-parallel ranks
+#   multiprocess  vlserve processes: servers, roles, an engine process, tensor-parallel ranks (or a helper process
+#                 whose exit or crash is the point)
 #   transport     disaggregated roles over each --transfer-backend (the behaviour matrix over zmq; shm, mooncake
 #                 and nixl run what is their own: write path, resumes, a peer dying mid-transfer)
 # `make test` runs all of them. `make test-fast` runs unit + engine, stopping at the first failure (under 2 minutes

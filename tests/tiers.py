@@ -3,7 +3,8 @@
 A tier says what a test starts, so a run can pick by cost (`make test-fast`: `-m "unit or engine"`):
   unit          this process only, no model engine (a short `python -c` helper is fine)
   engine        an engine on a tiny checkpoint, in this process (`LLM`, `EngineCore`, `ModelRunner`)
-  multiprocess  vlserve processes: servers, roles, an engine process, tensor-parallel ranks
+  multiprocess  vlserve processes: servers, roles, an engine process, tensor-parallel ranks; or a helper process
+                whose life is the point (it exits, crashes or dies mid-way)
   transport     data between disaggregated roles over each `--transfer-backend` (zmq, shm, mooncake, nixl)
 The names are registered as markers in pyproject.toml. A new test file goes into FILE_TIERS, or collection stops
 with an error that says so."""
@@ -75,6 +76,12 @@ TEST_TIERS = {
     "test_disagg_bootstrap.py::test_real_bootstrap_process": "multiprocess",
     "test_hostile_peers.py::test_a_real_registry_answers_a_huge_announced_body_without_waiting_for_it": "multiprocess",
     "test_hostile_peers.py::test_a_deployment_over_shm_survives_its_buffer_file_being_truncated": "transport",
+    "test_hostile_peers.py::test_a_truncated_shm_file_is_a_clean_error_then_restored_and_gone_at_exit": "multiprocess",
+    "test_hostile_peers.py::test_the_buffer_file_goes_when_its_process_exits_without_unlink": "multiprocess",
+    "test_kernel_build.py::test_a_builder_killed_mid_build_leaves_nothing_that_blocks_the_next": "multiprocess",
+    "test_quantization.py::test_export_module_entry_has_no_traceback": "multiprocess",
+    "test_structured_limits.py::test_deep_grammars_compile_without_crashing_the_process": "multiprocess",
+    "test_transfer_buffers.py::test_another_process_maps_the_same_memory_even_after_unlink": "multiprocess",
     "test_pd_disagg.py::test_serve_disagg_runs_e_p_d_in_one_command": "multiprocess",
     "test_pd_disagg.py::test_e_p_d_roles_share_the_cores_on_one_machine": "unit",
     "test_qwen3_vl.py::test_one_encoder_one_language_server_with_resumes": "multiprocess",
