@@ -1,10 +1,10 @@
-# Two commands matter: `make serve` and `make test`. Both install into .venv first.
+# Two commands matter: `make serve` and `make test`. Both install into .venv first; `make test-fast` is the edit loop.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test serve bench clean
+.PHONY: install test test-fast serve bench clean
 
 # The CPU kernels are built (or found already built) on every install: a build is cached by a hash of its
 # sources, compiler and torch, so a checkout whose kernel sources changed gets its own build, and no server ever
@@ -27,8 +27,20 @@ $(STAMP): pyproject.toml
 		echo "libibverbs1 missing: --transfer-backend mooncake will not start (apt-get install libibverbs1)"
 	touch $(STAMP)
 
+# Every test has one tier (tests/tiers.py; pyproject.toml registers them as markers), so a run can pick by cost:
+#   unit          this process only, no model engine
+#   engine        an engine on a tiny checkpoint, in this process
+#   multiprocess  vlserve processes: servers, roles, an engine process, tensor-parallel ranks (or a helper process
+#                 whose exit or crash is the point)
+#   transport     disaggregated roles over each --transfer-backend (the behaviour matrix over zmq; shm, mooncake
+#                 and nixl run what is their own: write path, resumes, a peer dying mid-transfer)
+# `make test` runs all of them. `make test-fast` runs unit + engine, stopping at the first failure (under 2 minutes
+# on 2 cores); one tier or a mix: make test ARGS='-m "multiprocess or transport"'.
 test: install
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests $(ARGS)
+
+test-fast: install
+	$(PY) -m pytest tests -m "unit or engine" -x --timeout 120 $(ARGS)
 
 # Extra flags go through ARGS, e.g. make serve ARGS="--model Qwen/Qwen2-VL-2B-Instruct --dtype bfloat16"
 serve: install

@@ -7,6 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
+from tests.tiers import TIERS, MissingTier, tier_of
 from vlserve.tools.tiny_model import make_tiny_model
 
 ARCHES = ("qwen2_vl", "qwen2_5_vl")
@@ -21,6 +22,22 @@ def pytest_sessionstart(session):
     from vlserve.model.kernels import cpu_kernels
 
     cpu_kernels.build()
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` picks tests by these markers
+def pytest_collection_modifyitems(config, items):
+    """Every test gets exactly one tier marker (tests/tiers.py); a file without one stops the run, so `-m` never
+    silently leaves a new file out."""
+    for item in items:
+        try:
+            tier = tier_of(item.path.name, getattr(item, "originalname", item.name))
+        except MissingTier as e:
+            raise pytest.UsageError(str(e)) from None
+        item.add_marker(tier)
+        marked = {m.name for m in item.iter_markers() if m.name in TIERS}
+        if marked != {tier}:
+            raise pytest.UsageError(f"{item.nodeid} is marked {sorted(marked)}: one tier per test, the one "
+                                    "tests/tiers.py gives it")
 
 
 @pytest.fixture(scope="session")

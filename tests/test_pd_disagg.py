@@ -24,6 +24,7 @@ from tests.test_disagg import (
     BACKENDS,
     CASES,
     N_TOKENS,
+    ZMQ_ONLY,
     Cluster,
     ask,
     expected_text,
@@ -39,14 +40,17 @@ def offline(tiny_ckpt):
     return LLM(str(tiny_ckpt("qwen2_vl")), dtype="float32", max_model_len=2048, limit_mm_per_prompt={"image": 4})
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
+@pytest.fixture(scope="module", params=ZMQ_ONLY)
 def pd(tiny_ckpt, request):
     """Bootstrap, encoder A, prefill P, decode "main" whose first run of blocks holds 32 tokens: longer prompts'
-    KV arrives in several runs (resumes)."""
+    KV arrives in several runs (resumes). Over ZeroMQ, or every backend for a test marked EVERY_PD_BACKEND."""
     c = Cluster(tiny_ckpt("qwen2_vl"), {"main": ["--embedding-default-allocate-tokens", "32"]}, prefills={"P": []},
                 backend=request.param, extra=("--transfer-timeout", "8"))
     yield c
     c.close()
+
+
+EVERY_PD_BACKEND = pytest.mark.parametrize("pd", BACKENDS, indirect=True)
 
 
 def wait_nothing_held(pd: Cluster) -> None:
@@ -74,6 +78,7 @@ def sampled(client, messages, seed: int) -> str:
     return resp.choices[0].message.content
 
 
+@EVERY_PD_BACKEND  # the KV write path and its resumes are each backend's own
 def test_e_p_d_matches_aggregated(pd, offline):
     pd.wait_prefills("main", 1)
     client = pd.client("main")
@@ -97,8 +102,6 @@ def test_e_p_d_matches_aggregated(pd, offline):
 
 
 def test_bad_requests_get_the_aggregated_status_and_token_ids_prefill_locally(pd, offline):
-    if pd.backend != "zmq":
-        pytest.skip("the control path is the same for every backend: checked once")
     client = pd.client("main")
     ids = [11, 22, 33, 44, 55, 66]  # no text to send a prefill instance: the decode instance prefills it itself
     got = client.completions.create(model=client.served_model, prompt=ids, max_tokens=N_TOKENS, temperature=0,
@@ -119,8 +122,6 @@ def test_bad_requests_get_the_aggregated_status_and_token_ids_prefill_locally(pd
 def test_failed_and_killed_prefill_instances(pd, offline):
     """A prefill that always fails is retried on the other; one killed mid-run gives correct answers or 503s;
     with only the failing one left, a clear 503; a restarted one rejoins. No block leaks on any role."""
-    if pd.backend != "zmq":
-        pytest.skip("failure handling is the same control path for every backend: checked once, with zmq")
     pd.start_prefill("bad", env={"VLSERVE_TRANSFER_FAILURE_PROB": "1"})
     pd.wait_prefills("main", 2)
     client = pd.client("main")
@@ -159,8 +160,6 @@ def test_failed_and_killed_prefill_instances(pd, offline):
 
 
 def test_a_killed_decode_instance_leaves_nothing_held(pd):
-    if pd.backend != "zmq":
-        pytest.skip("checked once, with zmq")
     client = pd.client("main")
     decode = pd.languages["main"]
     streaming = threading.Event()

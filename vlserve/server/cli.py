@@ -26,7 +26,7 @@ def tensor_parallel_worker(engine: EngineArgs) -> int | None:
     from vlserve.engine.tp.worker import run_if_worker
 
     if engine.model is None:
-        from vlserve.server.demo import demo_checkpoint
+        from vlserve.tools.demo_checkpoint import demo_checkpoint
 
         engine.model = str(demo_checkpoint())
     return run_if_worker(engine)
@@ -38,7 +38,7 @@ def run_serve(ns: argparse.Namespace) -> int:
         return code
     sock = bind_socket(opts.server.host, opts.server.port)  # a taken port is reported before anything loads
     if opts.engine.model is None:
-        from vlserve.server.demo import demo_checkpoint
+        from vlserve.tools.demo_checkpoint import demo_checkpoint
 
         opts.engine.model = str(demo_checkpoint())
         opts.server.served_model_name = opts.server.served_model_name or DEMO_NAME

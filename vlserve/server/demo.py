@@ -4,24 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import time
-from pathlib import Path
 
 from vlserve.core.config import DEMO
 from vlserve.core.options import add_options, options_from
+from vlserve.tools.demo_checkpoint import demo_checkpoint
 
 logger = logging.getLogger("vlserve.demo")
-
-
-def demo_checkpoint() -> Path:
-    """A small random Qwen2-VL made once and kept in the user's cache dir."""
-    from vlserve.tools.tiny_model import make_tiny_model
-
-    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vlserve" / "demo-qwen2_vl-small"
-    if not (root / "config.json").is_file():
-        make_tiny_model(root, arch="qwen2_vl", size="small", seed=0)
-    return root
 
 
 def demo_image():

@@ -1,0 +1,17 @@
+"""The random demo checkpoint that `vlserve serve` and `vlserve demo` use without --model. It lives here, below the
+server, so that both commands (and the tensor-parallel ranks they start) reach it without importing each other."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def demo_checkpoint() -> Path:
+    """A small random Qwen2-VL made once and kept in the user's cache dir."""
+    from vlserve.tools.tiny_model import make_tiny_model
+
+    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vlserve" / "demo-qwen2_vl-small"
+    if not (root / "config.json").is_file():
+        make_tiny_model(root, arch="qwen2_vl", size="small", seed=0)
+    return root
