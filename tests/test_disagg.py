@@ -156,7 +156,7 @@ os.environ.setdefault("UCX_TLS", "tcp")  # NIXL over plain TCP, as on machines w
 @pytest.fixture(scope="module", params=BACKENDS)
 def cluster(tiny_ckpt, request):
     """The same suite over every transport: ZeroMQ frames, shared memory, Mooncake (TCP here)."""
-    c = Cluster(tiny_ckpt("qwen2_vl"), {"main": [], "small": ["--embedding-default-allocate-tokens", "16"]},
+    c = Cluster(tiny_ckpt("qwen2_vl"), {"main": [], "small": ["--media-allocate-rows", "16"]},
                 backend=request.param)
     yield c
     c.close()

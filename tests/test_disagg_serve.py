@@ -187,10 +187,10 @@ class NonsenseEncoder:
         from vlserve.disagg.auth import PeerAuth
         from vlserve.disagg.bootstrap import BootstrapClient, InstanceInfo, new_instance_id
         from vlserve.disagg.messages import (
-            EncodeRequest,
-            EncoderToLanguage,
+            TransferRequest,
+            SenderToReceiver,
             ItemMeta,
-            LanguageToEncoder,
+            ReceiverToSender,
             Ping,
             Pong,
             RowSegment,
@@ -206,14 +206,14 @@ class NonsenseEncoder:
                                0.3, auth=auth)
         await boot.start()
         self.ready.set()
-        inbox, outbox = Framer(LanguageToEncoder), Framer(EncoderToLanguage)
+        inbox, outbox = Framer(ReceiverToSender), Framer(SenderToReceiver)
         while True:
             peer, *frames = await sock.recv_multipart()
             msg = inbox.decode(frames)
             if isinstance(msg, Ping):
                 await sock.send_multipart([peer, *outbox.encode(Pong(msg.nonce, 0, self.architecture, self.hidden,
                                                                           self.levels))])
-            elif isinstance(msg, EncodeRequest):
+            elif isinstance(msg, TransferRequest):
                 kind = self.KINDS[self.served % len(self.KINDS)]
                 self.served += 1
                 n = 20

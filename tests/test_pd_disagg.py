@@ -43,7 +43,7 @@ def offline(tiny_ckpt):
 def pd(tiny_ckpt, request):
     """Bootstrap, encoder A, prefill P, decode "main" whose first run of blocks holds 32 tokens: longer prompts'
     KV arrives in several runs (resumes)."""
-    c = Cluster(tiny_ckpt("qwen2_vl"), {"main": ["--embedding-default-allocate-tokens", "32"]}, prefills={"P": []},
+    c = Cluster(tiny_ckpt("qwen2_vl"), {"main": ["--kv-allocate-tokens", "32"]}, prefills={"P": []},
                 backend=request.param, extra=("--transfer-timeout", "8"))
     yield c
     c.close()

@@ -316,7 +316,7 @@ def test_one_encoder_one_language_server_with_resumes(tiny_ckpt):
             {"type": "text", "text": "Compare."}]}],
         "text only": [{"role": "user", "content": "Just text."}],
     }
-    cluster = Cluster(path, {"small": ["--embedding-default-allocate-tokens", "16"]}, limits="image=4,video=1")
+    cluster = Cluster(path, {"small": ["--media-allocate-rows", "16"]}, limits="image=4,video=1")
     try:
         cluster.wait_encoders("small", 1)
         before = cluster.metrics("small")

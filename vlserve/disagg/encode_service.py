@@ -29,7 +29,7 @@ from vlserve.core.processes import SigtermStop, finish
 from vlserve.core.prompt import ProcessedPrompt
 from vlserve.disagg.auth import PeerAuth, require_secret_off_loopback
 from vlserve.disagg.messages import (
-    EncodeRequest,
+    TransferRequest,
     Pong,
     TransferState,
 )
@@ -85,11 +85,11 @@ class EncodeService(SenderService):
         m = self.cfg.model
         return Pong(nonce, self.in_flight, m.architecture, m.text.hidden_size, len(m.vision.deepstack_indexes))
 
-    def on_request(self, peer: bytes, msg: EncodeRequest) -> None:
+    def on_request(self, peer: bytes, msg: TransferRequest) -> None:
         self.spawn(self._encode(peer, msg))
 
     # ---- one transfer --------------------------------------------------------------------------------------
-    async def _encode(self, peer: bytes, req: EncodeRequest) -> None:
+    async def _encode(self, peer: bytes, req: TransferRequest) -> None:
         key = (peer, req.request_id, req.transfer_id)
         self.in_flight += 1
         self.metrics.state(TransferState.WAITING_FOR_INPUT)

@@ -1,12 +1,12 @@
-"""Typed messages between language servers and encoders, framed like the engine's (core.wire): a msgpack header,
-then raw tensor frames it refers to. Nothing is pickled.
+"""Typed messages between a receiver of rows and the peer that sends them, framed like the engine's (core.wire): a
+msgpack header, then raw tensor frames it refers to. Nothing is pickled.
 
-Language -> encoder (DEALER -> ROUTER): EncodeRequest, ResumeRequest, AbortTransfer, Ping.
-Encoder -> language (the same connection back): TransferChunk (+ tensor frames), TransferFailed, Pong.
+Two pairings speak this protocol: a language server (or prefill instance) receiving media rows from an encoder,
+and a decode instance receiving KV rows from a prefill instance (the request then carries the sampling
+parameters, the chunks every prompt token's KV row, and the last chunk the prefill's first token: `handoff`).
 
-Prefill/decode disaggregation speaks the same protocol: the decode instance is the receiver, the prefill
-instance the sender; an EncodeRequest then carries the sampling parameters, the chunks carry every prompt
-token's KV row, and the last chunk the prefill's first token (`handoff`).
+Receiver -> sender (DEALER -> ROUTER): TransferRequest, ResumeRequest, AbortTransfer, Ping.
+Sender -> receiver (the same connection back): TransferChunk (+ tensor frames), TransferFailed, Pong.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from vlserve.engine.transfer_buffers import BufferLayout
 
 
 class TransferState(str, enum.Enum):
-    BOOTSTRAPPING = "bootstrapping"  # picking an encoder, allocating receive blocks
-    WAITING_FOR_INPUT = "waiting_for_input"  # request sent; the encoder fetches, preprocesses and encodes
+    BOOTSTRAPPING = "bootstrapping"  # picking a peer, allocating receive blocks
+    WAITING_FOR_INPUT = "waiting_for_input"  # request sent; the peer works on it (encodes, or prefills)
     TRANSFERRING = "transferring"  # chunks arriving
     SUCCESS = "success"
-    FAILED = "failed"  # the encoder or the transfer failed (retried elsewhere, or a 503)
+    FAILED = "failed"  # the peer or the transfer failed (retried elsewhere, or a 503)
     REJECTED = "rejected"  # the request itself was bad (a 4xx for the user); nothing failed
 
 
@@ -42,11 +42,13 @@ class TransferTarget(msgspec.Struct):
     agent_metadata: bytes = b""  # nixl: the receiver agent's metadata (its UCX address)
 
 
-class EncodeRequest(msgspec.Struct, tag="encode"):
+class TransferRequest(msgspec.Struct, tag="transfer"):
+    """A prompt for a peer to work on, and the first run of receive blocks its rows go to."""
+
     request_id: str
     transfer_id: int  # distinguishes a retry of the same request
     prompt: str  # rendered prompt text with one placeholder per media item
-    media: dict[str, list[Any]]  # kind -> URLs (fetched by the encoder) or embedding entries
+    media: dict[str, list[Any]]  # kind -> URLs (fetched by the peer) or embedding entries
     uuids: dict[str, list[Any]]
     mm_processor_kwargs: dict[str, Any]
     block_ids: list[int]  # the receiver's blocks for tokens 0, 1, ... (the first run)
@@ -73,7 +75,7 @@ class Ping(msgspec.Struct, tag="ping"):
     nonce: int
 
 
-LanguageToEncoder = EncodeRequest | ResumeRequest | AbortTransfer | Ping
+ReceiverToSender = TransferRequest | ResumeRequest | AbortTransfer | Ping
 
 
 class ItemMeta(msgspec.Struct, array_like=True):
@@ -120,14 +122,14 @@ class TransferFailed(msgspec.Struct, tag="failed"):
 
 
 class Pong(msgspec.Struct, tag="pong"):
-    """Liveness, load, and what the encoder produces, so a language server never pairs with a mismatched one."""
+    """Liveness, load, and what the peer produces, so a receiver never pairs with a mismatched one."""
 
     nonce: int
     load: int
     architecture: str
     hidden_size: int
-    deepstack_levels: int  # the encoder sends hidden_size x (1 + deepstack_levels) columns per media token
+    deepstack_levels: int  # an encoder sends hidden_size x (1 + deepstack_levels) columns per media token
     kv_width: int = 0  # a prefill instance: the KV row width it sends per token (0: an encoder)
 
 
-EncoderToLanguage = TransferChunk | TransferFailed | Pong
+SenderToReceiver = TransferChunk | TransferFailed | Pong

@@ -26,9 +26,9 @@ from vlserve.core.wire import Framer
 from vlserve.disagg.auth import PeerAuth
 from vlserve.disagg.messages import (
     AbortTransfer,
-    EncodeRequest,
+    TransferRequest,
     ItemMeta,
-    LanguageToEncoder,
+    ReceiverToSender,
     Ping,
     Pong,
     ResumeRequest,
@@ -186,7 +186,7 @@ class SenderService:
         self.host, self.data_port, self.auth = host, data_port, auth
         self.failure_prob, self.rng = failure_prob, random.Random()
         self.transport, self.metrics, self.timeout = transport, metrics, timeout
-        self.framer = Framer(LanguageToEncoder)
+        self.framer = Framer(ReceiverToSender)
         self.sender: TransferSender | None = None  # once bound
         self.tasks: set[asyncio.Task] = set()
 
@@ -238,7 +238,7 @@ class SenderService:
     def _dispatch(self, peer: bytes, msg) -> None:
         if isinstance(msg, Ping):
             self.spawn(self.sender.reply(peer, self.pong(msg.nonce)))
-        elif isinstance(msg, EncodeRequest):
+        elif isinstance(msg, TransferRequest):
             self.on_request(peer, msg)
         elif isinstance(msg, ResumeRequest):
             self.spawn(self.sender.resume(peer, msg))
@@ -246,7 +246,7 @@ class SenderService:
             self.on_abort((peer, msg.request_id, msg.transfer_id))
             self.spawn(self.sender.abort(peer, msg))
 
-    def start_request(self, req: EncodeRequest) -> dict:
+    def start_request(self, req: TransferRequest) -> dict:
         """The prompt a request names, after the fault injection of --transfer-failure-prob."""
         if self.failure_prob and self.rng.random() < self.failure_prob:
             raise VlserveError(f"injected transfer failure ({FAILURE_PROB_ENV} / --transfer-failure-prob)")
@@ -273,7 +273,7 @@ class SenderService:
     def pong(self, nonce: int) -> Pong:
         raise NotImplementedError
 
-    def on_request(self, peer: bytes, msg: EncodeRequest) -> None:
+    def on_request(self, peer: bytes, msg: TransferRequest) -> None:
         raise NotImplementedError
 
     def on_abort(self, key: Key) -> None:

@@ -5,7 +5,7 @@ ZeroMQ carries the data as frames after the header and the receiver copies them 
 with direct access to the receiver's memory (shared memory on one host, the Mooncake transfer engine) writes
 straight into the blocks named by the header and sends the header alone; `receive` then only checks it. The
 block layout (engine.transfer_buffers) is the contract both sides share; the receiver describes its buffers
-once (`target`), and every request carries that description to the encoder.
+once (`target`), and every request carries that description to the sender (an encoder or a prefill instance).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import zmq.asyncio
 
 from vlserve.core.processes import finish
 from vlserve.core.wire import Framer
-from vlserve.disagg.messages import EncoderToLanguage, TransferChunk, TransferTarget
+from vlserve.disagg.messages import SenderToReceiver, TransferChunk, TransferTarget
 from vlserve.engine.transfer_buffers import DTYPES, TransferBuffers
 
 
@@ -36,7 +36,7 @@ class ChunkData:
         return sum(t.numel() * t.element_size() for t in (self.fill_ids, self.positions, self.rows))
 
 
-ABORT_ACK_STATUS = 499  # TransferFailed status of an encoder's answer to AbortTransfer: nothing more will be written
+ABORT_ACK_STATUS = 499  # a sender's TransferFailed answering AbortTransfer: nothing more is written
 
 
 class Transport(ABC):
@@ -55,11 +55,11 @@ class Transport(ABC):
     @abstractmethod
     async def send(self, sock: zmq.asyncio.Socket, peer: bytes, header: TransferChunk, data: ChunkData,
                    target: TransferTarget | None) -> int:
-        """Encoder side: deliver `data` into the receiver's `header.block_ids`; returns the payload bytes."""
+        """Sender side: deliver `data` into the receiver's `header.block_ids`; returns the payload bytes."""
 
     @abstractmethod
     async def receive(self, header: TransferChunk, frames: list, buffers: TransferBuffers) -> int:
-        """Language side: after this the chunk's data is in `header.block_ids` (a run starting at token
+        """Receiver side: after this the chunk's data is in `header.block_ids` (a run starting at token
         `header.start_token`); returns the payload bytes. Raises ValueError for a malformed chunk. A copy that
         grows with the chunk runs off the event loop (`in_thread`)."""
 
@@ -74,7 +74,7 @@ class InPlaceTransport(Transport):
 
     def __init__(self, host: str = "127.0.0.1"):
         super().__init__(host)
-        self.framer = Framer(EncoderToLanguage)
+        self.framer = Framer(SenderToReceiver)
 
     async def send(self, sock: zmq.asyncio.Socket, peer: bytes, header: TransferChunk, data: ChunkData,
                    target: TransferTarget | None) -> int:
@@ -121,7 +121,7 @@ def reachable_host(host: str, toward: str | None = None) -> str:
 def check_target(target: TransferTarget | None, backend: str) -> TransferTarget:
     if target is None or target.backend != backend:
         have = "frames (zmq)" if target is None else target.backend
-        raise ValueError(f"this encoder sends with --transfer-backend {backend}, the language server expects "
+        raise ValueError(f"this peer sends with --transfer-backend {backend}, the receiver expects "
                          f"{have}: start every role with the same backend")
     return target
 

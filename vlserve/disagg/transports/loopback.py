@@ -1,5 +1,6 @@
 """A sender and a receiver of one transport in one process, over a real ZeroMQ connection: what the transport
-tests and the bandwidth benchmark drive. The receiver side is what a language server does with a chunk."""
+tests and the bandwidth benchmark drive. The receiver side is what a receiving server (language, prefill or
+decode) does with a chunk."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import zmq
 import zmq.asyncio
 
 from vlserve.core.wire import Framer
-from vlserve.disagg.messages import EncoderToLanguage, RowSegment, TransferChunk, TransferTarget
+from vlserve.disagg.messages import SenderToReceiver, RowSegment, TransferChunk, TransferTarget
 from vlserve.disagg.transports import TRANSPORTS
 from vlserve.disagg.transports.base import ChunkData
 from vlserve.engine.transfer_buffers import TransferBuffers
@@ -21,11 +22,11 @@ class Loopback:
         self.sender = TRANSPORTS[backend]("127.0.0.1")
         self.target: TransferTarget | None = self.receiver.target(buffers)
         ctx = zmq.asyncio.Context.instance()
-        self.router = ctx.socket(zmq.ROUTER)  # the encoder's socket
+        self.router = ctx.socket(zmq.ROUTER)  # the sender's socket
         port = self.router.bind_to_random_port("tcp://127.0.0.1")
-        self.dealer = ctx.socket(zmq.DEALER)  # the language server's
+        self.dealer = ctx.socket(zmq.DEALER)  # the receiver's
         self.dealer.connect(f"tcp://127.0.0.1:{port}")
-        self.framer = Framer(EncoderToLanguage)
+        self.framer = Framer(SenderToReceiver)
         self.peer: bytes | None = None
 
     async def connect(self) -> None:

@@ -6,7 +6,7 @@ import torch
 import zmq.asyncio
 
 from vlserve.core.wire import Framer, tensor_from, tensor_ref
-from vlserve.disagg.messages import EncoderToLanguage, TransferChunk, TransferTarget
+from vlserve.disagg.messages import SenderToReceiver, TransferChunk, TransferTarget
 from vlserve.disagg.transports.base import ChunkData, Transport, in_thread, write_chunk
 from vlserve.engine.transfer_buffers import TransferBuffers
 
@@ -16,7 +16,7 @@ class ZmqTransport(Transport):
 
     def __init__(self, host: str = "127.0.0.1"):
         super().__init__(host)
-        self.framer = Framer(EncoderToLanguage)
+        self.framer = Framer(SenderToReceiver)
 
     async def send(self, sock: zmq.asyncio.Socket, peer: bytes, header: TransferChunk, data: ChunkData,
                    target: TransferTarget | None) -> int:

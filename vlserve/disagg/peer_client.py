@@ -5,7 +5,7 @@ a prefill instance) or prefill instances (every prompt token's KV row and the fi
 instance): one protocol, told apart by `PeerKind`.
 
 A transfer goes Bootstrapping -> WaitingForInput -> Transferring -> Success | Failed | Rejected (the request's
-own fault). Every block it holds is freed on every path but success, which hands them to the caller. An encoder
+own fault). Every block it holds is freed on every path but success, which hands them to the caller. A peer
 that fails, dies, times out or answers nonsense gets the request retried once elsewhere; then a clear 503.
 """
 
@@ -32,9 +32,9 @@ from vlserve.disagg.auth import PeerAuth, require_secret_off_loopback
 from vlserve.disagg.bootstrap import BootstrapClient, InstanceInfo
 from vlserve.disagg.messages import (
     AbortTransfer,
-    EncodeRequest,
-    EncoderToLanguage,
-    LanguageToEncoder,
+    TransferRequest,
+    SenderToReceiver,
+    ReceiverToSender,
     Ping,
     Pong,
     ResumeRequest,
@@ -50,7 +50,7 @@ from vlserve.engine.prompt_check import check_prompt
 from vlserve.engine.transfer_buffers import AUX_MROPE_DELTA, AUX_NUM_ITEMS, AUX_TOTAL_TOKENS, TransferBuffers
 
 # After a failed transfer over a transport that writes in place, its blocks wait this long at most for the
-# encoder's word that nothing more is written (its writes time out sooner: see transports/).
+# sender's word that nothing more is written (its writes time out sooner: see transports/).
 QUARANTINE_S = 15.0
 logger = logging.getLogger("vlserve.disagg")
 AFFINITY_ENTRIES = 4096
@@ -58,7 +58,7 @@ MAX_MM_HASH_CHARS = 128
 INLINE_CHECK_VALUES = 1 << 16  # a finiteness check of more values than this runs off the event loop
 
 
-class EncoderFailure(Exception):
+class PeerFailure(Exception):
     """This peer could not deliver (it failed, died, timed out or sent nonsense): worth one retry elsewhere."""
 
 
@@ -67,6 +67,14 @@ class PeerKind:
     role: str  # the peers' role in the registry
     name: str  # in messages
     rows_for_every_token: bool  # KV rows for every prompt token, not embedding rows for media tokens only
+
+    def buffer_blocks(self, opts: DisaggArgs) -> int:
+        """Blocks in this server's receive pool for what these peers send."""
+        return opts.kv_buffer_blocks if self.rows_for_every_token else opts.media_buffer_blocks
+
+    def allocate_rows(self, opts: DisaggArgs) -> int:
+        """Receive rows reserved for a request before its peer says how many it needs."""
+        return opts.kv_allocate_tokens if self.rows_for_every_token else opts.media_allocate_rows
 
     def expects(self, cfg: VlserveConfig) -> tuple:
         """What a peer's Pong must say to be paired: it produces exactly what this model needs."""
@@ -80,11 +88,11 @@ PREFILL_PEERS = PeerKind("prefill", "prefill instance", rows_for_every_token=Tru
 
 
 @dataclass
-class EncoderConn:
+class PeerConn:
     info: InstanceInfo
     sock: zmq.asyncio.Socket
     in_flight: int = 0
-    last_used: float = 0.0  # ties on load go to the encoder idle longest, so sequential work spreads too
+    last_used: float = 0.0  # ties on load go to the peer idle longest, so sequential work spreads too
     missed: int = 0
     paired: bool = False  # it answered a ping and produces what this model needs
     alive: bool = True
@@ -92,26 +100,26 @@ class EncoderConn:
     reader: asyncio.Task | None = None
 
 
-class EncoderClient:
+class PeerClient:
     def __init__(self, cfg: VlserveConfig, buffers: TransferBuffers, metrics: TransferMetrics, opts: DisaggArgs,
-                 self_info: InstanceInfo, peers: PeerKind = ENCODER_PEERS):
-        self.cfg, self.buffers, self.metrics, self.opts, self.peers = cfg, buffers, metrics, opts, peers
+                 self_info: InstanceInfo, kind: PeerKind = ENCODER_PEERS):
+        self.cfg, self.buffers, self.metrics, self.opts, self.kind = cfg, buffers, metrics, opts, kind
         registry_host = opts.bootstrap.rsplit(":", 1)[0]
         self.transport = TRANSPORTS[opts.transfer_backend](
             reachable_host(self_info.http_address.rsplit(":", 1)[0], toward=registry_host))
-        self.target = self.transport.target(buffers)  # how encoders reach our receive buffers, sent with each request
-        self.requests, self.replies = Framer(LanguageToEncoder), Framer(EncoderToLanguage)
+        self.target = self.transport.target(buffers)  # how peers reach our receive buffers, sent with each request
+        self.requests, self.replies = Framer(ReceiverToSender), Framer(SenderToReceiver)
         self.ctx = zmq.asyncio.Context.instance()
-        self.encoders: dict[str, EncoderConn] = {}
-        self.affinity: OrderedDict[str, str] = OrderedDict()  # media key -> encoder id that saw it
-        self.dropped: dict[str, float] = {}  # encoder id -> until when it stays dropped
+        self.conns: dict[str, PeerConn] = {}
+        self.affinity: OrderedDict[str, str] = OrderedDict()  # affinity key -> id of the peer that served it
+        self.dropped: dict[str, float] = {}  # peer id -> until when it stays dropped
         self.auth = PeerAuth(opts.disagg_secret)
         require_secret_off_loopback(self.auth, opts.bootstrap.rsplit(":", 1)[0], "this language server's registry")
         self.bootstrap = BootstrapClient(opts.bootstrap, self_info, opts.heartbeat_interval,
-                                         load_fn=lambda: sum(e.in_flight for e in self.encoders.values()),
+                                         load_fn=lambda: sum(e.in_flight for e in self.conns.values()),
                                          auth=self.auth)
         self._ids = itertools.count()
-        self.quarantined: dict[tuple[str, int], tuple[list[int], float]] = {}  # blocks an encoder may still write
+        self.quarantined: dict[tuple[str, int], tuple[list[int], float]] = {}  # blocks a peer may still write
         self._tasks: list[asyncio.Task] = []
         self._block_freed = asyncio.Event()
         self._peer_paired = asyncio.Event()
@@ -124,14 +132,14 @@ class EncoderClient:
     async def stop(self) -> None:
         for t in self._tasks:
             t.cancel()
-        for enc in list(self.encoders.values()):
-            self._drop(enc, "shutting down", quiet=True)
+        for peer in list(self.conns.values()):
+            self._drop(peer, "shutting down", quiet=True)
         await self.bootstrap.stop()
         self.transport.close()
 
     @property
     def num_available(self) -> int:
-        return sum(e.alive and e.paired for e in self.encoders.values())
+        return sum(e.alive and e.paired for e in self.conns.values())
 
     # ---- membership and heartbeats ----------------------------------------------------------------------------
     async def _refresh_loop(self) -> None:
@@ -140,143 +148,143 @@ class EncoderClient:
             await asyncio.sleep(self.opts.heartbeat_interval)
             now = time.monotonic()
             for key in [k for k, (_, until) in self.quarantined.items() if until < now]:
-                self.free(self.quarantined.pop(key)[0])  # no word from the encoder: gone, or its writes timed out
+                self.free(self.quarantined.pop(key)[0])  # no word from the peer: gone, or its writes timed out
             try:
                 await self._refresh()
-            except Exception as e:  # noqa: BLE001 - the registry may be restarting; keep the encoders we know
+            except Exception as e:  # noqa: BLE001 - the registry may be restarting; keep the peers we know
                 # Said once per outage: the bootstrap client already reports the registry's absence and return.
                 (logger.debug if listing_failed else logger.warning)(
-                    "could not list %s instances (keeping the %d known): %s", self.peers.role, len(self.encoders), e)
+                    "could not list %s instances (keeping the %d known): %s", self.kind.role, len(self.conns), e)
                 listing_failed = True
             else:
                 listing_failed = False
 
     async def _refresh(self) -> None:
-        """The registry is for discovery only: an encoder is dropped when it stops answering our pings, not
+        """The registry is for discovery only: a peer is dropped when it stops answering our pings, not
         when the registry loses sight of it (a slow heartbeat or a registry restart must not cut live work).
-        A dropped encoder stays out for a while: a dead one is still listed until the registry times it out."""
-        listed = {i.instance_id: i for i in await self.bootstrap.list_instances(self.peers.role)}
+        A dropped peer stays out for a while: a dead one is still listed until the registry times it out."""
+        listed = {i.instance_id: i for i in await self.bootstrap.list_instances(self.kind.role)}
         now = time.monotonic()
         self.dropped = {iid: until for iid, until in self.dropped.items() if now < until}
         for iid, info in listed.items():
-            if iid not in self.encoders and iid not in self.dropped:
+            if iid not in self.conns and iid not in self.dropped:
                 sock = self.ctx.socket(zmq.DEALER)
                 sock.setsockopt(zmq.LINGER, 0)
                 self.auth.secure_client(sock)
                 sock.connect(f"tcp://{info.address}")
-                enc = EncoderConn(info, sock)
-                enc.reader = asyncio.create_task(self._read(enc))
-                self.encoders[iid] = enc
-                logger.info("%s %s at %s found; pairing", self.peers.name, iid[:8], info.address)
+                peer = PeerConn(info, sock)
+                peer.reader = asyncio.create_task(self._read(peer))
+                self.conns[iid] = peer
+                logger.info("%s %s at %s found; pairing", self.kind.name, iid[:8], info.address)
 
     async def _ping_loop(self) -> None:
         nonce = itertools.count()
         while True:
             self.buffers.restore_file()  # a buffer file resized behind our back: put back before anyone reads it
-            for enc in list(self.encoders.values()):
-                enc.missed += 1
-                if enc.missed > self.opts.heartbeat_failure_threshold:
-                    self._drop(enc, f"missed {enc.missed - 1} heartbeats")
+            for peer in list(self.conns.values()):
+                peer.missed += 1
+                if peer.missed > self.opts.heartbeat_failure_threshold:
+                    self._drop(peer, f"missed {peer.missed - 1} heartbeats")
                     continue
-                await enc.sock.send_multipart(self.requests.encode(Ping(next(nonce))))
+                await peer.sock.send_multipart(self.requests.encode(Ping(next(nonce))))
             await asyncio.sleep(self.opts.heartbeat_interval)
 
-    def _drop(self, enc: EncoderConn, why: str, quiet: bool = False, for_s: float | None = None) -> None:
-        if self.encoders.pop(enc.info.instance_id, None) is None:
+    def _drop(self, peer: PeerConn, why: str, quiet: bool = False, for_s: float | None = None) -> None:
+        if self.conns.pop(peer.info.instance_id, None) is None:
             return
-        enc.alive = False
+        peer.alive = False
         quarantine = 2 * self.opts.heartbeat_failure_threshold * self.opts.heartbeat_interval
-        self.dropped[enc.info.instance_id] = time.monotonic() + (for_s if for_s is not None else quarantine)
+        self.dropped[peer.info.instance_id] = time.monotonic() + (for_s if for_s is not None else quarantine)
         if not quiet:
-            logger.warning("%s %s (%s) dropped: %s", self.peers.name, enc.info.instance_id[:8], enc.info.address,
+            logger.warning("%s %s (%s) dropped: %s", self.kind.name, peer.info.instance_id[:8], peer.info.address,
                            why)
-        for q in enc.transfers.values():
-            q.put_nowait(EncoderFailure(f"{self.peers.name} {enc.info.address} {why}"))
-        if enc.reader is not None:
-            enc.reader.cancel()
-        enc.sock.close(linger=0)
+        for q in peer.transfers.values():
+            q.put_nowait(PeerFailure(f"{self.kind.name} {peer.info.address} {why}"))
+        if peer.reader is not None:
+            peer.reader.cancel()
+        peer.sock.close(linger=0)
 
-    async def _read(self, enc: EncoderConn) -> None:
+    async def _read(self, peer: PeerConn) -> None:
         while True:
-            frames = await enc.sock.recv_multipart()
+            frames = await peer.sock.recv_multipart()
             try:
                 msg = self.replies.decode(frames)
             except Exception as e:  # noqa: BLE001
-                logger.warning("undecodable message from encoder %s: %s", enc.info.address, e)
+                logger.warning("undecodable message from %s %s: %s", self.kind.name, peer.info.address, e)
                 continue
-            enc.missed = 0  # any message proves it is alive
+            peer.missed = 0  # any message proves it is alive
             if isinstance(msg, Pong):
-                self._pair(enc, msg)
+                self._pair(peer, msg)
                 continue
             key = (msg.request_id, msg.transfer_id)
             if isinstance(msg, TransferFailed) and key in self.quarantined:
-                self.free(self.quarantined.pop(key)[0])  # the encoder will not write into them any more
+                self.free(self.quarantined.pop(key)[0])  # the peer will not write into them any more
                 continue
-            q = enc.transfers.get(key)
+            q = peer.transfers.get(key)
             if q is not None:
                 q.put_nowait((msg, frames))
 
-    def _pair(self, enc: EncoderConn, pong: Pong) -> None:
-        if enc.paired:
+    def _pair(self, peer: PeerConn, pong: Pong) -> None:
+        if peer.paired:
             return
-        ours = self.peers.expects(self.cfg)
+        ours = self.kind.expects(self.cfg)
         theirs = (pong.architecture, pong.hidden_size, pong.deepstack_levels, pong.kv_width)
         if theirs != ours:
             logger.error("%s %s serves %s (hidden size %d, %d deepstack levels, KV rows of %d); this server needs "
-                         "%s (hidden size %d, %d deepstack levels, KV rows of %d): not paired", self.peers.name,
-                         enc.info.address, theirs[0][:64], *theirs[1:], *ours)
-            self._drop(enc, "its model does not match", quiet=True, for_s=300.0)
+                         "%s (hidden size %d, %d deepstack levels, KV rows of %d): not paired", self.kind.name,
+                         peer.info.address, theirs[0][:64], *theirs[1:], *ours)
+            self._drop(peer, "its model does not match", quiet=True, for_s=300.0)
             return
-        enc.paired = True
+        peer.paired = True
         self._peer_paired.set()
-        logger.info("%s %s paired (%s)", self.peers.name, enc.info.instance_id[:8], enc.info.address)
+        logger.info("%s %s paired (%s)", self.kind.name, peer.info.instance_id[:8], peer.info.address)
 
     # ---- transfers ---------------------------------------------------------------------------------------------
-    def _pick(self, key: str, exclude: set[str]) -> EncoderConn | None:
-        live = [e for e in self.encoders.values() if e.alive and e.paired and e.info.instance_id not in exclude]
+    def _pick(self, key: str, exclude: set[str]) -> PeerConn | None:
+        live = [e for e in self.conns.values() if e.alive and e.paired and e.info.instance_id not in exclude]
         if not live:
             return None
         least = min(e.in_flight for e in live)
         preferred = self.affinity.get(key)
-        for e in live:  # the encoder that saw this media has it cached, unless it is much busier
+        for e in live:  # the peer that saw this key has it cached, unless it is much busier
             if e.info.instance_id == preferred and e.in_flight <= least + 1:
                 return e
         return min(live, key=lambda e: (e.in_flight, e.last_used))
 
-    async def encode(self, request_id: str, prompt: str, media: dict, uuids: dict, mm_kwargs: dict,
+    async def send_prompt(self, request_id: str, prompt: str, media: dict, uuids: dict, mm_kwargs: dict,
                      params: SamplingParams | None = None) -> tuple[ProcessedPrompt, Handoff | None]:
         """The processed prompt, its rows in receive blocks (`block_rows`) the caller must free; from a prefill
         instance (`params` given) also its first token and random state."""
         key = _media_key(media)
         tried: set[str] = set()
         last: Exception | None = None
-        for _ in range(2):  # the first try and one retry on another encoder
-            enc = self._pick(key, tried) if tried else await self._first_peer(key)
-            if enc is None:
+        for _ in range(2):  # the first try and one retry on another peer
+            peer = self._pick(key, tried) if tried else await self._first_peer(key)
+            if peer is None:
                 break
-            tried.add(enc.info.instance_id)
+            tried.add(peer.info.instance_id)
             try:
-                processed = await self._transfer(enc, request_id, prompt, media, uuids, mm_kwargs, params)
-                self.affinity[key] = enc.info.instance_id
+                processed = await self._transfer(peer, request_id, prompt, media, uuids, mm_kwargs, params)
+                self.affinity[key] = peer.info.instance_id
                 self.affinity.move_to_end(key)
                 while len(self.affinity) > AFFINITY_ENTRIES:
                     self.affinity.popitem(last=False)
                 return processed
-            except EncoderFailure as e:
+            except PeerFailure as e:
                 retry = len(tried) < 2 and self._pick(key, tried) is not None
-                logger.warning("request %s: %s %s failed (%s)%s", request_id, self.peers.name, enc.info.address, e,
-                               f"; retrying on another {self.peers.name}" if retry else "")
+                logger.warning("request %s: %s %s failed (%s)%s", request_id, self.kind.name, peer.info.address, e,
+                               f"; retrying on another {self.kind.name}" if retry else "")
                 last = e
         if last is None:
-            raise ServiceUnavailableError(f"no {self.peers.name} is available (none paired within "
+            raise ServiceUnavailableError(f"no {self.kind.name} is available (none paired within "
                                           f"--peer-wait-timeout {self.opts.peer_wait_timeout:g}s); retry later")
-        raise ServiceUnavailableError(f"the {self.peers.name} failed after {len(tried)} attempt(s): {last}")
+        raise ServiceUnavailableError(f"the {self.kind.name} failed after {len(tried)} attempt(s): {last}")
 
-    async def _first_peer(self, key: str) -> EncoderConn | None:
+    async def _first_peer(self, key: str) -> PeerConn | None:
         """A peer for a request's first try: when none is paired (a start-up race, a peer restarting), wait up
         to --peer-wait-timeout for one to pair rather than refuse at once."""
         deadline = time.monotonic() + self.opts.peer_wait_timeout
-        while (enc := self._pick(key, set())) is None:
+        while (peer := self._pick(key, set())) is None:
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
@@ -285,7 +293,7 @@ class EncoderClient:
                 await asyncio.wait_for(self._peer_paired.wait(), left)
             except asyncio.TimeoutError:
                 return None
-        return enc
+        return peer
 
     async def _allocate(self, tokens: int) -> list[int]:
         deadline = time.monotonic() + self.opts.transfer_timeout
@@ -309,24 +317,24 @@ class EncoderClient:
             self.buffers.free(blocks)
             self._block_freed.set()
 
-    async def _transfer(self, enc: EncoderConn, request_id: str, prompt: str, media: dict, uuids: dict,
+    async def _transfer(self, peer: PeerConn, request_id: str, prompt: str, media: dict, uuids: dict,
                         mm_kwargs: dict, params: SamplingParams | None) -> tuple[ProcessedPrompt, Handoff | None]:
         self.buffers.restore_file()
         restored = self.buffers.restored  # a restore later on means this transfer's rows were lost
         tid = next(self._ids)
         queue: asyncio.Queue = asyncio.Queue()
-        enc.transfers[(request_id, tid)] = queue
-        enc.in_flight += 1
-        enc.last_used = time.monotonic()
-        enter = self._state_logger(request_id, tid, enc)
+        peer.transfers[(request_id, tid)] = queue
+        peer.in_flight += 1
+        peer.last_used = time.monotonic()
+        enter = self._state_logger(request_id, tid, peer)
         enter(TransferState.BOOTSTRAPPING)
         t0 = time.perf_counter()
         blocks: list[int] = []  # every block this transfer holds, in token order
         succeeded = False
         try:
-            run = await self._allocate(self.opts.embedding_default_allocate_tokens)
+            run = await self._allocate(self.kind.allocate_rows(self.opts))
             blocks += run
-            await enc.sock.send_multipart(self.requests.encode(EncodeRequest(
+            await peer.sock.send_multipart(self.requests.encode(TransferRequest(
                 request_id, tid, prompt, media, uuids, mm_kwargs or {}, run, self.buffers.block_tokens, self.target,
                 params)))
             enter(TransferState.WAITING_FOR_INPUT)
@@ -335,16 +343,16 @@ class EncoderClient:
                 header, frames = await self._next_chunk(queue, enter)
                 enter(TransferState.TRANSFERRING)
                 received.check(header, run, self.buffers.block_tokens, self.cfg.max_model_len,
-                               self.peers.rows_for_every_token)
+                               self.kind.rows_for_every_token)
                 try:
                     self.metrics.bytes(await self.transport.receive(header, frames, self.buffers))
                 except ValueError as e:
-                    raise EncoderFailure(f"malformed chunk: {e}") from None
+                    raise PeerFailure(f"malformed chunk: {e}") from None
                 if self.buffers.restore_file() or self.buffers.restored != restored:
-                    raise EncoderFailure("this server's receive buffer file was resized by someone else during the "
+                    raise PeerFailure("this server's receive buffer file was resized by someone else during the "
                                          "transfer: what arrived is lost")
                 if not await self._rows_finite(header, run):
-                    raise EncoderFailure(f"the {self.peers.name} sent rows holding NaN or infinite values")
+                    raise PeerFailure(f"the {self.kind.name} sent rows holding NaN or infinite values")
                 if header.start_token == 0:
                     self.buffers.write_aux(run, [header.total_tokens, header.mrope_delta, len(header.items)])
                 if not header.partial:
@@ -352,14 +360,14 @@ class EncoderClient:
                 self.metrics.resume()
                 run = await self._allocate(header.total_tokens - received.tokens)
                 blocks += run
-                await enc.sock.send_multipart(self.requests.encode(ResumeRequest(request_id, tid, received.tokens,
+                await peer.sock.send_multipart(self.requests.encode(ResumeRequest(request_id, tid, received.tokens,
                                                                                  run)))
             keep = self.buffers.blocks_for(received.tokens)  # the rest of the run was never written
             self.free(blocks[keep:])
             blocks = blocks[:keep]
             processed = self._assemble(prompt, blocks, received)
             if (header.handoff is not None) != (params is not None):
-                raise EncoderFailure("a prefill's first token is missing" if params is not None else
+                raise PeerFailure("a prefill's first token is missing" if params is not None else
                                      "an encoder sent a first token")
             enter(TransferState.SUCCESS)
             self.metrics.transfer_latency.observe(time.perf_counter() - t0)
@@ -370,8 +378,8 @@ class EncoderClient:
             raise
         except BaseException:
             enter(TransferState.FAILED)
-            if enc.alive:  # let the encoder drop what it holds for us
-                await enc.sock.send_multipart(self.requests.encode(AbortTransfer(request_id, tid)))
+            if peer.alive:  # let the peer drop what it holds for us
+                await peer.sock.send_multipart(self.requests.encode(AbortTransfer(request_id, tid)))
                 if self.transport.writes_in_place and blocks:
                     # It may be writing into them right now: they wait for its word (or a deadline).
                     self.quarantined[(request_id, tid)] = (blocks, time.monotonic() + QUARANTINE_S)
@@ -380,8 +388,8 @@ class EncoderClient:
         finally:
             if not succeeded:
                 self.free(blocks)
-            enc.in_flight -= 1
-            enc.transfers.pop((request_id, tid), None)
+            peer.in_flight -= 1
+            peer.transfers.pop((request_id, tid), None)
 
     async def _rows_finite(self, header: TransferChunk, run: list[int]) -> bool:
         """The chunk's rows, as they landed in our blocks, hold only finite values (a peer's NaN would otherwise
@@ -395,7 +403,7 @@ class EncoderClient:
         try:
             got = await asyncio.wait_for(queue.get(), self.opts.transfer_timeout)
         except asyncio.TimeoutError:
-            raise EncoderFailure(f"no answer within {self.opts.transfer_timeout:.0f}s") from None
+            raise PeerFailure(f"no answer within {self.opts.transfer_timeout:.0f}s") from None
         if isinstance(got, Exception):
             raise got
         msg, frames = got
@@ -403,7 +411,7 @@ class EncoderClient:
             if 400 <= msg.status < 500:  # the request's own fault, with the aggregated server's status
                 err = MediaTooLargeError(msg.message) if msg.status == 413 else InvalidInputError(msg.message)
                 raise err
-            raise EncoderFailure(msg.message)
+            raise PeerFailure(msg.message)
         return msg, frames
 
     def _assemble(self, text: str, blocks: list[int], received: "_Received") -> ProcessedPrompt:
@@ -413,7 +421,7 @@ class EncoderClient:
         aux = self.buffers.read_aux(blocks)
         if aux[AUX_TOTAL_TOKENS] != total or aux[AUX_MROPE_DELTA] != header.mrope_delta \
                 or aux[AUX_NUM_ITEMS] != len(header.items):
-            raise EncoderFailure("the aux data in the blocks disagrees with the chunk headers")
+            raise PeerFailure("the aux data in the blocks disagrees with the chunk headers")
         items = [MultiModalItem(it.offset, it.num_tokens, None, tuple(it.grid_thw), it.mm_hash)
                  for it in header.items]
         processed = ProcessedPrompt(fill_ids.tolist(), items, positions.T.contiguous(), header.mrope_delta, text,
@@ -421,14 +429,14 @@ class EncoderClient:
         try:
             check_prompt(processed, self.cfg, (self.buffers.num_blocks, self.buffers.block_tokens))
         except InvalidInputError as e:
-            raise EncoderFailure(f"the encoder's output does not check out: {e}") from None
+            raise PeerFailure(f"the {self.kind.name}'s output does not check out: {e}") from None
         return processed
 
-    def _state_logger(self, request_id: str, tid: int, enc: EncoderConn):
+    def _state_logger(self, request_id: str, tid: int, peer: PeerConn):
         """Counts each state in the metrics and shows the transitions in debug logs."""
         def enter(state: TransferState) -> None:
             self.metrics.state(state)
-            logger.debug("transfer %s/%d via %s: %s", request_id, tid, enc.info.address, state.value)
+            logger.debug("transfer %s/%d via %s: %s", request_id, tid, peer.info.address, state.value)
         return enter
 
 
@@ -468,7 +476,7 @@ class _Received:
         if any(len(it.mm_hash) > MAX_MM_HASH_CHARS for it in header.items):
             problems.append("an oversized mm_hash")
         if problems:
-            raise EncoderFailure("the peer sent " + "; ".join(problems))
+            raise PeerFailure("the peer sent " + "; ".join(problems))
         self.first = first
         self.tokens = end
 
