@@ -32,7 +32,8 @@ from vlserve.core.errors import ServiceUnavailableError
 from vlserve.core.wire import Framer
 from vlserve.disagg.auth import HEADER, NonceMemory, PeerAuth, ReplayMemoryFull
 from vlserve.disagg.bootstrap import MAX_BODY_BYTES, InstanceInfo, build_bootstrap_app
-from vlserve.disagg.peer_client import ENCODER_PEERS, PREFILL_PEERS, PeerClient, PeerConn
+from vlserve.disagg.peer_client import PeerClient, PeerConn
+from vlserve.disagg.peer_kinds import ENCODER_PEERS, PREFILL_PEERS
 from vlserve.disagg.messages import (
     TransferRequest,
     SenderToReceiver,

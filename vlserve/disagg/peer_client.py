@@ -2,7 +2,8 @@
 receive blocks (a run of blocks per round; a resumed transfer adds a run), and check everything a peer sends
 before the engine may read it. The peers are encoders (embedding rows of media tokens, for a language server or
 a prefill instance) or prefill instances (every prompt token's KV row and the first token, for a decode
-instance): one protocol, told apart by `PeerKind`.
+instance): one protocol, told apart by `PeerKind` (disagg.peer_kinds), which also says what a request is keyed
+by when picking its peer.
 
 A transfer goes Bootstrapping -> WaitingForInput -> Transferring -> Success | Failed | Rejected (the request's
 own fault). Every block it holds is freed on every path but success, which hands them to the caller. A peer
@@ -15,10 +16,8 @@ import asyncio
 import itertools
 import logging
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
-import blake3
 import zmq
 import zmq.asyncio
 
@@ -43,6 +42,7 @@ from vlserve.disagg.messages import (
     TransferState,
 )
 from vlserve.disagg.metrics import TransferMetrics
+from vlserve.disagg.peer_kinds import ENCODER_PEERS, PeerKind, rendezvous_score
 from vlserve.disagg.transports import TRANSPORTS
 from vlserve.disagg.transports.base import chunk_row_tokens, in_thread, reachable_host
 from vlserve.engine.config import VlserveConfig
@@ -53,7 +53,6 @@ from vlserve.engine.transfer_buffers import AUX_MROPE_DELTA, AUX_NUM_ITEMS, AUX_
 # sender's word that nothing more is written (its writes time out sooner: see transports/).
 QUARANTINE_S = 15.0
 logger = logging.getLogger("vlserve.disagg")
-AFFINITY_ENTRIES = 4096
 MAX_MM_HASH_CHARS = 128
 INLINE_CHECK_VALUES = 1 << 16  # a finiteness check of more values than this runs off the event loop
 
@@ -62,37 +61,11 @@ class PeerFailure(Exception):
     """This peer could not deliver (it failed, died, timed out or sent nonsense): worth one retry elsewhere."""
 
 
-@dataclass(frozen=True)
-class PeerKind:
-    role: str  # the peers' role in the registry
-    name: str  # in messages
-    rows_for_every_token: bool  # KV rows for every prompt token, not embedding rows for media tokens only
-
-    def buffer_blocks(self, opts: DisaggArgs) -> int:
-        """Blocks in this server's receive pool for what these peers send."""
-        return opts.kv_buffer_blocks if self.rows_for_every_token else opts.media_buffer_blocks
-
-    def allocate_rows(self, opts: DisaggArgs) -> int:
-        """Receive rows reserved for a request before its peer says how many it needs."""
-        return opts.kv_allocate_tokens if self.rows_for_every_token else opts.media_allocate_rows
-
-    def expects(self, cfg: VlserveConfig) -> tuple:
-        """What a peer's Pong must say to be paired: it produces exactly what this model needs."""
-        m = cfg.model
-        return (m.architecture, m.text.hidden_size, len(m.vision.deepstack_indexes),
-                m.kv_row_width if self.rows_for_every_token else 0)
-
-
-ENCODER_PEERS = PeerKind("encode", "encoder", rows_for_every_token=False)
-PREFILL_PEERS = PeerKind("prefill", "prefill instance", rows_for_every_token=True)
-
-
 @dataclass
 class PeerConn:
     info: InstanceInfo
     sock: zmq.asyncio.Socket
     in_flight: int = 0
-    last_used: float = 0.0  # ties on load go to the peer idle longest, so sequential work spreads too
     missed: int = 0
     paired: bool = False  # it answered a ping and produces what this model needs
     alive: bool = True
@@ -111,7 +84,6 @@ class PeerClient:
         self.requests, self.replies = Framer(ReceiverToSender), Framer(SenderToReceiver)
         self.ctx = zmq.asyncio.Context.instance()
         self.conns: dict[str, PeerConn] = {}
-        self.affinity: OrderedDict[str, str] = OrderedDict()  # affinity key -> id of the peer that served it
         self.dropped: dict[str, float] = {}  # peer id -> until when it stays dropped
         self.auth = PeerAuth(opts.disagg_secret)
         require_secret_off_loopback(self.auth, opts.bootstrap.rsplit(":", 1)[0], "this language server's registry")
@@ -241,21 +213,23 @@ class PeerClient:
 
     # ---- transfers ---------------------------------------------------------------------------------------------
     def _pick(self, key: str, exclude: set[str]) -> PeerConn | None:
-        live = [e for e in self.conns.values() if e.alive and e.paired and e.info.instance_id not in exclude]
+        """Among the peers within one request of the least loaded, the one the key prefers (rendezvous hashing:
+        the same key keeps its peer, different keys spread); a busier peer never gets it."""
+        live = [p for p in self.conns.values() if p.alive and p.paired and p.info.instance_id not in exclude]
         if not live:
             return None
-        least = min(e.in_flight for e in live)
-        preferred = self.affinity.get(key)
-        for e in live:  # the peer that saw this key has it cached, unless it is much busier
-            if e.info.instance_id == preferred and e.in_flight <= least + 1:
-                return e
-        return min(live, key=lambda e: (e.in_flight, e.last_used))
+        least = min(p.in_flight for p in live)
+        near = [p for p in live if p.in_flight <= least + 1]
+        return max(near, key=lambda p: rendezvous_score(key, p.info.instance_id))
 
     async def send_prompt(self, request_id: str, prompt: str, media: dict, uuids: dict, mm_kwargs: dict,
-                     params: SamplingParams | None = None) -> tuple[ProcessedPrompt, Handoff | None]:
+                          params: SamplingParams | None = None) -> tuple[ProcessedPrompt, Handoff | None]:
         """The processed prompt, its rows in receive blocks (`block_rows`) the caller must free; from a prefill
         instance (`params` given) also its first token and random state."""
-        key = _media_key(media)
+        if self.kind.key_is_costly(media):
+            key = await in_thread(self.kind.affinity_key, prompt, media, uuids)
+        else:
+            key = self.kind.affinity_key(prompt, media, uuids)
         tried: set[str] = set()
         last: Exception | None = None
         for _ in range(2):  # the first try and one retry on another peer
@@ -264,12 +238,7 @@ class PeerClient:
                 break
             tried.add(peer.info.instance_id)
             try:
-                processed = await self._transfer(peer, request_id, prompt, media, uuids, mm_kwargs, params)
-                self.affinity[key] = peer.info.instance_id
-                self.affinity.move_to_end(key)
-                while len(self.affinity) > AFFINITY_ENTRIES:
-                    self.affinity.popitem(last=False)
-                return processed
+                return await self._transfer(peer, request_id, prompt, media, uuids, mm_kwargs, params)
             except PeerFailure as e:
                 retry = len(tried) < 2 and self._pick(key, tried) is not None
                 logger.warning("request %s: %s %s failed (%s)%s", request_id, self.kind.name, peer.info.address, e,
@@ -325,7 +294,6 @@ class PeerClient:
         queue: asyncio.Queue = asyncio.Queue()
         peer.transfers[(request_id, tid)] = queue
         peer.in_flight += 1
-        peer.last_used = time.monotonic()
         enter = self._state_logger(request_id, tid, peer)
         enter(TransferState.BOOTSTRAPPING)
         t0 = time.perf_counter()
@@ -479,12 +447,3 @@ class _Received:
             raise PeerFailure("the peer sent " + "; ".join(problems))
         self.first = first
         self.tokens = end
-
-
-def _media_key(media: dict) -> str:
-    """Affinity key from the media as sent (URLs or data URLs): the same picture goes to the same encoder."""
-    h = blake3.blake3()
-    for kind in sorted(media):
-        for src in media[kind]:
-            h.update(f"{kind}|{src if isinstance(src, str) else repr(src)[:256]}|".encode())
-    return h.hexdigest(length=16)

@@ -15,7 +15,8 @@ from __future__ import annotations
 from vlserve.core.config import DisaggArgs
 from vlserve.core.errors import InvalidInputError
 from vlserve.disagg.bootstrap import InstanceInfo, new_instance_id
-from vlserve.disagg.peer_client import ENCODER_PEERS, PREFILL_PEERS, PeerClient, PeerKind
+from vlserve.disagg.peer_client import PeerClient
+from vlserve.disagg.peer_kinds import ENCODER_PEERS, PREFILL_PEERS, PeerKind
 from vlserve.disagg.metrics import TransferMetrics
 from vlserve.engine.transfer_buffers import TransferBuffers
 from vlserve.frontend.prompt_encoder import EncodedPrompt, LocalPromptEncoder
