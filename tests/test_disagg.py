@@ -156,8 +156,8 @@ os.environ.setdefault("UCX_TLS", "tcp")  # NIXL over plain TCP, as on machines w
 @pytest.fixture(scope="module", params=BACKENDS)
 def cluster(tiny_ckpt, request):
     """The same suite over every transport: ZeroMQ frames, shared memory, Mooncake (TCP here)."""
-    c = Cluster(tiny_ckpt("qwen2_vl"), {"main": [], "small": ["--media-allocate-rows", "16"]},
-                backend=request.param)
+    c = Cluster(tiny_ckpt("qwen2_vl"), {"main": [], "small": ["--media-allocate-rows", "4", "--receive-block-rows",
+                                                              "4"]}, backend=request.param)
     yield c
     c.close()
 
@@ -187,7 +187,7 @@ def test_1e1l_matches_aggregated_and_small_buffers_resume(cluster, offline, lang
     resumes = 'vlserve:embedding_transfer_resumes_total{role="language"}'
     success = 'vlserve:embedding_transfers_total{role="language",state="success"}'
     assert after[success] - before[success] == 2  # text-only never touched an encoder
-    assert (after[resumes] > before[resumes]) == (lang == "small")  # 16 tokens are never enough for a picture
+    assert (after[resumes] > before[resumes]) == (lang == "small")  # 4 rows never hold three pictures
     # The encoder's mm_hash reaches the block hashes: asking again hits the prefix cache through the picture.
     client = cluster.client(lang)
     resp = client.chat.completions.create(model=client.served_model, messages=CASES["one image"], max_tokens=1)
@@ -212,6 +212,31 @@ def test_only_media_rows_travel(cluster, offline):
         offline.config.model.image_token_id)
     hidden = offline.config.model.text.hidden_size
     assert moved == resp.usage.prompt_tokens * (8 + 24) + media_tokens * hidden * 4  # float32 rows
+
+
+def test_a_long_text_with_a_small_picture_reserves_the_pictures_rows_only(cluster, offline):
+    """Receive blocks hold media rows only: ~1200 text tokens beside a 4-token picture take one 16-row block
+    while the request runs (they took a row per token before), and the answer is the aggregated one."""
+    messages = picture_chat(1, text="Describe it. " + "word " * 400)
+    client, n = cluster.client("main"), 64
+    params = {"max_tokens": n, "temperature": 0, "extra_body": {"min_tokens": n}}
+    stream = client.chat.completions.create(model=client.served_model, messages=messages, stream=True,
+                                            stream_options={"include_usage": True}, **params)
+    text, held, usage = [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        if not chunk.choices:
+            continue
+        text.append(chunk.choices[0].delta.content or "")
+        if held is None and text[-1]:  # the request runs: its picture's rows are in the blocks
+            m = cluster.metrics("main")
+            held = (m['vlserve:embedding_buffer_total_blocks{role="language"}']
+                    - m['vlserve:embedding_buffer_free_blocks{role="language"}'])
+    assert usage.prompt_tokens > 500 and held == 1, (usage, held)
+    want = offline.chat(messages, SamplingParams(temperature=0, max_tokens=n, min_tokens=n), use_tqdm=False)
+    assert "".join(text) == want[0].outputs[0].text
+    wait_language_blocks_free(lambda: cluster.metrics("main"))
 
 
 def test_2e1l_spreads_work_over_both_encoders(cluster, offline):

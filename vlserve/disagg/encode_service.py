@@ -6,9 +6,10 @@ A language server sends a prompt with media and the ids of its receive blocks. T
   M-RoPE positions, every size limit);
 - runs the vision tower with the engine's `VisionRunner`, deciding what to run and what to keep with the
   engine's `EncoderCacheManager` (keyed by mm_hash): a picture seen before is not encoded again;
-- writes, chunk by chunk, each token's fill id and positions and each media token's embedding row into the
-  receiver's blocks through the transport. Text tokens never carry a row. When the receiver's blocks run out it
-  asks to resume; meanwhile the rows wait in the encoder cache, held for that transfer (no staging copy).
+- sends, chunk by chunk, each token's fill id and positions, and writes each media token's embedding row into
+  the receiver's blocks (item after item) through the transport. Text tokens never take a row. When the
+  receiver's blocks run out it asks to resume; meanwhile the rows wait in the encoder cache, held for that
+  transfer (no staging copy).
 """
 
 from __future__ import annotations

@@ -51,14 +51,14 @@ class TransferRequest(msgspec.Struct, tag="transfer"):
     media: dict[str, list[Any]]  # kind -> URLs (fetched by the peer) or embedding entries
     uuids: dict[str, list[Any]]
     mm_processor_kwargs: dict[str, Any]
-    block_ids: list[int]  # the receiver's blocks for tokens 0, 1, ... (the first run)
-    block_tokens: int
+    block_ids: list[int]  # the receiver's blocks for rows 0, 1, ... (the first run)
+    block_tokens: int  # rows per block
     target: TransferTarget | None = None  # None: the data travels as frames (zmq)
     params: SamplingParams | None = None  # to a prefill instance: how to sample the first token
 
 
 class ResumeRequest(msgspec.Struct, tag="resume"):
-    """The receiver holds tokens [0, start_token) and has a fresh run of blocks for the rest."""
+    """The receiver holds tokens [0, start_token) and has a fresh run of blocks for the rows of the rest."""
 
     request_id: str
     transfer_id: int
@@ -86,17 +86,17 @@ class ItemMeta(msgspec.Struct, array_like=True):
 
 
 class RowSegment(msgspec.Struct, array_like=True):
-    """`num_rows` embedding rows for prompt tokens token..token+num_rows (all inside one media item)."""
+    """`num_rows` rows for prompt tokens token..token+num_rows (all inside one media item, or any tokens for KV)."""
 
     token: int
     num_rows: int
 
 
 class TransferChunk(msgspec.Struct, tag="chunk"):
-    """Prompt tokens [start_token, start_token + num_tokens), written into the receiver's run `block_ids` (whose
-    first slot is token start_token). Text tokens carry a fill id and positions only; media tokens also an
-    embedding row (`segments` say which, in the order of the rows frame). `partial`: more follows once the
-    receiver offers blocks for it (resume)."""
+    """Prompt tokens [start_token, start_token + num_tokens). Every token's fill id and positions travel as frames;
+    the rows (`segments` say of which tokens, in order) fill the receiver's run `block_ids` from its first slot,
+    as frames (zmq) or written in place. Text tokens take a row only for KV. The chunk ends where the run is full
+    (disagg.row_map); `partial`: more follows once the receiver offers blocks for it (resume)."""
 
     request_id: str
     transfer_id: int
@@ -108,9 +108,9 @@ class TransferChunk(msgspec.Struct, tag="chunk"):
     block_ids: list[int]
     segments: list[RowSegment]
     partial: bool
-    fill_ids: TensorRef | None = None  # [num_tokens] int64; None when the transport wrote it into the blocks
+    fill_ids: TensorRef | None = None  # [num_tokens] int64 (set by the transport)
     positions: TensorRef | None = None  # [num_tokens, 3] int64
-    rows: TensorRef | None = None  # [sum of segment rows, width]
+    rows: TensorRef | None = None  # [sum of segment rows, width]; None when the transport wrote them in place
     handoff: Handoff | None = None  # from a prefill instance, on the last chunk: its first token, random state
 
 

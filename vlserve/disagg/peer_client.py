@@ -18,13 +18,14 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import torch
 import zmq
 import zmq.asyncio
 
 from vlserve.core.config import DisaggArgs
 from vlserve.core.errors import InvalidInputError, MediaTooLargeError, ServiceUnavailableError
 from vlserve.core.messages import Handoff
-from vlserve.core.prompt import MultiModalItem, ProcessedPrompt
+from vlserve.core.prompt import ProcessedPrompt
 from vlserve.core.sampling_params import SamplingParams
 from vlserve.core.wire import Framer
 from vlserve.disagg.auth import PeerAuth, require_secret_off_loopback
@@ -44,16 +45,16 @@ from vlserve.disagg.messages import (
 from vlserve.disagg.metrics import TransferMetrics
 from vlserve.disagg.peer_kinds import ENCODER_PEERS, PeerKind, rendezvous_score
 from vlserve.disagg.transports import TRANSPORTS
-from vlserve.disagg.transports.base import chunk_row_tokens, in_thread, reachable_host
+from vlserve.disagg.received import ReceivedChunks
+from vlserve.disagg.transports.base import chunk_num_rows, in_thread, reachable_host
 from vlserve.engine.config import VlserveConfig
 from vlserve.engine.prompt_check import check_prompt
-from vlserve.engine.transfer_buffers import AUX_MROPE_DELTA, AUX_NUM_ITEMS, AUX_TOTAL_TOKENS, TransferBuffers
+from vlserve.engine.transfer_buffers import TransferBuffers
 
 # After a failed transfer over a transport that writes in place, its blocks wait this long at most for the
 # sender's word that nothing more is written (its writes time out sooner: see transports/).
 QUARANTINE_S = 15.0
 logger = logging.getLogger("vlserve.disagg")
-MAX_MM_HASH_CHARS = 128
 INLINE_CHECK_VALUES = 1 << 16  # a finiteness check of more values than this runs off the event loop
 
 
@@ -297,7 +298,7 @@ class PeerClient:
         enter = self._state_logger(request_id, tid, peer)
         enter(TransferState.BOOTSTRAPPING)
         t0 = time.perf_counter()
-        blocks: list[int] = []  # every block this transfer holds, in token order
+        blocks: list[int] = []  # every block this transfer holds, in row order
         succeeded = False
         try:
             run = await self._allocate(self.kind.allocate_rows(self.opts))
@@ -306,37 +307,38 @@ class PeerClient:
                 request_id, tid, prompt, media, uuids, mm_kwargs or {}, run, self.buffers.block_tokens, self.target,
                 params)))
             enter(TransferState.WAITING_FOR_INPUT)
-            received = _Received()
+            received = ReceivedChunks(self.kind.rows_for_every_token, self.buffers.block_tokens,
+                                      self.cfg.max_model_len)
             while True:
                 header, frames = await self._next_chunk(queue, enter)
                 enter(TransferState.TRANSFERRING)
-                received.check(header, run, self.buffers.block_tokens, self.cfg.max_model_len,
-                               self.kind.rows_for_every_token)
+                if problems := received.problems(header, run):
+                    raise PeerFailure(f"the {self.kind.name} sent " + "; ".join(problems))
                 try:
-                    self.metrics.bytes(await self.transport.receive(header, frames, self.buffers))
+                    tokens = await self.transport.receive(header, frames, self.buffers)
                 except ValueError as e:
                     raise PeerFailure(f"malformed chunk: {e}") from None
+                self.metrics.bytes(tokens.nbytes)
                 if self.buffers.restore_file() or self.buffers.restored != restored:
                     raise PeerFailure("this server's receive buffer file was resized by someone else during the "
-                                         "transfer: what arrived is lost")
+                                      "transfer: what arrived is lost")
                 if not await self._rows_finite(header, run):
                     raise PeerFailure(f"the {self.kind.name} sent rows holding NaN or infinite values")
-                if header.start_token == 0:
-                    self.buffers.write_aux(run, [header.total_tokens, header.mrope_delta, len(header.items)])
+                received.add(header, tokens)
                 if not header.partial:
                     break
                 self.metrics.resume()
-                run = await self._allocate(header.total_tokens - received.tokens)
+                run = await self._allocate(received.rows_left)
                 blocks += run
                 await peer.sock.send_multipart(self.requests.encode(ResumeRequest(request_id, tid, received.tokens,
                                                                                  run)))
-            keep = self.buffers.blocks_for(received.tokens)  # the rest of the run was never written
+            keep = self.buffers.blocks_for(received.rows)  # the rest of the run was never written
             self.free(blocks[keep:])
             blocks = blocks[:keep]
-            processed = self._assemble(prompt, blocks, received)
+            processed = self._assemble(received.prompt(prompt, blocks))
             if (header.handoff is not None) != (params is not None):
                 raise PeerFailure("a prefill's first token is missing" if params is not None else
-                                     "an encoder sent a first token")
+                                  "an encoder sent a first token")
             enter(TransferState.SUCCESS)
             self.metrics.transfer_latency.observe(time.perf_counter() - t0)
             succeeded = True
@@ -362,10 +364,10 @@ class PeerClient:
     async def _rows_finite(self, header: TransferChunk, run: list[int]) -> bool:
         """The chunk's rows, as they landed in our blocks, hold only finite values (a peer's NaN would otherwise
         become a 200 of garbage). One pass over the rows: off the event loop once it is more than a few."""
-        tokens = chunk_row_tokens(header)
-        if tokens.numel() * self.buffers.layout.width <= INLINE_CHECK_VALUES:
-            return self.buffers.rows_finite(run, tokens)
-        return await in_thread(self.buffers.rows_finite, run, tokens)
+        rows = torch.arange(chunk_num_rows(header))  # the chunk's rows fill its run from the first slot
+        if rows.numel() * self.buffers.layout.width <= INLINE_CHECK_VALUES:
+            return self.buffers.rows_finite(run, rows)
+        return await in_thread(self.buffers.rows_finite, run, rows)
 
     async def _next_chunk(self, queue: asyncio.Queue, enter) -> tuple[TransferChunk, list]:
         try:
@@ -382,18 +384,8 @@ class PeerClient:
             raise PeerFailure(msg.message)
         return msg, frames
 
-    def _assemble(self, text: str, blocks: list[int], received: "_Received") -> ProcessedPrompt:
+    def _assemble(self, processed: ProcessedPrompt) -> ProcessedPrompt:
         """The prompt as the engine will see it, checked like anything else the engine admits."""
-        total, header = received.tokens, received.first
-        fill_ids, positions = self.buffers.read_tokens(blocks, 0, total)
-        aux = self.buffers.read_aux(blocks)
-        if aux[AUX_TOTAL_TOKENS] != total or aux[AUX_MROPE_DELTA] != header.mrope_delta \
-                or aux[AUX_NUM_ITEMS] != len(header.items):
-            raise PeerFailure("the aux data in the blocks disagrees with the chunk headers")
-        items = [MultiModalItem(it.offset, it.num_tokens, None, tuple(it.grid_thw), it.mm_hash)
-                 for it in header.items]
-        processed = ProcessedPrompt(fill_ids.tolist(), items, positions.T.contiguous(), header.mrope_delta, text,
-                                    block_rows=blocks)
         try:
             check_prompt(processed, self.cfg, (self.buffers.num_blocks, self.buffers.block_tokens))
         except InvalidInputError as e:
@@ -406,44 +398,3 @@ class PeerClient:
             self.metrics.state(state)
             logger.debug("transfer %s/%d via %s: %s", request_id, tid, peer.info.address, state.value)
         return enter
-
-
-class _Received:
-    """What has arrived so far, and the checks that each new chunk continues it exactly."""
-
-    def __init__(self):
-        self.first: TransferChunk | None = None
-        self.tokens = 0
-
-    def check(self, header: TransferChunk, run: list[int], block_tokens: int, max_model_len: int,
-              rows_for_every_token: bool = False) -> None:
-        first = self.first or header
-        problems = []
-        if not 0 < header.total_tokens <= max_model_len:
-            problems.append(f"a prompt of {header.total_tokens} tokens (max_model_len is {max_model_len})")
-        if header.start_token != self.tokens or header.block_ids != run:
-            problems.append("a chunk for the wrong tokens or blocks")
-        expected = min(header.total_tokens - self.tokens, len(run) * block_tokens)
-        if header.num_tokens != expected or header.partial != (self.tokens + expected < header.total_tokens):
-            problems.append(f"{header.num_tokens} tokens where {expected} fit")
-        if (header.total_tokens, header.mrope_delta, header.items) != (first.total_tokens, first.mrope_delta,
-                                                                       first.items):
-            problems.append("a chunk that contradicts the first one")
-        end = header.start_token + header.num_tokens
-        # Exactly one row for every media token of the chunk, in order: none missing (its slot would hold a stale
-        # row of another request), none extra, none for text.
-        if rows_for_every_token:  # KV: a row for every token of the chunk
-            rows = [(header.start_token, header.num_tokens)]
-        else:
-            media = [(max(it.offset, header.start_token), min(it.offset + it.num_tokens, end)) for it in header.items]
-            rows = [(lo, hi - lo) for lo, hi in media if lo < hi]
-        if [(s.token, s.num_rows) for s in header.segments] != rows:
-            problems.append("rows that do not match this chunk's tokens")
-        if header.handoff is not None and header.partial:
-            problems.append("a first token before the last chunk")
-        if any(len(it.mm_hash) > MAX_MM_HASH_CHARS for it in header.items):
-            problems.append("an oversized mm_hash")
-        if problems:
-            raise PeerFailure("the peer sent " + "; ".join(problems))
-        self.first = first
-        self.tokens = end

@@ -84,8 +84,8 @@ class PrefillService(SenderService):
             engine_id = f"p{next(self._ids)}-{req.request_id[:128]}"
             prepared = await self.engine.prepare(prompt, req.mm_processor_kwargs, request_id=engine_id)
             handoff, rows = await self.engine.prefill(prepared, req.params, engine_id)
-            transfer = OutgoingTransfer(key, prepared.encoded.prompt, req.block_tokens, every_token_rows(rows),
-                                        target=req.target, handoff=handoff)
+            transfer = OutgoingTransfer(key, prepared.encoded.prompt, req.block_tokens, every_token=True,
+                                        rows_of=every_token_rows(rows), target=req.target, handoff=handoff)
             if self.sender.hold(transfer):
                 await self.sender.send_chunk(transfer, 0, req.block_ids)
         except asyncio.CancelledError:

@@ -3,7 +3,8 @@ prefill instances (KV rows): chunk by chunk into the run of blocks the receiver 
 offers more, an abort that waits for any write in flight, and expiry of transfers nobody resumes.
 
 What a transfer sends is the prompt's fill ids and positions for every token, and rows for some tokens
-(`rows_of`): media tokens' embeddings, or every token's KV.
+(`rows_of`): media tokens' embeddings, or every token's KV. Each chunk goes as far as the receiver's run holds its
+rows (disagg.row_map): text tokens take no room in the receiver's blocks.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from vlserve.disagg.messages import (
     TransferTarget,
 )
 from vlserve.disagg.metrics import TransferMetrics
+from vlserve.disagg.row_map import RowMap
 from vlserve.disagg.transports import ChunkData, Transport
 from vlserve.disagg.transports.base import ABORT_ACK_STATUS, in_thread
 
@@ -51,7 +53,8 @@ FAILURE_PROB_ENV = "VLSERVE_TRANSFER_FAILURE_PROB"
 class OutgoingTransfer:
     key: Key
     prompt: ProcessedPrompt
-    block_tokens: int
+    block_tokens: int  # rows per receive block
+    every_token: bool = False  # a row for every token (KV), not for media tokens only
     # (start, end) -> the row segments of tokens start..end and their rows, in segment order
     rows_of: Callable[[int, int], tuple[list[RowSegment], torch.Tensor]] | None = None  # set before sending
     target: TransferTarget | None = None  # where the receiver's blocks are, for transports that write them
@@ -108,10 +111,11 @@ class TransferSender:
         transfer.touched = time.monotonic()
         prompt = transfer.prompt
         total = prompt.num_tokens
-        n = min(total - start, len(block_ids) * transfer.block_tokens)
-        if n <= 0 or start < 0:
+        if not 0 <= start < total or not block_ids:
             raise VlserveError(f"the receiver offered no room (start {start} of {total} tokens)")
-        end = start + n
+        end = RowMap(prompt.mm_items, transfer.every_token).chunk_end(start, len(block_ids) * transfer.block_tokens,
+                                                                       total)
+        n = end - start
         segments, rows = await in_thread(transfer.rows_of, start, end)  # gathers a chunk's rows: a copy
         data = ChunkData(torch.tensor(prompt.prompt_token_ids[start:end], dtype=torch.int64),
                          prompt.mrope_positions[:, start:end].T.contiguous(), rows)

@@ -11,7 +11,7 @@ import zmq.asyncio
 from vlserve.core.wire import Framer
 from vlserve.disagg.messages import SenderToReceiver, RowSegment, TransferChunk, TransferTarget
 from vlserve.disagg.transports import TRANSPORTS
-from vlserve.disagg.transports.base import ChunkData
+from vlserve.disagg.transports.base import ChunkData, ChunkTokens
 from vlserve.engine.transfer_buffers import TransferBuffers
 
 
@@ -33,8 +33,9 @@ class Loopback:
         await self.dealer.send(b"hello")
         self.peer, _ = await self.router.recv_multipart()
 
-    async def transfer(self, header: TransferChunk, data: ChunkData, target: TransferTarget | None = None) -> int:
-        """Send one chunk and handle it as the receiver would; returns the bytes the receiver accounts."""
+    async def transfer(self, header: TransferChunk, data: ChunkData,
+                       target: TransferTarget | None = None) -> ChunkTokens:
+        """Send one chunk and handle it as the receiver would; returns what the receiver got beside the rows."""
         await self.sender.send(self.router, self.peer, header, data, target or self.target)
         frames = await self.dealer.recv_multipart(copy=False)
         frames = [f.buffer for f in frames]
@@ -49,7 +50,8 @@ class Loopback:
 
 def media_chunk(block_ids: list[int], block_tokens: int, num_tokens: int, media: tuple[int, int], width: int,
                 dtype: torch.dtype = torch.float32, seed: int = 0) -> tuple[TransferChunk, ChunkData]:
-    """A chunk of `num_tokens` prompt tokens whose tokens media[0]..media[1] carry embedding rows."""
+    """A chunk of `num_tokens` prompt tokens whose tokens media[0]..media[1] carry embedding rows (in the run's
+    first slots)."""
     g = torch.Generator().manual_seed(seed)
     lo, hi = media
     header = TransferChunk("r", 1, 0, num_tokens, num_tokens, 0, [], block_ids, [RowSegment(lo, hi - lo)],
