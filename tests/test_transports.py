@@ -1,6 +1,6 @@
 """Each transport on its own: a chunk's rows sent over a real connection land in the receiver's blocks exactly as
-the copying reference puts them there, its token ids and positions come back beside them; shared memory maps nothing but a vlserve buffer file; a backend mismatch or
-a malformed chunk is a clear error."""
+the copying reference puts them there, its token ids and positions come back beside them; shared memory maps
+nothing but a vlserve buffer file; a backend mismatch or a malformed chunk is a clear error."""
 
 from __future__ import annotations
 
