@@ -70,6 +70,10 @@ def test_prompts_sharing_a_prefix_go_to_the_same_prefill_instance_and_others_spr
     assert _pick(client, "What is 2 + 2?") == _pick(client, "What is 2 + 2?")
     spread = Counter(_pick(client, f"User: question number {i}, please answer") for i in range(200))
     assert set(spread) == set(client.conns) and min(spread.values()) >= 25, spread  # ~50 each
+    # The same text with different pictures (the text shows them as placeholders only) spreads too.
+    pictures = Counter(_pick(client, "<image> What is this?", {"image": [_data_url(bytes([i]) * 64)]})
+                       for i in range(200))
+    assert set(pictures) == set(client.conns) and min(pictures.values()) >= 25, pictures
 
 
 def test_a_busy_or_failed_peer_gives_the_key_to_the_next_in_its_order(client):

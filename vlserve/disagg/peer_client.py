@@ -87,7 +87,7 @@ class PeerClient:
         self.conns: dict[str, PeerConn] = {}
         self.dropped: dict[str, float] = {}  # peer id -> until when it stays dropped
         self.auth = PeerAuth(opts.disagg_secret)
-        require_secret_off_loopback(self.auth, opts.bootstrap.rsplit(":", 1)[0], "this language server's registry")
+        require_secret_off_loopback(self.auth, opts.bootstrap.rsplit(":", 1)[0], "this server's registry")
         self.bootstrap = BootstrapClient(opts.bootstrap, self_info, opts.heartbeat_interval,
                                          load_fn=lambda: sum(e.in_flight for e in self.conns.values()),
                                          auth=self.auth)
@@ -265,11 +265,11 @@ class PeerClient:
                 return None
         return peer
 
-    async def _allocate(self, tokens: int) -> list[int]:
+    async def _allocate(self, rows: int) -> list[int]:
         deadline = time.monotonic() + self.opts.transfer_timeout
         while True:
             try:
-                blocks = self.buffers.allocate(tokens)
+                blocks = self.buffers.allocate(rows)
             except ValueError as e:  # more than the whole pool: it never fits
                 raise ServiceUnavailableError(f"the prompt does not fit this server's receive buffer: {e}") from None
             if blocks is not None:
@@ -301,7 +301,8 @@ class PeerClient:
         blocks: list[int] = []  # every block this transfer holds, in row order
         succeeded = False
         try:
-            run = await self._allocate(self.kind.allocate_rows(self.opts))
+            pool_rows = self.buffers.num_blocks * self.buffers.block_tokens  # a smaller pool: all of it at most
+            run = await self._allocate(min(self.kind.allocate_rows(self.opts), pool_rows))
             blocks += run
             await peer.sock.send_multipart(self.requests.encode(TransferRequest(
                 request_id, tid, prompt, media, uuids, mm_kwargs or {}, run, self.buffers.block_tokens, self.target,

@@ -5,9 +5,9 @@
   URL's decoded bytes, an id the client gave the item (`multi_modal_uuids`), precomputed embeddings; else the URL
   as sent.
 - Prefill instances (`PREFILL_PEERS`) send every prompt token's KV row. Their prefix cache holds what prompts
-  share from the start, so a request is keyed by its prompt's first `PREFIX_KEY_CHARS` characters: a repeated
-  prompt (or one behind the same long system prompt) finds the instance that has it cached, and different
-  prompts spread.
+  share from the start, so a request is keyed by its prompt's first `PREFIX_KEY_CHARS` characters (and its
+  media's content keys, which the text shows only as placeholders): a repeated prompt (or one behind the same
+  long system prompt) finds the instance that has it cached, and different prompts spread.
 
 A key picks its peer by rendezvous hashing (`rendezvous_score`): every key has an order of preference over the
 peers, so when a peer comes or goes only the keys it won move. The load rule stays the receiver's
@@ -54,21 +54,20 @@ class PeerKind:
     def affinity_key(self, prompt: str, media: dict, uuids: dict) -> str:
         """What a request is keyed by when picking a peer: the same key goes to the same peer while it can."""
         if self.rows_for_every_token:
-            return prompt_prefix_key(prompt)
+            return prompt_prefix_key(prompt, media_content_key(media, uuids) if media else "")
         return media_content_key(media, uuids)
 
     def key_is_costly(self, media: dict) -> bool:
         """Whether computing the key reads enough (large data URLs) to belong off the event loop."""
-        return not self.rows_for_every_token and sum(
-            len(src) for items in media.values() for src in items if isinstance(src, str)) > INLINE_KEY_CHARS
+        return sum(len(src) for items in media.values() for src in items if isinstance(src, str)) > INLINE_KEY_CHARS
 
 
 ENCODER_PEERS = PeerKind("encode", "encoder", rows_for_every_token=False)
 PREFILL_PEERS = PeerKind("prefill", "prefill instance", rows_for_every_token=True)
 
 
-def prompt_prefix_key(text: str) -> str:
-    return blake3.blake3(f"prefix|{text[:PREFIX_KEY_CHARS]}".encode()).hexdigest(length=16)
+def prompt_prefix_key(text: str, media_key: str = "") -> str:
+    return blake3.blake3(f"prefix|{media_key}|{text[:PREFIX_KEY_CHARS]}".encode()).hexdigest(length=16)
 
 
 def media_content_key(media: dict, uuids: dict) -> str:
