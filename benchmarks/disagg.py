@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from tests.server_utils import free_port, scrape, wait_healthy  # noqa: E402
 from vlserve.core.wire import Framer  # noqa: E402
-from vlserve.disagg.messages import EncoderToLanguage, ItemMeta, RowSegment, TransferChunk  # noqa: E402
+from vlserve.disagg.messages import SenderToReceiver, ItemMeta, RowSegment, TransferChunk  # noqa: E402
 from vlserve.disagg.transports import ChunkData  # noqa: E402
 from vlserve.disagg.transports.zmq import ZmqTransport  # noqa: E402
 from vlserve.engine.transfer_buffers import TransferBuffers  # noqa: E402
@@ -82,7 +82,7 @@ async def transport_bandwidth(tokens: int = 512, hidden: int = 1024, rounds: int
     dealer.connect(f"tcp://127.0.0.1:{port}")
     await dealer.send(b"hello")
     peer, _ = await router.recv_multipart()
-    transport, framer = ZmqTransport(), Framer(EncoderToLanguage)
+    transport, framer = ZmqTransport(), Framer(SenderToReceiver)
     buffers = TransferBuffers.create(4 * tokens // 16, 16, hidden, torch.bfloat16)
     buffers.unlink()
     data = ChunkData(torch.arange(tokens), torch.zeros(tokens, 3, dtype=torch.long), torch.randn(tokens, hidden).bfloat16())
@@ -129,7 +129,7 @@ def main() -> None:
              "448x448,336x336", "--images-per-request", "2", "--input-len", "16", "--output-len", "16", "--seed", "1"]
     setups = [("aggregated", [], 0, 0), ("1E+1L", ["--disagg", "--num-encoders", "1"], 1, 0),
               ("2E+1L", ["--disagg", "--num-encoders", "2"], 2, 0),
-              ("1E+1L resume", ["--disagg", "--num-encoders", "1", "--embedding-default-allocate-tokens", "16"], 1, 0),
+              ("1E+1L resume", ["--disagg", "--num-encoders", "1", "--media-allocate-rows", "16"], 1, 0),
               ("1E+1P+1D", ["--disagg", "--num-encoders", "1", "--num-prefill", "1", "--num-decode", "1"], 1, 1)]
     if args.setups:
         setups = [s for s in setups if s[0] in args.setups.split(",")]

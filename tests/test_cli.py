@@ -41,21 +41,24 @@ EXPECTED = {  # flags a role must list, and flags it must not (it would silently
               "--transfer-timeout", "--encoder-cache-size", "--disagg-secret", "--tensor-parallel-size",
               "--mm-encoder-tp-mode"},
              {"--max-model-len", "--api-key", "--max-num-seqs", "--num-kv-blocks", "--served-model-name",
-              "--enable-mm-embeds", "--max-n", "--peer-wait-timeout"}),
+              "--enable-mm-embeds", "--max-n", "--peer-wait-timeout", "--media-buffer-blocks",
+              "--kv-buffer-blocks"}),
     LANGUAGE: ({"--max-model-len", "--api-key", "--bootstrap", "--transfer-timeout", "--enable-mm-embeds",
                 "--disagg-secret", "--max-request-bytes", "--tensor-parallel-size", "--peer-wait-timeout"},
                {"--allowed-local-media-path", "--max-image-pixels", "--encoder-cache-size", "--data-port",
                 "--disagg", "--num-encoders", "--mm-encoder-tp-mode"}),
     PREFILL: ({"--max-model-len", "--bootstrap", "--data-port", "--transfer-timeout", "--transfer-failure-prob",
-               "--disagg-secret", "--embedding-buffer-blocks", "--num-kv-blocks", "--transfer-backend",
-               "--peer-wait-timeout"},
+               "--disagg-secret", "--media-buffer-blocks", "--num-kv-blocks", "--transfer-backend",
+               "--peer-wait-timeout", "--embedding-buffer-blocks"},
               {"--api-key", "--served-model-name", "--allowed-local-media-path", "--max-image-pixels",
                "--encoder-cache-size", "--disagg", "--max-n", "--chat-template", "--enable-mm-embeds",
-               "--tensor-parallel-size"}),
+               "--tensor-parallel-size", "--kv-buffer-blocks"}),
     DECODE: ({"--max-model-len", "--api-key", "--bootstrap", "--transfer-timeout", "--chat-template", "--max-n",
-              "--embedding-buffer-blocks", "--enable-mm-embeds", "--transfer-backend", "--peer-wait-timeout"},
+              "--kv-buffer-blocks", "--kv-allocate-tokens", "--enable-mm-embeds", "--transfer-backend",
+              "--peer-wait-timeout"},
              {"--allowed-local-media-path", "--max-image-pixels", "--encoder-cache-size", "--data-port", "--disagg",
-              "--transfer-failure-prob", "--num-prefill", "--tensor-parallel-size"}),
+              "--transfer-failure-prob", "--num-prefill", "--tensor-parallel-size", "--media-buffer-blocks",
+              "--embedding-buffer-blocks"}),
     BOOTSTRAP: ({"--host", "--port", "--heartbeat-interval", "--heartbeat-failure-threshold", "--disagg-secret"},
                 {"--model", "--api-key", "--max-model-len"}),
     SERVE: ({"--model", "--api-key", "--max-image-pixels", "--disagg", "--num-encoders", "--transfer-timeout",
@@ -82,7 +85,7 @@ def test_role_defaults_and_env(monkeypatch):
     assert boot.server.port == 8998
     assert options_from(_subparser(PREFILL).parse_args(["--model", "m"]), PREFILL).server.port == 8200
     decode = options_from(_subparser(DECODE).parse_args(["--model", "m"]), DECODE)
-    assert (decode.server.port, decode.disagg.embedding_buffer_blocks) == (8000, 1024)
+    assert (decode.server.port, decode.disagg.kv_buffer_blocks) == (8000, 1024)
     monkeypatch.setenv("VLSERVE_API_KEY", "k")
     assert options_from(_subparser(SERVE).parse_args([]), SERVE).server.api_key == "k"
 
@@ -92,8 +95,10 @@ def test_child_command_lines_round_trip():
     parsed = _subparser(SERVE).parse_args([
         "--model", "/m", "--dtype", "float32", "--max-model-len", "2048", "--limit-mm-per-prompt", "image=3,video=0",
         "--allowed-media-domains", "a.com", "b.org", "--max-image-pixels", "1000", "--api-key", "secret-key",
-        "--transfer-timeout", "7", "--disable-prefix-caching", "--enable-mm-embeds"])
+        "--transfer-timeout", "7", "--disable-prefix-caching", "--enable-mm-embeds", "--kv-buffer-blocks", "64",
+        "--embedding-buffer-blocks", "128"])
     opts = options_from(parsed, SERVE)
+    assert (opts.disagg.kv_buffer_blocks, opts.disagg.media_buffer_blocks) == (64, 128)  # an old name still works
     opts.disagg.disagg_secret = "s3cret"
     for role in (LANGUAGE, ENCODE, PREFILL, DECODE, BOOTSTRAP):
         argv, env = to_argv(opts, role)

@@ -162,8 +162,8 @@ os.environ.setdefault("UCX_TLS", "tcp")  # NIXL over plain TCP, as on machines w
 def cluster(tiny_ckpt, request):
     """Bootstrap, encoder A, languages "main" and "small" over one transport (ZeroMQ unless a test asks for
     every backend: EVERY_BACKEND)."""
-    c = Cluster(tiny_ckpt("qwen2_vl"), {"main": [], "small": ["--embedding-default-allocate-tokens", "16"]},
-                backend=request.param)
+    small = ["--media-allocate-rows", "4", "--receive-block-rows", "4", "--media-buffer-blocks", "8"]  # 32 rows
+    c = Cluster(tiny_ckpt("qwen2_vl"), {"main": [], "small": small}, backend=request.param)
     yield c
     c.close()
 
@@ -195,7 +195,7 @@ def test_1e1l_matches_aggregated_and_small_buffers_resume(cluster, offline, lang
     resumes = 'vlserve:embedding_transfer_resumes_total{role="language"}'
     success = 'vlserve:embedding_transfers_total{role="language",state="success"}'
     assert after[success] - before[success] == 2  # text-only never touched an encoder
-    assert (after[resumes] > before[resumes]) == (lang == "small")  # 16 tokens are never enough for a picture
+    assert (after[resumes] > before[resumes]) == (lang == "small")  # 4 rows never hold three pictures
     # The encoder's mm_hash reaches the block hashes: asking again hits the prefix cache through the picture.
     client = cluster.client(lang)
     resp = client.chat.completions.create(model=client.served_model, messages=CASES["one image"], max_tokens=1)
@@ -233,6 +233,34 @@ def test_a_request_refused_after_its_picture_was_encoded_gives_its_blocks_back(c
         client.chat.completions.create(model=client.served_model, messages=picture_chat(9), max_tokens=2048)
     assert cluster.metrics("main")['vlserve:embedding_transfers_total{role="language",state="success"}'] > before
     wait_language_blocks_free(lambda: cluster.metrics("main"))
+
+
+def test_a_long_text_with_a_small_picture_reserves_the_pictures_rows_only(cluster, offline):
+    """Receive blocks hold media rows only: ~1200 text tokens beside a 4-token picture take one 16-row block
+    while the request runs (a row per token before), and a language server whose whole pool is 32 rows serves
+    them; the answers are the aggregated ones."""
+    messages = picture_chat(1, text="Describe it. " + "word " * 400)
+    client, n = cluster.client("main"), 512  # long enough to be running when its first token arrives
+    params = {"max_tokens": n, "temperature": 0, "extra_body": {"min_tokens": n}}
+    stream = client.chat.completions.create(model=client.served_model, messages=messages, stream=True,
+                                            stream_options={"include_usage": True}, **params)
+    text, held, usage = [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        if not chunk.choices:
+            continue
+        text.append(chunk.choices[0].delta.content or "")
+        if held is None and text[-1]:  # the request runs: its picture's rows are in the blocks
+            m = cluster.metrics("main")
+            held = (m['vlserve:embedding_buffer_total_blocks{role="language"}']
+                    - m['vlserve:embedding_buffer_free_blocks{role="language"}'])
+    assert usage.prompt_tokens > 1000 and held == 1, (usage, held)
+    want = offline.chat(messages, SamplingParams(temperature=0, max_tokens=n, min_tokens=n), use_tqdm=False)
+    assert "".join(text) == want[0].outputs[0].text
+    assert ask(cluster.client("small"), messages) == expected_text(offline, messages)
+    for lang in ("main", "small"):
+        wait_language_blocks_free(lambda: cluster.metrics(lang))
 
 
 @EVERY_BACKEND

@@ -375,7 +375,7 @@ def test_language_side_says_once_that_it_cannot_list_peers(caplog):
     """The language server lists its encoders every heartbeat: a registry outage is one warning, not one a second."""
     from types import SimpleNamespace
 
-    from vlserve.disagg.encoder_client import EncoderClient
+    from vlserve.disagg.peer_client import PeerClient
 
     calls = []
 
@@ -388,10 +388,10 @@ def test_language_side_says_once_that_it_cannot_list_peers(caplog):
         raise httpx.ConnectError("connection refused")
 
     fake = SimpleNamespace(opts=SimpleNamespace(heartbeat_interval=0.001), quarantined={}, _refresh=refresh,
-                           peers=SimpleNamespace(role="encode"), encoders={})
+                           kind=SimpleNamespace(role="encode"), conns={})
     with caplog.at_level(logging.DEBUG, logger="vlserve.disagg"):
         with pytest.raises(asyncio.CancelledError):
-            asyncio.run(EncoderClient._refresh_loop(fake))
+            asyncio.run(PeerClient._refresh_loop(fake))
     failures = [r for r in caplog.records if "could not list encode instances" in r.getMessage()]
     assert len(failures) == 5  # tries 1-3 and 6-7 failed
     assert [r.levelno for r in failures] == [logging.WARNING, logging.DEBUG, logging.DEBUG,

@@ -32,12 +32,13 @@ from vlserve.core.errors import ServiceUnavailableError
 from vlserve.core.wire import Framer
 from vlserve.disagg.auth import HEADER, NonceMemory, PeerAuth, ReplayMemoryFull
 from vlserve.disagg.bootstrap import MAX_BODY_BYTES, InstanceInfo, build_bootstrap_app
-from vlserve.disagg.encoder_client import ENCODER_PEERS, PREFILL_PEERS, EncoderClient, EncoderConn
+from vlserve.disagg.peer_client import PeerClient, PeerConn
+from vlserve.disagg.peer_kinds import ENCODER_PEERS, PREFILL_PEERS
 from vlserve.disagg.messages import (
-    EncodeRequest,
-    EncoderToLanguage,
+    TransferRequest,
+    SenderToReceiver,
     ItemMeta,
-    LanguageToEncoder,
+    ReceiverToSender,
     RowSegment,
     TransferChunk,
 )
@@ -198,7 +199,7 @@ async def go():
         print("REFUSED:", e, flush=True)
     assert buffers.restore_file() and buffers.restored == 1  # the language server notices and puts it back
     await link.transfer(header, data)
-    assert torch.equal(buffers.read_rows([3, 4], 2, 16), data.rows)
+    assert torch.equal(buffers.read_rows([3, 4], 0, 16), data.rows)
     print("SERVING", flush=True)
 
 asyncio.run(go())
@@ -229,20 +230,20 @@ def test_the_buffer_file_goes_when_its_process_exits_without_unlink(ending):
 
 # ---- rows that are not finite ----------------------------------------------------------------------------------
 class _Peer:
-    """An encoder (or prefill instance) behind an EncoderClient, through the real transport: answers each request
+    """An encoder (or prefill instance) behind a PeerClient, through the real transport: answers each request
     with one chunk of 20 tokens, poisoning a row when the request id says so ("nan", "inf")."""
 
     def __init__(self, client, backend: str):
         self.client, self.transport = client, TRANSPORTS[backend]("127.0.0.1")
-        self.enc = EncoderConn(InstanceInfo("fake", client.peers.role, "127.0.0.1:1"), self, paired=True)
-        client.encoders["fake"] = self.enc
+        self.conn = PeerConn(InstanceInfo("fake", client.kind.role, "127.0.0.1:1"), self, paired=True)
+        client.conns["fake"] = self.conn
 
     async def send_multipart(self, frames, copy: bool = True) -> None:  # what the client sends its peer
-        msg = Framer(LanguageToEncoder).decode(frames)
-        if not isinstance(msg, EncodeRequest):
+        msg = Framer(ReceiverToSender).decode(frames)
+        if not isinstance(msg, TransferRequest):
             return  # an abort: nothing of ours is in flight
         n, width = 20, self.client.buffers.layout.width
-        if self.client.peers.rows_for_every_token:  # KV: a row for every token
+        if self.client.kind.rows_for_every_token:  # KV: a row for every token
             items, segments = [], [RowSegment(0, n)]
         else:  # embeddings: rows for the picture's tokens 2..17
             items, segments = [ItemMeta(2, 16, (1, 8, 8), "h")], [RowSegment(2, 16)]
@@ -252,7 +253,7 @@ class _Peer:
                 rows[7, width // 2] = value
         header = TransferChunk(msg.request_id, msg.transfer_id, 0, n, n, 0, items, msg.block_ids, segments, False)
         data = ChunkData(torch.arange(n), torch.zeros(n, 3, dtype=torch.int64), rows)
-        await self.transport.send(_Back(self.enc), b"peer", header, data, msg.target)
+        await self.transport.send(_Back(self.conn), b"peer", header, data, msg.target)
         if "truncate" in msg.request_id:  # the file shrinks after the write, before the receiver looks
             os.truncate(self.client.buffers.layout.path, 0)
 
@@ -261,24 +262,24 @@ class _Back:
     """The peer's socket toward the client: hands each message over as the client's reader would."""
 
     def __init__(self, enc):
-        self.enc = enc
+        self.conn = enc
 
     async def send_multipart(self, frames, copy: bool = True) -> None:
         frames = [bytes(memoryview(f)) for f in frames[1:]]  # [0] is the peer's id on a ROUTER
-        msg = Framer(EncoderToLanguage).decode(frames)
-        self.enc.transfers[(msg.request_id, msg.transfer_id)].put_nowait((msg, frames))
+        msg = Framer(SenderToReceiver).decode(frames)
+        self.conn.transfers[(msg.request_id, msg.transfer_id)].put_nowait((msg, frames))
 
 
 def _receiver(kind: str, backend: str = "zmq"):
     buffers = TransferBuffers.create(16, 16, 96, torch.bfloat16, shared=backend == "shm")
-    opts = DisaggArgs(bootstrap="127.0.0.1:9", embedding_default_allocate_tokens=32, transfer_backend=backend,
-                      peer_wait_timeout=1.0, transfer_timeout=10.0)
+    opts = DisaggArgs(bootstrap="127.0.0.1:9", media_allocate_rows=32, kv_allocate_tokens=32,
+                      transfer_backend=backend, peer_wait_timeout=1.0, transfer_timeout=10.0)
     peers = PREFILL_PEERS if kind == "kv" else ENCODER_PEERS
-    client = EncoderClient(SimpleNamespace(max_model_len=1024), buffers,
-                           TransferMetrics(CollectorRegistry(), buffers, "language", kind), opts,
-                           InstanceInfo("me", "language", "127.0.0.1:2", "127.0.0.1:3"), peers)
+    client = PeerClient(SimpleNamespace(max_model_len=1024), buffers,
+                        TransferMetrics(CollectorRegistry(), buffers, "language", kind), opts,
+                        InstanceInfo("me", "language", "127.0.0.1:2", "127.0.0.1:3"), peers)
     # What the engine would be handed: the blocks, which the caller frees once done.
-    client._assemble = lambda text, blocks, received: SimpleNamespace(block_rows=blocks)
+    client._assemble = lambda processed: processed
     return client, _Peer(client, backend)
 
 
@@ -288,7 +289,7 @@ def test_rows_with_nan_or_inf_fail_their_request_and_others_keep_going(kind):
 
     async def go():
         media = {"image": ["http://x/1.png"]}
-        asks = [client.encode(rid, "p", media, {}, {}) for rid in ("ok-1", "nan-1", "ok-2", "inf-1", "ok-3")]
+        asks = [client.send_prompt(rid, "p", media, {}, {}) for rid in ("ok-1", "nan-1", "ok-2", "inf-1", "ok-3")]
         return await asyncio.gather(*asks, return_exceptions=True)
 
     try:
@@ -310,18 +311,18 @@ def test_the_receiver_restores_a_truncated_shm_file_and_fails_only_what_it_lost(
     buffers, media = client.buffers, {"image": ["http://x/1.png"]}
 
     async def go():
-        got, _ = await client.encode("ok-1", "p", media, {}, {})  # the encoder has the file mapped now
+        got, _ = await client.send_prompt("ok-1", "p", media, {}, {})  # the encoder has the file mapped now
         client.free(got.block_rows)
         os.truncate(buffers.layout.path, 0)  # between transfers: put back before the next one is sent
-        got, _ = await client.encode("ok-2", "p", media, {}, {})
+        got, _ = await client.send_prompt("ok-2", "p", media, {}, {})
         client.free(got.block_rows)
         assert buffers.restored == 1 and os.path.getsize(buffers.layout.path) == buffers.layout.nbytes
         with pytest.raises(ServiceUnavailableError, match="resized by someone else"):  # during one: it is lost
-            await client.encode("truncate-1", "p", media, {}, {})
+            await client.send_prompt("truncate-1", "p", media, {}, {})
         assert buffers.restored == 2
         for blocks, _ in client.quarantined.values():  # (the encoder would confirm its abort)
             client.free(blocks)
-        got, _ = await client.encode("ok-3", "p", media, {}, {})  # and the next one is fine
+        got, _ = await client.send_prompt("ok-3", "p", media, {}, {})  # and the next one is fine
         client.free(got.block_rows)
 
     try:

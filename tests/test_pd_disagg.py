@@ -44,7 +44,7 @@ def offline(tiny_ckpt):
 def pd(tiny_ckpt, request):
     """Bootstrap, encoder A, prefill P, decode "main" whose first run of blocks holds 32 tokens: longer prompts'
     KV arrives in several runs (resumes). Over ZeroMQ, or every backend for a test marked EVERY_PD_BACKEND."""
-    c = Cluster(tiny_ckpt("qwen2_vl"), {"main": ["--embedding-default-allocate-tokens", "32"]}, prefills={"P": []},
+    c = Cluster(tiny_ckpt("qwen2_vl"), {"main": ["--kv-allocate-tokens", "32"]}, prefills={"P": []},
                 backend=request.param, extra=("--transfer-timeout", "8"))
     yield c
     c.close()
@@ -125,7 +125,7 @@ def test_failed_and_killed_prefill_instances(pd, offline):
     pd.start_prefill("bad", env={"VLSERVE_TRANSFER_FAILURE_PROB": "1"})
     pd.wait_prefills("main", 2)
     client = pd.client("main")
-    chats = [picture_chat(40 + i) for i in range(6)]
+    chats = [picture_chat(40 + i) for i in range(12)]  # keyed by their pictures: both prefills get some
     assert [ask(client, m) for m in chats] == [expected_text(offline, m) for m in chats]
     m = pd.metrics("main")
     assert m['vlserve:kv_transfers_total{role="decode",state="failed"}'] > 0, "the failing prefill was never tried"

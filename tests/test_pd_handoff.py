@@ -87,16 +87,15 @@ class Decode:
         self.blocks: dict[str, list[int]] = {}
 
     def receive(self, rid: str, processed: ProcessedPrompt, rows: torch.Tensor) -> ProcessedPrompt:
-        """What a transport does: rows, fill ids and positions into a run of blocks; the prompt as it arrives."""
+        """What a transport does: a KV row per token into a run of blocks (token ids and positions travel beside);
+        the prompt as it arrives."""
         n = len(processed.prompt_token_ids)
         blocks = self.buffers.allocate(n)
-        self.buffers.write_tokens(blocks, 0, torch.tensor(processed.prompt_token_ids),
-                                  processed.mrope_positions.T.contiguous())
         self.buffers.write_rows(blocks, torch.arange(n), rows)
         self.blocks[rid] = blocks
         items = [MultiModalItem(it.offset, it.num_tokens, None, it.grid_thw, it.mm_hash) for it in processed.mm_items]
         return ProcessedPrompt(processed.prompt_token_ids, items, processed.mrope_positions, processed.mrope_delta,
-                               block_rows=blocks)
+                               block_rows=blocks, kv_in_blocks=True)
 
     def add(self, rid: str, arrived: ProcessedPrompt, params: SamplingParams, handoff: Handoff) -> None:
         self.core.add_request(rid, arrived, params, kv_transfer=handoff)

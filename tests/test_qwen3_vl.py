@@ -297,7 +297,7 @@ def test_expert_layout_is_read_from_the_shape_and_the_version_breaks_ties():
 # ---- disaggregated ------------------------------------------------------------------------------------------------
 def test_one_encoder_one_language_server_with_resumes(tiny_ckpt):
     """Qwen3-VL-MoE across processes: the encoder sends each media token's embedding and DeepStack rows in the
-    receive blocks; a 16-token receive allocation makes every media request resume. Same text as one engine."""
+    receive blocks; a 4-row receive allocation makes every media request resume. Same text as one engine."""
     import base64
 
     from tests.test_disagg import Cluster, ask, data_url, expected_text, wait_encoder_idle, wait_language_blocks_free
@@ -316,7 +316,8 @@ def test_one_encoder_one_language_server_with_resumes(tiny_ckpt):
             {"type": "text", "text": "Compare."}]}],
         "text only": [{"role": "user", "content": "Just text."}],
     }
-    cluster = Cluster(path, {"small": ["--embedding-default-allocate-tokens", "16"]}, limits="image=4,video=1")
+    cluster = Cluster(path, {"small": ["--media-allocate-rows", "4", "--receive-block-rows", "4"]},
+                      limits="image=4,video=1")
     try:
         cluster.wait_encoders("small", 1)
         before = cluster.metrics("small")
@@ -326,7 +327,7 @@ def test_one_encoder_one_language_server_with_resumes(tiny_ckpt):
         resumes = 'vlserve:embedding_transfer_resumes_total{role="language"}'
         success = 'vlserve:embedding_transfers_total{role="language",state="success"}'
         assert after[success] - before[success] == 2
-        assert after[resumes] - before[resumes] >= 2  # 16 rows are never enough for these
+        assert after[resumes] - before[resumes] >= 2  # 4 rows are never enough for these
         wait_language_blocks_free(lambda: cluster.metrics("small"))
         wait_encoder_idle(cluster.encoders["A"].metrics_url)
     finally:

@@ -14,7 +14,7 @@ import pytest
 
 from tests.server_utils import RoleProcess, free_port
 from tests.test_disagg import HB, SECRET, picture_chat
-from vlserve.disagg.encoder_client import EncoderClient
+from vlserve.disagg.peer_client import PeerClient
 
 
 def test_a_language_server_is_ready_once_an_encoder_pairs_and_a_request_waits_for_it(tiny_ckpt):
@@ -60,7 +60,7 @@ def test_with_no_peer_a_request_waits_the_peer_wait_timeout_then_gets_none():
     async def go():
         client = _waiter(0.3, lambda key, exclude: None)
         t0 = time.monotonic()
-        assert await EncoderClient._first_peer(client, "k") is None
+        assert await PeerClient._first_peer(client, "k") is None
         return time.monotonic() - t0
 
     assert asyncio.run(go()) >= 0.25  # it did wait
@@ -78,7 +78,7 @@ def test_a_peer_that_pairs_during_the_wait_takes_the_request():
             client._peer_paired.set()
 
         pairing = asyncio.create_task(pair_later())
-        got = await EncoderClient._first_peer(client, "k")
+        got = await PeerClient._first_peer(client, "k")
         await pairing
         return got
 
@@ -87,4 +87,4 @@ def test_a_peer_that_pairs_during_the_wait_takes_the_request():
 
 @pytest.mark.parametrize("timeout", [0.0, -1.0])
 def test_no_wait_when_the_timeout_is_zero(timeout):
-    assert asyncio.run(EncoderClient._first_peer(_waiter(timeout, lambda key, exclude: None), "k")) is None
+    assert asyncio.run(PeerClient._first_peer(_waiter(timeout, lambda key, exclude: None), "k")) is None

@@ -1,5 +1,5 @@
 """Receive blocks shared by a language front-end and its engine process: allocation on the engine's block pool,
-writes and reads by token index over non-contiguous runs, a second process mapping the same memory, the
+writes and reads by row index over non-contiguous runs, a second process mapping the same memory, the
 file name gone after unlink while mappings stay valid, and bounds checks on every address."""
 
 from __future__ import annotations
@@ -39,20 +39,18 @@ def test_allocation_is_all_or_nothing_and_checked():
     assert buf.num_free == 4
 
 
-def test_rows_and_tokens_round_trip_over_scattered_runs():
+def test_rows_round_trip_over_scattered_runs():
     buf = TransferBuffers.create(8, 4, WIDTH, torch.bfloat16, shared=False)
     ids = _scattered(buf, 10)
-    fill, pos = torch.arange(100, 110), torch.arange(30).view(10, 3)
-    buf.write_tokens(ids, 0, fill, pos)
-    media = torch.tensor([3, 4, 5, 8])  # rows only for media tokens
+    where = torch.tensor([3, 4, 5, 8])
     rows = torch.randn(4, WIDTH)
-    buf.write_rows(ids, media, rows)
-    got_ids, got_pos = buf.read_tokens(ids, 0, 10)
-    assert torch.equal(got_ids, fill) and torch.equal(got_pos, pos)
-    assert torch.equal(buf.read_rows(ids, 3, 3), rows[:3].to(torch.bfloat16))
+    buf.write_rows(ids, where, rows)
+    assert torch.equal(buf.read_rows(ids, 3, 3), rows[:3].to(torch.bfloat16))  # across a block edge
     assert torch.equal(buf.read_rows(ids, 8, 1, columns=2), rows[3:, :2].to(torch.bfloat16))
-    buf.write_aux(ids, [10, -3, 2])
-    assert buf.read_aux(ids)[:3] == [10, -3, 2]
+    assert buf.rows_finite(ids, where)
+    buf.write_rows(ids, torch.tensor([9]), torch.full((1, WIDTH), float("nan")))
+    assert buf.rows_finite(ids, where) and not buf.rows_finite(ids, torch.tensor([8, 9]))
+    assert buf.layout.nbytes < 8 * 4 * (WIDTH * 2 + 4 * 8)  # rows only: token ids and positions travel beside
 
 
 @pytest.mark.parametrize("bad", [
@@ -60,8 +58,7 @@ def test_rows_and_tokens_round_trip_over_scattered_runs():
     lambda b, ids: b.write_rows(ids, torch.tensor([-1]), torch.zeros(1, WIDTH)),
     lambda b, ids: b.write_rows(ids, torch.tensor([1]), torch.zeros(1, WIDTH + 1)),  # wrong width
     lambda b, ids: b.write_rows([99], torch.tensor([0]), torch.zeros(1, WIDTH)),  # no such block
-    lambda b, ids: b.write_tokens(ids, 10, torch.zeros(3, dtype=torch.int64), torch.zeros(3, 3)),
-    lambda b, ids: b.write_tokens(ids, 0, torch.zeros(3, dtype=torch.int64), torch.zeros(3, 2)),
+    lambda b, ids: b.read_rows(ids, 10, 3),  # runs past the run
     lambda b, ids: b.read_rows([], 0, 1),
 ])
 def test_every_address_is_checked(bad):

@@ -36,17 +36,18 @@ DEFAULT_MAX_PIXELS_DECODED = 64_000_000  # 64 MP
 def option(default: Any = None, help: str = "", roles=frozenset(), *, factory=None, flag: str | None = None,
            parse=None, env: str | None = None, secret: bool = False, nargs: str | None = None,
            choices: tuple | None = None, negate: bool = False, role_defaults: dict | None = None,
-           metavar: str | None = None) -> Any:
+           metavar: str | None = None, aliases: tuple[str, ...] = ()) -> Any:
     """A dataclass field that is also a CLI flag of `roles`.
 
     `flag` overrides the flag name; `negate` makes a True-by-default bool a `--disable-...` switch; `parse`
     turns the flag's text into the value; `env` names an environment variable used when the flag is absent;
     `secret` values never go on a command line (children get them through the environment); `role_defaults`
-    gives some roles another default (an encoder listens on 8100, not 8000).
+    gives some roles another default (an encoder listens on 8100, not 8000); `aliases` are further flags for the
+    same option (an old name kept working).
     """
     meta = {"help": help, "roles": frozenset(roles), "flag": flag, "parse": parse, "env": env, "secret": secret,
             "nargs": nargs, "choices": choices, "negate": negate, "role_defaults": role_defaults or {},
-            "metavar": metavar}
+            "metavar": metavar, "aliases": tuple(aliases)}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -215,14 +216,24 @@ class DisaggArgs:
                              "on the ports after it", {SERVE})
     bootstrap: str = option("127.0.0.1:8998", "host:port of `vlserve bootstrap`", DISAGG_ROLES,
                             metavar="HOST:PORT")
-    embedding_default_allocate_tokens: int = option(
-        8192, "receive blocks pre-allocated per request, in tokens (longer outputs resume into more; what a "
-        "request does not fill is freed when its transfer ends)", {SERVE, LANGUAGE, PREFILL, DECODE},
-        role_defaults={DECODE: 2048})
-    embedding_buffer_blocks: int = option(4096, "blocks in the receive buffer pool (embedding rows; on a decode "
-                                          "instance KV rows, held only until copied into the KV cache)",
-                                          {SERVE} | DISAGG_ROLES, role_defaults={DECODE: 1024})
-    embedding_block_tokens: int = option(16, "tokens per receive buffer block", {SERVE} | DISAGG_ROLES)
+    # Receive buffers, named by what they hold: media rows (from encoders: a language server, a prefill
+    # instance) and KV rows (from prefill instances: a decode instance).
+    media_buffer_blocks: int = option(
+        4096, "blocks in the media receive buffer pool: embedding rows of media tokens sent by encoders "
+        "(--embedding-buffer-blocks: deprecated alias)", {SERVE, LANGUAGE, PREFILL},
+        aliases=("--embedding-buffer-blocks",))
+    media_allocate_rows: int = option(
+        8192, "media receive rows pre-allocated per request (a bigger picture resumes into more; what a request "
+        "does not fill is freed when its transfer ends) (--embedding-default-allocate-tokens: deprecated alias)",
+        {SERVE, LANGUAGE, PREFILL}, aliases=("--embedding-default-allocate-tokens",))
+    kv_buffer_blocks: int = option(1024, "blocks in the KV receive buffer pool of a decode instance: every prompt "
+                                   "token's KV row, held only until copied into the KV cache", {SERVE, DECODE})
+    kv_allocate_tokens: int = option(
+        2048, "KV receive rows (prompt tokens) pre-allocated per request on a decode instance (a longer prompt "
+        "resumes into more; the rest is freed when its transfer ends)", {SERVE, DECODE})
+    receive_block_rows: int = option(16, "rows per receive buffer block (media and KV) (--embedding-block-tokens: "
+                                     "deprecated alias)", {SERVE, LANGUAGE, PREFILL, DECODE},
+                                     aliases=("--embedding-block-tokens",))
     heartbeat_interval: float = option(1.0, "seconds between heartbeats (registry and peers)",
                                        {SERVE, BOOTSTRAP} | DISAGG_ROLES)
     heartbeat_failure_threshold: int = option(3, "missed heartbeats before an instance is dropped",

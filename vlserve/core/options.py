@@ -66,7 +66,8 @@ def add_options(parser: argparse.ArgumentParser, role: str, model_required: bool
         # Flags default to None ("not given"), so the dataclass default stays the single source of truth.
         if _is_bool(f):
             action = "store_false" if f.metadata.get("negate") else "store_true"
-            group.add_argument(flag, dest=f.name, action=action, default=None, help=help_text)
+            group.add_argument(flag, *f.metadata.get("aliases", ()), dest=f.name, action=action, default=None,
+                               help=help_text)
             continue
         kwargs = {"dest": f.name, "default": None, "help": help_text, "metavar": _metavar(f)}
         if f.metadata.get("choices"):
@@ -76,7 +77,7 @@ def add_options(parser: argparse.ArgumentParser, role: str, model_required: bool
         kwargs["type"] = _arg_parser(f)
         if f.name == "model":
             kwargs["required"] = model_required
-        group.add_argument(flag, **kwargs)
+        group.add_argument(flag, *f.metadata.get("aliases", ()), **kwargs)
 
 
 def _metavar(f: dataclasses.Field) -> str | None:

@@ -14,7 +14,8 @@ class MultiModalItem:
     """One picture (or video) of a prompt, already preprocessed; its placeholder run is already expanded.
 
     Its embeddings come from one of: `pixel_values` (the engine runs the vision encoder on them), `embeddings`
-    (precomputed), or neither: then the prompt's `block_rows` hold them (received from an encoder service).
+    (precomputed), or neither: then the prompt's `block_rows` hold them from row `media_row(index)` on (received
+    from an encoder service).
     """
 
     offset: int  # index of the first placeholder token in the prompt
@@ -42,10 +43,21 @@ class ProcessedPrompt:
     mrope_positions: torch.Tensor  # [3, len(prompt_token_ids)] int64
     mrope_delta: int
     text: str | None = None  # the prompt text, when there was one (returned to users as RequestOutput.prompt)
-    # Receive blocks (engine.transfer_buffers) holding this prompt's rows by token index, when an encoder
-    # service sent them: items without pixel values or embeddings read theirs from here, in place.
+    # Receive blocks (engine.transfer_buffers) holding rows a peer sent: media rows from an encoder service, item
+    # after item (items without pixel values or embeddings read theirs from here, in place), or with
+    # `kv_in_blocks` every prompt token's KV row from a prefill instance.
     block_rows: list[int] | None = None
+    kv_in_blocks: bool = False
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    def media_row(self, index: int) -> int:
+        """The receive row where item `index`'s media rows start: after the rows of the items before it."""
+        return sum(item.num_tokens for item in self.mm_items[:index])
+
+    @property
+    def rows_in_blocks(self) -> int:
+        """How many rows `block_rows` hold for this prompt."""
+        return self.num_tokens if self.kv_in_blocks else self.media_row(len(self.mm_items))

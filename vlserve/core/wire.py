@@ -46,7 +46,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     mrope_delta: int
     params: SamplingParams
     arrival_time: float
-    block_rows: list[int] | None = None  # receive blocks holding the prompt's media rows (disaggregated)
+    block_rows: list[int] | None = None  # receive blocks holding the prompt's media rows, item after item
     handoff: Handoff | None = None  # decode instance: prefilled elsewhere; `block_rows` hold its KV rows
 
 
@@ -198,7 +198,7 @@ def prompt_from_wire(msg: AddRequest, frames: list) -> ProcessedPrompt:
     items = [MultiModalItem(it.offset, it.num_tokens, tensor(it.pixel_values), tuple(it.grid_thw), it.mm_hash,
                             tensor(it.embeddings)) for it in msg.mm_items]
     return ProcessedPrompt(msg.prompt_token_ids, items, tensor_from(msg.mrope_positions, frames), msg.mrope_delta,
-                           block_rows=msg.block_rows)
+                           block_rows=msg.block_rows, kv_in_blocks=msg.handoff is not None)
 
 
 class _AnyRequestId(msgspec.Struct):

@@ -8,9 +8,10 @@ A language server sends a prompt with media and the ids of its receive blocks. T
   engine's `EncoderCacheManager` (keyed by mm_hash): a picture seen before is not encoded again. The tower is
   loaded like the engine's model (`start_executor`: a `ModelShard`, or a tensor-parallel leader whose ranks
   split its weights, or with `--mm-encoder-tp-mode data` each encode a share of the pictures);
-- writes, chunk by chunk, each token's fill id and positions and each media token's embedding row into the
-  receiver's blocks through the transport. Text tokens never carry a row. When the receiver's blocks run out it
-  asks to resume; meanwhile the rows wait in the encoder cache, held for that transfer (no staging copy).
+- sends, chunk by chunk, each token's fill id and positions, and writes each media token's embedding row into
+  the receiver's blocks (item after item) through the transport. Text tokens never take a row. When the
+  receiver's blocks run out it asks to resume; meanwhile the rows wait in the encoder cache, held for that
+  transfer (no staging copy).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from vlserve.core.processes import SigtermStop, finish
 from vlserve.core.prompt import ProcessedPrompt
 from vlserve.disagg.auth import PeerAuth, require_secret_off_loopback
 from vlserve.disagg.messages import (
-    EncodeRequest,
+    TransferRequest,
     Pong,
     TransferState,
 )
@@ -92,11 +93,11 @@ class EncodeService(SenderService):
         m = self.cfg.model
         return Pong(nonce, self.in_flight, m.architecture, m.text.hidden_size, len(m.vision.deepstack_indexes))
 
-    def on_request(self, peer: bytes, msg: EncodeRequest) -> None:
+    def on_request(self, peer: bytes, msg: TransferRequest) -> None:
         self.spawn(self._encode(peer, msg))
 
     # ---- one transfer --------------------------------------------------------------------------------------
-    async def _encode(self, peer: bytes, req: EncodeRequest) -> None:
+    async def _encode(self, peer: bytes, req: TransferRequest) -> None:
         key = (peer, req.request_id, req.transfer_id)
         self.in_flight += 1
         self.metrics.state(TransferState.WAITING_FOR_INPUT)

@@ -1,12 +1,12 @@
-"""Typed messages between language servers and encoders, framed like the engine's (core.wire): a msgpack header,
-then raw tensor frames it refers to. Nothing is pickled.
+"""Typed messages between a receiver of rows and the peer that sends them, framed like the engine's (core.wire): a
+msgpack header, then raw tensor frames it refers to. Nothing is pickled.
 
-Language -> encoder (DEALER -> ROUTER): EncodeRequest, ResumeRequest, AbortTransfer, Ping.
-Encoder -> language (the same connection back): TransferChunk (+ tensor frames), TransferFailed, Pong.
+Two pairings speak this protocol: a language server (or prefill instance) receiving media rows from an encoder,
+and a decode instance receiving KV rows from a prefill instance (the request then carries the sampling
+parameters, the chunks every prompt token's KV row, and the last chunk the prefill's first token: `handoff`).
 
-Prefill/decode disaggregation speaks the same protocol: the decode instance is the receiver, the prefill
-instance the sender; an EncodeRequest then carries the sampling parameters, the chunks carry every prompt
-token's KV row, and the last chunk the prefill's first token (`handoff`).
+Receiver -> sender (DEALER -> ROUTER): TransferRequest, ResumeRequest, AbortTransfer, Ping.
+Sender -> receiver (the same connection back): TransferChunk (+ tensor frames), TransferFailed, Pong.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from vlserve.engine.transfer_buffers import BufferLayout
 
 
 class TransferState(str, enum.Enum):
-    BOOTSTRAPPING = "bootstrapping"  # picking an encoder, allocating receive blocks
-    WAITING_FOR_INPUT = "waiting_for_input"  # request sent; the encoder fetches, preprocesses and encodes
+    BOOTSTRAPPING = "bootstrapping"  # picking a peer, allocating receive blocks
+    WAITING_FOR_INPUT = "waiting_for_input"  # request sent; the peer works on it (encodes, or prefills)
     TRANSFERRING = "transferring"  # chunks arriving
     SUCCESS = "success"
-    FAILED = "failed"  # the encoder or the transfer failed (retried elsewhere, or a 503)
+    FAILED = "failed"  # the peer or the transfer failed (retried elsewhere, or a 503)
     REJECTED = "rejected"  # the request itself was bad (a 4xx for the user); nothing failed
 
 
@@ -42,21 +42,23 @@ class TransferTarget(msgspec.Struct):
     agent_metadata: bytes = b""  # nixl: the receiver agent's metadata (its UCX address)
 
 
-class EncodeRequest(msgspec.Struct, tag="encode"):
+class TransferRequest(msgspec.Struct, tag="transfer"):
+    """A prompt for a peer to work on, and the first run of receive blocks its rows go to."""
+
     request_id: str
     transfer_id: int  # distinguishes a retry of the same request
     prompt: str  # rendered prompt text with one placeholder per media item
-    media: dict[str, list[Any]]  # kind -> URLs (fetched by the encoder) or embedding entries
+    media: dict[str, list[Any]]  # kind -> URLs (fetched by the peer) or embedding entries
     uuids: dict[str, list[Any]]
     mm_processor_kwargs: dict[str, Any]
-    block_ids: list[int]  # the receiver's blocks for tokens 0, 1, ... (the first run)
-    block_tokens: int
+    block_ids: list[int]  # the receiver's blocks for rows 0, 1, ... (the first run)
+    block_tokens: int  # rows per block
     target: TransferTarget | None = None  # None: the data travels as frames (zmq)
     params: SamplingParams | None = None  # to a prefill instance: how to sample the first token
 
 
 class ResumeRequest(msgspec.Struct, tag="resume"):
-    """The receiver holds tokens [0, start_token) and has a fresh run of blocks for the rest."""
+    """The receiver holds tokens [0, start_token) and has a fresh run of blocks for the rows of the rest."""
 
     request_id: str
     transfer_id: int
@@ -73,7 +75,7 @@ class Ping(msgspec.Struct, tag="ping"):
     nonce: int
 
 
-LanguageToEncoder = EncodeRequest | ResumeRequest | AbortTransfer | Ping
+ReceiverToSender = TransferRequest | ResumeRequest | AbortTransfer | Ping
 
 
 class ItemMeta(msgspec.Struct, array_like=True):
@@ -84,17 +86,17 @@ class ItemMeta(msgspec.Struct, array_like=True):
 
 
 class RowSegment(msgspec.Struct, array_like=True):
-    """`num_rows` embedding rows for prompt tokens token..token+num_rows (all inside one media item)."""
+    """`num_rows` rows for prompt tokens token..token+num_rows (all inside one media item, or any tokens for KV)."""
 
     token: int
     num_rows: int
 
 
 class TransferChunk(msgspec.Struct, tag="chunk"):
-    """Prompt tokens [start_token, start_token + num_tokens), written into the receiver's run `block_ids` (whose
-    first slot is token start_token). Text tokens carry a fill id and positions only; media tokens also an
-    embedding row (`segments` say which, in the order of the rows frame). `partial`: more follows once the
-    receiver offers blocks for it (resume)."""
+    """Prompt tokens [start_token, start_token + num_tokens). Every token's fill id and positions travel as frames;
+    the rows (`segments` say of which tokens, in order) fill the receiver's run `block_ids` from its first slot,
+    as frames (zmq) or written in place. Text tokens take a row only for KV. The chunk ends where the run is full
+    (disagg.row_map); `partial`: more follows once the receiver offers blocks for it (resume)."""
 
     request_id: str
     transfer_id: int
@@ -106,9 +108,9 @@ class TransferChunk(msgspec.Struct, tag="chunk"):
     block_ids: list[int]
     segments: list[RowSegment]
     partial: bool
-    fill_ids: TensorRef | None = None  # [num_tokens] int64; None when the transport wrote it into the blocks
+    fill_ids: TensorRef | None = None  # [num_tokens] int64 (set by the transport)
     positions: TensorRef | None = None  # [num_tokens, 3] int64
-    rows: TensorRef | None = None  # [sum of segment rows, width]
+    rows: TensorRef | None = None  # [sum of segment rows, width]; None when the transport wrote them in place
     handoff: Handoff | None = None  # from a prefill instance, on the last chunk: its first token, random state
 
 
@@ -120,14 +122,14 @@ class TransferFailed(msgspec.Struct, tag="failed"):
 
 
 class Pong(msgspec.Struct, tag="pong"):
-    """Liveness, load, and what the encoder produces, so a language server never pairs with a mismatched one."""
+    """Liveness, load, and what the peer produces, so a receiver never pairs with a mismatched one."""
 
     nonce: int
     load: int
     architecture: str
     hidden_size: int
-    deepstack_levels: int  # the encoder sends hidden_size x (1 + deepstack_levels) columns per media token
+    deepstack_levels: int  # an encoder sends hidden_size x (1 + deepstack_levels) columns per media token
     kv_width: int = 0  # a prefill instance: the KV row width it sends per token (0: an encoder)
 
 
-EncoderToLanguage = TransferChunk | TransferFailed | Pong
+SenderToReceiver = TransferChunk | TransferFailed | Pong

@@ -5,7 +5,7 @@ its receive blocks. The prefill instance has the prompt's media encoded by encod
 its own receive blocks, exactly like a language server), runs the prompt through its engine, samples the first
 token as the whole request would, and writes every prompt token's KV row (engine.kv_handoff) into the decode
 instance's blocks over the transport; the last chunk carries the first token and the random state. It speaks the
-encoders' protocol (disagg.messages) as the sender, with the same resume, abort and expiry (disagg.sender).
+peers' protocol (disagg.messages) as the sender, with the same resume, abort and expiry (disagg.sender).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from vlserve.core.errors import InvalidInputError
 from vlserve.core.processes import SigtermStop, finish
 from vlserve.disagg.auth import PeerAuth, require_secret_off_loopback
 from vlserve.disagg.messages import (
-    EncodeRequest,
+    TransferRequest,
     Pong,
     TransferState,
 )
@@ -42,8 +42,8 @@ class PrefillService(SenderService):
         self.engine, d, host = engine, opts.disagg, opts.server.host
         auth = PeerAuth(d.disagg_secret)
         require_secret_off_loopback(auth, host, "this prefill instance")
-        # Its own sender, beside the receiver the engine's encoder client has: a NIXL agent is not safe to drive
-        # from a sending thread while the receiving side pumps it.
+        # Its own sender, beside the receiver the engine's peer client (toward encoders) has: a NIXL agent is not
+        # safe to drive from a sending thread while the receiving side pumps it.
         transport = TRANSPORTS[d.transfer_backend](reachable_host(host, toward=d.bootstrap.rsplit(":", 1)[0]))
         self._setup(host, d.data_port or opts.server.port + 1, auth, transport,
                     TransferMetrics(engine.metrics.registry, None, PREFILL, "kv"), d.transfer_timeout,
@@ -64,7 +64,7 @@ class PrefillService(SenderService):
         return Pong(nonce, self.in_flight, m.architecture, m.text.hidden_size, len(m.vision.deepstack_indexes),
                     m.kv_row_width)
 
-    def on_request(self, peer: bytes, msg: EncodeRequest) -> None:
+    def on_request(self, peer: bytes, msg: TransferRequest) -> None:
         key = (peer, msg.request_id, msg.transfer_id)
         task = self.working[key] = self.spawn(self._prefill(key, msg))
         # Popped when done, even if an abort cancels it before it ever ran.
@@ -75,7 +75,7 @@ class PrefillService(SenderService):
         if task is not None and key not in self.sender.transfers:
             task.cancel()  # still prefilling: the engine drops the request (a send under way is let finish)
 
-    async def _prefill(self, key, req: EncodeRequest) -> None:
+    async def _prefill(self, key, req: TransferRequest) -> None:
         self.metrics.state(TransferState.WAITING_FOR_INPUT)
         try:
             if req.params is None:
@@ -84,8 +84,8 @@ class PrefillService(SenderService):
             engine_id = f"p{next(self._ids)}-{req.request_id[:128]}"
             with await self.engine.prepare(prompt, req.mm_processor_kwargs, request_id=engine_id) as prepared:
                 handoff, rows = await self.engine.prefill(prepared, req.params, engine_id)  # takes it over
-            transfer = OutgoingTransfer(key, prepared.prompt, req.block_tokens, every_token_rows(rows),
-                                        target=req.target, handoff=handoff)
+            transfer = OutgoingTransfer(key, prepared.prompt, req.block_tokens, every_token=True,
+                                        rows_of=every_token_rows(rows), target=req.target, handoff=handoff)
             if self.sender.hold(transfer):
                 await self.sender.send_chunk(transfer, 0, req.block_ids)
         except asyncio.CancelledError:
@@ -116,7 +116,7 @@ class PrefillService(SenderService):
 
 async def run_prefill(opts: Options, log_level: str) -> int:
     """The prefill role: bind the data socket, start the engine (which registers with the bootstrap through its
-    encoder client, under role "prefill" with the data address), serve until stopped. Returns the exit code: 1
+    peer client, under role "prefill" with the data address), serve until stopped. Returns the exit code: 1
     when the engine died (a supervisor restarts the instance)."""
     host, port = opts.server.host, opts.server.port
     data_port = opts.disagg.data_port or port + 1

@@ -6,8 +6,8 @@ receive blocks where the engine reads it:
   token-id prompts are prefilled here.
 
 What this server's options forbid is refused here with the aggregated server's status (too many items,
-embeddings input off), before any encoder is asked; everything else is the encoder's to check under its own
-media policy, and its verdict comes back with the same status.
+embeddings input off), before any peer is asked; everything else is the peer's to check (an encoder under its
+own media policy), and its verdict comes back with the same status.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from __future__ import annotations
 from vlserve.core.config import DisaggArgs
 from vlserve.core.errors import InvalidInputError
 from vlserve.disagg.bootstrap import InstanceInfo, new_instance_id
-from vlserve.disagg.encoder_client import ENCODER_PEERS, PREFILL_PEERS, EncoderClient, PeerKind
+from vlserve.disagg.peer_client import PeerClient
+from vlserve.disagg.peer_kinds import ENCODER_PEERS, PREFILL_PEERS, PeerKind
 from vlserve.disagg.metrics import TransferMetrics
 from vlserve.engine.transfer_buffers import TransferBuffers
 from vlserve.frontend.prompt_encoder import EncodedPrompt, LocalPromptEncoder
@@ -26,16 +27,16 @@ def _has_urls(media: dict) -> bool:
 
 
 class RemotePromptEncoder:
-    def __init__(self, engine, opts: DisaggArgs, info: InstanceInfo, peers: PeerKind = ENCODER_PEERS):
+    def __init__(self, engine, opts: DisaggArgs, info: InstanceInfo, kind: PeerKind = ENCODER_PEERS):
         """`info`: how this server registers (its role and the address peers reach it by)."""
-        self.cfg, self.peers = engine.cfg, peers
+        self.cfg, self.kind = engine.cfg, kind
         self.local = LocalPromptEncoder(engine.input_processor, {}, engine.executor)  # text and embeddings
-        width = self.cfg.model.kv_row_width if peers.rows_for_every_token else self.cfg.model.embedding_width
-        self.transfer_buffers = TransferBuffers.create(opts.embedding_buffer_blocks, opts.embedding_block_tokens,
-                                                       width, self.cfg.dtype)
-        kind = "kv" if peers.rows_for_every_token else "embedding"
-        metrics = TransferMetrics(engine.metrics.registry, self.transfer_buffers, info.role, kind)
-        self.client = EncoderClient(self.cfg, self.transfer_buffers, metrics, opts, info, peers)
+        width = self.cfg.model.kv_row_width if kind.rows_for_every_token else self.cfg.model.embedding_width
+        self.transfer_buffers = TransferBuffers.create(kind.buffer_blocks(opts), opts.receive_block_rows, width,
+                                                       self.cfg.dtype)
+        payload = "kv" if kind.rows_for_every_token else "embedding"  # (metric names kept as they were)
+        metrics = TransferMetrics(engine.metrics.registry, self.transfer_buffers, info.role, payload)
+        self.client = PeerClient(self.cfg, self.transfer_buffers, metrics, opts, info, kind)
         engine.metrics.registry.register(_PeerGauge(self.client))
         self.started = False
 
@@ -51,7 +52,7 @@ class RemotePromptEncoder:
         if not self.started:
             return "starting"
         if not self.client.num_available:
-            return f"no {self.peers.name} is paired yet"
+            return f"no {self.kind.name} is paired yet"
         return None
 
     async def stop(self) -> None:
@@ -63,7 +64,7 @@ class RemotePromptEncoder:
     async def encode(self, prompt: dict, mm_processor_kwargs: dict | None, request_id: str,
                      params=None) -> EncodedPrompt:
         media = prompt.get("multi_modal_data") or {}
-        prefill = self.peers.rows_for_every_token
+        prefill = self.kind.rows_for_every_token
         if not (_has_urls(media) or (prefill and "prompt" in prompt)):
             return await self.local.encode(prompt, mm_processor_kwargs, request_id)
         if prefill and params is None:
@@ -80,7 +81,7 @@ class RemotePromptEncoder:
                 raise InvalidInputError("image embeddings input is disabled; start with --enable-mm-embeds")
         if "prompt" not in prompt:
             raise InvalidInputError("a prompt with media needs its text (token ids cannot carry placeholders here)")
-        processed, handoff = await self.client.encode(request_id or "prompt", prompt["prompt"], media,
+        processed, handoff = await self.client.send_prompt(request_id or "prompt", prompt["prompt"], media,
                                                       prompt.get("multi_modal_uuids") or {}, mm_processor_kwargs or {},
                                                       params if prefill else None)
         blocks = processed.block_rows
@@ -99,14 +100,14 @@ def remote_prompt_encoder(opts: DisaggArgs, http_address: str, role: str = "lang
 
 
 class _PeerGauge:
-    def __init__(self, client: EncoderClient):
+    def __init__(self, client: PeerClient):
         self.client = client
 
     def collect(self):
         from prometheus_client.core import GaugeMetricFamily
 
-        name = {"encode": "encoders_available", "prefill": "prefill_instances_available"}[self.client.peers.role]
-        g = GaugeMetricFamily(f"vlserve:{name}", f"{self.client.peers.name.capitalize()}s this server can send "
+        name = {"encode": "encoders_available", "prefill": "prefill_instances_available"}[self.client.kind.role]
+        g = GaugeMetricFamily(f"vlserve:{name}", f"{self.client.kind.name.capitalize()}s this server can send "
                               "work to.")
         g.add_metric([], float(self.client.num_available))
         yield g

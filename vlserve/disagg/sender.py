@@ -3,7 +3,8 @@ prefill instances (KV rows): chunk by chunk into the run of blocks the receiver 
 offers more, an abort that waits for any write in flight, and expiry of transfers nobody resumes.
 
 What a transfer sends is the prompt's fill ids and positions for every token, and rows for some tokens
-(`rows_of`): media tokens' embeddings, or every token's KV.
+(`rows_of`): media tokens' embeddings, or every token's KV. Each chunk goes as far as the receiver's run holds its
+rows (disagg.row_map): text tokens take no room in the receiver's blocks.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from vlserve.core.wire import Framer
 from vlserve.disagg.auth import PeerAuth
 from vlserve.disagg.messages import (
     AbortTransfer,
-    EncodeRequest,
+    TransferRequest,
     ItemMeta,
-    LanguageToEncoder,
+    ReceiverToSender,
     Ping,
     Pong,
     ResumeRequest,
@@ -39,6 +40,7 @@ from vlserve.disagg.messages import (
     TransferTarget,
 )
 from vlserve.disagg.metrics import TransferMetrics
+from vlserve.disagg.row_map import RowMap
 from vlserve.disagg.transports import ChunkData, Transport
 from vlserve.disagg.transports.base import ABORT_ACK_STATUS, in_thread
 
@@ -51,7 +53,8 @@ FAILURE_PROB_ENV = "VLSERVE_TRANSFER_FAILURE_PROB"
 class OutgoingTransfer:
     key: Key
     prompt: ProcessedPrompt
-    block_tokens: int
+    block_tokens: int  # rows per receive block
+    every_token: bool = False  # a row for every token (KV), not for media tokens only
     # (start, end) -> the row segments of tokens start..end and their rows, in segment order
     rows_of: Callable[[int, int], tuple[list[RowSegment], torch.Tensor]] | None = None  # set before sending
     target: TransferTarget | None = None  # where the receiver's blocks are, for transports that write them
@@ -108,10 +111,11 @@ class TransferSender:
         transfer.touched = time.monotonic()
         prompt = transfer.prompt
         total = prompt.num_tokens
-        n = min(total - start, len(block_ids) * transfer.block_tokens)
-        if n <= 0 or start < 0:
+        if not 0 <= start < total or not block_ids:
             raise VlserveError(f"the receiver offered no room (start {start} of {total} tokens)")
-        end = start + n
+        end = RowMap(prompt.mm_items, transfer.every_token).chunk_end(start, len(block_ids) * transfer.block_tokens,
+                                                                       total)
+        n = end - start
         segments, rows = await in_thread(transfer.rows_of, start, end)  # gathers a chunk's rows: a copy
         data = ChunkData(torch.tensor(prompt.prompt_token_ids[start:end], dtype=torch.int64),
                          prompt.mrope_positions[:, start:end].T.contiguous(), rows)
@@ -186,7 +190,7 @@ class SenderService:
         self.host, self.data_port, self.auth = host, data_port, auth
         self.failure_prob, self.rng = failure_prob, random.Random()
         self.transport, self.metrics, self.timeout = transport, metrics, timeout
-        self.framer = Framer(LanguageToEncoder)
+        self.framer = Framer(ReceiverToSender)
         self.sender: TransferSender | None = None  # once bound
         self.tasks: set[asyncio.Task] = set()
 
@@ -238,7 +242,7 @@ class SenderService:
     def _dispatch(self, peer: bytes, msg) -> None:
         if isinstance(msg, Ping):
             self.spawn(self.sender.reply(peer, self.pong(msg.nonce)))
-        elif isinstance(msg, EncodeRequest):
+        elif isinstance(msg, TransferRequest):
             self.on_request(peer, msg)
         elif isinstance(msg, ResumeRequest):
             self.spawn(self.sender.resume(peer, msg))
@@ -246,7 +250,7 @@ class SenderService:
             self.on_abort((peer, msg.request_id, msg.transfer_id))
             self.spawn(self.sender.abort(peer, msg))
 
-    def start_request(self, req: EncodeRequest) -> dict:
+    def start_request(self, req: TransferRequest) -> dict:
         """The prompt a request names, after the fault injection of --transfer-failure-prob."""
         if self.failure_prob and self.rng.random() < self.failure_prob:
             raise VlserveError(f"injected transfer failure ({FAILURE_PROB_ENV} / --transfer-failure-prob)")
@@ -273,7 +277,7 @@ class SenderService:
     def pong(self, nonce: int) -> Pong:
         raise NotImplementedError
 
-    def on_request(self, peer: bytes, msg: EncodeRequest) -> None:
+    def on_request(self, peer: bytes, msg: TransferRequest) -> None:
         raise NotImplementedError
 
     def on_abort(self, key: Key) -> None:

@@ -151,9 +151,11 @@ class ModelRunner:
             return self.vision.outputs[item.mm_hash][lo - item.offset : hi - item.offset]
         if item.embeddings is not None:
             return item.embeddings[lo - item.offset : hi - item.offset].to(self.device, self.cfg.dtype)
-        # Sent by an encoder service: gathered from the receive blocks, where the transport wrote them.
-        width = self.cfg.model.embedding_width
-        return self.transfer.read_rows(req.prompt.block_rows, lo, hi - lo, width).to(self.device, self.cfg.dtype)
+        # Sent by an encoder service: gathered from the receive blocks, where the transport wrote them (the
+        # item's rows one after another from its first row; text has none).
+        width, first = self.cfg.model.embedding_width, req.prompt.media_row(idx)
+        rows = self.transfer.read_rows(req.prompt.block_rows, first + lo - item.offset, hi - lo, width)
+        return rows.to(self.device, self.cfg.dtype)
 
     # ---- step -----------------------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -32,8 +32,9 @@ def check_prompt(prompt: ProcessedPrompt, cfg: VlserveConfig, block_capacity: tu
         if block_capacity is None:
             raise InvalidInputError("this engine has no receive buffers; the prompt's rows cannot be read")
         num_blocks, block_tokens = block_capacity
-        if len(prompt.block_rows) * block_tokens < length or any(not 0 <= b < num_blocks for b in prompt.block_rows):
-            raise InvalidInputError("the prompt's receive blocks do not hold all its tokens")
+        rows = prompt.rows_in_blocks
+        if len(prompt.block_rows) * block_tokens < rows or any(not 0 <= b < num_blocks for b in prompt.block_rows):
+            raise InvalidInputError(f"the prompt's receive blocks do not hold its {rows} rows")
     merge = cfg.model.vision.spatial_merge_size
     width = cfg.model.embedding_width
     patch_dim = cfg.model.vision.patch_dim

@@ -1,15 +1,16 @@
-"""Receive blocks of a disaggregated language server: what an encoder service delivers for one prompt, laid out
-by token index over a run of fixed-size blocks.
+"""Receive blocks of a disaggregated server: the rows a peer delivers for one prompt, laid out by row index over
+a run of fixed-size blocks (`block_tokens` rows each).
 
-Per token slot a block holds an embedding row (hidden size plus any extra feature columns, e.g. deepstack),
-the fill id (the prompt's token id) and the 3 M-RoPE positions; per block, a few aux integers (in a request's
-first block: total tokens, rope delta, items). Only media tokens carry embedding rows: text tokens' rows are
-never written or sent. A request may hold several runs of blocks (a resumed transfer adds one); token t of the
-request lives in run block `t // block_tokens`.
+A row is either a media token's embedding (hidden size plus any extra feature columns, e.g. DeepStack), sent
+by an encoder: a prompt takes one row per media token, item after item, and none for text
+(`ProcessedPrompt.media_row` finds an item's first row); or a prompt token's KV, sent by a prefill instance: one
+row per token, row t for token t. The prompt's token ids and positions travel beside the rows (small integers)
+and never take room here. A request may hold several runs of blocks (a resumed transfer adds one); row r of the
+request lives in block `r // block_tokens` of its runs, in order.
 
-The memory is a shared file, so the engine process reads the embedding rows in place: the transport writes
-them, the engine gathers them straight into its input batch. Only the front-end allocates (one `BlockPool`,
-the same allocator as the KV cache); the engine process attaches read-only in spirit.
+The memory is a shared file, so the engine process reads the rows in place: the transport writes them, the
+engine gathers them straight into its input batch (media) or its KV cache (KV). Only the front-end allocates
+(one `BlockPool`, the same allocator as the KV cache); the engine process attaches read-only in spirit.
 """
 
 from __future__ import annotations
@@ -26,8 +27,6 @@ import torch
 from vlserve.engine.block_pool import BlockPool
 
 logger = logging.getLogger("vlserve.disagg")
-AUX_FIELDS = 4
-AUX_TOTAL_TOKENS, AUX_MROPE_DELTA, AUX_NUM_ITEMS = 0, 1, 2
 _ALIGN = 64
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -37,15 +36,13 @@ class BufferLayout(msgspec.Struct, frozen=True):
 
     path: str  # shared-memory file ("" when the buffers are private to one process)
     num_blocks: int
-    block_tokens: int
-    width: int  # embedding columns per row
+    block_tokens: int  # rows per block
+    width: int  # columns per row
     dtype: str
 
     def sizes(self) -> dict[str, int]:
-        slots = self.num_blocks * self.block_tokens
         itemsize = torch.empty((), dtype=DTYPES[self.dtype]).element_size()
-        return {"embeddings": slots * self.width * itemsize, "fill_ids": slots * 8, "positions": slots * 3 * 8,
-                "aux": self.num_blocks * AUX_FIELDS * 8}
+        return {"rows": self.num_blocks * self.block_tokens * self.width * itemsize}
 
     @property
     def nbytes(self) -> int:
@@ -103,10 +100,7 @@ class TransferBuffers:
         self.storage = storage  # [nbytes] uint8: the whole buffer, one region to register with a transfer engine
         offsets = layout.offsets()
         views = {name: storage[offsets[name] : offsets[name] + size] for name, size in layout.sizes().items()}
-        self.embeddings = views["embeddings"].view(DTYPES[layout.dtype]).view(-1, layout.width)  # [slots, width]
-        self.fill_ids = views["fill_ids"].view(torch.int64)  # [slots]
-        self.positions = views["positions"].view(torch.int64).view(-1, 3)  # [slots, 3]
-        self.aux = views["aux"].view(torch.int64).view(-1, AUX_FIELDS)  # [blocks, AUX_FIELDS]
+        self.rows = views["rows"].view(DTYPES[layout.dtype]).view(-1, layout.width)  # [slots, width]
         self.pool = BlockPool(layout.num_blocks) if owner else None
         self.lock_fd: int | None = None  # the owner's open file (shared buffers), locked while it lives
         self.restored = 0  # times the file was found resized by someone else and put back
@@ -161,16 +155,16 @@ class TransferBuffers:
         self.restored += 1
         return True
 
-    def rows_finite(self, block_ids: list[int], tokens: torch.Tensor) -> bool:
-        """Whether the embedding rows at run token indices `tokens` hold no NaN or inf. Reads them in place, a
-        run of consecutive slots at a time (aminmax propagates NaN and allocates nothing per element)."""
-        if not tokens.numel():
+    def rows_finite(self, block_ids: list[int], rows: torch.Tensor) -> bool:
+        """Whether the rows at run row indices `rows` hold no NaN or inf. Reads them in place, a run of
+        consecutive slots at a time (aminmax propagates NaN and allocates nothing per element)."""
+        if not rows.numel():
             return True
-        slots = self.slots(block_ids, tokens)
+        slots = self.slots(block_ids, rows)
         breaks = (torch.nonzero(slots[1:] != slots[:-1] + 1).flatten() + 1).tolist()
         for lo, hi in zip([0, *breaks], [*breaks, slots.numel()]):
             first = int(slots[lo])
-            low, high = torch.aminmax(self.embeddings[first : first + hi - lo])
+            low, high = torch.aminmax(self.rows[first : first + hi - lo])
             if not (torch.isfinite(low) and torch.isfinite(high)):
                 return False
         return True
@@ -188,14 +182,14 @@ class TransferBuffers:
     def num_free(self) -> int:
         return self.pool.num_free
 
-    def blocks_for(self, num_tokens: int) -> int:
-        return max(1, -(-num_tokens // self.block_tokens))
+    def blocks_for(self, num_rows: int) -> int:
+        return max(1, -(-num_rows // self.block_tokens))
 
-    def allocate(self, num_tokens: int) -> list[int] | None:
-        """Blocks for `num_tokens` tokens, or None while the pool is too full (ValueError: it never could be)."""
-        need = self.blocks_for(num_tokens)
+    def allocate(self, num_rows: int) -> list[int] | None:
+        """Blocks for `num_rows` rows, or None while the pool is too full (ValueError: it never could be)."""
+        need = self.blocks_for(num_rows)
         if need > self.num_blocks:
-            raise ValueError(f"{num_tokens} tokens need {need} blocks; the pool has {self.num_blocks}")
+            raise ValueError(f"{num_rows} rows need {need} blocks; the pool has {self.num_blocks}")
         if need > self.pool.num_free:
             return None
         return self.pool.allocate(need)
@@ -207,49 +201,27 @@ class TransferBuffers:
         self.pool.check_integrity()
 
     # ---- addressing ------------------------------------------------------------------------------------------
-    def slots(self, block_ids: list[int], tokens: torch.Tensor) -> torch.Tensor:
-        """Flat slot of each token index (relative to the start of the run `block_ids`)."""
+    def slots(self, block_ids: list[int], rows: torch.Tensor) -> torch.Tensor:
+        """Flat slot of each row index (relative to the start of the run `block_ids`)."""
         if not block_ids or any(not 0 <= b < self.num_blocks for b in block_ids):
             raise ValueError(f"bad block ids for a pool of {self.num_blocks} blocks")
-        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= len(block_ids) * self.block_tokens):
-            raise ValueError(f"token indices run past the {len(block_ids) * self.block_tokens} slots of the run")
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= len(block_ids) * self.block_tokens):
+            raise ValueError(f"row indices run past the {len(block_ids) * self.block_tokens} slots of the run")
         table = torch.tensor(block_ids, dtype=torch.int64)
-        return table[tokens // self.block_tokens] * self.block_tokens + tokens % self.block_tokens
+        return table[rows // self.block_tokens] * self.block_tokens + rows % self.block_tokens
 
-    # ---- writes (transports) ---------------------------------------------------------------------------------
-    def write_tokens(self, block_ids: list[int], start: int, fill_ids: torch.Tensor, positions: torch.Tensor) -> None:
-        """Fill ids [n] and positions [n, 3] of run tokens start..start+n."""
-        n = fill_ids.shape[0]
-        if tuple(positions.shape) != (n, 3):
-            raise ValueError(f"positions must be [{n}, 3], got {tuple(positions.shape)}")
-        slots = self.slots(block_ids, torch.arange(start, start + n))
-        self.fill_ids.index_copy_(0, slots, fill_ids.to(torch.int64))
-        self.positions.index_copy_(0, slots, positions.to(torch.int64))
-
-    def write_rows(self, block_ids: list[int], tokens: torch.Tensor, rows: torch.Tensor) -> None:
-        """Embedding rows [m, width] at run token indices `tokens` [m]."""
-        if rows.dim() != 2 or rows.shape != (tokens.shape[0], self.layout.width):
-            raise ValueError(f"rows must be [{tokens.shape[0]}, {self.layout.width}], got {tuple(rows.shape)}")
-        self.embeddings.index_copy_(0, self.slots(block_ids, tokens), rows.to(self.embeddings.dtype))
-
-    def write_aux(self, block_ids: list[int], values: list[int]) -> None:
-        if len(values) > AUX_FIELDS:
-            raise ValueError(f"at most {AUX_FIELDS} aux values")
-        self.aux[block_ids[0], : len(values)] = torch.tensor(values, dtype=torch.int64)
-
-    # ---- reads -----------------------------------------------------------------------------------------------
-    def read_tokens(self, block_ids: list[int], start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of fill ids [n] and positions [n, 3]."""
-        slots = self.slots(block_ids, torch.arange(start, start + n))
-        return self.fill_ids.index_select(0, slots), self.positions.index_select(0, slots)
+    # ---- rows ------------------------------------------------------------------------------------------------
+    def write_rows(self, block_ids: list[int], index: torch.Tensor, rows: torch.Tensor) -> None:
+        """Rows [m, width] at run row indices `index` [m] (the transports that copy)."""
+        if rows.dim() != 2 or rows.shape != (index.shape[0], self.layout.width):
+            raise ValueError(f"rows must be [{index.shape[0]}, {self.layout.width}], got {tuple(rows.shape)}")
+        self.rows.index_copy_(0, self.slots(block_ids, index), rows.to(self.rows.dtype))
 
     def read_rows(self, block_ids: list[int], start: int, n: int, columns: int | None = None) -> torch.Tensor:
-        """Embedding rows of run tokens start..start+n (the first `columns` columns), gathered in one copy."""
-        rows = self.embeddings.index_select(0, self.slots(block_ids, torch.arange(start, start + n)))
+        """Rows start..start+n of the run (the first `columns` columns), gathered in one copy. KV rows are indexed
+        by token; an item's media rows start at `ProcessedPrompt.media_row`."""
+        rows = self.rows.index_select(0, self.slots(block_ids, torch.arange(start, start + n)))
         return rows if columns is None else rows[:, :columns]
-
-    def read_aux(self, block_ids: list[int]) -> list[int]:
-        return self.aux[block_ids[0]].tolist()
 
 
 def _unlink_if_ours(path: str, pid: int) -> None:

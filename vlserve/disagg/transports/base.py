@@ -1,11 +1,13 @@
-"""The transport interface: the sender delivers a chunk into the receiver's blocks by block id, the receiver
-makes sure the chunk's data is in those blocks when the header is handled.
+"""The transport interface: the sender delivers a chunk's rows into the receiver's blocks by block id, the
+receiver makes sure they are in those blocks when the header is handled. The chunk's token ids and positions
+(small integers) always travel as frames beside the header, whatever the transport, and come back from
+`receive`: they never take room in the blocks.
 
-ZeroMQ carries the data as frames after the header and the receiver copies them into its blocks. A transport
-with direct access to the receiver's memory (shared memory on one host, the Mooncake transfer engine) writes
-straight into the blocks named by the header and sends the header alone; `receive` then only checks it. The
-block layout (engine.transfer_buffers) is the contract both sides share; the receiver describes its buffers
-once (`target`), and every request carries that description to the encoder.
+ZeroMQ carries the rows as frames too and the receiver copies them into its blocks. A transport with direct
+access to the receiver's memory (shared memory on one host, Mooncake, NIXL) writes the rows straight into the
+blocks named by the header; `receive` then only checks it. The block layout (engine.transfer_buffers) is the
+contract both sides share; the receiver describes its buffers once (`target`), and every request carries that
+description to the sender (an encoder or a prefill instance).
 """
 
 from __future__ import annotations
@@ -18,14 +20,15 @@ import torch
 import zmq.asyncio
 
 from vlserve.core.processes import finish
-from vlserve.core.wire import Framer
-from vlserve.disagg.messages import EncoderToLanguage, TransferChunk, TransferTarget
+from vlserve.core.wire import Framer, tensor_from, tensor_ref
+from vlserve.disagg.messages import SenderToReceiver, TransferChunk, TransferTarget
 from vlserve.engine.transfer_buffers import DTYPES, TransferBuffers
 
 
 @dataclass
 class ChunkData:
-    """What one chunk moves: every token's fill id and positions, and embedding rows for its media tokens."""
+    """What one chunk moves: every token's fill id and positions, and its rows (media tokens' embeddings, or
+    every token's KV), which fill the run's slots from the first on."""
 
     fill_ids: torch.Tensor  # [n] int64
     positions: torch.Tensor  # [n, 3] int64
@@ -36,7 +39,16 @@ class ChunkData:
         return sum(t.numel() * t.element_size() for t in (self.fill_ids, self.positions, self.rows))
 
 
-ABORT_ACK_STATUS = 499  # TransferFailed status of an encoder's answer to AbortTransfer: nothing more will be written
+@dataclass
+class ChunkTokens:
+    """What `receive` hands back besides the rows it put in the blocks: the chunk's fill ids and positions."""
+
+    fill_ids: torch.Tensor  # [n] int64
+    positions: torch.Tensor  # [n, 3] int64
+    nbytes: int  # the payload the chunk stands for (rows included, wherever they travelled)
+
+
+ABORT_ACK_STATUS = 499  # a sender's TransferFailed answering AbortTransfer: nothing more is written
 
 
 class Transport(ABC):
@@ -55,43 +67,48 @@ class Transport(ABC):
     @abstractmethod
     async def send(self, sock: zmq.asyncio.Socket, peer: bytes, header: TransferChunk, data: ChunkData,
                    target: TransferTarget | None) -> int:
-        """Encoder side: deliver `data` into the receiver's `header.block_ids`; returns the payload bytes."""
+        """Sender side: deliver `data` into the receiver's `header.block_ids`; returns the payload bytes."""
 
     @abstractmethod
-    async def receive(self, header: TransferChunk, frames: list, buffers: TransferBuffers) -> int:
-        """Language side: after this the chunk's data is in `header.block_ids` (a run starting at token
-        `header.start_token`); returns the payload bytes. Raises ValueError for a malformed chunk. A copy that
-        grows with the chunk runs off the event loop (`in_thread`)."""
+    async def receive(self, header: TransferChunk, frames: list, buffers: TransferBuffers) -> ChunkTokens:
+        """Receiver side: after this the chunk's rows are in `header.block_ids` (from the run's first slot); returns
+        its fill ids and positions. Raises ValueError for a malformed chunk. A copy that grows with the chunk runs
+        off the event loop (`in_thread`)."""
 
     def close(self) -> None:
         pass
 
 
 class InPlaceTransport(Transport):
-    """A transport that writes the receiver's blocks itself (`write`); only the header travels."""
+    """A transport that writes the receiver's rows itself (`write`); the header travels with the token frames."""
 
     writes_in_place = True
 
     def __init__(self, host: str = "127.0.0.1"):
         super().__init__(host)
-        self.framer = Framer(EncoderToLanguage)
+        self.framer = Framer(SenderToReceiver)
 
     async def send(self, sock: zmq.asyncio.Socket, peer: bytes, header: TransferChunk, data: ChunkData,
                    target: TransferTarget | None) -> int:
         target = check_target(target, self.name)
         check_chunk(header, data, target.layout.width)
-        await self.write(header, data, target)
-        await sock.send_multipart([peer, *self.framer.encode(header)], copy=False)
+        if data.rows.numel():
+            await self.write(header, data, target)
+        tensors: list[torch.Tensor] = []
+        header.fill_ids, header.positions = tensor_ref(data.fill_ids, tensors), tensor_ref(data.positions, tensors)
+        await sock.send_multipart([peer, *self.framer.encode(header, tensors)], copy=False)
         return data.nbytes
 
     @abstractmethod
     async def write(self, header: TransferChunk, data: ChunkData, target: TransferTarget) -> None:
-        """Puts the chunk into the receiver's blocks (off the event loop: `in_thread`); done when it returns."""
+        """Puts the chunk's rows into the receiver's blocks (off the event loop: `in_thread`); done when it
+        returns."""
 
-    async def receive(self, header: TransferChunk, frames: list, buffers: TransferBuffers) -> int:
-        if header.fill_ids is not None or header.rows is not None or len(frames) > 1:
-            raise ValueError(f"a {self.name} chunk is written in place; it must not carry tensor frames")
-        return header_nbytes(header, buffers.layout)
+    async def receive(self, header: TransferChunk, frames: list, buffers: TransferBuffers) -> ChunkTokens:
+        if header.rows is not None or len(frames) > 3:
+            raise ValueError(f"a {self.name} chunk's rows are written in place; it must not carry them as frames")
+        fill_ids, positions = chunk_tokens(header, frames)
+        return ChunkTokens(fill_ids, positions, header_nbytes(header, buffers.layout))
 
 
 async def in_thread(fn, *args):
@@ -121,39 +138,49 @@ def reachable_host(host: str, toward: str | None = None) -> str:
 def check_target(target: TransferTarget | None, backend: str) -> TransferTarget:
     if target is None or target.backend != backend:
         have = "frames (zmq)" if target is None else target.backend
-        raise ValueError(f"this encoder sends with --transfer-backend {backend}, the language server expects "
+        raise ValueError(f"this peer sends with --transfer-backend {backend}, the receiver expects "
                          f"{have}: start every role with the same backend")
     return target
 
 
 def write_chunk(buffers: TransferBuffers, header: TransferChunk, data: ChunkData) -> None:
-    """The chunk's data into the receiver's run, by token index (shared by every transport that copies)."""
-    run = header.block_ids
+    """The chunk's rows into the receiver's run, from its first slot (shared by every transport that copies)."""
     check_chunk(header, data, buffers.layout.width)
-    buffers.write_tokens(run, 0, data.fill_ids, data.positions)
-    tokens = chunk_row_tokens(header)
-    if tokens.numel():
-        buffers.write_rows(run, tokens, data.rows)
+    rows = chunk_num_rows(header)
+    if rows:
+        buffers.write_rows(header.block_ids, torch.arange(rows), data.rows)
+
+
+def chunk_tokens(header: TransferChunk, frames: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunk's fill ids [n] and positions [n, 3], as they came in frames, checked."""
+    if header.fill_ids is None or header.positions is None:
+        raise ValueError("a chunk must carry its fill ids and positions as frames")
+    fill_ids, positions = tensor_from(header.fill_ids, frames), tensor_from(header.positions, frames)
+    if fill_ids.dtype != torch.int64 or positions.dtype != torch.int64:
+        raise ValueError("fill ids and positions must be int64")
+    if tuple(fill_ids.shape) != (header.num_tokens,) or tuple(positions.shape) != (header.num_tokens, 3):
+        raise ValueError(f"a chunk of {header.num_tokens} tokens carries fill ids {tuple(fill_ids.shape)} and "
+                         f"positions {tuple(positions.shape)}")
+    return fill_ids, positions
 
 
 def check_chunk(header: TransferChunk, data: ChunkData, width: int) -> None:
-    if data.fill_ids.shape != (header.num_tokens,):
-        raise ValueError(f"a chunk of {header.num_tokens} tokens carries {tuple(data.fill_ids.shape)} fill ids")
-    rows = sum(s.num_rows for s in header.segments)
+    if data.fill_ids.shape != (header.num_tokens,) or tuple(data.positions.shape) != (header.num_tokens, 3):
+        raise ValueError(f"a chunk of {header.num_tokens} tokens carries {tuple(data.fill_ids.shape)} fill ids and "
+                         f"{tuple(data.positions.shape)} positions")
+    rows = chunk_num_rows(header)
     if data.rows.numel() and (data.rows.dim() != 2 or data.rows.shape[1] != width):
         raise ValueError(f"embedding rows must be [{rows}, {width}], got {tuple(data.rows.shape)}")
     if (data.rows.shape[0] if data.rows.numel() else 0) != rows:
         raise ValueError(f"the segments name {rows} embedding rows, the chunk carries {tuple(data.rows.shape)}")
 
 
-def chunk_row_tokens(header: TransferChunk) -> torch.Tensor:
-    """Run token index of each embedding row of the chunk, in row order."""
-    parts = [torch.arange(s.token, s.token + s.num_rows) for s in header.segments]
-    return (torch.cat(parts) - header.start_token) if parts else torch.empty(0, dtype=torch.int64)
+def chunk_num_rows(header: TransferChunk) -> int:
+    """Rows the chunk puts in its run (slots 0 .. rows - 1), in the order of its segments."""
+    return sum(s.num_rows for s in header.segments)
 
 
 def header_nbytes(header: TransferChunk, layout) -> int:
-    """The payload a header-only chunk stands for (what a frame transport would have carried)."""
+    """The payload a chunk whose rows were written in place stands for (what a frame transport would carry)."""
     itemsize = torch.empty((), dtype=DTYPES[layout.dtype]).element_size()
-    rows = sum(s.num_rows for s in header.segments)
-    return header.num_tokens * 4 * 8 + rows * layout.width * itemsize
+    return header.num_tokens * 4 * 8 + chunk_num_rows(header) * layout.width * itemsize

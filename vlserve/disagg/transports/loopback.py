@@ -1,5 +1,6 @@
 """A sender and a receiver of one transport in one process, over a real ZeroMQ connection: what the transport
-tests and the bandwidth benchmark drive. The receiver side is what a language server does with a chunk."""
+tests and the bandwidth benchmark drive. The receiver side is what a receiving server (language, prefill or
+decode) does with a chunk."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import zmq
 import zmq.asyncio
 
 from vlserve.core.wire import Framer
-from vlserve.disagg.messages import EncoderToLanguage, RowSegment, TransferChunk, TransferTarget
+from vlserve.disagg.messages import SenderToReceiver, RowSegment, TransferChunk, TransferTarget
 from vlserve.disagg.transports import TRANSPORTS
-from vlserve.disagg.transports.base import ChunkData
+from vlserve.disagg.transports.base import ChunkData, ChunkTokens
 from vlserve.engine.transfer_buffers import TransferBuffers
 
 
@@ -21,19 +22,20 @@ class Loopback:
         self.sender = TRANSPORTS[backend]("127.0.0.1")
         self.target: TransferTarget | None = self.receiver.target(buffers)
         ctx = zmq.asyncio.Context.instance()
-        self.router = ctx.socket(zmq.ROUTER)  # the encoder's socket
+        self.router = ctx.socket(zmq.ROUTER)  # the sender's socket
         port = self.router.bind_to_random_port("tcp://127.0.0.1")
-        self.dealer = ctx.socket(zmq.DEALER)  # the language server's
+        self.dealer = ctx.socket(zmq.DEALER)  # the receiver's
         self.dealer.connect(f"tcp://127.0.0.1:{port}")
-        self.framer = Framer(EncoderToLanguage)
+        self.framer = Framer(SenderToReceiver)
         self.peer: bytes | None = None
 
     async def connect(self) -> None:
         await self.dealer.send(b"hello")
         self.peer, _ = await self.router.recv_multipart()
 
-    async def transfer(self, header: TransferChunk, data: ChunkData, target: TransferTarget | None = None) -> int:
-        """Send one chunk and handle it as the receiver would; returns the bytes the receiver accounts."""
+    async def transfer(self, header: TransferChunk, data: ChunkData,
+                       target: TransferTarget | None = None) -> ChunkTokens:
+        """Send one chunk and handle it as the receiver would; returns what the receiver got beside the rows."""
         await self.sender.send(self.router, self.peer, header, data, target or self.target)
         frames = await self.dealer.recv_multipart(copy=False)
         frames = [f.buffer for f in frames]
@@ -48,7 +50,8 @@ class Loopback:
 
 def media_chunk(block_ids: list[int], block_tokens: int, num_tokens: int, media: tuple[int, int], width: int,
                 dtype: torch.dtype = torch.float32, seed: int = 0) -> tuple[TransferChunk, ChunkData]:
-    """A chunk of `num_tokens` prompt tokens whose tokens media[0]..media[1] carry embedding rows."""
+    """A chunk of `num_tokens` prompt tokens whose tokens media[0]..media[1] carry embedding rows (in the run's
+    first slots)."""
     g = torch.Generator().manual_seed(seed)
     lo, hi = media
     header = TransferChunk("r", 1, 0, num_tokens, num_tokens, 0, [], block_ids, [RowSegment(lo, hi - lo)],

@@ -1,5 +1,5 @@
-"""The Mooncake transfer engine (TCP here, RDMA where the hardware has it): the language server registers its
-receive buffers once; the encoder writes each chunk into the named blocks with one batch of remote writes, then
+"""The Mooncake transfer engine (TCP here, RDMA where the hardware has it): the receiver registers its
+receive buffers once; the sender writes each chunk into the named blocks with one batch of remote writes, then
 sends the header alone over the control connection.
 
 Metadata goes through Mooncake's own peer-to-peer handshake (no etcd, no metadata server): a receiver is

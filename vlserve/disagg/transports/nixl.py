@@ -1,5 +1,5 @@
-"""NIXL (NVIDIA's transfer library; UCX underneath, e.g. `UCX_TLS=tcp` without RDMA): the language server
-registers its receive buffers with a NIXL agent and sends the agent's metadata with each request; the encoder
+"""NIXL (NVIDIA's transfer library; UCX underneath, e.g. `UCX_TLS=tcp` without RDMA): the receiver
+registers its receive buffers with a NIXL agent and sends the agent's metadata with each request; the sender
 adds that agent once and writes each chunk with one WRITE transfer of many descriptors, then sends the header
 alone over the control connection."""
 

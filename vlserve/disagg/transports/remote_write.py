@@ -1,6 +1,6 @@
 """What transports that write the receiver's memory themselves share (Mooncake, NIXL): a registered staging
-buffer the chunk is packed into, and the list of (source, destination, length) writes that puts it into the
-receiver's blocks, one write per run of consecutive slots of each array."""
+buffer the chunk's rows are packed into, and the list of (source, destination, length) writes that puts them
+into the receiver's blocks, one write per run of consecutive slots."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 
 from vlserve.disagg.messages import TransferChunk, TransferTarget
-from vlserve.disagg.transports.base import ChunkData, chunk_row_tokens
+from vlserve.disagg.transports.base import ChunkData, chunk_num_rows
 from vlserve.engine.transfer_buffers import DTYPES
 
 STAGING_BYTES = 64 * 2**20  # registered once; a bigger chunk gets a bigger staging buffer
@@ -35,34 +35,30 @@ class StagedWrites:
 
     def plan(self, header: TransferChunk, data: ChunkData,
              target: TransferTarget) -> tuple[list[int], list[int], list[int]]:
-        """(source addresses, destination addresses, lengths) that put `data` into `header.block_ids` of the
-        receiver's buffers at `target.base_address`."""
-        layout, offsets = target.layout, target.layout.offsets()
+        """(source addresses, destination addresses, lengths) that put the chunk's rows into `header.block_ids`
+        of the receiver's buffers at `target.base_address`, from the run's first slot."""
+        layout = target.layout
         rows = data.rows.to(DTYPES[layout.dtype]).contiguous()
-        arrays = [("fill_ids", data.fill_ids.to(torch.int64).contiguous(), torch.arange(header.num_tokens)),
-                  ("positions", data.positions.to(torch.int64).contiguous(), torch.arange(header.num_tokens)),
-                  ("embeddings", rows, chunk_row_tokens(header))]
         if not header.block_ids or any(not 0 <= b < layout.num_blocks for b in header.block_ids):
             raise ValueError(f"block ids outside the receiver's {layout.num_blocks} blocks")
+        count, span = chunk_num_rows(header), len(header.block_ids) * layout.block_tokens
+        if count > span or rows.shape[0] != count:
+            raise ValueError(f"the chunk's {count} rows do not fit the {span} slots of its blocks")
+        if not count:
+            return [], [], []
+        flat = rows.view(torch.uint8).view(count, -1)
+        row_bytes = flat.shape[1]
+        staging = self._staging_for(flat.numel())
+        staging[: flat.numel()].view(-1, row_bytes).copy_(flat)
+        index = torch.arange(count)
         table = torch.tensor(header.block_ids, dtype=torch.int64)
-        span = len(header.block_ids) * layout.block_tokens
-        staging = self._staging_for(sum(a.numel() * a.element_size() for _, a, _ in arrays))
-        src, dst, lengths, at = [], [], [], 0
-        for name, values, tokens in arrays:
-            if not values.numel():
-                continue
-            if int(tokens.max()) >= span or int(tokens.min()) < 0:
-                raise ValueError(f"the chunk runs past the {span} slots of its blocks")
-            flat = values.view(torch.uint8).view(values.shape[0], -1)
-            row_bytes = flat.shape[1]
-            staging[at : at + flat.numel()].view(-1, row_bytes).copy_(flat)
-            slots = table[tokens // layout.block_tokens] * layout.block_tokens + tokens % layout.block_tokens
-            base = target.base_address + offsets[name]
-            for (index, slot), count in runs(slots):
-                src.append(staging.data_ptr() + at + index * row_bytes)
-                dst.append(base + slot * row_bytes)
-                lengths.append(count * row_bytes)
-            at += flat.numel()
+        slots = table[index // layout.block_tokens] * layout.block_tokens + index % layout.block_tokens
+        base = target.base_address + layout.offsets()["rows"]
+        src, dst, lengths = [], [], []
+        for (first, slot), n in runs(slots):
+            src.append(staging.data_ptr() + first * row_bytes)
+            dst.append(base + slot * row_bytes)
+            lengths.append(n * row_bytes)
         return src, dst, lengths
 
 

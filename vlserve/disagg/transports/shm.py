@@ -1,10 +1,11 @@
-"""Shared memory on one host: the encoder maps the language server's receive buffers (a file in /dev/shm) and
-writes each chunk straight into the named blocks; only the header travels, over the control connection.
+"""Shared memory on one host: the sender (encoder or prefill instance) maps the receiver's receive buffers (a file
+in /dev/shm) and writes each chunk straight into the named blocks; only the header travels, over the control
+connection.
 
-The encoder maps nothing but a vlserve transfer file of exactly the announced size in the shared-memory
+The sender maps nothing but a vlserve transfer file of exactly the announced size in the shared-memory
 directory, so an authenticated peer still cannot make it write anywhere else. It keeps the file open and checks
 its size again right before every write: memory past the end of a truncated file is a SIGBUS, not an exception,
-so a file shrunk behind our back must be refused before it is touched. (The language server puts the size back
+so a file shrunk behind our back must be refused before it is touched. (The receiver puts the size back
 when it notices: `TransferBuffers.restore_file`.) Only a truncation racing a write already under way can still
 fault; whoever can do that runs as this user and could kill the process anyway.
 """
@@ -24,7 +25,7 @@ from vlserve.disagg.messages import TransferChunk, TransferTarget
 from vlserve.disagg.transports.base import ChunkData, InPlaceTransport, in_thread, write_chunk
 from vlserve.engine.transfer_buffers import TRANSFER_FILE_PREFIX, TransferBuffers, shm_dir
 
-MAX_MAPPED = 16  # receivers whose buffers stay mapped (one per language server on this host)
+MAX_MAPPED = 16  # receivers whose buffers stay mapped (one per receiving server on this host)
 
 
 class FileResized(VlserveError, ValueError):
@@ -73,7 +74,7 @@ class ShmTransport(InPlaceTransport):
             fd = os.open(os.path.join(folder, name), os.O_RDWR | os.O_NOFOLLOW)
         except FileNotFoundError:
             raise ValueError(f"the receiver's buffers {layout.path!r} are not on this host: the shm backend needs "
-                             "the encoder and the language server on one machine") from None
+                             "the sender and the receiver on one machine") from None
         except OSError as e:
             raise ValueError(f"refusing to map {layout.path!r}: {e}") from None
         file = io.FileIO(fd, "r+", closefd=True)  # kept open: every write checks its size first

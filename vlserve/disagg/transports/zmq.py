@@ -1,4 +1,4 @@
-"""ZeroMQ/TCP: the chunk's tensors travel as raw frames after its header on the control connection."""
+"""ZeroMQ/TCP: the chunk's tensors (rows too) travel as raw frames after its header on the control connection."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import torch
 import zmq.asyncio
 
 from vlserve.core.wire import Framer, tensor_from, tensor_ref
-from vlserve.disagg.messages import EncoderToLanguage, TransferChunk, TransferTarget
-from vlserve.disagg.transports.base import ChunkData, Transport, in_thread, write_chunk
+from vlserve.disagg.messages import SenderToReceiver, TransferChunk, TransferTarget
+from vlserve.disagg.transports.base import ChunkData, ChunkTokens, Transport, chunk_tokens, in_thread, write_chunk
 from vlserve.engine.transfer_buffers import TransferBuffers
 
 
@@ -16,7 +16,7 @@ class ZmqTransport(Transport):
 
     def __init__(self, host: str = "127.0.0.1"):
         super().__init__(host)
-        self.framer = Framer(EncoderToLanguage)
+        self.framer = Framer(SenderToReceiver)
 
     async def send(self, sock: zmq.asyncio.Socket, peer: bytes, header: TransferChunk, data: ChunkData,
                    target: TransferTarget | None) -> int:
@@ -27,17 +27,15 @@ class ZmqTransport(Transport):
         await sock.send_multipart([peer, *self.framer.encode(header, tensors)], copy=False)
         return data.nbytes
 
-    async def receive(self, header: TransferChunk, frames: list, buffers: TransferBuffers) -> int:
+    async def receive(self, header: TransferChunk, frames: list, buffers: TransferBuffers) -> ChunkTokens:
         return await in_thread(self._receive, header, frames, buffers)
 
-    def _receive(self, header: TransferChunk, frames: list, buffers: TransferBuffers) -> int:
-        if header.fill_ids is None or header.positions is None or header.rows is None:
-            raise ValueError("a ZeroMQ chunk must carry its tensors as frames")
-        data = ChunkData(tensor_from(header.fill_ids, frames), tensor_from(header.positions, frames),
-                         tensor_from(header.rows, frames))
-        if data.fill_ids.dtype != torch.int64 or data.positions.dtype != torch.int64:
-            raise ValueError("fill ids and positions must be int64")
+    def _receive(self, header: TransferChunk, frames: list, buffers: TransferBuffers) -> ChunkTokens:
+        if header.rows is None:
+            raise ValueError("a ZeroMQ chunk must carry its rows as frames")
+        fill_ids, positions = chunk_tokens(header, frames)
+        data = ChunkData(fill_ids, positions, tensor_from(header.rows, frames))
         if data.rows.dim() != 2 or not data.rows.is_floating_point():
-            raise ValueError("embedding rows must be a 2-D float tensor")
+            raise ValueError("rows must be a 2-D float tensor")
         write_chunk(buffers, header, data)
-        return data.nbytes
+        return ChunkTokens(fill_ids, positions, data.nbytes)

@@ -1,0 +1,401 @@
+"""The receiving side of disaggregation: find peers, send them prompts, receive their output into this server's
+receive blocks (a run of blocks per round; a resumed transfer adds a run), and check everything a peer sends
+before the engine may read it. The peers are encoders (embedding rows of media tokens, for a language server or
+a prefill instance) or prefill instances (every prompt token's KV row and the first token, for a decode
+instance): one protocol, told apart by `PeerKind` (disagg.peer_kinds), which also says what a request is keyed
+by when picking its peer.
+
+A transfer goes Bootstrapping -> WaitingForInput -> Transferring -> Success | Failed | Rejected (the request's
+own fault). Every block it holds is freed on every path but success, which hands them to the caller. A peer
+that fails, dies, times out or answers nonsense gets the request retried once elsewhere; then a clear 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+import zmq.asyncio
+
+from vlserve.core.config import DisaggArgs
+from vlserve.core.errors import InvalidInputError, MediaTooLargeError, ServiceUnavailableError
+from vlserve.core.messages import Handoff
+from vlserve.core.prompt import ProcessedPrompt
+from vlserve.core.sampling_params import SamplingParams
+from vlserve.core.wire import Framer
+from vlserve.disagg.auth import PeerAuth, require_secret_off_loopback
+from vlserve.disagg.bootstrap import BootstrapClient, InstanceInfo
+from vlserve.disagg.messages import (
+    AbortTransfer,
+    TransferRequest,
+    SenderToReceiver,
+    ReceiverToSender,
+    Ping,
+    Pong,
+    ResumeRequest,
+    TransferChunk,
+    TransferFailed,
+    TransferState,
+)
+from vlserve.disagg.metrics import TransferMetrics
+from vlserve.disagg.peer_kinds import ENCODER_PEERS, PeerKind, rendezvous_score
+from vlserve.disagg.transports import TRANSPORTS
+from vlserve.disagg.received import ReceivedChunks
+from vlserve.disagg.transports.base import chunk_num_rows, in_thread, reachable_host
+from vlserve.frontend.config import FrontendConfig
+from vlserve.engine.prompt_check import check_prompt
+from vlserve.engine.transfer_buffers import TransferBuffers
+
+# After a failed transfer over a transport that writes in place, its blocks wait this long at most for the
+# sender's word that nothing more is written (its writes time out sooner: see transports/).
+QUARANTINE_S = 15.0
+logger = logging.getLogger("vlserve.disagg")
+INLINE_CHECK_VALUES = 1 << 16  # a finiteness check of more values than this runs off the event loop
+
+
+class PeerFailure(Exception):
+    """This peer could not deliver (it failed, died, timed out or sent nonsense): worth one retry elsewhere."""
+
+
+@dataclass
+class PeerConn:
+    info: InstanceInfo
+    sock: zmq.asyncio.Socket
+    in_flight: int = 0
+    missed: int = 0
+    paired: bool = False  # it answered a ping and produces what this model needs
+    alive: bool = True
+    transfers: dict[tuple[str, int], asyncio.Queue] = field(default_factory=dict)
+    reader: asyncio.Task | None = None
+
+
+class PeerClient:
+    def __init__(self, cfg: FrontendConfig, buffers: TransferBuffers, metrics: TransferMetrics, opts: DisaggArgs,
+                 self_info: InstanceInfo, kind: PeerKind = ENCODER_PEERS):
+        self.cfg, self.buffers, self.metrics, self.opts, self.kind = cfg, buffers, metrics, opts, kind
+        registry_host = opts.bootstrap.rsplit(":", 1)[0]
+        self.transport = TRANSPORTS[opts.transfer_backend](
+            reachable_host(self_info.http_address.rsplit(":", 1)[0], toward=registry_host))
+        self.target = self.transport.target(buffers)  # how peers reach our receive buffers, sent with each request
+        self.requests, self.replies = Framer(ReceiverToSender), Framer(SenderToReceiver)
+        self.ctx = zmq.asyncio.Context.instance()
+        self.conns: dict[str, PeerConn] = {}
+        self.dropped: dict[str, float] = {}  # peer id -> until when it stays dropped
+        self.auth = PeerAuth(opts.disagg_secret)
+        require_secret_off_loopback(self.auth, opts.bootstrap.rsplit(":", 1)[0], "this server's registry")
+        self.bootstrap = BootstrapClient(opts.bootstrap, self_info, opts.heartbeat_interval,
+                                         load_fn=lambda: sum(e.in_flight for e in self.conns.values()),
+                                         auth=self.auth)
+        self._ids = itertools.count()
+        self.quarantined: dict[tuple[str, int], tuple[list[int], float]] = {}  # blocks a peer may still write
+        self._tasks: list[asyncio.Task] = []
+        self._block_freed = asyncio.Event()
+        self._peer_paired = asyncio.Event()
+
+    async def start(self) -> None:
+        await self.bootstrap.start()
+        await self._refresh()
+        self._tasks = [asyncio.create_task(self._refresh_loop()), asyncio.create_task(self._ping_loop())]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for peer in list(self.conns.values()):
+            self._drop(peer, "shutting down", quiet=True)
+        await self.bootstrap.stop()
+        self.transport.close()
+
+    @property
+    def num_available(self) -> int:
+        return sum(e.alive and e.paired for e in self.conns.values())
+
+    # ---- membership and heartbeats ----------------------------------------------------------------------------
+    async def _refresh_loop(self) -> None:
+        listing_failed = False
+        while True:
+            await asyncio.sleep(self.opts.heartbeat_interval)
+            now = time.monotonic()
+            for key in [k for k, (_, until) in self.quarantined.items() if until < now]:
+                self.free(self.quarantined.pop(key)[0])  # no word from the peer: gone, or its writes timed out
+            try:
+                await self._refresh()
+            except Exception as e:  # noqa: BLE001 - the registry may be restarting; keep the peers we know
+                # Said once per outage: the bootstrap client already reports the registry's absence and return.
+                (logger.debug if listing_failed else logger.warning)(
+                    "could not list %s instances (keeping the %d known): %s", self.kind.role, len(self.conns), e)
+                listing_failed = True
+            else:
+                listing_failed = False
+
+    async def _refresh(self) -> None:
+        """The registry is for discovery only: a peer is dropped when it stops answering our pings, not
+        when the registry loses sight of it (a slow heartbeat or a registry restart must not cut live work).
+        A dropped peer stays out for a while: a dead one is still listed until the registry times it out."""
+        listed = {i.instance_id: i for i in await self.bootstrap.list_instances(self.kind.role)}
+        now = time.monotonic()
+        self.dropped = {iid: until for iid, until in self.dropped.items() if now < until}
+        for iid, info in listed.items():
+            if iid not in self.conns and iid not in self.dropped:
+                sock = self.ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                self.auth.secure_client(sock)
+                sock.connect(f"tcp://{info.address}")
+                peer = PeerConn(info, sock)
+                peer.reader = asyncio.create_task(self._read(peer))
+                self.conns[iid] = peer
+                logger.info("%s %s at %s found; pairing", self.kind.name, iid[:8], info.address)
+
+    async def _ping_loop(self) -> None:
+        nonce = itertools.count()
+        while True:
+            self.buffers.restore_file()  # a buffer file resized behind our back: put back before anyone reads it
+            for peer in list(self.conns.values()):
+                peer.missed += 1
+                if peer.missed > self.opts.heartbeat_failure_threshold:
+                    self._drop(peer, f"missed {peer.missed - 1} heartbeats")
+                    continue
+                await peer.sock.send_multipart(self.requests.encode(Ping(next(nonce))))
+            await asyncio.sleep(self.opts.heartbeat_interval)
+
+    def _drop(self, peer: PeerConn, why: str, quiet: bool = False, for_s: float | None = None) -> None:
+        if self.conns.pop(peer.info.instance_id, None) is None:
+            return
+        peer.alive = False
+        quarantine = 2 * self.opts.heartbeat_failure_threshold * self.opts.heartbeat_interval
+        self.dropped[peer.info.instance_id] = time.monotonic() + (for_s if for_s is not None else quarantine)
+        if not quiet:
+            logger.warning("%s %s (%s) dropped: %s", self.kind.name, peer.info.instance_id[:8], peer.info.address,
+                           why)
+        for q in peer.transfers.values():
+            q.put_nowait(PeerFailure(f"{self.kind.name} {peer.info.address} {why}"))
+        if peer.reader is not None:
+            peer.reader.cancel()
+        peer.sock.close(linger=0)
+
+    async def _read(self, peer: PeerConn) -> None:
+        while True:
+            frames = await peer.sock.recv_multipart()
+            try:
+                msg = self.replies.decode(frames)
+            except Exception as e:  # noqa: BLE001
+                logger.warning("undecodable message from %s %s: %s", self.kind.name, peer.info.address, e)
+                continue
+            peer.missed = 0  # any message proves it is alive
+            if isinstance(msg, Pong):
+                self._pair(peer, msg)
+                continue
+            key = (msg.request_id, msg.transfer_id)
+            if isinstance(msg, TransferFailed) and key in self.quarantined:
+                self.free(self.quarantined.pop(key)[0])  # the peer will not write into them any more
+                continue
+            q = peer.transfers.get(key)
+            if q is not None:
+                q.put_nowait((msg, frames))
+
+    def _pair(self, peer: PeerConn, pong: Pong) -> None:
+        if peer.paired:
+            return
+        ours = self.kind.expects(self.cfg)
+        theirs = (pong.architecture, pong.hidden_size, pong.deepstack_levels, pong.kv_width)
+        if theirs != ours:
+            logger.error("%s %s serves %s (hidden size %d, %d deepstack levels, KV rows of %d); this server needs "
+                         "%s (hidden size %d, %d deepstack levels, KV rows of %d): not paired", self.kind.name,
+                         peer.info.address, theirs[0][:64], *theirs[1:], *ours)
+            self._drop(peer, "its model does not match", quiet=True, for_s=300.0)
+            return
+        peer.paired = True
+        self._peer_paired.set()
+        logger.info("%s %s paired (%s)", self.kind.name, peer.info.instance_id[:8], peer.info.address)
+
+    # ---- transfers ---------------------------------------------------------------------------------------------
+    def _pick(self, key: str, exclude: set[str]) -> PeerConn | None:
+        """Among the peers within one request of the least loaded, the one the key prefers (rendezvous hashing:
+        the same key keeps its peer, different keys spread); a busier peer never gets it."""
+        live = [p for p in self.conns.values() if p.alive and p.paired and p.info.instance_id not in exclude]
+        if not live:
+            return None
+        least = min(p.in_flight for p in live)
+        near = [p for p in live if p.in_flight <= least + 1]
+        return max(near, key=lambda p: rendezvous_score(key, p.info.instance_id))
+
+    async def send_prompt(self, request_id: str, prompt: str, media: dict, uuids: dict, mm_kwargs: dict,
+                          params: SamplingParams | None = None) -> tuple[ProcessedPrompt, Handoff | None]:
+        """The processed prompt, its rows in receive blocks (`block_rows`) the caller must free; from a prefill
+        instance (`params` given) also its first token and random state."""
+        if self.kind.key_is_costly(media):
+            key = await in_thread(self.kind.affinity_key, prompt, media, uuids)
+        else:
+            key = self.kind.affinity_key(prompt, media, uuids)
+        tried: set[str] = set()
+        last: Exception | None = None
+        for _ in range(2):  # the first try and one retry on another peer
+            peer = self._pick(key, tried) if tried else await self._first_peer(key)
+            if peer is None:
+                break
+            tried.add(peer.info.instance_id)
+            try:
+                return await self._transfer(peer, request_id, prompt, media, uuids, mm_kwargs, params)
+            except PeerFailure as e:
+                retry = len(tried) < 2 and self._pick(key, tried) is not None
+                logger.warning("request %s: %s %s failed (%s)%s", request_id, self.kind.name, peer.info.address, e,
+                               f"; retrying on another {self.kind.name}" if retry else "")
+                last = e
+        if last is None:
+            raise ServiceUnavailableError(f"no {self.kind.name} is available (none paired within "
+                                          f"--peer-wait-timeout {self.opts.peer_wait_timeout:g}s); retry later")
+        raise ServiceUnavailableError(f"the {self.kind.name} failed after {len(tried)} attempt(s): {last}")
+
+    async def _first_peer(self, key: str) -> PeerConn | None:
+        """A peer for a request's first try: when none is paired (a start-up race, a peer restarting), wait up
+        to --peer-wait-timeout for one to pair rather than refuse at once."""
+        deadline = time.monotonic() + self.opts.peer_wait_timeout
+        while (peer := self._pick(key, set())) is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            self._peer_paired.clear()
+            try:
+                await asyncio.wait_for(self._peer_paired.wait(), left)
+            except asyncio.TimeoutError:
+                return None
+        return peer
+
+    async def _allocate(self, rows: int) -> list[int]:
+        deadline = time.monotonic() + self.opts.transfer_timeout
+        while True:
+            try:
+                blocks = self.buffers.allocate(rows)
+            except ValueError as e:  # more than the whole pool: it never fits
+                raise ServiceUnavailableError(f"the prompt does not fit this server's receive buffer: {e}") from None
+            if blocks is not None:
+                return blocks
+            if time.monotonic() > deadline:
+                raise ServiceUnavailableError("the receive buffer stayed full; retry later")
+            self._block_freed.clear()
+            try:
+                await asyncio.wait_for(self._block_freed.wait(), timeout=1.0)
+            except asyncio.TimeoutError:
+                pass
+
+    def free(self, blocks: list[int]) -> None:
+        if blocks:
+            self.buffers.free(blocks)
+            self._block_freed.set()
+
+    async def _transfer(self, peer: PeerConn, request_id: str, prompt: str, media: dict, uuids: dict,
+                        mm_kwargs: dict, params: SamplingParams | None) -> tuple[ProcessedPrompt, Handoff | None]:
+        self.buffers.restore_file()
+        restored = self.buffers.restored  # a restore later on means this transfer's rows were lost
+        tid = next(self._ids)
+        queue: asyncio.Queue = asyncio.Queue()
+        peer.transfers[(request_id, tid)] = queue
+        peer.in_flight += 1
+        enter = self._state_logger(request_id, tid, peer)
+        enter(TransferState.BOOTSTRAPPING)
+        t0 = time.perf_counter()
+        blocks: list[int] = []  # every block this transfer holds, in row order
+        succeeded = False
+        try:
+            pool_rows = self.buffers.num_blocks * self.buffers.block_tokens  # a smaller pool: all of it at most
+            run = await self._allocate(min(self.kind.allocate_rows(self.opts), pool_rows))
+            blocks += run
+            await peer.sock.send_multipart(self.requests.encode(TransferRequest(
+                request_id, tid, prompt, media, uuids, mm_kwargs or {}, run, self.buffers.block_tokens, self.target,
+                params)))
+            enter(TransferState.WAITING_FOR_INPUT)
+            received = ReceivedChunks(self.kind.rows_for_every_token, self.buffers.block_tokens,
+                                      self.cfg.max_model_len)
+            while True:
+                header, frames = await self._next_chunk(queue, enter)
+                enter(TransferState.TRANSFERRING)
+                if problems := received.problems(header, run):
+                    raise PeerFailure(f"the {self.kind.name} sent " + "; ".join(problems))
+                try:
+                    tokens = await self.transport.receive(header, frames, self.buffers)
+                except ValueError as e:
+                    raise PeerFailure(f"malformed chunk: {e}") from None
+                self.metrics.bytes(tokens.nbytes)
+                if self.buffers.restore_file() or self.buffers.restored != restored:
+                    raise PeerFailure("this server's receive buffer file was resized by someone else during the "
+                                      "transfer: what arrived is lost")
+                if not await self._rows_finite(header, run):
+                    raise PeerFailure(f"the {self.kind.name} sent rows holding NaN or infinite values")
+                received.add(header, tokens)
+                if not header.partial:
+                    break
+                self.metrics.resume()
+                run = await self._allocate(received.rows_left)
+                blocks += run
+                await peer.sock.send_multipart(self.requests.encode(ResumeRequest(request_id, tid, received.tokens,
+                                                                                 run)))
+            keep = self.buffers.blocks_for(received.rows)  # the rest of the run was never written
+            self.free(blocks[keep:])
+            blocks = blocks[:keep]
+            processed = self._assemble(received.prompt(prompt, blocks))
+            if (header.handoff is not None) != (params is not None):
+                raise PeerFailure("a prefill's first token is missing" if params is not None else
+                                  "an encoder sent a first token")
+            enter(TransferState.SUCCESS)
+            self.metrics.transfer_latency.observe(time.perf_counter() - t0)
+            succeeded = True
+            return processed, header.handoff
+        except InvalidInputError:
+            enter(TransferState.REJECTED)
+            raise
+        except BaseException:
+            enter(TransferState.FAILED)
+            if peer.alive:  # let the peer drop what it holds for us
+                await peer.sock.send_multipart(self.requests.encode(AbortTransfer(request_id, tid)))
+                if self.transport.writes_in_place and blocks:
+                    # It may be writing into them right now: they wait for its word (or a deadline).
+                    self.quarantined[(request_id, tid)] = (blocks, time.monotonic() + QUARANTINE_S)
+                    blocks = []
+            raise
+        finally:
+            if not succeeded:
+                self.free(blocks)
+            peer.in_flight -= 1
+            peer.transfers.pop((request_id, tid), None)
+
+    async def _rows_finite(self, header: TransferChunk, run: list[int]) -> bool:
+        """The chunk's rows, as they landed in our blocks, hold only finite values (a peer's NaN would otherwise
+        become a 200 of garbage). One pass over the rows: off the event loop once it is more than a few."""
+        rows = torch.arange(chunk_num_rows(header))  # the chunk's rows fill its run from the first slot
+        if rows.numel() * self.buffers.layout.width <= INLINE_CHECK_VALUES:
+            return self.buffers.rows_finite(run, rows)
+        return await in_thread(self.buffers.rows_finite, run, rows)
+
+    async def _next_chunk(self, queue: asyncio.Queue, enter) -> tuple[TransferChunk, list]:
+        try:
+            got = await asyncio.wait_for(queue.get(), self.opts.transfer_timeout)
+        except asyncio.TimeoutError:
+            raise PeerFailure(f"no answer within {self.opts.transfer_timeout:.0f}s") from None
+        if isinstance(got, Exception):
+            raise got
+        msg, frames = got
+        if isinstance(msg, TransferFailed):
+            if 400 <= msg.status < 500:  # the request's own fault, with the aggregated server's status
+                err = MediaTooLargeError(msg.message) if msg.status == 413 else InvalidInputError(msg.message)
+                raise err
+            raise PeerFailure(msg.message)
+        return msg, frames
+
+    def _assemble(self, processed: ProcessedPrompt) -> ProcessedPrompt:
+        """The prompt as the engine will see it, checked like anything else the engine admits."""
+        try:
+            check_prompt(processed, self.cfg, (self.buffers.num_blocks, self.buffers.block_tokens))
+        except InvalidInputError as e:
+            raise PeerFailure(f"the {self.kind.name}'s output does not check out: {e}") from None
+        return processed
+
+    def _state_logger(self, request_id: str, tid: int, peer: PeerConn):
+        """Counts each state in the metrics and shows the transitions in debug logs."""
+        def enter(state: TransferState) -> None:
+            self.metrics.state(state)
+            logger.debug("transfer %s/%d via %s: %s", request_id, tid, peer.info.address, state.value)
+        return enter
