@@ -4,7 +4,7 @@ A language server sends a prompt with media and the ids of its receive blocks. T
 - fetches the media under its own URL policy and turns the prompt into a `ProcessedPrompt` with the same
   `LocalPromptEncoder` an aggregated server uses (decoding, preprocessing, tokenizing, placeholder expansion,
   M-RoPE positions, every size limit);
-- runs the vision tower with the engine's `VisionRunner`, deciding what to run and what to keep with the
+- runs the vision tower with the engine's `EncoderRunner`, deciding what to run and what to keep with the
   engine's `EncoderCacheManager` (keyed by mm_hash): a picture seen before is not encoded again. The tower is
   loaded like the engine's model (`start_executor`: a `ModelShard`, or a tensor-parallel leader whose ranks
   split its weights, or with `--mm-encoder-tp-mode data` each encode a share of the pictures);
@@ -44,7 +44,7 @@ from vlserve.disagg.transports.base import reachable_host
 from vlserve.engine.config import resolve_config
 from vlserve.engine.encoder_cache import EncoderCacheManager
 from vlserve.engine.executor import encodes_whole_step, start_executor
-from vlserve.engine.vision_runner import VisionRunner
+from vlserve.engine.encoder_runner import EncoderRunner
 from vlserve.frontend.config import FrontendConfig
 from vlserve.frontend.input_processor import InputProcessor
 from vlserve.frontend.media.fetch import MediaFetcher, MediaPolicy
@@ -76,7 +76,7 @@ class EncodeService(SenderService):
         transport = TRANSPORTS[d.transfer_backend](reachable_host(server.host, toward=d.bootstrap.rsplit(":", 1)[0]))
         # Loaded like the engine's model: one device, or tensor-parallel ranks (stopped with this service).
         self.tower = start_executor(self.cfg)
-        self.vision = VisionRunner(self.tower, self.cfg.device, encodes_whole_step(self.tower))
+        self.encoders = EncoderRunner(self.tower, self.cfg.device, encodes_whole_step(self.tower))
         self.cache = EncoderCacheManager.for_model(self.cfg.encoder_cache_size, self.cfg.model)
         self.vit = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlserve-vit")  # one vision call at a time
         self.encoding: dict[str, asyncio.Future] = {}  # mm_hash -> its vision call, while it runs
@@ -108,7 +108,7 @@ class EncodeService(SenderService):
             processed = (await self.prompts.encode(prompt, req.mm_processor_kwargs, req.request_id)).prompt
             holder = f"{req.request_id}/{req.transfer_id}/{peer.hex()}"
             transfer = OutgoingTransfer(key, processed, req.block_tokens, target=req.target,
-                                        on_end=lambda: self.vision.free(self.cache.release_all(holder,
+                                        on_end=lambda: self.encoders.free(self.cache.release_all(holder,
                                                                                                processed.mm_items)))
             if not self.sender.hold(transfer):
                 return
@@ -138,7 +138,7 @@ class EncodeService(SenderService):
                 if not self.cache.can_allocate(item.num_tokens):
                     raise ServiceUnavailableError("the encoder cache is full of pictures still being sent; retry "
                                                   "later")
-                self.vision.free(self.cache.allocate((holder, i), item))
+                self.encoders.free(self.cache.allocate((holder, i), item))
                 if item.mm_hash not in self.encoding:
                     self.encoding[item.mm_hash] = asyncio.get_running_loop().create_future()
                     todo.append(item)
@@ -153,14 +153,14 @@ class EncodeService(SenderService):
             await asyncio.shield(call)
         for wait in waits:
             await asyncio.shield(wait)
-        return [self.vision.outputs[it.mm_hash] if it.needs_encoder else it.embeddings for it in items]
+        return [self.encoders.outputs[it.mm_hash] if it.needs_encoder else it.embeddings for it in items]
 
     def _run_tower(self, items: list) -> None:
         """On the vision thread: the tower over `items`, each call's time into the latency histogram."""
         try:
-            self.vision.encode(items)
+            self.encoders.encode(items)
         finally:
-            for seconds in self.vision.take_seconds():
+            for seconds in self.encoders.take_seconds():
                 self.encoder_latency.observe(seconds)
 
     def _encoded(self, items: list, error: BaseException | None) -> None:
@@ -169,7 +169,7 @@ class EncodeService(SenderService):
         encodes it again instead of finding an entry with no output) and so do any outputs it stored."""
         if error is not None:
             hashes = [it.mm_hash for it in items]
-            self.vision.free(hashes)
+            self.encoders.free(hashes)
             for mm_hash in hashes:
                 self.cache.discard(mm_hash)
         for item in items:

@@ -83,6 +83,7 @@ class ItemMeta(msgspec.Struct, array_like=True):
     num_tokens: int
     grid_thw: tuple[int, int, int]
     mm_hash: str
+    modality: str = "image"
 
 
 class RowSegment(msgspec.Struct, array_like=True):
