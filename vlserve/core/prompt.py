@@ -9,6 +9,10 @@ from dataclasses import dataclass, field
 import torch
 
 
+# Every kind of media a prompt may carry (a model takes some of them: `ModelConfig.modalities`).
+MEDIA_KINDS = ("image", "video", "audio")
+
+
 @dataclass
 class MultiModalItem:
     """One picture, video or sound of a prompt, already preprocessed; its placeholder run is already expanded.

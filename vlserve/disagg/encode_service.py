@@ -30,11 +30,11 @@ from prometheus_client.core import CounterMetricFamily
 from vlserve.core.config import Options
 from vlserve.core.errors import ConfigurationError, InvalidInputError, ServiceUnavailableError
 from vlserve.core.processes import SigtermStop, finish
-from vlserve.core.prompt import ProcessedPrompt
+from vlserve.core.prompt import MEDIA_KINDS, ProcessedPrompt
 from vlserve.disagg.auth import PeerAuth, require_secret_off_loopback
 from vlserve.disagg.messages import (
-    TransferRequest,
     Pong,
+    TransferRequest,
     TransferState,
 )
 from vlserve.disagg.metrics import ScrapeTimeGauges, TransferMetrics
@@ -43,8 +43,8 @@ from vlserve.disagg.transports import TRANSPORTS
 from vlserve.disagg.transports.base import reachable_host
 from vlserve.engine.config import resolve_config
 from vlserve.engine.encoder_cache import EncoderCacheManager
-from vlserve.engine.executor import encodes_whole_step, start_executor
 from vlserve.engine.encoder_runner import EncoderRunner
+from vlserve.engine.executor import encodes_whole_step, start_executor
 from vlserve.frontend.config import FrontendConfig
 from vlserve.frontend.input_processor import InputProcessor
 from vlserve.frontend.media.fetch import MediaFetcher, MediaPolicy
@@ -71,7 +71,7 @@ class EncodeService(SenderService):
         log_once()
         processor = InputProcessor.for_model(FrontendConfig.of(facts, engine), server.max_image_pixels)
         self.executor = ThreadPoolExecutor(max_workers=server.media_threads, thread_name_prefix="vlserve-media")
-        fetchers = {kind: MediaFetcher(MediaPolicy.from_args(server, kind)) for kind in ("image", "video")}
+        fetchers = {kind: MediaFetcher(MediaPolicy.from_args(server, kind)) for kind in MEDIA_KINDS}
         self.prompts = LocalPromptEncoder(processor, fetchers, self.executor)
         transport = TRANSPORTS[d.transfer_backend](reachable_host(server.host, toward=d.bootstrap.rsplit(":", 1)[0]))
         # Loaded like the engine's model: one device, or tensor-parallel ranks (stopped with this service).

@@ -54,8 +54,8 @@ def cpu_budget(device: torch.device) -> int | None:
 class EncoderRunner:
     def __init__(self, model, device: torch.device, whole_step: bool = False):
         """`model`: anything with the model's `encode_images` / `encode_audio` (a model, a `ModelShard`, the
-        tensor-parallel leader). `whole_step`: one call with every item of the step (the data-parallel encoder spreads them
-        over its ranks first, then each rank groups its share)."""
+        tensor-parallel leader). `whole_step`: one vision call with every picture of the step (the data-parallel
+        encoder spreads them over its ranks first, then each rank groups its share)."""
         self.model = model
         self.device = device
         self.whole_step = whole_step
