@@ -91,7 +91,8 @@ class EncodeService(SenderService):
 
     def pong(self, nonce: int) -> Pong:
         m = self.cfg.model
-        return Pong(nonce, self.in_flight, m.architecture, m.text.hidden_size, len(m.vision.deepstack_indexes))
+        return Pong(nonce, self.in_flight, m.architecture, m.text.hidden_size, m.deepstack_levels,
+                    modalities=list(m.modalities))
 
     def on_request(self, peer: bytes, msg: TransferRequest) -> None:
         self.spawn(self._encode(peer, msg))
