@@ -81,7 +81,7 @@ class EngineStats(msgspec.Struct):
     encoder_cache_hits_total: int = 0
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
-    encoder_seconds: list[float] = []  # ViT calls since the last message (histogram samples)
+    encoder_seconds: list[tuple[str, float]] = []  # (tower, seconds) of tower calls since the last message
 
 
 class RequestRejected(msgspec.Struct, array_like=True):

@@ -85,8 +85,9 @@ class EncodeService(SenderService):
         self._setup(server.host, d.data_port or server.port + 1, auth, transport,
                     TransferMetrics(self.registry, None, "encode"), d.transfer_timeout, d.transfer_failure_prob)
         self.registry.register(_EncoderStats(self))
-        self.encoder_latency = Histogram(PREFIX + "encoder_latency_seconds", "Vision encoder time per ViT call.",
-                                         registry=self.registry, buckets=LATENCY_BUCKETS)
+        self.encoder_latency = Histogram(PREFIX + "encoder_latency_seconds", "Media encoder time per tower call, "
+                                         "by tower (vision, audio).", ["tower"], registry=self.registry,
+                                         buckets=LATENCY_BUCKETS)
         self.in_flight = 0
 
     def pong(self, nonce: int) -> Pong:
@@ -161,8 +162,8 @@ class EncodeService(SenderService):
         try:
             self.encoders.encode(items)
         finally:
-            for seconds in self.encoders.take_seconds():
-                self.encoder_latency.observe(seconds)
+            for tower, seconds in self.encoders.take_seconds():
+                self.encoder_latency.labels(tower).observe(seconds)
 
     def _encoded(self, items: list, error: BaseException | None) -> None:
         """The tower is done with `items` (or will never run them): requests waiting for them go on, or fail with

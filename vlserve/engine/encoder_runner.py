@@ -60,7 +60,7 @@ class EncoderRunner:
         self.device = device
         self.whole_step = whole_step
         self.outputs: dict[str, torch.Tensor] = {}
-        self.seconds: list[float] = []  # one entry per tower call (histogram samples for the metrics)
+        self.seconds: list[tuple[str, float]] = []  # (tower, seconds) per tower call: histogram samples
 
     @torch.inference_mode()
     def encode(self, items: list[MultiModalItem]) -> None:
@@ -71,18 +71,18 @@ class EncoderRunner:
         budget = None if self.whole_step else cpu_budget(self.device)
         for group in batches(pictures, budget) if pictures else []:
             pixels = torch.cat([it.pixel_values for it in group]).to(self.device, non_blocking=True)
-            self._timed(group, lambda: self.model.encode_images(pixels, [it.grid_thw for it in group]))
+            self._timed("vision", group, lambda: self.model.encode_images(pixels, [it.grid_thw for it in group]))
         audio_budget = CPU_AUDIO_FRAMES_PER_CALL if self.device.type == "cpu" else None
         for group in audio_batches(sounds, audio_budget) if sounds else []:
             features = [it.audio_features.to(self.device, non_blocking=True) for it in group]
-            self._timed(group, lambda: self.model.encode_audio(features, [it.audio_len for it in group]))
+            self._timed("audio", group, lambda: self.model.encode_audio(features, [it.audio_len for it in group]))
 
-    def _timed(self, group: list[MultiModalItem], call) -> None:
+    def _timed(self, tower: str, group: list[MultiModalItem], call) -> None:
         t0 = time.perf_counter()
         embeds = call()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # so the latency below is the encoder's, not the launch's
-        self.seconds.append(time.perf_counter() - t0)
+        self.seconds.append((tower, time.perf_counter() - t0))
         for it, emb in zip(group, embeds):
             self.outputs[it.mm_hash] = emb
 
@@ -90,6 +90,6 @@ class EncoderRunner:
         for key in keys:
             self.outputs.pop(key, None)
 
-    def take_seconds(self) -> list[float]:
+    def take_seconds(self) -> list[tuple[str, float]]:
         seconds, self.seconds = self.seconds, []
         return seconds

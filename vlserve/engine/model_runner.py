@@ -65,7 +65,7 @@ class ModelRunner:
     def write_kv(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
         self.executor.write_kv(slots, kv)
 
-    def take_encoder_seconds(self) -> list[float]:
+    def take_encoder_seconds(self) -> list[tuple[str, float]]:
         """Tower call durations since the last call (histogram samples for the metrics)."""
         return self.encoders.take_seconds() if self.encoders is not None else []
 
