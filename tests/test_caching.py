@@ -67,14 +67,14 @@ def _hashes_in_cache(llm):
 def _flush_and_check_no_leak(llm):
     """Freed encoder keys reach the runner at the next step: run one empty step, then compare."""
     llm.engine.core.step()
-    runner_keys = set(llm.engine.core.runner.vision.outputs)
+    runner_keys = set(llm.engine.core.runner.encoders.outputs)
     assert runner_keys <= _hashes_in_cache(llm), "the runner holds encoder outputs the cache forgot"
     assert_pool_full(llm)
 
 
 def _count_encodes(llm):
     """Wrap the runner's encoder call; returns a list that collects the mm_hash of every encoded item."""
-    vision = llm.engine.core.runner.vision
+    vision = llm.engine.core.runner.encoders
     encoded: list[str] = []
     orig = vision.encode
 
@@ -138,7 +138,7 @@ def test_different_text_same_picture_hits_encoder_only(llm):
     try:
         (b,) = _gen(llm, _req(f"Common start. Another question, very different words {IMG}", [img]))
     finally:
-        del llm.engine.core.runner.vision.encode
+        del llm.engine.core.runner.encoders.encode
     d = _delta(before, _metrics(llm))
     assert d["encoder_cache_hits_total"] == 1 and d["encoder_cache_queries_total"] == 1
     assert encoded == [], "a hit must skip the vision encoder"
@@ -208,7 +208,7 @@ def test_hits_never_change_outputs(path):
     plain = LLM(path, dtype="float32", num_kv_blocks=256, enable_prefix_caching=False, encoder_cache_size=0)
     expected = _ids(_gen(plain, _mixed_batch()))
     _flush_and_check_no_leak(plain)
-    assert plain.engine.core.runner.vision.outputs == {}
+    assert plain.engine.core.runner.encoders.outputs == {}
 
     cached = LLM(path, dtype="float32", num_kv_blocks=256)
     assert _ids(_gen(cached, _mixed_batch())) == expected
@@ -287,7 +287,7 @@ def test_encoder_cache_size_zero(path):
     d = _delta(before, _metrics(llm))
     assert d["encoder_cache_hits_total"] == 0
     llm.engine.core.step()
-    assert llm.engine.core.runner.vision.outputs == {}
+    assert llm.engine.core.runner.encoders.outputs == {}
     assert len(llm.engine.core.scheduler.encoder_cache) == 0
     _flush_and_check_no_leak(llm)
 

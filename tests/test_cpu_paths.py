@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vlserve.engine import vision_runner
-from vlserve.engine.vision_runner import VisionRunner, batches
+from vlserve.engine import encoder_runner
+from vlserve.engine.encoder_runner import EncoderRunner, batches
 from vlserve.model.layers import mlp as mlp_module
 from vlserve.model.layers.mlp import GatedMLP, in_row_slices
 from vlserve.model.loader import load_model
@@ -47,11 +47,11 @@ def test_vision_tower_in_groups_gives_each_item_its_rows(tiny_ckpt, monkeypatch,
     grids = [(1, 4, 4), (1, 6, 4), (1, 4, 8), (1, 2, 2)]
     items = [SimpleNamespace(mm_hash=f"i{n}", pixel_values=torch.randn(t * h * w, patch_dim, generator=gen),
                              grid_thw=(t, h, w)) for n, (t, h, w) in enumerate(grids)]
-    together = VisionRunner(model, torch.device("cpu"))
-    monkeypatch.setattr(vision_runner, "CPU_PATCHES_PER_CALL", 10**9)
+    together = EncoderRunner(model, torch.device("cpu"))
+    monkeypatch.setattr(encoder_runner, "CPU_PATCHES_PER_CALL", 10**9)
     together.encode(items)
-    grouped = VisionRunner(model, torch.device("cpu"))
-    monkeypatch.setattr(vision_runner, "CPU_PATCHES_PER_CALL", 30)
+    grouped = EncoderRunner(model, torch.device("cpu"))
+    monkeypatch.setattr(encoder_runner, "CPU_PATCHES_PER_CALL", 30)
     grouped.encode(items)
     assert len(grouped.seconds) > 1 and len(together.seconds) == 1
     for it in items:

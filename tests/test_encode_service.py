@@ -45,10 +45,12 @@ class FailingTower:
 
 
 def _metric(service: EncodeService, name: str) -> float:
-    for line in generate_latest(service.registry).decode().splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[-1])
-    raise KeyError(name)
+    """The sum over the metric's label sets."""
+    values = [float(line.split()[-1]) for line in generate_latest(service.registry).decode().splitlines()
+              if line.startswith((name + " ", name + "{"))]
+    if not values:
+        raise KeyError(name)
+    return sum(values)
 
 
 async def _prompt(service: EncodeService, seed: int):
@@ -67,8 +69,8 @@ def _run(coro, unretrieved: list):
 
 
 def test_a_failed_vision_call_leaves_no_entry_and_the_next_request_encodes_again(service, monkeypatch):
-    tower = FailingTower(service.vision.model, failures=1)
-    monkeypatch.setattr(service.vision, "model", tower)
+    tower = FailingTower(service.encoders.model, failures=1)
+    monkeypatch.setattr(service.encoders, "model", tower)
     unretrieved: list = []
 
     async def scenario():
@@ -79,7 +81,7 @@ def test_a_failed_vision_call_leaves_no_entry_and_the_next_request_encodes_again
         service.cache.release_all("first", prompt.mm_items)  # what the transfer's end does
         rows = await service._embeddings(prompt, "second")  # a miss: encoded again, not a KeyError
         assert rows[0].shape[0] == prompt.mm_items[0].num_tokens
-        service.vision.free(service.cache.release_all("second", prompt.mm_items))
+        service.encoders.free(service.cache.release_all("second", prompt.mm_items))
 
     _run(scenario(), unretrieved)
     assert tower.calls == 2 and not unretrieved, unretrieved
@@ -87,8 +89,8 @@ def test_a_failed_vision_call_leaves_no_entry_and_the_next_request_encodes_again
 
 
 def test_waiters_on_a_failed_call_fail_too_and_nothing_is_held(service, monkeypatch):
-    tower = FailingTower(service.vision.model, failures=1)
-    monkeypatch.setattr(service.vision, "model", tower)
+    tower = FailingTower(service.encoders.model, failures=1)
+    monkeypatch.setattr(service.encoders, "model", tower)
     unretrieved: list = []
 
     async def scenario():
@@ -100,7 +102,7 @@ def test_waiters_on_a_failed_call_fail_too_and_nothing_is_held(service, monkeypa
             service.cache.release_all(holder, prompt.mm_items)
         assert prompt.mm_items[0].mm_hash not in service.cache and not service.encoding
         assert (await service._embeddings(prompt, "c"))[0] is not None
-        service.vision.free(service.cache.release_all("c", prompt.mm_items))
+        service.encoders.free(service.cache.release_all("c", prompt.mm_items))
 
     _run(scenario(), unretrieved)
     assert not unretrieved, unretrieved
@@ -135,11 +137,11 @@ def test_each_vision_call_is_observed_once_and_not_kept(service):
         for seed in (10, 11, 12):
             prompt = await _prompt(service, seed)
             await service._embeddings(prompt, f"m{seed}")
-            service.vision.free(service.cache.release_all(f"m{seed}", prompt.mm_items))
+            service.encoders.free(service.cache.release_all(f"m{seed}", prompt.mm_items))
 
     _run(scenario(), [])
     assert _metric(service, "vlserve:encoder_latency_seconds_count") == before + 3
-    assert service.vision.seconds == [], "vision-call times pile up in the encode service"
+    assert service.encoders.seconds == [], "vision-call times pile up in the encode service"
 
 
 # ---- the tower loads like the engine's model: tensor-parallel ranks, or a data-parallel encoder ----------------
@@ -150,7 +152,7 @@ def _rows(service: EncodeService, seeds: tuple[int, ...]) -> list:
         prompts = [await _prompt(service, seed) for seed in seeds]
         prompts[0].mm_items.extend(item for p in prompts[1:] for item in p.mm_items)
         rows = [r.clone() for r in await service._embeddings(prompts[0], "tp")]
-        service.vision.free(service.cache.release_all("tp", prompts[0].mm_items))
+        service.encoders.free(service.cache.release_all("tp", prompts[0].mm_items))
         return rows
 
     return _run(scenario(), [])
@@ -163,7 +165,7 @@ def test_two_ranks_encode_what_one_does(service, tiny_ckpt, mode):
     two = EncodeService(Options(engine=EngineArgs(model=str(tiny_ckpt("qwen2_vl")), dtype="float32",
                                                   tensor_parallel_size=2, mm_encoder_tp_mode=mode)))
     try:
-        assert two.tower.tp.size == 2 and two.vision.whole_step == (mode == "data")
+        assert two.tower.tp.size == 2 and two.encoders.whole_step == (mode == "data")
         assert two.cfg.num_kv_blocks == 0 and getattr(two.tower.model, "language_model", None) is None
         seeds = (20, 21, 22)
         for got, want in zip(_rows(two, seeds), _rows(service, seeds), strict=True):

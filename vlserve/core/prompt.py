@@ -9,13 +9,17 @@ from dataclasses import dataclass, field
 import torch
 
 
+# Every kind of media a prompt may carry (a model takes some of them: `ModelConfig.modalities`).
+MEDIA_KINDS = ("image", "video", "audio")
+
+
 @dataclass
 class MultiModalItem:
-    """One picture (or video) of a prompt, already preprocessed; its placeholder run is already expanded.
+    """One picture, video or sound of a prompt, already preprocessed; its placeholder run is already expanded.
 
-    Its embeddings come from one of: `pixel_values` (the engine runs the vision encoder on them), `embeddings`
-    (precomputed), or neither: then the prompt's `block_rows` hold them from row `media_row(index)` on (received
-    from an encoder service).
+    Its embeddings come from one of: `pixel_values` (the engine runs the vision tower on them), `audio_features`
+    (the audio tower), `embeddings` (precomputed), or none: then the prompt's `block_rows` hold them from row
+    `media_row(index)` on (received from an encoder service).
     """
 
     offset: int  # index of the first placeholder token in the prompt
@@ -25,7 +29,12 @@ class MultiModalItem:
     # Content hash (encoder-cache key, part of prefix-cache keys). Unknown content gets a unique id, so
     # items without a hash are never shared by mistake.
     mm_hash: str = field(default_factory=lambda: uuid.uuid4().hex)
-    embeddings: torch.Tensor | None = None  # [num_tokens, hidden]: the vision encoder is skipped
+    embeddings: torch.Tensor | None = None  # [num_tokens, hidden]: the encoder is skipped
+    modality: str = "image"  # "image", "video" or "audio"; an audio item's grid_thw is (1, 1, num_tokens)
+    # [n_mels, frames] log-mel features the audio tower reads: the valid frames, then the feature extractor's
+    # padding frames its convolution also reads (`AudioConfig.context_frames`)
+    audio_features: torch.Tensor | None = None
+    audio_len: int = 0  # valid frames of `audio_features`
 
     @property
     def end(self) -> int:
@@ -33,7 +42,7 @@ class MultiModalItem:
 
     @property
     def needs_encoder(self) -> bool:
-        return self.pixel_values is not None
+        return self.pixel_values is not None or self.audio_features is not None
 
 
 @dataclass

@@ -33,6 +33,9 @@ class WireMMItem(msgspec.Struct, array_like=True):
     mm_hash: str
     pixel_values: TensorRef | None
     embeddings: TensorRef | None = None
+    modality: str = "image"
+    audio_features: TensorRef | None = None
+    audio_len: int = 0
 
 
 # ---- front-end -> engine core ---------------------------------------------------------------------------
@@ -78,7 +81,7 @@ class EngineStats(msgspec.Struct):
     encoder_cache_hits_total: int = 0
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
-    encoder_seconds: list[float] = []  # ViT calls since the last message (histogram samples)
+    encoder_seconds: list[tuple[str, float]] = []  # (tower, seconds) of tower calls since the last message
 
 
 class RequestRejected(msgspec.Struct, array_like=True):
@@ -185,7 +188,8 @@ def prompt_to_wire(request_id: str, prompt: ProcessedPrompt, params: SamplingPar
         return None if t is None else tensor_ref(t, tensors)
 
     items = [WireMMItem(it.offset, it.num_tokens, tuple(it.grid_thw), it.mm_hash, ref(it.pixel_values),
-                        ref(it.embeddings)) for it in prompt.mm_items]
+                        ref(it.embeddings), it.modality, ref(it.audio_features), it.audio_len)
+             for it in prompt.mm_items]
     msg = AddRequest(request_id, prompt.prompt_token_ids, items, tensor_ref(prompt.mrope_positions, tensors),
                      prompt.mrope_delta, params, arrival_time, prompt.block_rows, handoff)
     return msg, tensors
@@ -196,7 +200,8 @@ def prompt_from_wire(msg: AddRequest, frames: list) -> ProcessedPrompt:
         return None if ref is None else tensor_from(ref, frames)
 
     items = [MultiModalItem(it.offset, it.num_tokens, tensor(it.pixel_values), tuple(it.grid_thw), it.mm_hash,
-                            tensor(it.embeddings)) for it in msg.mm_items]
+                            tensor(it.embeddings), it.modality, tensor(it.audio_features), it.audio_len)
+             for it in msg.mm_items]
     return ProcessedPrompt(msg.prompt_token_ids, items, tensor_from(msg.mrope_positions, frames), msg.mrope_delta,
                            block_rows=msg.block_rows, kv_in_blocks=msg.handoff is not None)
 

@@ -4,7 +4,7 @@ A language server sends a prompt with media and the ids of its receive blocks. T
 - fetches the media under its own URL policy and turns the prompt into a `ProcessedPrompt` with the same
   `LocalPromptEncoder` an aggregated server uses (decoding, preprocessing, tokenizing, placeholder expansion,
   M-RoPE positions, every size limit);
-- runs the vision tower with the engine's `VisionRunner`, deciding what to run and what to keep with the
+- runs the vision tower with the engine's `EncoderRunner`, deciding what to run and what to keep with the
   engine's `EncoderCacheManager` (keyed by mm_hash): a picture seen before is not encoded again. The tower is
   loaded like the engine's model (`start_executor`: a `ModelShard`, or a tensor-parallel leader whose ranks
   split its weights, or with `--mm-encoder-tp-mode data` each encode a share of the pictures);
@@ -30,11 +30,11 @@ from prometheus_client.core import CounterMetricFamily
 from vlserve.core.config import Options
 from vlserve.core.errors import ConfigurationError, InvalidInputError, ServiceUnavailableError
 from vlserve.core.processes import SigtermStop, finish
-from vlserve.core.prompt import ProcessedPrompt
+from vlserve.core.prompt import MEDIA_KINDS, ProcessedPrompt
 from vlserve.disagg.auth import PeerAuth, require_secret_off_loopback
 from vlserve.disagg.messages import (
-    TransferRequest,
     Pong,
+    TransferRequest,
     TransferState,
 )
 from vlserve.disagg.metrics import ScrapeTimeGauges, TransferMetrics
@@ -43,8 +43,8 @@ from vlserve.disagg.transports import TRANSPORTS
 from vlserve.disagg.transports.base import reachable_host
 from vlserve.engine.config import resolve_config
 from vlserve.engine.encoder_cache import EncoderCacheManager
+from vlserve.engine.encoder_runner import EncoderRunner
 from vlserve.engine.executor import encodes_whole_step, start_executor
-from vlserve.engine.vision_runner import VisionRunner
 from vlserve.frontend.config import FrontendConfig
 from vlserve.frontend.input_processor import InputProcessor
 from vlserve.frontend.media.fetch import MediaFetcher, MediaPolicy
@@ -71,12 +71,12 @@ class EncodeService(SenderService):
         log_once()
         processor = InputProcessor.for_model(FrontendConfig.of(facts, engine), server.max_image_pixels)
         self.executor = ThreadPoolExecutor(max_workers=server.media_threads, thread_name_prefix="vlserve-media")
-        fetchers = {kind: MediaFetcher(MediaPolicy.from_args(server, kind)) for kind in ("image", "video")}
+        fetchers = {kind: MediaFetcher(MediaPolicy.from_args(server, kind)) for kind in MEDIA_KINDS}
         self.prompts = LocalPromptEncoder(processor, fetchers, self.executor)
         transport = TRANSPORTS[d.transfer_backend](reachable_host(server.host, toward=d.bootstrap.rsplit(":", 1)[0]))
         # Loaded like the engine's model: one device, or tensor-parallel ranks (stopped with this service).
         self.tower = start_executor(self.cfg)
-        self.vision = VisionRunner(self.tower, self.cfg.device, encodes_whole_step(self.tower))
+        self.encoders = EncoderRunner(self.tower, self.cfg.device, encodes_whole_step(self.tower))
         self.cache = EncoderCacheManager.for_model(self.cfg.encoder_cache_size, self.cfg.model)
         self.vit = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlserve-vit")  # one vision call at a time
         self.encoding: dict[str, asyncio.Future] = {}  # mm_hash -> its vision call, while it runs
@@ -85,13 +85,15 @@ class EncodeService(SenderService):
         self._setup(server.host, d.data_port or server.port + 1, auth, transport,
                     TransferMetrics(self.registry, None, "encode"), d.transfer_timeout, d.transfer_failure_prob)
         self.registry.register(_EncoderStats(self))
-        self.encoder_latency = Histogram(PREFIX + "encoder_latency_seconds", "Vision encoder time per ViT call.",
-                                         registry=self.registry, buckets=LATENCY_BUCKETS)
+        self.encoder_latency = Histogram(PREFIX + "encoder_latency_seconds", "Media encoder time per tower call, "
+                                         "by tower (vision, audio).", ["tower"], registry=self.registry,
+                                         buckets=LATENCY_BUCKETS)
         self.in_flight = 0
 
     def pong(self, nonce: int) -> Pong:
         m = self.cfg.model
-        return Pong(nonce, self.in_flight, m.architecture, m.text.hidden_size, len(m.vision.deepstack_indexes))
+        return Pong(nonce, self.in_flight, m.architecture, m.text.hidden_size, m.deepstack_levels,
+                    modalities=list(m.modalities))
 
     def on_request(self, peer: bytes, msg: TransferRequest) -> None:
         self.spawn(self._encode(peer, msg))
@@ -108,7 +110,7 @@ class EncodeService(SenderService):
             processed = (await self.prompts.encode(prompt, req.mm_processor_kwargs, req.request_id)).prompt
             holder = f"{req.request_id}/{req.transfer_id}/{peer.hex()}"
             transfer = OutgoingTransfer(key, processed, req.block_tokens, target=req.target,
-                                        on_end=lambda: self.vision.free(self.cache.release_all(holder,
+                                        on_end=lambda: self.encoders.free(self.cache.release_all(holder,
                                                                                                processed.mm_items)))
             if not self.sender.hold(transfer):
                 return
@@ -138,7 +140,7 @@ class EncodeService(SenderService):
                 if not self.cache.can_allocate(item.num_tokens):
                     raise ServiceUnavailableError("the encoder cache is full of pictures still being sent; retry "
                                                   "later")
-                self.vision.free(self.cache.allocate((holder, i), item))
+                self.encoders.free(self.cache.allocate((holder, i), item))
                 if item.mm_hash not in self.encoding:
                     self.encoding[item.mm_hash] = asyncio.get_running_loop().create_future()
                     todo.append(item)
@@ -153,15 +155,15 @@ class EncodeService(SenderService):
             await asyncio.shield(call)
         for wait in waits:
             await asyncio.shield(wait)
-        return [self.vision.outputs[it.mm_hash] if it.needs_encoder else it.embeddings for it in items]
+        return [self.encoders.outputs[it.mm_hash] if it.needs_encoder else it.embeddings for it in items]
 
     def _run_tower(self, items: list) -> None:
         """On the vision thread: the tower over `items`, each call's time into the latency histogram."""
         try:
-            self.vision.encode(items)
+            self.encoders.encode(items)
         finally:
-            for seconds in self.vision.take_seconds():
-                self.encoder_latency.observe(seconds)
+            for tower, seconds in self.encoders.take_seconds():
+                self.encoder_latency.labels(tower).observe(seconds)
 
     def _encoded(self, items: list, error: BaseException | None) -> None:
         """The tower is done with `items` (or will never run them): requests waiting for them go on, or fail with
@@ -169,7 +171,7 @@ class EncodeService(SenderService):
         encodes it again instead of finding an entry with no output) and so do any outputs it stored."""
         if error is not None:
             hashes = [it.mm_hash for it in items]
-            self.vision.free(hashes)
+            self.encoders.free(hashes)
             for mm_hash in hashes:
                 self.cache.discard(mm_hash)
         for item in items:

@@ -83,6 +83,7 @@ class ItemMeta(msgspec.Struct, array_like=True):
     num_tokens: int
     grid_thw: tuple[int, int, int]
     mm_hash: str
+    modality: str = "image"
 
 
 class RowSegment(msgspec.Struct, array_like=True):
@@ -130,6 +131,7 @@ class Pong(msgspec.Struct, tag="pong"):
     hidden_size: int
     deepstack_levels: int  # an encoder sends hidden_size x (1 + deepstack_levels) columns per media token
     kv_width: int = 0  # a prefill instance: the KV row width it sends per token (0: an encoder)
+    modalities: list[str] = []  # an encoder: the media kinds its towers encode (a prefill instance: none)
 
 
 SenderToReceiver = TransferChunk | TransferFailed | Pong

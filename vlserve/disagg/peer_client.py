@@ -69,6 +69,7 @@ class PeerConn:
     in_flight: int = 0
     missed: int = 0
     paired: bool = False  # it answered a ping and produces what this model needs
+    modalities: frozenset[str] = frozenset()  # what an encoder can encode (from its Pong)
     alive: bool = True
     transfers: dict[tuple[str, int], asyncio.Queue] = field(default_factory=dict)
     reader: asyncio.Task | None = None
@@ -209,14 +210,17 @@ class PeerClient:
             self._drop(peer, "its model does not match", quiet=True, for_s=300.0)
             return
         peer.paired = True
+        peer.modalities = frozenset(pong.modalities)
         self._peer_paired.set()
         logger.info("%s %s paired (%s)", self.kind.name, peer.info.instance_id[:8], peer.info.address)
 
     # ---- transfers ---------------------------------------------------------------------------------------------
-    def _pick(self, key: str, exclude: set[str]) -> PeerConn | None:
-        """Among the peers within one request of the least loaded, the one the key prefers (rendezvous hashing:
-        the same key keeps its peer, different keys spread); a busier peer never gets it."""
-        live = [p for p in self.conns.values() if p.alive and p.paired and p.info.instance_id not in exclude]
+    def _pick(self, key: str, exclude: set[str], needs: frozenset[str] = frozenset()) -> PeerConn | None:
+        """Among the peers that encode every kind in `needs` and are within one request of the least loaded of
+        them, the one the key prefers (rendezvous hashing: the same key keeps its peer, different keys spread);
+        a busier peer never gets it."""
+        live = [p for p in self.conns.values() if p.alive and p.paired and p.info.instance_id not in exclude
+                and needs <= p.modalities]
         if not live:
             return None
         least = min(p.in_flight for p in live)
@@ -231,30 +235,32 @@ class PeerClient:
             key = await in_thread(self.kind.affinity_key, prompt, media, uuids)
         else:
             key = self.kind.affinity_key(prompt, media, uuids)
+        needs = frozenset() if self.kind.rows_for_every_token else frozenset(k for k, v in media.items() if v)
         tried: set[str] = set()
         last: Exception | None = None
         for _ in range(2):  # the first try and one retry on another peer
-            peer = self._pick(key, tried) if tried else await self._first_peer(key)
+            peer = self._pick(key, tried, needs) if tried else await self._first_peer(key, needs)
             if peer is None:
                 break
             tried.add(peer.info.instance_id)
             try:
                 return await self._transfer(peer, request_id, prompt, media, uuids, mm_kwargs, params)
             except PeerFailure as e:
-                retry = len(tried) < 2 and self._pick(key, tried) is not None
+                retry = len(tried) < 2 and self._pick(key, tried, needs) is not None
                 logger.warning("request %s: %s %s failed (%s)%s", request_id, self.kind.name, peer.info.address, e,
                                f"; retrying on another {self.kind.name}" if retry else "")
                 last = e
         if last is None:
-            raise ServiceUnavailableError(f"no {self.kind.name} is available (none paired within "
+            what = f"{self.kind.name} that encodes {' and '.join(sorted(needs))}" if needs else self.kind.name
+            raise ServiceUnavailableError(f"no {what} is available (none paired within "
                                           f"--peer-wait-timeout {self.opts.peer_wait_timeout:g}s); retry later")
         raise ServiceUnavailableError(f"the {self.kind.name} failed after {len(tried)} attempt(s): {last}")
 
-    async def _first_peer(self, key: str) -> PeerConn | None:
+    async def _first_peer(self, key: str, needs: frozenset[str]) -> PeerConn | None:
         """A peer for a request's first try: when none is paired (a start-up race, a peer restarting), wait up
         to --peer-wait-timeout for one to pair rather than refuse at once."""
         deadline = time.monotonic() + self.opts.peer_wait_timeout
-        while (peer := self._pick(key, set())) is None:
+        while (peer := self._pick(key, set(), needs)) is None:
             left = deadline - time.monotonic()
             if left <= 0:
                 return None

@@ -119,7 +119,8 @@ class TransferSender:
         segments, rows = await in_thread(transfer.rows_of, start, end)  # gathers a chunk's rows: a copy
         data = ChunkData(torch.tensor(prompt.prompt_token_ids[start:end], dtype=torch.int64),
                          prompt.mrope_positions[:, start:end].T.contiguous(), rows)
-        items = [ItemMeta(it.offset, it.num_tokens, tuple(it.grid_thw), it.mm_hash) for it in prompt.mm_items]
+        items = [ItemMeta(it.offset, it.num_tokens, tuple(it.grid_thw), it.mm_hash, it.modality)
+                 for it in prompt.mm_items]
         peer, request_id, transfer_id = transfer.key
         header = TransferChunk(request_id, transfer_id, start, n, total, prompt.mrope_delta, items, block_ids,
                                segments, partial=end < total, handoff=None if end < total else transfer.handoff)

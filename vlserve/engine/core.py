@@ -244,7 +244,7 @@ class EngineCore:
             self._exported += self.connector.after_step(outputs)
         return arrived + outputs
 
-    def take_encoder_seconds(self) -> list[float]:
+    def take_encoder_seconds(self) -> list[tuple[str, float]]:
         """Vision-tower call durations since the last call (histogram samples for the metrics)."""
         return self.runner.take_encoder_seconds()
 

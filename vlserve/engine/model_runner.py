@@ -1,7 +1,7 @@
-"""Turns a scheduler step into tensors, runs the ViT and the LM, and samples.
+"""Turns a scheduler step into tensors, runs the media towers and the LM, and samples.
 
-Per step: drop encoder outputs nobody needs → encode newly scheduled items in one ViT call → build the flat
-token batch (decode tokens first, then prefill chunks) as a `ForwardBatch`: M-RoPE positions, slots, block
+Per step: drop encoder outputs nobody needs → encode newly scheduled items (one call per tower and group) →
+build the flat token batch (decode tokens first, then prefill chunks) as a `ForwardBatch`: M-RoPE positions, slots, block
 tables, and the media embedding rows of its placeholder tokens → the executor embeds, scatters the media rows
 (Qwen3-VL: sets their DeepStack features aside for the first decoder layers), runs the LM and returns logits
 only for rows that sample → sampler.
@@ -20,13 +20,13 @@ from vlserve.engine.sampler import Sampler, SamplingMetadata, TokenBitmask
 from vlserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from vlserve.engine.structured.matchers import GrammarMatchers
 from vlserve.engine.transfer_buffers import TransferBuffers
-from vlserve.engine.vision_runner import VisionRunner
+from vlserve.engine.encoder_runner import EncoderRunner
 
 
 class ModelRunner:
     def __init__(self, cfg: VlserveConfig, executor, transfer: TransferBuffers | None = None,
                  grammars: GrammarMatchers | None = None):
-        """`executor`: runs the vision tower and the LM (a `ModelShard`, or the tensor-parallel leader that runs
+        """`executor`: runs the media towers and the LM (a `ModelShard`, or the tensor-parallel leader that runs
         every rank's). `transfer`: a disaggregated server's receive blocks, where items sent by encoders are read
         in place. `grammars`: fills the token masks of requests with structured outputs."""
         self.cfg = cfg
@@ -35,8 +35,8 @@ class ModelRunner:
         self.grammars = grammars
         model = executor.model
         whole_step = encodes_whole_step(executor)
-        has_vision = getattr(model, "visual", None) is not None
-        self.vision = VisionRunner(executor, cfg.device, whole_step) if has_vision else None
+        has_encoder = any(getattr(model, tower, None) is not None for tower in ("visual", "audio_tower"))
+        self.encoders = EncoderRunner(executor, cfg.device, whole_step) if has_encoder else None
         self.device = cfg.device
         self.block_size = cfg.block_size
         self.sampler = Sampler()
@@ -65,9 +65,9 @@ class ModelRunner:
     def write_kv(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
         self.executor.write_kv(slots, kv)
 
-    def take_encoder_seconds(self) -> list[float]:
-        """Vision-tower call durations since the last call (histogram samples for the metrics)."""
-        return self.vision.take_seconds() if self.vision is not None else []
+    def take_encoder_seconds(self) -> list[tuple[str, float]]:
+        """Tower call durations since the last call (histogram samples for the metrics)."""
+        return self.encoders.take_seconds() if self.encoders is not None else []
 
     # ---- inputs --------------------------------------------------------------------------------------------
     def _slots(self, req: Request, start: int, end: int) -> torch.Tensor:
@@ -147,8 +147,8 @@ class ModelRunner:
     def _item_rows(self, req: Request, idx: int, lo: int, hi: int) -> torch.Tensor:
         """Embedding rows of prompt tokens [lo, hi), all inside item `idx`, from wherever that item's are."""
         item = req.mm_items[idx]
-        if item.pixel_values is not None:
-            return self.vision.outputs[item.mm_hash][lo - item.offset : hi - item.offset]
+        if item.needs_encoder:
+            return self.encoders.outputs[item.mm_hash][lo - item.offset : hi - item.offset]
         if item.embeddings is not None:
             return item.embeddings[lo - item.offset : hi - item.offset].to(self.device, self.cfg.dtype)
         # Sent by an encoder service: gathered from the receive blocks, where the transport wrote them (the
@@ -160,9 +160,9 @@ class ModelRunner:
     # ---- step -----------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
-        if self.vision is not None:
-            self.vision.free(sched.free_encoder_keys)
-            self.vision.encode([req.mm_items[idx] for req, idx in sched.encode])
+        if self.encoders is not None:
+            self.encoders.free(sched.free_encoder_keys)
+            self.encoders.encode([req.mm_items[idx] for req, idx in sched.encode])
         if sched.empty:
             return {}, {}
         ordered, batch = self._prepare(sched.chunks)

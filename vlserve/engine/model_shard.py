@@ -17,7 +17,7 @@ import torch
 
 from vlserve.engine.config import DATA, VlserveConfig
 from vlserve.engine.forward_batch import ForwardBatch, attention_metadata
-from vlserve.engine.vision_runner import cpu_budget, groups_of
+from vlserve.engine.encoder_runner import cpu_budget, groups_of
 from vlserve.model.decoder import DeepstackInput
 from vlserve.model.layers.packed_linear import packed_linear_supported
 from vlserve.model.layers.parallel import SINGLE, TPGroup
@@ -80,6 +80,12 @@ class ModelShard:
         if self.encoder_mode == DATA and self.tp.size > 1:
             return self._encode_share(pixels, grids)
         return self.model.encode_images(pixels, grids)
+
+    @torch.inference_mode()
+    def encode_audio(self, features: list[torch.Tensor], lengths: list[int]) -> list[torch.Tensor]:
+        """Each audio item's embedding rows. The audio tower is whole on every rank (it is small beside the
+        LM), so rank 0 runs it alone, with no collective."""
+        return self.model.encode_audio(features, lengths)
 
     def share_of(self, rank: int, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         """The patches rank `rank` encodes in data mode, its items one after another."""

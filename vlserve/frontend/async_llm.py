@@ -20,8 +20,9 @@ import torch
 from vlserve.core.config import EngineArgs
 from vlserve.core.errors import EngineDeadError, InvalidInputError, ServiceUnavailableError
 from vlserve.core.messages import EngineCoreOutput, Handoff
-from vlserve.core.processes import finish
 from vlserve.core.outputs import RequestOutput
+from vlserve.core.processes import finish
+from vlserve.core.prompt import MEDIA_KINDS
 from vlserve.core.sampling_params import SamplingParams, fan_out
 from vlserve.core.structured_outputs import GrammarLimits
 from vlserve.core.wire import EngineOutputs, FinishRequests, prompt_to_wire, tensor_from
@@ -68,7 +69,7 @@ class RequestStream:
 
 def default_prompt_encoder(engine: "AsyncLLM") -> PromptEncoder:
     """Local processing under the default (safe) media policy."""
-    fetchers = {kind: MediaFetcher(MediaPolicy()) for kind in ("image", "video")}
+    fetchers = {kind: MediaFetcher(MediaPolicy()) for kind in MEDIA_KINDS}
     return LocalPromptEncoder(engine.input_processor, fetchers, engine.executor)
 
 

@@ -50,7 +50,8 @@ def as_list(value: Any) -> list:
 
 @dataclass
 class _Item:
-    """One media item before expansion: what the encoder gets (pixels or embeddings) and its token count."""
+    """One media item before expansion: what the encoder gets (pixels, audio features or embeddings) and its
+    token count."""
 
     num_tokens: int
     grid_thw: tuple[int, int, int]
@@ -58,6 +59,13 @@ class _Item:
     pixel_values: torch.Tensor | None = None
     embeddings: torch.Tensor | None = None
     time_interval: float = 1.0  # M-RoPE temporal spacing (videos)
+    modality: str = "image"
+    audio_features: torch.Tensor | None = None
+    audio_len: int = 0
+
+    def placed_at(self, offset: int) -> MultiModalItem:
+        return MultiModalItem(offset, self.num_tokens, self.pixel_values, self.grid_thw, self.mm_hash,
+                              self.embeddings, self.modality, self.audio_features, self.audio_len)
 
 
 class InputProcessor:
@@ -157,8 +165,7 @@ class InputProcessor:
         positions, delta = mrope_positions(
             token_ids, [MRopeItem(off, it.grid_thw, it.time_interval) for off, it in placed],
             mcfg.vision.spatial_merge_size)
-        mm_items = [MultiModalItem(off, it.num_tokens, it.pixel_values, it.grid_thw, it.mm_hash, it.embeddings)
-                    for off, it in placed]
+        mm_items = [it.placed_at(off) for off, it in placed]
         return ProcessedPrompt(token_ids, mm_items, positions, delta, text)
 
     def _sources(self, kind: str, mm_data: dict, uuids: dict) -> list[tuple[Any, str | None]]:
@@ -200,11 +207,11 @@ class InputProcessor:
             t, h, w = p.grid_thw
             rows = p.pixel_values.view(t, h * w, -1)
             return [_Item(h * w // self.image_cfg.merge_size**2, (1, h, w), hash_video_patch(mm_hash, k),
-                          pixel_values=rows[k]) for k in range(t)], video.timestamps(self.image_cfg.temporal_patch_size)
+                          pixel_values=rows[k], modality="video") for k in range(t)], video.timestamps(self.image_cfg.temporal_patch_size)
         vision = self.cfg.model.vision
         interval = p.second_per_grid * vision.tokens_per_second if vision.time_scaled_video else 1.0
         return [_Item(p.num_embed_tokens, p.grid_thw, mm_hash, pixel_values=p.pixel_values,
-                      time_interval=interval)], []
+                      time_interval=interval, modality="video")], []
 
     def _check_size(self, grid_thw: tuple[int, int, int], what: str) -> None:
         """Refuse a resized item that is too large before doing the resize."""

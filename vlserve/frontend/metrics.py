@@ -60,12 +60,14 @@ class ServerMetrics:
         self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first generated token.")
         self.itl = histogram("inter_token_latency_seconds", "Time between two generated tokens of a request.")
         self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the last token.")
-        self.encoder = histogram("encoder_latency_seconds", "Vision encoder time per ViT call.")
+        self.encoder = Histogram(PREFIX + "encoder_latency_seconds", "Media encoder time per tower call, by tower "
+                                 "(vision, audio).", ["model_name", "tower"], registry=self.registry,
+                                 buckets=LATENCY_BUCKETS)
 
     def on_engine_stats(self, stats: EngineStats) -> None:
         self.stats = stats
-        for seconds in stats.encoder_seconds:
-            self.encoder.observe(seconds)
+        for tower, seconds in stats.encoder_seconds:
+            self.encoder.labels(self.model_name, tower).observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 import vlserve
 from vlserve.core.config import DISAGG_ROLES, KV_ROLES, SERVE, Options, ServerArgs
 from vlserve.core.processes import SigtermStop, finish, read_degraded
+from vlserve.core.prompt import MEDIA_KINDS
 from vlserve.frontend.async_llm import AsyncLLM
 from vlserve.frontend.media.fetch import MediaFetcher, MediaPolicy
 from vlserve.frontend.metrics import CONTENT_TYPE
@@ -37,7 +38,7 @@ DOC_PATHS = ("/docs", "/redoc", "/openapi.json")
 def local_prompt_encoder(server: ServerArgs):
     """The aggregated server's prompt encoder: media fetched here under the server's policy."""
     def build(engine: AsyncLLM) -> LocalPromptEncoder:
-        fetchers = {kind: MediaFetcher(MediaPolicy.from_args(server, kind)) for kind in ("image", "video")}
+        fetchers = {kind: MediaFetcher(MediaPolicy.from_args(server, kind)) for kind in MEDIA_KINDS}
         return LocalPromptEncoder(engine.input_processor, fetchers, engine.executor)
     return build
 

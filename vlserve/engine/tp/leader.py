@@ -2,8 +2,8 @@
 ranks, and before each vision-tower call and each forward pass tells them what to run, then runs its own share;
 the model's collectives make the ranks meet inside.
 
-It offers what a `ModelShard` offers (`encode_images`, `forward`, `model`, `kv_caches`), so the model runner
-does not know how many ranks there are. A rank that dies is noticed at once: inside a collective the transport
+It offers what a `ModelShard` offers (`encode_images`, `encode_audio`, `forward`, `model`, `kv_caches`), so the
+model runner does not know how many ranks there are. A rank that dies is noticed at once: inside a collective the transport
 reports the closed connection, between steps `check_alive` sees the process gone or its failure message. Either
 way a `TensorParallelError` ends the engine (the server answers 503 and exits); nothing waits forever.
 """
@@ -192,6 +192,9 @@ class TPLeader:
                               else frames)
         mine = self.shard.share_of(0, pixels, grids) if data else pixels
         return self._collective(lambda: self.shard.encode_images(mine, grids))
+
+    def encode_audio(self, features: list[torch.Tensor], lengths: list[int]) -> list[torch.Tensor]:
+        return self.shard.encode_audio(features, lengths)  # rank 0's whole tower; the other ranks wait
 
     def _encode_frames(self, grids: list[tuple[int, int, int]], pixels: torch.Tensor) -> list:
         tensors: list[torch.Tensor] = []

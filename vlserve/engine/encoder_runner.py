@@ -1,0 +1,95 @@
+"""Runs the media encoders (the vision tower, the audio tower) over media items, many at once, and keeps each
+output by mm_hash until told to drop it.
+
+Which items to encode and which outputs may go is decided elsewhere (the scheduler's, or an encode service's,
+`EncoderCacheManager`); this only computes and stores. Used by the engine's model runner and by the
+disaggregated encode service alike.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from vlserve.core.prompt import MultiModalItem
+
+# On CPU the tower runs faster on a few thousand patches at a time than on everything at once: activations of a
+# large batch ([patches, 4 x width] per block) fall out of the caches (16 pictures in one call: ~25% slower per
+# patch than in groups). GPUs want the big batch.
+CPU_PATCHES_PER_CALL = 2048
+# Audio: frames of log-mel features per call on CPU (two 30 s clips); the tower's activations are [frames / 2,
+# width] per layer, so this bounds them as the patch budget bounds the ViT's.
+CPU_AUDIO_FRAMES_PER_CALL = 6000
+
+
+def groups_of(sizes: list[int], budget: int | None) -> list[list[int]]:
+    """Indices in consecutive groups of at most `budget` patches (an item larger than that alone); one group if
+    None."""
+    if budget is None:
+        return [list(range(len(sizes)))]
+    groups: list[list[int]] = [[]]
+    used = 0
+    for i, n in enumerate(sizes):
+        if groups[-1] and used + n > budget:
+            groups.append([])
+            used = 0
+        groups[-1].append(i)
+        used += n
+    return groups
+
+
+def batches(items: list[MultiModalItem], budget: int | None) -> list[list[MultiModalItem]]:
+    return [[items[i] for i in g] for g in groups_of([it.pixel_values.shape[0] for it in items], budget)]
+
+
+def audio_batches(items: list[MultiModalItem], budget: int | None) -> list[list[MultiModalItem]]:
+    return [[items[i] for i in g] for g in groups_of([it.audio_features.shape[1] for it in items], budget)]
+
+
+def cpu_budget(device: torch.device) -> int | None:
+    return CPU_PATCHES_PER_CALL if device.type == "cpu" else None
+
+
+class EncoderRunner:
+    def __init__(self, model, device: torch.device, whole_step: bool = False):
+        """`model`: anything with the model's `encode_images` / `encode_audio` (a model, a `ModelShard`, the
+        tensor-parallel leader). `whole_step`: one vision call with every picture of the step (the data-parallel
+        encoder spreads them over its ranks first, then each rank groups its share)."""
+        self.model = model
+        self.device = device
+        self.whole_step = whole_step
+        self.outputs: dict[str, torch.Tensor] = {}
+        self.seconds: list[tuple[str, float]] = []  # (tower, seconds) per tower call: histogram samples
+
+    @torch.inference_mode()
+    def encode(self, items: list[MultiModalItem]) -> None:
+        """Batched tower calls over `items` (no attention across items); outputs land in `outputs`."""
+        items = [it for it in items if it.mm_hash not in self.outputs]
+        pictures = [it for it in items if it.pixel_values is not None]
+        sounds = [it for it in items if it.audio_features is not None]
+        budget = None if self.whole_step else cpu_budget(self.device)
+        for group in batches(pictures, budget) if pictures else []:
+            pixels = torch.cat([it.pixel_values for it in group]).to(self.device, non_blocking=True)
+            self._timed("vision", group, lambda: self.model.encode_images(pixels, [it.grid_thw for it in group]))
+        audio_budget = CPU_AUDIO_FRAMES_PER_CALL if self.device.type == "cpu" else None
+        for group in audio_batches(sounds, audio_budget) if sounds else []:
+            features = [it.audio_features.to(self.device, non_blocking=True) for it in group]
+            self._timed("audio", group, lambda: self.model.encode_audio(features, [it.audio_len for it in group]))
+
+    def _timed(self, tower: str, group: list[MultiModalItem], call) -> None:
+        t0 = time.perf_counter()
+        embeds = call()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # so the latency below is the encoder's, not the launch's
+        self.seconds.append((tower, time.perf_counter() - t0))
+        for it, emb in zip(group, embeds):
+            self.outputs[it.mm_hash] = emb
+
+    def free(self, keys: list[str]) -> None:
+        for key in keys:
+            self.outputs.pop(key, None)
+
+    def take_seconds(self) -> list[tuple[str, float]]:
+        seconds, self.seconds = self.seconds, []
+        return seconds
