@@ -24,8 +24,8 @@ from tqdm import tqdm
 
 from vlserve.core.errors import ModelLoadError
 from vlserve.model.hardware import resolve_dtype
-from vlserve.model.hf_config import ModelConfig, load_model_config
 from vlserve.model.kernels import cpu_kernels
+from vlserve.model.hf_config import ModelConfig, load_model_config
 from vlserve.model.layers.parallel import SINGLE, TPGroup, building_for, rule_for
 from vlserve.model.quantization import (
     INT4_SUFFIXES,
