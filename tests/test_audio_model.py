@@ -41,6 +41,7 @@ from vlserve.model.hf_config import (
     parse_model_config,
 )
 from vlserve.model.layers.attention import AttentionMetadata, build_prefill_span
+from vlserve.model.layers.parallel import TPGroup
 from vlserve.model.loader import load_model
 
 RATE = 16000
@@ -250,6 +251,22 @@ def test_every_checkpoint_tensor_lands(tiny_ckpt, arch, caplog):
     assert towers.language_model is None and towers.audio_tower is not None
     lm = _ours(tiny_ckpt(arch), with_vision=False)
     assert lm.audio_tower is None and lm.visual is None and lm.language_model is not None
+
+
+@pytest.mark.parametrize("arch", ["qwen2_audio", "qwen2_5_omni"])
+def test_audio_tower_is_whole_on_every_rank(tiny_ckpt, arch):
+    """Under tensor parallelism the LM is split but every rank holds the whole audio tower, which runs with no
+    collective (rank 1 of 2 here, no process group: a collective would fail)."""
+    path = tiny_ckpt(arch)
+    whole = _ours(path)
+    rank1 = _ours(path, tp=TPGroup(rank=1, size=2))
+    mlp_width = [m.language_model.layers[0].mlp.down_proj.weight.shape[1] for m in (whole, rank1)]
+    assert mlp_width[0] == 2 * mlp_width[1]
+    for (name, a), (_, b) in zip(whole.audio_tower.named_parameters(), rank1.audio_tower.named_parameters()):
+        assert torch.equal(a, b), name
+    feats = torch.randn(128, 300)
+    with torch.no_grad():
+        torch.testing.assert_close(rank1.encode_audio([feats], [298])[0], whole.encode_audio([feats], [298])[0])
 
 
 def test_full_omni_checkpoint_serves_its_thinker(tiny_ckpt):

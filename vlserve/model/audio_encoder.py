@@ -139,6 +139,8 @@ class AudioEncoder(nn.Module):
         """features[i]: [n_mels, frames_i] log-mel of clip i (its `lengths[i]` valid frames first); returns each
         clip's rows [audio_output_tokens(lengths[i]), output_dim]."""
         cfg = self.cfg
+        if not features:
+            return []
         for f, n in zip(features, lengths):
             if f.dim() != 2 or f.shape[0] != cfg.num_mel_bins or not 0 < n <= f.shape[1]:
                 raise InvalidInputError(f"audio features of shape {tuple(f.shape)} for {n} valid frames; expected "
