@@ -428,7 +428,7 @@ def parse_model_config(raw: dict, folder: Path) -> ModelConfig:
         eos_token_ids=_eos_ids(raw, folder),
         checkpoint_dtype=dtype if isinstance(dtype, str) else None,
         transformers_major=_transformers_major(top),
-        quantization=_quantization_items(raw),
+        quantization=_quantization_items(top) or _quantization_items(raw),  # full Omni: either level
         audio=audio,
         **media_ids,
     )
