@@ -14,6 +14,7 @@ from __future__ import annotations
 TIERS = ("unit", "engine", "multiprocess", "transport")
 
 FILE_TIERS = {
+    "test_audio_model.py": "unit",
     "test_bench_serve.py": "unit",
     "test_cli.py": "unit",
     "test_cli_messages.py": "unit",

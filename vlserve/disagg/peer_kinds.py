@@ -48,7 +48,7 @@ class PeerKind:
     def expects(self, cfg: FrontendConfig) -> tuple:
         """What a peer's Pong must say to be paired: it produces exactly what this model needs."""
         m = cfg.model
-        return (m.architecture, m.text.hidden_size, len(m.vision.deepstack_indexes),
+        return (m.architecture, m.text.hidden_size, m.deepstack_levels,
                 m.kv_row_width if self.rows_for_every_token else 0)
 
     def affinity_key(self, prompt: str, media: dict, uuids: dict) -> str:

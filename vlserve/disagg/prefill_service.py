@@ -61,7 +61,7 @@ class PrefillService(SenderService):
 
     def pong(self, nonce: int) -> Pong:
         m = self.engine.cfg.model
-        return Pong(nonce, self.in_flight, m.architecture, m.text.hidden_size, len(m.vision.deepstack_indexes),
+        return Pong(nonce, self.in_flight, m.architecture, m.text.hidden_size, m.deepstack_levels,
                     m.kv_row_width)
 
     def on_request(self, peer: bytes, msg: TransferRequest) -> None:

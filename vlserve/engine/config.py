@@ -92,7 +92,7 @@ def check_tensor_parallel(args: EngineArgs, model: ModelConfig, quantization: Qu
     if args.load_language:
         sizes |= {"attention heads": t.num_heads, "MLP width": t.intermediate_size, "the intermediate size of "
                   "the experts": t.moe.intermediate_size if t.moe else tp}
-    if args.mm_encoder_tp_mode == WEIGHTS and args.load_vision:
+    if args.mm_encoder_tp_mode == WEIGHTS and args.load_vision and v is not None:  # audio: whole per rank
         sizes |= {"vision attention heads (try mm_encoder_tp_mode data)": v.num_heads,
                   "vision MLP width (try mm_encoder_tp_mode data)": v.mlp_hidden}
     for what, n in sizes.items():

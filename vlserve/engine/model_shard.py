@@ -71,7 +71,7 @@ class ModelShard:
             self.kv_caches = [torch.zeros(2, slots, attn.num_kv_heads, attn.head_dim, dtype=cfg.dtype, device=device)
                               for _ in language.layers]
             self.hidden = model.cfg.text.hidden_size
-            self.deepstack_levels = len(model.cfg.vision.deepstack_indexes)
+            self.deepstack_levels = model.cfg.deepstack_levels
 
     # ---- vision tower ------------------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -164,7 +164,7 @@ class InputProcessor:
                         key=lambda x: x[0])
         positions, delta = mrope_positions(
             token_ids, [MRopeItem(off, it.grid_thw, it.time_interval) for off, it in placed],
-            mcfg.vision.spatial_merge_size)
+            mcfg.vision.spatial_merge_size if mcfg.vision is not None else 1)
         mm_items = [it.placed_at(off) for off, it in placed]
         return ProcessedPrompt(token_ids, mm_items, positions, delta, text)
 

@@ -1,7 +1,8 @@
-"""Read a Hugging Face `config.json` of a Qwen-VL family model into small frozen dataclasses.
+"""Read a Hugging Face `config.json` of a Qwen-VL or Qwen audio family model into small frozen dataclasses.
 
-Families (by `architectures`): Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE. Two formats exist in the wild
-and both are accepted:
+Families (by `architectures`): Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE (vision); Qwen2-Audio (audio);
+Qwen2.5-Omni's thinker (vision and audio), from a thinker-only checkpoint or the full one (`thinker_config`; the
+talker is not served). Two formats exist in the wild and both are accepted:
 - transformers >= 5 nests the language model under `text_config` and names RoPE settings `rope_parameters`;
 - older checkpoints keep RoPE settings in `rope_scaling` + `rope_theta` (and Qwen2-VL's text fields at the top).
 """
@@ -24,6 +25,15 @@ QWEN2_VL, QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE = ("Qwen2VLForConditionalGeneration
                                                "Qwen3VLForConditionalGeneration",
                                                "Qwen3VLMoeForConditionalGeneration")
 QWEN3_FAMILY = (QWEN3_VL, QWEN3_VL_MOE)
+QWEN2_AUDIO = "Qwen2AudioForConditionalGeneration"
+QWEN2_5_OMNI_THINKER, QWEN2_5_OMNI = "Qwen2_5OmniThinkerForConditionalGeneration", "Qwen2_5OmniForConditionalGeneration"
+OMNI_FAMILY = (QWEN2_5_OMNI_THINKER, QWEN2_5_OMNI)
+# Names released checkpoints use for a class transformers later renamed: read as that class.
+ARCHITECTURE_ALIASES = {"Qwen2_5OmniModel": QWEN2_5_OMNI}  # Qwen/Qwen2.5-Omni-* (the preview's class name)
+# transformers' Qwen2Config defaults: Qwen2-Audio's config.json lists only what differs from them.
+QWEN2_TEXT_DEFAULTS = {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
+                       "num_attention_heads": 32, "num_key_value_heads": 32, "rms_norm_eps": 1e-6,
+                       "max_position_embeddings": 32768, "rope_theta": 10000.0, "tie_word_embeddings": False}
 
 
 @dataclass(frozen=True)
@@ -91,10 +101,45 @@ class VisionConfig:
 
 
 @dataclass(frozen=True)
+class AudioConfig:
+    """A Whisper-style audio tower: conv stem (stride 2), pre-LN transformer layers, average pooling by 2, final
+    LayerNorm, a projection to the LM width (Qwen2-Audio's multi_modal_projector; Omni's `proj`)."""
+
+    num_mel_bins: int
+    d_model: int
+    layers: int
+    heads: int
+    ffn_dim: int
+    max_source_positions: int  # rows of the position table (after the stride-2 conv)
+    output_dim: int  # width handed to the LM
+    # Feature frames after the valid ones the tower's convolutions read (the front end sends them): Qwen2-Audio
+    # runs on the extractor's padded features, so its last valid outputs see 2 frames past the sound; Omni's
+    # tower reads valid frames only.
+    context_frames: int
+    activation: str = "gelu"
+    # Qwen2-Audio: a learned position table over the whole clip (from the checkpoint). Omni (n_window > 0): the
+    # features are cut into chunks of 2 * n_window frames, each convolved, positioned (sinusoids, computed) and
+    # attended on its own.
+    n_window: int = 0
+    # Omni's M-RoPE (frontend positions, not the tower): temporal positions per second of audio or video, and
+    # the seconds per chunk a video's frames and sound interleave by.
+    position_id_per_seconds: float = 25.0
+    seconds_per_chunk: float = 2.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.heads
+
+    @property
+    def learned_positions(self) -> bool:
+        return self.n_window == 0
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     text: TextConfig
-    vision: VisionConfig
+    vision: VisionConfig | None  # None: the model sees no pictures (Qwen2-Audio)
     image_token_id: int
     video_token_id: int
     vision_start_token_id: int
@@ -103,11 +148,34 @@ class ModelConfig:
     checkpoint_dtype: str | None  # dtype named in config.json ("bfloat16", ...), used by dtype="auto"
     transformers_major: int | None = None  # major version that saved it (tie-breaks tensor layouts)
     quantization: tuple[tuple[str, QuantValue], ...] = ()  # the checkpoint's quantization_config, items sorted
+    audio: AudioConfig | None = None  # None: the model hears nothing (the Qwen-VL families)
+    audio_token_id: int = -1  # the placeholder of an audio item's tokens (-1: none)
+    audio_start_token_id: int = -1  # <|audio_bos|> / Omni's audio start (-1: none)
+    audio_end_token_id: int = -1
+
+    @property
+    def modalities(self) -> tuple[str, ...]:
+        """The media kinds the model takes, among "image", "video", "audio"."""
+        return (("image", "video") if self.vision is not None else ()) + (("audio",) if self.audio is not None else ())
+
+    @property
+    def deepstack_levels(self) -> int:
+        """Qwen3-VL: vision feature rows per media token beside its embedding (0 for every other family)."""
+        return len(self.vision.deepstack_indexes) if self.vision is not None else 0
+
+    @property
+    def position_kind(self) -> str:
+        """How prompt positions are made: "mrope" (Qwen-VL: t/h/w for media), "rope" (Qwen2-Audio: ordinary 1-D
+        positions, sent as three equal rows, which our M-RoPE layer turns into plain RoPE), "omni" (Qwen2.5-Omni:
+        M-RoPE with audio, and a video's sound interleaved with its frames)."""
+        if self.architecture in OMNI_FAMILY:
+            return "omni"
+        return "rope" if self.vision is None else "mrope"
 
     @property
     def rows_per_media_token(self) -> int:
         """Hidden-size rows the encoder produces per media token: the embedding, then one per DeepStack level."""
-        return 1 + len(self.vision.deepstack_indexes)
+        return 1 + self.deepstack_levels
 
     @property
     def embedding_width(self) -> int:
@@ -145,16 +213,30 @@ def _rope(raw: dict, t: dict) -> dict:
 def _text_config(raw: dict, architecture: str) -> TextConfig:
     t = raw.get("text_config") or raw  # nested (transformers 5) or flat (original hub format)
     rope = _rope(raw, t)
-    qwen3 = architecture in QWEN3_FAMILY
+    qwen3, one_d = architecture in QWEN3_FAMILY, architecture == QWEN2_AUDIO
+    if one_d:  # Qwen2-Audio: a plain Qwen2 LM, its config.json lists what differs from Qwen2Config's defaults
+        t = QWEN2_TEXT_DEFAULTS | t
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise ModelLoadError(f"Qwen2-Audio with RoPE scaling {rope!r} is not supported (only default RoPE)")
+        if t.get("use_sliding_window"):
+            raise ModelLoadError("Qwen2-Audio with sliding-window attention is not supported")
     theta = rope.get("rope_theta", t.get("rope_theta", raw.get("rope_theta", 500000.0 if qwen3 else 1000000.0)))
     hidden = _require(t, "hidden_size", "text config")
     heads = _require(t, "num_attention_heads", "text config")
     # Qwen2-VL derives head_dim from hidden/heads (and ignores any `head_dim` key); Qwen3 states it.
     head_dim = (t.get("head_dim") or hidden // heads) if qwen3 else hidden // heads
-    section = tuple(rope.get("mrope_section", (24, 20, 20) if qwen3 else (16, 24, 24)))
+    if one_d:  # every frequency follows the temporal row; positions come as three equal rows: 1-D RoPE
+        section = (head_dim // 2, 0, 0)
+    else:
+        section = tuple(rope.get("mrope_section", (24, 20, 20) if qwen3 else (16, 24, 24)))
     if sum(section) != head_dim // 2:
         raise ModelLoadError(f"mrope_section {list(section)} must sum to head_dim/2 = {head_dim // 2}")
-    tie = raw.get("tie_word_embeddings", t.get("tie_word_embeddings", False))
+    if one_d:  # transformers' Qwen2-Audio never ties its LM head (whatever text_config says)
+        tie = False
+    elif architecture in OMNI_FAMILY:  # the thinker's own flag decides (default: untied)
+        tie = raw.get("tie_word_embeddings", False)
+    else:
+        tie = raw.get("tie_word_embeddings", t.get("tie_word_embeddings", False))
     moe = None
     if architecture == QWEN3_VL_MOE:
         experts = t.get("num_experts", t.get("num_local_experts"))
@@ -187,10 +269,13 @@ def _text_config(raw: dict, architecture: str) -> TextConfig:
     )
 
 
-def _vision_config(raw: dict, architecture: str, text: TextConfig) -> VisionConfig:
+def _vision_config(raw: dict, architecture: str, text: TextConfig) -> VisionConfig | None:
+    if architecture == QWEN2_AUDIO:
+        return None
     v = _require(raw, "vision_config", "config.json")
-    windowed, qwen3 = architecture == QWEN2_5_VL, architecture in QWEN3_FAMILY
-    if windowed:  # Qwen2.5-VL: RMSNorm + SwiGLU blocks, window attention, explicit out_hidden_size
+    omni = architecture in OMNI_FAMILY
+    windowed, qwen3 = architecture == QWEN2_5_VL or omni, architecture in QWEN3_FAMILY
+    if windowed:  # Qwen2.5-VL and Omni: RMSNorm + SwiGLU blocks, window attention, explicit out_hidden_size
         width, mlp_hidden = v.get("hidden_size", 1280), v.get("intermediate_size", 3420)
         out_dim, act = v.get("out_hidden_size", text.hidden_size), v.get("hidden_act", "silu")
     elif qwen3:  # Qwen3-VL: LayerNorm + GELU(tanh) blocks, learned position grid, deepstack mergers
@@ -224,7 +309,8 @@ def _vision_config(raw: dict, architecture: str, text: TextConfig) -> VisionConf
         rope_theta=float(rope.get("rope_theta", 10000.0)),
         window_size=v.get("window_size", 112) if windowed else 0,
         fullatt_block_indexes=tuple(v.get("fullatt_block_indexes", (7, 15, 23, 31))) if windowed else (),
-        tokens_per_second=float(v.get("tokens_per_second", 2)),
+        # Omni spaces video frames by the thinker's position_id_per_seconds, as Qwen2.5-VL by tokens_per_second
+        tokens_per_second=float(raw.get("position_id_per_seconds", 25) if omni else v.get("tokens_per_second", 2)),
         time_scaled_video=windowed,
         num_position_embeddings=grid,
         deepstack_indexes=deepstack,
@@ -271,25 +357,80 @@ def _quantization_items(raw: dict) -> tuple[tuple[str, QuantValue], ...]:
     return tuple(sorted(items))
 
 
+def _audio_config(raw: dict, architecture: str, text: TextConfig) -> AudioConfig | None:
+    if architecture not in (QWEN2_AUDIO, *OMNI_FAMILY):
+        return None
+    a = raw.get("audio_config") or {}  # transformers' defaults (Qwen2-Audio's and Omni's towers are the same size)
+    omni = architecture in OMNI_FAMILY
+    d_model, heads = a.get("d_model", 1280), a.get("encoder_attention_heads", 20)
+    if d_model % heads:
+        raise ModelLoadError(f"audio d_model {d_model} is not divisible by its {heads} attention heads")
+    # Qwen2-Audio's multi_modal_projector maps d_model to the LM width; Omni's tower projects to output_dim itself.
+    output_dim = a.get("output_dim", 3584) if omni else text.hidden_size
+    if output_dim != text.hidden_size:
+        raise ModelLoadError(f"audio output width {output_dim} != language model hidden size {text.hidden_size}")
+    n_window = a.get("n_window", 100) if omni else 0
+    if omni and not 0 < n_window <= a.get("max_source_positions", 1500):
+        raise ModelLoadError(f"audio n_window {n_window} must be positive and within max_source_positions")
+    return AudioConfig(
+        num_mel_bins=a.get("num_mel_bins", 128),
+        d_model=d_model,
+        layers=a.get("encoder_layers", 32),
+        heads=heads,
+        ffn_dim=a.get("encoder_ffn_dim", 5120),
+        max_source_positions=a.get("max_source_positions", 1500),
+        output_dim=output_dim,
+        context_frames=0 if omni else 2,
+        activation=a.get("activation_function", "gelu"),
+        n_window=n_window,
+        position_id_per_seconds=float(raw.get("position_id_per_seconds", 25)),
+        seconds_per_chunk=float(raw.get("seconds_per_chunk", 2)),
+    )
+
+
+def _token_id(raw: dict, *keys: str, default: int) -> int:
+    return next((int(raw[k]) for k in keys if raw.get(k) is not None), default)
+
+
 def parse_model_config(raw: dict, folder: Path) -> ModelConfig:
     archs = raw.get("architectures") or []
     if not archs:
         raise ModelLoadError("config.json has no 'architectures' entry; cannot tell which model to build")
-    architecture = archs[0]
+    architecture = ARCHITECTURE_ALIASES.get(archs[0], archs[0])
+    top = raw  # dtype, versions: the file's own
+    if architecture == QWEN2_5_OMNI:  # the full Omni checkpoint: we serve its thinker (text out)
+        raw = _require(raw, "thinker_config", "config.json")
     text = _text_config(raw, architecture)
-    dtype = raw.get("dtype") or raw.get("torch_dtype") or (raw.get("text_config") or {}).get("dtype")
+    vision = _vision_config(raw, architecture, text)
+    audio = _audio_config(raw, architecture, text)
+    dtype = (top.get("dtype") or top.get("torch_dtype") or raw.get("dtype")
+             or (raw.get("text_config") or {}).get("dtype"))
+    # A model without pictures has no picture tokens, one that does not hear no audio tokens (-1: none).
+    # Qwen2-Audio's <|audio_bos|>/<|audio_eos|> are plain text around <|AUDIO|>: its config names them not.
+    omni = architecture in OMNI_FAMILY
+    media_ids = {
+        "image_token_id": _token_id(raw, "image_token_id", "image_token_index", default=151655),
+        "video_token_id": _token_id(raw, "video_token_id", "video_token_index", default=151656),
+        "vision_start_token_id": _token_id(raw, "vision_start_token_id", default=151652),
+        "vision_end_token_id": _token_id(raw, "vision_end_token_id", default=151653),
+    } if vision is not None else dict.fromkeys(("image_token_id", "video_token_id", "vision_start_token_id",
+                                                 "vision_end_token_id"), -1)
+    if audio is not None:
+        media_ids |= {
+            "audio_token_id": _token_id(raw, "audio_token_id", "audio_token_index", default=151646),
+            "audio_start_token_id": _token_id(raw, "audio_start_token_id", default=151647 if omni else -1),
+            "audio_end_token_id": _token_id(raw, "audio_end_token_id", default=151648 if omni else -1),
+        }
     return ModelConfig(
         architecture=architecture,
         text=text,
-        vision=_vision_config(raw, architecture, text),
-        image_token_id=raw.get("image_token_id", 151655),
-        video_token_id=raw.get("video_token_id", 151656),
-        vision_start_token_id=raw.get("vision_start_token_id", 151652),
-        vision_end_token_id=raw.get("vision_end_token_id", 151653),
+        vision=vision,
         eos_token_ids=_eos_ids(raw, folder),
         checkpoint_dtype=dtype if isinstance(dtype, str) else None,
-        transformers_major=_transformers_major(raw),
-        quantization=_quantization_items(raw),
+        transformers_major=_transformers_major(top),
+        quantization=_quantization_items(top) or _quantization_items(raw),  # full Omni: either level
+        audio=audio,
+        **media_ids,
     )
 
 

@@ -1,9 +1,12 @@
 """Find a checkpoint (local folder or hub id) and load its safetensors weights into our model classes.
 
 Checkpoint names are mapped onto ours in two steps: a prefix rename (both the transformers-5 layout
-`model.language_model.*` / `model.visual.*` and the original `model.*` / `visual.*` are accepted), then fused
-parameters: q/k/v projections land in one `qkv_proj`, gate/up in one `gate_up_proj`, the Conv3d patch
-embedding in a Linear. MoE experts come in two layouts (see `expert_tensor`).
+`model.language_model.*` / `model.visual.*` and the original `model.*` / `visual.*` are accepted; a full
+Qwen2.5-Omni checkpoint's `thinker.` is dropped, its talker and token2wav are not built, so skipped), then fused
+parameters: q/k/v projections land in one `qkv_proj` (Omni's vision q/k/v in one `qkv`), gate/up in one
+`gate_up_proj`, the Conv3d patch embedding in a Linear. MoE experts come in two layouts (see `expert_tensor`).
+The audio towers keep their own names (Whisper's separate q/k/v), but for Qwen2-Audio's final norm and
+projector, which take Omni's (`ln_post`, `proj`).
 """
 
 from __future__ import annotations
@@ -37,23 +40,37 @@ from vlserve.model.registry import get_model_spec
 
 logger = logging.getLogger(__name__)
 
+OMNI_THINKER = "thinker."  # a full Qwen2.5-Omni checkpoint: the thinker's tensors (talker.*, token2wav.* skipped)
 # (checkpoint prefix, our prefix), first match wins
 PREFIX_RENAMES = [
     ("model.language_model.", "language_model."),
     ("model.visual.", "visual."),
     ("visual.", "visual."),
+    ("model.audio_tower.", "audio_tower."),
+    ("audio_tower.", "audio_tower."),
+    ("model.multi_modal_projector.linear.", "audio_tower.proj."),  # Qwen2-Audio's projector
+    ("multi_modal_projector.linear.", "audio_tower.proj."),
     ("model.", "language_model."),
     ("language_model.model.", "language_model."),
+    ("language_model.lm_head.", "lm_head."),
     ("lm_head.", "lm_head."),
 ]
-# (checkpoint piece, our fused piece, which shard)
+# then (our prefix, renamed): Qwen2-Audio's final norm by Omni's name
+AUDIO_RENAMES = [("audio_tower.layer_norm.", "audio_tower.ln_post.")]
+# checkpoint tensors no served model reads: Omni's audio bos/eos embeddings (used by the talker path only)
+UNUSED = ("audio_tower.audio_bos_eos_token.",)
+# (checkpoint piece, our fused piece, which shard); not for the audio tower (whose k_proj has no bias)
 FUSED_PIECES = [
     (".self_attn.q_proj.", ".self_attn.qkv_proj.", "q"),
     (".self_attn.k_proj.", ".self_attn.qkv_proj.", "k"),
     (".self_attn.v_proj.", ".self_attn.qkv_proj.", "v"),
     (".mlp.gate_proj.", ".mlp.gate_up_proj.", "gate"),
     (".mlp.up_proj.", ".mlp.gate_up_proj.", "up"),
+    (".attn.q.", ".attn.qkv.", "q"),  # Qwen2.5-Omni's vision tower
+    (".attn.k.", ".attn.qkv.", "k"),
+    (".attn.v.", ".attn.qkv.", "v"),
 ]
+FUSED_SHARDS = {"qkv_proj": ("q", "k", "v"), "qkv": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
 PROGRESS_BAR_MIN_BYTES = 256 * 2**20
 # tqdm's default lock is a multiprocessing semaphore, which processes stopped by a signal leave behind (and the
 # resource tracker then warns about); a thread lock is all one process needs.
@@ -78,10 +95,16 @@ def weight_files(folder: Path) -> list[Path]:
 
 
 def our_name(ckpt_name: str) -> tuple[str, str | None]:
+    ckpt_name = ckpt_name.removeprefix(OMNI_THINKER)
     for old, new in PREFIX_RENAMES:
         if ckpt_name.startswith(old):
             ckpt_name = new + ckpt_name[len(old) :]
             break
+    if ckpt_name.startswith("audio_tower."):
+        for old, new in AUDIO_RENAMES:
+            if ckpt_name.startswith(old):
+                ckpt_name = new + ckpt_name[len(old) :]
+        return ckpt_name, None
     for piece, fused, shard in FUSED_PIECES:
         if piece in ckpt_name:
             return ckpt_name.replace(piece, fused), shard
@@ -153,6 +176,8 @@ def load_weights(model: nn.Module, folder: Path, files: list[Path] | None = None
             with safe_open(str(file), framework="pt") as f:
                 for key in f.keys():
                     name, shard = our_name(key)
+                    if name.startswith(UNUSED):
+                        continue
                     quantized = name.endswith(INT4_SUFFIXES) and name.rsplit(".", 1)[0] in int4_linears
                     if quantized:
                         converted = checkpoint_tensor(name, f.get_tensor(key), quantization)
@@ -186,10 +211,11 @@ def load_weights(model: nn.Module, folder: Path, files: list[Path] | None = None
         bar.update(file.stat().st_size)
     bar.close()
     missing = []
-    for name in params:
-        shards = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
-        pieces = next((s for key, s in shards.items() if f".{key}." in name), (None,))
-        missing += [f"{name}:{s}" if s else name for s in pieces if f"{name}:{s}" not in loaded]
+    for name in params:  # a fused parameter is whole when stored whole or when every piece of it was
+        pieces = next((s for key, s in FUSED_SHARDS.items() if f".{key}." in name), ())
+        if f"{name}:None" in loaded or pieces and all(f"{name}:{s}" in loaded for s in pieces):
+            continue
+        missing += [f"{name}:{s}" for s in pieces if f"{name}:{s}" not in loaded] or [name]
     if missing:
         raise ModelLoadError(f"{folder}: checkpoint lacks weights for {len(missing)} parameters, e.g. {missing[:5]}")
     if unexpected:

@@ -8,7 +8,16 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from vlserve.core.errors import UnsupportedModelError
-from vlserve.model.hf_config import QWEN2_5_VL, QWEN2_VL, QWEN3_VL, QWEN3_VL_MOE, ModelConfig
+from vlserve.model.hf_config import (
+    QWEN2_5_OMNI,
+    QWEN2_5_OMNI_THINKER,
+    QWEN2_5_VL,
+    QWEN2_AUDIO,
+    QWEN2_VL,
+    QWEN3_VL,
+    QWEN3_VL_MOE,
+    ModelConfig,
+)
 from vlserve.model.qwen2_5_vl_vision import Qwen2_5_VLVisionTransformer
 from vlserve.model.qwen2_text import Qwen2TextModel
 from vlserve.model.qwen2_vl_vision import Qwen2VLVisionTransformer
@@ -31,6 +40,11 @@ MODEL_REGISTRY: dict[str, ModelSpec] = {
     QWEN2_5_VL: _vision_language(Qwen2_5_VLVisionTransformer, Qwen2TextModel),
     QWEN3_VL: _vision_language(Qwen3VLVisionTransformer, Qwen3TextModel),  # dense and MoE: the config says which
     QWEN3_VL_MOE: _vision_language(Qwen3VLVisionTransformer, Qwen3TextModel),
+    # Audio: the tower comes with the config's `audio` (model/audio_encoder.py).
+    QWEN2_AUDIO: _vision_language(None, Qwen2TextModel),  # a Qwen2 LM with 1-D RoPE (equal position rows)
+    # Omni's thinker: its vision tower computes what Qwen2.5-VL's does (q/k/v stored apart: the loader fuses them)
+    QWEN2_5_OMNI_THINKER: _vision_language(Qwen2_5_VLVisionTransformer, Qwen2TextModel),
+    QWEN2_5_OMNI: _vision_language(Qwen2_5_VLVisionTransformer, Qwen2TextModel),  # the full checkpoint's thinker
 }
 
 

@@ -153,6 +153,7 @@ class VisionAttention(nn.Module):
         self.tp = tp = current_tp()
         heads = head_split(cfg.num_heads, cfg.head_dim, tp, "vision attention heads")
         self.num_heads, self.head_dim = heads.size // cfg.head_dim, cfg.head_dim
+        self.q_size = self.kv_size = heads.size  # rows of each piece of qkv (a checkpoint may store them apart)
         self.qkv = column_linear(cfg.width, {"q": heads, "k": heads, "v": heads}, bias=True)
         self.proj = row_linear(heads, cfg.width, True, tp)
 

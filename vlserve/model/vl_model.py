@@ -1,8 +1,10 @@
-"""A Qwen-VL model for generation: a vision tower, a decoder and the LM head (every family in the registry).
+"""A Qwen multimodal model for generation: media towers (vision, audio: either or both), a decoder and the LM
+head (every family in the registry).
 
-The runner drives the three parts separately: `encode_images` for scheduled multimodal items,
-`embed_tokens` + scattering of image embeddings, `forward` over the flat token batch, `compute_logits` for
-the rows that sample. Either half may be left out (`with_vision` / `with_language`) for disaggregated roles.
+The runner drives the parts separately: `encode_images` / `encode_audio` for scheduled multimodal items,
+`embed_tokens` + scattering of media embeddings, `forward` over the flat token batch, `compute_logits` for
+the rows that sample. Either half may be left out (`with_vision`: the towers / `with_language`) for
+disaggregated roles.
 
 Qwen3-VL's DeepStack: the vision tower returns, per media token, its embedding followed by one feature row per
 deepstack level (`ModelConfig.embedding_width` columns); the runner splits them and hands the features to
@@ -14,23 +16,27 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from vlserve.model.audio_encoder import AudioEncoder
 from vlserve.model.decoder import DeepstackInput
 from vlserve.model.hf_config import ModelConfig
 from vlserve.model.layers.attention import AttentionMetadata
 from vlserve.model.layers.moe import Experts
-from vlserve.model.layers.parallel import TPGroup, building_for, current_tp, vocab_head
+from vlserve.model.layers.parallel import SINGLE, TPGroup, building_for, current_tp, vocab_head
 
 
 class VisionLanguageModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, vision_cls: type[nn.Module], text_cls: type[nn.Module], with_vision=True,
-                 with_language=True, vision_tp: TPGroup | None = None):
+    def __init__(self, cfg: ModelConfig, vision_cls: type[nn.Module] | None, text_cls: type[nn.Module],
+                 with_vision=True, with_language=True, vision_tp: TPGroup | None = None):
         """Both halves are built for `current_tp()`; `vision_tp` (a single rank: the data-parallel encoder)
-        overrides it for the vision tower."""
+        overrides it for the vision tower. `with_vision` builds the media towers the config has (`visual` and
+        `audio_tower`, None where it has none); the audio tower is whole on every rank."""
         super().__init__()
         self.cfg = cfg
         self.tp = current_tp()
         with building_for(vision_tp or self.tp):
-            self.visual = vision_cls(cfg.vision) if with_vision else None
+            self.visual = vision_cls(cfg.vision) if with_vision and cfg.vision is not None else None
+        with building_for(SINGLE):
+            self.audio_tower = AudioEncoder(cfg.audio) if with_vision and cfg.audio is not None else None
         self.language_model = text_cls(cfg.text) if with_language else None
         self.lm_head = None
         if with_language and not cfg.text.tie_word_embeddings:
@@ -41,6 +47,11 @@ class VisionLanguageModel(nn.Module):
         merged = self.visual(pixel_values, grid_thw)
         unit = self.cfg.vision.spatial_merge_size**2
         return list(merged.split([t * h * w // unit for t, h, w in grid_thw]))
+
+    def encode_audio(self, features: list[torch.Tensor], lengths: list[int]) -> list[torch.Tensor]:
+        """One audio-tower call for several clips (features [n_mels, frames_i], `lengths[i]` valid frames);
+        returns each clip's rows [audio_output_tokens(lengths[i]), embedding_width]."""
+        return self.audio_tower(features, lengths)
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.language_model.embed_tokens(token_ids)

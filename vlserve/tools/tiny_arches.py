@@ -22,9 +22,13 @@ TINY_ARCHES: dict[str, TinyArch] = {
     "qwen2_5_vl": TinyArch("Qwen2.5-VL", "Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
     "qwen3_vl": TinyArch("Qwen3-VL", "Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
     "qwen3_vl_moe": TinyArch("Qwen3-VL-MoE", "Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration"),
+    "qwen2_audio": TinyArch("Qwen2-Audio", "Qwen2AudioConfig", "Qwen2AudioForConditionalGeneration"),
+    "qwen2_5_omni": TinyArch("Qwen2.5-Omni", "Qwen2_5OmniThinkerConfig", "Qwen2_5OmniThinkerForConditionalGeneration"),
+    # The checkpoint as released: thinker, talker and token2wav (vlserve serves the thinker).
+    "qwen2_5_omni_full": TinyArch("Qwen2.5-Omni (full)", "Qwen2_5OmniConfig", "Qwen2_5OmniForConditionalGeneration"),
 }
 
 
 def family_names() -> str:
-    """"Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE": for help texts."""
+    """"Qwen2-VL, Qwen2.5-VL, ...": for help texts."""
     return ", ".join(a.family for a in TINY_ARCHES.values())

@@ -2,7 +2,9 @@
 offline.
 
 The weights come from transformers' own model classes, so the folder is exactly what
-`from_pretrained` expects; the tokenizer is a freshly trained byte-level BPE (see bpe_tokenizer.py).
+`from_pretrained` expects; the tokenizer is a freshly trained byte-level BPE (see bpe_tokenizer.py) with the
+family's special tokens and chat template. Audio families get a Whisper feature extractor's
+preprocessor_config.json (Omni's also holds its image processor's fields).
 """
 
 from __future__ import annotations
@@ -23,6 +25,13 @@ from transformers import GenerationConfig, PreTrainedModel
 
 from vlserve.core.errors import InvalidInputError
 from vlserve.tools.bpe_tokenizer import (
+    CHAT_TEMPLATE,
+    OMNI_CHAT_TEMPLATE,
+    OMNI_SPECIAL_TOKENS,
+    OMNI_TOKEN_NAMES,
+    QWEN2_AUDIO_CHAT_TEMPLATE,
+    QWEN2_AUDIO_SPECIAL_TOKENS,
+    SPECIAL_TOKENS,
     build_tokenizer,
     save_tokenizer,
     special_token_ids,
@@ -35,6 +44,11 @@ ARCHES: dict[str, tuple[type, type]] = {
     for name, a in TINY_ARCHES.items()
 }
 QWEN3 = ("qwen3_vl", "qwen3_vl_moe")
+OMNI = ("qwen2_5_omni", "qwen2_5_omni_full")
+AUDIO = ("qwen2_audio", *OMNI)
+# arch -> (special tokens, chat template, tokenizer attributes naming them)
+TOKENIZERS = {"qwen2_audio": (QWEN2_AUDIO_SPECIAL_TOKENS, QWEN2_AUDIO_CHAT_TEMPLATE, None)} | {
+    arch: (OMNI_SPECIAL_TOKENS, OMNI_CHAT_TEMPLATE, OMNI_TOKEN_NAMES) for arch in OMNI}
 
 # OpenAI CLIP normalisation, which both Qwen2-VL and Qwen2.5-VL use; Qwen3-VL uses 0.5 / 0.5.
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
@@ -67,6 +81,9 @@ class SizeSpec:
     position_grid_3: int  # Qwen3-VL learned position grid side (num_position_embeddings = side^2)
     experts: tuple[int, int, int]  # Qwen3-VL-MoE: (experts, experts per token, expert intermediate size)
     layers_3: int  # Qwen3-VL LM depth: more layers than DeepStack levels, or the last level could not matter
+    # Audio tower (Qwen2-Audio, Omni): (d_model, layers, heads, ffn width); Omni's chunk is 2 x n_window frames.
+    audio: tuple[int, int, int, int] = (32, 2, 2, 64)
+    audio_n_window: int = 25
 
 
 SIZES: dict[str, SizeSpec] = {
@@ -74,14 +91,14 @@ SIZES: dict[str, SizeSpec] = {
     # DeepStack from non-adjacent blocks, and a 4x4 position grid smaller than any picture's, so it is resampled.
     "tiny": SizeSpec(1000, 64, 2, 4, 2, 128, (2, 3, 3), 32, 2, 2, 4, 64, (1, 3), 28 * 28 * 256,
                      torch.float32, 0.15, False, vit_depth_3=4, deepstack_3=(0, 2), position_grid_3=4,
-                     experts=(4, 2, 48), layers_3=3),
+                     experts=(4, 2, 48), layers_3=3, audio=(32, 2, 2, 64), audio_n_window=25),
     "small": SizeSpec(1000, 128, 4, 4, 2, 256, (4, 6, 6), 64, 4, 2, 4, 128, (1, 3), 28 * 28 * 256,
                       torch.float32, 0.15, False, vit_depth_3=4, deepstack_3=(0, 2), position_grid_3=8,
-                      experts=(4, 2, 96), layers_3=4),
+                      experts=(4, 2, 96), layers_3=4, audio=(64, 2, 4, 128), audio_n_window=25),
     # Real proportions (head_dim 128, GQA 4:1) for benchmarks; ~240M parameters (Qwen3-VL-MoE: ~550M, top-2 of 8).
     "medium": SizeSpec(8000, 1024, 12, 8, 2, 4096, (16, 24, 24), 640, 10, 8, 8, 1728, (3, 7), 1003520,
                        torch.bfloat16, 0.02, True, vit_depth_3=8, deepstack_3=(1, 3, 5), position_grid_3=48,
-                       experts=(8, 2, 1536), layers_3=12),
+                       experts=(8, 2, 1536), layers_3=12, audio=(512, 6, 8, 2048), audio_n_window=100),
 }
 
 PATCH_SIZE = 14
@@ -90,6 +107,10 @@ MERGE_SIZE = 2
 MIN_PIXELS = 56 * 56
 PATCH_SIZE_3 = 16  # Qwen3-VL
 MRoPE_SECTIONS_3 = {"tiny": (2, 3, 3), "small": (4, 6, 6), "medium": (24, 20, 20)}  # Qwen3-VL's own split at 128
+# Whisper's log-mel front end, as Qwen2-Audio and Omni ship it: 128 bins of 10 ms at 16 kHz; Qwen2-Audio reads
+# 30 s windows, Omni's extractor pads to 300 s (its tower reads valid frames only).
+MEL_BINS, SAMPLING_RATE, HOP_LENGTH, N_FFT = 128, 16000, 160, 400
+AUDIO_POSITIONS = 1500  # rows of the tower's position table: 30 s after the stride-2 conv
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -137,21 +158,9 @@ def _model_config(arch: str, size: str, vocab_size: int, ids: dict[str, int], in
         "eos_token_id": ids["<|im_end|>"],
         "pad_token_id": ids["<|endoftext|>"],
     }
-    text = {
-        "vocab_size": vocab_size,
-        "hidden_size": spec.hidden,
-        "intermediate_size": spec.intermediate,
-        "num_hidden_layers": spec.layers,
-        "num_attention_heads": spec.heads,
-        "num_key_value_heads": spec.kv_heads,
-        "hidden_act": "silu",
-        "max_position_embeddings": 32768,
-        "rms_norm_eps": 1e-6,
-        "initializer_range": init_range,
-        "rope_parameters": {"rope_type": "default", "mrope_section": list(spec.mrope_section),
-                            "rope_theta": 1000000.0},
-        **token_ids,
-    }
+    text = _text_config(spec, vocab_size, token_ids, init_range)
+    text["rope_parameters"] = {"rope_type": "default", "mrope_section": list(spec.mrope_section),
+                               "rope_theta": 1000000.0}
     if arch in QWEN3:
         text["head_dim"] = spec.hidden // spec.heads
         text["num_hidden_layers"] = spec.layers_3
@@ -172,6 +181,93 @@ def _model_config(arch: str, size: str, vocab_size: int, ids: dict[str, int], in
         # Duplicated at the top level because flat (hub-style) readers look for them there.
         **token_ids,
     )
+
+
+def _text_config(spec: SizeSpec, vocab_size: int, token_ids: dict[str, int], init_range: float) -> dict[str, Any]:
+    return {
+        "vocab_size": vocab_size,
+        "hidden_size": spec.hidden,
+        "intermediate_size": spec.intermediate,
+        "num_hidden_layers": spec.layers,
+        "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.kv_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "initializer_range": init_range,
+        **token_ids,
+    }
+
+
+def _audio_tower_config(spec: SizeSpec, init_range: float) -> dict[str, Any]:
+    d_model, layers, heads, ffn = spec.audio
+    return {"num_mel_bins": MEL_BINS, "d_model": d_model, "encoder_layers": layers, "encoder_attention_heads": heads,
+            "encoder_ffn_dim": ffn, "max_source_positions": AUDIO_POSITIONS, "activation_function": "gelu",
+            "initializer_range": init_range}
+
+
+def _audio_model_config(arch: str, size: str, vocab_size: int, ids: dict[str, int], init_range: float) -> Any:
+    """Qwen2-Audio (a Qwen2 LM with 1-D RoPE) or Qwen2.5-Omni's thinker (Qwen2.5-VL's vision tower and M-RoPE
+    LM), or the full Omni model around that thinker with a minimal talker and token2wav."""
+    spec = SIZES[size]
+    token_ids = {"bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"],
+                 "pad_token_id": ids["<|endoftext|>"]}
+    text = _text_config(spec, vocab_size, token_ids, init_range)
+    if arch == "qwen2_audio":
+        text |= {"model_type": "qwen2", "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+                 "tie_word_embeddings": False}  # transformers never ties Qwen2-Audio's head
+        return ARCHES[arch][0](text_config=text, audio_config={"model_type": "qwen2_audio_encoder",
+                                                              **_audio_tower_config(spec, init_range)},
+                               audio_token_index=ids["<|AUDIO|>"])
+    text["rope_parameters"] = {"rope_type": "default", "mrope_section": list(spec.mrope_section),
+                               "rope_theta": 1000000.0}
+    vision = _vision_config("qwen2_5_vl", spec, init_range)
+    del vision["tokens_per_second"]  # Omni spaces video by the thinker's position_id_per_seconds
+    audio = _audio_tower_config(spec, init_range) | {"n_window": spec.audio_n_window, "output_dim": spec.hidden}
+    media_ids = {"image_token_index": ids["<|IMAGE|>"], "video_token_index": ids["<|VIDEO|>"],
+                 "audio_token_index": ids["<|AUDIO|>"], "vision_start_token_id": ids["<|vision_bos|>"],
+                 "vision_end_token_id": ids["<|vision_eos|>"], "audio_start_token_id": ids["<|audio_bos|>"],
+                 "audio_end_token_id": ids["<|audio_eos|>"]}
+    thinker = transformers.Qwen2_5OmniThinkerConfig(
+        text_config=text, vision_config=vision, audio_config=audio, position_id_per_seconds=25, seconds_per_chunk=2,
+        tie_word_embeddings=spec.tie_embeddings, initializer_range=init_range, **media_ids, **token_ids)
+    if arch == "qwen2_5_omni":
+        return thinker
+    # The talker turns the thinker's states into codec tokens, token2wav those into sound: random and minimal,
+    # present so the checkpoint has what a released one has (vlserve skips their weights).
+    talker = {"hidden_size": 32, "embedding_size": spec.hidden, "intermediate_size": 64, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "initializer_range": init_range,
+              "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1000000.0},
+              **media_ids, **{k: v for k, v in token_ids.items() if k != "eos_token_id"}}
+    dit = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "head_dim": 16, "emb_dim": 16,
+           "enc_emb_dim": 16, "enc_dim": 16, "enc_channels": [16, 16, 16, 16, 48], "enc_attention_channels": 8,
+           "enc_se_channels": 8, "num_embeds": 32, "mel_dim": 8, "look_ahead_layers": [0],
+           "look_backward_layers": [0]}
+    bigvgan = {"mel_dim": 8, "upsample_initial_channel": 16, "upsample_rates": [2, 2], "upsample_kernel_sizes": [4, 4],
+               "resblock_kernel_sizes": [3], "resblock_dilation_sizes": [[1, 3, 5]]}
+    return ARCHES[arch][0](thinker_config=thinker.to_dict(), talker_config=talker,
+                           token2wav_config={"dit_config": dit, "bigvgan_config": bigvgan})
+
+
+def _audio_preprocessor_config(arch: str, max_pixels: int) -> dict[str, Any]:
+    """WhisperFeatureExtractor's fields (Omni: with its picture processor's in the same file)."""
+    seconds = 300 if arch in OMNI else 30
+    audio = {
+        "feature_extractor_type": "WhisperFeatureExtractor",
+        "feature_size": MEL_BINS,
+        "sampling_rate": SAMPLING_RATE,
+        "hop_length": HOP_LENGTH,
+        "n_fft": N_FFT,
+        "chunk_length": seconds,
+        "n_samples": seconds * SAMPLING_RATE,
+        "nb_max_frames": seconds * SAMPLING_RATE // HOP_LENGTH,
+        "padding_side": "right",
+        "padding_value": 0.0,
+        "return_attention_mask": True,
+        "dither": 0.0,
+        "processor_class": "Qwen2_5OmniProcessor" if arch in OMNI else "Qwen2AudioProcessor",
+    }
+    return _preprocessor_config(arch, max_pixels) | audio if arch in OMNI else audio
 
 
 def _preprocessor_config(arch: str, max_pixels: int) -> dict[str, Any]:
@@ -221,8 +317,11 @@ def _check_saved(out_dir: Path, arch: str, init_range: float) -> None:
     expected = [ARCHES[arch][1].__name__]
     if config.get("architectures") != expected:
         raise RuntimeError(f"config.json architectures {config.get('architectures')} != {expected}")
-    # One text and one vision matrix: proves initializer_range reached both sub-configs.
-    probes = ("layers.0.self_attn.q_proj.weight", "visual.blocks.0.attn.qkv.weight")
+    # One text and one matrix of each tower: proves initializer_range reached every sub-config.
+    probes = ("model.layers.0.self_attn.q_proj.weight",)
+    probes += ("audio_tower.layers.0.self_attn.q_proj.weight",) if arch in AUDIO else ()
+    probes += ("visual.blocks.0.attn.q.weight",) if arch in OMNI else ()
+    probes += ("visual.blocks.0.attn.qkv.weight",) if arch not in AUDIO else ()
     found: dict[str, float] = {}
     for shard in sorted(out_dir.glob("*.safetensors")):
         with safe_open(str(shard), framework="pt") as f:
@@ -263,14 +362,15 @@ def make_tiny_model(
 
     with tqdm(total=4, desc=f"make-tiny-model {arch}/{size}", unit="step", leave=False) as bar:
         bar.set_postfix_str("tokenizer")
-        tokenizer = build_tokenizer(spec.bpe_vocab)
-        ids = special_token_ids(tokenizer)
+        special, template, names = TOKENIZERS.get(arch, (SPECIAL_TOKENS, CHAT_TEMPLATE, None))
+        tokenizer = build_tokenizer(spec.bpe_vocab, special_tokens=special, chat_template=template, token_names=names)
+        ids = special_token_ids(tokenizer, special)
         vocab_size = _round_up(len(tokenizer), 64)  # GPU-friendly embedding rows, like Qwen's padding
         save_tokenizer(tokenizer, out)
         bar.update()
 
         bar.set_postfix_str("weights")
-        config = _model_config(arch, size, vocab_size, ids, init_range)
+        config = (_audio_model_config if arch in AUDIO else _model_config)(arch, size, vocab_size, ids, init_range)
         with torch.random.fork_rng(devices=[]):  # seed our init without disturbing the caller's RNG
             torch.manual_seed(seed)
             model: PreTrainedModel = ARCHES[arch][1](config).eval()
@@ -287,8 +387,10 @@ def make_tiny_model(
             eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
             pad_token_id=ids["<|endoftext|>"],
         ).save_pretrained(str(out))
-        (out / "preprocessor_config.json").write_text(json.dumps(_preprocessor_config(arch, spec.max_pixels),
-                                                                 indent=2))
+        processor = (_audio_preprocessor_config if arch in AUDIO else _preprocessor_config)(arch, spec.max_pixels)
+        (out / "preprocessor_config.json").write_text(json.dumps(processor, indent=2))
+        if arch == "qwen2_5_omni_full":  # transformers' full Omni loads its talker's voices from here
+            torch.save({}, out / "spk_dict.pt")
         if arch in QWEN3:
             (out / "video_preprocessor_config.json").write_text(json.dumps(_video_preprocessor_config(spec), indent=2))
         bar.update()
