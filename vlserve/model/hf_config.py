@@ -121,6 +121,11 @@ class ModelConfig:
         return t.num_layers * 2 * t.num_kv_heads * t.head_dim
 
     @property
+    def modalities(self) -> tuple[str, ...]:
+        """The media kinds this model takes (every model here has a vision tower; audio models say more)."""
+        return ("image", "video")
+
+    @property
     def video_rules(self) -> str:
         """How videos are sampled, resized and laid out in the prompt ("qwen2" or "qwen3", see
         frontend/media/video.py)."""
