@@ -263,6 +263,21 @@ def _wav_cut_short(head: bytes, size: int) -> bool:
     return False
 
 
+def _ogg_cut_short(data: bytes) -> bool:
+    """An Ogg file whose last page runs past the end of the file (ffmpeg would drop that page silently and its
+    duration, read from the last whole page, would agree). Pages are walked by their headers; where the walk
+    meets something that is not a page, ffmpeg judges the rest."""
+    pos = 0
+    while pos + 27 <= len(data):
+        if data[pos:pos + 4] != b"OggS":
+            return False
+        segments = data[pos + 26]
+        if pos + 27 + segments > len(data):
+            return True
+        pos += 27 + segments + sum(data[pos + 27:pos + 27 + segments])
+    return pos != len(data)
+
+
 # ---------------------------------------------------------------------------------------------
 # Decoding
 # ---------------------------------------------------------------------------------------------
@@ -275,8 +290,7 @@ def load_audio(source: Any, limits: AudioLimits, fmt: str | None = None) -> Audi
     decides whether local files are allowed; the server's fetcher turns allowed file:// URLs into paths); a
     `(waveform, sample_rate)` tuple (numpy or torch, [samples] or [channels, samples]; a layout with the
     channels last is recognised by its short axis); or a bare array, taken to be at the model's rate. Integer
-    samples are scaled to [-1, 1). `fmt` (an `input_audio.format`) must match the bytes when given; so must a
-    data URL's subtype when it names a format this module knows.
+    samples are scaled to [-1, 1). `fmt` (an `input_audio.format`) must match the bytes when given.
     """
     if isinstance(source, tuple):
         if len(source) != 2:
@@ -292,10 +306,9 @@ def load_audio(source: Any, limits: AudioLimits, fmt: str | None = None) -> Audi
     if isinstance(source, os.PathLike):
         return _decode_path(Path(source), limits, fmt)
     if isinstance(source, str):
-        if is_data_url(source):
-            subtype = source[5:source.find(";")].partition("/")[2].lower() if ";" in source[:128] else ""
+        if is_data_url(source):  # its subtype is not judged (audio/wav for mp3 bytes is common): the bytes are
             data = decode_data_url(source, limits.max_bytes, kind="audio")
-            return _decode_bytes(data, limits, fmt or (subtype if subtype in FORMATS else None), "the audio data URL")
+            return _decode_bytes(data, limits, fmt, "the audio data URL")
         if source.startswith(("http://", "https://")):
             raise InvalidInputError("remote audio URLs must be fetched before load_audio")
         return _decode_path(Path(source.removeprefix("file://")), limits, fmt)
@@ -340,6 +353,8 @@ def _decode_bytes(data: bytes, limits: AudioLimits, fmt: str | None, what: str) 
             raise InvalidInputError(f"{what} is not audio in a supported container ({', '.join(sorted(DEMUXERS))})")
     if container == "wav" and _wav_cut_short(data[:1 << 16], len(data)):
         raise InvalidInputError(f"{what} is truncated: its WAV header promises more samples than the file holds")
+    if container == "ogg" and _ogg_cut_short(data):
+        raise InvalidInputError(f"{what} is truncated: its last Ogg page runs past the end of the file")
     return _decode(io.BytesIO(data), container, limits, what)
 
 
@@ -378,6 +393,8 @@ def _decode(fp: Any, container_name: str, limits: AudioLimits, what: str) -> Aud
                 if seconds > limits.max_seconds + _ROUNDING_SAMPLES / limits.sample_rate:
                     raise _too_long(seconds, limits, what, "at least ")
                 out.add(_frame_mono(frame), frame.sample_rate)
+        except InvalidInputError:
+            raise
         except (av.FFmpegError, EOFError, ValueError) as e:
             raise InvalidInputError(f"{what} could not be decoded after {seconds:.2f} s (truncated or corrupt: "
                                     f"{type(e).__name__})") from None
