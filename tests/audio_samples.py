@@ -62,3 +62,35 @@ def data_url(data: bytes, subtype: str = "wav") -> str:
 
 def b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
+
+
+def encode_video_with_audio(seconds: float = 1.0, fps: int = 4, wave: np.ndarray | None = None, rate: int = 16000,
+                            fmt: str = "mp4") -> bytes:
+    """A small h264 video (gradient frames) with, when `wave` is given, an AAC (mp4) or Opus (webm) sound track."""
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format=fmt) as container:
+        video = container.add_stream("libx264" if fmt == "mp4" else "libvpx-vp9", rate=fps)
+        video.width, video.height, video.pix_fmt = 64, 48, "yuv420p"
+        audio = None
+        if wave is not None:
+            audio = container.add_stream("aac" if fmt == "mp4" else "libopus", rate=rate, layout="mono")
+        for i in range(int(seconds * fps)):
+            pixels = np.full((48, 64, 3), (i * 30) % 256, np.uint8)
+            for packet in video.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
+                container.mux(packet)
+        for packet in video.encode():
+            container.mux(packet)
+        if audio is not None:
+            size = audio.codec_context.frame_size or 1024
+            convert = av.AudioResampler(format=audio.codec_context.codec.audio_formats[0].name, layout="mono",
+                                        rate=rate)
+            for start in range(0, len(wave), size):
+                frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(wave[None, start:start + size]),
+                                                   format="fltp", layout="mono")
+                frame.sample_rate, frame.pts = rate, start
+                for converted in convert.resample(frame):
+                    for packet in audio.encode(converted):
+                        container.mux(packet)
+            for packet in audio.encode():
+                container.mux(packet)
+    return buf.getvalue()

@@ -17,15 +17,17 @@ import pytest
 import torch
 from transformers import WhisperFeatureExtractor
 
-from tests.audio_samples import b64, data_url, encode_audio, noise, sine
+from tests.audio_samples import b64, data_url, encode_audio, encode_video_with_audio, noise, sine
 from vlserve.core.config import DEFAULT_MM_LIMITS, EngineArgs, ServerArgs, parse_limits
 from vlserve.core.errors import InvalidInputError, MediaTooLargeError, ModelLoadError
 from vlserve.frontend.chat import parse_chat_messages
 from vlserve.frontend.media.audio import (
     AudioLimits,
     AudioProcessorConfig,
+    audio_items,
     check_audio_format,
     load_audio,
+    load_video_audio,
     log_mel,
     sniff_audio_format,
     valid_frames,
@@ -505,3 +507,24 @@ def test_decoding_and_features_run_off_the_event_loop():
     assert out.prompt.length == 2000
     assert len(seen) == 2 and all(name.startswith("vlserve-media") and not loop for name, loop in seen)
     assert len(ticks) > 3  # the loop ran while the clips were decoded
+
+
+# ---- a video's sound track, items ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt,rate", [("mp4", 44100), ("webm", 48000)])
+def test_a_video_sound_track(fmt, rate, tmp_path):
+    data = encode_video_with_audio(2.0, wave=sine(2.0, rate), rate=rate, fmt=fmt)
+    path = tmp_path / f"v.{fmt}"
+    path.write_bytes(data)
+    for src in (data, path, "data:video/mp4;base64," + b64(data)):
+        audio = load_video_audio(src, LIMITS)
+        assert audio is not None and abs(audio.seconds - 2.0) < 0.1 and audio.source_rate == rate
+    assert load_video_audio(encode_video_with_audio(1.0, fmt=fmt), LIMITS) is None  # a silent video
+    with pytest.raises(MediaTooLargeError):
+        load_video_audio(data, dataclasses.replace(LIMITS, max_bytes=100))
+
+
+def test_audio_items():
+    clip = (np.zeros(10, np.float32), 16000)
+    assert audio_items(None) == [] and audio_items(clip) == [clip] and audio_items([clip, clip]) == [clip, clip]
+    assert audio_items(b"x") == [b"x"] and audio_items("data:audio/wav;base64,") == ["data:audio/wav;base64,"]
+    assert len(audio_items((np.zeros(3), np.zeros(4)))) == 2  # two bare arrays, not a clip and its rate

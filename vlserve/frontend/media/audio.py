@@ -54,7 +54,7 @@ _RESAMPLE_CHUNK = 16384
 
 # Containers vlserve decodes, by what their first bytes show: name -> ffmpeg demuxer.
 DEMUXERS = {"wav": "wav", "mp3": "mp3", "flac": "flac", "ogg": "ogg", "mp4": "mov", "matroska": "matroska",
-            "aiff": "aiff", "aac": "aac"}
+            "aiff": "aiff", "aac": "aac", "avi": "avi"}
 # `input_audio.format` values and the containers each may hold.
 FORMATS: dict[str, frozenset[str]] = {
     "wav": frozenset({"wav"}), "wave": frozenset({"wav"}),
@@ -215,6 +215,8 @@ def sniff_audio_format(head: bytes) -> str | None:
     """The container named by a file's first bytes (`SNIFF_BYTES` suffice), among `DEMUXERS`; None if none."""
     if len(head) >= 12 and head[:4] in (b"RIFF", b"RF64", b"BW64") and head[8:12] == b"WAVE":
         return "wav"
+    if len(head) >= 12 and head[:4] == b"RIFF" and head[8:12] == b"AVI ":
+        return "avi"  # a video's sound track
     if head[:4] == b"fLaC":
         return "flac"
     if head[:4] == b"OggS":
@@ -315,6 +317,38 @@ def load_audio(source: Any, limits: AudioLimits, fmt: str | None = None) -> Audi
     raise InvalidInputError(f"unsupported audio source type {type(source).__name__}")
 
 
+def load_video_audio(source: Any, limits: AudioLimits) -> Audio | None:
+    """A video's sound track (for `use_audio_in_video`), decoded like any clip: bytes, a path or a
+    `data:video/...` URL (`limits.max_bytes` should be the video bound, --max-video-bytes). None when the video
+    has no audio stream, as transformers then gives the video no audio."""
+    if isinstance(source, str) and is_data_url(source):
+        return _decode_bytes(decode_data_url(source, limits.max_bytes, kind="video"), limits, None, "the video",
+                             optional=True)
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        data = bytes(source)
+        if len(data) > limits.max_bytes:
+            raise MediaTooLargeError(f"the video is {len(data)} bytes, over the limit of {limits.max_bytes} bytes")
+        return _decode_bytes(data, limits, None, "the video", optional=True)
+    if isinstance(source, (str, os.PathLike)):
+        return _decode_path(Path(str(source).removeprefix("file://")), limits, None, optional=True)
+    raise InvalidInputError(f"unsupported video source type {type(source).__name__} for its audio")
+
+
+def audio_items(value: Any) -> list:
+    """`multi_modal_data["audio"]` as a list of clips: one clip (a `(waveform, sample_rate)` tuple, an array,
+    bytes, a URL or path) or a list (or tuple) of them."""
+    if value is None:
+        return []
+    if _is_clip_tuple(value) or not isinstance(value, (list, tuple)):
+        return [value]
+    return list(value)
+
+
+def _is_clip_tuple(value: Any) -> bool:
+    return (isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], (np.ndarray, torch.Tensor))
+            and isinstance(value[1], (int, float, np.integer, np.floating)) and not isinstance(value[1], bool))
+
+
 def _rate(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise InvalidInputError(f"an audio tuple's sample rate must be a number, got {type(value).__name__}")
@@ -323,7 +357,7 @@ def _rate(value: Any) -> int:
     return int(value)
 
 
-def _decode_path(path: Path, limits: AudioLimits, fmt: str | None) -> Audio:
+def _decode_path(path: Path, limits: AudioLimits, fmt: str | None, optional: bool = False) -> Audio | None:
     try:
         found, size = path.is_file(), path.stat().st_size if path.is_file() else 0
     except (OSError, ValueError):
@@ -337,10 +371,11 @@ def _decode_path(path: Path, limits: AudioLimits, fmt: str | None) -> Audio:
             data = f.read(limits.max_bytes + 1)
     except OSError as e:
         raise InvalidInputError(f"cannot read audio file {path.name!r}: {e.strerror or e}") from None
-    return _decode_bytes(data, limits, fmt, f"audio file {path.name!r}")
+    return _decode_bytes(data, limits, fmt, f"audio file {path.name!r}", optional)
 
 
-def _decode_bytes(data: bytes, limits: AudioLimits, fmt: str | None, what: str) -> Audio:
+def _decode_bytes(data: bytes, limits: AudioLimits, fmt: str | None, what: str, optional: bool = False
+                  ) -> Audio | None:
     if not data:
         raise InvalidInputError(f"{what} is empty")
     if len(data) > limits.max_bytes:
@@ -355,7 +390,7 @@ def _decode_bytes(data: bytes, limits: AudioLimits, fmt: str | None, what: str) 
         raise InvalidInputError(f"{what} is truncated: its WAV header promises more samples than the file holds")
     if container == "ogg" and _ogg_cut_short(data):
         raise InvalidInputError(f"{what} is truncated: its last Ogg page runs past the end of the file")
-    return _decode(io.BytesIO(data), container, limits, what)
+    return _decode(io.BytesIO(data), container, limits, what, optional)
 
 
 def _open(fp: Any, container: str, what: str):
@@ -368,11 +403,14 @@ def _open(fp: Any, container: str, what: str):
                                 f"{type(e).__name__})") from None
 
 
-def _decode(fp: Any, container_name: str, limits: AudioLimits, what: str) -> Audio:
+def _decode(fp: Any, container_name: str, limits: AudioLimits, what: str, optional: bool = False) -> Audio | None:
+    """The first audio stream (`optional`: None when there is none, else a 400)."""
     import av
 
     with _open(fp, container_name, what) as container:
         if not container.streams.audio:
+            if optional:
+                return None
             raise InvalidInputError(f"{what} has no audio stream")
         stream = container.streams.audio[0]
         ctx = stream.codec_context
