@@ -215,6 +215,12 @@ def test_too_long_is_refused_with_the_bound_that_set_it():
     assert omni.max_seconds == 120 and omni.max_seconds_reason == "--max-audio-seconds"
 
 
+def test_codec_padding_at_the_limit_is_not_a_longer_clip():
+    """30 s of AAC decodes to 30 s plus the encoder's priming (no edit list here): taken, cut at the window."""
+    audio = load_audio(encode_audio(sine(30.0, 44100), 44100, "m4a"), LIMITS)
+    assert len(audio.waveform) == 480_000
+
+
 def test_too_long_is_caught_while_decoding_when_no_header_says():
     """A WebM holds no duration per stream: the decoded duration stops it as soon as it passes the bound."""
     data = encode_audio(sine(3.0, 48000), 48000, "webm")
