@@ -379,6 +379,7 @@ def test_hash_audio_is_the_decoded_content():
     assert hash_audio(from_file, 16000, params) != hash_audio(from_file[:-1], 16000, params)
     assert hash_audio(from_file, 16000, params) != hash_audio(from_file, 16000, {**params, "mel": 80})
     assert hash_audio(from_file, 16000, params) != hash_audio(from_file, 8000, params)
+    assert hash_audio(from_file, 16000, params) != hash_audio(from_file, 16000, QWEN2_AUDIO.hash_params(2))
 
 
 # ---- chat parts -------------------------------------------------------------------------------------------------

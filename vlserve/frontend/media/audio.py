@@ -111,10 +111,11 @@ class AudioProcessorConfig:
     def max_seconds(self) -> float:
         return self.n_samples / self.sampling_rate
 
-    def hash_params(self) -> dict:
-        """The settings that change the features (for `hash_audio`)."""
+    def hash_params(self, context_frames: int = 0) -> dict:
+        """The settings that change the features a tower reads (for `hash_audio`): these, and how many frames
+        after the valid ones it reads."""
         return {"mel": self.feature_size, "rate": self.sampling_rate, "hop": self.hop_length, "n_fft": self.n_fft,
-                "window": self.n_samples, "pad": self.padding_value}
+                "window": self.n_samples, "pad": self.padding_value, "context": context_frames}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], defaults: "AudioProcessorConfig | None" = None) -> "AudioProcessorConfig":
