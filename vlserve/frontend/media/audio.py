@@ -46,7 +46,7 @@ QWEN2_5_OMNI_CHUNK_SECONDS = 300
 OMNI_ARCHITECTURES = ("Qwen2_5OmniForConditionalGeneration", "Qwen2_5OmniThinkerForConditionalGeneration")
 
 # Server-side bounds (see `AudioLimits`; --max-audio-seconds is DEFAULT_MAX_AUDIO_SECONDS by default).
-MIN_SAMPLE_RATE = 8000  # telephone speech, the lowest rate speech formats use; below it a header is broken
+MIN_SAMPLE_RATE = 8000  # telephone speech, the lowest rate common speech recordings use
 MAX_SAMPLE_RATE = 384000  # the highest rate audio interfaces record at
 MAX_CHANNELS = 8  # 7.1 surround, the widest common layout; decoding cost grows with every channel
 _TRUNCATION_SLACK_S = 0.1  # decoded this much (plus 2 %) shorter than the header says: the file was cut
