@@ -10,13 +10,14 @@ import socket
 import threading
 import time
 
+import numpy as np
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from PIL import Image
 
-from vlserve.bench.dataset import RandomMMConfig, build_requests, parse_image_sizes
+from vlserve.bench.dataset import RandomMMConfig, build_requests, parse_audio_seconds, parse_image_sizes
 from vlserve.bench.serve import RequestRecord, compute_metrics, format_table
 from vlserve.cli import main
 
@@ -110,6 +111,56 @@ def test_parse_image_sizes_and_validation():
         build_requests(RandomMMConfig(range_ratio=1.5))
 
 
+def audio_parts(req) -> list[dict]:
+    return [p["input_audio"] for p in req.messages[0]["content"] if p["type"] == "input_audio"]
+
+
+def test_audio_clips():
+    """input_audio parts of synthetic WAV at the asked rate and lengths, after the pictures and before the text;
+    counts in range, repeats byte-identical, and what the server's decoder makes of them."""
+    import wave
+
+    from vlserve.frontend.media.audio import AudioLimits, load_audio
+
+    reqs = build_requests(RandomMMConfig(num_prompts=30, input_len=3, output_len=2, image_sizes=[(8, 8)],
+                                         audios_per_request=0, max_audios_per_request=2, audio_seconds=[0.5, 1.25],
+                                         audio_sample_rate=22050, repeat_audio_ratio=0.3, repeat_pool_size=2))
+    assert {r.num_audios for r in reqs} == {0, 1, 2}
+    seen, datas = set(), []
+    for r in reqs:
+        kinds = [p["type"] for p in r.messages[0]["content"]]
+        assert kinds == ["image_url"] + ["input_audio"] * r.num_audios + ["text"]
+        clips = audio_parts(r)
+        total = 0.0
+        for clip in clips:
+            assert clip["format"] == "wav"
+            data = base64.b64decode(clip["data"])
+            datas.append(clip["data"])
+            with wave.open(io.BytesIO(data)) as w:
+                assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, 22050)
+                seconds = w.getnframes() / 22050
+            seen.add(round(seconds, 3))
+            total += seconds
+        assert r.audio_seconds == pytest.approx(total, abs=1e-3)
+    assert seen == {0.5, 1.25}
+    assert len(set(datas)) < len(datas)  # some clips came from the pool
+    audio = load_audio(base64.b64decode(datas[0]), AudioLimits())
+    assert audio.source_rate == 22050 and np.abs(audio.waveform).max() > 0.05
+
+
+def test_audio_options_change_nothing_else():
+    base = dict(num_prompts=8, input_len=5, output_len=3, image_sizes=[(8, 8)], range_ratio=0.4)
+    a = build_requests(RandomMMConfig(**base))
+    b = build_requests(RandomMMConfig(**base, audio_seconds=[9.0], audio_sample_rate=8000))
+    assert [r.messages for r in a] == [r.messages for r in b] and all(r.num_audios == 0 for r in a)
+    assert parse_audio_seconds("2, 10,30") == [2.0, 10.0, 30.0]
+    for bad in ("x", "0", "-1", ""):
+        with pytest.raises(ValueError):
+            parse_audio_seconds(bad)
+    with pytest.raises(ValueError):
+        build_requests(RandomMMConfig(audios_per_request=2, max_audios_per_request=1))
+
+
 # --------------------------------------------------------------------------------------------- metrics
 
 
@@ -184,6 +235,7 @@ def fake_app(state: dict) -> FastAPI:
             state["count"] += 1
             state["bodies"].append({k: v for k, v in body.items() if k != "messages"})
             state["images"].append(sum(p["type"] == "image_url" for p in body["messages"][0]["content"]))
+            state["audios"].append(sum(p["type"] == "input_audio" for p in body["messages"][0]["content"]))
             state["auth"].add(request.headers.get("authorization"))
         if idx % 5 == 1:
             return JSONResponse({"error": {"message": "boom", "code": 500}}, status_code=500)
@@ -213,7 +265,7 @@ def fake_app(state: dict) -> FastAPI:
 
 @pytest.fixture()
 def fake_server():
-    state = {"count": 0, "bodies": [], "images": [], "auth": set()}
+    state = {"count": 0, "bodies": [], "images": [], "audios": [], "auth": set()}
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -290,3 +342,17 @@ def test_server_down_exits_nonzero(tmp_path):
     res = json.loads(out.read_text())
     assert res["metrics"]["completed"] == 0 and res["metrics"]["failed"] == 2
     assert all(r["error"].startswith("ConnectError") for r in res["requests"])
+
+
+def test_end_to_end_with_audio_clips(fake_server, tmp_path):
+    url, state = fake_server
+    out = tmp_path / "audio.json"
+    rc = main(["bench", "serve", "--base-url", url, "--num-prompts", "4", "--input-len", "3", "--output-len", "2",
+               "--images-per-request", "0", "--audios-per-request", "1-2", "--audio-seconds", "0.25,0.5",
+               "--audio-sample-rate", "44100", "--result-file", str(out), "--disable-tqdm"])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert sorted(state["audios"]) == sorted(r["num_audios"] for r in res["requests"])
+    assert set(state["audios"]) <= {1, 2} and len(state["audios"]) == 4
+    assert res["config"]["dataset"]["audio_sample_rate"] == 44100
+    assert res["config"]["dataset"]["audio_seconds"] == [0.25, 0.5]

@@ -23,6 +23,7 @@ FILE_TIERS = {
     "test_disagg_auth.py": "unit",
     "test_disagg_bootstrap.py": "unit",
     "test_hostile_peers.py": "unit",
+    "test_audio_input.py": "unit",
     "test_image_preprocessing.py": "unit",
     "test_kernel_build.py": "unit",
     "test_layers.py": "unit",

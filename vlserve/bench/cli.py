@@ -13,7 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from vlserve.bench.dataset import RandomMMConfig, build_requests, parse_image_sizes
+from vlserve.bench.dataset import RandomMMConfig, build_requests, parse_audio_seconds, parse_image_sizes
 from vlserve.bench.serve import (
     RunOptions,
     compute_metrics,
@@ -34,7 +34,7 @@ def parse_percentiles(text: str) -> tuple[float, ...]:
 
 
 def parse_images_per_request(text: str) -> tuple[int, int | None]:
-    """'2' -> (2, None); '1-3' -> (1, 3), a uniform count per request."""
+    """'2' -> (2, None); '1-3' -> (1, 3), a uniform count per request (pictures or audio clips)."""
     try:
         if "-" in text:
             lo, hi = text.split("-")
@@ -42,6 +42,13 @@ def parse_images_per_request(text: str) -> tuple[int, int | None]:
         return int(text), None
     except ValueError:
         raise argparse.ArgumentTypeError("expected N or MIN-MAX, such as 1 or 1-3") from None
+
+
+def _audio_seconds(text: str) -> list[float]:
+    try:
+        return parse_audio_seconds(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _positive_int(text: str) -> int:
@@ -75,6 +82,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="distinct pictures that repeated images are drawn from")
     g.add_argument("--image-format", choices=["jpeg", "png"], default="jpeg",
                    help="encoding of the data URLs (jpeg is much cheaper to build)")
+    g.add_argument("--audios-per-request", type=parse_images_per_request, default="0",
+                   help="input_audio clips (synthetic tones, base64 WAV) per request: N, or MIN-MAX")
+    g.add_argument("--audio-seconds", type=_audio_seconds, default="5",
+                   help="comma list of clip lengths in seconds, one picked at random per clip")
+    g.add_argument("--audio-sample-rate", type=int, default=16000,
+                   help="rate of the WAV clips (not the model's makes the server resample)")
+    g.add_argument("--repeat-audio-ratio", type=float, default=0.0,
+                   help="share of clips re-used from a small pool of earlier ones (cache hits)")
     g.add_argument("--seed", type=int, default=0, help="seeds the workload and the arrival times")
 
     g = p.add_argument_group("sampling and load")
@@ -103,11 +118,14 @@ def run_serve(args: argparse.Namespace) -> int:
     # httpx logs every request at INFO, which would bury the results.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     lo, hi = args.images_per_request
+    audio_lo, audio_hi = args.audios_per_request
     cfg = RandomMMConfig(
         num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
         range_ratio=args.range_ratio, image_sizes=args.image_sizes, images_per_request=lo,
         max_images_per_request=hi, repeat_image_ratio=args.repeat_image_ratio,
-        repeat_pool_size=args.repeat_pool_size, image_format=args.image_format, seed=args.seed,
+        repeat_pool_size=args.repeat_pool_size, image_format=args.image_format, audios_per_request=audio_lo,
+        max_audios_per_request=audio_hi, audio_seconds=args.audio_seconds, audio_sample_rate=args.audio_sample_rate,
+        repeat_audio_ratio=args.repeat_audio_ratio, seed=args.seed,
     )
     try:
         t0 = time.perf_counter()
@@ -115,8 +133,9 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         log.error("%s", e)
         return 2
-    log.info("built %d requests (%d images) in %.1f s", len(requests),
-             sum(r.num_images for r in requests), time.perf_counter() - t0)
+    log.info("built %d requests (%d images, %d audio clips, %.0f s of sound) in %.1f s", len(requests),
+             sum(r.num_images for r in requests), sum(r.num_audios for r in requests),
+             sum(r.audio_seconds for r in requests), time.perf_counter() - t0)
     opts = RunOptions(
         base_url=args.base_url, endpoint=args.endpoint, model=args.model, request_rate=args.request_rate,
         burstiness=args.burstiness, max_concurrency=args.max_concurrency, temperature=args.temperature,

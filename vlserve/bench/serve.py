@@ -39,6 +39,7 @@ class RequestRecord:
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens (prefix-cache hits)
     num_chunks: int = 0
     num_images: int = 0
+    num_audios: int = 0
 
 
 @dataclass
@@ -281,7 +282,7 @@ async def run_benchmark(requests: list[BenchRequest], opts: RunOptions) -> tuple
         model = opts.model or await fetch_model(client, opts.base_url, opts.api_key)
         # Serialise up front: json.dumps of megabytes of base64 would stall the event loop mid-run.
         bodies = [request_body(r, model, opts) for r in requests]
-        records = [RequestRecord(num_images=r.num_images) for r in requests]
+        records = [RequestRecord(num_images=r.num_images, num_audios=r.num_audios) for r in requests]
         sem = asyncio.Semaphore(opts.max_concurrency) if opts.max_concurrency else None
         bar = tqdm(total=len(requests), disable=opts.disable_tqdm, desc="requests")
 
@@ -327,6 +328,7 @@ def request_summaries(records: list[RequestRecord]) -> list[dict[str, Any]]:
             "output_tokens": r.completion_tokens,
             "num_chunks": r.num_chunks,
             "num_images": r.num_images,
+            "num_audios": r.num_audios,
         })
     return out
 

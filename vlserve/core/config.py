@@ -29,7 +29,10 @@ DISAGG_ROLES = frozenset({LANGUAGE, ENCODE, PREFILL, DECODE})  # roles that meet
 MODEL_ROLES = frozenset({SERVE, DEMO}) | DISAGG_ROLES  # roles that load (part of) the model
 MEDIA_ROLES = frozenset({SERVE, ENCODE})  # roles that fetch and decode media
 KV_ROLES = frozenset({PREFILL, DECODE})  # roles whose engine moves KV between instances (a KV connector)
-DEFAULT_MM_LIMITS = {"image": 8, "video": 1}  # kinds a user does not name keep these
+# Kinds a user does not name keep these. Audio: 4 clips of at most --max-audio-seconds (30 s) each, 3000 audio
+# tokens at 25 a second, less than one large picture may take.
+DEFAULT_MM_LIMITS = {"image": 8, "video": 1, "audio": 4}
+DEFAULT_MAX_AUDIO_SECONDS = 30.0
 DEFAULT_MAX_PIXELS_DECODED = 64_000_000  # 64 MP
 
 
@@ -54,12 +57,15 @@ def option(default: Any = None, help: str = "", roles=frozenset(), *, factory=No
 
 
 def parse_limits(text: str) -> dict[str, int]:
-    """`image=8,video=1` -> {"image": 8, "video": 1}."""
+    """`image=8,video=1,audio=2` -> {"image": 8, "video": 1, "audio": 2}."""
     limits = {}
     for part in filter(None, text.split(",")):
         kind, _, value = part.partition("=")
         if not value.strip().isdigit():
-            raise ValueError(f"expected kind=N pairs like image=8,video=1, got '{part}'")
+            raise ValueError(f"expected kind=N pairs like image=8,video=1,audio=2, got '{part}'")
+        if kind.strip() not in DEFAULT_MM_LIMITS:
+            raise ValueError(f"unknown media kind '{kind.strip()}' in '{part}'; the kinds are "
+                             f"{', '.join(DEFAULT_MM_LIMITS)}")
         limits[kind.strip()] = int(value)
     return limits
 
@@ -97,7 +103,7 @@ class EngineArgs:
                                                "(also the largest item accepted)", VISION_ROLES)
     disable_chunked_mm_input: bool = option(False, "never split a picture's tokens across engine steps", LM_ROLES)
     limit_mm_per_prompt: dict[str, int] = option(
-        help="most media items per prompt, e.g. image=8,video=1", roles=MODEL_ROLES,
+        help="most media items per prompt, e.g. image=8,video=1,audio=4", roles=MODEL_ROLES,
         factory=lambda: dict(DEFAULT_MM_LIMITS), parse=parse_limits, metavar="KIND=N,...")
     max_video_frames: int = option(32, "most frames sampled from one video (a request may ask for fewer)",
                                    VISION_ROLES)
@@ -147,6 +153,10 @@ class EngineArgs:
                 raise InvalidInputError(f"{name} must be positive, got {value}")
         if self.encoder_cache_size < 0 or self.max_num_encoder_input_tokens <= 0:
             raise InvalidInputError("encoder_cache_size must be >= 0 and max_num_encoder_input_tokens > 0")
+        for kind, limit in self.limit_mm_per_prompt.items():
+            if kind not in DEFAULT_MM_LIMITS or isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+                raise InvalidInputError(f"limit_mm_per_prompt takes {', '.join(DEFAULT_MM_LIMITS)} with counts >= 0, "
+                                        f"got {kind!r}: {limit!r}")
         if self.model is None:
             raise InvalidInputError("no model given")
 
@@ -168,13 +178,18 @@ class ServerArgs:
                                                     "(default: any public host)", MEDIA_ROLES, nargs="+")
     allow_private_media_urls: bool = option(False, "allow media URLs resolving to private, loopback or link-local "
                                             "addresses (SSRF risk)", MEDIA_ROLES)
-    max_media_bytes: int = option(20 * 2**20, "largest picture in bytes (download, data URL or file)", MEDIA_ROLES)
+    max_media_bytes: int = option(20 * 2**20, "largest picture or audio clip in bytes (download, data URL or file)",
+                                  MEDIA_ROLES)
     max_video_bytes: int = option(200 * 2**20, "largest video in bytes (download, data URL or file)", MEDIA_ROLES)
     media_fetch_timeout: float = option(10.0, "seconds per media download", MEDIA_ROLES)
     max_image_pixels: int = option(DEFAULT_MAX_PIXELS_DECODED, "largest picture or video frame in pixels (width x "
                                    "height): a larger one is refused before decoding, and pictures are resized for "
                                    "the encoder to at most this many (under the model's own max_pixels)",
                                    MEDIA_ROLES)
+    max_audio_seconds: float = option(
+        DEFAULT_MAX_AUDIO_SECONDS, "longest audio clip in seconds, checked from the header before decoding and "
+        "again while decoding (413 over it); never above the model's own window (30 s for Qwen2-Audio, 300 s for "
+        "Qwen2.5-Omni)", MEDIA_ROLES)
     max_waiting_requests: int | None = option(None, "answer 503 when this many requests already wait (default: no "
                                               "limit)", HTTP_ROLES)
     media_threads: int = option(4, "threads that tokenize, decode and preprocess", {SERVE} | DISAGG_ROLES)

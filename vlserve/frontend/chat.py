@@ -6,15 +6,18 @@ import json
 from dataclasses import dataclass, field
 
 from vlserve.core.errors import InvalidInputError
+from vlserve.frontend.media.audio import SNIFF_BYTES, check_audio_format
+from vlserve.frontend.media.data_url import decode_base64, is_data_url
 
 ROLES = {"system", "user", "assistant", "tool", "developer"}
+MEDIA_KINDS = ("image", "video", "audio")
 
 
 @dataclass
 class ParsedChat:
-    messages: list[dict]  # template-ready: media parts become {"type": "image"} / {"type": "video"}
-    media: dict[str, list] = field(default_factory=lambda: {"image": [], "video": []})
-    uuids: dict[str, list] = field(default_factory=lambda: {"image": [], "video": []})
+    messages: list[dict]  # template-ready: media parts become {"type": "image"} / {"type": "video"} / {"type": "audio"}
+    media: dict[str, list] = field(default_factory=lambda: {kind: [] for kind in MEDIA_KINDS})
+    uuids: dict[str, list] = field(default_factory=lambda: {kind: [] for kind in MEDIA_KINDS})
     num_text_chars: int = 0  # all text of all messages: bounds the work before the template is rendered
 
     def prompt(self, text: str) -> dict:
@@ -35,6 +38,24 @@ def _url(part: dict, key: str) -> str:
     if not isinstance(url, str) or not url:
         raise InvalidInputError(f"a {key} part needs a '{key}': {{'url': ...}}")
     return url  # data: and file:// are read where the media is loaded; the server fetches http(s) first
+
+
+def _input_audio(part: dict, where: str) -> str:
+    """OpenAI's `input_audio` part, {"input_audio": {"data": <base64>, "format": "wav" | "mp3" | ...}}, as a data
+    URL (fetched, that is size-checked and decoded, like any other). The format is checked against the bytes here,
+    from their first few (the rest is decoded off the event loop)."""
+    value = part.get("input_audio")
+    data = value.get("data") if isinstance(value, dict) else None
+    fmt = value.get("format") if isinstance(value, dict) else None
+    if not isinstance(data, str) or not data:
+        raise InvalidInputError(f"{where}: an input_audio part needs 'input_audio': {{'data': <base64>, "
+                                "'format': ...}")
+    if not isinstance(fmt, str):
+        raise InvalidInputError(f"{where}: input_audio needs a 'format' string (wav, mp3, flac, ogg, ...)")
+    payload = data.partition(";base64,")[2] if is_data_url(data) else data
+    lead = "".join(payload[:256].split())[:-(-SNIFF_BYTES // 3) * 4]  # the base64 of the first SNIFF_BYTES
+    check_audio_format(fmt, decode_base64(lead), f"{where}.input_audio")
+    return data if is_data_url(data) else f"data:audio/{fmt.lower()};base64,{data}"
 
 
 def _text(text: str, where: str) -> str:
@@ -58,11 +79,14 @@ def _embeds(part: dict) -> dict:
     return {"image_embeds": value, "image_grid_thw": grid}
 
 
-def parse_chat_messages(messages: list[dict], allow_python_objects: bool = True) -> ParsedChat:
+def parse_chat_messages(messages: list[dict], allow_python_objects: bool = True,
+                        modalities: tuple[str, ...] | None = None) -> ParsedChat:
     """Splits OpenAI messages into template-ready messages and their media, in order of appearance.
 
-    The offline API also takes `image` / `image_pil` / `video` parts holding Python objects (PIL images,
-    paths, frame arrays). The HTTP server passes `allow_python_objects=False`: only URL and embedding parts.
+    The offline API also takes `image` / `image_pil` / `video` / `audio` parts holding Python objects (PIL
+    images, paths, frame arrays, `(waveform, sample_rate)` tuples). The HTTP server passes
+    `allow_python_objects=False`: only URL, `input_audio` and embedding parts. `modalities`: the media kinds the
+    model takes (a part of another kind is refused, naming them); None takes every kind.
     """
     if not isinstance(messages, list) or not messages:
         raise InvalidInputError("messages must be a non-empty list")
@@ -93,14 +117,21 @@ def parse_chat_messages(messages: list[dict], allow_python_objects: bool = True)
                 media_kind, source = "image", _url(part, "image_url")
             elif kind == "video_url":
                 media_kind, source = "video", _url(part, "video_url")
+            elif kind == "audio_url":
+                media_kind, source = "audio", _url(part, "audio_url")
+            elif kind == "input_audio":
+                media_kind, source = "audio", _input_audio(part, where)
             elif kind == "image_embeds":
                 media_kind, source = "image", _embeds(part)
-            elif kind in ("image_pil", "image", "video") and allow_python_objects:
-                media_kind, source = ("video" if kind == "video" else "image"), part.get(kind)
+            elif kind in ("image_pil", "image", "video", "audio") and allow_python_objects:
+                media_kind, source = ("image" if kind == "image_pil" else kind), part.get(kind)
                 if source is None:
                     raise InvalidInputError(f"{where}: '{kind}' part without its object")
             else:
                 raise InvalidInputError(f"{where}: unsupported content part type {kind!r}")
+            if modalities is not None and media_kind not in modalities:
+                takes = " and ".join(modalities) if modalities else "text only"
+                raise InvalidInputError(f"{where}: this model takes {takes}, not {media_kind} (a '{kind}' part)")
             uuid = part.get("uuid")
             if uuid is not None and not isinstance(uuid, str):
                 raise InvalidInputError(f"{where}: uuid must be a string")

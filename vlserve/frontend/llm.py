@@ -79,7 +79,7 @@ class LLM:
         tools = check_tools(tools)
         prompts = []
         for conv in conversations:
-            chat = parse_chat_messages(conv)
+            chat = parse_chat_messages(conv, modalities=self.engine.cfg.model.modalities)
             text = render_chat(self.tokenizer, chat.messages, add_generation_prompt, chat_template, tools=tools)
             prompts.append(chat.prompt(text))
         return self.generate(prompts, sampling_params, use_tqdm, mm_processor_kwargs)

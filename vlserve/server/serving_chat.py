@@ -83,7 +83,8 @@ class OpenAIServingChat(OpenAIServing):
         if body.chat_template is not None and not self.server.trust_request_chat_template:
             raise InvalidInputError("chat_template in a request is refused by this server (a template is code); "
                                     "the operator may allow it with --trust-request-chat-template")
-        chat = parse_chat_messages(body.messages, allow_python_objects=False)
+        chat = parse_chat_messages(body.messages, allow_python_objects=False,
+                                   modalities=self.engine.cfg.model.modalities)
         limit_chars = self.engine.input_processor.max_prompt_chars
         if chat.num_text_chars > limit_chars:
             raise InvalidInputError(f"the messages hold {chat.num_text_chars} characters of text, more than can fit "

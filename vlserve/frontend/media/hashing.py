@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import blake3
+import numpy as np
 import torch
 from PIL import Image
 
@@ -18,6 +19,17 @@ def hash_image(img: Image.Image, params: dict) -> str:
     h.update(f"image|{img.mode}|{img.width}x{img.height}|".encode())
     h.update(json.dumps(params, sort_keys=True).encode())
     h.update(img.tobytes())
+    return h.hexdigest(length=16)
+
+
+def hash_audio(waveform, sample_rate: int, params: dict) -> str:
+    """The decoded clip (mono float32 at the model's rate: the same sound sent as wav, flac or an array at that
+    rate hits the same entry) plus the feature settings that shape what the encoder gets."""
+    samples = np.ascontiguousarray(waveform, dtype=np.float32)
+    h = blake3.blake3()
+    h.update(f"audio|{sample_rate}|{samples.size}|".encode())
+    h.update(json.dumps(params, sort_keys=True).encode())
+    h.update(memoryview(samples).cast("B"))
     return h.hexdigest(length=16)
 
 

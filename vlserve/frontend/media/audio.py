@@ -1,0 +1,711 @@
+"""Audio decoding (PyAV) and the log-mel features of Whisper-style audio towers (Qwen2-Audio, Qwen2.5-Omni).
+
+Decoding: bytes, data URLs, files and `(waveform, sample_rate)` arrays become one mono float32 waveform at the
+model's rate. The container is recognised from its first bytes (`sniff_audio_format`) and opened with that
+demuxer only, so ffmpeg never probes its way into a playlist or concat format that would open other files or
+URLs. Channels are averaged to mono with equal weights (what librosa's `to_mono` does, and so what transformers'
+`load_audio` and vLLM users get); the rate is converted with libswresample's default filter (what
+`ffmpeg -ar 16000` does). A waveform already at the model's rate is kept as it is, sample for sample. Every limit
+(`AudioLimits`) is checked before the work it bounds: the header's duration before decoding, then the decoded
+duration frame by frame, so a small file that claims or holds hours of sound costs at most the limit.
+
+Features: `log_mel` equals transformers' `WhisperFeatureExtractor(..., padding="max_length",
+return_attention_mask=True)` on the frames a tower reads (the valid frames and `context_frames` after them),
+padded frames included: their value comes from the clip's global maximum, and frames of pure padding never raise
+that maximum (they sit at the floor), so only the frames that touch the signal are transformed.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import warnings
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from vlserve.core.config import DEFAULT_MAX_AUDIO_SECONDS
+from vlserve.core.errors import InvalidInputError, MediaTooLargeError, ModelLoadError
+from vlserve.frontend.media.data_url import decode_data_url, is_data_url
+
+# Whisper's feature extractor settings (transformers' WhisperFeatureExtractor defaults, 128 mel bins as the
+# Qwen2-Audio family uses), for a checkpoint without a preprocessor_config.json.
+WHISPER_SAMPLING_RATE = 16000
+WHISPER_HOP_LENGTH = 160
+WHISPER_N_FFT = 400
+WHISPER_MAX_FREQUENCY = 8000.0  # the mel filters' top, whatever the rate (as transformers builds them)
+QWEN_AUDIO_MEL_BINS = 128
+QWEN2_AUDIO_CHUNK_SECONDS = 30
+QWEN2_5_OMNI_CHUNK_SECONDS = 300
+OMNI_ARCHITECTURES = ("Qwen2_5OmniForConditionalGeneration", "Qwen2_5OmniThinkerForConditionalGeneration")
+
+# Server-side bounds (see `AudioLimits`; --max-audio-seconds is DEFAULT_MAX_AUDIO_SECONDS by default).
+MIN_SAMPLE_RATE = 8000  # telephone speech, the lowest rate common speech recordings use
+MAX_SAMPLE_RATE = 384000  # the highest rate audio interfaces record at
+MAX_CHANNELS = 8  # 7.1 surround, the widest common layout; decoding cost grows with every channel
+_TRUNCATION_SLACK_S = 0.1  # decoded this much (plus 2 %) shorter than the header says: the file was cut
+# A file may decode to this much more than the sound it holds: a codec's priming and padding (AAC adds 1024 to
+# 2048 samples, MP3 up to 1152 + 529) where the container does not say to drop them. A file at the limit plus at
+# most this is taken, and that tail (padding, not sound) dropped at the limit.
+_CODEC_PADDING_S = 0.1
+_RESAMPLE_CHUNK = 1 << 16  # samples handed to libswresample at once (a call per small frame costs 3x)
+_PROBE_BYTES = 1 << 16
+_NO_DURATION_HEADER = frozenset({"aac"})  # ADTS: ffmpeg guesses the duration from the bit rate
+
+# Containers vlserve decodes, by what their first bytes show: name -> ffmpeg demuxer.
+DEMUXERS = {"wav": "wav", "mp3": "mp3", "flac": "flac", "ogg": "ogg", "mp4": "mov", "matroska": "matroska",
+            "aiff": "aiff", "aac": "aac", "avi": "avi"}
+# `input_audio.format` values and the containers each may hold.
+FORMATS: dict[str, frozenset[str]] = {
+    "wav": frozenset({"wav"}), "wave": frozenset({"wav"}),
+    "mp3": frozenset({"mp3"}), "mpeg": frozenset({"mp3"}), "mpga": frozenset({"mp3"}),
+    "flac": frozenset({"flac"}),
+    "ogg": frozenset({"ogg"}), "oga": frozenset({"ogg"}), "opus": frozenset({"ogg", "matroska"}),
+    "webm": frozenset({"matroska"}), "mka": frozenset({"matroska"}),
+    "m4a": frozenset({"mp4"}), "mp4": frozenset({"mp4"}), "aac": frozenset({"aac", "mp4"}),
+    "aiff": frozenset({"aiff"}), "aif": frozenset({"aiff"}),
+}
+SNIFF_BYTES = 12  # what `sniff_audio_format` needs (16 base64 characters)
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AudioProcessorConfig:
+    """A checkpoint's feature extractor settings (its preprocessor_config.json).
+
+    The padded window is `chunk_length` seconds, as transformers computes it (`n_samples = chunk_length x
+    sampling_rate`, whatever the file says of n_samples); a longer clip is refused, never cut (transformers would
+    cut it). `max_seconds` is that window: a model whose tower takes more raises it by replacing `chunk_length`
+    (`dataclasses.replace`), which pads to the longer window exactly as transformers would with that setting.
+    """
+
+    feature_size: int = QWEN_AUDIO_MEL_BINS
+    sampling_rate: int = WHISPER_SAMPLING_RATE
+    hop_length: int = WHISPER_HOP_LENGTH
+    n_fft: int = WHISPER_N_FFT
+    chunk_length: float = QWEN2_AUDIO_CHUNK_SECONDS
+    padding_value: float = 0.0
+    dither: float = 0.0  # read, not applied: features stay a function of the content (the caches key on it)
+
+    @property
+    def n_samples(self) -> int:
+        """The padded window in samples."""
+        return int(self.chunk_length * self.sampling_rate)
+
+    @property
+    def nb_max_frames(self) -> int:
+        """Frames of the padded window (the feature extractor drops the STFT's last one)."""
+        return self.n_samples // self.hop_length
+
+    @property
+    def max_seconds(self) -> float:
+        return self.n_samples / self.sampling_rate
+
+    def hash_params(self, context_frames: int = 0) -> dict:
+        """The settings that change the features a tower reads (for `hash_audio`): these, and how many frames
+        after the valid ones it reads."""
+        return {"mel": self.feature_size, "rate": self.sampling_rate, "hop": self.hop_length, "n_fft": self.n_fft,
+                "window": self.n_samples, "pad": self.padding_value, "context": context_frames}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], defaults: "AudioProcessorConfig | None" = None) -> "AudioProcessorConfig":
+        base = defaults or cls()
+        try:
+            cfg = cls(feature_size=int(d.get("feature_size", base.feature_size)),
+                      sampling_rate=int(d.get("sampling_rate", base.sampling_rate)),
+                      hop_length=int(d.get("hop_length", base.hop_length)),
+                      n_fft=int(d.get("n_fft", base.n_fft)),
+                      chunk_length=float(d.get("chunk_length", base.chunk_length)),
+                      padding_value=float(d.get("padding_value", base.padding_value)),
+                      dither=float(d.get("dither", base.dither) or 0.0))
+        except (TypeError, ValueError) as e:
+            raise ModelLoadError(f"unreadable audio feature settings ({type(e).__name__}: {e})") from None
+        if min(cfg.feature_size, cfg.sampling_rate, cfg.hop_length, cfg.n_fft) <= 0 or cfg.nb_max_frames <= 0:
+            raise ModelLoadError(f"invalid audio feature settings: {cfg}")
+        if cfg.n_fft // 2 >= cfg.n_samples:
+            raise ModelLoadError(f"audio window of {cfg.n_samples} samples is shorter than half of n_fft")
+        return cfg
+
+    @classmethod
+    def from_pretrained(cls, folder: str | os.PathLike) -> "AudioProcessorConfig":
+        """preprocessor_config.json's feature extractor fields; what it leaves out (or the whole file, if there is
+        none) takes the family's defaults: Whisper's, with config.json's `num_mel_bins` and a 300 s window for
+        Qwen2.5-Omni (30 s otherwise)."""
+        defaults = _family_defaults(Path(folder))
+        path = Path(folder) / "preprocessor_config.json"
+        if not path.is_file():
+            return defaults
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ModelLoadError(f"{path}: invalid JSON ({e})") from e
+        if not isinstance(raw, dict):
+            raise ModelLoadError(f"{path}: not a JSON object")
+        return cls.from_dict(raw, defaults)
+
+
+def _family_defaults(folder: Path) -> AudioProcessorConfig:
+    try:
+        raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return AudioProcessorConfig()
+    if not isinstance(raw, dict):
+        return AudioProcessorConfig()
+    omni = any(a in OMNI_ARCHITECTURES for a in raw.get("architectures") or ())
+    audio = raw.get("audio_config") or (raw.get("thinker_config") or {}).get("audio_config") or {}
+    mels = audio.get("num_mel_bins", QWEN_AUDIO_MEL_BINS) if isinstance(audio, dict) else QWEN_AUDIO_MEL_BINS
+    chunk = QWEN2_5_OMNI_CHUNK_SECONDS if omni else QWEN2_AUDIO_CHUNK_SECONDS
+    return AudioProcessorConfig(feature_size=int(mels), chunk_length=chunk)
+
+
+@dataclass(frozen=True)
+class AudioLimits:
+    """What one audio item may be, and the rate it is decoded to. `max_bytes` bounds raw bytes given directly
+    (URLs, data URLs and files are bounded by the fetch policy, `--max-media-bytes`)."""
+
+    sample_rate: int = WHISPER_SAMPLING_RATE  # the model's: every clip is converted to it
+    max_seconds: float = DEFAULT_MAX_AUDIO_SECONDS
+    max_seconds_reason: str = "--max-audio-seconds"  # the bound that set max_seconds, named in errors
+    max_bytes: int = 20 * 2**20
+    min_sample_rate: int = MIN_SAMPLE_RATE
+    max_sample_rate: int = MAX_SAMPLE_RATE
+    max_channels: int = MAX_CHANNELS
+
+    @classmethod
+    def for_model(cls, cfg: AudioProcessorConfig, max_audio_seconds: float = DEFAULT_MAX_AUDIO_SECONDS,
+                  max_bytes: int = 20 * 2**20) -> "AudioLimits":
+        """The server's bound (`--max-audio-seconds`) within the model's window (`cfg.max_seconds`)."""
+        if not max_audio_seconds > 0:
+            raise InvalidInputError(f"max_audio_seconds must be positive, got {max_audio_seconds}")
+        if cfg.max_seconds < max_audio_seconds:
+            return cls(cfg.sampling_rate, cfg.max_seconds, "the longest this model takes: its feature extractor's "
+                       "chunk_length", max_bytes)
+        return cls(cfg.sampling_rate, float(max_audio_seconds), "--max-audio-seconds", max_bytes)
+
+    @property
+    def max_samples(self) -> int:
+        """Samples at the model's rate of the longest clip allowed."""
+        return int(self.max_seconds * self.sample_rate)
+
+
+@dataclass(frozen=True)
+class Audio:
+    """A decoded clip: mono float32 at `sample_rate` (the model's), and what the source was."""
+
+    waveform: np.ndarray  # float32 [samples], C-contiguous
+    sample_rate: int
+    source_rate: int
+    source_channels: int
+    source_format: str | None = None  # the container ("wav", "mp3", ...); None for arrays
+
+    @property
+    def seconds(self) -> float:
+        return len(self.waveform) / self.sample_rate
+
+
+# ---------------------------------------------------------------------------------------------
+# Containers
+# ---------------------------------------------------------------------------------------------
+
+
+def sniff_audio_format(head: bytes) -> str | None:
+    """The container named by a file's first bytes (`SNIFF_BYTES` suffice), among `DEMUXERS`; None if none."""
+    if len(head) >= 12 and head[:4] in (b"RIFF", b"RF64", b"BW64") and head[8:12] == b"WAVE":
+        return "wav"
+    if len(head) >= 12 and head[:4] == b"RIFF" and head[8:12] == b"AVI ":
+        return "avi"  # a video's sound track
+    if head[:4] == b"fLaC":
+        return "flac"
+    if head[:4] == b"OggS":
+        return "ogg"
+    if head[:4] == b"\x1a\x45\xdf\xa3":
+        return "matroska"
+    if len(head) >= 12 and head[:4] == b"FORM" and head[8:12] in (b"AIFF", b"AIFC"):
+        return "aiff"
+    if len(head) >= 8 and head[4:8] == b"ftyp":
+        return "mp4"
+    if head[:3] == b"ID3":
+        return "mp3"
+    if len(head) >= 2 and head[0] == 0xFF and head[1] & 0xE0 == 0xE0:
+        layer = (head[1] >> 1) & 3
+        if layer == 0 and head[1] & 0xF0 == 0xF0:
+            return "aac"  # ADTS: MPEG-2/4 AAC frames
+        if layer:
+            return "mp3"  # MPEG audio layer I, II or III frames
+    return None
+
+
+def check_audio_format(declared: str, head: bytes, where: str = "input_audio") -> str:
+    """`declared` (an `input_audio.format`) must name a supported format that the bytes are. Returns the sniffed
+    container."""
+    if not isinstance(declared, str) or declared.lower() not in FORMATS:
+        raise InvalidInputError(f"{where}.format {str(declared)[:32]!r} is not supported; use one of "
+                                f"{', '.join(sorted(FORMATS))}")
+    found = sniff_audio_format(head)
+    if found is None:
+        raise InvalidInputError(f"{where}: the data is not audio in a supported container "
+                                f"({', '.join(sorted(DEMUXERS))})")
+    if found not in FORMATS[declared.lower()]:
+        raise InvalidInputError(f"{where}.format is {declared!r} but the data is {found}")
+    return found
+
+
+def _wav_cut_short(head: bytes, size: int) -> bool:
+    """A RIFF/WAVE file whose data chunk claims more bytes than the file holds (a streamed WAV says 0 or
+    0xFFFFFFFF: not judged)."""
+    pos = 12
+    while pos + 8 <= len(head):
+        chunk, length = head[pos:pos + 4], int.from_bytes(head[pos + 4:pos + 8], "little")
+        if chunk == b"data":
+            return length not in (0, 0xFFFFFFFF) and length > size - (pos + 8)
+        pos += 8 + length + (length & 1)
+    return False
+
+
+def _ogg_cut_short(data: bytes) -> bool:
+    """An Ogg file whose last page runs past the end of the file (ffmpeg would drop that page silently and its
+    duration, read from the last whole page, would agree). Pages are walked by their headers; where the walk
+    meets something that is not a page, ffmpeg judges the rest."""
+    pos = 0
+    while pos + 27 <= len(data):
+        if data[pos:pos + 4] != b"OggS":
+            return False
+        segments = data[pos + 26]
+        if pos + 27 + segments > len(data):
+            return True
+        pos += 27 + segments + sum(data[pos + 27:pos + 27 + segments])
+    return pos != len(data)
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding
+# ---------------------------------------------------------------------------------------------
+
+
+def load_audio(source: Any, limits: AudioLimits, fmt: str | None = None) -> Audio:
+    """Decode `source` into a mono float32 clip at `limits.sample_rate`.
+
+    `source`: raw bytes; a `data:audio/...;base64,` URL; a local path (str, PathLike or file://: the caller
+    decides whether local files are allowed; the server's fetcher turns allowed file:// URLs into paths); a
+    `(waveform, sample_rate)` tuple (numpy or torch, [samples] or [channels, samples]; a layout with the
+    channels last is recognised by its short axis); or a bare array, taken to be at the model's rate. Integer
+    samples are scaled to [-1, 1). `fmt` (an `input_audio.format`) must match the bytes when given.
+    """
+    if isinstance(source, tuple):
+        if len(source) != 2:
+            raise InvalidInputError("an audio tuple must be (waveform, sample_rate)")
+        return _from_array(source[0], _rate(source[1]), limits)
+    if isinstance(source, (np.ndarray, torch.Tensor)):
+        return _from_array(source, limits.sample_rate, limits)
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        data = bytes(source)
+        if len(data) > limits.max_bytes:
+            raise MediaTooLargeError(f"the audio is {len(data)} bytes, over the limit of {limits.max_bytes} bytes")
+        return _decode_bytes(data, limits, fmt, "the audio")
+    if isinstance(source, os.PathLike):
+        return _decode_path(Path(source), limits, fmt)
+    if isinstance(source, str):
+        if is_data_url(source):  # its subtype is not judged (audio/wav for mp3 bytes is common): the bytes are
+            data = decode_data_url(source, limits.max_bytes, kind="audio")
+            return _decode_bytes(data, limits, fmt, "the audio data URL")
+        if source.startswith(("http://", "https://")):
+            raise InvalidInputError("remote audio URLs must be fetched before load_audio")
+        return _decode_path(Path(source.removeprefix("file://")), limits, fmt)
+    raise InvalidInputError(f"unsupported audio source type {type(source).__name__}")
+
+
+def load_video_audio(source: Any, limits: AudioLimits) -> Audio | None:
+    """A video's sound track (for `use_audio_in_video`), decoded like any clip: bytes, a path or a
+    `data:video/...` URL (`limits.max_bytes` should be the video bound, --max-video-bytes). None when the video
+    has no audio stream, as transformers then gives the video no audio."""
+    if isinstance(source, str) and is_data_url(source):
+        return _decode_bytes(decode_data_url(source, limits.max_bytes, kind="video"), limits, None, "the video",
+                             optional=True)
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        data = bytes(source)
+        if len(data) > limits.max_bytes:
+            raise MediaTooLargeError(f"the video is {len(data)} bytes, over the limit of {limits.max_bytes} bytes")
+        return _decode_bytes(data, limits, None, "the video", optional=True)
+    if isinstance(source, (str, os.PathLike)):
+        return _decode_path(Path(str(source).removeprefix("file://")), limits, None, optional=True)
+    raise InvalidInputError(f"unsupported video source type {type(source).__name__} for its audio")
+
+
+def audio_items(value: Any) -> list:
+    """`multi_modal_data["audio"]` as a list of clips: one clip (a `(waveform, sample_rate)` tuple, an array,
+    bytes, a URL or path) or a list (or tuple) of them."""
+    if value is None:
+        return []
+    if _is_clip_tuple(value) or not isinstance(value, (list, tuple)):
+        return [value]
+    return list(value)
+
+
+def _is_clip_tuple(value: Any) -> bool:
+    return (isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], (np.ndarray, torch.Tensor))
+            and isinstance(value[1], (int, float, np.integer, np.floating)) and not isinstance(value[1], bool))
+
+
+def _rate(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise InvalidInputError(f"an audio tuple's sample rate must be a number, got {type(value).__name__}")
+    if not math.isfinite(value) or value != int(value):
+        raise InvalidInputError(f"an audio sample rate must be a whole number of hertz, got {value!r}")
+    return int(value)
+
+
+def _decode_path(path: Path, limits: AudioLimits, fmt: str | None, optional: bool = False) -> Audio | None:
+    try:
+        found, size = path.is_file(), path.stat().st_size if path.is_file() else 0
+    except (OSError, ValueError):
+        found, size = False, 0
+    if not found:
+        raise InvalidInputError(f"audio file not found: {str(path)[:256]}")
+    if size > limits.max_bytes:
+        raise MediaTooLargeError(f"the audio file is {size} bytes, over the limit of {limits.max_bytes} bytes")
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limits.max_bytes + 1)
+    except OSError as e:
+        raise InvalidInputError(f"cannot read audio file {path.name!r}: {e.strerror or e}") from None
+    return _decode_bytes(data, limits, fmt, f"audio file {path.name!r}", optional)
+
+
+def _decode_bytes(data: bytes, limits: AudioLimits, fmt: str | None, what: str, optional: bool = False
+                  ) -> Audio | None:
+    if not data:
+        raise InvalidInputError(f"{what} is empty")
+    if len(data) > limits.max_bytes:
+        raise MediaTooLargeError(f"{what} is {len(data)} bytes, over the limit of {limits.max_bytes} bytes")
+    if fmt is not None:
+        container = check_audio_format(fmt, data[:SNIFF_BYTES], "the audio")
+    else:
+        container = sniff_audio_format(data[:SNIFF_BYTES])
+        if container is None:
+            raise InvalidInputError(f"{what} is not audio in a supported container ({', '.join(sorted(DEMUXERS))})")
+    if container == "wav" and _wav_cut_short(data[:1 << 16], len(data)):
+        raise InvalidInputError(f"{what} is truncated: its WAV header promises more samples than the file holds")
+    if container == "ogg" and _ogg_cut_short(data):
+        raise InvalidInputError(f"{what} is truncated: its last Ogg page runs past the end of the file")
+    return _decode(io.BytesIO(data), container, limits, what, optional)
+
+
+def _open(fp: Any, container: str, what: str):
+    import av
+
+    try:
+        # probesize: what ffmpeg reads ahead to learn the stream's settings (its 5 MB default made opening a 5 MB
+        # WAV cost 15x its decoding); every container here states them in its first packets.
+        return av.open(fp, mode="r", format=DEMUXERS[container], metadata_errors="ignore",
+                       options={"probesize": str(_PROBE_BYTES)})
+    except (av.FFmpegError, ValueError, OSError, EOFError, ArithmeticError) as e:
+        raise InvalidInputError(f"{what} could not be opened as {container} (truncated or corrupt: "
+                                f"{type(e).__name__})") from None
+
+
+def _decode(fp: Any, container_name: str, limits: AudioLimits, what: str, optional: bool = False) -> Audio | None:
+    """The first audio stream (`optional`: None when there is none, else a 400)."""
+    import av
+
+    with _open(fp, container_name, what) as container:
+        if not container.streams.audio:
+            if optional:
+                return None
+            raise InvalidInputError(f"{what} has no audio stream")
+        stream = container.streams.audio[0]
+        ctx = stream.codec_context
+        _check_rate(ctx.sample_rate, limits, what)
+        _check_channels(ctx.channels, limits, what)
+        declared = (float(stream.duration * stream.time_base) if stream.duration and stream.time_base
+                    and container_name not in _NO_DURATION_HEADER else None)
+        if declared is not None and declared > limits.max_seconds + _CODEC_PADDING_S:
+            raise _too_long(declared, limits, what)
+        out = _MonoStream(limits.sample_rate)
+        seconds, channels = 0.0, ctx.channels
+        try:
+            for frame in container.decode(stream):
+                if not frame.samples:
+                    continue
+                _check_rate(frame.sample_rate, limits, what)
+                _check_channels(frame.layout.nb_channels, limits, what)
+                seconds += frame.samples / frame.sample_rate
+                if seconds > limits.max_seconds + _CODEC_PADDING_S:
+                    raise _too_long(seconds, limits, what, "at least ")
+                out.add(_frame_mono(frame), frame.sample_rate)
+        except InvalidInputError:
+            raise
+        except (av.FFmpegError, EOFError, ValueError) as e:
+            raise InvalidInputError(f"{what} could not be decoded after {seconds:.2f} s (truncated or corrupt: "
+                                    f"{type(e).__name__})") from None
+    if seconds == 0:
+        raise InvalidInputError(f"{what} holds no audio samples")
+    if declared is not None and seconds < declared * 0.98 - _TRUNCATION_SLACK_S:
+        raise InvalidInputError(f"{what} is truncated: {seconds:.2f} s decoded of the {declared:.2f} s its header "
+                                "promises")
+    waveform = _finish(out.result(), limits, what)
+    return Audio(waveform, limits.sample_rate, out.first_rate or limits.sample_rate, channels, container_name)
+
+
+def _too_long(seconds: float, limits: AudioLimits, what: str, prefix: str = "") -> MediaTooLargeError:
+    return MediaTooLargeError(f"{what} is {prefix}{seconds:.2f} s long, more than the {limits.max_seconds:g} s "
+                              f"allowed ({limits.max_seconds_reason}); send a shorter clip")
+
+
+def _check_rate(rate: int, limits: AudioLimits, what: str) -> None:
+    if not limits.min_sample_rate <= rate <= limits.max_sample_rate:
+        raise InvalidInputError(f"{what} has a sample rate of {rate} Hz, outside the {limits.min_sample_rate}-"
+                                f"{limits.max_sample_rate} Hz accepted")
+
+
+def _check_channels(channels: int, limits: AudioLimits, what: str) -> None:
+    if not 1 <= channels <= limits.max_channels:
+        raise InvalidInputError(f"{what} has {channels} channels; 1 to {limits.max_channels} are accepted")
+
+
+_INT_SCALE = {np.dtype(np.int16): 1 / 32768, np.dtype(np.int32): 1 / 2**31, np.dtype(np.int64): 1 / 2**63,
+              np.dtype(np.int8): 1 / 128}
+
+
+def _to_float(arr: np.ndarray) -> np.ndarray:
+    """Samples as float32 in [-1, 1): integers scaled by their range (unsigned ones centred first)."""
+    if arr.dtype.kind == "f":
+        return arr.astype(np.float32, copy=False)
+    if arr.dtype.kind == "u":
+        half = 2 ** (8 * arr.dtype.itemsize - 1)
+        return ((arr.astype(np.float64) - half) / half).astype(np.float32)
+    if arr.dtype.kind == "i":
+        return (arr.astype(np.float64 if arr.dtype.itemsize > 2 else np.float32) * _INT_SCALE[arr.dtype]).astype(
+            np.float32, copy=False)
+    raise InvalidInputError(f"audio samples must be numbers, got {arr.dtype}")
+
+
+def _frame_mono(frame) -> np.ndarray:
+    """A decoded frame's samples as float32, channels averaged."""
+    arr = frame.to_ndarray()
+    channels = frame.layout.nb_channels
+    if not frame.format.is_planar:  # interleaved: [1, samples x channels]
+        arr = arr.reshape(-1, channels).T
+    return _downmix(_to_float(arr))
+
+
+def _downmix(channels: np.ndarray) -> np.ndarray:
+    """float32 [channels, samples] -> [samples]: the channels' mean, summed in order then divided (numpy's
+    `mean(axis=0)` in float32, without its slow strided path)."""
+    if channels.shape[0] == 1:
+        return channels[0]
+    total = channels[0].copy()
+    for row in channels[1:]:
+        total += row
+    total /= np.float32(channels.shape[0])
+    return total
+
+
+class _MonoStream:
+    """Mono chunks at any rate in, one waveform at `rate` out; libswresample converts, in blocks of about
+    `_RESAMPLE_CHUNK` samples (a new converter where the source changes its rate)."""
+
+    def __init__(self, rate: int):
+        self.rate = rate
+        self.first_rate: int | None = None
+        self.parts: list[np.ndarray] = []
+        self._pending: list[np.ndarray] = []  # source samples not yet converted
+        self._pending_samples = 0
+        self._resampler = None
+        self._source_rate: int | None = None
+
+    def add(self, mono: np.ndarray, rate: int) -> None:
+        if self.first_rate is None:
+            self.first_rate = rate
+        if rate != self._source_rate:
+            self._flush()
+            self._source_rate = rate
+        if rate == self.rate:
+            self.parts.append(np.ascontiguousarray(mono, dtype=np.float32))
+            return
+        self._pending.append(mono)
+        self._pending_samples += len(mono)
+        if self._pending_samples >= _RESAMPLE_CHUNK:
+            self._convert()
+
+    def _convert(self) -> None:
+        if not self._pending:
+            return
+        import av
+
+        block = np.concatenate(self._pending) if len(self._pending) > 1 else self._pending[0]
+        self._pending, self._pending_samples = [], 0
+        if self._resampler is None:
+            self._resampler = av.AudioResampler(format="flt", layout="mono", rate=self.rate)
+        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(block, dtype=np.float32)[None], format="flt",
+                                           layout="mono")
+        frame.sample_rate = self._source_rate
+        self._take(self._resampler.resample(frame))
+
+    def _take(self, frames) -> None:
+        self.parts += [f.to_ndarray()[0] for f in frames]
+
+    def _flush(self) -> None:
+        self._convert()
+        if self._resampler is not None:
+            self._take(self._resampler.resample(None))
+            self._resampler = None
+
+    def result(self) -> np.ndarray:
+        self._flush()
+        if not self.parts:
+            return np.zeros(0, np.float32)
+        return np.ascontiguousarray(np.concatenate(self.parts) if len(self.parts) > 1 else self.parts[0])
+
+
+def _from_array(wave: Any, rate: int, limits: AudioLimits) -> Audio:
+    what = "the audio waveform"
+    if isinstance(wave, torch.Tensor):
+        wave = wave.detach().cpu()
+        wave = (wave.float() if wave.is_floating_point() and wave.dtype != torch.float64 else wave).numpy()
+    if not isinstance(wave, np.ndarray):
+        raise InvalidInputError(f"an audio waveform must be a numpy array or a torch tensor, not "
+                                f"{type(wave).__name__}")
+    if wave.ndim == 1:
+        wave = wave[None]
+    elif wave.ndim == 2:
+        if wave.shape[0] > limits.max_channels >= wave.shape[1]:
+            wave = wave.T  # [samples, channels], as soundfile reads it
+    else:
+        raise InvalidInputError(f"an audio waveform must be [samples] or [channels, samples], got shape "
+                                f"{tuple(wave.shape)}")
+    _check_rate(rate, limits, what)
+    _check_channels(wave.shape[0], limits, what)
+    samples = wave.shape[1]
+    if samples == 0:
+        raise InvalidInputError(f"{what} holds no samples")
+    if samples / rate > limits.max_seconds:
+        raise _too_long(samples / rate, limits, what)
+    if wave.dtype.kind not in "fiu":
+        raise InvalidInputError(f"audio samples must be numbers, got {wave.dtype}")
+    floats = _to_float(wave)
+    mono = _downmix(floats)
+    if rate == limits.sample_rate:
+        waveform = np.array(mono, dtype=np.float32, order="C")  # the caller's samples, exactly (a copy)
+    else:
+        stream = _MonoStream(limits.sample_rate)
+        for start in range(0, samples, _RESAMPLE_CHUNK):
+            stream.add(mono[start:start + _RESAMPLE_CHUNK], rate)
+        waveform = stream.result()
+    return Audio(_finish(waveform, limits, what), limits.sample_rate, rate, wave.shape[0])
+
+
+def _finish(waveform: np.ndarray, limits: AudioLimits, what: str) -> np.ndarray:
+    if len(waveform) > limits.max_samples:  # rounding or codec padding only: longer sources were refused
+        waveform = waveform[:limits.max_samples]
+    if not len(waveform):
+        raise InvalidInputError(f"{what} holds no audio samples")
+    if not np.isfinite(waveform).all():
+        raise InvalidInputError(f"{what} holds NaN or infinite samples")
+    return waveform
+
+
+# ---------------------------------------------------------------------------------------------
+# Features
+# ---------------------------------------------------------------------------------------------
+
+
+def _hz_to_mel(hz: np.ndarray) -> np.ndarray:
+    """Slaney's mel scale: linear below 1 kHz (3 mels per 200 Hz), logarithmic above (27 mels per factor 6.4)."""
+    hz = np.asarray(hz, dtype=np.float64)
+    linear = hz * 3 / 200
+    log = 15 + np.log(np.maximum(hz, 1e-10) / 1000) * 27 / np.log(6.4)
+    return np.where(hz >= 1000, log, linear)
+
+
+def _mel_to_hz(mel: np.ndarray) -> np.ndarray:
+    mel = np.asarray(mel, dtype=np.float64)
+    return np.where(mel >= 15, 1000 * np.exp((mel - 15) * np.log(6.4) / 27), mel * 200 / 3)
+
+
+@lru_cache(maxsize=8)
+def mel_filters(n_fft: int, n_mels: int, sampling_rate: int, max_frequency: float = WHISPER_MAX_FREQUENCY
+                ) -> torch.Tensor:
+    """float32 [n_mels, n_fft // 2 + 1]: triangles evenly spaced in Slaney mels from 0 Hz to `max_frequency`,
+    each scaled to unit area in Hz (Slaney's normalisation), over the FFT bins' frequencies."""
+    bins = np.linspace(0, sampling_rate // 2, n_fft // 2 + 1)
+    edges = _mel_to_hz(np.linspace(_hz_to_mel(0.0), _hz_to_mel(max_frequency), n_mels + 2))
+    lo, mid, hi = edges[:-2, None], edges[1:-1, None], edges[2:, None]
+    rising = (bins[None] - lo) / (mid - lo)
+    falling = (hi - bins[None]) / (hi - mid)
+    weights = np.maximum(0.0, np.minimum(rising, falling)) * (2.0 / (hi - lo))
+    return torch.from_numpy(weights.astype(np.float32))
+
+
+@lru_cache(maxsize=8)
+def _sparse_mel_filters(n_fft: int, n_mels: int, sampling_rate: int) -> torch.Tensor:
+    """The same, as a sparse (CSR) matrix: each FFT bin feeds at most two filters, so the product with the power
+    spectrum costs a few hundred multiply-adds a frame instead of n_mels x bins."""
+    with warnings.catch_warnings():  # "sparse CSR support is in beta": a product is all that is used here
+        warnings.simplefilter("ignore", UserWarning)
+        return mel_filters(n_fft, n_mels, sampling_rate).to_sparse_csr()
+
+
+@lru_cache(maxsize=8)
+def _window(n_fft: int) -> torch.Tensor:
+    return torch.hann_window(n_fft)
+
+
+def valid_frames(num_samples: int, cfg: AudioProcessorConfig) -> int:
+    """Feature frames of a clip of `num_samples` (transformers' `feature_attention_mask.sum()`)."""
+    return min(-(-num_samples // cfg.hop_length), cfg.nb_max_frames)
+
+
+def log_mel(waveform: Any, cfg: AudioProcessorConfig, context_frames: int = 0) -> tuple[torch.Tensor, int]:
+    """(features float32 [n_mels, L + context_frames, at most the window's frames], L): transformers'
+    WhisperFeatureExtractor output (max_length padding) for those frames, L the valid ones.
+
+    Frame t is the Hann-windowed n_fft samples centred on sample t x hop of the padded window (reflected at its
+    ends); power spectrum, Slaney mel filters, log10 floored at 1e-10, then everything raised to (the window's
+    maximum - 8) and mapped by (x + 4) / 4. Frames that only see padding are at the floor and never hold the
+    maximum, so only frames up to the last one touching the clip (or the last one returned) are transformed.
+    """
+    x = torch.as_tensor(np.asarray(waveform, dtype=np.float32) if not isinstance(waveform, torch.Tensor)
+                        else waveform.detach().cpu().float()).flatten()
+    n, total, hop, n_fft = x.numel(), cfg.n_samples, cfg.hop_length, cfg.n_fft
+    if n == 0:
+        raise InvalidInputError("the audio holds no samples")
+    if n > total:
+        raise MediaTooLargeError(f"the audio is {n / cfg.sampling_rate:.2f} s long, more than the "
+                                 f"{cfg.max_seconds:g} s this model takes")
+    if context_frames < 0:
+        raise ValueError("context_frames must be >= 0")
+    frames, half = cfg.nb_max_frames, n_fft // 2
+    length = valid_frames(n, cfg)
+    out = min(length + context_frames, frames)
+    touching = min(-(-(n + half) // hop), frames)  # frames whose window reaches a sample of the clip
+    needed = max(out, touching) if cfg.padding_value == 0 else frames
+    span = (needed - 1) * hop + half  # samples of the window the needed frames read, after the left padding
+    if span <= total:  # the right end's reflection is never read: pad with the padding value only
+        body = torch.full((max(span, half + 1),), cfg.padding_value, dtype=torch.float32)
+        body[:min(n, body.numel())] = x[:body.numel()]
+        padded = torch.cat([body[1:half + 1].flip(0), body[:span]])
+    else:
+        body = torch.full((total,), cfg.padding_value, dtype=torch.float32)
+        body[:n] = x
+        padded = torch.cat([body[1:half + 1].flip(0), body, body[-half - 1:-1].flip(0)])
+        padded = padded[:(needed - 1) * hop + n_fft]
+    # Frames as rows: one real FFT per row, the power from the real and imaginary parts (no square root), then
+    # the sparse mel filters times the power as [bins, frames] (a third of the time of torch.stft, abs() ** 2 and
+    # a dense product).
+    spec = torch.view_as_real(torch.fft.rfft(padded.unfold(0, n_fft, hop) * _window(n_fft), dim=-1))
+    power = (spec[..., 0].square() + spec[..., 1].square()).T.contiguous()  # [bins, needed]
+    mel = _sparse_mel_filters(n_fft, cfg.feature_size, cfg.sampling_rate) @ power  # [n_mels, needed]
+    logs = mel.clamp_(min=1e-10).log10_()
+    floor = logs.max() - 8.0
+    feats = torch.maximum(logs[:, :out], floor).add_(4.0).div_(4.0)
+    return feats.contiguous(), length
