@@ -218,6 +218,11 @@ class ServerArgs:
                                              HTTP_ROLES | {PREFILL})
 
 
+    def media_bounds(self) -> dict:
+        """What bounds one media item in prompt processing (`InputProcessor.for_model` keywords)."""
+        return {"max_image_pixels": self.max_image_pixels, "max_audio_seconds": self.max_audio_seconds,
+                "max_media_bytes": self.max_media_bytes, "max_video_bytes": self.max_video_bytes}
+
 @dataclass
 class DisaggArgs:
     """Disaggregation (E->PD, E->P->D): the registry, receive buffers, heartbeats, transfers."""

@@ -69,7 +69,7 @@ class EncodeService(SenderService):
         except InvalidInputError as e:  # e.g. a --tensor-parallel-size that cannot split this tower
             raise ConfigurationError(f"this encoder cannot start with these options: {e}") from None
         log_once()
-        processor = InputProcessor.for_model(FrontendConfig.of(facts, engine), server.max_image_pixels)
+        processor = InputProcessor.for_model(FrontendConfig.of(facts, engine), **server.media_bounds())
         self.executor = ThreadPoolExecutor(max_workers=server.media_threads, thread_name_prefix="vlserve-media")
         fetchers = {kind: MediaFetcher(MediaPolicy.from_args(server, kind)) for kind in MEDIA_KINDS}
         self.prompts = LocalPromptEncoder(processor, fetchers, self.executor)

@@ -121,15 +121,15 @@ class RequestHandle:
 class AsyncLLM:
     def __init__(self, args: EngineArgs, model_name: str, max_waiting_requests: int | None = None,
                  media_threads: int = 4, log_requests: bool = True, log_level: str = "INFO",
-                 max_image_pixels: int | None = None, heartbeat_timeout: float = 10.0,
+                 media_bounds: dict | None = None, heartbeat_timeout: float = 10.0,
                  prompt_encoder: Callable[["AsyncLLM"], PromptEncoder] | None = None, kv_role: str | None = None):
-        """`kv_role`: the role (prefill, decode) whose KV connector the engine process plugs in, if any."""
+        """`kv_role`: the role (prefill, decode) whose KV connector the engine process plugs in, if any.
+        `media_bounds`: `ServerArgs.media_bounds()` (default: every option's default)."""
         # Config files only (the weights load in the engine process), resolved here once: the engine gets them.
         self.facts = resolve_model_facts(args)
         self.cfg = FrontendConfig.of(self.facts, args)
         self.model_name = model_name
-        limits = {} if max_image_pixels is None else {"max_image_pixels": max_image_pixels}
-        self.input_processor = InputProcessor.for_model(self.cfg, **limits)
+        self.input_processor = InputProcessor.for_model(self.cfg, **(media_bounds or {}))
         self.tokenizer = self.input_processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = ServerMetrics(model_name)

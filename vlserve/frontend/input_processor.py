@@ -1,5 +1,5 @@
-"""Prompt (text or token ids, plus pictures, videos or precomputed embeddings) -> engine `Request`:
-tokenize, preprocess, expand placeholders, M-RoPE positions."""
+"""Prompt (text or token ids, plus pictures, videos, audio or precomputed embeddings) -> engine `Request`:
+tokenize, preprocess, expand placeholders, positions (M-RoPE, plain RoPE or Omni's)."""
 
 from __future__ import annotations
 
@@ -9,17 +9,28 @@ from typing import Any
 import numpy as np
 import torch
 
-from vlserve.core.config import DEFAULT_MAX_PIXELS_DECODED
+from vlserve.core.config import DEFAULT_MAX_AUDIO_SECONDS, DEFAULT_MAX_PIXELS_DECODED
 from vlserve.core.errors import InvalidInputError, MediaTooLargeError
 from vlserve.core.prompt import MultiModalItem, ProcessedPrompt
 from vlserve.frontend.config import FrontendConfig
+from vlserve.frontend.media.audio import (
+    AudioLimits,
+    AudioProcessorConfig,
+    audio_items,
+    load_audio,
+    load_video_audio,
+    log_mel,
+    valid_frames,
+)
 from vlserve.frontend.media.data_url import decode_base64
 from vlserve.frontend.media.hashing import (
+    hash_audio,
     hash_embeddings,
     hash_image,
     hash_user_id,
     hash_video,
     hash_video_patch,
+    hash_window,
 )
 from vlserve.frontend.media.image import (
     ImageProcessorConfig,
@@ -35,10 +46,12 @@ from vlserve.frontend.media.video import (
     video_grid,
 )
 from vlserve.frontend.mrope import MRopeItem, expand_all_placeholders, mrope_positions
+from vlserve.frontend.omni_layout import AudioVideoWindows, OmniGroup, OmniItem, omni_positions
 from vlserve.frontend.tokenizer import load_tokenizer
 from vlserve.frontend.video_layout import VideoLayout
+from vlserve.model.audio_encoder import audio_output_tokens
 
-MM_KWARGS = {"min_pixels", "max_pixels", "fps", "max_frames", "total_pixels"}
+MM_KWARGS = {"min_pixels", "max_pixels", "fps", "max_frames", "total_pixels", "use_audio_in_video"}
 EMBED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -59,6 +72,7 @@ class _Item:
     pixel_values: torch.Tensor | None = None
     embeddings: torch.Tensor | None = None
     time_interval: float = 1.0  # M-RoPE temporal spacing (videos)
+    seconds_per_grid: float = 1.0  # seconds one temporal patch covers (videos; Omni positions)
     modality: str = "image"
     audio_features: torch.Tensor | None = None
     audio_len: int = 0
@@ -68,20 +82,54 @@ class _Item:
                               self.embeddings, self.modality, self.audio_features, self.audio_len)
 
 
+@dataclass
+class _Heard:
+    """An Omni video heard with its sound: its 2-second windows' items (frames, then audio) in prompt order."""
+
+    items: list[_Item]
+    grid_thw: tuple[int, int, int]
+    seconds_per_grid: float
+    audio_tokens: int
+
+    def token_ids(self, m) -> list[int]:
+        """What replaces the video's pad: <|audio_bos|>, each window's pads, <|audio_eos|>."""
+        pads = {"video": m.video_token_id, "audio": m.audio_token_id}
+        return [m.audio_start_token_id, *(t for it in self.items for t in [pads[it.modality]] * it.num_tokens),
+                m.audio_end_token_id]
+
+    def placed(self, offset: int) -> list[tuple[int, _Item]]:
+        out = []
+        for it in self.items:
+            out.append((offset, it))
+            offset += it.num_tokens
+        return out
+
+
 class InputProcessor:
     """`max_image_pixels` bounds every picture and video frame twice: as decoded (checked from the header,
     before decoding: a larger one is refused) and as resized for the encoder (the resize target shrinks to fit
-    under it; checked again before resizing)."""
+    under it; checked again before resizing). `image_cfg` is None for a model without a vision tower,
+    `audio_cfg` for one without an audio tower."""
 
-    def __init__(self, cfg: FrontendConfig, tokenizer, image_cfg: ImageProcessorConfig,
-                 max_image_pixels: int = DEFAULT_MAX_PIXELS_DECODED):
+    def __init__(self, cfg: FrontendConfig, tokenizer, image_cfg: ImageProcessorConfig | None,
+                 max_image_pixels: int = DEFAULT_MAX_PIXELS_DECODED, audio_cfg: AudioProcessorConfig | None = None,
+                 max_audio_seconds: float = DEFAULT_MAX_AUDIO_SECONDS, max_media_bytes: int = 20 * 2**20,
+                 max_video_bytes: int = 200 * 2**20):
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.image_cfg = image_cfg
         self.vocab_size = cfg.model.text.vocab_size
         self.max_image_pixels = max_image_pixels
         m = cfg.model
-        self.video_opts = VideoOptions.for_model(cfg.model_path, m.video_rules, cfg.max_video_frames)
+        self.modalities = m.modalities
+        if "audio" in m.modalities and audio_cfg is None:
+            raise ValueError("a model with an audio tower needs its feature-extractor settings")
+        self.audio_cfg = audio_cfg
+        if audio_cfg is not None:
+            self.audio_limits = AudioLimits.for_model(audio_cfg, max_audio_seconds, max_bytes=max_media_bytes)
+            self.video_audio_limits = AudioLimits.for_model(audio_cfg, max_audio_seconds, max_bytes=max_video_bytes)
+        self.video_opts = VideoOptions.for_model(cfg.model_path, m.video_rules, cfg.max_video_frames) \
+            if m.vision is not None else None
         # Qwen3-VL: each temporal patch of a video is its own item, after a timestamp written into the prompt
         self.video_layout = (VideoLayout(tokenizer, m.vision_start_token_id, m.video_token_id, m.vision_end_token_id)
                              if m.video_timestamps else None)
@@ -98,10 +146,14 @@ class InputProcessor:
         self.max_prompt_chars = cfg.max_model_len * max(max((len(t) for t in tokenizer.get_vocab()), default=1), 1)
 
     @classmethod
-    def for_model(cls, cfg: FrontendConfig, max_image_pixels: int = DEFAULT_MAX_PIXELS_DECODED) -> "InputProcessor":
-        """With the checkpoint's own tokenizer and image-processor settings (every front-end starts this way)."""
-        return cls(cfg, load_tokenizer(cfg.model_path), ImageProcessorConfig.from_pretrained(cfg.model_path),
-                   max_image_pixels)
+    def for_model(cls, cfg: FrontendConfig, max_image_pixels: int = DEFAULT_MAX_PIXELS_DECODED,
+                  **audio_bounds) -> "InputProcessor":
+        """With the checkpoint's own tokenizer, image-processor and feature-extractor settings (every front-end
+        starts this way). `audio_bounds`: max_audio_seconds, max_media_bytes, max_video_bytes."""
+        m = cfg.model
+        image_cfg = ImageProcessorConfig.from_pretrained(cfg.model_path) if m.vision is not None else None
+        audio_cfg = AudioProcessorConfig.from_pretrained(cfg.model_path) if m.audio is not None else None
+        return cls(cfg, load_tokenizer(cfg.model_path), image_cfg, max_image_pixels, audio_cfg, **audio_bounds)
 
     def tokenize(self, prompt: dict | str) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -131,46 +183,94 @@ class InputProcessor:
             raise InvalidInputError("the prompt is empty")
         mm_data = (prompt.get("multi_modal_data") or {}) if isinstance(prompt, dict) else {}
         uuids = (prompt.get("multi_modal_uuids") or {}) if isinstance(prompt, dict) else {}
-        unknown = set(mm_data) - {"image", "video"}
+        unknown = set(mm_data) - set(self.modalities)
         if unknown:
-            raise InvalidInputError(f"unsupported multi_modal_data kinds: {sorted(unknown)} (supported: image, video)")
+            raise InvalidInputError(f"unsupported multi_modal_data kinds: {sorted(unknown)} (this model takes: "
+                                    f"{', '.join(self.modalities)})")
         kwargs = mm_processor_kwargs or {}
         if set(kwargs) - MM_KWARGS:
             raise InvalidInputError(f"unsupported mm_processor_kwargs: {sorted(set(kwargs) - MM_KWARGS)} "
                                     f"(supported: {', '.join(sorted(MM_KWARGS))})")
-        images = self._sources("image", mm_data, uuids)
-        videos = self._sources("video", mm_data, uuids)
-        min_px, max_px = resolve_pixel_limits(self.image_cfg, kwargs.get("min_pixels"), kwargs.get("max_pixels"),
-                                              cap=self.max_image_pixels)
-        if min_px > max(self.image_cfg.max_pixels, self.image_cfg.min_pixels):
-            raise InvalidInputError(f"min_pixels {min_px} is above this model's max_pixels "
-                                    f"({self.image_cfg.max_pixels})")
-        pixel_params = {"min_pixels": min_px, "max_pixels": max_px}  # what changes the encoder's output
-        image_items = [self._image(src, uid, pixel_params) for src, uid in images]
-        per_video = [self._video(src, uid, kwargs, pixel_params) for src, uid in videos]
-        video_items = [item for items, _ in per_video for item in items]
+        hear_videos = self._use_audio_in_video(kwargs)
+        mcfg = self.cfg.model
+        audio_items_ = [self._audio(src, uid) for src, uid in self._sources("audio", mm_data, uuids)]
+        image_items, per_video = [], []
+        if mcfg.vision is not None:
+            images = self._sources("image", mm_data, uuids)
+            videos = self._sources("video", mm_data, uuids)
+            min_px, max_px = resolve_pixel_limits(self.image_cfg, kwargs.get("min_pixels"), kwargs.get("max_pixels"),
+                                                  cap=self.max_image_pixels)
+            if min_px > max(self.image_cfg.max_pixels, self.image_cfg.min_pixels):
+                raise InvalidInputError(f"min_pixels {min_px} is above this model's max_pixels "
+                                        f"({self.image_cfg.max_pixels})")
+            pixel_params = {"min_pixels": min_px, "max_pixels": max_px}  # what changes the encoder's output
+            image_items = [self._image(src, uid, pixel_params) for src, uid in images]
+            per_video = [self._video(src, uid, kwargs, pixel_params, hear_videos) for src, uid in videos]
         if self.video_layout is not None and per_video:
             stamps = [timestamps for _, timestamps in per_video]
             if "prompt_token_ids" in prompt:  # (a prompt with media is always a dict)
                 token_ids = self.video_layout.token_ids(token_ids, stamps)
             else:  # rewritten as text and tokenized again, as the reference processor does
                 token_ids = self.tokenize({"prompt": self.video_layout.text(text, stamps)})[1]
-
-        mcfg = self.cfg.model
+        if hear_videos:  # one replacement per video: plain, or its frames and sound interleaved
+            video_pads = [items.token_ids(mcfg) if isinstance(items, _Heard) else items[0].num_tokens
+                          for items, _ in per_video]
+        else:
+            video_items = [item for items, _ in per_video for item in items]
+            video_pads = [it.num_tokens for it in video_items]
         token_ids, offsets = expand_all_placeholders(token_ids, {
             mcfg.image_token_id: [it.num_tokens for it in image_items],
-            mcfg.video_token_id: [it.num_tokens for it in video_items]})
-        placed = sorted(zip(offsets[mcfg.image_token_id] + offsets[mcfg.video_token_id], image_items + video_items),
-                        key=lambda x: x[0])
-        positions, delta = mrope_positions(
-            token_ids, [MRopeItem(off, it.grid_thw, it.time_interval) for off, it in placed],
-            mcfg.vision.spatial_merge_size if mcfg.vision is not None else 1)
+            mcfg.video_token_id: video_pads,
+            mcfg.audio_token_id: [it.num_tokens for it in audio_items_]})
+        placed = list(zip(offsets[mcfg.image_token_id], image_items)) + \
+            list(zip(offsets[mcfg.audio_token_id], audio_items_))
+        groups = []
+        if hear_videos:
+            for start, (items, _) in zip(offsets[mcfg.video_token_id], per_video):
+                if isinstance(items, _Heard):  # after its <|audio_bos|>
+                    groups.append((items, OmniGroup(start + 1, items.grid_thw, items.seconds_per_grid,
+                                                    items.audio_tokens)))
+                    placed += items.placed(start + 1)
+                else:
+                    placed.append((start, items[0]))
+        else:
+            placed += list(zip(offsets[mcfg.video_token_id], video_items))
+        placed.sort(key=lambda x: x[0])
+        positions, delta = POSITIONS[mcfg.position_kind](self, len(token_ids), placed, groups)
         mm_items = [it.placed_at(off) for off, it in placed]
         return ProcessedPrompt(token_ids, mm_items, positions, delta, text)
 
+    def _mrope(self, length: int, placed: list, groups: list) -> tuple[torch.Tensor, int]:
+        return mrope_positions(range(length), [MRopeItem(off, it.grid_thw, it.time_interval) for off, it in placed],
+                               self.cfg.model.vision.spatial_merge_size)
+
+    def _rope(self, length: int, placed: list, groups: list) -> tuple[torch.Tensor, int]:
+        """Qwen2-Audio: one running position, sent as three equal rows."""
+        return torch.arange(length).expand(3, -1).contiguous(), 0
+
+    def _omni(self, length: int, placed: list, groups: list) -> tuple[torch.Tensor, int]:
+        m = self.cfg.model
+        in_groups = {id(it) for heard, _ in groups for it in heard.items}
+        entries = [OmniItem(off, it.num_tokens, it.grid_thw, it.seconds_per_grid, it.modality == "audio")
+                   for off, it in placed if id(it) not in in_groups] + [group for _, group in groups]
+        entries.sort(key=lambda e: e.offset)
+        return omni_positions(length, entries, m.vision.spatial_merge_size, m.audio.position_id_per_seconds,
+                              m.audio.seconds_per_chunk)
+
+    def _use_audio_in_video(self, kwargs: dict) -> bool:
+        hear = kwargs.get("use_audio_in_video", False)
+        if not isinstance(hear, bool):
+            raise InvalidInputError("use_audio_in_video must be true or false")
+        if hear and self.cfg.model.position_kind != "omni":
+            raise InvalidInputError("use_audio_in_video: this model cannot hear a video's sound (Qwen2.5-Omni can)")
+        return hear
+
     def _sources(self, kind: str, mm_data: dict, uuids: dict) -> list[tuple[Any, str | None]]:
         value = mm_data.get(kind)
-        items = [value] if isinstance(value, np.ndarray) else as_list(value)  # one [T, H, W, 3] video array
+        if kind == "audio":  # a bare (waveform, rate) tuple is one clip
+            items = audio_items(value)
+        else:
+            items = [value] if isinstance(value, np.ndarray) else as_list(value)  # one [T, H, W, 3] video array
         limit = self.cfg.limit_mm_per_prompt.get(kind, 0)
         if len(items) > limit:
             raise InvalidInputError(f"{len(items)} {kind}s in one prompt; at most {limit} allowed "
@@ -191,9 +291,10 @@ class InputProcessor:
         mm_hash = hash_user_id(str(uid), params) if uid else hash_image(img, params)
         return _Item(p.num_embed_tokens, p.grid_thw, mm_hash, pixel_values=p.pixel_values)
 
-    def _video(self, src: Any, uid: str | None, kwargs: dict, pixel_params: dict) -> tuple[list[_Item], list[float]]:
+    def _video(self, src: Any, uid: str | None, kwargs: dict, pixel_params: dict,
+               hear: bool = False) -> tuple[list[_Item] | _Heard, list[float]]:
         """The video's items: one, or with Qwen3-VL's layout one per temporal patch plus each patch's time in
-        seconds (for the prompt)."""
+        seconds (for the prompt), or (`hear`: Omni with its sound) its windows' items."""
         opts = self.video_opts.with_overrides(kwargs, self.cfg.max_video_frames, self.max_image_pixels)
         video = load_video(list(src) if isinstance(src, np.ndarray) else src, opts, self.max_image_pixels)
         lo, hi = pixel_params["min_pixels"], pixel_params["max_pixels"]
@@ -210,8 +311,60 @@ class InputProcessor:
                           pixel_values=rows[k], modality="video") for k in range(t)], video.timestamps(self.image_cfg.temporal_patch_size)
         vision = self.cfg.model.vision
         interval = p.second_per_grid * vision.tokens_per_second if vision.time_scaled_video else 1.0
+        sound = load_video_audio(src, self.video_audio_limits) if hear and not isinstance(src, np.ndarray) else None
+        if sound is not None:  # a silent video stays a plain one
+            return self._heard_video(p, mm_hash, sound.waveform, uid), []
         return [_Item(p.num_embed_tokens, p.grid_thw, mm_hash, pixel_values=p.pixel_values,
-                      time_interval=interval, modality="video")], []
+                      time_interval=interval, modality="video", seconds_per_grid=p.second_per_grid)], []
+
+    def _heard_video(self, p, video_hash: str, waveform: np.ndarray, uid: str | None) -> _Heard:
+        """Frames and sound cut into the windows they are laid out in; each window of either encodes alone."""
+        m = self.cfg.model
+        merge = m.vision.spatial_merge_size
+        sound = self._audio_item(waveform, f"{uid}/audio" if uid else None, "the video's sound track")
+        windows = AudioVideoWindows.plan(p.grid_thw[0], p.second_per_grid, sound.num_tokens,
+                                         m.audio.position_id_per_seconds, m.audio.seconds_per_chunk)
+        per_window = int(m.audio.position_id_per_seconds * m.audio.seconds_per_chunk)
+        tokens_per_encoder_chunk = m.audio.n_window // 2  # 2 * n_window frames -> n_window rows -> pooled by 2
+        if m.audio.n_window % 2 or per_window % tokens_per_encoder_chunk:
+            raise InvalidInputError("use_audio_in_video: this model's audio windows do not fall on its audio "
+                                    "tower's chunks, so its sound cannot be encoded window by window")
+        t, h, w = p.grid_thw
+        rows = p.pixel_values.view(t, h * w, -1)
+        items = []
+        for kind, a, b in windows.order():
+            if kind == "video":
+                items.append(_Item((b - a) * h * w // merge**2, (b - a, h, w), hash_window(video_hash, a, b),
+                                   pixel_values=rows[a:b].reshape((b - a) * h * w, -1), modality="video",
+                                   seconds_per_grid=p.second_per_grid))
+                continue
+            frames = min(4 * b, sound.audio_len) - 4 * a  # a token pools 2 rows of the stride-2 stem: 4 frames
+            if audio_output_tokens(frames) != b - a:
+                raise InvalidInputError("use_audio_in_video: the sound track's windows do not split evenly")
+            feats = sound.audio_features[:, 4 * a:4 * a + frames].contiguous()
+            items.append(_Item(b - a, (1, 1, b - a), hash_window(sound.mm_hash, a, b), modality="audio",
+                               audio_features=feats, audio_len=frames))
+        return _Heard(items, p.grid_thw, p.second_per_grid, sound.num_tokens)
+
+    def _audio(self, src: Any, uid: str | None) -> _Item:
+        clip = load_audio(src, self.audio_limits)
+        return self._audio_item(clip.waveform, uid, "audio clip")
+
+    def _audio_item(self, waveform: np.ndarray, uid: str | None, what: str) -> _Item:
+        """Features the checkpoint's extractor would give (the frames the tower reads), token count checked first."""
+        cfg, ctx = self.audio_cfg, self.cfg.model.audio.context_frames
+        tokens = audio_output_tokens(valid_frames(len(waveform), cfg))
+        if tokens <= 0:
+            raise InvalidInputError(f"the {what} is too short ({len(waveform) / cfg.sampling_rate * 1000:.0f} ms): "
+                                    f"it gives the model no audio token")
+        name, limit = self.item_token_limit
+        if tokens > limit:
+            raise InvalidInputError(f"the {what} would take {tokens} embedding tokens, more than the {limit} one item "
+                                    f"may take here ({name}); send a shorter one")
+        feats, frames = log_mel(waveform, cfg, ctx)
+        params = cfg.hash_params(ctx)
+        mm_hash = hash_user_id(str(uid), params) if uid else hash_audio(waveform, cfg.sampling_rate, params)
+        return _Item(tokens, (1, 1, tokens), mm_hash, modality="audio", audio_features=feats, audio_len=frames)
 
     def _check_size(self, grid_thw: tuple[int, int, int], what: str) -> None:
         """Refuse a resized item that is too large before doing the resize."""
@@ -254,6 +407,10 @@ class InputProcessor:
         embeds = embeds.to(self.cfg.dtype).contiguous()
         grid = (grid[0], grid[1], grid[2])
         return _Item(tokens, grid, hash_embeddings(embeds, grid), embeddings=embeds)
+
+
+# How each model family numbers a prompt's positions (`ModelConfig.position_kind`).
+POSITIONS = {"mrope": InputProcessor._mrope, "rope": InputProcessor._rope, "omni": InputProcessor._omni}
 
 
 def decode_embeds(value: Any) -> torch.Tensor:

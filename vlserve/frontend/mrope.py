@@ -56,10 +56,11 @@ def expand_placeholders(
 
 
 def expand_all_placeholders(
-    token_ids: Sequence[int], num_tokens: dict[int, Sequence[int]]
+    token_ids: Sequence[int], num_tokens: dict[int, Sequence[int | list[int]]]
 ) -> tuple[list[int], dict[int, list[int]]]:
     """Several kinds at once (image and video pads interleaved): the k-th pad of kind `pad_id` becomes
-    `num_tokens[pad_id][k]` copies. Returns the expanded ids and each kind's item offsets in them."""
+    `num_tokens[pad_id][k]` copies, or that list of ids when it is a list (an Omni video heard with its sound).
+    Returns the expanded ids and where each kind's k-th replacement starts in them."""
     wanted = {pad: list(ns) for pad, ns in num_tokens.items()}
     found = {pad: sum(1 for tok in token_ids if tok == pad) for pad in wanted}
     for pad, ns in wanted.items():
@@ -74,11 +75,12 @@ def expand_all_placeholders(
         if tok not in wanted:
             continue
         n = wanted[tok][len(offsets[tok])]
-        if n <= 0:
+        replacement = n if isinstance(n, list) else [tok] * n
+        if not replacement:
             raise InvalidInputError(f"a media item must occupy at least one token, got {n}")
         out.extend(token_ids[prev:pos])  # slices keep the whole thing O(len(output))
         offsets[tok].append(len(out))
-        out.extend([tok] * n)
+        out.extend(replacement)
         prev = pos + 1
     out.extend(token_ids[prev:])
     return out, offsets

@@ -57,7 +57,7 @@ def make_engine(opts: Options, log_level: str = "INFO", role: str = SERVE) -> As
     engine = AsyncLLM(opts.engine, server.served_model_name or opts.engine.model,
                       max_waiting_requests=server.max_waiting_requests, media_threads=server.media_threads,
                       log_requests=not server.disable_log_requests, log_level=log_level,
-                      max_image_pixels=server.max_image_pixels, heartbeat_timeout=server.engine_heartbeat_timeout,
+                      media_bounds=server.media_bounds(), heartbeat_timeout=server.engine_heartbeat_timeout,
                       prompt_encoder=encoder, kv_role=role if role in KV_ROLES else None)
     if template is not None:
         engine.tokenizer.chat_template = template

@@ -83,7 +83,7 @@ class SizeSpec:
     layers_3: int  # Qwen3-VL LM depth: more layers than DeepStack levels, or the last level could not matter
     # Audio tower (Qwen2-Audio, Omni): (d_model, layers, heads, ffn width); Omni's chunk is 2 x n_window frames.
     audio: tuple[int, int, int, int] = (32, 2, 2, 64)
-    audio_n_window: int = 25
+    audio_n_window: int = 10
 
 
 SIZES: dict[str, SizeSpec] = {
@@ -91,10 +91,10 @@ SIZES: dict[str, SizeSpec] = {
     # DeepStack from non-adjacent blocks, and a 4x4 position grid smaller than any picture's, so it is resampled.
     "tiny": SizeSpec(1000, 64, 2, 4, 2, 128, (2, 3, 3), 32, 2, 2, 4, 64, (1, 3), 28 * 28 * 256,
                      torch.float32, 0.15, False, vit_depth_3=4, deepstack_3=(0, 2), position_grid_3=4,
-                     experts=(4, 2, 48), layers_3=3, audio=(32, 2, 2, 64), audio_n_window=25),
+                     experts=(4, 2, 48), layers_3=3, audio=(32, 2, 2, 64), audio_n_window=10),
     "small": SizeSpec(1000, 128, 4, 4, 2, 256, (4, 6, 6), 64, 4, 2, 4, 128, (1, 3), 28 * 28 * 256,
                       torch.float32, 0.15, False, vit_depth_3=4, deepstack_3=(0, 2), position_grid_3=8,
-                      experts=(4, 2, 96), layers_3=4, audio=(64, 2, 4, 128), audio_n_window=25),
+                      experts=(4, 2, 96), layers_3=4, audio=(64, 2, 4, 128), audio_n_window=10),
     # Real proportions (head_dim 128, GQA 4:1) for benchmarks; ~240M parameters (Qwen3-VL-MoE: ~550M, top-2 of 8).
     "medium": SizeSpec(8000, 1024, 12, 8, 2, 4096, (16, 24, 24), 640, 10, 8, 8, 1728, (3, 7), 1003520,
                        torch.bfloat16, 0.02, True, vit_depth_3=8, deepstack_3=(1, 3, 5), position_grid_3=48,

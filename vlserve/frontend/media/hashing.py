@@ -55,6 +55,12 @@ def hash_video_patch(video_hash: str, index: int) -> str:
     return blake3.blake3(f"video-patch|{video_hash}|{index}".encode()).hexdigest(length=16)
 
 
+def hash_window(item_hash: str, start: int, end: int) -> str:
+    """Part [start, end) of a hashed item (an Omni video heard with its sound: frames or audio tokens of one
+    2-second window, each encoded and cached as its own item)."""
+    return blake3.blake3(f"window|{item_hash}|{start}|{end}".encode()).hexdigest(length=16)
+
+
 def hash_embeddings(embeds, grid_thw: tuple[int, int, int]) -> str:
     """Precomputed embeddings are their own content: equal tensors share encoder and prefix cache entries."""
     h = blake3.blake3(f"embeds|{tuple(grid_thw)}|{embeds.dtype}|{tuple(embeds.shape)}|".encode())
