@@ -43,6 +43,7 @@ FILE_TIERS = {
     "test_tiny_model.py": "unit",
     "test_tool_calls.py": "unit",
     "test_transfer_buffers.py": "unit",
+    "test_audio_parity.py": "engine",
     "test_caching.py": "engine",
     "test_chat_api.py": "engine",
     "test_cpu_paths.py": "engine",
