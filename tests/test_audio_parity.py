@@ -89,8 +89,9 @@ def llm(ref) -> LLM:
     return LLM(ref.path, dtype="float32", num_kv_blocks=256, limit_mm_per_prompt={"audio": 3})
 
 
-def _record_chunks(llm: LLM) -> list[tuple[list, int, int]]:
-    """Wrap the scheduler: collects (the request's media items, first token, end) of every scheduled chunk."""
+def _record_chunks(llm: LLM, preempted: list | None = None) -> list[tuple[list, int, int]]:
+    """Wrap the scheduler: collects (the request's media items, first token, end) of every scheduled chunk, and
+    into `preempted` the media items of every preempted request."""
     sched = llm.engine.core.scheduler
     seen: list[tuple[list, int, int]] = []
     orig = sched.schedule
@@ -98,6 +99,8 @@ def _record_chunks(llm: LLM) -> list[tuple[list, int, int]]:
     def schedule():
         out = orig()
         seen.extend((c.req.mm_items, c.start, c.end) for c in out.chunks)
+        if preempted is not None:
+            preempted.extend(sched.requests[rid].mm_items for rid in out.preempted)
         return out
 
     sched.schedule = schedule
@@ -147,8 +150,12 @@ def test_unsplit_audio_when_chunked_mm_input_is_off(ref):
 # ---- 4: preemption -----------------------------------------------------------------------------------------------
 def test_preemption_recomputes_identically(ref):
     llm = LLM(ref.path, dtype="float32", num_kv_blocks=40, block_size=4, max_num_batched_tokens=64)
+    preempted: list = []
+    _record_chunks(llm, preempted)
     _run_and_check(llm, ref, MIXED)
     assert llm.get_metrics()["num_preemptions_total"] > 0, "the pool was meant to be too small for all at once"
+    assert any(it.modality == "audio" for items in preempted for it in items), "a request with audio was to be " \
+        "preempted and recomputed"
     assert_pool_full(llm)
 
 
@@ -163,9 +170,11 @@ def test_same_audio_prompt_hits_the_prefix_cache(llm, ref):
     (second,) = _run(llm, [(prompt, [fresh])])
     d = _delta(mid, _metrics(llm))
     _check([second], [expected], ["second"])
-    n, bs = len(second.prompt_token_ids), llm.config.block_size
-    assert d["prefix_cache_hits_total"] >= n - bs, f"only {d['prefix_cache_hits_total']} of {n} tokens reused"
-    assert d["encoder_cache_queries_total"] == 0, "the clip's blocks were all cached: no encoder query"
+    ids, bs = second.prompt_token_ids, llm.config.block_size
+    assert d["prefix_cache_hits_total"] >= len(ids) - bs, f"only {d['prefix_cache_hits_total']} of {len(ids)} reused"
+    audio_end = len(ids) - ids[::-1].index(llm.config.model.audio_token_id)
+    assert d["prefix_cache_hits_total"] >= audio_end, "the clip's blocks should all be cached"
+    assert d["encoder_cache_queries_total"] == 0, "nothing of the clip is computed again: no encoder query"
     assert _delta(before, mid)["encoder_cache_hits_total"] == 0
 
 
