@@ -211,6 +211,17 @@ def test_the_audio_changes_the_output_and_a_repeat_hits_the_encoder_cache(llm, r
     assert_pool_full(llm)
 
 
+def test_shortest_clips(llm, ref):
+    """0.1 s (2 tokens) still equals transformers; 25 ms gives one token (transformers would take its legacy merge
+    there, so no reference) and is served."""
+    prompt = chat(f"{AUD}?")
+    _check(_run(llm, [(prompt, [noise(1600, seed=51)])]), [ref.greedy(prompt, [noise(1600, seed=51)])], ["0.1 s"])
+    (out,) = _run(llm, [(prompt, [noise(400, seed=52)])])
+    assert out.prompt_token_ids.count(llm.config.model.audio_token_id) == 1
+    assert len(out.outputs[0].token_ids) == MAX_NEW
+    assert_pool_full(llm)
+
+
 # ---- 8: bad input ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("prompt,clips,match", [
     (AUD, [np.zeros(0, np.float32)], "no samples"),
