@@ -126,6 +126,23 @@ def test_mixed_batches_in_both_orders(llm, ref):
     assert_pool_full(llm)
 
 
+def test_clips_of_one_step_share_one_audio_tower_call(ref):
+    """Three clips prefilled in one step go through the audio tower together (one call, three outputs)."""
+    llm = LLM(ref.path, dtype="float32", num_kv_blocks=256)
+    encoders = llm.engine.core.runner.encoders
+    calls: list[int] = []
+    orig = encoders.model.encode_audio
+
+    def encode_audio(features, lengths):
+        calls.append(len(features))
+        return orig(features, lengths)
+
+    encoders.model.encode_audio = encode_audio
+    _run_and_check(llm, ref, ["one", "two"])
+    assert calls == [3], f"audio tower calls (clips per call): {calls}"
+    assert_pool_full(llm)
+
+
 # ---- 3: chunked prefill ------------------------------------------------------------------------------------------
 def test_chunked_prefill_splits_audio(ref):
     """A 7-token budget cuts every audio item (>= 32 tokens) across several steps."""
