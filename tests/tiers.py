@@ -30,6 +30,7 @@ FILE_TIERS = {
     "test_model_facts.py": "unit",
     "test_media_fetch.py": "unit",
     "test_mrope.py": "unit",
+    "test_omni_layout.py": "unit",
     "test_peer_affinity.py": "unit",
     "test_pixel_cap.py": "unit",
     "test_prefill_attention.py": "unit",

@@ -322,14 +322,14 @@ class InputProcessor:
         m = self.cfg.model
         merge = m.vision.spatial_merge_size
         sound = self._audio_item(waveform, f"{uid}/audio" if uid else None, "the video's sound track")
-        windows = AudioVideoWindows.plan(p.grid_thw[0], p.second_per_grid, sound.num_tokens,
-                                         m.audio.position_id_per_seconds, m.audio.seconds_per_chunk)
+        t, h, w = p.grid_thw
+        windows = AudioVideoWindows.plan(t, p.second_per_grid, sound.num_tokens, m.audio.position_id_per_seconds,
+                                         m.audio.seconds_per_chunk, h * w // merge**2)
         per_window = int(m.audio.position_id_per_seconds * m.audio.seconds_per_chunk)
         tokens_per_encoder_chunk = m.audio.n_window // 2  # 2 * n_window frames -> n_window rows -> pooled by 2
         if m.audio.n_window % 2 or per_window % tokens_per_encoder_chunk:
             raise InvalidInputError("use_audio_in_video: this model's audio windows do not fall on its audio "
                                     "tower's chunks, so its sound cannot be encoded window by window")
-        t, h, w = p.grid_thw
         rows = p.pixel_values.view(t, h * w, -1)
         items = []
         for kind, a, b in windows.order():
