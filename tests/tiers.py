@@ -53,6 +53,7 @@ FILE_TIERS = {
     "test_hardware.py": "engine",
     "test_loader.py": "engine",
     "test_mm_embeds.py": "engine",
+    "test_omni_parity.py": "engine",
     "test_packed_linear.py": "engine",
     "test_parity.py": "engine",
     "test_pd_handoff.py": "engine",
