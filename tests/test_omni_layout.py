@@ -48,7 +48,7 @@ def test_window_spans_equal_transformers(times):
 
 
 # ---- positions -------------------------------------------------------------------------------------------------
-def processor_self(cfg) -> types.SimpleNamespace:
+def processor_self() -> types.SimpleNamespace:
     """What `replace_video_with_audio_token` reads of its processor; tokens as one character each."""
     return types.SimpleNamespace(
         video_processor=types.SimpleNamespace(merge_size=MERGE), audio_bos_token="B", audio_eos_token="E",
@@ -99,7 +99,7 @@ class Prompt:
         c = self.cfg
         n = int(_get_feat_extract_output_lengths(torch.tensor(frames)))
         layout = Qwen2_5OmniProcessor.replace_video_with_audio_token(
-            processor_self(c), {"video_grid_thw": [torch.tensor(grid)], "video_second_per_grid": [seconds_per_grid]},
+            processor_self(), {"video_grid_thw": [torch.tensor(grid)], "video_second_per_grid": [seconds_per_grid]},
             0, {"num_audio_tokens": [torch.tensor(n)]}, 0, position_id_per_seconds=IDS_PER_SECOND,
             seconds_per_chunk=SECONDS_PER_CHUNK)
         per_frame = grid[1] * grid[2] // MERGE**2

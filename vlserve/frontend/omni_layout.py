@@ -14,7 +14,8 @@ where Vj are the frames whose time id falls in the j-th window of `position_id_p
 ids (2 s) and Aj the audio tokens of that window (50 tokens of 40 ms). Both tracks start at the same id, one past
 the `<|vision_bos|>`, which shares its id with `<|audio_bos|>`; the two closing tokens share the id after the
 last window's maximum. The token layout follows the processor (frame times as floats) and the ids follow the model
-(times truncated), exactly as the two do in transformers.
+(times truncated), exactly as the two do in transformers. Windows are cut token by token there: a temporal patch
+more than one window past the last edge (over 2 s a patch) is split over windows, which is refused here.
 
 Each Vj and Aj is its own media item here: the Qwen2.5-VL vision tower attends within a frame and the Omni audio
 tower within chunks of 2 * n_window frames, so a window encodes alone to the rows it has inside the whole.
