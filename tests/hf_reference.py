@@ -84,3 +84,101 @@ class HFAudioReference:
                                   do_sample=False, pad_token_id=self.tokenizer.pad_token_id)
         prompt_ids = inputs["input_ids"][0].tolist()
         return prompt_ids, out[0, len(prompt_ids):].tolist()
+
+
+class HFOmniReference:
+    """transformers' Qwen2.5-Omni thinker (alone, or inside the full model): WhisperFeatureExtractor for sound,
+    Qwen2VLImageProcessorPil for pictures, video pixels given (ours, equal to transformers' image path: see
+    test_video.py). Placeholders expanded by hand; a video heard with its sound laid out by transformers' own
+    `Qwen2_5OmniProcessor.replace_video_with_audio_token`, called unbound (the processor needs torchvision)."""
+
+    def __init__(self, path, full: bool = False):
+        from transformers import (
+            Qwen2_5OmniForConditionalGeneration,
+            Qwen2_5OmniThinkerForConditionalGeneration,
+            WhisperFeatureExtractor,
+        )
+
+        if full:
+            self.model = Qwen2_5OmniForConditionalGeneration.from_pretrained(path, dtype=torch.float32).thinker
+        else:
+            self.model = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
+        self.model.eval()
+        self.cfg = self.model.config
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.extractor = WhisperFeatureExtractor.from_pretrained(path)
+        self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(path)
+
+    def _sound(self, wave) -> tuple[torch.Tensor, torch.Tensor, int]:
+        from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import _get_feat_extract_output_lengths
+
+        feats = self.extractor([wave], sampling_rate=self.extractor.sampling_rate, padding="max_length",
+                               return_attention_mask=True, return_tensors="pt")
+        mask = feats["attention_mask"]
+        return feats["input_features"], mask, int(_get_feat_extract_output_lengths(mask.sum(-1))[0])
+
+    def _heard_layout(self, grid: tuple[int, int, int], seconds_per_grid: float, audio_tokens: int) -> list[int]:
+        import types
+
+        import numpy as np
+        from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import Qwen2_5OmniProcessor
+
+        c = self.cfg
+        processor = types.SimpleNamespace(  # what the method reads of its processor; one character a token
+            video_processor=types.SimpleNamespace(merge_size=c.vision_config.spatial_merge_size),
+            audio_bos_token="B", audio_eos_token="E", video_token="V", audio_token="A",
+            get_chunked_index=lambda idx, n: Qwen2_5OmniProcessor.get_chunked_index(None, np.asarray(idx), n))
+        text = Qwen2_5OmniProcessor.replace_video_with_audio_token(
+            processor, {"video_grid_thw": [list(grid)], "video_second_per_grid": [seconds_per_grid]}, 0,
+            {"num_audio_tokens": [audio_tokens]}, 0, position_id_per_seconds=c.position_id_per_seconds,
+            seconds_per_chunk=c.seconds_per_chunk)
+        ids = {"B": c.audio_start_token_id, "E": c.audio_end_token_id, "V": c.video_token_id, "A": c.audio_token_id}
+        return [ids[ch] for ch in text]
+
+    def inputs(self, prompt: str, audio=(), images=(), videos=(), heard: bool = False) -> dict:
+        """`audio`: waveforms at 16 kHz; `videos`: (pixel_values, grid_thw, seconds_per_grid, waveform | None),
+        heard with their sound when `heard` (every video of the prompt then needs one)."""
+        c = self.cfg
+        merge = c.vision_config.spatial_merge_size
+        clips, sounds, out = iter(audio), [], {}
+        pictures = iter([])
+        if images:
+            im = self.image_processor(images=list(images), return_tensors="pt")
+            out.update(pixel_values=im["pixel_values"], image_grid_thw=im["image_grid_thw"])
+            pictures = iter((im["image_grid_thw"].prod(-1) // merge**2).tolist())
+        films = iter(videos)
+        ids = []
+        for tok in self.tokenizer.encode(prompt):
+            if tok == c.audio_token_id:
+                sounds.append(self._sound(next(clips)))
+                ids += [tok] * sounds[-1][2]
+            elif tok == c.image_token_id:
+                ids += [tok] * next(pictures)
+            elif tok == c.video_token_id:
+                _, grid, seconds, wave = next(films)
+                if heard:
+                    sounds.append(self._sound(wave))
+                    ids += self._heard_layout(grid, seconds, sounds[-1][2])
+                else:
+                    ids += [tok] * (grid[0] * grid[1] * grid[2] // merge**2)
+            else:
+                ids.append(tok)
+        if sounds:  # in the order the prompt hears them, the video's own among the clips
+            out.update(input_features=torch.cat([s[0] for s in sounds]),
+                       feature_attention_mask=torch.cat([s[1] for s in sounds]))
+        if videos:
+            out.update(pixel_values_videos=torch.cat([v[0] for v in videos]),
+                       video_grid_thw=torch.tensor([list(v[1]) for v in videos]),
+                       video_second_per_grid=torch.tensor([v[2] for v in videos]))
+        out["use_audio_in_video"] = heard
+        input_ids = torch.tensor([ids])
+        out.update(input_ids=input_ids, attention_mask=torch.ones_like(input_ids))
+        return out
+
+    @torch.no_grad()
+    def greedy(self, prompt: str, max_new_tokens: int, **media) -> tuple[list[int], list[int]]:
+        inputs = self.inputs(prompt, **media)
+        out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                                  do_sample=False, pad_token_id=self.tokenizer.pad_token_id)
+        prompt_ids = inputs["input_ids"][0].tolist()
+        return prompt_ids, out[0, len(prompt_ids):].tolist()

@@ -322,14 +322,14 @@ class InputProcessor:
         m = self.cfg.model
         merge = m.vision.spatial_merge_size
         sound = self._audio_item(waveform, f"{uid}/audio" if uid else None, "the video's sound track")
-        windows = AudioVideoWindows.plan(p.grid_thw[0], p.second_per_grid, sound.num_tokens,
-                                         m.audio.position_id_per_seconds, m.audio.seconds_per_chunk)
+        t, h, w = p.grid_thw
+        windows = AudioVideoWindows.plan(t, p.second_per_grid, sound.num_tokens, m.audio.position_id_per_seconds,
+                                         m.audio.seconds_per_chunk, h * w // merge**2)
         per_window = int(m.audio.position_id_per_seconds * m.audio.seconds_per_chunk)
         tokens_per_encoder_chunk = m.audio.n_window // 2  # 2 * n_window frames -> n_window rows -> pooled by 2
         if m.audio.n_window % 2 or per_window % tokens_per_encoder_chunk:
             raise InvalidInputError("use_audio_in_video: this model's audio windows do not fall on its audio "
                                     "tower's chunks, so its sound cannot be encoded window by window")
-        t, h, w = p.grid_thw
         rows = p.pixel_values.view(t, h * w, -1)
         items = []
         for kind, a, b in windows.order():
@@ -338,10 +338,13 @@ class InputProcessor:
                                    pixel_values=rows[a:b].reshape((b - a) * h * w, -1), modality="video",
                                    seconds_per_grid=p.second_per_grid))
                 continue
-            frames = min(4 * b, sound.audio_len) - 4 * a  # a token pools 2 rows of the stride-2 stem: 4 frames
+            # A token pools 2 rows of the stride-2 stem: 4 frames. The last window keeps every frame left: the
+            # tower's last chunk reads the frames past its last whole token too (conv taps and attention).
+            last = b == sound.num_tokens
+            frames = (sound.audio_len if last else 4 * b) - 4 * a
             if audio_output_tokens(frames) != b - a:
                 raise InvalidInputError("use_audio_in_video: the sound track's windows do not split evenly")
-            feats = sound.audio_features[:, 4 * a:4 * a + frames].contiguous()
+            feats = sound.audio_features[:, 4 * a:None if last else 4 * b].contiguous()
             items.append(_Item(b - a, (1, 1, b - a), hash_window(sound.mm_hash, a, b), modality="audio",
                                audio_features=feats, audio_len=frames))
         return _Heard(items, p.grid_thw, p.second_per_grid, sound.num_tokens)

@@ -14,7 +14,8 @@ where Vj are the frames whose time id falls in the j-th window of `position_id_p
 ids (2 s) and Aj the audio tokens of that window (50 tokens of 40 ms). Both tracks start at the same id, one past
 the `<|vision_bos|>`, which shares its id with `<|audio_bos|>`; the two closing tokens share the id after the
 last window's maximum. The token layout follows the processor (frame times as floats) and the ids follow the model
-(times truncated), exactly as the two do in transformers.
+(times truncated), exactly as the two do in transformers. Windows are cut token by token there: a temporal patch
+more than one window past the last edge (over 2 s a patch) is split over windows, which is refused here.
 
 Each Vj and Aj is its own media item here: the Qwen2.5-VL vision tower attends within a frame and the Omni audio
 tower within chunks of 2 * n_window frames, so a window encodes alone to the rows it has inside the whole.
@@ -62,11 +63,21 @@ class AudioVideoWindows:
 
     @classmethod
     def plan(cls, grid_t: int, seconds_per_grid: float, audio_tokens: int, ids_per_second: float,
-             seconds_per_chunk: float) -> "AudioVideoWindows":
+             seconds_per_chunk: float, tokens_per_frame: int = 1) -> "AudioVideoWindows":
+        """Windows are cut token by token, as transformers does: a temporal patch more than one window after the
+        last edge is split over several windows, which no item here can hold (each frame encodes whole), so such a
+        video is refused."""
         per_window = int(ids_per_second * seconds_per_chunk)
         if per_window <= 0:
             raise InvalidInputError("this model's position_id_per_seconds x seconds_per_chunk is not positive")
-        return cls(window_spans(frame_times(grid_t, seconds_per_grid, ids_per_second), per_window),
+        times = [t for t in frame_times(grid_t, seconds_per_grid, ids_per_second) for _ in range(tokens_per_frame)]
+        spans = window_spans(times, per_window)
+        if any(a % tokens_per_frame or b % tokens_per_frame for a, b in spans):
+            raise InvalidInputError(
+                f"use_audio_in_video: one temporal patch of this video covers {seconds_per_grid:g} s, so its frames "
+                f"fall across several {seconds_per_chunk:g} s windows; send a shorter video or ask for a higher "
+                f"fps or max_frames")
+        return cls([(a // tokens_per_frame, b // tokens_per_frame) for a, b in spans],
                    window_spans(range(audio_tokens), per_window))
 
     def order(self) -> list[tuple[str, int, int]]:
