@@ -47,6 +47,7 @@ FILE_TIERS = {
     "test_chat_api.py": "engine",
     "test_cpu_paths.py": "engine",
     "test_encode_service.py": "engine",
+    "test_encoder_towers.py": "engine",
     "test_engine_errors.py": "engine",
     "test_engine_sampling.py": "engine",
     "test_hardware.py": "engine",
