@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from fastapi import FastAPI
 from fastapi.responses import Response
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
 from vlserve.core.config import TOWER_MODALITIES, Options
@@ -91,6 +91,10 @@ class EncodeService(SenderService):
         self.in_flight = 0
         # What its loaded towers encode (--towers): all it announces, and all it takes.
         self.modalities = tuple(k for t in self.cfg.towers for k in TOWER_MODALITIES[t])
+        self.mm_items = Counter(PREFIX + "mm_items", "Media items in prompts taken for encoding, by modality.",
+                                ["modality"], registry=self.registry)
+        for kind in self.modalities:
+            self.mm_items.labels(kind)
 
     def pong(self, nonce: int) -> Pong:
         m = self.cfg.model
@@ -121,6 +125,8 @@ class EncodeService(SenderService):
             self.check_kinds(req)
             prompt = self.start_request(req)
             processed = (await self.prompts.encode(prompt, req.mm_processor_kwargs, req.request_id)).prompt
+            for item in processed.mm_items:
+                self.mm_items.labels(item.modality).inc()
             holder = f"{req.request_id}/{req.transfer_id}/{peer.hex()}"
             transfer = OutgoingTransfer(key, processed, req.block_tokens, target=req.target,
                                         on_end=lambda: self.encoders.free(self.cache.release_all(holder,
