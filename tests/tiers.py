@@ -62,6 +62,7 @@ FILE_TIERS = {
     "test_structured_outputs.py": "engine",
     "test_video.py": "engine",
     "test_disagg_serve.py": "multiprocess",
+    "test_audio_server.py": "multiprocess",
     "test_engine_process.py": "multiprocess",
     "test_prompt_ownership.py": "multiprocess",
     "test_process_hygiene.py": "multiprocess",
