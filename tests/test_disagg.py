@@ -44,7 +44,7 @@ class Cluster:
 
     def __init__(self, ckpt, languages: dict[str, list[str]], encoder_env: dict | None = None,
                  limits: str = "image=4", backend: str = "zmq", prefills: dict[str, list[str]] | None = None,
-                 extra: tuple[str, ...] = ()):
+                 extra: tuple[str, ...] = (), encoder_args: tuple[str, ...] = ()):
         self.ckpt, self.encoder_env = ckpt, {"VLSERVE_DISAGG_SECRET": SECRET, **(encoder_env or {})}
         self.env = {"VLSERVE_DISAGG_SECRET": SECRET}
         self.backend = backend
@@ -62,31 +62,38 @@ class Cluster:
             self.common = ["--model", str(ckpt), "--dtype", "float32", "--limit-mm-per-prompt", limits,
                            "--bootstrap", self.bootstrap_url, "--heartbeat-interval", HB,
                            "--transfer-backend", backend, *extra]
-            self.start_encoder("A", wait=False)
+            self.start_encoder("A", wait=False, args=encoder_args)
             for name, args in (prefills or {}).items():
                 self.start_prefill(name, args, wait=False)
             for name, args in languages.items():
-                port = free_port()
-                self.languages[name] = RoleProcess(
-                    f"{self.role}-{name}", [self.role, *self.common, "--port", str(port), "--max-model-len", "2048",
-                                            "--heartbeat-failure-threshold", THRESHOLD, *args],
-                    f"http://127.0.0.1:{port}/health", env=self.env)
-                self.procs.append(self.languages[name])
+                self.start_language(name, args, wait=False)
             for p in self.procs:
                 p.wait_healthy()
         except BaseException:
             self.close()
             raise
 
-    def start_encoder(self, name: str, wait: bool = True, env: dict | None = None) -> RoleProcess:
+    def start_encoder(self, name: str, wait: bool = True, env: dict | None = None,
+                      args: tuple[str, ...] = ()) -> RoleProcess:
         port = free_port()
         enc = RoleProcess(f"encoder-{name}", ["encode", *self.common, "--port", str(port), "--data-port",
-                                              str(free_port())], f"http://127.0.0.1:{port}/health",
+                                              str(free_port()), *args], f"http://127.0.0.1:{port}/health",
                           env={**self.encoder_env, **(env or {})})
         enc.metrics_url = f"http://127.0.0.1:{port}/metrics"
         self.encoders[name] = enc
         self.procs.append(enc)
         return enc.wait_healthy() if wait else enc
+
+    def start_language(self, name: str, args: list[str] = (), wait: bool = True,
+                       role: str | None = None) -> RoleProcess:
+        """A language server (or decode instance: the cluster's role unless `role` says)."""
+        port, role = free_port(), role or self.role
+        lang = RoleProcess(f"{role}-{name}", [role, *self.common, "--port", str(port), "--max-model-len", "2048",
+                                              "--heartbeat-failure-threshold", THRESHOLD, *args],
+                           f"http://127.0.0.1:{port}/health", env=self.env)
+        self.languages[name] = lang
+        self.procs.append(lang)
+        return lang.wait_healthy() if wait else lang
 
     def start_prefill(self, name: str, args: list[str] = (), wait: bool = True,
                       env: dict | None = None) -> RoleProcess:

@@ -63,6 +63,7 @@ FILE_TIERS = {
     "test_video.py": "engine",
     "test_disagg_serve.py": "multiprocess",
     "test_audio_server.py": "multiprocess",
+    "test_audio_disagg.py": "multiprocess",
     "test_engine_process.py": "multiprocess",
     "test_prompt_ownership.py": "multiprocess",
     "test_process_hygiene.py": "multiprocess",
