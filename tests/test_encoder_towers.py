@@ -5,9 +5,11 @@ refuses media of other kinds, and the rows it makes are the whole model's."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 from tests.audio_samples import data_url as audio_data_url
 from tests.audio_samples import encode_audio, noise
@@ -15,12 +17,17 @@ from tests.conftest import noise_image
 from tests.test_disagg import data_url
 from tests.test_encode_service import _run
 from vlserve.cli import build_parser
-from vlserve.core.config import ENCODE, EngineArgs, Options
+from vlserve.core.config import ENCODE, DisaggArgs, EngineArgs, Options
 from vlserve.core.errors import ConfigurationError, InvalidInputError, ServiceUnavailableError
 from vlserve.core.options import options_from
 from vlserve.core.prompt import media_kinds_needed
+from vlserve.disagg.bootstrap import InstanceInfo
 from vlserve.disagg.encode_service import EncodeService
 from vlserve.disagg.messages import TransferRequest
+from vlserve.disagg.metrics import TransferMetrics
+from vlserve.disagg.peer_client import PeerClient, PeerConn
+from vlserve.disagg.peer_kinds import ENCODER_PEERS
+from vlserve.engine.transfer_buffers import TransferBuffers
 
 MODULES = {"vision": "visual", "audio": "audio_tower"}
 OMNI_AUDIO = "<|audio_bos|><|AUDIO|><|audio_eos|>"
@@ -142,3 +149,38 @@ def test_towers_flag():
     for bad in ((), ("ears",), "audio"):
         with pytest.raises(InvalidInputError, match="towers takes one or more of vision, audio"):
             EngineArgs(model="m", towers=bad).check()
+
+
+def test_a_receiver_sends_a_prompt_only_to_an_encoder_that_encodes_all_its_kinds():
+    """Fake paired encoders (nothing is sent): the pick among those whose Pong named every kind a prompt needs;
+    when none did, the wait for one ends in a 503 that names the kinds."""
+    buffers = TransferBuffers.create(4, 16, 8, torch.float32, shared=False)
+    omni = SimpleNamespace(max_model_len=1024, model=SimpleNamespace(modalities=("image", "video", "audio")))
+    client = PeerClient(omni, buffers, TransferMetrics(CollectorRegistry(), buffers, "language"),
+                        DisaggArgs(bootstrap="127.0.0.1:9", peer_wait_timeout=0.2),
+                        InstanceInfo("me", "language", "127.0.0.1:2"), ENCODER_PEERS)
+    kinds = {"ears": {"audio"}, "eyes": {"image", "video"}, "both": {"image", "video", "audio"}}
+    try:
+        for i, (name, modalities) in enumerate(kinds.items()):
+            client.conns[name] = PeerConn(InstanceInfo(name, "encode", f"127.0.0.1:{10 + i}"), sock=None,
+                                          paired=True, modalities=frozenset(modalities))
+
+        def picks(needs: set[str]) -> set[str]:
+            return {client._pick(f"key-{i}", set(), frozenset(needs)).info.instance_id for i in range(40)}
+
+        assert picks({"audio"}) == {"ears", "both"}
+        assert picks({"image"}) == picks({"video"}) == {"eyes", "both"}
+        assert picks({"audio", "image"}) == picks({"video", "audio"}) == {"both"}
+        del client.conns["both"]
+        assert client._pick("k", set(), frozenset({"audio", "image"})) is None
+        media = {"audio": ["data:audio/wav;base64,AAAA"], "image": ["data:image/png;base64,AAAA"]}
+
+        async def refused():
+            with pytest.raises(ServiceUnavailableError, match="no encoder that encodes audio and image is available"):
+                await client.send_prompt("r", "p", media, {}, {})
+            with pytest.raises(ServiceUnavailableError, match="no encoder that encodes audio and video"):
+                await client.send_prompt("r", "p", {"video": ["v"]}, {}, {"use_audio_in_video": True})
+
+        asyncio.run(refused())
+    finally:
+        client.transport.close()
