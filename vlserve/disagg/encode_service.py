@@ -95,6 +95,8 @@ class EncodeService(SenderService):
                                 ["modality"], registry=self.registry)
         for kind in self.modalities:
             self.mm_items.labels(kind)
+        for tower in self.cfg.towers:
+            self.encoder_latency.labels(tower)
 
     def pong(self, nonce: int) -> Pong:
         m = self.cfg.model

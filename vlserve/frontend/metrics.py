@@ -10,6 +10,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from vlserve.core.config import TOWER_MODALITIES
 from vlserve.core.wire import EngineStats
 
 PREFIX = "vlserve:"
@@ -68,8 +69,12 @@ class ServerMetrics:
                                 "(image, video, audio; a video heard with its sound: one item per 2-second window "
                                 "of its frames and one per window of its sound).", ["model_name", "modality"],
                                 registry=self.registry)
+        # every series there is from the start (a scrape before the first media item sees zeros, not nothing)
         for kind in modalities:
             self.mm_items.labels(model_name, kind)
+        for tower, kinds in TOWER_MODALITIES.items():
+            if set(kinds) & set(modalities):
+                self.encoder.labels(model_name, tower)
 
     def count_items(self, items) -> None:
         """A prompt's media items (MultiModalItem), once per request."""
