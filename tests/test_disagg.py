@@ -39,12 +39,14 @@ def picture_chat(*seeds: int, text: str = "What is this?") -> list[dict]:
 
 
 class Cluster:
-    """A bootstrap, encoder "A" and the given language servers, all with the same shared secret. With
-    `prefills` (E->P->D): those prefill instances, and the "languages" are decode instances."""
+    """A bootstrap, encoder "A" (or the given `encoders`, name -> their own flags) and the given language servers,
+    all with the same shared secret. With `prefills` (E->P->D): those prefill instances, and the "languages" are
+    decode instances (but those `roles` names otherwise)."""
 
     def __init__(self, ckpt, languages: dict[str, list[str]], encoder_env: dict | None = None,
                  limits: str = "image=4", backend: str = "zmq", prefills: dict[str, list[str]] | None = None,
-                 extra: tuple[str, ...] = ()):
+                 extra: tuple[str, ...] = (), encoders: dict[str, tuple[str, ...]] | None = None,
+                 roles: dict[str, str] | None = None):
         self.ckpt, self.encoder_env = ckpt, {"VLSERVE_DISAGG_SECRET": SECRET, **(encoder_env or {})}
         self.env = {"VLSERVE_DISAGG_SECRET": SECRET}
         self.backend = backend
@@ -62,31 +64,39 @@ class Cluster:
             self.common = ["--model", str(ckpt), "--dtype", "float32", "--limit-mm-per-prompt", limits,
                            "--bootstrap", self.bootstrap_url, "--heartbeat-interval", HB,
                            "--transfer-backend", backend, *extra]
-            self.start_encoder("A", wait=False)
+            for name, args in (encoders or {"A": ()}).items():
+                self.start_encoder(name, wait=False, args=args)
             for name, args in (prefills or {}).items():
                 self.start_prefill(name, args, wait=False)
             for name, args in languages.items():
-                port = free_port()
-                self.languages[name] = RoleProcess(
-                    f"{self.role}-{name}", [self.role, *self.common, "--port", str(port), "--max-model-len", "2048",
-                                            "--heartbeat-failure-threshold", THRESHOLD, *args],
-                    f"http://127.0.0.1:{port}/health", env=self.env)
-                self.procs.append(self.languages[name])
+                self.start_language(name, args, wait=False, role=(roles or {}).get(name))
             for p in self.procs:
                 p.wait_healthy()
         except BaseException:
             self.close()
             raise
 
-    def start_encoder(self, name: str, wait: bool = True, env: dict | None = None) -> RoleProcess:
+    def start_encoder(self, name: str, wait: bool = True, env: dict | None = None,
+                      args: tuple[str, ...] = ()) -> RoleProcess:
         port = free_port()
         enc = RoleProcess(f"encoder-{name}", ["encode", *self.common, "--port", str(port), "--data-port",
-                                              str(free_port())], f"http://127.0.0.1:{port}/health",
+                                              str(free_port()), *args], f"http://127.0.0.1:{port}/health",
                           env={**self.encoder_env, **(env or {})})
         enc.metrics_url = f"http://127.0.0.1:{port}/metrics"
         self.encoders[name] = enc
         self.procs.append(enc)
         return enc.wait_healthy() if wait else enc
+
+    def start_language(self, name: str, args: list[str] = (), wait: bool = True,
+                       role: str | None = None) -> RoleProcess:
+        """A language server (or decode instance: the cluster's role unless `role` says)."""
+        port, role = free_port(), role or self.role
+        lang = RoleProcess(f"{role}-{name}", [role, *self.common, "--port", str(port), "--max-model-len", "2048",
+                                              "--heartbeat-failure-threshold", THRESHOLD, *args],
+                           f"http://127.0.0.1:{port}/health", env=self.env)
+        self.languages[name] = lang
+        self.procs.append(lang)
+        return lang.wait_healthy() if wait else lang
 
     def start_prefill(self, name: str, args: list[str] = (), wait: bool = True,
                       env: dict | None = None) -> RoleProcess:
@@ -122,6 +132,15 @@ class Cluster:
     def close(self) -> None:
         for p in reversed(self.procs):
             p.close()
+
+    def close_quickly(self) -> None:
+        """Like close, each kind of role at once: the servers, then their peers, then the bootstrap."""
+        peers = [*self.encoders.values(), *self.prefills.values()]
+        groups = [list(self.languages.values()), peers, [p for p in self.procs if p not in peers
+                                                          and p not in self.languages.values()]]
+        with ThreadPoolExecutor(8) as pool:
+            for group in groups:
+                list(pool.map(RoleProcess.close, group))
 
 
 def wait_until(check, what: str, timeout: float = 20) -> None:

@@ -34,6 +34,9 @@ KV_ROLES = frozenset({PREFILL, DECODE})  # roles whose engine moves KV between i
 DEFAULT_MM_LIMITS = {"image": 8, "video": 1, "audio": 4}
 DEFAULT_MAX_AUDIO_SECONDS = 30.0
 DEFAULT_MAX_PIXELS_DECODED = 64_000_000  # 64 MP
+# A model's media towers and the kinds each encodes (a video heard with its sound needs both).
+TOWER_MODALITIES = {"vision": ("image", "video"), "audio": ("audio",)}
+TOWERS = tuple(TOWER_MODALITIES)
 
 
 def option(default: Any = None, help: str = "", roles=frozenset(), *, factory=None, flag: str | None = None,
@@ -133,6 +136,10 @@ class EngineArgs:
         16, "constraints that may wait for a compile thread; more get 503 at once", LM_ROLES)
     structured_outputs_cache_mb: int = option(
         512, "memory for compiled constraints kept for reuse (an LRU, sized by estimate), in MiB", LM_ROLES)
+    towers: tuple[str, ...] | None = option(
+        None, "the media towers this encoder loads and serves: vision (pictures and videos), audio, or both; it "
+        "announces only their media kinds, so language servers send it only prompts it can encode, and refuses "
+        "others (default: every tower the model has)", {ENCODE}, nargs="+", choices=TOWERS)
     load_vision: bool = True  # False on a disaggregated language server: set by the role, not a flag
     load_language: bool = True  # False on an encode service (the vision tower only): set by the role
 
@@ -157,6 +164,9 @@ class EngineArgs:
             if kind not in DEFAULT_MM_LIMITS or isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
                 raise InvalidInputError(f"limit_mm_per_prompt takes {', '.join(DEFAULT_MM_LIMITS)} with counts >= 0, "
                                         f"got {kind!r}: {limit!r}")
+        if self.towers is not None and (isinstance(self.towers, str) or not self.towers
+                                        or not set(self.towers) <= set(TOWERS)):
+            raise InvalidInputError(f"towers takes one or more of {', '.join(TOWERS)}, got {self.towers!r}")
         if self.model is None:
             raise InvalidInputError("no model given")
 

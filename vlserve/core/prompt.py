@@ -13,6 +13,15 @@ import torch
 MEDIA_KINDS = ("image", "video", "audio")
 
 
+def media_kinds_needed(media: dict, mm_kwargs: dict | None, modalities) -> frozenset[str]:
+    """The kinds of tower output a prompt's media need: their own kinds, and audio for a video heard with its
+    sound (`use_audio_in_video`) when the model hears (`modalities`: the model's; else the flag is refused)."""
+    kinds = {kind for kind, items in media.items() if items}
+    if "video" in kinds and (mm_kwargs or {}).get("use_audio_in_video") is True and "audio" in modalities:
+        kinds.add("audio")
+    return frozenset(kinds)
+
+
 @dataclass
 class MultiModalItem:
     """One picture, video or sound of a prompt, already preprocessed; its placeholder run is already expanded.

@@ -19,7 +19,7 @@ def run_encode(ns: argparse.Namespace) -> int:
     from vlserve.disagg.encode_service import run_encoder
 
     opts = options_from(ns, ENCODE)
-    opts.engine.load_language = False  # the vision tower only
+    opts.engine.load_language = False  # the media towers only (--towers: some of them)
     # Precomputed embeddings reach an encoder only from a language server whose own --enable-mm-embeds let them in.
     opts.engine.enable_mm_embeds = True
     if opts.engine.tensor_parallel_size > 1 and os.environ.get("RANK", "0") != "0":
@@ -63,9 +63,10 @@ def run_bootstrap(ns: argparse.Namespace) -> int:
 
 
 def register_cli(subparsers) -> None:
-    enc = subparsers.add_parser("encode", help="a vision-encoder service (disaggregated serving)",
-                                description="Fetches and preprocesses media, runs the vision tower and writes the "
-                                "embeddings into a language server's blocks. Serves HTTP /health and /metrics on "
+    enc = subparsers.add_parser("encode", help="a media-encoder service (disaggregated serving)",
+                                description="Fetches and preprocesses media, runs the model's vision and audio "
+                                "towers (--towers: some of them) and writes the embeddings into a language server's "
+                                "blocks. Serves HTTP /health and /metrics on "
                                 "--port and ZeroMQ on --data-port.")
     add_options(enc, ENCODE, model_required=True)
     enc.set_defaults(func=run_encode)

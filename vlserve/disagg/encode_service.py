@@ -24,13 +24,13 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from fastapi import FastAPI
 from fastapi.responses import Response
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
-from vlserve.core.config import Options
+from vlserve.core.config import TOWER_MODALITIES, Options
 from vlserve.core.errors import ConfigurationError, InvalidInputError, ServiceUnavailableError
 from vlserve.core.processes import SigtermStop, finish
-from vlserve.core.prompt import MEDIA_KINDS, ProcessedPrompt
+from vlserve.core.prompt import MEDIA_KINDS, ProcessedPrompt, media_kinds_needed
 from vlserve.disagg.auth import PeerAuth, require_secret_off_loopback
 from vlserve.disagg.messages import (
     Pong,
@@ -59,7 +59,7 @@ logger = logging.getLogger("vlserve.encode")
 class EncodeService(SenderService):
     def __init__(self, opts: Options):
         server, d = opts.server, opts.disagg
-        engine = dataclasses.replace(opts.engine, load_language=False)  # the vision tower only, no KV cache
+        engine = dataclasses.replace(opts.engine, load_language=False)  # the media towers only, no KV cache
         self.opts, self.d = opts, d
         auth = PeerAuth(d.disagg_secret)
         require_secret_off_loopback(auth, server.host, "this encoder")  # refused before anything loads
@@ -89,11 +89,29 @@ class EncodeService(SenderService):
                                          "by tower (vision, audio).", ["tower"], registry=self.registry,
                                          buckets=LATENCY_BUCKETS)
         self.in_flight = 0
+        # What its loaded towers encode (--towers): all it announces, and all it takes.
+        self.modalities = tuple(k for t in self.cfg.towers for k in TOWER_MODALITIES[t])
+        self.mm_items = Counter(PREFIX + "mm_items", "Media items in prompts taken for encoding, by modality.",
+                                ["modality"], registry=self.registry)
+        for kind in self.modalities:
+            self.mm_items.labels(kind)
+        for tower in self.cfg.towers:
+            self.encoder_latency.labels(tower)
 
     def pong(self, nonce: int) -> Pong:
         m = self.cfg.model
         return Pong(nonce, self.in_flight, m.architecture, m.text.hidden_size, m.deepstack_levels,
-                    modalities=list(m.modalities))
+                    modalities=list(self.modalities))
+
+    def check_kinds(self, req: TransferRequest) -> None:
+        """Refuses media this encoder has no tower for. A 503 (not the request's fault): the receiver tries an
+        encoder that announced those kinds, if any (it should only ever have sent it to one)."""
+        missing = media_kinds_needed(req.media, req.mm_processor_kwargs, self.cfg.model.modalities) - set(
+            self.modalities)
+        if missing:
+            raise ServiceUnavailableError(
+                f"this encoder has no tower for {' and '.join(sorted(missing))} items (its --towers: "
+                f"{' '.join(self.cfg.towers) or 'none'}, encoding {', '.join(self.modalities) or 'nothing'})")
 
     def on_request(self, peer: bytes, msg: TransferRequest) -> None:
         self.spawn(self._encode(peer, msg))
@@ -106,8 +124,11 @@ class EncodeService(SenderService):
         try:
             if req.params is not None:
                 raise InvalidInputError("this is an encoder, not a prefill instance: check the roles' registry")
+            self.check_kinds(req)
             prompt = self.start_request(req)
             processed = (await self.prompts.encode(prompt, req.mm_processor_kwargs, req.request_id)).prompt
+            for item in processed.mm_items:
+                self.mm_items.labels(item.modality).inc()
             holder = f"{req.request_id}/{req.transfer_id}/{peer.hex()}"
             transfer = OutgoingTransfer(key, processed, req.block_tokens, target=req.target,
                                         on_end=lambda: self.encoders.free(self.cache.release_all(holder,

@@ -25,7 +25,7 @@ import zmq.asyncio
 from vlserve.core.config import DisaggArgs
 from vlserve.core.errors import InvalidInputError, MediaTooLargeError, ServiceUnavailableError
 from vlserve.core.messages import Handoff
-from vlserve.core.prompt import ProcessedPrompt
+from vlserve.core.prompt import ProcessedPrompt, media_kinds_needed
 from vlserve.core.sampling_params import SamplingParams
 from vlserve.core.wire import Framer
 from vlserve.disagg.auth import PeerAuth, require_secret_off_loopback
@@ -235,7 +235,8 @@ class PeerClient:
             key = await in_thread(self.kind.affinity_key, prompt, media, uuids)
         else:
             key = self.kind.affinity_key(prompt, media, uuids)
-        needs = frozenset() if self.kind.rows_for_every_token else frozenset(k for k, v in media.items() if v)
+        needs = (frozenset() if self.kind.rows_for_every_token
+                 else media_kinds_needed(media, mm_kwargs, self.cfg.model.modalities))
         tried: set[str] = set()
         last: Exception | None = None
         for _ in range(2):  # the first try and one retry on another peer

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from vlserve.core.config import EngineArgs
+from vlserve.core.config import TOWERS, EngineArgs
 from vlserve.core.errors import InvalidInputError
 from vlserve.model.facts import ModelFacts, resolve_model_facts
 from vlserve.model.hardware import memory_available_bytes
@@ -50,6 +50,7 @@ class VlserveConfig:
     load_vision: bool
     facts: ModelFacts
     load_language: bool = True
+    towers: tuple[str, ...] = ()  # the media towers loaded: those the model has, or an encoder's --towers
     tensor_parallel_size: int = 1
     mm_encoder_tp_mode: str = WEIGHTS
     args: EngineArgs | None = None  # what it was resolved from (sent, with `facts`, to the other tensor-parallel ranks)
@@ -92,7 +93,7 @@ def check_tensor_parallel(args: EngineArgs, model: ModelConfig, quantization: Qu
     if args.load_language:
         sizes |= {"attention heads": t.num_heads, "MLP width": t.intermediate_size, "the intermediate size of "
                   "the experts": t.moe.intermediate_size if t.moe else tp}
-    if args.mm_encoder_tp_mode == WEIGHTS and args.load_vision and v is not None:  # audio: whole per rank
+    if args.mm_encoder_tp_mode == WEIGHTS and "vision" in loaded_towers(args, model):  # audio: whole per rank
         sizes |= {"vision attention heads (try mm_encoder_tp_mode data)": v.num_heads,
                   "vision MLP width (try mm_encoder_tp_mode data)": v.mlp_hidden}
     for what, n in sizes.items():
@@ -103,6 +104,20 @@ def check_tensor_parallel(args: EngineArgs, model: ModelConfig, quantization: Qu
     kv = t.num_kv_heads
     if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
         raise InvalidInputError(f"tensor_parallel_size {tp} cannot share the model's {kv} key/value heads evenly")
+
+
+def loaded_towers(args: EngineArgs, model: ModelConfig) -> tuple[str, ...]:
+    """The media towers this instance loads: none without `load_vision`, else `args.towers` (an encoder's choice;
+    a tower the model lacks is refused) or every tower the model has."""
+    has = tuple(t for t in TOWERS if getattr(model, t) is not None)
+    if not args.load_vision:
+        return ()
+    if not args.towers:
+        return has
+    lacking = [t for t in args.towers if t not in has]
+    if lacking:
+        raise InvalidInputError(f"this model has no {' or '.join(lacking)} tower (it has: {', '.join(has) or 'none'})")
+    return tuple(t for t in TOWERS if t in args.towers)
 
 
 def resolve_config(args: EngineArgs, facts: ModelFacts | None = None, announce: bool = True) -> VlserveConfig:
@@ -125,6 +140,7 @@ def resolve_config(args: EngineArgs, facts: ModelFacts | None = None, announce: 
         disable_chunked_mm_input=args.disable_chunked_mm_input, limit_mm_per_prompt=args.mm_limits(),
         max_video_frames=args.max_video_frames, enable_mm_embeds=args.enable_mm_embeds, seed=args.seed,
         load_vision=args.load_vision, facts=facts, load_language=args.load_language,
+        towers=loaded_towers(args, model_cfg),
         tensor_parallel_size=args.tensor_parallel_size, mm_encoder_tp_mode=args.mm_encoder_tp_mode, args=args,
     )
 

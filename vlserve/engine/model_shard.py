@@ -47,7 +47,8 @@ def load_shard(cfg: VlserveConfig, tp: TPGroup = SINGLE, device: torch.device | 
     device = device or cfg.device
     vision_tp = SINGLE if cfg.mm_encoder_tp_mode == DATA else None  # data-parallel encoder: whole on every rank
     model = load_model(cfg.model_path, cfg.model, cfg.dtype, device, with_vision=cfg.load_vision,
-                       with_language=cfg.load_language, quantization=cfg.quantization, tp=tp, vision_tp=vision_tp)
+                       with_language=cfg.load_language, quantization=cfg.quantization, tp=tp, vision_tp=vision_tp,
+                       towers=cfg.towers)
     return ModelShard(model, cfg, tp, device)
 
 

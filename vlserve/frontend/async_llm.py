@@ -132,7 +132,7 @@ class AsyncLLM:
         self.input_processor = InputProcessor.for_model(self.cfg, **(media_bounds or {}))
         self.tokenizer = self.input_processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.metrics = ServerMetrics(model_name)
+        self.metrics = ServerMetrics(model_name, self.cfg.model.modalities)
         self.max_waiting_requests = max_waiting_requests
         self.log_requests = log_requests
         self.executor = ThreadPoolExecutor(max_workers=media_threads, thread_name_prefix="vlserve-media")
@@ -230,6 +230,7 @@ class AsyncLLM:
             if release is not None:
                 release()  # never reached the engine
             raise
+        self.metrics.count_items(prompt.mm_items)
         stream = RequestStream(prepared.arrival)
         self.streams[request_id] = stream
         self.output_processor.add(request_id, prompt.text, prompt.prompt_token_ids, children)
@@ -250,6 +251,7 @@ class AsyncLLM:
             if release is not None:
                 release()
             raise
+        self.metrics.count_items(prepared.prompt.mm_items)
         waiting = _Prefill(asyncio.get_running_loop().create_future())
         self.prefills[request_id] = waiting
         self._send(msg, tensors, request_id, release)

@@ -7,9 +7,10 @@ first token and finish are seen. Each server owns its registry, so several can l
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from vlserve.core.config import TOWER_MODALITIES
 from vlserve.core.wire import EngineStats
 
 PREFIX = "vlserve:"
@@ -47,7 +48,8 @@ class _EngineStatsCollector:
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, modalities: tuple[str, ...] = ()):
+        """`modalities`: the model's media kinds, each shown (at 0) before its first item."""
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self.stats = EngineStats()
@@ -63,6 +65,21 @@ class ServerMetrics:
         self.encoder = Histogram(PREFIX + "encoder_latency_seconds", "Media encoder time per tower call, by tower "
                                  "(vision, audio).", ["model_name", "tower"], registry=self.registry,
                                  buckets=LATENCY_BUCKETS)
+        self.mm_items = Counter(PREFIX + "mm_items", "Media items in prompts sent to the engine, by modality "
+                                "(image, video, audio; a video heard with its sound: one item per 2-second window "
+                                "of its frames and one per window of its sound).", ["model_name", "modality"],
+                                registry=self.registry)
+        # every series there is from the start (a scrape before the first media item sees zeros, not nothing)
+        for kind in modalities:
+            self.mm_items.labels(model_name, kind)
+        for tower, kinds in TOWER_MODALITIES.items():
+            if set(kinds) & set(modalities):
+                self.encoder.labels(model_name, tower)
+
+    def count_items(self, items) -> None:
+        """A prompt's media items (MultiModalItem), once per request."""
+        for item in items:
+            self.mm_items.labels(self.model_name, item.modality).inc()
 
     def on_engine_stats(self, stats: EngineStats) -> None:
         self.stats = stats

@@ -233,10 +233,12 @@ def load_model(
     quantization: QuantizationConfig | None = None,
     tp: TPGroup = SINGLE,
     vision_tp: TPGroup | None = None,
+    towers: tuple[str, ...] | None = None,
 ) -> nn.Module:
     """Build the model for `cfg.architecture` without random init (meta device) and fill it from safetensors;
     `quantization` (see vlserve.model.quantization) swaps in quantized linears before or after loading.
-    `tp`: this rank's share of a tensor-parallel model (`vision_tp`: the vision tower's, when it differs)."""
+    `tp`: this rank's share of a tensor-parallel model (`vision_tp`: the vision tower's, when it differs).
+    `towers`: the media towers to build ("vision", "audio"; None: all the model has); others' tensors are skipped."""
     cfg = cfg or load_model_config(folder)
     if quantization is None and cfg.quantization:  # a 4-bit checkpoint loads as one whatever the caller passed
         quantization = resolve_quantization(None, cfg.quantization)
@@ -245,7 +247,8 @@ def load_model(
     spec = get_model_spec(cfg)
     files = weight_files(folder)
     with torch.device("meta"), _default_dtype(torch_dtype), building_for(tp):
-        model = spec.build(cfg, with_vision=with_vision, with_language=with_language, vision_tp=vision_tp)
+        model = spec.build(cfg, with_vision=with_vision, with_language=with_language, vision_tp=vision_tp,
+                           towers=towers)
         if quantization is not None and quantization.is_checkpoint_format:
             logger.info("%s checkpoint: %d linears run in int4", quantization.method,
                         prepare_int4(model, files, quantization, our_name))

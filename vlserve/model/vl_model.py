@@ -13,6 +13,8 @@ deepstack level (`ModelConfig.embedding_width` columns); the runner splits them 
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 import torch.nn as nn
 
@@ -26,17 +28,22 @@ from vlserve.model.layers.parallel import SINGLE, TPGroup, building_for, current
 
 class VisionLanguageModel(nn.Module):
     def __init__(self, cfg: ModelConfig, vision_cls: type[nn.Module] | None, text_cls: type[nn.Module],
-                 with_vision=True, with_language=True, vision_tp: TPGroup | None = None):
+                 with_vision=True, with_language=True, vision_tp: TPGroup | None = None,
+                 towers: Collection[str] | None = None):
         """Both halves are built for `current_tp()`; `vision_tp` (a single rank: the data-parallel encoder)
         overrides it for the vision tower. `with_vision` builds the media towers the config has (`visual` and
-        `audio_tower`, None where it has none); the audio tower is whole on every rank."""
+        `audio_tower`, None where it has none), or only those named in `towers` ("vision", "audio": an encoder
+        serving some kinds); the audio tower is whole on every rank."""
         super().__init__()
         self.cfg = cfg
         self.tp = current_tp()
+        towers = ("vision", "audio") if towers is None else tuple(towers)
         with building_for(vision_tp or self.tp):
-            self.visual = vision_cls(cfg.vision) if with_vision and cfg.vision is not None else None
+            self.visual = (vision_cls(cfg.vision) if with_vision and "vision" in towers and cfg.vision is not None
+                           else None)
         with building_for(SINGLE):
-            self.audio_tower = AudioEncoder(cfg.audio) if with_vision and cfg.audio is not None else None
+            self.audio_tower = (AudioEncoder(cfg.audio) if with_vision and "audio" in towers and cfg.audio is not None
+                                else None)
         self.language_model = text_cls(cfg.text) if with_language else None
         self.lm_head = None
         if with_language and not cfg.text.tie_word_embeddings:
