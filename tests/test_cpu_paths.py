@@ -46,7 +46,7 @@ def test_vision_tower_in_groups_gives_each_item_its_rows(tiny_ckpt, monkeypatch,
     gen = torch.Generator().manual_seed(0)
     grids = [(1, 4, 4), (1, 6, 4), (1, 4, 8), (1, 2, 2)]
     items = [SimpleNamespace(mm_hash=f"i{n}", pixel_values=torch.randn(t * h * w, patch_dim, generator=gen),
-                             grid_thw=(t, h, w)) for n, (t, h, w) in enumerate(grids)]
+                             grid_thw=(t, h, w), audio_features=None) for n, (t, h, w) in enumerate(grids)]
     together = EncoderRunner(model, torch.device("cpu"))
     monkeypatch.setattr(encoder_runner, "CPU_PATCHES_PER_CALL", 10**9)
     together.encode(items)

@@ -50,6 +50,8 @@ from vlserve.engine.transfer_buffers import TransferBuffers
 SECRET = "correct horse battery staple"
 REG = b'{"instance_id": "i1", "role": "encode", "address": "127.0.0.1:5"}'
 
+PICTURE_MODEL = SimpleNamespace(max_model_len=1024, model=SimpleNamespace(modalities=("image", "video")))
+
 
 # ---- registry ------------------------------------------------------------------------------------------------
 class _CountedBody:
@@ -235,7 +237,8 @@ class _Peer:
 
     def __init__(self, client, backend: str):
         self.client, self.transport = client, TRANSPORTS[backend]("127.0.0.1")
-        self.conn = PeerConn(InstanceInfo("fake", client.kind.role, "127.0.0.1:1"), self, paired=True)
+        self.conn = PeerConn(InstanceInfo("fake", client.kind.role, "127.0.0.1:1"), self, paired=True,
+                             modalities=frozenset({"image", "video"}))
         client.conns["fake"] = self.conn
 
     async def send_multipart(self, frames, copy: bool = True) -> None:  # what the client sends its peer
@@ -275,7 +278,7 @@ def _receiver(kind: str, backend: str = "zmq"):
     opts = DisaggArgs(bootstrap="127.0.0.1:9", media_allocate_rows=32, kv_allocate_tokens=32,
                       transfer_backend=backend, peer_wait_timeout=1.0, transfer_timeout=10.0)
     peers = PREFILL_PEERS if kind == "kv" else ENCODER_PEERS
-    client = PeerClient(SimpleNamespace(max_model_len=1024), buffers,
+    client = PeerClient(PICTURE_MODEL, buffers,
                         TransferMetrics(CollectorRegistry(), buffers, "language", kind), opts,
                         InstanceInfo("me", "language", "127.0.0.1:2", "127.0.0.1:3"), peers)
     # What the engine would be handed: the blocks, which the caller frees once done.

@@ -20,12 +20,14 @@ from vlserve.engine.transfer_buffers import TransferBuffers
 
 PICTURE = bytes(range(256)) * 40
 
+PICTURE_MODEL = SimpleNamespace(max_model_len=1024, model=SimpleNamespace(modalities=("image", "video")))
+
 
 @pytest.fixture(params=[ENCODER_PEERS, PREFILL_PEERS], ids=["encoders", "prefill"])
 def client(request):
     """A receiver with four paired fake peers (nothing is sent: only the pick is looked at)."""
     buffers = TransferBuffers.create(4, 16, 8, torch.float32, shared=False)
-    client = PeerClient(SimpleNamespace(max_model_len=1024), buffers,
+    client = PeerClient(PICTURE_MODEL, buffers,
                         TransferMetrics(CollectorRegistry(), buffers, "language"),
                         DisaggArgs(bootstrap="127.0.0.1:9"), InstanceInfo("me", "language", "127.0.0.1:2"),
                         request.param)
