@@ -211,8 +211,8 @@ class NonsenseEncoder:
             peer, *frames = await sock.recv_multipart()
             msg = inbox.decode(frames)
             if isinstance(msg, Ping):
-                await sock.send_multipart([peer, *outbox.encode(Pong(msg.nonce, 0, self.architecture, self.hidden,
-                                                                          self.levels))])
+                pong = Pong(msg.nonce, 0, self.architecture, self.hidden, self.levels, modalities=["image", "video"])
+                await sock.send_multipart([peer, *outbox.encode(pong)])
             elif isinstance(msg, TransferRequest):
                 kind = self.KINDS[self.served % len(self.KINDS)]
                 self.served += 1

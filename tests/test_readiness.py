@@ -58,7 +58,7 @@ def _waiter(timeout: float, pick) -> SimpleNamespace:
 
 def test_with_no_peer_a_request_waits_the_peer_wait_timeout_then_gets_none():
     async def go():
-        client = _waiter(0.3, lambda key, exclude: None)
+        client = _waiter(0.3, lambda key, exclude, needs: None)
         t0 = time.monotonic()
         assert await PeerClient._first_peer(client, "k") is None
         return time.monotonic() - t0
@@ -70,7 +70,7 @@ def test_a_peer_that_pairs_during_the_wait_takes_the_request():
     peers: list = []
 
     async def go():
-        client = _waiter(30, lambda key, exclude: peers[0] if peers else None)
+        client = _waiter(30, lambda key, exclude, needs: peers[0] if peers else None)
 
         async def pair_later():
             await asyncio.sleep(0.2)
@@ -87,4 +87,4 @@ def test_a_peer_that_pairs_during_the_wait_takes_the_request():
 
 @pytest.mark.parametrize("timeout", [0.0, -1.0])
 def test_no_wait_when_the_timeout_is_zero(timeout):
-    assert asyncio.run(PeerClient._first_peer(_waiter(timeout, lambda key, exclude: None), "k")) is None
+    assert asyncio.run(PeerClient._first_peer(_waiter(timeout, lambda key, exclude, needs: None), "k")) is None

@@ -257,7 +257,7 @@ class PeerClient:
                                           f"--peer-wait-timeout {self.opts.peer_wait_timeout:g}s); retry later")
         raise ServiceUnavailableError(f"the {self.kind.name} failed after {len(tried)} attempt(s): {last}")
 
-    async def _first_peer(self, key: str, needs: frozenset[str]) -> PeerConn | None:
+    async def _first_peer(self, key: str, needs: frozenset[str] = frozenset()) -> PeerConn | None:
         """A peer for a request's first try: when none is paired (a start-up race, a peer restarting), wait up
         to --peer-wait-timeout for one to pair rather than refuse at once."""
         deadline = time.monotonic() + self.opts.peer_wait_timeout
