@@ -169,6 +169,24 @@ def test_chunk_budget_splits_the_heard_video(setup, film, expected):
     assert_pool_full(small)
 
 
+def test_preemption_recomputes_the_heard_video_identically(setup, film, expected):
+    """A pool that holds the longest prompt but not the batch: requests are preempted and recomputed, windows
+    and all, with the same tokens."""
+    _, llm = setup
+    table = cases(llm, film)
+    names = ["heard video, clip, picture", "heard video", "audio+picture", "two clips"]
+    longest = max(len(expected[n][0]) for n in names) + MAX_NEW
+    # 80 blocks of 4: the longest prompt (~203 tokens + 8 new) fits, the batch (~536 + 32) does not
+    assert longest <= 4 * 80 < sum(len(expected[n][0]) + MAX_NEW for n in names)
+    small = LLM(str(llm.config.model_path), dtype="float32", block_size=4, num_kv_blocks=80,
+                max_num_batched_tokens=64, limit_mm_per_prompt=LIMITS)
+    outs = run_batch(small, [table[n][:2] for n in names])
+    for name, out in zip(names, outs):
+        assert (out.prompt_token_ids, out.outputs[0].token_ids) == expected[name], name
+    assert small.get_metrics()["num_preemptions_total"] > 0, "the pool was meant to be too small for the batch"
+    assert_pool_full(small)
+
+
 def test_prefix_hit_on_the_heard_video(setup, film, expected):
     _, llm = setup
     prompt, kwargs, _ = cases(llm, film)["heard video"]
