@@ -1,10 +1,10 @@
 """Turns a scheduler step into tensors, runs the media towers and the LM, and samples.
 
-Per step: drop encoder outputs nobody needs → encode newly scheduled items (one call per tower and group) →
-build the flat token batch (decode tokens first, then prefill chunks) as a `ForwardBatch`: M-RoPE positions, slots, block
-tables, and the media embedding rows of its placeholder tokens → the executor embeds, scatters the media rows
-(Qwen3-VL: sets their DeepStack features aside for the first decoder layers), runs the LM and returns logits
-only for rows that sample → sampler.
+Per step: drop encoder outputs nobody needs → encode newly scheduled items (one call per tower and group)
+→ build the flat token batch (decode tokens first, then prefill chunks) as a `ForwardBatch`: M-RoPE positions,
+slots, block tables, and the media embedding rows of its placeholder tokens → the executor embeds, scatters the
+media rows (Qwen3-VL: sets their DeepStack features aside for the first decoder layers), runs the LM and returns
+logits only for rows that sample → sampler.
 """
 
 from __future__ import annotations

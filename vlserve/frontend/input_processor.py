@@ -307,8 +307,9 @@ class InputProcessor:
         if self.video_layout is not None:
             t, h, w = p.grid_thw
             rows = p.pixel_values.view(t, h * w, -1)
-            return [_Item(h * w // self.image_cfg.merge_size**2, (1, h, w), hash_video_patch(mm_hash, k),
-                          pixel_values=rows[k], modality="video") for k in range(t)], video.timestamps(self.image_cfg.temporal_patch_size)
+            items = [_Item(h * w // self.image_cfg.merge_size**2, (1, h, w), hash_video_patch(mm_hash, k),
+                           pixel_values=rows[k], modality="video") for k in range(t)]
+            return items, video.timestamps(self.image_cfg.temporal_patch_size)
         vision = self.cfg.model.vision
         interval = p.second_per_grid * vision.tokens_per_second if vision.time_scaled_video else 1.0
         sound = load_video_audio(src, self.video_audio_limits) if hear and not isinstance(src, np.ndarray) else None

@@ -3,9 +3,9 @@ ranks, and before each vision-tower call and each forward pass tells them what t
 the model's collectives make the ranks meet inside.
 
 It offers what a `ModelShard` offers (`encode_images`, `encode_audio`, `forward`, `model`, `kv_caches`), so the
-model runner does not know how many ranks there are. A rank that dies is noticed at once: inside a collective the transport
-reports the closed connection, between steps `check_alive` sees the process gone or its failure message. Either
-way a `TensorParallelError` ends the engine (the server answers 503 and exits); nothing waits forever.
+model runner does not know how many ranks there are. A rank that dies is noticed at once: inside a collective the
+transport reports the closed connection, between steps `check_alive` sees the process gone or its failure message.
+Either way a `TensorParallelError` ends the engine (the server answers 503 and exits); nothing waits forever.
 """
 
 from __future__ import annotations
