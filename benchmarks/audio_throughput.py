@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from machine_bounds import active_lm_params, gemm_flops  # noqa: E402
+from offline_throughput import left_pad  # noqa: E402
 
 from vlserve.model.hardware import detect, resolve_dtype  # noqa: E402
 from vlserve.model.hf_config import load_model_config  # noqa: E402
@@ -91,10 +92,9 @@ class HFRunner:
         for w in batch:
             ids = self.tok.encode(w["prompt"])
             seqs.append([t for tok in ids for t in ([tok] * next(counts) if tok == self.audio_token else [tok])])
-        longest = max(map(len, seqs))
         pad = self.tok.pad_token_id
-        input_ids = torch.tensor([[pad] * (longest - len(s)) + s for s in seqs])
-        mask = torch.tensor([[0] * (longest - len(s)) + [1] * len(s) for s in seqs])
+        input_ids, mask = left_pad(seqs, pad)
+        longest = input_ids.shape[1]
         new = max(w["max_tokens"] for w in batch)
         out = self.model.generate(input_ids=input_ids, attention_mask=mask,
                                   input_features=feats["input_features"].to(self.dtype),

@@ -48,6 +48,14 @@ def run_vlserve(model: str, work: list[dict], dtype: str, **engine_args) -> tupl
     return dt, sum(len(o.outputs[0].token_ids) for o in outs), sum(len(o.prompt_token_ids) for o in outs)
 
 
+def left_pad(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A static batch as transformers' generate wants it: ids left-padded to the longest, and their mask."""
+    longest = max(map(len, seqs))
+    input_ids = torch.tensor([[pad] * (longest - len(s)) + s for s in seqs])
+    mask = torch.tensor([[0] * (longest - len(s)) + [1] * len(s) for s in seqs])
+    return input_ids, mask
+
+
 class HFRunner:
     def __init__(self, model: str, dtype: torch.dtype):
         import transformers
@@ -70,10 +78,8 @@ class HFRunner:
         for w in batch:
             ids = self.tok.encode(w["prompt"])
             seqs.append([t for tok in ids for t in ([tok] * next(counts) if tok == self.image_token else [tok])])
-        longest = max(map(len, seqs))
         pad = self.tok.pad_token_id
-        input_ids = torch.tensor([[pad] * (longest - len(s)) + s for s in seqs])
-        mask = torch.tensor([[0] * (longest - len(s)) + [1] * len(s) for s in seqs])
+        input_ids, mask = left_pad(seqs, pad)
         new = max(w["max_tokens"] for w in batch)
         self.model.generate(input_ids=input_ids, attention_mask=mask, pixel_values=proc["pixel_values"],
                             image_grid_thw=proc["image_grid_thw"], mm_token_type_ids=(input_ids == self.image_token).int(),

@@ -42,18 +42,23 @@ def encode_audio(wave: np.ndarray, rate: int, kind: str = "wav") -> bytes:
     with av.open(buf, mode="w", format=fmt) as container:
         stream = container.add_stream(codec, rate=rate, layout=layout)
         stream.format = sample_fmt
-        size = stream.codec_context.frame_size or 1024
-        convert = av.AudioResampler(format=sample_fmt, layout=layout, rate=rate)
-        for start in range(0, planes.shape[1], size):
-            frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(planes[:, start:start + size], np.float32),
-                                               format="fltp", layout=layout)
-            frame.sample_rate, frame.pts = rate, start
-            for converted in convert.resample(frame):
-                for packet in stream.encode(converted):
-                    container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
+        _write_sound(container, stream, planes, rate, layout, sample_fmt)
     return buf.getvalue()
+
+
+def _write_sound(container, stream, planes: np.ndarray, rate: int, layout: str, sample_fmt: str) -> None:
+    """Encode float planes [channels, samples] into `stream` a codec frame at a time, then flush it."""
+    size = stream.codec_context.frame_size or 1024
+    convert = av.AudioResampler(format=sample_fmt, layout=layout, rate=rate)
+    for start in range(0, planes.shape[1], size):
+        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(planes[:, start:start + size], np.float32),
+                                           format="fltp", layout=layout)
+        frame.sample_rate, frame.pts = rate, start
+        for converted in convert.resample(frame):
+            for packet in stream.encode(converted):
+                container.mux(packet)
+    for packet in stream.encode():
+        container.mux(packet)
 
 
 def data_url(data: bytes, subtype: str = "wav") -> str:
@@ -81,16 +86,5 @@ def encode_video_with_audio(seconds: float = 1.0, fps: int = 4, wave: np.ndarray
         for packet in video.encode():
             container.mux(packet)
         if audio is not None:
-            size = audio.codec_context.frame_size or 1024
-            convert = av.AudioResampler(format=audio.codec_context.codec.audio_formats[0].name, layout="mono",
-                                        rate=rate)
-            for start in range(0, len(wave), size):
-                frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(wave[None, start:start + size]),
-                                                   format="fltp", layout="mono")
-                frame.sample_rate, frame.pts = rate, start
-                for converted in convert.resample(frame):
-                    for packet in audio.encode(converted):
-                        container.mux(packet)
-            for packet in audio.encode():
-                container.mux(packet)
+            _write_sound(container, audio, wave[None], rate, "mono", audio.codec_context.codec.audio_formats[0].name)
     return buf.getvalue()

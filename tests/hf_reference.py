@@ -18,6 +18,22 @@ HF_CLASSES = {"qwen2_vl": Qwen2VLForConditionalGeneration, "qwen2_5_vl": Qwen2_5
               "qwen3_vl": Qwen3VLForConditionalGeneration, "qwen3_vl_moe": Qwen3VLMoeForConditionalGeneration}
 
 
+def expand_by_hand(ids: list[int], token: int, counts) -> list[int]:
+    """The k-th `token` becomes counts[k] copies of it (no vlserve code)."""
+    counts = iter(counts)
+    return [t for tok in ids for t in ([tok] * next(counts) if tok == token else [tok])]
+
+
+@torch.no_grad()
+def greedy_new_tokens(model, tokenizer, inputs: dict, max_new_tokens: int) -> tuple[list[int], list[int]]:
+    """(expanded prompt ids, generated ids) of transformers' `generate`; EOS is ignored so every run has the same
+    length."""
+    out = model.generate(**inputs, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
+                         pad_token_id=tokenizer.pad_token_id)
+    prompt_ids = inputs["input_ids"][0].tolist()
+    return prompt_ids, out[0, len(prompt_ids):].tolist()
+
+
 class HFReference:
     def __init__(self, arch: str, path):
         self.model = HF_CLASSES[arch].from_pretrained(path, dtype=torch.float32).eval()
@@ -31,8 +47,7 @@ class HFReference:
         out = {}
         if images:
             proc = self.image_processor(images=images, return_tensors="pt")
-            counts = iter((proc["image_grid_thw"].prod(-1) // 4).tolist())
-            ids = [t for tok in ids for t in ([tok] * next(counts) if tok == self.image_token_id else [tok])]
+            ids = expand_by_hand(ids, self.image_token_id, (proc["image_grid_thw"].prod(-1) // 4).tolist())
             out = {"pixel_values": proc["pixel_values"], "image_grid_thw": proc["image_grid_thw"]}
         input_ids = torch.tensor([ids])
         out["input_ids"] = input_ids
@@ -40,14 +55,8 @@ class HFReference:
         out["attention_mask"] = torch.ones_like(input_ids)
         return out
 
-    @torch.no_grad()
     def greedy(self, prompt: str, images: list, max_new_tokens: int) -> tuple[list[int], list[int]]:
-        """Returns (expanded prompt ids, generated ids); EOS is ignored so every run has the same length."""
-        inputs = self.inputs(prompt, images)
-        out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                                  do_sample=False, pad_token_id=self.tokenizer.pad_token_id)
-        prompt_ids = inputs["input_ids"][0].tolist()
-        return prompt_ids, out[0, len(prompt_ids):].tolist()
+        return greedy_new_tokens(self.model, self.tokenizer, self.inputs(prompt, images), max_new_tokens)
 
 
 class HFAudioReference:
@@ -69,21 +78,15 @@ class HFAudioReference:
             feats = self.extractor(clips, sampling_rate=self.extractor.sampling_rate, padding="max_length",
                                    return_attention_mask=True, return_tensors="pt")
             lengths = feats["attention_mask"].sum(-1)
-            counts = iter((((lengths - 1) // 2 + 1 - 2) // 2 + 1).tolist())
-            ids = [t for tok in ids for t in ([tok] * next(counts) if tok == self.audio_token_id else [tok])]
+            ids = expand_by_hand(ids, self.audio_token_id, (((lengths - 1) // 2 + 1 - 2) // 2 + 1).tolist())
             out = {"input_features": feats["input_features"], "feature_attention_mask": feats["attention_mask"]}
         input_ids = torch.tensor([ids])
         out["input_ids"] = input_ids
         out["attention_mask"] = torch.ones_like(input_ids)
         return out
 
-    @torch.no_grad()
     def greedy(self, prompt: str, clips: list, max_new_tokens: int) -> tuple[list[int], list[int]]:
-        inputs = self.inputs(prompt, clips)
-        out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                                  do_sample=False, pad_token_id=self.tokenizer.pad_token_id)
-        prompt_ids = inputs["input_ids"][0].tolist()
-        return prompt_ids, out[0, len(prompt_ids):].tolist()
+        return greedy_new_tokens(self.model, self.tokenizer, self.inputs(prompt, clips), max_new_tokens)
 
 
 class HFOmniReference:
@@ -175,10 +178,5 @@ class HFOmniReference:
         out.update(input_ids=input_ids, attention_mask=torch.ones_like(input_ids))
         return out
 
-    @torch.no_grad()
     def greedy(self, prompt: str, max_new_tokens: int, **media) -> tuple[list[int], list[int]]:
-        inputs = self.inputs(prompt, **media)
-        out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                                  do_sample=False, pad_token_id=self.tokenizer.pad_token_id)
-        prompt_ids = inputs["input_ids"][0].tolist()
-        return prompt_ids, out[0, len(prompt_ids):].tolist()
+        return greedy_new_tokens(self.model, self.tokenizer, self.inputs(prompt, **media), max_new_tokens)

@@ -25,13 +25,11 @@ from vlserve.frontend.media.audio import (
     AudioLimits,
     AudioProcessorConfig,
     audio_items,
-    check_audio_format,
     load_audio,
     load_video_audio,
-    log_mel,
-    sniff_audio_format,
-    valid_frames,
 )
+from vlserve.frontend.media.audio_features import log_mel, valid_frames
+from vlserve.frontend.media.audio_formats import check_audio_format, sniff_audio_format
 from vlserve.frontend.media.hashing import hash_audio
 
 QWEN2_AUDIO = AudioProcessorConfig()  # 128 mel bins, 16 kHz, 30 s window

@@ -225,6 +225,33 @@ def test_omni_audio_tower_rows_equal_transformers(omni):
         torch.testing.assert_close(o, e, rtol=1e-5, atol=1e-5, msg=f"clip {i} ({lengths[i]} frames)")
 
 
+@pytest.mark.parametrize("arch", ["qwen2_audio", "qwen2_5_omni"])
+def test_audio_towers_in_bf16_and_on_either_attention_path(tiny_ckpt, monkeypatch, arch):
+    """bf16 is what a CPU with native bf16 (AVX-512-BF16, AMX) serves a bf16 checkpoint in, and there the towers'
+    attention runs vlserve's kernel (AVX-512, head_dim a multiple of 16). Both are checked on every machine: bf16
+    rows stay close to fp32 ones (bf16 is emulated, and slow, on AVX2), and the rows from whichever attention
+    path this CPU takes equal the portable fallback's (the kernel itself: tests/test_prefill_attention.py)."""
+    from vlserve.model import vision_common
+
+    path = tiny_ckpt(arch)
+    full, half = _ours(path), load_model(Path(path), dtype="bfloat16")
+    feats, mask = _features(path, _clips([0.7, 2.3], seed=4))
+    lengths = mask.sum(-1).tolist()
+    ctx = full.cfg.audio.context_frames
+    clips = [feats[i, :, : n + ctx] for i, n in enumerate(lengths)]
+    with torch.no_grad():
+        reference = full.encode_audio(clips, lengths)
+        rows_bf16 = half.encode_audio(clips, lengths)
+        monkeypatch.setattr(vision_common, "_kernels", lambda q: None)
+        fallback = full.encode_audio(clips, lengths)
+        fallback_bf16 = half.encode_audio(clips, lengths)
+    for r, b, f, fb in zip(reference, rows_bf16, fallback, fallback_bf16):
+        assert b.dtype == torch.bfloat16 and b.shape == r.shape
+        torch.testing.assert_close(f, r, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(b.float(), r, rtol=0.05, atol=0.05 * r.abs().max().item())
+        torch.testing.assert_close(fb.float(), b.float(), rtol=0.02, atol=0.02 * r.abs().max().item())
+
+
 def test_omni_vision_tower_equals_transformers(omni):
     path, hf = omni
     model = _ours(path)

@@ -33,7 +33,7 @@ def parse_percentiles(text: str) -> tuple[float, ...]:
     return vals
 
 
-def parse_images_per_request(text: str) -> tuple[int, int | None]:
+def parse_count_per_request(text: str) -> tuple[int, int | None]:
     """'2' -> (2, None); '1-3' -> (1, 3), a uniform count per request (pictures or audio clips)."""
     try:
         if "-" in text:
@@ -74,7 +74,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="0: fixed lengths; r: lengths uniform in [len*(1-r), len*(1+r)]")
     g.add_argument("--image-sizes", type=parse_image_sizes, default="448x448",
                    help="comma list of WIDTHxHEIGHT, one picked at random per image")
-    g.add_argument("--images-per-request", type=parse_images_per_request, default="1",
+    g.add_argument("--images-per-request", type=parse_count_per_request, default="1",
                    help="N, or MIN-MAX for a uniform count per request")
     g.add_argument("--repeat-image-ratio", type=float, default=0.0,
                    help="share of images re-used from a small pool of earlier ones (cache hits)")
@@ -82,7 +82,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="distinct pictures that repeated images are drawn from")
     g.add_argument("--image-format", choices=["jpeg", "png"], default="jpeg",
                    help="encoding of the data URLs (jpeg is much cheaper to build)")
-    g.add_argument("--audios-per-request", type=parse_images_per_request, default="0",
+    g.add_argument("--audios-per-request", type=parse_count_per_request, default="0",
                    help="input_audio clips (synthetic tones, base64 WAV) per request: N, or MIN-MAX")
     g.add_argument("--audio-seconds", type=_audio_seconds, default="5",
                    help="comma list of clip lengths in seconds, one picked at random per clip")

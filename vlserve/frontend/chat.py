@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, field
 
 from vlserve.core.errors import InvalidInputError
-from vlserve.frontend.media.audio import SNIFF_BYTES, check_audio_format
+from vlserve.frontend.media.audio_formats import SNIFF_BYTES, check_audio_format
 from vlserve.frontend.media.data_url import decode_base64, is_data_url
 
 ROLES = {"system", "user", "assistant", "tool", "developer"}

@@ -19,9 +19,8 @@ from vlserve.frontend.media.audio import (
     audio_items,
     load_audio,
     load_video_audio,
-    log_mel,
-    valid_frames,
 )
+from vlserve.frontend.media.audio_features import log_mel, valid_frames
 from vlserve.frontend.media.data_url import decode_base64
 from vlserve.frontend.media.hashing import (
     hash_audio,

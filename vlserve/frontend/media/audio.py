@@ -1,4 +1,5 @@
-"""Audio decoding (PyAV) and the log-mel features of Whisper-style audio towers (Qwen2-Audio, Qwen2.5-Omni).
+"""Audio decoding (PyAV) for Whisper-style audio towers (Qwen2-Audio, Qwen2.5-Omni): settings, limits, decoding.
+Features are in `audio_features.py`, container recognition in `audio_formats.py`.
 
 Decoding: bytes, data URLs, files and `(waveform, sample_rate)` arrays become one mono float32 waveform at the
 model's rate. The container is recognised from its first bytes (`sniff_audio_format`) and opened with that
@@ -8,11 +9,6 @@ URLs. Channels are averaged to mono with equal weights (what librosa's `to_mono`
 `ffmpeg -ar 16000` does). A waveform already at the model's rate is kept as it is, sample for sample. Every limit
 (`AudioLimits`) is checked before the work it bounds: the header's duration before decoding, then the decoded
 duration frame by frame, so a small file that claims or holds hours of sound costs at most the limit.
-
-Features: `log_mel` equals transformers' `WhisperFeatureExtractor(..., padding="max_length",
-return_attention_mask=True)` on the frames a tower reads (the valid frames and `context_frames` after them),
-padded frames included: their value comes from the clip's global maximum, and frames of pure padding never raise
-that maximum (they sit at the floor), so only the frames that touch the signal are transformed.
 """
 
 from __future__ import annotations
@@ -21,9 +17,7 @@ import io
 import json
 import math
 import os
-import warnings
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +26,14 @@ import torch
 
 from vlserve.core.config import DEFAULT_MAX_AUDIO_SECONDS
 from vlserve.core.errors import InvalidInputError, MediaTooLargeError, ModelLoadError
+from vlserve.frontend.media.audio_formats import (
+    DEMUXERS,
+    SNIFF_BYTES,
+    check_audio_format,
+    ogg_cut_short,
+    sniff_audio_format,
+    wav_cut_short,
+)
 from vlserve.frontend.media.data_url import decode_data_url, is_data_url
 
 # Whisper's feature extractor settings (transformers' WhisperFeatureExtractor defaults, 128 mel bins as the
@@ -57,21 +59,6 @@ _CODEC_PADDING_S = 0.1
 _RESAMPLE_CHUNK = 1 << 16  # samples handed to libswresample at once (a call per small frame costs 3x)
 _PROBE_BYTES = 1 << 16
 _NO_DURATION_HEADER = frozenset({"aac"})  # ADTS: ffmpeg guesses the duration from the bit rate
-
-# Containers vlserve decodes, by what their first bytes show: name -> ffmpeg demuxer.
-DEMUXERS = {"wav": "wav", "mp3": "mp3", "flac": "flac", "ogg": "ogg", "mp4": "mov", "matroska": "matroska",
-            "aiff": "aiff", "aac": "aac", "avi": "avi"}
-# `input_audio.format` values and the containers each may hold.
-FORMATS: dict[str, frozenset[str]] = {
-    "wav": frozenset({"wav"}), "wave": frozenset({"wav"}),
-    "mp3": frozenset({"mp3"}), "mpeg": frozenset({"mp3"}), "mpga": frozenset({"mp3"}),
-    "flac": frozenset({"flac"}),
-    "ogg": frozenset({"ogg"}), "oga": frozenset({"ogg"}), "opus": frozenset({"ogg", "matroska"}),
-    "webm": frozenset({"matroska"}), "mka": frozenset({"matroska"}),
-    "m4a": frozenset({"mp4"}), "mp4": frozenset({"mp4"}), "aac": frozenset({"aac", "mp4"}),
-    "aiff": frozenset({"aiff"}), "aif": frozenset({"aiff"}),
-}
-SNIFF_BYTES = 12  # what `sniff_audio_format` needs (16 base64 characters)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -214,80 +201,6 @@ class Audio:
 
 
 # ---------------------------------------------------------------------------------------------
-# Containers
-# ---------------------------------------------------------------------------------------------
-
-
-def sniff_audio_format(head: bytes) -> str | None:
-    """The container named by a file's first bytes (`SNIFF_BYTES` suffice), among `DEMUXERS`; None if none."""
-    if len(head) >= 12 and head[:4] in (b"RIFF", b"RF64", b"BW64") and head[8:12] == b"WAVE":
-        return "wav"
-    if len(head) >= 12 and head[:4] == b"RIFF" and head[8:12] == b"AVI ":
-        return "avi"  # a video's sound track
-    if head[:4] == b"fLaC":
-        return "flac"
-    if head[:4] == b"OggS":
-        return "ogg"
-    if head[:4] == b"\x1a\x45\xdf\xa3":
-        return "matroska"
-    if len(head) >= 12 and head[:4] == b"FORM" and head[8:12] in (b"AIFF", b"AIFC"):
-        return "aiff"
-    if len(head) >= 8 and head[4:8] == b"ftyp":
-        return "mp4"
-    if head[:3] == b"ID3":
-        return "mp3"
-    if len(head) >= 2 and head[0] == 0xFF and head[1] & 0xE0 == 0xE0:
-        layer = (head[1] >> 1) & 3
-        if layer == 0 and head[1] & 0xF0 == 0xF0:
-            return "aac"  # ADTS: MPEG-2/4 AAC frames
-        if layer:
-            return "mp3"  # MPEG audio layer I, II or III frames
-    return None
-
-
-def check_audio_format(declared: str, head: bytes, where: str = "input_audio") -> str:
-    """`declared` (an `input_audio.format`) must name a supported format that the bytes are. Returns the sniffed
-    container."""
-    if not isinstance(declared, str) or declared.lower() not in FORMATS:
-        raise InvalidInputError(f"{where}.format {str(declared)[:32]!r} is not supported; use one of "
-                                f"{', '.join(sorted(FORMATS))}")
-    found = sniff_audio_format(head)
-    if found is None:
-        raise InvalidInputError(f"{where}: the data is not audio in a supported container "
-                                f"({', '.join(sorted(DEMUXERS))})")
-    if found not in FORMATS[declared.lower()]:
-        raise InvalidInputError(f"{where}.format is {declared!r} but the data is {found}")
-    return found
-
-
-def _wav_cut_short(head: bytes, size: int) -> bool:
-    """A RIFF/WAVE file whose data chunk claims more bytes than the file holds (a streamed WAV says 0 or
-    0xFFFFFFFF: not judged)."""
-    pos = 12
-    while pos + 8 <= len(head):
-        chunk, length = head[pos:pos + 4], int.from_bytes(head[pos + 4:pos + 8], "little")
-        if chunk == b"data":
-            return length not in (0, 0xFFFFFFFF) and length > size - (pos + 8)
-        pos += 8 + length + (length & 1)
-    return False
-
-
-def _ogg_cut_short(data: bytes) -> bool:
-    """An Ogg file whose last page runs past the end of the file (ffmpeg would drop that page silently and its
-    duration, read from the last whole page, would agree). Pages are walked by their headers; where the walk
-    meets something that is not a page, ffmpeg judges the rest."""
-    pos = 0
-    while pos + 27 <= len(data):
-        if data[pos:pos + 4] != b"OggS":
-            return False
-        segments = data[pos + 26]
-        if pos + 27 + segments > len(data):
-            return True
-        pos += 27 + segments + sum(data[pos + 27:pos + 27 + segments])
-    return pos != len(data)
-
-
-# ---------------------------------------------------------------------------------------------
 # Decoding
 # ---------------------------------------------------------------------------------------------
 
@@ -393,9 +306,9 @@ def _decode_bytes(data: bytes, limits: AudioLimits, fmt: str | None, what: str, 
         container = sniff_audio_format(data[:SNIFF_BYTES])
         if container is None:
             raise InvalidInputError(f"{what} is not audio in a supported container ({', '.join(sorted(DEMUXERS))})")
-    if container == "wav" and _wav_cut_short(data[:1 << 16], len(data)):
+    if container == "wav" and wav_cut_short(data[:1 << 16], len(data)):
         raise InvalidInputError(f"{what} is truncated: its WAV header promises more samples than the file holds")
-    if container == "ogg" and _ogg_cut_short(data):
+    if container == "ogg" and ogg_cut_short(data):
         raise InvalidInputError(f"{what} is truncated: its last Ogg page runs past the end of the file")
     return _decode(io.BytesIO(data), container, limits, what, optional)
 
@@ -612,100 +525,3 @@ def _finish(waveform: np.ndarray, limits: AudioLimits, what: str) -> np.ndarray:
     if not np.isfinite(waveform).all():
         raise InvalidInputError(f"{what} holds NaN or infinite samples")
     return waveform
-
-
-# ---------------------------------------------------------------------------------------------
-# Features
-# ---------------------------------------------------------------------------------------------
-
-
-def _hz_to_mel(hz: np.ndarray) -> np.ndarray:
-    """Slaney's mel scale: linear below 1 kHz (3 mels per 200 Hz), logarithmic above (27 mels per factor 6.4)."""
-    hz = np.asarray(hz, dtype=np.float64)
-    linear = hz * 3 / 200
-    log = 15 + np.log(np.maximum(hz, 1e-10) / 1000) * 27 / np.log(6.4)
-    return np.where(hz >= 1000, log, linear)
-
-
-def _mel_to_hz(mel: np.ndarray) -> np.ndarray:
-    mel = np.asarray(mel, dtype=np.float64)
-    return np.where(mel >= 15, 1000 * np.exp((mel - 15) * np.log(6.4) / 27), mel * 200 / 3)
-
-
-@lru_cache(maxsize=8)
-def mel_filters(n_fft: int, n_mels: int, sampling_rate: int, max_frequency: float = WHISPER_MAX_FREQUENCY
-                ) -> torch.Tensor:
-    """float32 [n_mels, n_fft // 2 + 1]: triangles evenly spaced in Slaney mels from 0 Hz to `max_frequency`,
-    each scaled to unit area in Hz (Slaney's normalisation), over the FFT bins' frequencies."""
-    bins = np.linspace(0, sampling_rate // 2, n_fft // 2 + 1)
-    edges = _mel_to_hz(np.linspace(_hz_to_mel(0.0), _hz_to_mel(max_frequency), n_mels + 2))
-    lo, mid, hi = edges[:-2, None], edges[1:-1, None], edges[2:, None]
-    rising = (bins[None] - lo) / (mid - lo)
-    falling = (hi - bins[None]) / (hi - mid)
-    weights = np.maximum(0.0, np.minimum(rising, falling)) * (2.0 / (hi - lo))
-    return torch.from_numpy(weights.astype(np.float32))
-
-
-@lru_cache(maxsize=8)
-def _sparse_mel_filters(n_fft: int, n_mels: int, sampling_rate: int) -> torch.Tensor:
-    """The same, as a sparse (CSR) matrix: each FFT bin feeds at most two filters, so the product with the power
-    spectrum costs a few hundred multiply-adds a frame instead of n_mels x bins."""
-    with warnings.catch_warnings():  # "sparse CSR support is in beta": a product is all that is used here
-        warnings.simplefilter("ignore", UserWarning)
-        return mel_filters(n_fft, n_mels, sampling_rate).to_sparse_csr()
-
-
-@lru_cache(maxsize=8)
-def _window(n_fft: int) -> torch.Tensor:
-    return torch.hann_window(n_fft)
-
-
-def valid_frames(num_samples: int, cfg: AudioProcessorConfig) -> int:
-    """Feature frames of a clip of `num_samples` (transformers' `feature_attention_mask.sum()`)."""
-    return min(-(-num_samples // cfg.hop_length), cfg.nb_max_frames)
-
-
-def log_mel(waveform: Any, cfg: AudioProcessorConfig, context_frames: int = 0) -> tuple[torch.Tensor, int]:
-    """(features float32 [n_mels, L + context_frames, at most the window's frames], L): transformers'
-    WhisperFeatureExtractor output (max_length padding) for those frames, L the valid ones.
-
-    Frame t is the Hann-windowed n_fft samples centred on sample t x hop of the padded window (reflected at its
-    ends); power spectrum, Slaney mel filters, log10 floored at 1e-10, then everything raised to (the window's
-    maximum - 8) and mapped by (x + 4) / 4. Frames that only see padding are at the floor and never hold the
-    maximum, so only frames up to the last one touching the clip (or the last one returned) are transformed.
-    """
-    x = torch.as_tensor(np.asarray(waveform, dtype=np.float32) if not isinstance(waveform, torch.Tensor)
-                        else waveform.detach().cpu().float()).flatten()
-    n, total, hop, n_fft = x.numel(), cfg.n_samples, cfg.hop_length, cfg.n_fft
-    if n == 0:
-        raise InvalidInputError("the audio holds no samples")
-    if n > total:
-        raise MediaTooLargeError(f"the audio is {n / cfg.sampling_rate:.2f} s long, more than the "
-                                 f"{cfg.max_seconds:g} s this model takes")
-    if context_frames < 0:
-        raise ValueError("context_frames must be >= 0")
-    frames, half = cfg.nb_max_frames, n_fft // 2
-    length = valid_frames(n, cfg)
-    out = min(length + context_frames, frames)
-    touching = min(-(-(n + half) // hop), frames)  # frames whose window reaches a sample of the clip
-    needed = max(out, touching) if cfg.padding_value == 0 else frames
-    span = (needed - 1) * hop + half  # samples of the window the needed frames read, after the left padding
-    if span <= total:  # the right end's reflection is never read: pad with the padding value only
-        body = torch.full((max(span, half + 1),), cfg.padding_value, dtype=torch.float32)
-        body[:min(n, body.numel())] = x[:body.numel()]
-        padded = torch.cat([body[1:half + 1].flip(0), body[:span]])
-    else:
-        body = torch.full((total,), cfg.padding_value, dtype=torch.float32)
-        body[:n] = x
-        padded = torch.cat([body[1:half + 1].flip(0), body, body[-half - 1:-1].flip(0)])
-        padded = padded[:(needed - 1) * hop + n_fft]
-    # Frames as rows: one real FFT per row, the power from the real and imaginary parts (no square root), then
-    # the sparse mel filters times the power as [bins, frames] (a third of the time of torch.stft, abs() ** 2 and
-    # a dense product).
-    spec = torch.view_as_real(torch.fft.rfft(padded.unfold(0, n_fft, hop) * _window(n_fft), dim=-1))
-    power = (spec[..., 0].square() + spec[..., 1].square()).T.contiguous()  # [bins, needed]
-    mel = _sparse_mel_filters(n_fft, cfg.feature_size, cfg.sampling_rate) @ power  # [n_mels, needed]
-    logs = mel.clamp_(min=1e-10).log10_()
-    floor = logs.max() - 8.0
-    feats = torch.maximum(logs[:, :out], floor).add_(4.0).div_(4.0)
-    return feats.contiguous(), length
