@@ -39,12 +39,10 @@ def groups_of(sizes: list[int], budget: int | None) -> list[list[int]]:
     return groups
 
 
-def batches(items: list[MultiModalItem], budget: int | None) -> list[list[MultiModalItem]]:
-    return [[items[i] for i in g] for g in groups_of([it.pixel_values.shape[0] for it in items], budget)]
-
-
-def audio_batches(items: list[MultiModalItem], budget: int | None) -> list[list[MultiModalItem]]:
-    return [[items[i] for i in g] for g in groups_of([it.audio_features.shape[1] for it in items], budget)]
+def batches(items: list[MultiModalItem], budget: int | None, audio: bool = False) -> list[list[MultiModalItem]]:
+    """`items` in tower calls of at most `budget` patches (pictures) or feature frames (`audio`)."""
+    sizes = [it.audio_features.shape[1] if audio else it.pixel_values.shape[0] for it in items]
+    return [[items[i] for i in g] for g in groups_of(sizes, budget)]
 
 
 def cpu_budget(device: torch.device) -> int | None:
@@ -73,7 +71,7 @@ class EncoderRunner:
             pixels = torch.cat([it.pixel_values for it in group]).to(self.device, non_blocking=True)
             self._timed("vision", group, lambda: self.model.encode_images(pixels, [it.grid_thw for it in group]))
         audio_budget = CPU_AUDIO_FRAMES_PER_CALL if self.device.type == "cpu" else None
-        for group in audio_batches(sounds, audio_budget) if sounds else []:
+        for group in batches(sounds, audio_budget, audio=True) if sounds else []:
             features = [it.audio_features.to(self.device, non_blocking=True) for it in group]
             self._timed("audio", group, lambda: self.model.encode_audio(features, [it.audio_len for it in group]))
 
