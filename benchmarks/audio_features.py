@@ -23,8 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.audio_samples import encode_audio, noise, sine  # noqa: E402
-from vlserve.frontend.media.audio import AudioLimits, AudioProcessorConfig, load_audio  # noqa: E402
-from vlserve.frontend.media.audio_features import log_mel  # noqa: E402
+from vlserve.media.audio import AudioLimits, AudioProcessorConfig, load_audio  # noqa: E402
+from vlserve.media.audio_features import log_mel  # noqa: E402
 
 
 def best_of(fn, repeats: int) -> float:

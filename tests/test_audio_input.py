@@ -21,16 +21,16 @@ from tests.audio_samples import b64, data_url, encode_audio, encode_video_with_a
 from vlserve.core.config import DEFAULT_MM_LIMITS, EngineArgs, ServerArgs, parse_limits
 from vlserve.core.errors import InvalidInputError, MediaTooLargeError, ModelLoadError
 from vlserve.frontend.chat import parse_chat_messages
-from vlserve.frontend.media.audio import (
+from vlserve.media.audio import (
     AudioLimits,
     AudioProcessorConfig,
     audio_items,
     load_audio,
     load_video_audio,
 )
-from vlserve.frontend.media.audio_features import log_mel, valid_frames
-from vlserve.frontend.media.audio_formats import check_audio_format, sniff_audio_format
-from vlserve.frontend.media.hashing import hash_audio
+from vlserve.media.audio_features import log_mel, valid_frames
+from vlserve.media.audio_formats import check_audio_format, sniff_audio_format
+from vlserve.media.hashing import hash_audio
 
 QWEN2_AUDIO = AudioProcessorConfig()  # 128 mel bins, 16 kHz, 30 s window
 LIMITS = AudioLimits()
@@ -179,7 +179,7 @@ def test_resampling_gives_the_length_and_the_sound(rate):
 
 def test_a_rate_change_inside_the_stream_is_followed():
     """Decoding state restarts at a new rate (chained streams): both parts arrive, each converted."""
-    from vlserve.frontend.media.audio import _MonoStream
+    from vlserve.media.audio import _MonoStream
 
     out = _MonoStream(16000)
     out.add(sine(0.5, 8000), 8000)
@@ -466,7 +466,7 @@ def test_decoding_and_features_run_off_the_event_loop():
     ticking meanwhile."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from vlserve.frontend.media.fetch import MediaFetcher, MediaPolicy
+    from vlserve.media.fetch import MediaFetcher, MediaPolicy
     from vlserve.frontend.prompt_encoder import LocalPromptEncoder
 
     seen: list[tuple[str, bool]] = []

@@ -32,14 +32,8 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 from vlserve.core.errors import ModelLoadError
 from vlserve.model.audio_encoder import audio_output_tokens
-from vlserve.model.hf_config import (
-    QWEN2_5_OMNI,
-    QWEN2_5_OMNI_THINKER,
-    QWEN2_AUDIO,
-    ModelConfig,
-    load_model_config,
-    parse_model_config,
-)
+from vlserve.model.families.qwen.config import QWEN2_5_OMNI, QWEN2_5_OMNI_THINKER, QWEN2_AUDIO
+from vlserve.model.hf_config import ModelConfig, load_model_config, parse_model_config
 from vlserve.model.layers.attention import AttentionMetadata, build_prefill_span
 from vlserve.model.layers.parallel import TPGroup
 from vlserve.model.loader import load_model

@@ -120,7 +120,7 @@ def test_audio_clips():
     counts in range, repeats byte-identical, and what the server's decoder makes of them."""
     import wave
 
-    from vlserve.frontend.media.audio import AudioLimits, load_audio
+    from vlserve.media.audio import AudioLimits, load_audio
 
     reqs = build_requests(RandomMMConfig(num_prompts=30, input_len=3, output_len=2, image_sizes=[(8, 8)],
                                          audios_per_request=0, max_audios_per_request=2, audio_seconds=[0.5, 1.25],

@@ -1,4 +1,4 @@
-"""vlserve.frontend.media.image against transformers' Qwen2VLImageProcessorPil and smart_resize."""
+"""vlserve.media.image against transformers' Qwen2VLImageProcessorPil and smart_resize."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
 )
 
 from vlserve.core.errors import InvalidInputError
-from vlserve.frontend.media.image import (
+from vlserve.media.image import (
     ImageProcessorConfig,
     load_image,
     preprocess_image,

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1] / "vlserve"
 LAYERS = [
     {"vlserve.core"},
     {"vlserve.tools", "vlserve.bench"},  # stand-alone tools: only core below them
+    {"vlserve.media"},  # fetching and decoding pictures, video and sound; content hashes
     {"vlserve.model"},
     {"vlserve.engine"},
     {"vlserve.frontend"},

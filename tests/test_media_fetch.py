@@ -16,7 +16,7 @@ import pytest
 from PIL import Image
 
 from vlserve.core.errors import InvalidInputError, MediaFetchError, MediaTooLargeError
-from vlserve.frontend.media.fetch import (
+from vlserve.media.fetch import (
     MediaFetcher,
     MediaPolicy,
     is_non_public_address,

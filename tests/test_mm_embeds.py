@@ -12,7 +12,7 @@ from safetensors.torch import save
 from tests.conftest import IMG, assert_pool_full, noise_image
 from vlserve import LLM, SamplingParams
 from vlserve.core.errors import InvalidInputError
-from vlserve.frontend.media.image import preprocess_image
+from vlserve.media.image import preprocess_image
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 PROMPT = f"<|im_start|>user\n{IMG}Describe it.<|im_end|>\n<|im_start|>assistant\n"

@@ -18,8 +18,8 @@ from tests.conftest import assert_pool_full, noise_image
 from tests.hf_reference import HFOmniReference
 from vlserve import LLM, SamplingParams
 from vlserve.core.errors import InvalidInputError
-from vlserve.frontend.media.audio import load_video_audio
-from vlserve.frontend.media.video import load_video, preprocess_video
+from vlserve.media.audio import load_video_audio
+from vlserve.media.video import load_video, preprocess_video
 
 RATE = 16000
 MAX_NEW = 8

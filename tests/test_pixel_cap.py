@@ -79,7 +79,7 @@ def test_the_cap_counts_the_bytes_a_picture_decodes_to(mode, refused):
 
     from PIL import Image
 
-    from vlserve.frontend.media.image import load_image
+    from vlserve.media.image import load_image
 
     buf = io.BytesIO()
     Image.new(mode, (100, 100)).save(buf, format="TIFF")
@@ -99,7 +99,7 @@ def test_deep_pictures_are_scaled_to_8_bits_in_slices():
     import numpy as np
     from PIL import Image
 
-    from vlserve.frontend.media.image import to_rgb
+    from vlserve.media.image import to_rgb
 
     rng = np.random.default_rng(0)
     deep = Image.fromarray(rng.integers(0, 65535, (2000, 1500), dtype=np.uint16))  # 3 MP, I;16

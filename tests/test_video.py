@@ -16,8 +16,8 @@ from tests.conftest import ARCHES, IMG, assert_pool_full, noise_image
 from tests.hf_reference import HFReference
 from vlserve import LLM, SamplingParams
 from vlserve.core.errors import InvalidInputError
-from vlserve.frontend.media.image import ImageProcessorConfig
-from vlserve.frontend.media.video import (
+from vlserve.media.image import ImageProcessorConfig
+from vlserve.media.video import (
     VideoOptions,
     frame_indices,
     load_video,

@@ -47,7 +47,7 @@ from vlserve.engine.encoder_runner import EncoderRunner
 from vlserve.engine.executor import encodes_whole_step, start_executor
 from vlserve.frontend.config import FrontendConfig
 from vlserve.frontend.input_processor import InputProcessor
-from vlserve.frontend.media.fetch import MediaFetcher, MediaPolicy
+from vlserve.media.fetch import MediaFetcher, MediaPolicy
 from vlserve.frontend.metrics import CONTENT_TYPE, LATENCY_BUCKETS, PREFIX
 from vlserve.frontend.prompt_encoder import LocalPromptEncoder
 from vlserve.model.facts import resolve_model_facts

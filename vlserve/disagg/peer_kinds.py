@@ -23,7 +23,7 @@ import blake3
 from vlserve.core.config import DisaggArgs
 from vlserve.core.errors import VlserveError
 from vlserve.frontend.config import FrontendConfig
-from vlserve.frontend.media.data_url import decode_base64
+from vlserve.media.data_url import decode_base64
 
 # About the first 8 KV blocks of text (16 tokens a block, ~4 characters a token): what a shared system prompt or
 # document fills, short enough that prompts differing early spread.

@@ -13,7 +13,7 @@ from vlserve.core.config import TOWERS, EngineArgs
 from vlserve.core.errors import InvalidInputError
 from vlserve.model.facts import ModelFacts, resolve_model_facts
 from vlserve.model.hardware import memory_available_bytes
-from vlserve.model.hf_config import ModelConfig
+from vlserve.model.config_types import ModelConfig
 from vlserve.model.loader import weight_files
 from vlserve.model.quantization import QuantizationConfig, resolve_quantization
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from vlserve.core.prompt import MultiModalItem
-from vlserve.model.hf_config import ModelConfig
+from vlserve.model.config_types import ModelConfig
 
 Holder = tuple[str, int]  # (request or transfer id, item index): one use of an entry
 

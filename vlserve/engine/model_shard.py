@@ -38,8 +38,9 @@ def balance(sizes: list[int], ranks: int) -> list[list[int]]:
     return shares
 
 
-def item_patches(pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> list[torch.Tensor]:
-    return list(pixels.split([t * h * w for t, h, w in grids]))
+def item_patches(model, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+    """Each item's pixel rows (the model's family says how many an item's grid takes)."""
+    return list(pixels.split([model.item_pixel_rows(g) for g in grids]))
 
 
 def load_shard(cfg: VlserveConfig, tp: TPGroup = SINGLE, device: torch.device | None = None) -> ModelShard:
@@ -90,18 +91,17 @@ class ModelShard:
 
     def share_of(self, rank: int, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         """The patches rank `rank` encodes in data mode, its items one after another."""
-        items = item_patches(pixels, grids)
-        mine = balance([t * h * w for t, h, w in grids], self.tp.size)[rank]
+        items = item_patches(self.model, pixels, grids)
+        mine = balance([self.model.item_pixel_rows(g) for g in grids], self.tp.size)[rank]
         return torch.cat([items[i] for i in mine]) if mine else pixels[:0]
 
     def _encode_share(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> list[torch.Tensor]:
-        unit = self.model.cfg.vision.spatial_merge_size ** 2
-        tokens = [t * h * w // unit for t, h, w in grids]
-        shares = balance([t * h * w for t, h, w in grids], self.tp.size)
+        tokens = [self.model.item_tokens(g) for g in grids]
+        shares = balance([self.model.item_pixel_rows(g) for g in grids], self.tp.size)
         width = self.model.cfg.embedding_width
         mine = shares[self.tp.rank]
         pixels = pixels.to(self.device)
-        parts = item_patches(pixels, [grids[i] for i in mine])
+        parts = item_patches(self.model, pixels, [grids[i] for i in mine])
         rows = [torch.empty(0, width, dtype=self.model.visual.patch_embed.proj.weight.dtype, device=self.device)]
         for group in groups_of([p.shape[0] for p in parts], cpu_budget(self.device)) if mine else []:
             group_pixels = torch.cat([parts[j] for j in group])

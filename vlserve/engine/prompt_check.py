@@ -9,6 +9,7 @@ import torch
 
 from vlserve.core.errors import InvalidInputError
 from vlserve.core.prompt import ProcessedPrompt
+from vlserve.model.families import family_of
 
 if TYPE_CHECKING:  # a front end checks what its peers assembled too, without the engine's config module
     from vlserve.engine.config import VlserveConfig
@@ -36,11 +37,13 @@ def check_prompt(prompt: ProcessedPrompt, cfg: VlserveConfig, block_capacity: tu
         if len(prompt.block_rows) * block_tokens < rows or any(not 0 <= b < num_blocks for b in prompt.block_rows):
             raise InvalidInputError(f"the prompt's receive blocks do not hold its {rows} rows")
     width = cfg.model.embedding_width
+    family = family_of(cfg.model.architecture)
+    check_item = family.load(family.check_item)
     previous_end = 0
     for item in prompt.mm_items:
         if item.modality not in cfg.model.modalities:
             raise InvalidInputError(f"a {item.modality!r} item; this model takes {', '.join(cfg.model.modalities)}")
-        _check_grid(item, cfg)
+        check_item(item, cfg.model)  # the family's: its grid and encoder input make its token count
         if item.offset < previous_end or item.end > length:
             raise InvalidInputError("media items overlap or run past the end of the prompt")
         previous_end = item.end
@@ -52,47 +55,8 @@ def check_prompt(prompt: ProcessedPrompt, cfg: VlserveConfig, block_capacity: tu
                                     "receive blocks")
         if item.needs_encoder and not cfg.load_vision:
             raise InvalidInputError("this engine has no media encoder; media must arrive as embeddings")
-        if item.pixel_values is not None:
-            t, h, w = item.grid_thw
-            if item.modality == "audio" or tuple(item.pixel_values.shape) != (t * h * w, cfg.model.vision.patch_dim):
-                raise InvalidInputError(f"pixel values of shape {tuple(item.pixel_values.shape)} do not match grid "
-                                        f"{item.grid_thw}")
-        elif item.audio_features is not None:
-            _check_audio_features(item, cfg)
-        elif item.embeddings is not None and (not item.embeddings.is_floating_point()
-                                              or tuple(item.embeddings.shape) != (item.num_tokens, width)):
+        if item.embeddings is not None and (not item.embeddings.is_floating_point()
+                                            or tuple(item.embeddings.shape) != (item.num_tokens, width)):
             raise InvalidInputError(f"embeddings are {item.embeddings.dtype} of shape {tuple(item.embeddings.shape)}; "
                                     f"expected floats of shape ({item.num_tokens}, {width})")
 
-
-def _check_grid(item, cfg) -> None:
-    """A picture's or video's grid in patches, or an audio item's (1, 1, tokens), matches its token count."""
-    t, h, w = item.grid_thw
-    if item.modality == "audio":
-        if (t, h, w) != (1, 1, item.num_tokens) or item.num_tokens <= 0:
-            raise InvalidInputError(f"an audio item of {item.num_tokens} tokens has grid {item.grid_thw}; "
-                                    f"expected (1, 1, {item.num_tokens})")
-        return
-    merge = cfg.model.vision.spatial_merge_size
-    if min(t, h, w) <= 0 or h % merge or w % merge:
-        raise InvalidInputError(f"grid_thw {item.grid_thw} must be positive with h, w divisible by {merge}")
-    if item.num_tokens != t * h * w // merge**2:
-        raise InvalidInputError(f"a media item of grid {item.grid_thw} takes {t * h * w // merge**2} tokens, "
-                                f"not {item.num_tokens}")
-
-
-def _check_audio_features(item, cfg) -> None:
-    """Features the audio tower can read, as many as its token count needs."""
-    from vlserve.model.audio_encoder import audio_output_tokens
-
-    audio = cfg.model.audio
-    feats = item.audio_features
-    if item.modality != "audio" or feats.dtype != torch.float32 or feats.dim() != 2 \
-            or feats.shape[0] != audio.num_mel_bins:
-        raise InvalidInputError(f"audio features are {feats.dtype} of shape {tuple(feats.shape)}; expected float32 "
-                                f"of shape ({audio.num_mel_bins}, frames)")
-    if not 0 < item.audio_len <= feats.shape[1] or feats.shape[1] > item.audio_len + audio.context_frames:
-        raise InvalidInputError(f"audio features of {feats.shape[1]} frames for {item.audio_len} valid frames")
-    if audio_output_tokens(item.audio_len) != item.num_tokens:
-        raise InvalidInputError(f"{item.audio_len} audio frames make {audio_output_tokens(item.audio_len)} tokens, "
-                                f"not {item.num_tokens}")

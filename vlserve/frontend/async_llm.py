@@ -30,7 +30,7 @@ from vlserve.engine.core_client import EngineCoreClient
 from vlserve.frontend.config import FrontendConfig
 from vlserve.frontend.grammar_compiler import GrammarCompiler
 from vlserve.frontend.input_processor import InputProcessor
-from vlserve.frontend.media.fetch import MediaFetcher, MediaPolicy
+from vlserve.media.fetch import MediaFetcher, MediaPolicy
 from vlserve.frontend.metrics import ServerMetrics
 from vlserve.frontend.output_processor import OutputProcessor
 from vlserve.frontend.prepared_prompt import PreparedPrompt

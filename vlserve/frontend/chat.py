@@ -6,8 +6,8 @@ import json
 from dataclasses import dataclass, field
 
 from vlserve.core.errors import InvalidInputError
-from vlserve.frontend.media.audio_formats import SNIFF_BYTES, check_audio_format
-from vlserve.frontend.media.data_url import decode_base64, is_data_url
+from vlserve.media.audio_formats import SNIFF_BYTES, check_audio_format
+from vlserve.media.data_url import decode_base64, is_data_url
 
 ROLES = {"system", "user", "assistant", "tool", "developer"}
 MEDIA_KINDS = ("image", "video", "audio")

@@ -10,7 +10,7 @@ import torch
 
 from vlserve.core.config import EngineArgs
 from vlserve.model.facts import ModelFacts
-from vlserve.model.hf_config import ModelConfig
+from vlserve.model.config_types import ModelConfig
 
 
 @dataclass(frozen=True)

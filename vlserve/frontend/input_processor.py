@@ -13,16 +13,16 @@ from vlserve.core.config import DEFAULT_MAX_AUDIO_SECONDS, DEFAULT_MAX_PIXELS_DE
 from vlserve.core.errors import InvalidInputError, MediaTooLargeError
 from vlserve.core.prompt import MultiModalItem, ProcessedPrompt
 from vlserve.frontend.config import FrontendConfig
-from vlserve.frontend.media.audio import (
+from vlserve.media.audio import (
     AudioLimits,
     AudioProcessorConfig,
     audio_items,
     load_audio,
     load_video_audio,
 )
-from vlserve.frontend.media.audio_features import log_mel, valid_frames
-from vlserve.frontend.media.data_url import decode_base64
-from vlserve.frontend.media.hashing import (
+from vlserve.media.audio_features import log_mel, valid_frames
+from vlserve.media.data_url import decode_base64
+from vlserve.media.hashing import (
     hash_audio,
     hash_embeddings,
     hash_image,
@@ -31,14 +31,14 @@ from vlserve.frontend.media.hashing import (
     hash_video_patch,
     hash_window,
 )
-from vlserve.frontend.media.image import (
+from vlserve.media.image import (
     ImageProcessorConfig,
     load_image,
     preprocess_image,
     resolve_pixel_limits,
     smart_resize,
 )
-from vlserve.frontend.media.video import (
+from vlserve.media.video import (
     VideoOptions,
     load_video,
     preprocess_video,

@@ -21,7 +21,7 @@ from vlserve.core.prompt import ProcessedPrompt
 from vlserve.core.sampling_params import SamplingParams
 from vlserve.engine.transfer_buffers import TransferBuffers
 from vlserve.frontend.input_processor import InputProcessor
-from vlserve.frontend.media.fetch import MediaFetcher
+from vlserve.media.fetch import MediaFetcher
 
 
 @dataclass

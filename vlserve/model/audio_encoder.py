@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from vlserve.core.errors import InvalidInputError
-from vlserve.model.hf_config import AudioConfig
+from vlserve.model.config_types import AudioConfig
 from vlserve.model.layers.mlp import get_activation, in_row_slices
 from vlserve.model.vision_common import plan_varlen, varlen_attention
 

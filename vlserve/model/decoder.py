@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from vlserve.model.hf_config import TextConfig
+from vlserve.model.config_types import TextConfig
 from vlserve.model.layers.attention import AttentionMetadata
 from vlserve.model.layers.norm import RMSNorm
 from vlserve.model.layers.parallel import VocabEmbedding, current_tp

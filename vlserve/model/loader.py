@@ -1,12 +1,8 @@
 """Find a checkpoint (local folder or hub id) and load its safetensors weights into our model classes.
 
-Checkpoint names are mapped onto ours in two steps: a prefix rename (both the transformers-5 layout
-`model.language_model.*` / `model.visual.*` and the original `model.*` / `visual.*` are accepted; a full
-Qwen2.5-Omni checkpoint's `thinker.` is dropped, its talker and token2wav are not built, so skipped), then fused
-parameters: q/k/v projections land in one `qkv_proj` (Omni's vision q/k/v in one `qkv`), gate/up in one
-`gate_up_proj`, the Conv3d patch embedding in a Linear. MoE experts come in two layouts (see `expert_tensor`).
-The audio towers keep their own names (Whisper's separate q/k/v), but for Qwen2-Audio's final norm and
-projector, which take Omni's (`ln_post`, `proj`).
+Checkpoint names are mapped onto ours by the model's family (its `weight_names`: prefix renames, then the fused
+parameters of vlserve.model.weight_names, whose pieces land in their rows here); a Conv3d patch embedding goes
+into a Linear. MoE experts come in two layouts (see `expert_tensor`).
 """
 
 from __future__ import annotations
@@ -23,6 +19,7 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from vlserve.core.errors import ModelLoadError
+from vlserve.model.families import family_of
 from vlserve.model.hardware import resolve_dtype
 from vlserve.model.kernels import cpu_kernels
 from vlserve.model.hf_config import ModelConfig, load_model_config
@@ -36,45 +33,16 @@ from vlserve.model.quantization import (
     quantized_buffers,
     resolve_quantization,
 )
-from vlserve.model.registry import get_model_spec
+from vlserve.model.weight_names import FUSED_SHARDS
 
 logger = logging.getLogger(__name__)
 
-OMNI_THINKER = "thinker."  # a full Qwen2.5-Omni checkpoint: the thinker's tensors (talker.*, token2wav.* skipped)
-# (checkpoint prefix, our prefix), first match wins
-PREFIX_RENAMES = [
-    ("model.language_model.", "language_model."),
-    ("model.visual.", "visual."),
-    ("visual.", "visual."),
-    ("model.audio_tower.", "audio_tower."),
-    ("audio_tower.", "audio_tower."),
-    ("model.multi_modal_projector.linear.", "audio_tower.proj."),  # Qwen2-Audio's projector
-    ("multi_modal_projector.linear.", "audio_tower.proj."),
-    ("model.", "language_model."),
-    ("language_model.model.", "language_model."),
-    ("language_model.lm_head.", "lm_head."),
-    ("lm_head.", "lm_head."),
-]
-# then (our prefix, renamed): Qwen2-Audio's final norm by Omni's name
-AUDIO_RENAMES = [("audio_tower.layer_norm.", "audio_tower.ln_post.")]
-# checkpoint tensors no served model reads: Omni's audio bos/eos embeddings (used by the talker path only)
-UNUSED = ("audio_tower.audio_bos_eos_token.",)
-# (checkpoint piece, our fused piece, which shard); not for the audio tower (whose k_proj has no bias)
-FUSED_PIECES = [
-    (".self_attn.q_proj.", ".self_attn.qkv_proj.", "q"),
-    (".self_attn.k_proj.", ".self_attn.qkv_proj.", "k"),
-    (".self_attn.v_proj.", ".self_attn.qkv_proj.", "v"),
-    (".mlp.gate_proj.", ".mlp.gate_up_proj.", "gate"),
-    (".mlp.up_proj.", ".mlp.gate_up_proj.", "up"),
-    (".attn.q.", ".attn.qkv.", "q"),  # Qwen2.5-Omni's vision tower
-    (".attn.k.", ".attn.qkv.", "k"),
-    (".attn.v.", ".attn.qkv.", "v"),
-]
-FUSED_SHARDS = {"qkv_proj": ("q", "k", "v"), "qkv": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
 PROGRESS_BAR_MIN_BYTES = 256 * 2**20
 # tqdm's default lock is a multiprocessing semaphore, which processes stopped by a signal leave behind (and the
 # resource tracker then warns about); a thread lock is all one process needs.
 tqdm.set_lock(threading.RLock())
+
+
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -92,23 +60,6 @@ def weight_files(folder: Path) -> list[Path]:
     if not files:
         raise ModelLoadError(f"{folder}: no model.safetensors or model.safetensors.index.json found")
     return files
-
-
-def our_name(ckpt_name: str) -> tuple[str, str | None]:
-    ckpt_name = ckpt_name.removeprefix(OMNI_THINKER)
-    for old, new in PREFIX_RENAMES:
-        if ckpt_name.startswith(old):
-            ckpt_name = new + ckpt_name[len(old) :]
-            break
-    if ckpt_name.startswith("audio_tower."):
-        for old, new in AUDIO_RENAMES:
-            if ckpt_name.startswith(old):
-                ckpt_name = new + ckpt_name[len(old) :]
-        return ckpt_name, None
-    for piece, fused, shard in FUSED_PIECES:
-        if piece in ckpt_name:
-            return ckpt_name.replace(piece, fused), shard
-    return ckpt_name, None
 
 
 EXPERT_TENSORS = (".experts.gate_up_proj", ".experts.down_proj")
@@ -156,8 +107,12 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def load_weights(model: nn.Module, folder: Path, files: list[Path] | None = None,
-                 quantization: QuantizationConfig | None = None) -> None:
+                 quantization: QuantizationConfig | None = None, our_name=None) -> None:
+    """`our_name`: the family's checkpoint-name mapping (the model's own family when None)."""
     files = files or weight_files(folder)
+    if our_name is None:
+        family = family_of(model.cfg.architecture)
+        our_name = family.load(family.weight_names)
     int4_buffers = quantized_buffers(model)
     params = dict(model.named_parameters()) | int4_buffers
     # Parts this model was built with: a role that leaves one out (an encoder has no LM) skips its tensors
@@ -175,9 +130,10 @@ def load_weights(model: nn.Module, folder: Path, files: list[Path] | None = None
         try:
             with safe_open(str(file), framework="pt") as f:
                 for key in f.keys():
-                    name, shard = our_name(key)
-                    if name.startswith(UNUSED):
+                    named = our_name(key)
+                    if named is None:
                         continue
+                    name, shard = named
                     quantized = name.endswith(INT4_SUFFIXES) and name.rsplit(".", 1)[0] in int4_linears
                     if quantized:
                         converted = checkpoint_tensor(name, f.get_tensor(key), quantization)
@@ -244,16 +200,17 @@ def load_model(
         quantization = resolve_quantization(None, cfg.quantization)
     device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, cfg.checkpoint_dtype, device)
-    spec = get_model_spec(cfg)
+    family = family_of(cfg.architecture)
+    our_name = family.load(family.weight_names)
     files = weight_files(folder)
     with torch.device("meta"), _default_dtype(torch_dtype), building_for(tp):
-        model = spec.build(cfg, with_vision=with_vision, with_language=with_language, vision_tp=vision_tp,
-                           towers=towers)
+        build = family.load(family.model)
+        model = build(cfg, with_vision=with_vision, with_language=with_language, vision_tp=vision_tp, towers=towers)
         if quantization is not None and quantization.is_checkpoint_format:
             logger.info("%s checkpoint: %d linears run in int4", quantization.method,
                         prepare_int4(model, files, quantization, our_name))
     model = model.to_empty(device=device)
-    load_weights(model, folder, files, quantization)
+    load_weights(model, folder, files, quantization, our_name)
     if quantization is not None and quantization.method == "int8":
         logger.info("int8: %d decoder linears quantized at load time", quantize_int8(model))
     if device.type == "cpu":

@@ -138,7 +138,8 @@ def prepare_int4(model: nn.Module, files: list[Path], cfg: QuantizationConfig, o
     targets: set[str] = set()
     for file in files:
         with safe_open(str(file), framework="pt") as f:
-            targets |= {our_name(k)[0].removesuffix(".qweight") for k in f.keys() if k.endswith(".qweight")}
+            named = [our_name(k) for k in f.keys() if k.endswith(".qweight")]
+            targets |= {n[0].removesuffix(".qweight") for n in named if n is not None}
     if not targets:
         raise ModelLoadError(f"the config says {cfg.method}, but the checkpoint holds no '.qweight' tensors")
     modules = dict(model.named_modules())

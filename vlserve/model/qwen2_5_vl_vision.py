@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from vlserve.model.hf_config import VisionConfig
+from vlserve.model.config_types import VisionConfig
 from vlserve.model.layers.mlp import GatedMLP
 from vlserve.model.layers.norm import RMSNorm
 from vlserve.model.qwen2_vl_vision import Qwen2VLVisionBlock

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from vlserve.model.decoder import DecoderLayer, DecoderModel
-from vlserve.model.hf_config import TextConfig
+from vlserve.model.config_types import TextConfig
 from vlserve.model.layers.attention import AttentionMetadata, paged_attention
 from vlserve.model.layers.mlp import GatedMLP
 from vlserve.model.layers.parallel import column_linear, current_tp, head_split, row_linear

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from vlserve.model.hf_config import VisionConfig
+from vlserve.model.config_types import VisionConfig
 from vlserve.model.layers.mlp import get_activation, in_row_slices
 from vlserve.model.layers.parallel import column_linear, current_tp, even_split, row_linear
 from vlserve.model.vision_common import (

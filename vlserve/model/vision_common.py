@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from vlserve.model.hardware import detect
-from vlserve.model.hf_config import VisionConfig
+from vlserve.model.config_types import VisionConfig
 from vlserve.model.kernels import cpu_kernels
 from vlserve.model.layers.parallel import column_linear, current_tp, even_split, head_split, row_linear
 from vlserve.model.layers.rotary import rotate_heads_

@@ -1,5 +1,5 @@
-"""A Qwen multimodal model for generation: media towers (vision, audio: either or both), a decoder and the LM
-head (every family in the registry).
+"""A multimodal model for generation: media towers (vision, audio: either or both), a decoder and the LM
+head (the Qwen family builds every model this way; vlserve.model.families).
 
 The runner drives the parts separately: `encode_images` / `encode_audio` for scheduled multimodal items,
 `embed_tokens` + scattering of media embeddings, `forward` over the flat token batch, `compute_logits` for
@@ -13,14 +13,14 @@ deepstack level (`ModelConfig.embedding_width` columns); the runner splits them 
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 import torch
 import torch.nn as nn
 
 from vlserve.model.audio_encoder import AudioEncoder
 from vlserve.model.decoder import DeepstackInput
-from vlserve.model.hf_config import ModelConfig
+from vlserve.model.config_types import ModelConfig
 from vlserve.model.layers.attention import AttentionMetadata
 from vlserve.model.layers.moe import Experts
 from vlserve.model.layers.parallel import SINGLE, TPGroup, building_for, current_tp, vocab_head
@@ -29,7 +29,8 @@ from vlserve.model.layers.parallel import SINGLE, TPGroup, building_for, current
 class VisionLanguageModel(nn.Module):
     def __init__(self, cfg: ModelConfig, vision_cls: type[nn.Module] | None, text_cls: type[nn.Module],
                  with_vision=True, with_language=True, vision_tp: TPGroup | None = None,
-                 towers: Collection[str] | None = None):
+                 towers: Collection[str] | None = None, item_tokens: Callable[[tuple], int] | None = None,
+                 item_pixel_rows: Callable[[tuple], int] | None = None):
         """Both halves are built for `current_tp()`; `vision_tp` (a single rank: the data-parallel encoder)
         overrides it for the vision tower. `with_vision` builds the media towers the config has (`visual` and
         `audio_tower`, None where it has none), or only those named in `towers` ("vision", "audio": an encoder
@@ -37,6 +38,7 @@ class VisionLanguageModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tp = current_tp()
+        self.item_tokens, self.item_pixel_rows = item_tokens, item_pixel_rows
         towers = ("vision", "audio") if towers is None else tuple(towers)
         with building_for(vision_tp or self.tp):
             self.visual = (vision_cls(cfg.vision) if with_vision and "vision" in towers and cfg.vision is not None
@@ -52,8 +54,7 @@ class VisionLanguageModel(nn.Module):
     def encode_images(self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> list[torch.Tensor]:
         """One ViT call for several items; returns each item's rows [tokens_i, embedding_width]."""
         merged = self.visual(pixel_values, grid_thw)
-        unit = self.cfg.vision.spatial_merge_size**2
-        return list(merged.split([t * h * w // unit for t, h, w in grid_thw]))
+        return list(merged.split([self.item_tokens(grid) for grid in grid_thw]))
 
     def encode_audio(self, features: list[torch.Tensor], lengths: list[int]) -> list[torch.Tensor]:
         """One audio-tower call for several clips (features [n_mels, frames_i], `lengths[i]` valid frames);

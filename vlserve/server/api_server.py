@@ -21,7 +21,7 @@ from vlserve.core.config import DISAGG_ROLES, KV_ROLES, SERVE, Options, ServerAr
 from vlserve.core.processes import SigtermStop, finish, read_degraded
 from vlserve.core.prompt import MEDIA_KINDS
 from vlserve.frontend.async_llm import AsyncLLM
-from vlserve.frontend.media.fetch import MediaFetcher, MediaPolicy
+from vlserve.media.fetch import MediaFetcher, MediaPolicy
 from vlserve.frontend.metrics import CONTENT_TYPE
 from vlserve.frontend.prompt_encoder import LocalPromptEncoder
 from vlserve.frontend.tokenizer import load_chat_template

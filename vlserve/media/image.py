@@ -22,7 +22,7 @@ from PIL import Image, ImageMode, ImageOps, UnidentifiedImageError
 
 from vlserve.core.config import DEFAULT_MAX_PIXELS_DECODED
 from vlserve.core.errors import InvalidInputError, MediaTooLargeError, ModelLoadError
-from vlserve.frontend.media.data_url import decode_data_url, is_data_url
+from vlserve.media.data_url import decode_data_url, is_data_url
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)

@@ -24,7 +24,7 @@ import httpcore
 import httpx
 
 from vlserve.core.errors import InvalidInputError, MediaFetchError, MediaTooLargeError
-from vlserve.frontend.media.data_url import decode_data_url
+from vlserve.media.data_url import decode_data_url
 
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*):")
 _WINDOWS_PATH = re.compile(r"^[a-zA-Z]:[\\/]")  # C:\cat.jpg, D:/x.png: a path, not scheme "c"

@@ -26,8 +26,8 @@ import torch
 from PIL import Image
 
 from vlserve.core.errors import InvalidInputError, MediaTooLargeError, ModelLoadError
-from vlserve.frontend.media.data_url import decode_data_url, is_data_url
-from vlserve.frontend.media.image import MAX_ASPECT_RATIO, ImageProcessorConfig, smart_resize, to_rgb
+from vlserve.media.data_url import decode_data_url, is_data_url
+from vlserve.media.image import MAX_ASPECT_RATIO, ImageProcessorConfig, smart_resize, to_rgb
 
 FRAME_FACTOR = 2  # frames per temporal patch
 DEFAULT_FPS = 2.0

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from vlserve.core.errors import InvalidInputError, MediaTooLargeError
-from vlserve.frontend.media.audio import WHISPER_MAX_FREQUENCY, AudioProcessorConfig
+from vlserve.media.audio import WHISPER_MAX_FREQUENCY, AudioProcessorConfig
 
 
 def _hz_to_mel(hz: np.ndarray) -> np.ndarray:

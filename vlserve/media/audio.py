@@ -26,7 +26,7 @@ import torch
 
 from vlserve.core.config import DEFAULT_MAX_AUDIO_SECONDS
 from vlserve.core.errors import InvalidInputError, MediaTooLargeError, ModelLoadError
-from vlserve.frontend.media.audio_formats import (
+from vlserve.media.audio_formats import (
     DEMUXERS,
     SNIFF_BYTES,
     check_audio_format,
@@ -34,7 +34,7 @@ from vlserve.frontend.media.audio_formats import (
     sniff_audio_format,
     wav_cut_short,
 )
-from vlserve.frontend.media.data_url import decode_data_url, is_data_url
+from vlserve.media.data_url import decode_data_url, is_data_url
 
 # Whisper's feature extractor settings (transformers' WhisperFeatureExtractor defaults, 128 mel bins as the
 # Qwen2-Audio family uses), for a checkpoint without a preprocessor_config.json.

@@ -1,0 +1,50 @@
+"""What a model family tells the rest of vlserve (the interface; each family is one folder beside this file).
+
+A family parses its config.json into the shared `ModelConfig`, builds its model (media towers and decoder, with
+the methods the engine calls: `encode_images`, `encode_audio`, `embed_tokens`, `forward`, `compute_logits`),
+names its checkpoint tensors, checks a media item's encoder input against its token count on the engine's side,
+and turns a prompt's media into items, placeholders and positions on the request path (its
+`MultiModalProcessor`, vlserve.model.families.processor).
+
+Light on purpose: config parsing runs in `vlserve --help`-cheap processes, so everything heavy (torch modules,
+image code) is named here as "module:attribute" and imported on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from vlserve.model.config_types import ModelConfig
+
+
+@cache
+def _resolve(ref: str) -> Any:
+    module, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    name: str  # "qwen", "llava": also ModelConfig.family
+    architectures: tuple[str, ...]  # config.json `architectures` entries it serves
+    # (raw config.json, its folder, architecture) -> ModelConfig; raises ModelLoadError for what it cannot serve
+    parse_config: Callable[[dict, Path, str], ModelConfig]
+    # "module:function": (cfg, with_vision=, with_language=, vision_tp=, towers=) -> the model, built under the
+    # current tensor-parallel group on the current (meta) device; the loader fills it
+    model: str
+    # "module:function": checkpoint tensor name -> (our parameter name, fused shard or None); None: skip it
+    weight_names: str
+    # "module:function": (MultiModalItem, ModelConfig) -> None, raising InvalidInputError when the item's encoder
+    # input (pixel values, audio features) does not make its token count (the engine checks every prompt)
+    check_item: str
+    processor: str  # "module:Class": its MultiModalProcessor
+    aliases: dict[str, str] = field(default_factory=dict)  # architecture names read as another of its own
+
+    def load(self, ref: str) -> Any:
+        """One of the "module:attribute" references above, imported once."""
+        return _resolve(ref)

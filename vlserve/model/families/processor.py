@@ -1,0 +1,118 @@
+"""A family's request path (its `MultiModalProcessor`): what a prompt's media become (tower inputs, token counts,
+content hashes), how its placeholders expand, and its positions. The front end's input processor does what is the
+same for every family first (tokenizing, the kinds and number of media, uuids, which mm_processor_kwargs are
+known) and hands the rest to the model's family; so does an encoder service.
+
+Placeholder expansion and 1-D positions are shared here; each family keeps its own tiling, resizing and
+position rules in its folder.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vlserve.core.errors import InvalidInputError
+from vlserve.core.prompt import ProcessedPrompt
+from vlserve.model.config_types import ModelConfig
+
+
+@dataclass(frozen=True)
+class ProcessorContext:
+    """What informs and bounds a family's processing, the same for every prompt of a server."""
+
+    model: ModelConfig
+    model_path: Path
+    tokenizer: Any  # the checkpoint's (transformers) tokenizer
+    dtype: torch.dtype  # what the engine computes in (precomputed embeddings are cast to it)
+    max_model_len: int
+    # The most embedding tokens one media item may take, and the option that sets it (the encoder's per-step
+    # budget, its cache, the context): an item over it is refused before its pixels are resized.
+    item_token_limit: tuple[str, int]
+    max_image_pixels: int  # a picture or video frame, as decoded and as resized (--max-image-pixels)
+    max_video_frames: int
+    enable_mm_embeds: bool
+    max_audio_seconds: float
+    max_media_bytes: int
+    max_video_bytes: int
+
+    def check_item_tokens(self, tokens: int, what: str, hint: str = "send a smaller one") -> None:
+        name, limit = self.item_token_limit
+        if tokens > limit:
+            raise InvalidInputError(f"the {what} would take {tokens} embedding tokens, more than the {limit} one item "
+                                    f"may take here ({name}); {hint}")
+
+
+@dataclass
+class PromptMedia:
+    """One prompt as the family receives it: tokenized, its media counted and bounded."""
+
+    text: str | None  # None when the prompt came as token ids
+    token_ids: list[int]
+    media: dict[str, list[tuple[Any, str | None]]]  # kind -> [(source, the client's uuid or None)], in order
+    mm_kwargs: dict  # mm_processor_kwargs, only names in the processor's `mm_kwargs`
+    tokenize: Callable[[str], list[int]]  # the front end's tokenizer, with its bounds (a family that rewrites text)
+
+
+class MultiModalProcessor(ABC):
+    # mm_processor_kwargs this family reads (any other name is refused before the family sees the prompt)
+    mm_kwargs: frozenset[str] = frozenset()
+
+    def __init__(self, ctx: ProcessorContext):
+        self.ctx = ctx
+
+    @abstractmethod
+    def process(self, prompt: PromptMedia) -> ProcessedPrompt:
+        """Load and preprocess the media (decode, bound, resize, hash), expand placeholders, positions. Raises
+        InvalidInputError (or a subclass) for anything the client can fix."""
+
+
+def expand_placeholders(token_ids: Sequence[int], pad_token_id: int,
+                        num_tokens: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Replace the k-th `pad_token_id` by `num_tokens[k]` copies of it.
+
+    Returns the expanded ids and, for each item, the index of its first copy in them.
+    """
+    ids, offsets = expand_all_placeholders(token_ids, {pad_token_id: num_tokens})
+    return ids, offsets[pad_token_id]
+
+
+def expand_all_placeholders(
+    token_ids: Sequence[int], num_tokens: dict[int, Sequence[int | list[int]]]
+) -> tuple[list[int], dict[int, list[int]]]:
+    """Several kinds at once (image and video pads interleaved): the k-th pad of kind `pad_id` becomes
+    `num_tokens[pad_id][k]` copies, or that list of ids when it is a list (an Omni video heard with its sound).
+    Returns the expanded ids and where each kind's k-th replacement starts in them."""
+    wanted = {pad: list(ns) for pad, ns in num_tokens.items()}
+    found = {pad: sum(1 for tok in token_ids if tok == pad) for pad in wanted}
+    for pad, ns in wanted.items():
+        if found[pad] != len(ns):
+            raise InvalidInputError(
+                f"prompt has {found[pad]} placeholder token(s) (id {pad}) but {len(ns)} media item(s) were provided"
+            )
+    out: list[int] = []
+    offsets: dict[int, list[int]] = {pad: [] for pad in wanted}
+    prev = 0
+    for pos, tok in enumerate(token_ids):
+        if tok not in wanted:
+            continue
+        n = wanted[tok][len(offsets[tok])]
+        replacement = n if isinstance(n, list) else [tok] * n
+        if not replacement:
+            raise InvalidInputError(f"a media item must occupy at least one token, got {n}")
+        out.extend(token_ids[prev:pos])  # slices keep the whole thing O(len(output))
+        offsets[tok].append(len(out))
+        out.extend(replacement)
+        prev = pos + 1
+    out.extend(token_ids[prev:])
+    return out, offsets
+
+
+def rope_positions(length: int) -> tuple[torch.Tensor, int]:
+    """Ordinary 1-D positions, sent as three equal rows (the M-RoPE layer then computes plain RoPE); delta 0."""
+    return torch.arange(length).expand(3, -1).contiguous(), 0
