@@ -226,7 +226,7 @@ def test_video_matches_transformers(references, arch):
         assert out.outputs[0].token_ids == expected
         assert_pool_full(engine)
     # The prompt as token ids: the same layout, rewritten in ids.
-    ids = proc.tokenizer.encode(prompt)
+    ids = llm.engine.input_processor.tokenizer.encode(prompt)
     out = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"video": [mp4, frames]}}, GREEDY,
                        use_tqdm=False)[0]
     assert out.prompt_token_ids == laid_out_ids(hf, ids, stamps, grids)
