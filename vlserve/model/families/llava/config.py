@@ -179,9 +179,9 @@ def _vision(raw: dict, architecture: str, text: TextConfig) -> tuple[VisionConfi
     v = defaults | given
     width, heads = _int(v, "hidden_size", "vision config"), _int(v, "num_attention_heads", "vision config")
     image_size, patch = _int(v, "image_size", "vision config"), _int(v, "patch_size", "vision config")
-    if width % heads or image_size % patch:
+    if width % heads or image_size < patch:  # 384 px tiles of 14 px patches: 27 a side, the last 6 px unread
         raise ModelLoadError(f"vision tower: hidden_size {width} must divide into {heads} heads and image_size "
-                             f"{image_size} into patches of {patch}")
+                             f"{image_size} hold a patch of {patch}")
     for key, act in (("vision hidden_act", v["hidden_act"]), ("projector_hidden_act",
                                                               raw.get("projector_hidden_act", "gelu"))):
         if act not in ACTIVATIONS:

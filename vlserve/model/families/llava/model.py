@@ -36,6 +36,10 @@ from vlserve.model.layers.parallel import SINGLE, building_for
 from vlserve.model.qwen2_text import Qwen2Attention, Qwen2TextModel
 from vlserve.model.vl_model import VisionLanguageModel
 
+# On CPU the encoder runs a few thousand patches at a time (activations stay in cache; a step's items may hold
+# hundreds of 729-patch tiles, which the engine's batching counts as one row each).
+CPU_PATCHES_PER_CALL = 2048
+
 
 class Projector(nn.Module):
     """linear_1 -> act -> linear_2: vision features (width x feature layers) to the LM width."""
@@ -70,7 +74,11 @@ class LlavaTower(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         """pixel_values [tiles or frames of all items, C*S*S] -> [rows of all items, hidden]."""
-        feats = self.vision_tower(pixel_values)  # [N, rows, width * layers]
+        if pixel_values.device.type == "cpu":
+            chunk = max(1, CPU_PATCHES_PER_CALL // self.geo.tile_rows)
+            feats = torch.cat([self.vision_tower(part) for part in pixel_values.split(chunk)])
+        else:
+            feats = self.vision_tower(pixel_values)  # [N, rows, width * layers]
         if self.drop_cls:
             feats = feats[:, 1:]
         out, start = [], 0

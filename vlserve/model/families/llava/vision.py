@@ -19,17 +19,19 @@ from vlserve.model.vision_common import attention
 
 class PatchEmbed(nn.Module):
     """The reference's Conv2d with kernel = stride = patch: a linear map of each flattened (C, p, p) patch (the
-    loader reshapes the conv kernel into this Linear's weight)."""
+    loader reshapes the conv kernel into this Linear's weight). Like the conv, it reads the side * patch pixels
+    from the top left (SigLIP's 384 px tiles: 27 patches of 14 px, the last 6 px rows and columns unread)."""
 
     def __init__(self, cfg: VisionConfig, bias: bool):
         super().__init__()
         self.patch, self.channels = cfg.patch_size, cfg.in_channels
         self.proj = nn.Linear(cfg.in_channels * cfg.patch_size**2, cfg.width, bias=bias)
 
-    def forward(self, tiles: torch.Tensor, side: int) -> torch.Tensor:
-        """tiles [N, C*S*S] (C, H, W order) -> [N, side*side, width], patches in row-major order."""
-        n, p, c = tiles.shape[0], self.patch, self.channels
-        x = tiles.view(n, c, side, p, side, p).permute(0, 2, 4, 1, 3, 5).reshape(n, side * side, c * p * p)
+    def forward(self, tiles: torch.Tensor, size: int) -> torch.Tensor:
+        """tiles [N, C*S*S] (C, H, W order, S = size) -> [N, side*side, width], patches in row-major order."""
+        n, p, c, side = tiles.shape[0], self.patch, self.channels, size // self.patch
+        x = tiles.view(n, c, size, size)[:, :, : side * p, : side * p]
+        x = x.reshape(n, c, side, p, side, p).permute(0, 2, 4, 1, 3, 5).reshape(n, side * side, c * p * p)
         return self.proj(x.to(self.proj.weight.dtype))
 
 
@@ -80,7 +82,7 @@ class VisionEncoder(nn.Module):
 
     def __init__(self, cfg: VisionConfig, kind: str, image_size: int, eps: float, feature_layers: tuple[int, ...]):
         super().__init__()
-        self.side = image_size // cfg.patch_size
+        self.image_size, self.side = image_size, image_size // cfg.patch_size
         self.clip = kind == "clip"
         self.feature_layers = feature_layers
         self.patch_embed = PatchEmbed(cfg, bias=not self.clip)
@@ -93,7 +95,7 @@ class VisionEncoder(nn.Module):
 
     def forward(self, tiles: torch.Tensor) -> torch.Tensor:
         """tiles [N, C*S*S] -> [N, rows, width * len(feature_layers)] (rows: CLIP's class row, then the patches)."""
-        h = self.patch_embed(tiles, self.side)  # [N, n*n, width]
+        h = self.patch_embed(tiles, self.image_size)  # [N, n*n, width]
         if self.clip:
             h = torch.cat([self.class_embedding.to(h.dtype).expand(h.shape[0], 1, -1), h], dim=1)
         h = h + self.position_embedding.weight
