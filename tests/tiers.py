@@ -27,6 +27,7 @@ FILE_TIERS = {
     "test_image_preprocessing.py": "unit",
     "test_kernel_build.py": "unit",
     "test_layers.py": "unit",
+    "test_llava_model.py": "unit",
     "test_model_facts.py": "unit",
     "test_media_fetch.py": "unit",
     "test_mrope.py": "unit",

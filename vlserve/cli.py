@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import textwrap
 
 from vlserve.bench import cli as bench_cli
 from vlserve.core.errors import VlserveError, exit_code
@@ -21,14 +22,27 @@ COMMANDS = [server_cli.register_cli, demo.register_cli, tools_cli.register_cli, 
 LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's, wrapping at spaces only: names such as "LLaVA-OneVision" stay on one line."""
+
+    def _split_lines(self, text, width):
+        return textwrap.wrap(self._whitespace_matcher.sub(" ", text).strip(), width, break_on_hyphens=False)
+
+    def _fill_text(self, text, width, indent):
+        return textwrap.fill(self._whitespace_matcher.sub(" ", text).strip(), width, initial_indent=indent,
+                             subsequent_indent=indent, break_on_hyphens=False)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vlserve", description=f"Serve vision-language models ({family_names()}) "
-                                     "with an OpenAI-compatible API.")
+                                     "with an OpenAI-compatible API.", formatter_class=HelpFormatter)
     parser.add_argument("--log-level", default="INFO", choices=LOG_LEVELS, help="log verbosity (default: INFO)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for register in COMMANDS:
         register(sub)
     for command in sub.choices.values():  # also accepted after the command; SUPPRESS keeps the top-level value
+        if command.formatter_class is argparse.HelpFormatter:
+            command.formatter_class = HelpFormatter
         if not any(a.dest == "log_level" for a in command._actions):
             command.add_argument("--log-level", default=argparse.SUPPRESS, choices=LOG_LEVELS,
                                  help="log verbosity (default: INFO)")
