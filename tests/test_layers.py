@@ -280,3 +280,33 @@ def test_front_ends_read_model_facts_without_the_engine_config_or_the_loader():
                              "import vlserve.disagg.launcher, vlserve.model.facts\nprint(0)")
     assert "vlserve.frontend.async_llm" in loaded and "vlserve.model.facts" in loaded
     assert not loaded & {"vlserve.engine.config", "vlserve.model.loader", "vlserve.engine.core"}
+
+
+def family_packages() -> set[str]:
+    """vlserve/model/families/<name>/: one folder per model family."""
+    return {m for m, path in modules().items() if m.startswith("vlserve.model.families.") and path.name == "__init__.py"}
+
+
+def test_a_familys_modules_are_imported_by_itself_and_the_registry_only():
+    """The engine, scheduler, caches, front end and disaggregation name no family: they reach one through the
+    registry (vlserve.model.families), so a new family is a folder, not an engine change."""
+    families = family_packages()
+    assert {"vlserve.model.families.qwen", "vlserve.model.families.llava"} <= families
+    bad = []
+    for e in imports():
+        reached = next((f for f in families if e.imported == f or e.imported.startswith(f + ".")), None)
+        if reached is None or e.importer == "vlserve.model.families":
+            continue
+        if not (e.importer == reached or e.importer.startswith(reached + ".")):
+            bad.append(e.where())
+    assert not bad, "modules outside a family that import it:\n" + "\n".join(bad)
+
+
+def test_every_family_reference_resolves():
+    from vlserve.model.families import FAMILIES
+    from vlserve.model.families.processor import MultiModalProcessor
+
+    for family in FAMILIES:
+        assert issubclass(family.load(family.processor), MultiModalProcessor), family.name
+        for ref in (family.model, family.weight_names, family.check_item):
+            assert callable(family.load(ref)), (family.name, ref)

@@ -19,7 +19,7 @@ PROMPT = f"<|im_start|>user\n{IMG}Describe it.<|im_end|>\n<|im_start|>assistant\
 
 
 def vit_embeddings(llm: LLM, image) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    proc = llm.engine.input_processor
+    proc = llm.engine.input_processor.processor
     p = preprocess_image(image, proc.image_cfg)
     with torch.inference_mode():
         emb = llm.engine.core.runner.model.encode_images(p.pixel_values, [p.grid_thw])[0]

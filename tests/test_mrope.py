@@ -1,4 +1,4 @@
-"""vlserve.frontend.mrope against transformers 5.23 `get_rope_index` on tiny Qwen2-VL / Qwen2.5-VL models."""
+"""vlserve.model.families.qwen.mrope against transformers 5.23 `get_rope_index` on tiny Qwen2-VL / Qwen2.5-VL models."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import torch
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLModel, Qwen2VLConfig, Qwen2VLModel
 
 from vlserve.core.errors import InvalidInputError
-from vlserve.frontend.mrope import MRopeItem, expand_placeholders, mrope_positions
+from vlserve.model.families.processor import expand_placeholders
+from vlserve.model.families.qwen.mrope import MRopeItem, mrope_positions
 
 IMAGE, VIDEO, V_START, V_END = 290, 291, 292, 293
 MERGE = 2

@@ -1,4 +1,4 @@
-"""Qwen2.5-Omni's prompt layout (vlserve/frontend/omni_layout.py) against transformers 5.24 itself: the window
+"""Qwen2.5-Omni's prompt layout (vlserve/model/families/qwen/omni_layout.py) against transformers 5.24 itself: the window
 split against both `get_chunked_index` (the model's and the processor's), and position ids plus rope delta
 against the tiny thinker's `get_rope_index` on hand-built expanded prompts. A video heard with its sound is laid
 out by transformers' own `Qwen2_5OmniProcessor.replace_video_with_audio_token`, called unbound (the processor
@@ -18,7 +18,7 @@ from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import (
 )
 
 from vlserve.core.errors import InvalidInputError
-from vlserve.frontend.omni_layout import (
+from vlserve.model.families.qwen.omni_layout import (
     AudioVideoWindows,
     OmniGroup,
     OmniItem,

@@ -50,7 +50,7 @@ def film() -> bytes:
 def video_inputs(llm: LLM, data: bytes) -> tuple:
     """(pixel_values, grid, seconds per grid, sound) as transformers gets them: our preprocessing (equal to its
     image path, see test_video.py) and our decoded sound track (its features come from transformers' extractor)."""
-    proc = llm.engine.input_processor
+    proc = llm.engine.input_processor.processor
     cfg = proc.image_cfg
     p = preprocess_video(load_video(data, proc.video_opts), cfg, proc.video_opts, cfg.min_pixels, cfg.max_pixels)
     return p.pixel_values, p.grid_thw, p.second_per_grid, load_video_audio(data, proc.video_audio_limits).waveform

@@ -24,7 +24,7 @@ def processor(ckpt, cap: int | None = None) -> InputProcessor:
 
 def resized_pixels(proc: InputProcessor, item) -> int:
     _, h, w = item.grid_thw
-    return h * w * proc.image_cfg.patch_size**2
+    return h * w * proc.processor.image_cfg.patch_size**2
 
 
 def picture(proc: InputProcessor, img, **mm_kwargs):
@@ -34,7 +34,7 @@ def picture(proc: InputProcessor, img, **mm_kwargs):
 @pytest.mark.parametrize("arch", ["qwen2_vl", "qwen3_vl"])
 def test_a_cap_below_the_models_max_pixels_shrinks_pictures(tiny_ckpt, arch):
     capped, free = processor(tiny_ckpt(arch), CAP), processor(tiny_ckpt(arch))
-    assert capped.image_cfg.max_pixels > CAP, "the checkpoint must allow more than the cap for this test"
+    assert capped.processor.image_cfg.max_pixels > CAP, "the checkpoint must allow more than the cap for this test"
     # (the decoded size must be within the cap too; 211 x 189 rounds to 224 x 196 = 43,904 pixels unless shrunk)
     for size in ((64, 64), (200, 200), (211, 189), (189, 211)):
         got = picture(capped, noise_image(*size, 1))

@@ -207,7 +207,7 @@ def test_video_matches_transformers(references, arch):
                   limit_mm_per_prompt={"video": 2})
     mp4 = encode_video(clip_frames(12, seed=1), fps=4)  # 3 s at 4 fps: 6 frames sampled at 2 fps
     frames = np.stack(clip_frames(7, h=84, w=56, seed=4))  # frames as an array: a clip at the sampling fps, odd count
-    proc = llm.engine.input_processor
+    proc = llm.engine.input_processor.processor
     processed = [preprocess_video(load_video(v, proc.video_opts), proc.image_cfg, proc.video_opts,
                                   proc.image_cfg.min_pixels, proc.image_cfg.max_pixels) for v in (mp4, list(frames))]
     opts = proc.video_opts
@@ -226,7 +226,7 @@ def test_video_matches_transformers(references, arch):
         assert out.outputs[0].token_ids == expected
         assert_pool_full(engine)
     # The prompt as token ids: the same layout, rewritten in ids.
-    ids = proc.tokenizer.encode(prompt)
+    ids = llm.engine.input_processor.tokenizer.encode(prompt)
     out = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"video": [mp4, frames]}}, GREEDY,
                        use_tqdm=False)[0]
     assert out.prompt_token_ids == laid_out_ids(hf, ids, stamps, grids)
@@ -258,7 +258,7 @@ def test_precomputed_embeddings_carry_deepstack_rows(references):
     path, _, expected = references("qwen3_vl")
     llm = LLM(str(path), dtype="float32", num_kv_blocks=256, enable_mm_embeds=True)
     prompt, images = _prompts()[1]
-    proc = llm.engine.input_processor
+    proc = llm.engine.input_processor.processor
     cfg = proc.image_cfg
     p = preprocess_image(load_image(images[0]), cfg, cfg.min_pixels, cfg.max_pixels)
     rows = llm.engine.core.runner.model.encode_images(p.pixel_values, [p.grid_thw])[0]

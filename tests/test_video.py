@@ -121,7 +121,7 @@ def test_truncated_video_is_an_error_or_its_decodable_part(mp4):
 def hf_video_reference(hf: HFReference, llm: LLM, prompt: str, images: list, videos: list) -> tuple[list, list]:
     """transformers' generate with pixel_values_videos from our preprocessing (checked above against its image
     path), pictures from its own image processor, ids expanded by hand from the grids."""
-    proc = llm.engine.input_processor
+    proc = llm.engine.input_processor.processor
     cfg, mcfg = proc.image_cfg, llm.config.model
     vids = [preprocess_video(load_video(v, proc.video_opts), cfg, proc.video_opts, cfg.min_pixels, cfg.max_pixels)
             for v in videos]

@@ -19,7 +19,10 @@ import torch
 
 from vlserve.core.errors import InvalidInputError
 from vlserve.core.prompt import ProcessedPrompt
+from vlserve.media.data_url import decode_base64
 from vlserve.model.config_types import ModelConfig
+
+EMBED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # precomputed embeddings a client may send
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,7 @@ class PromptMedia:
     token_ids: list[int]
     media: dict[str, list[tuple[Any, str | None]]]  # kind -> [(source, the client's uuid or None)], in order
     mm_kwargs: dict  # mm_processor_kwargs, only names in the processor's `mm_kwargs`
+    from_token_ids: bool  # the client sent token ids (a family that rewrites the prompt rewrites those)
     tokenize: Callable[[str], list[int]]  # the front end's tokenizer, with its bounds (a family that rewrites text)
 
 
@@ -116,3 +120,22 @@ def expand_all_placeholders(
 def rope_positions(length: int) -> tuple[torch.Tensor, int]:
     """Ordinary 1-D positions, sent as three equal rows (the M-RoPE layer then computes plain RoPE); delta 0."""
     return torch.arange(length).expand(3, -1).contiguous(), 0
+
+
+def decode_embeds(value: Any) -> torch.Tensor:
+    """A tensor as is; a string as base64 of a safetensors file holding one tensor (never a pickle)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if not isinstance(value, str):
+        raise InvalidInputError("image_embeds must be a tensor or base64 of a safetensors file")
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    try:
+        tensors = load(decode_base64(value))
+    except (InvalidInputError, ValueError, SafetensorError) as e:
+        raise InvalidInputError(f"image_embeds is not base64 of a safetensors file ({type(e).__name__})") from None
+    if len(tensors) != 1 and "image_embeds" not in tensors:
+        raise InvalidInputError(f"image_embeds safetensors must hold one tensor (or one named 'image_embeds'), "
+                                f"got {sorted(tensors)[:5]}")
+    return tensors.get("image_embeds", next(iter(tensors.values())))

@@ -1,4 +1,4 @@
-"""M-RoPE (multimodal rotary position) ids for Qwen2-VL / Qwen2.5-VL, and placeholder expansion.
+"""M-RoPE (multimodal rotary position) ids for Qwen2-VL / Qwen2.5-VL.
 
 Each token has three position ids (temporal, height, width). Text tokens use the same running
 position on all three axes. A vision item (image or video) laid out on a merged grid of
@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import torch
 
-from vlserve.core.errors import InvalidInputError
 
 
 @dataclass(frozen=True)
@@ -42,48 +41,6 @@ class MRopeItem:
     def num_tokens(self, spatial_merge_size: int) -> int:
         t, h, w = self.grid_thw
         return t * (h // spatial_merge_size) * (w // spatial_merge_size)
-
-
-def expand_placeholders(
-    token_ids: Sequence[int], pad_token_id: int, num_tokens: Sequence[int]
-) -> tuple[list[int], list[int]]:
-    """Replace the k-th `pad_token_id` by `num_tokens[k]` copies of it.
-
-    Returns the expanded ids and, for each item, the index of its first copy in them.
-    """
-    ids, offsets = expand_all_placeholders(token_ids, {pad_token_id: num_tokens})
-    return ids, offsets[pad_token_id]
-
-
-def expand_all_placeholders(
-    token_ids: Sequence[int], num_tokens: dict[int, Sequence[int | list[int]]]
-) -> tuple[list[int], dict[int, list[int]]]:
-    """Several kinds at once (image and video pads interleaved): the k-th pad of kind `pad_id` becomes
-    `num_tokens[pad_id][k]` copies, or that list of ids when it is a list (an Omni video heard with its sound).
-    Returns the expanded ids and where each kind's k-th replacement starts in them."""
-    wanted = {pad: list(ns) for pad, ns in num_tokens.items()}
-    found = {pad: sum(1 for tok in token_ids if tok == pad) for pad in wanted}
-    for pad, ns in wanted.items():
-        if found[pad] != len(ns):
-            raise InvalidInputError(
-                f"prompt has {found[pad]} placeholder token(s) (id {pad}) but {len(ns)} media item(s) were provided"
-            )
-    out: list[int] = []
-    offsets: dict[int, list[int]] = {pad: [] for pad in wanted}
-    prev = 0
-    for pos, tok in enumerate(token_ids):
-        if tok not in wanted:
-            continue
-        n = wanted[tok][len(offsets[tok])]
-        replacement = n if isinstance(n, list) else [tok] * n
-        if not replacement:
-            raise InvalidInputError(f"a media item must occupy at least one token, got {n}")
-        out.extend(token_ids[prev:pos])  # slices keep the whole thing O(len(output))
-        offsets[tok].append(len(out))
-        out.extend(replacement)
-        prev = pos + 1
-    out.extend(token_ids[prev:])
-    return out, offsets
 
 
 def mrope_positions(
