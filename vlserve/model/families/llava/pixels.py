@@ -144,8 +144,10 @@ def settings_from_dict(d: dict, defaults: dict) -> PixelSettings:
     if resample not in TORCH_MODES:
         raise ValueError(f"resample {resample} (only nearest 0, bilinear 2 and bicubic 3 are served)")
     s = PixelSettings(size=size, crop=crop, resample=resample, do_resize=bool(d.get("do_resize", True)),
-                      do_rescale=bool(d.get("do_rescale", True)), rescale_factor=float(d.get("rescale_factor", 1 / 255)),
-                      do_normalize=bool(d.get("do_normalize", True)), mean=_three(d.get("image_mean", OPENAI_CLIP_MEAN)),
+                      do_rescale=bool(d.get("do_rescale", True)),
+                      rescale_factor=float(d.get("rescale_factor", 1 / 255)),
+                      do_normalize=bool(d.get("do_normalize", True)),
+                      mean=_three(d.get("image_mean", OPENAI_CLIP_MEAN)),
                       std=_three(d.get("image_std", OPENAI_CLIP_STD)),
                       pinpoints=tuple((int(h), int(w)) for h, w in d.get("image_grid_pinpoints") or ()),
                       tile=crop_size[0] if crop_size else size[0] if isinstance(size, tuple) else size)
@@ -266,14 +268,19 @@ def _torch_resize(frames: torch.Tensor, size: tuple[int, int], resample: int) ->
     return out.round_().to(torch.uint8)
 
 
-def video_pixels(frames: np.ndarray, s: PixelSettings) -> torch.Tensor:
-    """uint8 [T, H, W, 3] -> float32 [T, 3 * S * S]: torchvision's resize, centre crop, fused rescale+normalize."""
-    x = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2).contiguous()  # [T, 3, H, W]
-    x = _torch_resize(x, resized_size(x.shape[2], x.shape[3], s), s.resample)
-    if s.crop is not None:
-        (h, w), (ch, cw) = x.shape[-2:], s.crop
-        top, left = int((h - ch) / 2.0), int((w - cw) / 2.0)
-        x = x[:, :, top:top + ch, left:left + cw]
+def video_pixels(frames: np.ndarray | list[np.ndarray], s: PixelSettings) -> torch.Tensor:
+    """uint8 [T, H, W, 3] -> float32 [T, 3 * S * S]: torchvision's resize, centre crop, fused rescale+normalize.
+    Frame by frame (the same numbers as HF's batched resize), so only one full-size frame is copied at a time."""
+    out = []
+    for frame in frames:
+        x = torch.from_numpy(np.ascontiguousarray(frame)).permute(2, 0, 1).contiguous()[None]  # [1, 3, H, W]
+        x = _torch_resize(x, resized_size(x.shape[2], x.shape[3], s), s.resample)
+        if s.crop is not None:
+            (h, w), (ch, cw) = x.shape[-2:], s.crop
+            top, left = int((h - ch) / 2.0), int((w - cw) / 2.0)
+            x = x[:, :, top:top + ch, left:left + cw]
+        out.append(x)
+    x = torch.cat(out)
     if s.do_normalize:
         mean, std = torch.tensor(s.mean), torch.tensor(s.std)  # float32, as HF builds them
         if s.do_rescale:

@@ -21,7 +21,7 @@ video frame's resized size. Decoding is bounded by vlserve.media (pixels per pic
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -43,14 +43,14 @@ from vlserve.model.families.llava.pixels import (
     video_pixels,
 )
 from vlserve.model.families.processor import (
+    EMBED_DTYPES,
     MultiModalProcessor,
     ProcessorContext,
     PromptMedia,
+    decode_embeds,
     expand_all_placeholders,
     rope_positions,
 )
-
-EMBED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass
@@ -79,7 +79,7 @@ class LlavaProcessor(MultiModalProcessor):
         self.image = image or load_settings(ctx.model_path, m.architecture, "image")
         self.video = video or load_settings(ctx.model_path, m.architecture, "video")
         if not self.image.pinpoints:  # the processor config leaves them out: the model's
-            self.image = PixelSettings(**{**self.image.__dict__, "pinpoints": self.geo.pinpoints})
+            self.image = replace(self.image, pinpoints=self.geo.pinpoints)
         self._check_agrees()
         self.image_params = {"llava": "image", **self.image.hash_params()}
         self.video_params = {"llava": "video", **self.video.hash_params()}
@@ -129,8 +129,6 @@ class LlavaProcessor(MultiModalProcessor):
         file), "image_sizes": (height, width) of the picture}: its tile count and rows follow from the size."""
         if not self.ctx.enable_mm_embeds:
             raise InvalidInputError("image embeddings input is disabled; start with --enable-mm-embeds")
-        from vlserve.model.families.processor import decode_embeds  # noqa: PLC0415 (with the front end's refactor)
-
         embeds, size = decode_embeds(entry.get("image_embeds")), entry.get("image_sizes")
         if isinstance(size, torch.Tensor):
             size = size.flatten().tolist()
@@ -186,7 +184,9 @@ class LlavaProcessor(MultiModalProcessor):
         if rh * rw > self.ctx.max_image_pixels:
             raise MediaTooLargeError(f"the video's {width}x{height} frames would be resized to {rw}x{rh} = {rh * rw} "
                                      f"pixels, more than the {self.ctx.max_image_pixels} allowed (--max-image-pixels)")
-        pixels = video_pixels(np.stack(frames), self.video)
-        params = {**self.video_params, "max_frames": max_frames}
-        mm_hash = hash_user_id(str(uid), params) if uid else hash_video(frames, params)
+        pixels = video_pixels(frames, self.video)
+        # the sampled frames and the settings make the pixel values; a uuid stands for the whole clip, so its
+        # hash also holds how many frames were taken from it
+        mm_hash = (hash_user_id(str(uid), {**self.video_params, "max_frames": max_frames}) if uid
+                   else hash_video(frames, self.video_params))
         return _Item(tokens, grid, mm_hash, "video", pixel_values=pixels)
