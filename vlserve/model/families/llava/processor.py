@@ -5,7 +5,8 @@ A picture becomes one item: pixel values float32 [num_tiles, 3 * S * S] (the bas
 grid (num_tiles, original_height, original_width); every picture is tiled, as vLLM and HF's processor do for
 pictures sent one per list entry. A video becomes one item: [num_frames, 3 * S * S], grid (num_frames, 0, 0).
 Token counts are the model's (`checks.item_tokens`: image_newline rows included), pixel values HF's
-(vlserve.model.families.llava.pixels).
+(vlserve.model.families.llava.pixels). Precomputed picture embeddings (--enable-mm-embeds) come as
+{"image_embeds": [rows, hidden], "image_sizes": (height, width)}: the picture's size gives its grid and rows.
 
 Videos: a clip (bytes, path, data URL; decoded with PyAV) keeps every frame when it has at most `max_frames`, else
 `max_frames` frames spread evenly (np.linspace(0, total - 1, max_frames) truncated): vLLM's default video loader,
