@@ -26,6 +26,20 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequencies stretched for longer contexts (a Llama config's `rope_parameters` / `rope_scaling`):
+    "linear" divides every frequency by `factor`; "llama3" divides the low ones by it, keeps the high ones and
+    blends in between (wavelengths between original_max_position_embeddings / high_freq_factor and / low_freq_factor).
+    """
+
+    kind: str  # "linear" | "llama3"
+    factor: float
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
 class TextConfig:
     vocab_size: int
     hidden_size: int
@@ -43,6 +57,7 @@ class TextConfig:
     mrope_interleaved: bool = False  # Qwen3: frequencies cycle T, H, W instead of coming in three bands
     hidden_act: str = "silu"
     moe: MoEConfig | None = None
+    rope_scaling: RopeScaling | None = None  # None: plain RoPE (every Qwen model)
 
     def is_sparse_layer(self, layer: int) -> bool:
         m = self.moe

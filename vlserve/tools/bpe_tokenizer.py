@@ -142,14 +142,15 @@ def train_bpe(vocab_size: int, special_tokens: tuple[str, ...] = SPECIAL_TOKENS)
 
 
 def build_tokenizer(vocab_size: int, model_max_length: int = 32768, special_tokens: tuple[str, ...] = SPECIAL_TOKENS,
-                    chat_template: str = CHAT_TEMPLATE, token_names: dict[str, str] | None = None
-                    ) -> PreTrainedTokenizerFast:
+                    chat_template: str = CHAT_TEMPLATE, token_names: dict[str, str] | None = None,
+                    eos_token: str = EOS_TOKEN, pad_token: str = PAD_TOKEN) -> PreTrainedTokenizerFast:
     """The transformers-wrapped tokenizer, with Qwen's eos/pad tokens, a family's special tokens and chat
-    template (Qwen2-VL's by default); `token_names` become attributes (`tokenizer.audio_token`, ...)."""
+    template (Qwen2-VL's by default); `token_names` become attributes (`tokenizer.audio_token`, ...); the eos and
+    pad tokens are Qwen's unless named (LLaVA-NeXT-Video's Llama: "</s>")."""
     return PreTrainedTokenizerFast(
         tokenizer_object=train_bpe(vocab_size, special_tokens),
-        eos_token=EOS_TOKEN,
-        pad_token=PAD_TOKEN,
+        eos_token=eos_token,
+        pad_token=pad_token,
         chat_template=chat_template,
         extra_special_tokens=token_names or {},
         # Any cleanup would break the exact decode round trip (e.g. "a ." -> "a.").

@@ -36,6 +36,7 @@ from vlserve.tools.bpe_tokenizer import (
     save_tokenizer,
     special_token_ids,
 )
+from vlserve.tools import tiny_llava
 from vlserve.tools.tiny_arches import TINY_ARCHES
 
 # arch -> (transformers config class, model class); the families themselves are listed in tiny_arches.py
@@ -48,7 +49,9 @@ OMNI = ("qwen2_5_omni", "qwen2_5_omni_full")
 AUDIO = ("qwen2_audio", *OMNI)
 # arch -> (special tokens, chat template, tokenizer attributes naming them)
 TOKENIZERS = {"qwen2_audio": (QWEN2_AUDIO_SPECIAL_TOKENS, QWEN2_AUDIO_CHAT_TEMPLATE, None)} | {
-    arch: (OMNI_SPECIAL_TOKENS, OMNI_CHAT_TEMPLATE, OMNI_TOKEN_NAMES) for arch in OMNI}
+    arch: (OMNI_SPECIAL_TOKENS, OMNI_CHAT_TEMPLATE, OMNI_TOKEN_NAMES) for arch in OMNI} | {
+    arch: spec[:3] for arch, spec in tiny_llava.TOKENIZERS.items()}
+LLAVA = tiny_llava.LLAVA
 
 # OpenAI CLIP normalisation, which both Qwen2-VL and Qwen2.5-VL use; Qwen3-VL uses 0.5 / 0.5.
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
@@ -321,7 +324,8 @@ def _check_saved(out_dir: Path, arch: str, init_range: float) -> None:
     probes = ("model.layers.0.self_attn.q_proj.weight",)
     probes += ("audio_tower.layers.0.self_attn.q_proj.weight",) if arch in AUDIO else ()
     probes += ("visual.blocks.0.attn.q.weight",) if arch in OMNI else ()
-    probes += ("visual.blocks.0.attn.qkv.weight",) if arch not in AUDIO else ()
+    probes += ("visual.blocks.0.attn.qkv.weight",) if arch not in AUDIO + LLAVA else ()
+    probes = tiny_llava.PROBES if arch in LLAVA else probes
     found: dict[str, float] = {}
     for shard in sorted(out_dir.glob("*.safetensors")):
         with safe_open(str(shard), framework="pt") as f:
@@ -363,14 +367,20 @@ def make_tiny_model(
     with tqdm(total=4, desc=f"make-tiny-model {arch}/{size}", unit="step", leave=False) as bar:
         bar.set_postfix_str("tokenizer")
         special, template, names = TOKENIZERS.get(arch, (SPECIAL_TOKENS, CHAT_TEMPLATE, None))
-        tokenizer = build_tokenizer(spec.bpe_vocab, special_tokens=special, chat_template=template, token_names=names)
+        eos_pad = dict(zip(("eos_token", "pad_token"), tiny_llava.TOKENIZERS[arch][3:])) if arch in LLAVA else {}
+        tokenizer = build_tokenizer(spec.bpe_vocab, special_tokens=special, chat_template=template, token_names=names,
+                                    **eos_pad)
         ids = special_token_ids(tokenizer, special)
         vocab_size = _round_up(len(tokenizer), 64)  # GPU-friendly embedding rows, like Qwen's padding
         save_tokenizer(tokenizer, out)
         bar.update()
 
         bar.set_postfix_str("weights")
-        config = (_audio_model_config if arch in AUDIO else _model_config)(arch, size, vocab_size, ids, init_range)
+        if arch in LLAVA:
+            config = tiny_llava.llava_config(arch, spec, vocab_size, ids, init_range, ARCHES[arch][0])
+        else:
+            config = (_audio_model_config if arch in AUDIO else _model_config)(arch, size, vocab_size, ids,
+                                                                                 init_range)
         with torch.random.fork_rng(devices=[]):  # seed our init without disturbing the caller's RNG
             torch.manual_seed(seed)
             model: PreTrainedModel = ARCHES[arch][1](config).eval()
@@ -382,13 +392,19 @@ def make_tiny_model(
         bar.set_postfix_str("save")
         model.save_pretrained(str(out), safe_serialization=True)
         # Qwen2-VL stops on <|im_end|> in chat and on <|endoftext|> for raw text.
-        GenerationConfig(
-            bos_token_id=ids["<|endoftext|>"],
-            eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
-            pad_token_id=ids["<|endoftext|>"],
-        ).save_pretrained(str(out))
-        processor = (_audio_preprocessor_config if arch in AUDIO else _preprocessor_config)(arch, spec.max_pixels)
-        (out / "preprocessor_config.json").write_text(json.dumps(processor, indent=2))
+        generation = tiny_llava.generation_ids(arch, ids) if arch in LLAVA else {
+            "bos_token_id": ids["<|endoftext|>"],
+            "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
+            "pad_token_id": ids["<|endoftext|>"],
+        }
+        GenerationConfig(**generation).save_pretrained(str(out))
+        if arch in LLAVA:
+            files = tiny_llava.processor_files(arch)
+        else:
+            files = {"preprocessor_config.json": (_audio_preprocessor_config if arch in AUDIO
+                                                  else _preprocessor_config)(arch, spec.max_pixels)}
+        for name, contents in files.items():
+            (out / name).write_text(json.dumps(contents, indent=2))
         if arch == "qwen2_5_omni_full":  # transformers' full Omni loads its talker's voices from here
             torch.save({}, out / "spk_dict.pt")
         if arch in QWEN3:

@@ -1,10 +1,14 @@
-"""Rotary position embeddings: the rotation itself and Qwen2-VL's multimodal (M-RoPE) angles."""
+"""Rotary position embeddings: the rotation itself and Qwen2-VL's multimodal (M-RoPE) angles (with Llama's
+frequency scaling, for the LLaVA family's Llama LMs)."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn as nn
 
+from vlserve.model.config_types import RopeScaling
 from vlserve.model.kernels import cpu_kernels
 
 
@@ -50,18 +54,37 @@ def mrope_axes(mrope_section: tuple[int, ...], interleaved: bool) -> torch.Tenso
     return axis
 
 
+def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:
+    """[head_dim/2] fp32 rotation speeds, scaled as transformers' "linear" / "llama3" RoPE types do."""
+    cpu = torch.device("cpu")  # explicit: construction may run under a meta-device context
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=cpu) / head_dim))
+    if scaling is None:
+        return inv_freq
+    factor = scaling.factor
+    if scaling.kind == "linear":
+        return inv_freq / factor
+    # llama3: long wavelengths slowed by `factor`, short ones kept, a smooth blend between
+    old_len, low, high = scaling.original_max_position_embeddings, scaling.low_freq_factor, scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
 class MRotaryEmbedding(nn.Module):
     """Rotary angles where each frequency follows one of the (t, h, w) position axes (see `mrope_axes`).
 
     For text all three positions are equal, which makes it plain 1D RoPE.
     """
 
-    def __init__(self, head_dim: int, theta: float, mrope_section: tuple[int, ...], interleaved: bool = False):
+    def __init__(self, head_dim: int, theta: float, mrope_section: tuple[int, ...], interleaved: bool = False,
+                 scaling: RopeScaling | None = None):
         super().__init__()
         # Plain attributes, not buffers: they must stay fp32 whatever dtype the weights are cast to, and
         # survive meta-device construction. Copied to the positions' device on first use.
-        cpu = torch.device("cpu")  # explicit: construction may run under a meta-device context
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=cpu) / head_dim))
+        inv_freq = inverse_frequencies(head_dim, theta, scaling)
         axis = mrope_axes(mrope_section, interleaved)
         self._tables = {torch.device("cpu"): (inv_freq, axis)}
 
