@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoTokenizer
 from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
 from transformers.models.llava_next_video.processing_llava_next_video import LlavaNextVideoProcessor
@@ -25,7 +24,6 @@ from transformers.models.llava_onevision.processing_llava_onevision import Llava
 from transformers.processing_utils import ProcessorMixin
 
 from vlserve.core.errors import InvalidInputError, MediaTooLargeError, ModelLoadError
-from vlserve.model.config_types import ModelConfig, TextConfig, VisionConfig
 from vlserve.model.families.llava import anyres
 from vlserve.model.families.llava.checks import check_item, item_tokens
 from vlserve.model.families.llava.pixels import (
@@ -37,9 +35,11 @@ from vlserve.model.families.llava.pixels import (
 )
 from vlserve.model.families.llava.processor import LlavaProcessor
 from vlserve.model.families.processor import ProcessorContext, PromptMedia
+from vlserve.model.hf_config import load_model_config
 
 OV, NV = "LlavaOnevisionForConditionalGeneration", "LlavaNextVideoForConditionalGeneration"
-S, PATCH = 28, 7  # tile side and patch: 4x4 features per tile
+TINY = {OV: "llava_onevision", NV: "llava_next_video"}  # make-tiny-model --arch
+S, PATCH = 28, 7  # the pixel-level tests' tile side and patch (the tiny checkpoints': 56 and 14)
 OV_PIN = [[S * a, S * b] for a in range(1, 7) for b in range(1, 7)]
 NV_PIN = [[S, 2 * S], [2 * S, S], [2 * S, 2 * S], [3 * S, S], [S, 3 * S]]
 # preprocessor_config.json as the checkpoints hold them (OneVision: SigLIP's 0.5 mean/std; NeXT-Video: CLIP's)
@@ -50,7 +50,7 @@ SETTINGS = {
          "image_grid_pinpoints": NV_PIN},
 }
 HF_IMAGE = {OV: LlavaOnevisionImageProcessorPil, NV: LlavaNextImageProcessorPil}
-WORDS = ["[UNK]", "describe", "this", "and", "that", "USER:", "ASSISTANT:"]
+HF_PROCESSOR = {OV: LlavaOnevisionProcessor, NV: LlavaNextVideoProcessor}
 
 
 def rng_image(h: int, w: int, seed: int = 0) -> Image.Image:
@@ -64,48 +64,27 @@ def smooth_frames(n: int, h: int, w: int) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> PreTrainedTokenizerFast:
-    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
-    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<image>", "<video>")])
-    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]")
+def tiny(tiny_ckpt):
+    """arch -> (checkpoint folder, its ModelConfig, its tokenizer): the model side's tiny checkpoints."""
+    made = {}
+    for arch, name in TINY.items():
+        folder = tiny_ckpt(name)
+        made[arch] = (folder, load_model_config(folder), AutoTokenizer.from_pretrained(folder))
+    return made
 
 
-def model_config(arch: str, tokenizer) -> ModelConfig:
-    """What parse_llava_config makes of a tiny checkpoint, as far as the request path reads it."""
-    onevision = arch == OV
-    pins = tuple(v for hw in SETTINGS[arch]["image_grid_pinpoints"] for v in hw)
-    settings = {anyres.IMAGE_SIZE: S, anyres.PATCH_SIZE: PATCH, anyres.GRID_PINPOINTS: pins,
-                anyres.MAX_TILES: 9 if onevision else 0, anyres.VIDEO_POOL: "bilinear" if onevision else "average",
-                anyres.VIDEO_POOL_STRIDE: 2, anyres.VIDEO_NEWLINE: onevision}
-    text = TextConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_layers=1, num_heads=2, num_kv_heads=2,
-                      head_dim=4, rms_norm_eps=1e-6, rope_theta=1e4, mrope_section=(2, 0, 0),
-                      max_position_embeddings=4096, tie_word_embeddings=False)
-    vision = VisionConfig(depth=1, width=8, num_heads=2, mlp_hidden=16, hidden_act="gelu", out_dim=8, patch_size=PATCH,
-                          temporal_patch_size=1, spatial_merge_size=1, in_channels=3, rope_theta=1e4, window_size=0,
-                          fullatt_block_indexes=(), tokens_per_second=1.0)
-    image_id, video_id = tokenizer.convert_tokens_to_ids(["<image>", "<video>"])
-    return ModelConfig(arch, text, vision, image_id, video_id, -1, -1, (0,), None, family="llava",
-                       position_kind="rope", family_settings=tuple(sorted(settings.items())))
-
-
-def checkpoint(tmp_path, arch: str, video: dict | None = None):
-    (tmp_path / "preprocessor_config.json").write_text(json.dumps(SETTINGS[arch]))
-    if video is not None:
-        (tmp_path / "video_preprocessor_config.json").write_text(json.dumps(video))
-    return tmp_path
-
-
-def make_processor(tmp_path, arch, tokenizer, *, limit=10_000, max_pixels=64_000_000, frames=32, embeds=False,
-                   folder=None) -> LlavaProcessor:
-    folder = folder or checkpoint(tmp_path, arch)
-    ctx = ProcessorContext(model_config(arch, tokenizer), folder, tokenizer, torch.float32, 8192,
-                           ("max_num_encoder_input_tokens=" + str(limit), limit), max_pixels, frames, embeds,
-                           30.0, 20 * 2**20, 200 * 2**20)
+def make_processor(tiny, arch, *, limit=100_000, max_pixels=64_000_000, frames=32, embeds=False,
+                   settings_from=None) -> LlavaProcessor:
+    """The checkpoint's processor under these server bounds; `settings_from`: a folder of other processor files."""
+    folder, cfg, tokenizer = tiny[arch]
+    ctx = ProcessorContext(cfg, settings_from or folder, tokenizer, torch.float32, 8192,
+                           (f"max_num_encoder_input_tokens={limit}", limit), max_pixels, frames, embeds, 30.0,
+                           20 * 2**20, 200 * 2**20)
     return LlavaProcessor(ctx)
 
 
-def prompt(tokenizer, text: str, images=(), videos=(), kwargs=None, uuids=None):
+def prompt(proc: LlavaProcessor, text: str, images=(), videos=(), kwargs=None, uuids=None):
+    tokenizer = proc.ctx.tokenizer
     media = {"image": [(m, (uuids or {}).get("image")) for m in images],
              "video": [(v, (uuids or {}).get("video")) for v in videos]}
     values = {"text": text, "token_ids": tokenizer.encode(text), "media": media, "mm_kwargs": kwargs or {},
@@ -115,15 +94,23 @@ def prompt(tokenizer, text: str, images=(), videos=(), kwargs=None, uuids=None):
 
 
 @pytest.fixture
-def hf_processors(monkeypatch, tokenizer):
-    """transformers' LLaVA processors with an image processor only (their video processors need torchvision)."""
+def hf_processors(monkeypatch, tiny):
+    """transformers' processors over each tiny checkpoint's files, with an image processor only (their video
+    processors need torchvision, which is not installed: the class check that would load one is skipped)."""
     monkeypatch.setattr(ProcessorMixin, "check_argument_for_proper_class", lambda self, name, arg: None)
-    ov = LlavaOnevisionProcessor(image_processor=HF_IMAGE[OV](**SETTINGS[OV]), tokenizer=tokenizer,
-                                 num_image_tokens=(S // PATCH) ** 2, vision_feature_select_strategy="full")
-    nv = LlavaNextVideoProcessor(image_processor=HF_IMAGE[NV](**SETTINGS[NV]), tokenizer=tokenizer,
-                                 patch_size=PATCH, vision_feature_select_strategy="default",
-                                 num_additional_image_tokens=1)
-    return {OV: ov, NV: nv}
+    made = {}
+    for arch, (folder, _, tokenizer) in tiny.items():
+        own = json.loads((folder / "processor_config.json").read_text())
+        own.pop("processor_class", None)
+        made[arch] = HF_PROCESSOR[arch](image_processor=HF_IMAGE[arch].from_pretrained(folder), tokenizer=tokenizer,
+                                        **own)
+    return made
+
+
+def chat(tokenizer, parts: list[str], question: str = "What is this?") -> str:
+    content = [{"type": kind} for kind in parts] + [{"type": "text", "text": question}]
+    return tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                         add_generation_prompt=True)
 
 
 # ---- pictures -----------------------------------------------------------------------------------------------
@@ -166,16 +153,16 @@ def test_anyres_pixels_equal_transformers_other_settings(arch, size, extra):
 
 
 @pytest.mark.parametrize("arch", [OV, NV])
-def test_prompt_equals_transformers_processor(arch, tokenizer, hf_processors, tmp_path):
-    """Expanded input ids, pixel values and picture sizes of a prompt with several pictures."""
-    proc = make_processor(tmp_path, arch, tokenizer)
-    cfg = proc.ctx.model
-    for k, sizes in enumerate([[(50, 100), (300, 30)], [(28, 28)], [(150, 150), (13, 170), (99, 101)],
-                               [(168, 56), (500, 400)]]):
+def test_prompt_equals_transformers_processor(arch, tiny, hf_processors):
+    """Expanded input ids, pixel values and picture sizes of chat prompts with one or several pictures."""
+    proc = make_processor(tiny, arch)
+    cfg, tokenizer = proc.ctx.model, proc.ctx.tokenizer
+    for k, sizes in enumerate([[(300, 500), (900, 120)], [(56, 56)], [(150, 150), (13, 170), (99, 101)],
+                               [(168, 56), (1000, 800)], [(1, 1)]]):
         images = [rng_image(h, w, seed=10 * k + i) for i, (h, w) in enumerate(sizes)]
-        text = "describe " + " and ".join("<image> this" for _ in images)
+        text = chat(tokenizer, ["image"] * len(images))
         ref = hf_processors[arch](text=[text], images=images, return_tensors="np")
-        out = proc.process(prompt(tokenizer, text, images))
+        out = proc.process(prompt(proc, text, images))
         assert out.prompt_token_ids == list(ref["input_ids"][0])
         assert out.mrope_positions.tolist() == [list(range(len(out.prompt_token_ids)))] * 3 and out.mrope_delta == 0
         for i, item in enumerate(out.mm_items):
@@ -189,34 +176,34 @@ def test_prompt_equals_transformers_processor(arch, tokenizer, hf_processors, tm
         assert sum(t == cfg.image_token_id for t in out.prompt_token_ids) == sum(it.num_tokens for it in out.mm_items)
 
 
-def test_token_counts_equal_transformers_for_many_sizes(tokenizer, hf_processors, tmp_path):
+def test_token_counts_equal_transformers_for_many_sizes(tiny, hf_processors):
     """HF's own count (`_get_number_of_features`, less the CLS for "default") for pictures of every shape."""
     rng = np.random.default_rng(3)
     sizes = SIZES + [tuple(int(v) for v in rng.integers(1, 3000, 2)) for _ in range(300)]
     for arch in (OV, NV):
-        cfg, p = model_config(arch, tokenizer), hf_processors[arch]
-        geo = anyres.Geometry.of(cfg)
+        cfg, p = tiny[arch][1], hf_processors[arch]
+        geo, side = anyres.Geometry.of(cfg), anyres.Geometry.of(cfg).image_size
         for h, w in sizes:
-            want = p._get_number_of_features(h, w, S, S) - (arch == NV)
+            want = p._get_number_of_features(h, w, side, side) - (arch == NV)
             assert item_tokens(cfg, (geo.num_tiles(h, w), h, w)) == want, (arch, h, w)
 
 
 # ---- videos -------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("arch", [OV, NV])
-def test_video_prompt_tokens_equal_transformers(arch, tokenizer, hf_processors, tmp_path):
-    proc = make_processor(tmp_path, arch, tokenizer)
-    cfg = proc.ctx.model
+def test_video_prompt_tokens_equal_transformers(arch, tiny, hf_processors):
+    proc = make_processor(tiny, arch)
+    cfg, tokenizer, side = proc.ctx.model, proc.ctx.tokenizer, anyres.Geometry.of(proc.ctx.model).image_size
     frames = smooth_frames(5, 40, 60)
-    text = "describe <image> and <video> that"
-    out = proc.process(prompt(tokenizer, text, [rng_image(60, 30)], [frames]))
+    text = chat(tokenizer, ["image", "video"])
+    out = proc.process(prompt(proc, text, [rng_image(60, 30)], [frames]))
     p = hf_processors[arch]
     if arch == OV:
-        want = p._get_num_multimodal_tokens(video_sizes=[(5, S, S)])["num_video_tokens"][0]
+        want = p._get_num_multimodal_tokens(video_sizes=[(5, side, side)])["num_video_tokens"][0]
     else:
-        want = len(p.replace_video_token({"pixel_values_videos": [np.zeros((5, 3, S, S), np.float32)]}, 0)) // 7
+        want = len(p.replace_video_token({"pixel_values_videos": [np.zeros((5, 3, side, side), np.float32)]}, 0)) // 7
     image, video = out.mm_items
     assert (video.modality, video.grid_thw, video.num_tokens) == ("video", (5, 0, 0), want)
-    assert video.pixel_values.shape == (5, 3 * S * S) and video.offset > image.end
+    assert video.pixel_values.shape == (5, 3 * side * side) and video.offset >= image.end
     expected = text.replace("<video>", "<video>" * want).replace("<image>", "<image>" * image.num_tokens)
     assert out.prompt_token_ids == tokenizer.encode(expected)
     check_item(video, cfg)
@@ -280,14 +267,14 @@ def encode_clip(n: int, h: int = 32, w: int = 48) -> bytes:
     return buf.getvalue()
 
 
-def test_video_frame_sampling(tokenizer, tmp_path):
+def test_video_frame_sampling(tiny):
     """Decoded clips: every frame up to max_frames, else max_frames spread as vLLM's loader does (np.linspace
     truncated); arrays and frame lists: used whole up to max_frames, sampled the same way past it."""
-    proc = make_processor(tmp_path, OV, tokenizer, frames=16)
+    proc = make_processor(tiny, OV, frames=16)
     data = encode_clip(40)
 
     def frames_of(video, kwargs=None):
-        item = proc.process(prompt(tokenizer, "<video>", videos=[video], kwargs=kwargs)).mm_items[0]
+        item = proc.process(prompt(proc, "<video>", videos=[video], kwargs=kwargs)).mm_items[0]
         return item.grid_thw[0], item
 
     n, item = frames_of(data)  # --max-video-frames=16
@@ -313,7 +300,7 @@ def test_video_frame_sampling(tokenizer, tmp_path):
 
 
 # ---- bounds -------------------------------------------------------------------------------------------------
-def test_too_many_tokens_refused_before_resizing(tokenizer, tmp_path, monkeypatch):
+def test_too_many_tokens_refused_before_resizing(tiny, monkeypatch):
     import vlserve.model.families.llava.processor as module
 
     def never(*a, **k):
@@ -321,114 +308,116 @@ def test_too_many_tokens_refused_before_resizing(tokenizer, tmp_path, monkeypatc
 
     monkeypatch.setattr(module, "anyres_pixels", never)
     monkeypatch.setattr(module, "video_pixels", never)
-    proc = make_processor(tmp_path, OV, tokenizer, limit=100)
+    proc = make_processor(tiny, OV, limit=100)
     with pytest.raises(InvalidInputError, match=r"embedding tokens, more than the 100 one item may take here "
                                                 r"\(max_num_encoder_input_tokens=100\)") as e:
-        proc.process(prompt(tokenizer, "<image>", [rng_image(500, 400)]))
+        proc.process(prompt(proc, "<image>", [rng_image(500, 400)]))
     assert e.value.http_status == 400
     with pytest.raises(InvalidInputError, match="video of 30 frames would take .* send fewer frames"):
-        proc.process(prompt(tokenizer, "<video>", videos=[smooth_frames(30, 8, 8)]))
+        proc.process(prompt(proc, "<video>", videos=[smooth_frames(30, 8, 8)]))
 
 
-def test_too_many_pixels_refused(tokenizer, tmp_path, monkeypatch):
+def test_too_many_pixels_refused(tiny, monkeypatch):
     import vlserve.model.families.llava.processor as module
 
-    # the anyres canvas: a 100x100 picture goes to an 112x112 pinpoint (12544 pixels)
-    proc = make_processor(tmp_path, OV, tokenizer, max_pixels=12_000)
+    # the anyres canvas: a 100x100 picture goes to the 112x112 pinpoint (12544 pixels)
+    proc = make_processor(tiny, OV, max_pixels=12_000)
     with pytest.raises(MediaTooLargeError, match=r"resized to 112x112 = 12544 pixels.*--max-image-pixels") as e:
-        proc.process(prompt(tokenizer, "<image>", [rng_image(100, 100)]))
+        proc.process(prompt(proc, "<image>", [rng_image(100, 100)]))
     assert e.value.http_status == 413
     with pytest.raises(MediaTooLargeError):  # as decoded (vlserve.media.image's check)
-        proc.process(prompt(tokenizer, "<image>", [rng_image(120, 120)]))
-    # NeXT-Video frames: the shortest edge goes to 28 keeping the aspect, before the crop
+        proc.process(prompt(proc, "<image>", [rng_image(120, 120)]))
+    # NeXT-Video frames: the shortest edge goes to the tile side keeping the aspect, before the crop
     monkeypatch.setattr(module, "video_pixels", lambda *a: (_ for _ in ()).throw(AssertionError("resized")))
-    proc = make_processor(tmp_path, NV, tokenizer, max_pixels=12_000)
-    with pytest.raises(MediaTooLargeError, match=r"frames would be resized to 1400x28"):
-        proc.process(prompt(tokenizer, "<video>", videos=[smooth_frames(2, 2, 100)]))
+    proc = make_processor(tiny, NV, max_pixels=12_000)
+    with pytest.raises(MediaTooLargeError, match=r"frames would be resized to 2800x56"):
+        proc.process(prompt(proc, "<video>", videos=[smooth_frames(2, 2, 100)]))
 
 
-def test_placeholder_count_must_match(tokenizer, tmp_path):
-    proc = make_processor(tmp_path, NV, tokenizer)
+def test_placeholder_count_must_match(tiny):
+    proc = make_processor(tiny, NV)
     with pytest.raises(InvalidInputError, match="placeholder"):
-        proc.process(prompt(tokenizer, "describe <image> <image>", [rng_image(30, 30)]))
+        proc.process(prompt(proc, "describe <image> <image>", [rng_image(30, 30)]))
     with pytest.raises(InvalidInputError, match="placeholder"):
-        proc.process(prompt(tokenizer, "describe this", videos=[smooth_frames(2, 30, 30)]))
+        proc.process(prompt(proc, "describe this", videos=[smooth_frames(2, 30, 30)]))
 
 
 # ---- hashes -------------------------------------------------------------------------------------------------
-def test_hashes(tokenizer, tmp_path):
-    proc = make_processor(tmp_path, OV, tokenizer)
+def test_hashes(tiny, tmp_path):
+    proc = make_processor(tiny, OV)
 
     def h(images=(), videos=(), uuids=None, kwargs=None, p=proc):
         text = " ".join(["<image>"] * len(images) + ["<video>"] * len(videos))
-        return [it.mm_hash for it in p.process(prompt(tokenizer, text, images, videos, kwargs, uuids)).mm_items]
+        return [it.mm_hash for it in p.process(prompt(p, text, images, videos, kwargs, uuids)).mm_items]
 
     img = rng_image(60, 90, seed=5)
     png = io.BytesIO()
     img.save(png, format="PNG")
     assert h([img]) == h([png.getvalue()])  # the same pixels, however sent
     assert h([img]) != h([rng_image(60, 90, seed=6)])
-    other = dict(SETTINGS[OV], image_mean=[0.4, 0.5, 0.5])  # settings that change the pixel values
-    other_dir = tmp_path / "other"
-    other_dir.mkdir()
-    (other_dir / "preprocessor_config.json").write_text(json.dumps(other))
-    assert h([img]) != h([img], p=make_processor(tmp_path, OV, tokenizer, folder=other_dir))
+    folder = tiny[OV][0]
+    for name in ("preprocessor_config.json", "video_preprocessor_config.json"):  # settings that change the pixels
+        other = dict(json.loads((folder / name).read_text()), image_mean=[0.4, 0.5, 0.5])
+        (tmp_path / name).write_text(json.dumps(other))
+    assert h([img]) != h([img], p=make_processor(tiny, OV, settings_from=tmp_path))
     assert h([img], uuids={"image": "a"}) == h([rng_image(10, 10)], uuids={"image": "a"})  # the client's id
     assert h([img], uuids={"image": "a"}) != h([img], uuids={"image": "b"})
     frames = smooth_frames(4, 20, 20)
     assert h(videos=[frames]) == h(videos=[list(frames)]) != h(videos=[frames[:3]])
     assert h(videos=[frames], uuids={"video": "v"}) != h(videos=[frames], uuids={"video": "v"},
                                                          kwargs={"max_frames": 3})
+    assert h(videos=[frames]) != h(videos=[frames], p=make_processor(tiny, OV, settings_from=tmp_path))
     assert h(videos=[frames])[0] != h([img])[0]
 
 
 # ---- precomputed embeddings ---------------------------------------------------------------------------------
-def test_image_embeddings(tokenizer, tmp_path):
-    proc = make_processor(tmp_path, NV, tokenizer, embeds=True)
+def test_image_embeddings(tiny):
+    proc = make_processor(tiny, NV, embeds=True)
     cfg = proc.ctx.model
-    rows = make_processor(tmp_path, NV, tokenizer).process(
-        prompt(tokenizer, "<image>", [rng_image(50, 100)])).mm_items[0].num_tokens
+    rows = make_processor(tiny, NV).process(prompt(proc, "<image>", [rng_image(50, 100)])).mm_items[0].num_tokens
     embeds = torch.randn(rows, cfg.text.hidden_size)
-    out = proc.process(prompt(tokenizer, "describe <image>", [{"image_embeds": embeds, "image_sizes": (50, 100)}]))
+    out = proc.process(prompt(proc, "describe <image>", [{"image_embeds": embeds, "image_sizes": (50, 100)}]))
     item = out.mm_items[0]
     assert item.num_tokens == rows and item.pixel_values is None and torch.equal(item.embeddings, embeds)
     assert item.grid_thw == (anyres.Geometry.of(cfg).num_tiles(50, 100), 50, 100)
     check_item(item, cfg)
-    again = proc.process(prompt(tokenizer, "<image>", [{"image_embeds": embeds[None], "image_sizes": torch.tensor(
+    again = proc.process(prompt(proc, "<image>", [{"image_embeds": embeds[None], "image_sizes": torch.tensor(
         [50, 100])}])).mm_items[0]
     assert again.mm_hash == item.mm_hash
     for entry, match in [({"image_embeds": embeds}, "image_sizes"),
                          ({"image_embeds": embeds, "image_sizes": (500, 20)}, "shape"),
+                         ({"image_embeds": embeds, "image_sizes": (50, True)}, "image_sizes"),
                          ({"image_embeds": embeds[:-1], "image_sizes": (50, 100)}, "shape"),
                          ({"image_embeds": embeds.to(torch.int32), "image_sizes": (50, 100)}, "dtype"),
                          ({"image_embeds": embeds * float("nan"), "image_sizes": (50, 100)}, "NaN")]:
         with pytest.raises(InvalidInputError, match=match):
-            proc.process(prompt(tokenizer, "<image>", [entry]))
+            proc.process(prompt(proc, "<image>", [entry]))
     with pytest.raises(InvalidInputError, match="enable-mm-embeds"):
-        make_processor(tmp_path, NV, tokenizer).process(
-            prompt(tokenizer, "<image>", [{"image_embeds": embeds, "image_sizes": (50, 100)}]))
+        make_processor(tiny, NV).process(prompt(proc, "<image>", [{"image_embeds": embeds, "image_sizes": (50, 100)}]))
     with pytest.raises(InvalidInputError, match="video embeddings"):
-        proc.process(prompt(tokenizer, "<video>", videos=[{"video_embeds": embeds}]))
+        proc.process(prompt(proc, "<video>", videos=[{"video_embeds": embeds}]))
 
 
 # ---- settings -----------------------------------------------------------------------------------------------
-def test_settings_are_read_where_transformers_reads_them(tmp_path, tokenizer):
-    video = {"size": {"shortest_edge": S}, "crop_size": {"height": S, "width": S}, "do_center_crop": True,
-             "image_mean": [0.1, 0.2, 0.3]}
-    folder = checkpoint(tmp_path, NV, video=video)
-    assert load_settings(folder, NV, "video").mean == (0.1, 0.2, 0.3)
-    assert load_settings(folder, NV, "image").pinpoints == tuple(map(tuple, NV_PIN))
-    (folder / "video_preprocessor_config.json").unlink()  # falls back to the image processor's file
-    assert load_settings(folder, NV, "video").crop == (S, S)
-    (folder / "processor_config.json").write_text(json.dumps({"video_processor": {**video, "image_std": [1, 1, 1]}}))
-    assert load_settings(folder, NV, "video").std == (1.0, 1.0, 1.0)  # the nested entry first
-    bad = dict(SETTINGS[OV], image_grid_pinpoints=[[S, S], [2 * S, S]])  # not the model's pinpoints
-    (folder / "preprocessor_config.json").write_text(json.dumps(bad))
-    with pytest.raises(ModelLoadError, match="pinpoints"):
-        make_processor(tmp_path, OV, tokenizer, folder=folder)
-    (folder / "preprocessor_config.json").write_text(json.dumps(dict(SETTINGS[OV], size={"height": 32, "width": 32})))
-    with pytest.raises(ModelLoadError, match="32px"):
-        make_processor(tmp_path, OV, tokenizer, folder=folder)
-    (folder / "preprocessor_config.json").write_text(json.dumps(dict(SETTINGS[OV], resample=1)))
-    with pytest.raises(ModelLoadError, match="resample"):
-        make_processor(tmp_path, OV, tokenizer, folder=folder)
+def test_settings_are_read_where_transformers_reads_them(tiny, tmp_path):
+    folder = tiny[NV][0]
+    for name in ("preprocessor_config.json", "video_preprocessor_config.json"):
+        (tmp_path / name).write_text((folder / name).read_text())
+    video = json.loads((folder / "video_preprocessor_config.json").read_text())
+    (tmp_path / "video_preprocessor_config.json").write_text(json.dumps(dict(video, image_mean=[0.1, 0.2, 0.3])))
+    assert load_settings(tmp_path, NV, "video").mean == (0.1, 0.2, 0.3)
+    assert load_settings(tmp_path, NV, "image").pinpoints == anyres.Geometry.of(tiny[NV][1]).pinpoints
+    (tmp_path / "video_preprocessor_config.json").unlink()  # falls back to the image processor's file
+    assert load_settings(tmp_path, NV, "video").crop == (56, 56)
+    (tmp_path / "processor_config.json").write_text(json.dumps({"video_processor": dict(video, image_std=[1, 1, 1])}))
+    assert load_settings(tmp_path, NV, "video").std == (1.0, 1.0, 1.0)  # transformers 5's nested entry first
+    image = json.loads((folder / "preprocessor_config.json").read_text())
+    for change, match in [({"image_grid_pinpoints": [[56, 56], [112, 56]]}, "pinpoints"),  # not the model's
+                          ({"crop_size": {"height": 64, "width": 64}, "size": {"shortest_edge": 64}}, "64px"),
+                          ({"resample": 1}, "resample")]:
+        (tmp_path / "preprocessor_config.json").write_text(json.dumps(dict(image, **change)))
+        with pytest.raises(ModelLoadError, match=match):
+            make_processor(tiny, NV, settings_from=tmp_path)
+    (tmp_path / "preprocessor_config.json").unlink()
+    with pytest.raises(ModelLoadError, match="no image processor settings"):
+        make_processor(tiny, NV, settings_from=tmp_path)
