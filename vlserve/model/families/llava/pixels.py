@@ -10,7 +10,7 @@ Video frames (`video_pixels`) follow `LlavaOnevisionVideoProcessor` / `LlavaNext
 torchvision (not installed here): `tvF.resize` of uint8 frames is `torch.nn.functional.interpolate` with antialias
 on the uint8 tensor itself on CPU for bicubic (and for bilinear where the CPU has AVX2; else through float32,
 clamped and rounded back to uint8); centre crop; rescale and normalize fused as (x - mean/r) / (std/r) in float32.
-That is torch's own resampling, which differs from PIL's by a level or two of 255 on some pixels: a frame is not
+That is torch's own resampling, which differs from PIL's by a few levels of 255 on some pixels: a frame is not
 the same numbers as the same picture sent through the image processor, in HF either.
 
 Settings come from the checkpoint (`load_settings`: processor_config.json's nested entry, then
