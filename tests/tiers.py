@@ -25,6 +25,7 @@ FILE_TIERS = {
     "test_hostile_peers.py": "unit",
     "test_audio_input.py": "unit",
     "test_image_preprocessing.py": "unit",
+    "test_llava_processor.py": "unit",
     "test_kernel_build.py": "unit",
     "test_layers.py": "unit",
     "test_llava_model.py": "unit",

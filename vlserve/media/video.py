@@ -1,6 +1,6 @@
 """Video decoding (PyAV) and Qwen-VL video preprocessing.
 
-Two sets of rules (`VideoOptions.rules`), both spreading the sampled frames evenly over the clip:
+Two sets of Qwen rules (`VideoOptions.rules`), both spreading the sampled frames evenly over the clip:
 - "qwen2" (Qwen2-VL, Qwen2.5-VL; qwen-vl-utils' `smart_nframes`): `fps` frames per second within
   [min_frames, max_frames], an even count; each frame resized with `smart_resize` to the total budget divided
   across the frames.
@@ -8,7 +8,9 @@ Two sets of rules (`VideoOptions.rules`), both spreading the sampled frames even
   the clip's length, any count (the last frame repeats to fill a temporal patch); one size for all frames from
   the 3-D `smart_resize` over (frames, height, width) with `min_pixels`..`total_pixels` for the whole clip.
 Then pairs of frames become temporal patches in the same layout the image path uses for a still picture (a pair
-of identical frames).
+of identical frames). A third sampler, "uniform" (vLLM's default loader: at most `max_frames` frames, evenly
+spread, whatever the frame rate), serves families that resize frames their own way (LLaVA): they use
+`load_video` only.
 """
 
 from __future__ import annotations
@@ -263,7 +265,15 @@ def _qwen3_frame_indices(total: int, video_fps: float, opts: VideoOptions) -> li
     return np.linspace(0, total - 1, max(n, 1)).round().astype(int).tolist()
 
 
-FRAME_SAMPLERS = {"qwen2": _qwen2_frame_indices, "qwen3": _qwen3_frame_indices}
+def _uniform_frame_indices(total: int, video_fps: float, opts: VideoOptions) -> list[int]:
+    """vLLM's default video loader (LLaVA): every frame of a clip of at most `max_frames`, else `max_frames`
+    spread evenly (numpy's float64 linspace, truncated to ints as `dtype=int` does)."""
+    if total <= opts.max_frames:
+        return list(range(total))
+    return np.linspace(0, total - 1, opts.max_frames).astype(int).tolist()
+
+
+FRAME_SAMPLERS = {"qwen2": _qwen2_frame_indices, "qwen3": _qwen3_frame_indices, "uniform": _uniform_frame_indices}
 
 
 def _to_array(frame: Any) -> np.ndarray:

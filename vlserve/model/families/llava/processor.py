@@ -1,0 +1,193 @@
+"""The LLaVA family's request path (LLaVA-OneVision, LLaVA-NeXT-Video): pictures cut "anyres" into tiles, videos
+as whole frames, each `<image>` / `<video>` placeholder expanded to its item's rows, plain 1-D positions.
+
+A picture becomes one item: pixel values float32 [num_tiles, 3 * S * S] (the base tile, then the anyres tiles),
+grid (num_tiles, original_height, original_width); every picture is tiled, as vLLM and HF's processor do for
+pictures sent one per list entry. A video becomes one item: [num_frames, 3 * S * S], grid (num_frames, 0, 0).
+Token counts are the model's (`checks.item_tokens`: image_newline rows included), pixel values HF's
+(vlserve.model.families.llava.pixels). Precomputed picture embeddings (--enable-mm-embeds) come as
+{"image_embeds": [rows, hidden], "image_sizes": (height, width)}: the picture's size gives its grid and rows.
+
+Videos: a clip (bytes, path, data URL; decoded with PyAV) keeps every frame when it has at most `max_frames`, else
+`max_frames` frames spread evenly (np.linspace(0, total - 1, max_frames) truncated): vLLM's default video loader,
+whose `num_frames` is 32 (`--max-video-frames`, 32 by default, here). A video given as frames (a [T, H, W, 3]
+uint8 array or a list of frames) is used whole, as vLLM and HF do, when it has at most `max_frames` frames;
+a longer one is sampled the same way (vLLM would encode every frame: unbounded). `max_frames` is the
+mm_processor_kwargs entry when given (at most --max-video-frames, else refused), else --max-video-frames.
+
+Bounds, checked before any pixel is resized: an item's token count (`ctx.check_item_tokens`, from the geometry
+alone), then the resized size against --max-image-pixels: a picture's anyres canvas (its best grid pinpoint), a
+video frame's resized size. Decoding is bounded by vlserve.media (pixels per picture or frame as decoded, frames).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from vlserve.core.errors import InvalidInputError, MediaTooLargeError, ModelLoadError
+from vlserve.core.prompt import MultiModalItem, ProcessedPrompt
+from vlserve.media.hashing import hash_embeddings, hash_image, hash_user_id, hash_video
+from vlserve.media.image import load_image
+from vlserve.media.video import VideoOptions, load_video
+from vlserve.model.families.llava.anyres import Geometry
+from vlserve.model.families.llava.checks import MAX_SIDE, item_tokens
+from vlserve.model.families.llava.pixels import (
+    PixelSettings,
+    anyres_pixels,
+    canvas_size,
+    frame_size,
+    load_settings,
+    video_pixels,
+)
+from vlserve.model.families.processor import (
+    EMBED_DTYPES,
+    MultiModalProcessor,
+    ProcessorContext,
+    PromptMedia,
+    decode_embeds,
+    expand_all_placeholders,
+    rope_positions,
+)
+
+
+@dataclass
+class _Item:
+    num_tokens: int
+    grid_thw: tuple[int, int, int]
+    mm_hash: str
+    modality: str
+    pixel_values: torch.Tensor | None = None
+    embeddings: torch.Tensor | None = None
+
+    def placed_at(self, offset: int) -> MultiModalItem:
+        return MultiModalItem(offset, self.num_tokens, self.pixel_values, self.grid_thw, self.mm_hash,
+                              self.embeddings, self.modality)
+
+
+class LlavaProcessor(MultiModalProcessor):
+    mm_kwargs = frozenset({"max_frames"})
+
+    def __init__(self, ctx: ProcessorContext, image: PixelSettings | None = None,
+                 video: PixelSettings | None = None):
+        """`image` / `video`: the HF processors' settings (read from the checkpoint when not given)."""
+        super().__init__(ctx)
+        m = ctx.model
+        self.geo = Geometry.of(m)
+        self.image = image or load_settings(ctx.model_path, m.architecture, "image")
+        self.video = video or load_settings(ctx.model_path, m.architecture, "video")
+        if not self.image.pinpoints:  # the processor config leaves them out: the model's
+            self.image = replace(self.image, pinpoints=self.geo.pinpoints)
+        self._check_agrees()
+        self.image_params = {"llava": "image", **self.image.hash_params()}
+        self.video_params = {"llava": "video", **self.video.hash_params()}
+
+    def _check_agrees(self) -> None:
+        """The processor settings must make what the model reads (its tile side, its pinpoints)."""
+        size, where = self.geo.image_size, f"{self.ctx.model_path}"
+        for kind, s in (("image", self.image), ("video", self.video)):
+            if s.out_side != size:
+                raise ModelLoadError(f"{where}: the {kind} processor makes {s.out_side}px tiles; the vision tower "
+                                     f"reads {size}px")
+        if self.image.tile != size or tuple(self.image.pinpoints) != tuple(self.geo.pinpoints):
+            raise ModelLoadError(f"{where}: the image processor's grid pinpoints {list(self.image.pinpoints)} (tiles "
+                                 f"of {self.image.tile}px) differ from the model's {list(self.geo.pinpoints)}")
+
+    def process(self, prompt: PromptMedia) -> ProcessedPrompt:
+        m = self.ctx.model
+        max_frames = self._max_frames(prompt.mm_kwargs)
+        images = [self._image(src, uid) for src, uid in prompt.media.get("image", [])]
+        videos = [self._video(src, uid, max_frames) for src, uid in prompt.media.get("video", [])]
+        token_ids, offsets = expand_all_placeholders(prompt.token_ids, {
+            m.image_token_id: [it.num_tokens for it in images],
+            m.video_token_id: [it.num_tokens for it in videos]})
+        placed = sorted([*zip(offsets[m.image_token_id], images), *zip(offsets[m.video_token_id], videos)],
+                        key=lambda x: x[0])
+        positions, delta = rope_positions(len(token_ids))
+        return ProcessedPrompt(token_ids, [it.placed_at(off) for off, it in placed], positions, delta, prompt.text)
+
+    # ---- pictures ----------------------------------------------------------------------------------------------
+    def _image(self, src: Any, uid: str | None) -> _Item:
+        if isinstance(src, dict) and "image_embeds" in src:
+            return self._embeds(src)
+        img = load_image(src, self.ctx.max_image_pixels)
+        grid = (self.geo.num_tiles(img.height, img.width), img.height, img.width)
+        tokens = item_tokens(self.ctx.model, grid)
+        self.ctx.check_item_tokens(tokens, f"{img.width}x{img.height} picture")
+        bh, bw = canvas_size(img.height, img.width, self.image)
+        if bh * bw > self.ctx.max_image_pixels:
+            raise MediaTooLargeError(f"the {img.width}x{img.height} picture would be resized to {bw}x{bh} = {bh * bw} "
+                                     f"pixels, more than the {self.ctx.max_image_pixels} allowed (--max-image-pixels)")
+        pixels = anyres_pixels(img, self.image)
+        mm_hash = hash_user_id(str(uid), self.image_params) if uid else hash_image(img, self.image_params)
+        return _Item(tokens, grid, mm_hash, "image", pixel_values=pixels)
+
+    def _embeds(self, entry: dict) -> _Item:
+        """Precomputed picture embeddings: {"image_embeds": [tokens, hidden] tensor (or base64 of a safetensors
+        file), "image_sizes": (height, width) of the picture}: its tile count and rows follow from the size."""
+        if not self.ctx.enable_mm_embeds:
+            raise InvalidInputError("image embeddings input is disabled; start with --enable-mm-embeds")
+        embeds, size = decode_embeds(entry.get("image_embeds")), entry.get("image_sizes")
+        if isinstance(size, torch.Tensor):
+            size = size.flatten().tolist()
+        if (not isinstance(size, (list, tuple)) or len(size) != 2
+                or not all(isinstance(v, int) and not isinstance(v, bool) and 0 < v <= MAX_SIDE for v in size)):
+            raise InvalidInputError(f"image_embeds need image_sizes: the picture's (height, width) in pixels, two "
+                                    f"integers in 1..{MAX_SIDE}; got {size!r}")
+        h, w = size
+        grid = (self.geo.num_tiles(h, w), h, w)
+        tokens = item_tokens(self.ctx.model, grid)
+        self.ctx.check_item_tokens(tokens, f"{w}x{h} picture's embeddings")
+        if embeds.dim() == 3 and embeds.shape[0] == 1:
+            embeds = embeds[0]
+        expected = (tokens, self.ctx.model.embedding_width)
+        if tuple(embeds.shape) != expected:
+            raise InvalidInputError(f"image_embeds has shape {tuple(embeds.shape)}; a {h}x{w} picture on this model "
+                                    f"takes {expected} (image_newline rows included)")
+        if embeds.dtype not in EMBED_DTYPES:
+            raise InvalidInputError(f"image_embeds dtype {embeds.dtype} is not float32, bfloat16 or float16")
+        if not torch.isfinite(embeds).all():
+            raise InvalidInputError("image_embeds holds NaN or infinite values")
+        embeds = embeds.to(self.ctx.dtype).contiguous()
+        return _Item(tokens, grid, hash_embeddings(embeds, grid), "image", embeddings=embeds)
+
+    # ---- videos ------------------------------------------------------------------------------------------------
+    def _max_frames(self, kwargs: dict) -> int:
+        cap = self.ctx.max_video_frames
+        v = kwargs.get("max_frames")
+        if v is None:
+            return cap
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise InvalidInputError(f"max_frames must be a positive integer, got {v!r}")
+        if v > cap:
+            raise InvalidInputError(f"max_frames {v} exceeds the server's limit of {cap} (--max-video-frames)")
+        return v
+
+    def _video(self, src: Any, uid: str | None, max_frames: int) -> _Item:
+        if isinstance(src, dict):
+            raise InvalidInputError("precomputed video embeddings are not supported for LLaVA models; send the "
+                                    "video itself")
+        if isinstance(src, np.ndarray):
+            if src.ndim != 4:
+                raise InvalidInputError(f"a video array must be [frames, height, width, 3], got shape {src.shape}")
+            src = list(src)
+        opts = VideoOptions(max_frames=max_frames, min_frames=1, rules="uniform")
+        video = load_video(src, opts, self.ctx.max_image_pixels)
+        frames = video.frames
+        (height, width), n = frames[0].shape[:2], len(frames)
+        grid = (n, 0, 0)
+        tokens = item_tokens(self.ctx.model, grid)
+        self.ctx.check_item_tokens(tokens, f"video of {n} frames", hint="send fewer frames (max_frames)")
+        rh, rw = frame_size(height, width, self.video)
+        if rh * rw > self.ctx.max_image_pixels:
+            raise MediaTooLargeError(f"the video's {width}x{height} frames would be resized to {rw}x{rh} = {rh * rw} "
+                                     f"pixels, more than the {self.ctx.max_image_pixels} allowed (--max-image-pixels)")
+        pixels = video_pixels(frames, self.video)
+        # the sampled frames and the settings make the pixel values; a uuid stands for the whole clip, so its
+        # hash also holds how many frames were taken from it
+        mm_hash = (hash_user_id(str(uid), {**self.video_params, "max_frames": max_frames}) if uid
+                   else hash_video(frames, self.video_params))
+        return _Item(tokens, grid, mm_hash, "video", pixel_values=pixels)
