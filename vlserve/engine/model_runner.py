@@ -3,7 +3,7 @@
 Per step: drop encoder outputs nobody needs → encode newly scheduled items (one call per tower and group)
 → build the flat token batch (decode tokens first, then prefill chunks) as a `ForwardBatch`: M-RoPE positions,
 slots, block tables, and the media embedding rows of its placeholder tokens → the executor embeds, scatters the
-media rows (Qwen3-VL: sets their DeepStack features aside for the first decoder layers), runs the LM and returns
+media rows (a model with DeepStack features: sets them aside for the first decoder layers), runs the LM and returns
 logits only for rows that sample → sampler.
 """
 
@@ -128,8 +128,9 @@ class ModelRunner:
         return ordered, batch
 
     def _media(self, ordered: list[ScheduledChunk]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Rows of the flat batch that take media embeddings, and those embeddings (DeepStack features after the
-        first `hidden` columns, Qwen3-VL), gathered from wherever each item's are; (None, None) if no media."""
+        """Rows of the flat batch that take media embeddings, and those embeddings (DeepStack features, where the
+        model has them, after the first `hidden` columns), gathered from wherever each item's are; (None, None)
+        if no media."""
         dest: list[torch.Tensor] = []
         rows: list[torch.Tensor] = []
         row = 0

@@ -19,7 +19,7 @@ from vlserve.frontend.tool_calls import check_tools
 
 
 class LLM:
-    """Load a Qwen2-VL family checkpoint and generate with continuous batching.
+    """Load a checkpoint of a family vlserve serves (vlserve.model.families) and generate with continuous batching.
 
     >>> llm = LLM(model="path/or/org/name", dtype="bfloat16", max_num_seqs=32)
     >>> llm.generate({"prompt": "<|vision_start|><|image_pad|><|vision_end|>What is this?",
