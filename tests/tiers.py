@@ -69,6 +69,7 @@ FILE_TIERS = {
     "test_disagg_serve.py": "multiprocess",
     "test_audio_server.py": "multiprocess",
     "test_audio_disagg.py": "multiprocess",
+    "test_llava_serving.py": "multiprocess",
     "test_engine_process.py": "multiprocess",
     "test_prompt_ownership.py": "multiprocess",
     "test_process_hygiene.py": "multiprocess",
@@ -101,6 +102,7 @@ TEST_TIERS = {
     "test_model_facts.py::test_the_engine_uses_the_facts_it_is_sent_not_the_files": "multiprocess",
     "test_encode_service.py::test_two_ranks_encode_what_one_does": "multiprocess",
     "test_encode_service.py::test_a_tower_the_ranks_cannot_split_is_refused_at_start_naming_the_flags": "multiprocess",
+    "test_llava_serving.py::test_int8_loads_and_generates_with_pictures_and_videos": "engine",
 }
 
 
