@@ -116,13 +116,13 @@ def _check_decoded_size(width: int, height: int, max_pixels_decoded: int, mode: 
         raise InvalidInputError(f"image has empty size {width}x{height}")
     if width * height > max_pixels_decoded:
         raise MediaTooLargeError(
-            f"image is {width}x{height} = {width * height} pixels, more than the {max_pixels_decoded} allowed"
-        )
+            f"image is {width}x{height} = {width * height} pixels, more than the {max_pixels_decoded} allowed "
+            "(--max-image-pixels)")
     decoded = width * height * _bytes_per_pixel(mode)
     if decoded > max_pixels_decoded * 3:
         raise MediaTooLargeError(
             f"image is {width}x{height} pixels of mode {mode}, which decode to {decoded} bytes, more than the "
-            f"{max_pixels_decoded * 3} allowed ({max_pixels_decoded} pixels x 3 bytes)")
+            f"{max_pixels_decoded * 3} allowed ({max_pixels_decoded} pixels x 3 bytes, --max-image-pixels)")
 
 
 def to_rgb(img: Image.Image) -> Image.Image:
