@@ -19,11 +19,11 @@ from vlserve.model.families.qwen.config import (
     QWEN3_VL,
     QWEN3_VL_MOE,
 )
-from vlserve.model.qwen2_5_vl_vision import Qwen2_5_VLVisionTransformer
+from vlserve.model.families.qwen.qwen2_5_vl_vision import Qwen2_5_VLVisionTransformer
+from vlserve.model.families.qwen.qwen2_vl_vision import Qwen2VLVisionTransformer
+from vlserve.model.families.qwen.qwen3_text import Qwen3TextModel
+from vlserve.model.families.qwen.qwen3_vl_vision import Qwen3VLVisionTransformer
 from vlserve.model.qwen2_text import Qwen2TextModel
-from vlserve.model.qwen2_vl_vision import Qwen2VLVisionTransformer
-from vlserve.model.qwen3_text import Qwen3TextModel
-from vlserve.model.qwen3_vl_vision import Qwen3VLVisionTransformer
 from vlserve.model.vl_model import VisionLanguageModel
 
 # architecture -> (vision tower class or None, decoder class)

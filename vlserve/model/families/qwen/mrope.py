@@ -27,7 +27,6 @@ from dataclasses import dataclass
 import torch
 
 
-
 @dataclass(frozen=True)
 class MRopeItem:
     """One image or video occupying a run of placeholder tokens in the expanded prompt."""

@@ -11,9 +11,9 @@ import torch
 import torch.nn as nn
 
 from vlserve.model.config_types import VisionConfig
+from vlserve.model.families.qwen.qwen2_vl_vision import Qwen2VLVisionBlock
 from vlserve.model.layers.mlp import get_activation, in_row_slices
 from vlserve.model.layers.parallel import column_linear, current_tp, even_split, row_linear
-from vlserve.model.qwen2_vl_vision import Qwen2VLVisionBlock
 from vlserve.model.vision_common import (
     PatchEmbed,
     VisionRotary,

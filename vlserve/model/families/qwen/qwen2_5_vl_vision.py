@@ -11,9 +11,9 @@ import torch
 import torch.nn as nn
 
 from vlserve.model.config_types import VisionConfig
+from vlserve.model.families.qwen.qwen2_vl_vision import Qwen2VLVisionBlock
 from vlserve.model.layers.mlp import GatedMLP
 from vlserve.model.layers.norm import RMSNorm
-from vlserve.model.qwen2_vl_vision import Qwen2VLVisionBlock
 from vlserve.model.vision_common import (
     PatchEmbed,
     PatchMerger,

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from vlserve.model.decoder import DecoderLayer, DecoderModel
 from vlserve.model.config_types import TextConfig
+from vlserve.model.decoder import DecoderLayer, DecoderModel
 from vlserve.model.layers.attention import AttentionMetadata, paged_attention
 from vlserve.model.layers.mlp import GatedMLP
 from vlserve.model.layers.moe import SparseMoE
