@@ -257,5 +257,15 @@ class HFLlavaReference:
         media = {"images": list(images) or None, "videos": list(videos) or None}
         return dict(self.processor(text=[text], **media, return_tensors="pt"))
 
-    def greedy(self, text: str, max_new_tokens: int, images=(), videos=()) -> tuple[list[int], list[int]]:
-        return greedy_new_tokens(self.model, self.tokenizer, self.inputs(text, images, videos), max_new_tokens)
+    @torch.no_grad()
+    def greedy(self, text: str, max_new_tokens: int, images=(), videos=()) -> tuple[list[int], list[int], list]:
+        """(expanded prompt ids, generated ids, each generated token's log-probability under the model's raw
+        logits); EOS is ignored."""
+        inputs = self.inputs(text, images, videos)
+        out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                                  do_sample=False, pad_token_id=self.tokenizer.pad_token_id, output_logits=True,
+                                  return_dict_in_generate=True)
+        prompt_ids = inputs["input_ids"][0].tolist()
+        new = out.sequences[0, len(prompt_ids):].tolist()
+        logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, new)]
+        return prompt_ids, new, logprobs

@@ -1,5 +1,6 @@
 """LLaVA-OneVision and LLaVA-NeXT-Video through the engine: greedy outputs (fp32, EOS ignored) equal transformers'
-`generate` token for token, and the expanded prompt ids equal its processor's: one picture of each shape (other
+`generate` token for token (each token's log-probability within 1e-4), and the expanded prompt ids equal its
+processor's: one picture of each shape (other
 anyres grids), several pictures, a video, a picture with a video, text alone; batched in two orders, with pictures
 split across prefill steps, after preemption, on a prefix-cache hit (and with the cache off), at two tensor-parallel
 ranks (the tower split by weights or by data), and through `LLM.chat` with a data URL against transformers'
@@ -24,7 +25,8 @@ from tests.hf_reference import HFLlavaReference
 from vlserve import LLM, SamplingParams
 
 MAX_NEW = 8
-GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
+LOGPROB_ATOL = 1e-4
 FAMILIES = ("llava_onevision", "llava_next_video")
 # a chat turn as each family's template lays it out (tiny_llava.py)
 TURN = {"llava_onevision": "<|im_start|>user {}<|im_end|>\n<|im_start|>assistant\n",
@@ -68,7 +70,7 @@ class Family:
         body, images, videos = PROMPTS[name]
         return self.text(body), images, videos
 
-    def greedy(self, text: str, images=(), videos=()) -> tuple[list[int], list[int]]:
+    def greedy(self, text: str, images=(), videos=()) -> tuple[list[int], list[int], list[float]]:
         return self.hf.greedy(text, MAX_NEW, images, videos)
 
 
@@ -93,9 +95,13 @@ def _run(llm: LLM, prompts: list[tuple[str, list, list]]):
 
 
 def _check(outs, expected, names) -> None:
-    for out, (prompt_ids, gen), name in zip(outs, expected, names, strict=True):
+    """Prompt ids and new tokens equal transformers'; each token's log-probability too, within fp32 noise (the
+    tokens of a tiny random model can hide a small error: the log-probabilities do not)."""
+    for out, (prompt_ids, gen, logprobs), name in zip(outs, expected, names, strict=True):
         assert out.prompt_token_ids == prompt_ids, f"{name}: expanded prompt ids differ"
         assert out.outputs[0].token_ids == gen, f"{name}: generated tokens differ"
+        ours = [step[t].logprob for step, t in zip(out.outputs[0].logprobs, gen, strict=True)]
+        np.testing.assert_allclose(ours, logprobs, rtol=0, atol=LOGPROB_ATOL, err_msg=f"{name}: log-probabilities")
 
 
 def _run_and_check(llm: LLM, fam: Family, names) -> None:
