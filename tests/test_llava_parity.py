@@ -1,10 +1,9 @@
 """LLaVA-OneVision and LLaVA-NeXT-Video through the engine: greedy outputs (fp32, EOS ignored) equal transformers'
 `generate` token for token (each token's log-probability within 1e-4), and the expanded prompt ids equal its
-processor's: one picture of each shape (other
-anyres grids), several pictures, a video, a picture with a video, text alone; batched in two orders, with pictures
-split across prefill steps, after preemption, on a prefix-cache hit (and with the cache off), at two tensor-parallel
-ranks (the tower split by weights or by data), and through `LLM.chat` with a data URL against transformers'
-chat template and processor.
+processor's: one picture of each shape (other anyres grids), several pictures, a video, a picture with a video,
+text alone; batched in two orders, with pictures split across prefill steps, after preemption, on prefix-cache hits
+(one ending inside a picture; and with the cache off), at two tensor-parallel ranks (both mm_encoder_tp_mode
+values), and through `LLM.chat` with a data URL against transformers' chat template and processor.
 
 transformers' side (tests/hf_reference.py `HFLlavaReference`): its own processor over the checkpoint's files with
 the PIL image processor; its video processors need torchvision (not installed), so video frames are vlserve's
