@@ -180,3 +180,92 @@ class HFOmniReference:
 
     def greedy(self, prompt: str, max_new_tokens: int, **media) -> tuple[list[int], list[int]]:
         return greedy_new_tokens(self.model, self.tokenizer, self.inputs(prompt, **media), max_new_tokens)
+
+
+LLAVA_ARCHES = ("LlavaOnevisionForConditionalGeneration", "LlavaNextVideoForConditionalGeneration")
+
+
+def llava_processor(folder, tokenizer=None):
+    """transformers' own processor (LlavaOnevisionProcessor / LlavaNextVideoProcessor) over a LLaVA checkpoint's
+    files, with the PIL image processor and the tokenizer's chat template. Their video processors need torchvision,
+    which is not installed: none is given (the class check that would load one is skipped while it is made)."""
+    import json
+    from pathlib import Path
+    from unittest import mock
+
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+    from transformers.models.llava_next_video.processing_llava_next_video import LlavaNextVideoProcessor
+    from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
+        LlavaOnevisionImageProcessorPil,
+    )
+    from transformers.models.llava_onevision.processing_llava_onevision import LlavaOnevisionProcessor
+    from transformers.processing_utils import ProcessorMixin
+
+    folder = Path(folder)
+    arch = json.loads((folder / "config.json").read_text())["architectures"][0]
+    processor_cls, image_cls = dict(zip(LLAVA_ARCHES, [(LlavaOnevisionProcessor, LlavaOnevisionImageProcessorPil),
+                                                       (LlavaNextVideoProcessor, LlavaNextImageProcessorPil)]))[arch]
+    tokenizer = tokenizer or AutoTokenizer.from_pretrained(folder)
+    own = json.loads((folder / "processor_config.json").read_text())
+    own.pop("processor_class", None)
+    with mock.patch.object(ProcessorMixin, "check_argument_for_proper_class", lambda self, name, arg: None):
+        return processor_cls(image_processor=image_cls.from_pretrained(folder), tokenizer=tokenizer,
+                             chat_template=tokenizer.chat_template, **own)
+
+
+class _LlavaFrames:
+    """Stands in for transformers' LLaVA video processors (torchvision): each video's frames as vlserve's
+    `pixels.video_pixels` makes them, [frames, 3, side, side] (equal to transformers' torchvision pipeline:
+    tests/test_llava_processor.py). The processor's own `replace_video_token` then counts the tokens."""
+
+    def __init__(self, folder, arch: str):
+        from vlserve.model.families.llava.pixels import load_settings
+
+        self.settings = load_settings(folder, arch, "video")
+
+    def __call__(self, videos, **kwargs):
+        import numpy as np
+        from transformers.feature_extraction_utils import BatchFeature
+
+        from vlserve.model.families.llava.pixels import video_pixels
+
+        videos = [videos] if isinstance(videos, np.ndarray) and videos.ndim == 4 else list(videos)
+        side = self.settings.out_side
+        pixels = [video_pixels(v, self.settings).view(len(v), 3, side, side) for v in videos]
+        return BatchFeature({"pixel_values_videos": torch.stack(pixels)})
+
+
+class HFLlavaReference:
+    """transformers' LLaVA-OneVision / LLaVA-NeXT-Video: its processor expands the placeholders and makes the
+    pictures' pixels (`llava_processor`), video frames from `_LlavaFrames`; its model's `generate`."""
+
+    def __init__(self, path):
+        import json
+        from pathlib import Path
+
+        from transformers import LlavaNextVideoForConditionalGeneration, LlavaOnevisionForConditionalGeneration
+
+        self.arch = json.loads((Path(path) / "config.json").read_text())["architectures"][0]
+        model_cls = dict(zip(LLAVA_ARCHES, [LlavaOnevisionForConditionalGeneration,
+                                            LlavaNextVideoForConditionalGeneration]))[self.arch]
+        self.model = model_cls.from_pretrained(path, dtype=torch.float32).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.processor = llava_processor(path, self.tokenizer)
+        self.processor.video_processor = _LlavaFrames(path, self.arch)
+
+    def inputs(self, text: str, images=(), videos=()) -> dict:
+        media = {"images": list(images) or None, "videos": list(videos) or None}
+        return dict(self.processor(text=[text], **media, return_tensors="pt"))
+
+    @torch.no_grad()
+    def greedy(self, text: str, max_new_tokens: int, images=(), videos=()) -> tuple[list[int], list[int], list]:
+        """(expanded prompt ids, generated ids, each generated token's log-probability under the model's raw
+        logits); EOS is ignored."""
+        inputs = self.inputs(text, images, videos)
+        out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                                  do_sample=False, pad_token_id=self.tokenizer.pad_token_id, output_logits=True,
+                                  return_dict_in_generate=True)
+        prompt_ids = inputs["input_ids"][0].tolist()
+        new = out.sequences[0, len(prompt_ids):].tolist()
+        logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, new)]
+        return prompt_ids, new, logprobs

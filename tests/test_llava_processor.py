@@ -18,11 +18,9 @@ from PIL import Image
 from transformers import AutoTokenizer
 from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
-from transformers.models.llava_next_video.processing_llava_next_video import LlavaNextVideoProcessor
 from transformers.models.llava_onevision.image_processing_pil_llava_onevision import LlavaOnevisionImageProcessorPil
-from transformers.models.llava_onevision.processing_llava_onevision import LlavaOnevisionProcessor
-from transformers.processing_utils import ProcessorMixin
 
+from tests.hf_reference import llava_processor
 from vlserve.core.errors import InvalidInputError, MediaTooLargeError, ModelLoadError
 from vlserve.model.families.llava import anyres
 from vlserve.model.families.llava.checks import check_item, item_tokens
@@ -50,7 +48,6 @@ SETTINGS = {
          "image_grid_pinpoints": NV_PIN},
 }
 HF_IMAGE = {OV: LlavaOnevisionImageProcessorPil, NV: LlavaNextImageProcessorPil}
-HF_PROCESSOR = {OV: LlavaOnevisionProcessor, NV: LlavaNextVideoProcessor}
 
 
 def rng_image(h: int, w: int, seed: int = 0) -> Image.Image:
@@ -93,18 +90,11 @@ def prompt(proc: LlavaProcessor, text: str, images=(), videos=(), kwargs=None, u
     return PromptMedia(**{k: v for k, v in values.items() if k in names})
 
 
-@pytest.fixture
-def hf_processors(monkeypatch, tiny):
+@pytest.fixture(scope="module")
+def hf_processors(tiny):
     """transformers' processors over each tiny checkpoint's files, with an image processor only (their video
-    processors need torchvision, which is not installed: the class check that would load one is skipped)."""
-    monkeypatch.setattr(ProcessorMixin, "check_argument_for_proper_class", lambda self, name, arg: None)
-    made = {}
-    for arch, (folder, _, tokenizer) in tiny.items():
-        own = json.loads((folder / "processor_config.json").read_text())
-        own.pop("processor_class", None)
-        made[arch] = HF_PROCESSOR[arch](image_processor=HF_IMAGE[arch].from_pretrained(folder), tokenizer=tokenizer,
-                                        **own)
-    return made
+    processors need torchvision, which is not installed): tests/hf_reference.py's `llava_processor`."""
+    return {arch: llava_processor(folder, tokenizer) for arch, (folder, _, tokenizer) in tiny.items()}
 
 
 def chat(tokenizer, parts: list[str], question: str = "What is this?") -> str:

@@ -47,6 +47,7 @@ FILE_TIERS = {
     "test_tool_calls.py": "unit",
     "test_transfer_buffers.py": "unit",
     "test_audio_parity.py": "engine",
+    "test_llava_parity.py": "engine",
     "test_caching.py": "engine",
     "test_chat_api.py": "engine",
     "test_cpu_paths.py": "engine",
@@ -103,6 +104,7 @@ TEST_TIERS = {
     "test_encode_service.py::test_two_ranks_encode_what_one_does": "multiprocess",
     "test_encode_service.py::test_a_tower_the_ranks_cannot_split_is_refused_at_start_naming_the_flags": "multiprocess",
     "test_llava_serving.py::test_int8_loads_and_generates_with_pictures_and_videos": "engine",
+    "test_llava_parity.py::test_two_ranks_match_transformers": "multiprocess",
 }
 
 
