@@ -25,6 +25,11 @@ $(STAMP): pyproject.toml
 		{ apt-get install -y -qq --no-install-recommends libibverbs1 >/dev/null 2>&1 || \
 		  { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq --no-install-recommends libibverbs1 >/dev/null; }; }; } || \
 		echo "libibverbs1 missing: --transfer-backend mooncake will not start (apt-get install libibverbs1)"
+	@# Tests of --registry etcd:// start a real etcd (Debian's etcd-server); they skip where it cannot be installed.
+	@command -v etcd >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		{ apt-get install -y -qq --no-install-recommends etcd-server >/dev/null 2>&1 || \
+		  { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq --no-install-recommends etcd-server >/dev/null; }; }; } || \
+		echo "etcd missing: the etcd registry tests will skip (apt-get install etcd-server)"
 	touch $(STAMP)
 
 # Every test has one tier (tests/tiers.py; pyproject.toml registers them as markers), so a run can pick by cost:

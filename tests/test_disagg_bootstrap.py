@@ -387,8 +387,12 @@ def test_language_side_says_once_that_it_cannot_list_peers(caplog):
             return  # the registry came back for a while
         raise httpx.ConnectError("connection refused")
 
+    async def no_change(timeout):  # the bootstrap registry has no watch: the loop lists every interval
+        await asyncio.sleep(timeout)
+
     fake = SimpleNamespace(opts=SimpleNamespace(heartbeat_interval=0.001), quarantined={}, _refresh=refresh,
-                           kind=SimpleNamespace(role="encode"), conns={})
+                           kind=SimpleNamespace(role="encode"), conns={},
+                           registry=SimpleNamespace(wait_for_change=no_change))
     with caplog.at_level(logging.DEBUG, logger="vlserve.disagg"):
         with pytest.raises(asyncio.CancelledError):
             asyncio.run(PeerClient._refresh_loop(fake))

@@ -244,8 +244,29 @@ class DisaggArgs:
     num_prefill: int = option(0, "prefill instances for --disagg (E->P->D; needs --num-decode too)", {SERVE})
     num_decode: int = option(0, "decode instances for --disagg (E->P->D); the first answers on --port, the others "
                              "on the ports after it", {SERVE})
-    bootstrap: str = option("127.0.0.1:8998", "host:port of `vlserve bootstrap`", DISAGG_ROLES,
-                            metavar="HOST:PORT")
+    bootstrap: str = option("127.0.0.1:8998", "host:port of `vlserve bootstrap` (the embedded registry; "
+                            "--registry names another)", DISAGG_ROLES, metavar="HOST:PORT")
+    registry: str | None = option(
+        None, "where the roles meet instead of --bootstrap: etcd://HOST:PORT[,HOST:PORT...] (etcds:// for TLS), or "
+        "http://HOST:PORT of `vlserve bootstrap`; with serve --disagg no bootstrap is started", {SERVE} | DISAGG_ROLES,
+        metavar="URL")
+    registry_namespace: str | None = option(
+        None, "etcd key prefix of this deployment (/vlserve/NAME/...); default: --model as given, so every role of "
+        "one deployment must name the model alike", {SERVE} | DISAGG_ROLES, metavar="NAME")
+    registry_user: str | None = option(None, "etcd user (its password in VLSERVE_REGISTRY_PASSWORD)",
+                                       {SERVE} | DISAGG_ROLES, metavar="USER")
+    registry_password: str | None = option(None, "etcd password of --registry-user", {SERVE} | DISAGG_ROLES,
+                                           env="VLSERVE_REGISTRY_PASSWORD", secret=True)
+    registry_ca: str | None = option(None, "CA file that signed etcd's server certificate (etcds://)",
+                                     {SERVE} | DISAGG_ROLES, metavar="FILE")
+    registry_cert: str | None = option(None, "client certificate for etcd (with --registry-key)",
+                                       {SERVE} | DISAGG_ROLES, metavar="FILE")
+    registry_key: str | None = option(None, "private key of --registry-cert", {SERVE} | DISAGG_ROLES,
+                                      metavar="FILE")
+    advertise_host: str | None = option(
+        None, "the address peers reach this instance by (a pod IP, say); default: --host, or for a wildcard --host "
+        "the address of the interface toward the registry", DISAGG_ROLES, env="VLSERVE_ADVERTISE_HOST",
+        metavar="HOST")
     # Receive buffers, named by what they hold: media rows (from encoders: a language server, a prefill
     # instance) and KV rows (from prefill instances: a decode instance).
     media_buffer_blocks: int = option(
@@ -266,8 +287,8 @@ class DisaggArgs:
                                      aliases=("--embedding-block-tokens",))
     heartbeat_interval: float = option(1.0, "seconds between heartbeats (registry and peers)",
                                        {SERVE, BOOTSTRAP} | DISAGG_ROLES)
-    heartbeat_failure_threshold: int = option(3, "missed heartbeats before an instance is dropped",
-                                              {SERVE, LANGUAGE, PREFILL, DECODE, BOOTSTRAP})
+    heartbeat_failure_threshold: int = option(3, "missed heartbeats before an instance is dropped (with etcd: the "
+                                              "lease TTL is interval x threshold)", {SERVE, BOOTSTRAP} | DISAGG_ROLES)
     peer_wait_timeout: float = option(
         5.0, "seconds a request waits for a peer to pair (an encoder, or a prefill instance) when none is, before "
         "it is refused with 503: a restart or a start-up race costs latency, not errors",

@@ -11,7 +11,6 @@ import asyncio
 import logging
 import random
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 
 import httpx
@@ -21,20 +20,12 @@ from fastapi.responses import Response
 
 from vlserve.core.errors import error_body
 from vlserve.disagg.auth import HEADER, NonceMemory, PeerAuth, ReplayMemoryFull
+from vlserve.disagg.registry import ROLES, Backoff, InstanceInfo, Outage, Registry, new_instance_id
+
+__all__ = ["ROLES", "Backoff", "InstanceInfo", "BootstrapClient", "Heartbeat", "build_bootstrap_app",
+           "new_instance_id"]
 
 log = logging.getLogger("vlserve.disagg.bootstrap")
-
-ROLES = ("encode", "language", "prefill", "decode")
-
-
-class InstanceInfo(msgspec.Struct):
-    instance_id: str            # unique per process start (the client makes it: uuid4 hex)
-    role: str                   # one of ROLES
-    address: str                # host:port of its data endpoint (ZeroMQ), opaque to the registry
-    http_address: str = ""      # host:port of its HTTP endpoint (health/metrics), opaque
-    capacity: int = 1           # how many requests it takes at once (opaque hint)
-    load: int = 0               # requests in flight, updated by heartbeats
-
 
 class Heartbeat(msgspec.Struct):
     instance_id: str
@@ -45,10 +36,6 @@ class Heartbeat(msgspec.Struct):
 _PROBES = ("/health", "/ready")
 # Registrations and heartbeats are a few hundred bytes: anything bigger is refused (413) unread.
 MAX_BODY_BYTES = 64 * 1024
-
-
-def new_instance_id() -> str:
-    return uuid.uuid4().hex
 
 
 def _json(obj, status: int = 200) -> Response:
@@ -214,27 +201,7 @@ def _base_url(url: str) -> str:
     return url if "://" in url else f"http://{url}"
 
 
-class Backoff:
-    """Delays between retries: `initial`, doubling up to `cap`, each shortened by up to `jitter` (a fraction) so
-    that many clients of one restarted registry do not retry in lock-step. `reset()` after a success."""
-
-    def __init__(self, initial: float, cap: float = 30.0, jitter: float = 0.1,
-                 rng: Callable[[], float] = random.random) -> None:
-        if initial <= 0 or cap < initial or not 0 <= jitter < 1:
-            raise ValueError(f"need 0 < initial <= cap and 0 <= jitter < 1, got {initial}, {cap}, {jitter}")
-        self.initial, self.cap, self.jitter, self.rng = initial, cap, jitter, rng
-        self._next = initial
-
-    def next(self) -> float:
-        delay = self._next
-        self._next = min(self.cap, self._next * 2)
-        return delay * (1.0 - self.jitter * self.rng())
-
-    def reset(self) -> None:
-        self._next = self.initial
-
-
-class BootstrapClient:
+class BootstrapClient(Registry):
     """Registers one instance, heartbeats in the background, re-registers whenever the registry forgets it.
 
     While the registry cannot be reached (at start or later) the client retries with exponential backoff, from
@@ -260,12 +227,9 @@ class BootstrapClient:
         self._task: asyncio.Task | None = None
         self.registrations = 0  # how many times the registry accepted us (observability, tests)
         self.retry_max_delay = max(retry_max_delay, heartbeat_interval)
-        self._backoff = Backoff(heartbeat_interval, self.retry_max_delay, rng=rng)
-        self.remind_every = remind_every
         self._sleep, self._clock = sleep, clock
-        self._down_since: float | None = None  # when the registry stopped answering; None while it answers
-        self._reminded_at = 0.0
-        self._failures = 0
+        self.outage = Outage(f"registry at {self.address}", heartbeat_interval, self.retry_max_delay, remind_every,
+                             clock, rng, log)
 
     @property
     def address(self) -> str:
@@ -278,33 +242,6 @@ class BootstrapClient:
 
     def _load(self) -> int:
         return int(self.load_fn()) if self.load_fn is not None else self.info.load
-
-    # ---- reachability: what the log says while the registry is away -------------------------------------------
-    def _unreachable(self, e: Exception) -> float:
-        """Notes one failed try; returns how long to wait before the next one."""
-        delay = self._backoff.next()
-        self._failures += 1
-        now = self._clock()
-        reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-        if self._down_since is None:
-            self._down_since = self._reminded_at = now
-            log.warning("registry at %s unreachable (%s); retrying with backoff up to %gs",
-                        self.address, reason, self.retry_max_delay)
-        elif now - self._reminded_at >= self.remind_every:
-            self._reminded_at = now
-            log.warning("registry at %s still unreachable after %.0fs and %d tries (%s); still retrying",
-                        self.address, now - self._down_since, self._failures, reason)
-        else:
-            log.debug("registry at %s unreachable (%s); next try in %.2fs", self.address, reason, delay)
-        return delay
-
-    def _reachable(self) -> str:
-        """Notes an answer; returns "" or, after an outage, how long it lasted (for the one line that ends it)."""
-        outage = "" if self._down_since is None else (
-            f" (it was unreachable for {self._clock() - self._down_since:.0f}s, {self._failures} failed tries)")
-        self._down_since, self._failures = None, 0
-        self._backoff.reset()
-        return outage
 
     async def _register_once(self) -> None:
         """One attempt; raises httpx.HTTPError on transport trouble, ValueError when the registry refuses."""
@@ -320,7 +257,7 @@ class BootstrapClient:
             self._interval = min(self.heartbeat_interval, float(server_interval))
         self.registrations += 1
         log.info("registered %s (%s, %s) with the registry at %s%s", self.info.instance_id, self.info.role,
-                 self.info.address, self.address, self._reachable())
+                 self.info.address, self.address, self.outage.ended())
 
     async def start(self) -> None:
         """Registers (retrying with backoff until the registry answers), then heartbeats in a background task."""
@@ -330,7 +267,7 @@ class BootstrapClient:
                 break
             except httpx.HTTPError as e:
                 # Expected while the registry is starting: said once, without a traceback.
-                await self._sleep(self._unreachable(e))
+                await self._sleep(self.outage.failed(e))
         self._task = asyncio.create_task(self._heartbeat_loop(), name="bootstrap-heartbeat")
 
     async def _heartbeat_loop(self) -> None:
@@ -344,7 +281,7 @@ class BootstrapClient:
                 raise
             except (httpx.HTTPError, ValueError) as e:
                 # Keep trying forever (a restarted registry must get everyone back), backing off meanwhile.
-                delay = self._unreachable(e)
+                delay = self.outage.failed(e)
             except Exception:
                 log.exception("unexpected heartbeat error")  # never let the loop die silently
                 delay = self._interval
@@ -354,14 +291,18 @@ class BootstrapClient:
         resp = await self._http.post("/heartbeat", content=body, headers={"content-type": "application/json"})
         if resp.status_code == 404:
             # (expected after an outage: a restarted registry is empty; the registration line follows)
-            log.log(logging.DEBUG if self._down_since is not None else logging.INFO,
+            log.log(logging.DEBUG if self.outage.since is not None else logging.INFO,
                     "registry at %s forgot %s; registering again", self.address, self.info.instance_id)
             await self._register_once()
             return
         resp.raise_for_status()
-        outage = self._reachable()
+        outage = self.outage.ended()
         if outage:  # it answered again without having forgotten us
             log.info("heartbeats to the registry at %s resumed%s", self.address, outage)
+
+    async def wait_for_change(self, timeout: float) -> None:
+        """This registry has no watch: a caller lists again after `timeout`."""
+        await self._sleep(timeout)
 
     async def list_instances(self, role: str | None = None) -> list[InstanceInfo]:
         params = {"role": role} if role is not None else None

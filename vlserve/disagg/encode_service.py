@@ -40,7 +40,7 @@ from vlserve.disagg.messages import (
 from vlserve.disagg.metrics import ScrapeTimeGauges, TransferMetrics
 from vlserve.disagg.sender import OutgoingTransfer, SenderService, media_rows
 from vlserve.disagg.transports import TRANSPORTS
-from vlserve.disagg.transports.base import reachable_host
+from vlserve.disagg.registry import advertised_host
 from vlserve.engine.config import resolve_config
 from vlserve.engine.encoder_cache import EncoderCacheManager
 from vlserve.engine.encoder_runner import EncoderRunner
@@ -73,7 +73,7 @@ class EncodeService(SenderService):
         self.executor = ThreadPoolExecutor(max_workers=server.media_threads, thread_name_prefix="vlserve-media")
         fetchers = {kind: MediaFetcher(MediaPolicy.from_args(server, kind)) for kind in MEDIA_KINDS}
         self.prompts = LocalPromptEncoder(processor, fetchers, self.executor)
-        transport = TRANSPORTS[d.transfer_backend](reachable_host(server.host, toward=d.bootstrap.rsplit(":", 1)[0]))
+        transport = TRANSPORTS[d.transfer_backend](advertised_host(d, server.host))
         # Loaded like the engine's model: one device, or tensor-parallel ranks (stopped with this service).
         self.tower = start_executor(self.cfg)
         self.encoders = EncoderRunner(self.tower, self.cfg.device, encodes_whole_step(self.tower))
@@ -259,17 +259,18 @@ class _EncoderStats:
 async def run_encoder(opts: Options, log_level: str) -> int:
     """The encode role: bind the data socket, register with the bootstrap, serve until stopped."""
 
-    from vlserve.disagg.bootstrap import BootstrapClient, InstanceInfo, new_instance_id
+    from vlserve.disagg.registries import open_registry
+    from vlserve.disagg.registry import InstanceInfo, advertised_host, new_instance_id
 
     # (the model loads synchronously: a SIGTERM then takes effect at the first await)
     with SigtermStop() as sigterm:
         service = EncodeService(opts)
         try:
             service.bind()
-            host, port = opts.server.host, opts.server.port
+            host, port = advertised_host(opts.disagg, opts.server.host), opts.server.port
             info = InstanceInfo(new_instance_id(), "encode", f"{host}:{service.data_port}", f"{host}:{port}")
-            boot = BootstrapClient(opts.disagg.bootstrap, info, opts.disagg.heartbeat_interval,
-                                   load_fn=lambda: service.in_flight, auth=service.auth)
+            boot = open_registry(opts.disagg, info, opts.engine.model, load_fn=lambda: service.in_flight,
+                                 auth=service.auth)
             await boot.start()
             try:
                 logger.info("encoder ready: data tcp://%s, http://%s", info.address, info.http_address)

@@ -74,39 +74,44 @@ class Child:
 def plan_children(opts: Options, log_level: str) -> list[Child]:
     """The processes of one deployment, registry first."""
     vlserve = [sys.executable, "-m", "vlserve", "--log-level", log_level]
-    boot_port = free_port()
-    bootstrap = f"127.0.0.1:{boot_port}"
     children = []
-    argv, env = to_argv(opts, BOOTSTRAP)
-    children.append(Child("bootstrap", [*vlserve, "bootstrap", *argv, "--host", "127.0.0.1", "--port",
-                                        str(boot_port)], env))
+    if opts.disagg.registry:  # the roles meet there (their --registry comes with their options)
+        meet: list[str] = []
+    else:
+        boot_port = free_port()
+        meet = ["--bootstrap", f"127.0.0.1:{boot_port}"]
+        argv, env = to_argv(opts, BOOTSTRAP)
+        children.append(Child("bootstrap", [*vlserve, "bootstrap", *argv, "--host", "127.0.0.1", "--port",
+                                            str(boot_port)], env))
     argv, env = to_argv(opts, ENCODE)
+    encoders = []
     for i in range(opts.disagg.num_encoders):
         ports = ["--host", "127.0.0.1", "--port", str(free_port()), "--data-port", str(free_port())]
-        children.append(Child(f"encoder-{i}", [*vlserve, "encode", *_without(argv, "--host", "--port"), *ports,
-                                               "--bootstrap", bootstrap], env))
+        encoders.append(Child(f"encoder-{i}", [*vlserve, "encode", *_without(argv, "--host", "--port"), *ports,
+                                               *meet], env))
+    children += encoders
     d = opts.disagg
     if not d.num_prefill and not d.num_decode:
         argv, env = to_argv(opts, LANGUAGE)
-        children.append(Child("language", [*vlserve, "language", *argv, "--bootstrap", bootstrap], env))
+        children.append(Child("language", [*vlserve, "language", *argv, *meet], env))
         return children
     if d.num_prefill < 1 or d.num_decode < 1:
         raise InvalidInputError("E->P->D needs at least one of each: --num-prefill P --num-decode D")
     threads = _threads_each(d.num_encoders + d.num_prefill + d.num_decode)
-    for child in children[1:]:  # the encoders
+    for child in encoders:
         child.env.update(threads)
     argv, env = to_argv(opts, PREFILL)
     env = {**env, **threads}
     for i in range(d.num_prefill):
         ports = ["--host", "127.0.0.1", "--port", str(free_port()), "--data-port", str(free_port())]
         children.append(Child(f"prefill-{i}", [*vlserve, "prefill", *_without(argv, "--host", "--port"), *ports,
-                                               "--bootstrap", bootstrap], env))
+                                               *meet], env))
     argv, env = to_argv(opts, DECODE)
     env = {**env, **threads}
     for i in range(d.num_decode):  # the first on the user's port, the others on the ports after it
         port = ["--port", str(opts.server.port + i)]
         children.append(Child(f"decode-{i}", [*vlserve, "decode", *_without(argv, "--port"), *port,
-                                              "--bootstrap", bootstrap], env))
+                                              *meet], env))
     return children
 
 
@@ -225,8 +230,9 @@ def run_roles(opts: Options, log_level: str) -> int:
     children = plan_children(opts, log_level)
     d = opts.disagg
     api = f"{d.num_prefill} prefill and {d.num_decode} decode instance(s)" if d.num_decode else "a language server"
-    logger.info("starting a bootstrap, %d encoder(s) and %s on %s:%d (Ctrl-C or SIGTERM stops all)",
-                d.num_encoders, api, opts.server.host, opts.server.port)
+    where = f"meeting in {d.registry}" if d.registry else "and a bootstrap registry"
+    logger.info("starting %d encoder(s) and %s %s, on %s:%d (Ctrl-C or SIGTERM stops all)",
+                d.num_encoders, api, where, opts.server.host, opts.server.port)
     fd, state = tempfile.mkstemp(prefix="vlserve-deployment-", suffix=".state")
     os.close(fd)
     return Supervisor(children, state).run()

@@ -29,7 +29,8 @@ from vlserve.core.prompt import ProcessedPrompt, media_kinds_needed
 from vlserve.core.sampling_params import SamplingParams
 from vlserve.core.wire import Framer
 from vlserve.disagg.auth import PeerAuth, require_secret_off_loopback
-from vlserve.disagg.bootstrap import BootstrapClient, InstanceInfo
+from vlserve.disagg.registries import open_registry
+from vlserve.disagg.registry import InstanceInfo, reachable_host, registry_target
 from vlserve.disagg.messages import (
     AbortTransfer,
     TransferRequest,
@@ -46,7 +47,7 @@ from vlserve.disagg.metrics import TransferMetrics
 from vlserve.disagg.peer_kinds import ENCODER_PEERS, PeerKind, rendezvous_score
 from vlserve.disagg.transports import TRANSPORTS
 from vlserve.disagg.received import ReceivedChunks
-from vlserve.disagg.transports.base import chunk_num_rows, in_thread, reachable_host
+from vlserve.disagg.transports.base import chunk_num_rows, in_thread
 from vlserve.frontend.config import FrontendConfig
 from vlserve.engine.prompt_check import check_prompt
 from vlserve.engine.transfer_buffers import TransferBuffers
@@ -77,21 +78,21 @@ class PeerConn:
 
 class PeerClient:
     def __init__(self, cfg: FrontendConfig, buffers: TransferBuffers, metrics: TransferMetrics, opts: DisaggArgs,
-                 self_info: InstanceInfo, kind: PeerKind = ENCODER_PEERS):
+                 self_info: InstanceInfo, kind: PeerKind = ENCODER_PEERS, model: str = ""):
+        """`self_info`: how this server registers, its addresses already the ones peers reach it by; `model`: the
+        model as the roles name it (the registry's default namespace)."""
         self.cfg, self.buffers, self.metrics, self.opts, self.kind = cfg, buffers, metrics, opts, kind
-        registry_host = opts.bootstrap.rsplit(":", 1)[0]
         self.transport = TRANSPORTS[opts.transfer_backend](
-            reachable_host(self_info.http_address.rsplit(":", 1)[0], toward=registry_host))
+            reachable_host(self_info.http_address.rsplit(":", 1)[0], toward=registry_target(opts).host))
         self.target = self.transport.target(buffers)  # how peers reach our receive buffers, sent with each request
         self.requests, self.replies = Framer(ReceiverToSender), Framer(SenderToReceiver)
         self.ctx = zmq.asyncio.Context.instance()
         self.conns: dict[str, PeerConn] = {}
         self.dropped: dict[str, float] = {}  # peer id -> until when it stays dropped
         self.auth = PeerAuth(opts.disagg_secret)
-        require_secret_off_loopback(self.auth, opts.bootstrap.rsplit(":", 1)[0], "this server's registry")
-        self.bootstrap = BootstrapClient(opts.bootstrap, self_info, opts.heartbeat_interval,
-                                         load_fn=lambda: sum(e.in_flight for e in self.conns.values()),
-                                         auth=self.auth)
+        require_secret_off_loopback(self.auth, registry_target(opts).host, "this server's registry")
+        self.registry = open_registry(opts, self_info, model,
+                                      load_fn=lambda: sum(e.in_flight for e in self.conns.values()), auth=self.auth)
         self._ids = itertools.count()
         self.quarantined: dict[tuple[str, int], tuple[list[int], float]] = {}  # blocks a peer may still write
         self._tasks: list[asyncio.Task] = []
@@ -99,7 +100,7 @@ class PeerClient:
         self._peer_paired = asyncio.Event()
 
     async def start(self) -> None:
-        await self.bootstrap.start()
+        await self.registry.start()
         await self._refresh()
         self._tasks = [asyncio.create_task(self._refresh_loop()), asyncio.create_task(self._ping_loop())]
 
@@ -108,7 +109,7 @@ class PeerClient:
             t.cancel()
         for peer in list(self.conns.values()):
             self._drop(peer, "shutting down", quiet=True)
-        await self.bootstrap.stop()
+        await self.registry.stop()
         self.transport.close()
 
     @property
@@ -119,14 +120,15 @@ class PeerClient:
     async def _refresh_loop(self) -> None:
         listing_failed = False
         while True:
-            await asyncio.sleep(self.opts.heartbeat_interval)
+            # A registry with a watch (etcd) wakes this at once on a join; the bootstrap one after the interval.
+            await self.registry.wait_for_change(self.opts.heartbeat_interval)
             now = time.monotonic()
             for key in [k for k, (_, until) in self.quarantined.items() if until < now]:
                 self.free(self.quarantined.pop(key)[0])  # no word from the peer: gone, or its writes timed out
             try:
                 await self._refresh()
             except Exception as e:  # noqa: BLE001 - the registry may be restarting; keep the peers we know
-                # Said once per outage: the bootstrap client already reports the registry's absence and return.
+                # Said once per outage: the registry client already reports the registry's absence and return.
                 (logger.debug if listing_failed else logger.warning)(
                     "could not list %s instances (keeping the %d known): %s", self.kind.role, len(self.conns), e)
                 listing_failed = True
@@ -137,7 +139,7 @@ class PeerClient:
         """The registry is for discovery only: a peer is dropped when it stops answering our pings, not
         when the registry loses sight of it (a slow heartbeat or a registry restart must not cut live work).
         A dropped peer stays out for a while: a dead one is still listed until the registry times it out."""
-        listed = {i.instance_id: i for i in await self.bootstrap.list_instances(self.kind.role)}
+        listed = {i.instance_id: i for i in await self.registry.list_instances(self.kind.role)}
         now = time.monotonic()
         self.dropped = {iid: until for iid, until in self.dropped.items() if now < until}
         for iid, info in listed.items():

@@ -30,7 +30,7 @@ from vlserve.disagg.metrics import ScrapeTimeGauges, TransferMetrics
 from vlserve.disagg.remote_encoder import remote_prompt_encoder
 from vlserve.disagg.sender import OutgoingTransfer, SenderService, every_token_rows
 from vlserve.disagg.transports import TRANSPORTS
-from vlserve.disagg.transports.base import reachable_host
+from vlserve.disagg.registry import advertised_host
 from vlserve.frontend.async_llm import AsyncLLM
 from vlserve.frontend.metrics import CONTENT_TYPE
 
@@ -44,7 +44,7 @@ class PrefillService(SenderService):
         require_secret_off_loopback(auth, host, "this prefill instance")
         # Its own sender, beside the receiver the engine's peer client (toward encoders) has: a NIXL agent is not
         # safe to drive from a sending thread while the receiving side pumps it.
-        transport = TRANSPORTS[d.transfer_backend](reachable_host(host, toward=d.bootstrap.rsplit(":", 1)[0]))
+        transport = TRANSPORTS[d.transfer_backend](advertised_host(d, host))
         self._setup(host, d.data_port or opts.server.port + 1, auth, transport,
                     TransferMetrics(engine.metrics.registry, None, PREFILL, "kv"), d.transfer_timeout,
                     d.transfer_failure_prob)
@@ -121,8 +121,9 @@ async def run_prefill(opts: Options, log_level: str) -> int:
     host, port = opts.server.host, opts.server.port
     data_port = opts.disagg.data_port or port + 1
     with SigtermStop() as sigterm:
-        encoder = remote_prompt_encoder(opts.disagg, f"{host}:{port}", PREFILL,
-                                        data_address=f"{host}:{data_port}")
+        public = advertised_host(opts.disagg, host)
+        encoder = remote_prompt_encoder(opts.disagg, f"{public}:{port}", opts.engine.model, PREFILL,
+                                        data_address=f"{public}:{data_port}")
         engine = AsyncLLM(opts.engine, opts.engine.model, media_threads=opts.server.media_threads,
                           log_requests=False, log_level=log_level,
                           heartbeat_timeout=opts.server.engine_heartbeat_timeout, prompt_encoder=encoder,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from vlserve.core.config import DisaggArgs
 from vlserve.core.errors import InvalidInputError
-from vlserve.disagg.bootstrap import InstanceInfo, new_instance_id
+from vlserve.disagg.registry import InstanceInfo, new_instance_id
 from vlserve.disagg.peer_client import PeerClient
 from vlserve.disagg.peer_kinds import ENCODER_PEERS, PREFILL_PEERS, PeerKind
 from vlserve.disagg.metrics import TransferMetrics
@@ -27,8 +27,10 @@ def _has_urls(media: dict) -> bool:
 
 
 class RemotePromptEncoder:
-    def __init__(self, engine, opts: DisaggArgs, info: InstanceInfo, kind: PeerKind = ENCODER_PEERS):
-        """`info`: how this server registers (its role and the address peers reach it by)."""
+    def __init__(self, engine, opts: DisaggArgs, info: InstanceInfo, kind: PeerKind = ENCODER_PEERS,
+                 model: str = ""):
+        """`info`: how this server registers (its role and the address peers reach it by); `model`: the model as
+        the roles name it (the registry's default namespace)."""
         self.cfg, self.kind = engine.cfg, kind
         self.local = LocalPromptEncoder(engine.input_processor, {}, engine.executor)  # text and embeddings
         width = self.cfg.model.kv_row_width if kind.rows_for_every_token else self.cfg.model.embedding_width
@@ -36,7 +38,7 @@ class RemotePromptEncoder:
                                                        self.cfg.dtype)
         payload = "kv" if kind.rows_for_every_token else "embedding"  # (metric names kept as they were)
         metrics = TransferMetrics(engine.metrics.registry, self.transfer_buffers, info.role, payload)
-        self.client = PeerClient(self.cfg, self.transfer_buffers, metrics, opts, info, kind)
+        self.client = PeerClient(self.cfg, self.transfer_buffers, metrics, opts, info, kind, model=model)
         engine.metrics.registry.register(_PeerGauge(self.client))
         self.started = False
 
@@ -90,12 +92,13 @@ class RemotePromptEncoder:
         return EncodedPrompt(processed, lambda: self.client.free(blocks), handoff)
 
 
-def remote_prompt_encoder(opts: DisaggArgs, http_address: str, role: str = "language", data_address: str = ""):
+def remote_prompt_encoder(opts: DisaggArgs, http_address: str, model: str, role: str = "language",
+                          data_address: str = ""):
     """A language server's (role "language"), a prefill instance's ("prefill": it registers its data address,
     where decode instances reach it) or a decode instance's ("decode": its peers are prefill instances)."""
     def build(engine) -> RemotePromptEncoder:
         info = InstanceInfo(new_instance_id(), role, data_address or http_address, http_address)
-        return RemotePromptEncoder(engine, opts, info, PREFILL_PEERS if role == "decode" else ENCODER_PEERS)
+        return RemotePromptEncoder(engine, opts, info, PREFILL_PEERS if role == "decode" else ENCODER_PEERS, model)
     return build
 
 

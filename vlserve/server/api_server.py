@@ -48,9 +48,11 @@ def make_engine(opts: Options, log_level: str = "INFO", role: str = SERVE) -> As
     `role`: "serve" (media handled here), or "language" / "decode", whose prompts are worked on by peers."""
     server = opts.server
     if role in DISAGG_ROLES:
+        from vlserve.disagg.registry import advertised_host
         from vlserve.disagg.remote_encoder import remote_prompt_encoder
 
-        encoder = remote_prompt_encoder(opts.disagg, f"{server.host}:{server.port}", role)
+        public = advertised_host(opts.disagg, server.host)
+        encoder = remote_prompt_encoder(opts.disagg, f"{public}:{server.port}", opts.engine.model, role)
     else:
         encoder = local_prompt_encoder(server)
     template = load_chat_template(server.chat_template) if server.chat_template is not None else None

@@ -118,23 +118,6 @@ async def in_thread(fn, *args):
     return await finish(asyncio.get_running_loop().run_in_executor(None, fn, *args))
 
 
-def reachable_host(host: str, toward: str | None = None) -> str:
-    """The address peers reach this host by. A wildcard bind address names no host: then the address of the
-    interface that routes to `toward` (the registry, which every peer reaches too), else the host name's."""
-    if host not in ("", "0.0.0.0", "::"):
-        return host
-    import socket
-
-    if toward:
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-                probe.connect((toward, 9))  # UDP: picks the route, sends nothing
-                return probe.getsockname()[0]
-        except OSError:
-            pass
-    return socket.gethostbyname(socket.gethostname())
-
-
 def check_target(target: TransferTarget | None, backend: str) -> TransferTarget:
     if target is None or target.backend != backend:
         have = "frames (zmq)" if target is None else target.backend
