@@ -20,12 +20,16 @@ from collections.abc import Awaitable, Callable
 
 import msgspec
 
-from vlserve.disagg.etcd_client import EtcdClient, EtcdError, EtcdUnavailable, WatchCompacted
+from vlserve.core.errors import ConfigurationError
+from vlserve.disagg.etcd_client import EtcdClient, EtcdError, WatchCompacted
 from vlserve.disagg.registry import ROLES, InstanceInfo, Outage, Registry
 
 log = logging.getLogger("vlserve.disagg.registry")
 
 LEASE_NOT_FOUND = 5  # gRPC NotFound: the lease a put names is gone
+# gRPC InvalidArgument (etcd: bad user or password), PermissionDenied, Unauthenticated: no retry helps. Anything
+# else (unreachable, no leader yet, too many requests) is waited out.
+REFUSED = frozenset({3, 7, 16})
 
 
 class EtcdRegistry(Registry):
@@ -77,7 +81,11 @@ class EtcdRegistry(Registry):
             try:
                 await self._register()
                 break
-            except EtcdUnavailable as e:
+            except EtcdError as e:
+                if e.code in REFUSED:  # a restart would be refused the same way: the operator must act
+                    raise ConfigurationError(f"etcd at {self.client.endpoint} refused to register this instance: "
+                                             f"{e} (check --registry-user / VLSERVE_REGISTRY_PASSWORD and the "
+                                             "user's permissions on /vlserve/)") from None
                 await self._sleep(self.outage.failed(e))
         self._tasks = [asyncio.create_task(self._keepalive_loop(), name="etcd-keepalive"),
                        asyncio.create_task(self._watch_loop(), name="etcd-watch")]
