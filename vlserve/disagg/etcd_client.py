@@ -26,6 +26,9 @@ from vlserve.core.errors import InvalidInputError
 log = logging.getLogger("vlserve.disagg.etcd")
 
 UNAUTHENTICATED = 16  # gRPC status code of an expired or invalid auth token
+# A refused client certificate can surface as a bare SSLError on the first read (TLS 1.3 sends the alert after
+# the handshake), which httpx does not wrap.
+CONNECTION_ERRORS = (httpx.TransportError, ssl.SSLError)
 
 
 class EtcdError(Exception):
@@ -143,7 +146,7 @@ class EtcdClient:
                         raise
                     await self._authenticate(base)
                     result = _decode(await self._http.post(f"{base}{path}", json=body, headers=self._headers()))
-            except httpx.TransportError as e:
+            except CONNECTION_ERRORS as e:
                 last = e
                 self._token = None  # another member may not know this token
                 continue
@@ -223,7 +226,7 @@ class EtcdClient:
                     events = [_event(ev) for ev in result.get("events", [])]
                     if events:
                         yield events
-        except httpx.TransportError as e:
+        except CONNECTION_ERRORS as e:
             self._current = (self._current + 1) % len(self.endpoints)  # the next try goes elsewhere
             self._token = None
             raise EtcdUnavailable(f"etcd watch at {base} broke: {type(e).__name__}: {e}") from None

@@ -50,6 +50,7 @@ class EtcdRegistry(Registry):
         self._synced = False  # the view came from a listing (else list_instances asks etcd)
         self._changed = asyncio.Event()
         self._resync = asyncio.Event()  # the keep-alives were cut off: the watch may have missed events
+        self._etcd_back = asyncio.Event()  # the keep-alives got through again after an outage
         self._tasks: list[asyncio.Task] = []
         self.outage = Outage(f"etcd registry at {client.endpoint}", max(0.1, heartbeat_interval),
                              max(retry_max_delay, heartbeat_interval), remind_every, clock)
@@ -71,6 +72,7 @@ class EtcdRegistry(Registry):
         await self.client.put(self.key, msgspec.json.encode(self.info), self.lease)
         self._put_load = self.info.load
         self.registrations += 1
+        self._etcd_back.set()
         log.info("registered %s (%s, %s) in etcd at %s under %s (lease TTL %ds)%s", self.info.instance_id,
                  self.info.role, self.info.address, self.client.endpoint, self.prefix, granted, self.outage.ended())
 
@@ -132,6 +134,7 @@ class EtcdRegistry(Registry):
         outage = self.outage.ended()
         if outage:
             log.info("keep-alives to etcd at %s resumed%s", self.client.endpoint, outage)
+            self._etcd_back.set()
 
     # ---- membership --------------------------------------------------------------------------------------------
     def _decode(self, key: str, value: bytes) -> InstanceInfo | None:
@@ -184,10 +187,21 @@ class EtcdRegistry(Registry):
             except WatchCompacted as e:
                 log.info("etcd watch: %s; listing again", e)
             except EtcdError as e:
-                await self._sleep(self._watch_outage.failed(e))
+                # While the keep-alives already report etcd's absence, the watch retries quietly.
+                silent = self.outage.since is not None
+                await self._pause(self._watch_outage.backoff.next() if silent else self._watch_outage.failed(e))
             except Exception:
                 log.exception("unexpected etcd watch error")
-                await self._sleep(self.heartbeat_interval)
+                await self._pause(self.heartbeat_interval)
+
+    async def _pause(self, delay: float) -> None:
+        """The watch's backoff, cut short when the keep-alives find etcd back (a long outage must not leave the
+        view stale for the length of the last backoff step)."""
+        try:
+            await asyncio.wait_for(self._etcd_back.wait(), delay)
+        except asyncio.TimeoutError:
+            pass
+        self._etcd_back.clear()
 
     async def _follow(self, stream) -> None:
         """Applies the stream's batches until it ends or a resync is asked for (then lists again: events may
