@@ -101,10 +101,13 @@ def test_instances_see_joins_and_leaves_through_the_watch(etcd):  # noqa: F811
         await a.start()
         await other_model.start()
         assert await _ids(a) == {a.info.instance_id}  # another model's encoder is not ours
+        await a.wait_for_change(0.3)  # takes the news of a's own listing (and another model's join: no news)
         t0 = time.monotonic()
         await b.start()
         await a.wait_for_change(5.0)  # the watch wakes it: no polling interval to wait out
         assert time.monotonic() - t0 < 1.5
+        # The view is only ever updated by the watch: b listed means the watch delivered it.
+        await _until(lambda: _has(a, b.info.instance_id), 1.0, "b listed")
         assert await _ids(a, "encode") == {b.info.instance_id}
         load["n"] = 7  # the load is put again with the next keep-alive
         await _until(lambda: _load_of(a, b.info.instance_id, 7), 3.0, "the new load listed")
