@@ -41,29 +41,33 @@ def picture_chat(*seeds: int, text: str = "What is this?") -> list[dict]:
 class Cluster:
     """A bootstrap, encoder "A" (or the given `encoders`, name -> their own flags) and the given language servers,
     all with the same shared secret. With `prefills` (E->P->D): those prefill instances, and the "languages" are
-    decode instances (but those `roles` names otherwise)."""
+    decode instances (but those `roles` names otherwise). With `registry` (a --registry URL, e.g. etcd://...) the
+    roles meet there and no bootstrap is started."""
 
     def __init__(self, ckpt, languages: dict[str, list[str]], encoder_env: dict | None = None,
                  limits: str = "image=4", backend: str = "zmq", prefills: dict[str, list[str]] | None = None,
                  extra: tuple[str, ...] = (), encoders: dict[str, tuple[str, ...]] | None = None,
-                 roles: dict[str, str] | None = None):
+                 roles: dict[str, str] | None = None, registry: str | None = None):
         self.ckpt, self.encoder_env = ckpt, {"VLSERVE_DISAGG_SECRET": SECRET, **(encoder_env or {})}
         self.env = {"VLSERVE_DISAGG_SECRET": SECRET}
         self.backend = backend
         port = free_port()
-        self.bootstrap_url = f"127.0.0.1:{port}"
+        self.bootstrap_url = None if registry else f"127.0.0.1:{port}"
         self.procs: list[RoleProcess] = []
         self.encoders: dict[str, RoleProcess] = {}
         self.prefills: dict[str, RoleProcess] = {}
         self.languages: dict[str, RoleProcess] = {}
         self.role = "decode" if prefills else "language"
         try:
-            self.procs.append(RoleProcess("bootstrap", ["bootstrap", "--port", str(port), "--heartbeat-interval", HB,
-                                                        "--heartbeat-failure-threshold", THRESHOLD],
-                                          f"http://{self.bootstrap_url}/health", env=self.env))
-            self.common = ["--model", str(ckpt), "--dtype", "float32", "--limit-mm-per-prompt", limits,
-                           "--bootstrap", self.bootstrap_url, "--heartbeat-interval", HB,
-                           "--transfer-backend", backend, *extra]
+            if registry:  # an outside registry (etcd://...): the roles meet there, no bootstrap process
+                meet = ["--registry", registry]
+            else:
+                meet = ["--bootstrap", self.bootstrap_url]
+                self.procs.append(RoleProcess("bootstrap", ["bootstrap", "--port", str(port), "--heartbeat-interval",
+                                                            HB, "--heartbeat-failure-threshold", THRESHOLD],
+                                              f"http://{self.bootstrap_url}/health", env=self.env))
+            self.common = ["--model", str(ckpt), "--dtype", "float32", "--limit-mm-per-prompt", limits, *meet,
+                           "--heartbeat-interval", HB, "--transfer-backend", backend, *extra]
             for name, args in (encoders or {"A": ()}).items():
                 self.start_encoder(name, wait=False, args=args)
             for name, args in (prefills or {}).items():

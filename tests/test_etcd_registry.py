@@ -31,10 +31,10 @@ TTL = 2  # seconds: etcd's smallest lease (it grants at least this)
 
 
 def _registry(server: EtcdServer, role: str = "encode", namespace: str = "m", creds=None, load_fn=None,
-              endpoints=None) -> EtcdRegistry:
+              endpoints=None, heartbeat_interval: float = 0.3) -> EtcdRegistry:
     info = InstanceInfo(new_instance_id(), role, f"10.0.0.{hash(role) % 200}:5555")
     client = EtcdClient(endpoints or [server.endpoint], creds)
-    return EtcdRegistry(client, info, namespace, TTL, heartbeat_interval=0.3, load_fn=load_fn)
+    return EtcdRegistry(client, info, namespace, TTL, heartbeat_interval=heartbeat_interval, load_fn=load_fn)
 
 
 async def _until(predicate, timeout: float, what: str) -> float:
@@ -160,6 +160,27 @@ def test_etcd_restarted_on_its_data_dir_keeps_everyone_and_the_watch_resumes(etc
         await asyncio.sleep(TTL + 0.5)  # and nobody's lease ran out meanwhile
         assert await _ids(a) == {a.info.instance_id, b.info.instance_id, late.info.instance_id}
         for r in (a, b, late):
+            await r.stop()
+    asyncio.run(main())
+
+
+@needs_etcd
+def test_the_watch_is_back_when_the_keepalives_are_not_after_its_backoff(etcd):  # noqa: F811
+    """A watch broken by an outage retries with a backoff that grows with it (here it starts at 10 s: the
+    heartbeat interval); once etcd is back and the keep-alives (every TTL/3) get through, it retries at once, so a
+    join right after the restart is seen in seconds, not after the backoff."""
+    async def main():
+        a = _registry(etcd, "language", heartbeat_interval=10.0)
+        await a.start()
+        await _until(lambda: _has(a, a.info.instance_id), 2.0, "a listed")
+        await asyncio.sleep(0.3)  # its watch is up
+        etcd.kill()  # the watch breaks now and waits 10 s before its next try
+        await asyncio.sleep(0.5)
+        etcd.start()
+        late = _registry(etcd, "encode")
+        await late.start()
+        await _until(lambda: _has(a, late.info.instance_id), 4.0, "a join after the restart seen")
+        for r in (a, late):
             await r.stop()
     asyncio.run(main())
 

@@ -22,6 +22,7 @@ FILE_TIERS = {
     "test_detokenizer.py": "unit",
     "test_disagg_auth.py": "unit",
     "test_disagg_bootstrap.py": "unit",
+    "test_etcd_cluster.py": "multiprocess",
     "test_etcd_registry.py": "multiprocess",
     "test_hostile_peers.py": "unit",
     "test_audio_input.py": "unit",

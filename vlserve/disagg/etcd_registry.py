@@ -50,7 +50,7 @@ class EtcdRegistry(Registry):
         self._synced = False  # the view came from a listing (else list_instances asks etcd)
         self._changed = asyncio.Event()
         self._resync = asyncio.Event()  # the keep-alives were cut off: the watch may have missed events
-        self._etcd_back = asyncio.Event()  # the keep-alives got through again after an outage
+        self._reachable = asyncio.Event()  # the keep-alives got through again: a broken watch retries now
         self._tasks: list[asyncio.Task] = []
         self.outage = Outage(f"etcd registry at {client.endpoint}", max(0.1, heartbeat_interval),
                              max(retry_max_delay, heartbeat_interval), remind_every, clock)
@@ -72,7 +72,7 @@ class EtcdRegistry(Registry):
         await self.client.put(self.key, msgspec.json.encode(self.info), self.lease)
         self._put_load = self.info.load
         self.registrations += 1
-        self._etcd_back.set()
+        self._reachable.set()
         log.info("registered %s (%s, %s) in etcd at %s under %s (lease TTL %ds)%s", self.info.instance_id,
                  self.info.role, self.info.address, self.client.endpoint, self.prefix, granted, self.outage.ended())
 
@@ -134,7 +134,7 @@ class EtcdRegistry(Registry):
         outage = self.outage.ended()
         if outage:
             log.info("keep-alives to etcd at %s resumed%s", self.client.endpoint, outage)
-            self._etcd_back.set()
+            self._reachable.set()
 
     # ---- membership --------------------------------------------------------------------------------------------
     def _decode(self, key: str, value: bytes) -> InstanceInfo | None:
@@ -178,6 +178,7 @@ class EtcdRegistry(Registry):
             self._resync.clear()
             try:
                 revision = await self._list()
+                self._reachable.clear()  # watching again: an older "etcd is back" is news no more
                 outage = self._watch_outage.ended()
                 if outage:
                     log.info("etcd watch at %s resumed%s", self.client.endpoint, outage)
@@ -189,19 +190,22 @@ class EtcdRegistry(Registry):
             except EtcdError as e:
                 # While the keep-alives already report etcd's absence, the watch retries quietly.
                 silent = self.outage.since is not None
-                await self._pause(self._watch_outage.backoff.next() if silent else self._watch_outage.failed(e))
+                await self._retry_after(self._watch_outage.backoff.next() if silent else self._watch_outage.failed(e))
             except Exception:
                 log.exception("unexpected etcd watch error")
-                await self._pause(self.heartbeat_interval)
+                await self._retry_after(self.heartbeat_interval)
 
-    async def _pause(self, delay: float) -> None:
-        """The watch's backoff, cut short when the keep-alives find etcd back (a long outage must not leave the
-        view stale for the length of the last backoff step)."""
+    async def _retry_after(self, delay: float) -> None:
+        """The watch's backoff, cut short once when the keep-alives get through again: after a long outage the
+        backoff has grown (up to retry_max_delay), and joins and leaves would go unseen that long after etcd is
+        back."""
+        sleep, back = asyncio.ensure_future(self._sleep(delay)), asyncio.ensure_future(self._reachable.wait())
         try:
-            await asyncio.wait_for(self._etcd_back.wait(), delay)
-        except asyncio.TimeoutError:
-            pass
-        self._etcd_back.clear()
+            await asyncio.wait({sleep, back}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            sleep.cancel()
+            back.cancel()
+        self._reachable.clear()
 
     async def _follow(self, stream) -> None:
         """Applies the stream's batches until it ends or a resync is asked for (then lists again: events may
