@@ -75,6 +75,7 @@ FILE_TIERS = {
     "test_audio_disagg.py": "multiprocess",
     "test_llava_serving.py": "multiprocess",
     "test_engine_process.py": "multiprocess",
+    "test_kv_events_process.py": "multiprocess",
     "test_prompt_ownership.py": "multiprocess",
     "test_process_hygiene.py": "multiprocess",
     "test_readiness.py": "multiprocess",
