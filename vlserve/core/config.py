@@ -99,6 +99,10 @@ class EngineArgs:
     num_kv_blocks: int | None = option(None, "KV cache size in blocks (overrides --kv-cache-memory-gb)", LM_ROLES)
     enable_prefix_caching: bool = option(True, "turn off automatic prefix caching", LM_ROLES,
                                          flag="--disable-prefix-caching", negate=True)
+    kv_events_endpoint: str | None = option(
+        None, "publish KV cache events (prefix-cache blocks stored and evicted, by block hash) on a ZeroMQ PUB "
+        "socket bound here, for cache-aware routers: tcp://HOST:PORT (default: off)", {SERVE, LANGUAGE, DECODE},
+        metavar="tcp://HOST:PORT")
     encoder_cache_size: int = option(16384, "encoder cache capacity in embedding rows: a media token takes one, "
                                      "1 + levels with DeepStack features (Qwen3-VL) (0: no reuse across "
                                      "requests)", VISION_ROLES)
@@ -167,6 +171,13 @@ class EngineArgs:
         if self.towers is not None and (isinstance(self.towers, str) or not self.towers
                                         or not set(self.towers) <= set(TOWERS)):
             raise InvalidInputError(f"towers takes one or more of {', '.join(TOWERS)}, got {self.towers!r}")
+        if self.kv_events_endpoint is not None:
+            host, _, port = self.kv_events_endpoint.removeprefix("tcp://").rpartition(":")
+            if not self.kv_events_endpoint.startswith("tcp://") or not host or not (port.isdigit() or port == "*"):
+                raise InvalidInputError("kv_events_endpoint takes tcp://HOST:PORT (PORT * picks a free one), got "
+                                        f"{self.kv_events_endpoint!r}")
+        if self.kv_events_endpoint is not None and not self.enable_prefix_caching:
+            raise InvalidInputError("kv_events_endpoint publishes the prefix cache's events: it needs prefix caching")
         if self.model is None:
             raise InvalidInputError("no model given")
 

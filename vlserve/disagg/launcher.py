@@ -108,10 +108,13 @@ def plan_children(opts: Options, log_level: str) -> list[Child]:
                                                *meet], env))
     argv, env = to_argv(opts, DECODE)
     env = {**env, **threads}
-    for i in range(d.num_decode):  # the first on the user's port, the others on the ports after it
+    events = opts.engine.kv_events_endpoint
+    for i in range(d.num_decode):  # the first on the user's port, the others on the ports after it (events too)
         port = ["--port", str(opts.server.port + i)]
-        children.append(Child(f"decode-{i}", [*vlserve, "decode", *_without(argv, "--port"), *port,
-                                              *meet], env))
+        if events is not None:
+            port += ["--kv-events-endpoint", nth_endpoint(events, i)]
+        children.append(Child(f"decode-{i}", [*vlserve, "decode", *_without(argv, "--port", "--kv-events-endpoint"),
+                                              *port, *meet], env))
     return children
 
 
@@ -123,6 +126,12 @@ def _threads_each(model_roles: int) -> dict[str, str]:
         return {}
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return {"OMP_NUM_THREADS": str(max(1, cores // max(1, model_roles)))}
+
+
+def nth_endpoint(endpoint: str, i: int) -> str:
+    """tcp://HOST:PORT for the i-th of several instances: PORT + i (a `*` port stays: each binds a free one)."""
+    head, _, port = endpoint.rpartition(":")
+    return endpoint if port == "*" else f"{head}:{int(port) + i}"
 
 
 def _without(argv: list[str], *flags: str) -> list[str]:

@@ -8,6 +8,10 @@ prefix can take it back; the least recently freed block is reused first.
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vlserve.engine.kv_events import KVEventRecorder
 
 BlockKey = tuple  # (parent hash, token ids, extra keys): the exact content a block hash stands for
 
@@ -20,6 +24,7 @@ class BlockPool:
         self._hash_of: dict[int, bytes] = {}
         self._key_of: dict[int, BlockKey] = {}
         self._cached: dict[bytes, int] = {}
+        self.events: KVEventRecorder | None = None  # set when the engine publishes KV cache events
 
     @property
     def num_free(self) -> int:
@@ -69,12 +74,28 @@ class BlockPool:
         self._cached[block_hash] = block
         self._hash_of[block] = block_hash
         self._key_of[block] = key
+        if self.events is not None:
+            self.events.stored(block_hash, key[0])
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached hash; refused (False) while any block is in use, as its request may still
+        register or share it."""
+        if self.num_free != self.num_blocks:
+            return False
+        self._cached.clear()
+        self._hash_of.clear()
+        self._key_of.clear()
+        if self.events is not None:
+            self.events.cleared()
+        return True
 
     def _evict(self, b: int) -> None:
         h = self._hash_of.pop(b, None)
         if h is not None:
             del self._cached[h]
             del self._key_of[b]
+            if self.events is not None:
+                self.events.removed(h)
 
     def check_integrity(self) -> None:
         """Free exactly when unreferenced; the hash map and the per-block hashes agree."""

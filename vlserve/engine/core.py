@@ -20,6 +20,7 @@ from vlserve.core.sampling_params import SamplingParams, fan_out
 from vlserve.core.structured_outputs import GrammarLimits
 from vlserve.engine.config import VlserveConfig
 from vlserve.engine.kv_connector import ExportedKV, KVConnector, KVTransfer
+from vlserve.engine.kv_events import KVEventPublisher
 from vlserve.engine.model_runner import ModelRunner
 from vlserve.engine.executor import start_executor
 from vlserve.engine.model_shard import ModelShard
@@ -52,6 +53,11 @@ class EngineCore:
         self.runner = ModelRunner(cfg, executor, transfer, self.grammars)
         self.scheduler = Scheduler(cfg, connector)
         self.connector = connector
+        self.kv_events: KVEventPublisher | None = None
+        endpoint = cfg.args.kv_events_endpoint if cfg.args is not None else None
+        if endpoint is not None:
+            self.kv_events = KVEventPublisher(endpoint, cfg.block_size)
+            self.scheduler.kv.pool.events = self.kv_events.recorder
         if connector is not None:
             connector.bind(self.scheduler, self.runner, transfer)
         self._building: list[Request] = []  # requests whose grammar is being built
@@ -242,7 +248,21 @@ class EngineCore:
         self._left(o.request_id for o in outputs if o.finish_reason is not None)
         if self.connector is not None:
             self._exported += self.connector.after_step(outputs)
+        self.publish_kv_events()
         return arrived + outputs
+
+    def publish_kv_events(self) -> None:
+        """This step's prefix-cache changes as one batch; between steps, a keepalive batch when one is due, so
+        routers know an idle engine is still there."""
+        if self.kv_events is not None:
+            self.kv_events.flush()
+
+    def reset_prefix_cache(self) -> bool:
+        """Drops every cached prefix block (published as AllBlocksCleared); False while requests hold blocks."""
+        done = self.scheduler.kv.reset_prefix_cache()
+        if done and self.kv_events is not None:
+            self.kv_events.flush()
+        return done
 
     def take_encoder_seconds(self) -> list[tuple[str, float]]:
         """Vision-tower call durations since the last call (histogram samples for the metrics)."""
@@ -253,8 +273,10 @@ class EngineCore:
         self.runner.executor.check_alive()
 
     def shutdown(self) -> None:
-        """Stops the other tensor-parallel ranks, if any (a single-device engine has nothing to stop)."""
+        """Stops the other tensor-parallel ranks, if any, and closes the KV events socket."""
         self.runner.executor.shutdown()
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     def get_metrics(self) -> dict[str, float]:
         s = self.scheduler

@@ -83,6 +83,8 @@ class EngineCoreLoop:
                 logger.warning("front-end process is gone; engine core exits")
                 return
             outputs = self.core.step() if self.core.has_unfinished else []
+            if not busy:
+                self.core.publish_kv_events()  # keepalive of an idle engine (a busy one publishes each step)
             self.rejected += [RequestRejected(rid, why, status) for rid, why, status in self.core.take_failed()]
             self.progress.steps += 1
             if outputs or self.rejected or busy or self.core.has_released:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from vlserve.core.request import Request
-from vlserve.engine.block_hash import update_block_hashes
+from vlserve.core.block_hash import update_block_hashes
 from vlserve.engine.block_pool import BlockPool
 
 
@@ -70,6 +70,10 @@ class KVCacheManager:
         for i in range(req.num_cached_blocks, num_full):
             self.pool.cache(req.block_ids[i], req.block_hashes[i], req.block_keys[i])
         req.num_cached_blocks = num_full
+
+    def reset_prefix_cache(self) -> bool:
+        """Drops every cached block hash; False (nothing dropped) while a request holds blocks."""
+        return self.pool.reset_prefix_cache()
 
     def free(self, req: Request) -> None:
         self.pool.free(req.block_ids)
