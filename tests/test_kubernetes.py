@@ -376,6 +376,17 @@ def test_references_resolve(variant):
         assert set(pvc["spec"]["accessModes"]) <= {"ReadOnlyMany", "ReadWriteMany"}, "every role pod mounts it"
 
 
+@pytest.mark.parametrize("name", ["secret.example.yaml", "models-loader.yaml"])
+def test_files_applied_by_hand_pass_kubernetes_schemas(name):
+    docs = [d for d in yaml.safe_load_all((KUBE / name).read_text()) if d]
+    assert docs
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    if name == "models-loader.yaml":  # it writes where the roles read
+        claim = docs[0]["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"]
+        assert claim == yaml.safe_load((KUBE / "base" / "models-pvc.yaml").read_text())["metadata"]["name"]
+
+
 def test_unchanged_secret_example_never_works(monkeypatch):
     """secret.example.yaml ships no usable secret: applied as it is, every role refuses to listen off loopback."""
     from vlserve.core.errors import InvalidInputError
