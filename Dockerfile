@@ -2,7 +2,8 @@
 # The image deploy/kubernetes/ runs (ENTRYPOINT vlserve; the role is the first argument):
 #   docker build -t vlserve:latest .                              # CPU
 #   docker build --build-arg VARIANT=cuda -t vlserve:cuda .       # CUDA (components/gpu uses this tag)
-# CUDA_INDEX picks torch's CUDA build; it must suit the nodes' driver.
+# CUDA_INDEX picks torch's CUDA build; it must suit the nodes' driver. BuildKit (docker's default builder) builds
+# only the base the VARIANT names.
 ARG VARIANT=cpu
 ARG CPU_INDEX=https://download.pytorch.org/whl/cpu
 ARG CUDA_INDEX=https://download.pytorch.org/whl/cu128
