@@ -30,6 +30,11 @@ $(STAMP): pyproject.toml
 		{ apt-get install -y -qq --no-install-recommends etcd-server >/dev/null 2>&1 || \
 		  { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq --no-install-recommends etcd-server >/dev/null; }; }; } || \
 		echo "etcd missing: the etcd registry tests will skip (apt-get install etcd-server)"
+	@# tests/test_kubernetes.py renders deploy/kubernetes with kubectl's kustomize v5 (kubectl >= 1.27) and skips
+	@# without it. Nothing is installed: the only packaged one, Debian's kubernetes-client, is kubectl 1.20, whose
+	@# kustomize is too old for these manifests (and for applying them).
+	@command -v kubectl >/dev/null || \
+		echo "kubectl missing: tests/test_kubernetes.py will skip its rendering tests (install kubectl >= 1.27)"
 	touch $(STAMP)
 
 # Every test has one tier (tests/tiers.py; pyproject.toml registers them as markers), so a run can pick by cost:

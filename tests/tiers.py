@@ -24,6 +24,7 @@ FILE_TIERS = {
     "test_disagg_bootstrap.py": "unit",
     "test_etcd_cluster.py": "multiprocess",
     "test_etcd_registry.py": "multiprocess",
+    "test_kubernetes.py": "unit",
     "test_hostile_peers.py": "unit",
     "test_audio_input.py": "unit",
     "test_image_preprocessing.py": "unit",

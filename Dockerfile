@@ -1,0 +1,43 @@
+# syntax=docker/dockerfile:1
+# The image deploy/kubernetes/ runs (ENTRYPOINT vlserve; the role is the first argument):
+#   docker build -t vlserve:latest .                              # CPU
+#   docker build --build-arg VARIANT=cuda -t vlserve:cuda .       # CUDA (components/gpu uses this tag)
+# CUDA_INDEX picks torch's CUDA build; it must suit the nodes' driver. BuildKit (docker's default builder) builds
+# only the base the VARIANT names.
+ARG VARIANT=cpu
+ARG CPU_INDEX=https://download.pytorch.org/whl/cpu
+ARG CUDA_INDEX=https://download.pytorch.org/whl/cu128
+
+FROM python:3.11-slim-bookworm AS base-cpu
+# g++ stays: the CPU kernels are compiled below, and a server finds that build only beside the same compiler
+# (the build's cache key names it). libibverbs1: Mooncake's engine links it even over TCP.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ libibverbs1 \
+    && rm -rf /var/lib/apt/lists/*
+
+FROM nvidia/cuda:12.8.1-runtime-ubuntu24.04 AS base-cuda
+RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-venv libibverbs1 \
+    && rm -rf /var/lib/apt/lists/*
+
+FROM base-${VARIANT}
+ARG VARIANT
+ARG CPU_INDEX
+ARG CUDA_INDEX
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    VLSERVE_KERNEL_CACHE=/opt/vlserve/kernels
+RUN python3 -m venv /opt/venv && pip install --no-cache-dir --upgrade pip
+# torch first, from the index of the variant: the package's own pin would otherwise fetch PyPI's build.
+RUN if [ "$VARIANT" = cuda ]; then index="$CUDA_INDEX"; else index="$CPU_INDEX"; fi \
+    && pip install --no-cache-dir --index-url "$index" torch==2.13.0
+COPY pyproject.toml README.md /tmp/vlserve/
+COPY vlserve /tmp/vlserve/vlserve
+RUN pip install --no-cache-dir '/tmp/vlserve[disagg]' && rm -rf /tmp/vlserve
+RUN if [ "$VARIANT" = cpu ]; then \
+      python -m vlserve.model.kernels.cpu_kernels || echo "CPU kernels not built: the torch fallbacks will run"; \
+    fi
+RUN useradd --uid 10001 --user-group --create-home vlserve
+USER 10001
+WORKDIR /home/vlserve
+EXPOSE 8000 8100 8101 8200 8201
+ENTRYPOINT ["vlserve"]
+CMD ["--help"]
