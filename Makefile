@@ -30,6 +30,11 @@ $(STAMP): pyproject.toml
 		{ apt-get install -y -qq --no-install-recommends etcd-server >/dev/null 2>&1 || \
 		  { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq --no-install-recommends etcd-server >/dev/null; }; }; } || \
 		echo "etcd missing: the etcd registry tests will skip (apt-get install etcd-server)"
+	@# The playground's browser test drives the page in Debian's headless chromium; it skips where it cannot be installed.
+	@command -v chromedriver >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		{ apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null 2>&1 || \
+		  { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null; }; }; } || \
+		echo "chromium missing: the playground browser test will skip (apt-get install chromium chromium-driver)"
 	touch $(STAMP)
 
 # Every test has one tier (tests/tiers.py; pyproject.toml registers them as markers), so a run can pick by cost:
