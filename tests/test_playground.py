@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import wave
 from html.parser import HTMLParser
 from pathlib import Path
 from types import SimpleNamespace
@@ -288,6 +289,35 @@ def test_no_playground_gives_404(role):
         client = TestClient(build_app(engine, server))
         for path in ("/", "/playground", "/playground/app.js", "/playground/config.json"):
             assert client.get(path).status_code == status, (flags, path)
+
+
+def test_drop_and_the_servers_error_message(servers, browser, picture, tmp_path):
+    """Files dropped on the page attach like picked ones; a part the model refuses (audio, for this vision model)
+    shows the server's own error message, and the message comes back to be fixed."""
+    server = servers["plain"]
+    open_page(browser, server.url + "/")
+    browser.find_element("id", "clear").click()
+    clip = tmp_path / "beep.wav"
+    with wave.open(str(clip), "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(16000), w.writeframes(b"\0\1" * 1600)
+    browser.execute_script("""
+        const dt = new DataTransfer();
+        for (const [name, type, b64] of arguments[0]) {
+          dt.items.add(new File([Uint8Array.from(atob(b64), (c) => c.charCodeAt(0))], name, {type}));
+        }
+        window.dispatchEvent(new DragEvent("drop", {dataTransfer: dt, bubbles: true, cancelable: true}));
+    """, [[p.name, t, base64.b64encode(p.read_bytes()).decode()] for p, t in ((picture, "image/png"),
+                                                                                (clip, "audio/wav"))])
+    wait(browser, "return document.querySelectorAll('#attachments li').length === 2", what="the dropped files")
+    fill(browser, "prompt", "What do you hear?")
+    browser.find_element("id", "send").click()
+    status, _ = answer(browser)
+    assert status == "error"
+    error = text_of(browser, "error")
+    assert error.startswith("400: ") and "not audio" in error and "input_audio" in error
+    assert browser.find_element("id", "prompt").get_attribute("value") == "What do you hear?"
+    assert browser.execute_script("return document.querySelectorAll('#attachments li').length") == 2
+    assert all("400 (Bad Request)" in e for e in console_errors(browser))
 
 
 def test_screenshots_desktop_and_phone(servers, browser, picture):

@@ -44,7 +44,7 @@ export function curlSnippet(body, names, baseUrl, withKey) {
 }
 
 // A JSON value as a Python literal (placeholders become expressions).
-function py(value, refs, indent = "") {
+function py(value, refs, indent = "", flat = false) {
   const inner = `${indent}    `;
   if (value === null) return "None";
   if (value === true) return "True";
@@ -56,6 +56,9 @@ function py(value, refs, indent = "") {
     return JSON.stringify(value);
   }
   if (typeof value === "number") return String(value);
+  if (flat) return pyFlat(value, refs);
+  const line = pyFlat(value, refs);
+  if (line.length + indent.length < 80) return line; // short objects on one line
   if (Array.isArray(value)) {
     if (!value.length) return "[]";
     return `[\n${value.map((v) => inner + py(v, refs, inner)).join(",\n")},\n${indent}]`;
@@ -63,6 +66,11 @@ function py(value, refs, indent = "") {
   const entries = Object.entries(value);
   if (!entries.length) return "{}";
   return `{\n${entries.map(([k, v]) => `${inner}${JSON.stringify(k)}: ${py(v, refs, inner)}`).join(",\n")},\n${indent}}`;
+}
+
+function pyFlat(value, refs) {
+  if (Array.isArray(value)) return `[${value.map((v) => py(v, refs, "", true)).join(", ")}]`;
+  return `{${Object.entries(value).map(([k, v]) => `${JSON.stringify(k)}: ${py(v, refs, "", true)}`).join(", ")}}`;
 }
 
 export function pythonSnippet(body, names, baseUrl, withKey) {
