@@ -35,6 +35,11 @@ $(STAMP): pyproject.toml
 	@# kustomize is too old for these manifests (and for applying them).
 	@command -v kubectl >/dev/null || \
 		echo "kubectl missing: tests/test_kubernetes.py will skip its rendering tests (install kubectl >= 1.27)"
+	@# The playground's browser test drives the page in Debian's headless chromium; it skips where it cannot be installed.
+	@command -v chromedriver >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		{ apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null 2>&1 || \
+		  { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null; }; }; } || \
+		echo "chromium missing: the playground browser test will skip (apt-get install chromium chromium-driver)"
 	touch $(STAMP)
 
 # Every test has one tier (tests/tiers.py; pyproject.toml registers them as markers), so a run can pick by cost:

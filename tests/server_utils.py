@@ -61,7 +61,10 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, name: str, re
 
 
 class RemoteServer:
-    def __init__(self, model: Path | str, *args: str, api_key: str | None = None, timeout: float = 180):
+    def __init__(self, model: Path | str, *args: str, api_key: str | None = None, timeout: float = 180,
+                 wait: bool = True):
+        """`wait=False`: returns once started; `wait_healthy()` then (several servers starting side by side, all
+        from this thread: a server dies with the thread that started it)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -71,9 +74,10 @@ class RemoteServer:
         self.log = tempfile.NamedTemporaryFile("w+", prefix="vlserve-server-", suffix=".log", delete=False)
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         self.proc = start_vlserve(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        self._wait_healthy(timeout)
+        if wait:
+            self.wait_healthy(timeout)
 
-    def _wait_healthy(self, timeout: float) -> None:
+    def wait_healthy(self, timeout: float = 180) -> None:
         try:
             wait_healthy(self.proc, self.url + "/health", timeout, "server", self.read_log)
         except RuntimeError:

@@ -80,6 +80,8 @@ FILE_TIERS = {
     "test_kv_events_process.py": "multiprocess",
     "test_prompt_ownership.py": "multiprocess",
     "test_process_hygiene.py": "multiprocess",
+    "test_playground.py": "multiprocess",
+    "test_stream_abort.py": "unit",
     "test_readiness.py": "multiprocess",
     "test_server_api.py": "multiprocess",
     "test_server_failures.py": "multiprocess",

@@ -237,6 +237,8 @@ class ServerArgs:
     engine_heartbeat_timeout: float = option(10.0, "seconds without an answer from the engine process before it "
                                              "counts as unresponsive (503 on /health and for waiting requests)",
                                              HTTP_ROLES | {PREFILL})
+    playground: bool = option(True, "do not serve the browser playground page (GET / and /playground; 404 then)",
+                              HTTP_ROLES, flag="--no-playground", negate=True)
 
 
     def media_bounds(self) -> dict:

@@ -27,6 +27,7 @@ from vlserve.frontend.prompt_encoder import LocalPromptEncoder
 from vlserve.frontend.tokenizer import load_chat_template
 from vlserve.server.errors import error_response, install_error_handlers, log_client_error
 from vlserve.server.listen import bind_socket
+from vlserve.server.playground.routes import add_playground, playground_config
 from vlserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from vlserve.server.serving_chat import OpenAIServingChat
 from vlserve.server.serving_completion import OpenAIServingCompletion
@@ -130,6 +131,8 @@ def build_app(engine: AsyncLLM, server: ServerArgs) -> FastAPI:
     async def version():
         return JSONResponse({"version": vlserve.__version__})
 
+    if server.playground:
+        add_playground(app, playground_config(server, engine.cfg.limit_mm_per_prompt))
     return app
 
 

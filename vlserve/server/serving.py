@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from vlserve.core.config import ServerArgs
@@ -39,6 +39,24 @@ def sse(data: dict | str) -> bytes:
 
 
 SSE_DONE = sse("[DONE]")
+
+
+class SSEResponse(StreamingResponse):
+    """A stream whose generator is closed when the response ends, however it ends: that aborts the request.
+
+    A client that leaves mid-stream cancels the sending task. If that lands inside the generator (waiting for the
+    engine), the generator unwinds itself; but if it lands while a chunk is being handed on (the generator is
+    parked at a `yield`), Starlette just drops the generator, and until the garbage collector finalizes it the
+    engine goes on generating for nobody, up to max_tokens. Closing it here makes the abort immediate."""
+
+    def __init__(self, content: AsyncIterator[bytes]):
+        super().__init__(content, media_type="text/event-stream")
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
 
 
 async def read_body(raw: HTTPRequest, limit: int, timeout: float = math.inf) -> bytes:

@@ -7,7 +7,6 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request as HTTPRequest
-from fastapi.responses import StreamingResponse
 
 from vlserve.core.errors import InvalidInputError
 from vlserve.core.outputs import CompletionOutput, RequestOutput
@@ -18,7 +17,7 @@ from vlserve.frontend.chat import parse_chat_messages
 from vlserve.frontend.tokenizer import render_chat
 from vlserve.frontend.tool_calls import ToolCallStream, extract_tool_calls
 from vlserve.server.protocol import ChatCompletionRequest
-from vlserve.server.serving import SSE_DONE, OpenAIServing, created, sse
+from vlserve.server.serving import SSE_DONE, OpenAIServing, SSEResponse, created, sse
 
 
 def chat_logprobs(c: CompletionOutput, start: int, top_k: int) -> dict | None:
@@ -69,8 +68,7 @@ class OpenAIServingChat(OpenAIServing):
             first = await self.until_done_or_disconnect(raw, outputs.__anext__())
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
-                return StreamingResponse(self._stream(request_id, first, outputs, include_usage, top_k or 0,
-                                                      parse_calls), media_type="text/event-stream")
+                return SSEResponse(self._stream(request_id, first, outputs, include_usage, top_k or 0, parse_calls))
             final = first if first.finished else await self.until_done_or_disconnect(raw, self.final_output(outputs))
         except BaseException:
             outputs.close()  # e.g. the client left just as an output arrived: nobody reads the rest

@@ -7,13 +7,12 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request as HTTPRequest
-from fastapi.responses import StreamingResponse
 
 from vlserve.core.errors import InvalidInputError
 from vlserve.core.outputs import CompletionOutput, RequestOutput
 from vlserve.core.structured_outputs import StructuredOutputsError
 from vlserve.server.protocol import CompletionRequest
-from vlserve.server.serving import SSE_DONE, OpenAIServing, created, sse
+from vlserve.server.serving import SSE_DONE, OpenAIServing, SSEResponse, created, sse
 
 
 def completion_logprobs(c: CompletionOutput, start: int, top_k: int, text_offset: int) -> dict | None:
@@ -61,8 +60,7 @@ class OpenAIServingCompletion(OpenAIServing):
             firsts = await self.until_done_or_disconnect(raw, self._first_outputs(gens))
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
-                return StreamingResponse(self._stream(request_id, firsts, gens, include_usage, top_k),
-                                         media_type="text/event-stream")
+                return SSEResponse(self._stream(request_id, firsts, gens, include_usage, top_k))
             finals = await self.until_done_or_disconnect(
                 raw, asyncio.gather(*(self._last(f, g) for f, g in zip(firsts, gens))))
         except BaseException:
