@@ -260,7 +260,8 @@ class _Engine(NS):
     def __init__(self, ready: bool):
         super().__init__(model_name="m", is_healthy=True, unhealthy_reason=None,
                          not_ready_reason=None if ready else "no peer is paired",
-                         metrics=NS(render=lambda: b"vlserve:num_requests_running 0\n"))
+                         metrics=NS(render=lambda: b"vlserve:num_requests_running 0\n"),
+                         cfg=NS(limit_mm_per_prompt={"image": 8}))  # (the playground's config reads it)
 
 
 def role_app(command: str, ready: bool):
