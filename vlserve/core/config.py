@@ -259,7 +259,8 @@ class DisaggArgs:
                             "--registry names another)", DISAGG_ROLES, metavar="HOST:PORT")
     registry: str | None = option(
         None, "where the roles meet instead of --bootstrap: etcd://HOST:PORT[,HOST:PORT...] (etcds:// for TLS), or "
-        "http://HOST:PORT of `vlserve bootstrap`; with serve --disagg no bootstrap is started", {SERVE} | DISAGG_ROLES,
+        "http://HOST:PORT of `vlserve bootstrap`; with serve --disagg no bootstrap is started; serve without "
+        "--disagg registers there as a replica for `vlserve router`", {SERVE} | DISAGG_ROLES,
         metavar="URL")
     registry_namespace: str | None = option(
         None, "etcd key prefix of this deployment (/vlserve/NAME/...); default: --model as given, so every role of "
@@ -276,7 +277,7 @@ class DisaggArgs:
                                       metavar="FILE")
     advertise_host: str | None = option(
         None, "the address peers reach this instance by (a pod IP, say); default: --host, or for a wildcard --host "
-        "the address of the interface toward the registry", DISAGG_ROLES, env="VLSERVE_ADVERTISE_HOST",
+        "the address of the interface toward the registry", {SERVE} | DISAGG_ROLES, env="VLSERVE_ADVERTISE_HOST",
         metavar="HOST")
     # Receive buffers, named by what they hold: media rows (from encoders: a language server, a prefill
     # instance) and KV rows (from prefill instances: a decode instance).

@@ -26,6 +26,7 @@ from vlserve.frontend.metrics import CONTENT_TYPE
 from vlserve.frontend.prompt_encoder import LocalPromptEncoder
 from vlserve.frontend.tokenizer import load_chat_template
 from vlserve.server.errors import error_response, install_error_handlers, log_client_error
+from vlserve.server.announce import announce_replica
 from vlserve.server.listen import bind_socket
 from vlserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from vlserve.server.serving_chat import OpenAIServingChat
@@ -48,11 +49,13 @@ def make_engine(opts: Options, log_level: str = "INFO", role: str = SERVE) -> As
     `role`: "serve" (media handled here), or "language" / "decode", whose prompts are worked on by peers."""
     server = opts.server
     if role in DISAGG_ROLES:
-        from vlserve.disagg.registry import advertised_host
+        from vlserve.disagg.registry import advertised_events_endpoint, advertised_host
         from vlserve.disagg.remote_encoder import remote_prompt_encoder
 
         public = advertised_host(opts.disagg, server.host)
-        encoder = remote_prompt_encoder(opts.disagg, f"{public}:{server.port}", opts.engine.model, role)
+        events = advertised_events_endpoint(opts.engine.kv_events_endpoint, public)
+        encoder = remote_prompt_encoder(opts.disagg, f"{public}:{server.port}", opts.engine.model, role,
+                                        kv_events=events)
     else:
         encoder = local_prompt_encoder(server)
     template = load_chat_template(server.chat_template) if server.chat_template is not None else None
@@ -152,6 +155,7 @@ async def serve(opts: Options, log_level: str = "INFO", role: str = SERVE, sock:
         with SigtermStop() as sigterm:
             engine = make_engine(opts, log_level, role)
             await engine.start()
+            announced = await announce_replica(opts, engine) if role == SERVE else None
             try:
                 config = uvicorn.Config(build_app(engine, server), log_level=log_level.lower(), access_log=False,
                                         timeout_graceful_shutdown=5, log_config=None,
@@ -164,6 +168,8 @@ async def serve(opts: Options, log_level: str = "INFO", role: str = SERVE, sock:
                 finally:
                     watch.cancel()
             finally:
+                if announced is not None:
+                    await finish(announced.stop())
                 await finish(engine.shutdown())
             return 1 if engine.core.dead_reason is not None else 0
         return 0  # stopped by SIGTERM during start-up
