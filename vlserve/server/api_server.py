@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import socket
 
@@ -25,7 +24,8 @@ from vlserve.media.fetch import MediaFetcher, MediaPolicy
 from vlserve.frontend.metrics import CONTENT_TYPE
 from vlserve.frontend.prompt_encoder import LocalPromptEncoder
 from vlserve.frontend.tokenizer import load_chat_template
-from vlserve.server.errors import error_response, install_error_handlers, log_client_error
+from vlserve.server.api_key import install_api_key_check
+from vlserve.server.errors import error_response, install_error_handlers
 from vlserve.server.announce import announce_replica
 from vlserve.server.listen import bind_socket
 from vlserve.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -33,7 +33,6 @@ from vlserve.server.serving_chat import OpenAIServingChat
 from vlserve.server.serving_completion import OpenAIServingCompletion
 
 logger = logging.getLogger("vlserve.server")
-DOC_PATHS = ("/docs", "/redoc", "/openapi.json")
 
 
 def local_prompt_encoder(server: ServerArgs):
@@ -85,15 +84,7 @@ def build_app(engine: AsyncLLM, server: ServerArgs) -> FastAPI:
                   redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
     install_error_handlers(app)
 
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        path = request.url.path
-        if server.api_key and (path.startswith("/v1") or path in DOC_PATHS):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {server.api_key}".encode()):
-                log_client_error(f"{request.method} {path}", 401, "invalid or missing API key")
-                return error_response("invalid or missing API key", 401)
-        return await call_next(request)
+    install_api_key_check(app, server.api_key)
 
     # Bodies are read and parsed by the handlers themselves: size limit first, strict JSON, off the event loop
     # when large. `openapi_extra` keeps the documented schema.
