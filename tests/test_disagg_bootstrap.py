@@ -77,7 +77,7 @@ def test_register_list_heartbeat_deregister():
             assert _ids(await c.get("/instances")) == ["e1", "l1"]
             info = (await c.get("/instances", params={"role": "encode"})).json()["instances"][0]
             assert info == {"instance_id": "e1", "role": "encode", "address": "10.0.0.1:5555",
-                            "http_address": "10.0.0.1:8001", "capacity": 4, "load": 0}
+                            "http_address": "10.0.0.1:8001", "capacity": 4, "load": 0, "kv_events": ""}
 
             r = await c.post("/heartbeat", json={"instance_id": "e1", "load": 3})
             assert r.status_code == 200

@@ -26,6 +26,7 @@ LAYERS = [
     {"vlserve.frontend"},
     {"vlserve.disagg"},
     {"vlserve.server"},
+    {"vlserve.router"},  # the OpenAI front of several replicas: the server's parsing, the registry, the index
     {"vlserve.cli", "vlserve"},
     {"vlserve.__main__"},
 ]

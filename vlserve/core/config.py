@@ -18,16 +18,18 @@ from vlserve.core.errors import InvalidInputError
 
 # Roles: processes a user starts. "serve" is the aggregated server (and the `--disagg` launcher), "language" and
 # "encode" the two halves of an E->PD deployment, "prefill" and "decode" the language half split in two (E->P->D),
-# "bootstrap" their registry, "demo" offline generation.
+# "bootstrap" their registry, "demo" offline generation, "router" the cache-aware front of several replicas.
 SERVE, LANGUAGE, ENCODE, BOOTSTRAP, DEMO = "serve", "language", "encode", "bootstrap", "demo"
-PREFILL, DECODE = "prefill", "decode"
-ROLES = (SERVE, LANGUAGE, ENCODE, PREFILL, DECODE, BOOTSTRAP, DEMO)
+PREFILL, DECODE, ROUTER = "prefill", "decode", "router"
+ROLES = (SERVE, LANGUAGE, ENCODE, PREFILL, DECODE, BOOTSTRAP, DEMO, ROUTER)
 LM_ROLES = frozenset({SERVE, LANGUAGE, PREFILL, DECODE, DEMO})  # roles that run the language model
 VISION_ROLES = frozenset({SERVE, ENCODE, DEMO})  # roles that run the vision tower
-HTTP_ROLES = frozenset({SERVE, LANGUAGE, DECODE})  # roles that answer the OpenAI API
+HTTP_ROLES = frozenset({SERVE, LANGUAGE, DECODE, ROUTER})  # roles that answer the OpenAI API
+ENGINE_HTTP_ROLES = HTTP_ROLES - {ROUTER}  # ... with an engine behind them
 DISAGG_ROLES = frozenset({LANGUAGE, ENCODE, PREFILL, DECODE})  # roles that meet through the registry
+REGISTRY_ROLES = DISAGG_ROLES | {ROUTER}  # roles that read the registry (a router finds replicas there)
 MODEL_ROLES = frozenset({SERVE, DEMO}) | DISAGG_ROLES  # roles that load (part of) the model
-MEDIA_ROLES = frozenset({SERVE, ENCODE})  # roles that fetch and decode media
+MEDIA_ROLES = frozenset({SERVE, ENCODE, ROUTER})  # roles that fetch and decode media (a router: to hash it)
 KV_ROLES = frozenset({PREFILL, DECODE})  # roles whose engine moves KV between instances (a KV connector)
 # Kinds a user does not name keep these. Audio: 4 clips of at most --max-audio-seconds (30 s) each, 3000 audio
 # tokens at 25 a second, less than one large picture may take.
@@ -77,7 +79,8 @@ def parse_limits(text: str) -> dict[str, int]:
 class EngineArgs:
     """The engine's options: `LLM(model, **engine_args)` takes these names, the CLI the same with dashes."""
 
-    model: str = option(None, "model folder or Hugging Face hub id", MODEL_ROLES)
+    model: str = option(None, "model folder or Hugging Face hub id (a router reads its tokenizer and processor "
+                        "config only)", MODEL_ROLES | {ROUTER})
     dtype: str = option("auto", "weights/activations dtype: auto (the checkpoint's where this device computes it "
                         "natively, else float32), float32, bfloat16, float16", MODEL_ROLES,
                         choices=("auto", "float32", "bfloat16", "float16"))
@@ -92,7 +95,7 @@ class EngineArgs:
     max_num_seqs: int = option(128, "most requests running at once", LM_ROLES)
     max_num_batched_tokens: int = option(2048, "token budget of one engine step (prefill chunks + decode tokens)",
                                          LM_ROLES)
-    block_size: int = option(16, "tokens per KV cache block", LM_ROLES)
+    block_size: int = option(16, "tokens per KV cache block (a router: the replicas')", LM_ROLES | {ROUTER})
     kv_cache_memory_gb: float | None = option(
         None, "KV cache size in GiB (default: as large as the weights, at least 0.25, at most half the free memory, "
         "never more than max_num_seqs x max_model_len need)", LM_ROLES)
@@ -110,7 +113,7 @@ class EngineArgs:
                                                "(also the largest item accepted)", VISION_ROLES)
     disable_chunked_mm_input: bool = option(False, "never split a picture's tokens across engine steps", LM_ROLES)
     limit_mm_per_prompt: dict[str, int] = option(
-        help="most media items per prompt, e.g. image=8,video=1,audio=4", roles=MODEL_ROLES,
+        help="most media items per prompt, e.g. image=8,video=1,audio=4", roles=MODEL_ROLES | {ROUTER},
         factory=lambda: dict(DEFAULT_MM_LIMITS), parse=parse_limits, metavar="KIND=N,...")
     max_video_frames: int = option(32, "most frames sampled from one video (a request may ask for fewer)",
                                    VISION_ROLES)
@@ -186,9 +189,9 @@ class EngineArgs:
 class ServerArgs:
     """HTTP front-end and media options."""
 
-    host: str = option("127.0.0.1", "address to listen on", {SERVE, BOOTSTRAP} | DISAGG_ROLES)
-    port: int = option(8000, "HTTP port", {SERVE, BOOTSTRAP} | DISAGG_ROLES,
-                       role_defaults={ENCODE: 8100, PREFILL: 8200, BOOTSTRAP: 8998})
+    host: str = option("127.0.0.1", "address to listen on", {SERVE, BOOTSTRAP} | REGISTRY_ROLES)
+    port: int = option(8000, "HTTP port", {SERVE, BOOTSTRAP} | REGISTRY_ROLES,
+                       role_defaults={ENCODE: 8100, PREFILL: 8200, BOOTSTRAP: 8998, ROUTER: 8080})
     served_model_name: str | None = option(None, "model name in the API (default: --model)", HTTP_ROLES)
     api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on /v1 routes", HTTP_ROLES,
                                  env="VLSERVE_API_KEY", secret=True)
@@ -212,9 +215,9 @@ class ServerArgs:
         "again while decoding (413 over it); never above the model's own window (30 s for Qwen2-Audio, 300 s for "
         "Qwen2.5-Omni)", MEDIA_ROLES)
     max_waiting_requests: int | None = option(None, "answer 503 when this many requests already wait (default: no "
-                                              "limit)", HTTP_ROLES)
-    media_threads: int = option(4, "threads that tokenize, decode and preprocess", {SERVE} | DISAGG_ROLES)
-    disable_log_requests: bool = option(False, "no info log line per request", HTTP_ROLES)
+                                              "limit)", ENGINE_HTTP_ROLES)
+    media_threads: int = option(4, "threads that tokenize, decode and preprocess", {SERVE} | REGISTRY_ROLES)
+    disable_log_requests: bool = option(False, "no info log line per request", ENGINE_HTTP_ROLES)
     max_request_bytes: int = option(64 * 2**20, "largest request body in bytes; a bigger one gets 413 before it is "
                                     "read", HTTP_ROLES)
     max_n: int = option(128, "most samples (n) one request may ask for", HTTP_ROLES)
@@ -233,10 +236,10 @@ class ServerArgs:
     trust_request_chat_template: bool = option(False, "accept a chat_template sent in a request (refused "
                                                "otherwise: a template is code)", HTTP_ROLES)
     enable_api_docs: bool = option(False, "serve /docs, /redoc and /openapi.json (behind --api-key when set)",
-                                   HTTP_ROLES)
+                                   ENGINE_HTTP_ROLES)
     engine_heartbeat_timeout: float = option(10.0, "seconds without an answer from the engine process before it "
                                              "counts as unresponsive (503 on /health and for waiting requests)",
-                                             HTTP_ROLES | {PREFILL})
+                                             ENGINE_HTTP_ROLES | {PREFILL})
     playground: bool = option(True, "do not serve the browser playground page (GET / and /playground; 404 then)",
                               HTTP_ROLES, flag="--no-playground", negate=True)
 
@@ -258,27 +261,28 @@ class DisaggArgs:
     num_decode: int = option(0, "decode instances for --disagg (E->P->D); the first answers on --port, the others "
                              "on the ports after it", {SERVE})
     bootstrap: str = option("127.0.0.1:8998", "host:port of `vlserve bootstrap` (the embedded registry; "
-                            "--registry names another)", DISAGG_ROLES, metavar="HOST:PORT")
+                            "--registry names another)", REGISTRY_ROLES, metavar="HOST:PORT")
     registry: str | None = option(
         None, "where the roles meet instead of --bootstrap: etcd://HOST:PORT[,HOST:PORT...] (etcds:// for TLS), or "
-        "http://HOST:PORT of `vlserve bootstrap`; with serve --disagg no bootstrap is started", {SERVE} | DISAGG_ROLES,
+        "http://HOST:PORT of `vlserve bootstrap`; with serve --disagg no bootstrap is started; serve without "
+        "--disagg registers there as a replica for `vlserve router`", {SERVE} | REGISTRY_ROLES,
         metavar="URL")
     registry_namespace: str | None = option(
         None, "etcd key prefix of this deployment (/vlserve/NAME/...); default: --model as given, so every role of "
-        "one deployment must name the model alike", {SERVE} | DISAGG_ROLES, metavar="NAME")
+        "one deployment must name the model alike", {SERVE} | REGISTRY_ROLES, metavar="NAME")
     registry_user: str | None = option(None, "etcd user (its password in VLSERVE_REGISTRY_PASSWORD)",
-                                       {SERVE} | DISAGG_ROLES, metavar="USER")
-    registry_password: str | None = option(None, "etcd password of --registry-user", {SERVE} | DISAGG_ROLES,
+                                       {SERVE} | REGISTRY_ROLES, metavar="USER")
+    registry_password: str | None = option(None, "etcd password of --registry-user", {SERVE} | REGISTRY_ROLES,
                                            env="VLSERVE_REGISTRY_PASSWORD", secret=True)
     registry_ca: str | None = option(None, "CA file that signed etcd's server certificate (etcds://)",
-                                     {SERVE} | DISAGG_ROLES, metavar="FILE")
+                                     {SERVE} | REGISTRY_ROLES, metavar="FILE")
     registry_cert: str | None = option(None, "client certificate for etcd (with --registry-key)",
-                                       {SERVE} | DISAGG_ROLES, metavar="FILE")
-    registry_key: str | None = option(None, "private key of --registry-cert", {SERVE} | DISAGG_ROLES,
+                                       {SERVE} | REGISTRY_ROLES, metavar="FILE")
+    registry_key: str | None = option(None, "private key of --registry-cert", {SERVE} | REGISTRY_ROLES,
                                       metavar="FILE")
     advertise_host: str | None = option(
         None, "the address peers reach this instance by (a pod IP, say); default: --host, or for a wildcard --host "
-        "the address of the interface toward the registry", DISAGG_ROLES, env="VLSERVE_ADVERTISE_HOST",
+        "the address of the interface toward the registry", {SERVE} | DISAGG_ROLES, env="VLSERVE_ADVERTISE_HOST",
         metavar="HOST")
     # Receive buffers, named by what they hold: media rows (from encoders: a language server, a prefill
     # instance) and KV rows (from prefill instances: a decode instance).
@@ -298,8 +302,8 @@ class DisaggArgs:
     receive_block_rows: int = option(16, "rows per receive buffer block (media and KV) (--embedding-block-tokens: "
                                      "deprecated alias)", {SERVE, LANGUAGE, PREFILL, DECODE},
                                      aliases=("--embedding-block-tokens",))
-    heartbeat_interval: float = option(1.0, "seconds between heartbeats (registry and peers)",
-                                       {SERVE, BOOTSTRAP} | DISAGG_ROLES)
+    heartbeat_interval: float = option(1.0, "seconds between heartbeats (registry and peers; a router lists the "
+                                       "registry and scrapes replicas this often)", {SERVE, BOOTSTRAP} | REGISTRY_ROLES)
     heartbeat_failure_threshold: int = option(3, "missed heartbeats before an instance is dropped (with etcd: the "
                                               "lease TTL is interval x threshold)", {SERVE, BOOTSTRAP} | DISAGG_ROLES)
     peer_wait_timeout: float = option(
@@ -315,7 +319,16 @@ class DisaggArgs:
                                           {ENCODE, PREFILL}, env="VLSERVE_TRANSFER_FAILURE_PROB")
     disagg_secret: str | None = option(None, "shared secret of every role: signs registry calls and encrypts the "
                                        "data channel (required off loopback; serve --disagg makes one)",
-                                       {SERVE, BOOTSTRAP} | DISAGG_ROLES, env="VLSERVE_DISAGG_SECRET", secret=True)
+                                       {SERVE, BOOTSTRAP} | REGISTRY_ROLES, env="VLSERVE_DISAGG_SECRET", secret=True)
+    # The router (`vlserve router`): which replicas, and how it picks one.
+    replica_role: tuple[str, ...] = option(("serve", "language", "decode"), "registry roles the router sends "
+                                           "requests to", {ROUTER}, nargs="+", choices=("serve", "language", "decode"))
+    routing: str = option("cache-aware", "how the router picks a replica: cache-aware (most cached leading blocks "
+                          "of the request, weighed against load), least-load, round-robin", {ROUTER},
+                          choices=("cache-aware", "least-load", "round-robin"))
+    routing_cache_weight: float = option(
+        1.0, "cache-aware: score = weight x (leading blocks of the request cached on the replica) - load (its "
+        "requests in flight from this router, plus its running and waiting ones)", {ROUTER})
 
 
 def encode_args(args: EngineArgs) -> bytes:

@@ -27,7 +27,8 @@ from vlserve.core.errors import InvalidInputError
 
 log = logging.getLogger("vlserve.disagg.registry")
 
-ROLES = ("encode", "language", "prefill", "decode")
+# "serve": an aggregated server registered as a replica for `vlserve router` (it pairs with no peer)
+ROLES = ("encode", "language", "prefill", "decode", "serve")
 
 
 class InstanceInfo(msgspec.Struct):
@@ -37,6 +38,7 @@ class InstanceInfo(msgspec.Struct):
     http_address: str = ""      # host:port of its HTTP endpoint (health/metrics), opaque
     capacity: int = 1           # how many requests it takes at once (opaque hint)
     load: int = 0               # requests in flight, updated by heartbeats (bootstrap) or re-puts (etcd)
+    kv_events: str = ""         # tcp://host:port of its KV cache events (--kv-events-endpoint), "" when off
 
 
 def new_instance_id() -> str:
@@ -210,3 +212,19 @@ def advertised_host(opts, bind_host: str) -> str:
     if opts.advertise_host:
         return opts.advertise_host.strip()
     return reachable_host(bind_host, toward=registry_target(opts).host)
+
+
+def advertised_events_endpoint(endpoint: str | None, host: str) -> str:
+    """The KV events endpoint a router connects to: `endpoint` (tcp://HOST:PORT as bound) with a wildcard host
+    replaced by this instance's advertised `host`; "" when off, or when its port is `*` (known only to the engine
+    process, so a router could not find it: give a fixed port)."""
+    if not endpoint:
+        return ""
+    bind_host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    if port == "*":
+        log.warning("--kv-events-endpoint %s: a free port (*) cannot be advertised to routers; give a fixed port",
+                    endpoint)
+        return ""
+    if bind_host in ("*", "0.0.0.0", "[::]", "::", ""):
+        bind_host = f"[{host}]" if ":" in host else host
+    return f"tcp://{bind_host}:{port}"

@@ -93,11 +93,11 @@ class RemotePromptEncoder:
 
 
 def remote_prompt_encoder(opts: DisaggArgs, http_address: str, model: str, role: str = "language",
-                          data_address: str = ""):
+                          data_address: str = "", kv_events: str = ""):
     """A language server's (role "language"), a prefill instance's ("prefill": it registers its data address,
     where decode instances reach it) or a decode instance's ("decode": its peers are prefill instances)."""
     def build(engine) -> RemotePromptEncoder:
-        info = InstanceInfo(new_instance_id(), role, data_address or http_address, http_address)
+        info = InstanceInfo(new_instance_id(), role, data_address or http_address, http_address, kv_events=kv_events)
         return RemotePromptEncoder(engine, opts, info, PREFILL_PEERS if role == "decode" else ENCODER_PEERS, model)
     return build
 

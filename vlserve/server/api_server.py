@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import socket
 
@@ -25,7 +24,9 @@ from vlserve.media.fetch import MediaFetcher, MediaPolicy
 from vlserve.frontend.metrics import CONTENT_TYPE
 from vlserve.frontend.prompt_encoder import LocalPromptEncoder
 from vlserve.frontend.tokenizer import load_chat_template
-from vlserve.server.errors import error_response, install_error_handlers, log_client_error
+from vlserve.server.api_key import install_api_key_check
+from vlserve.server.errors import error_response, install_error_handlers
+from vlserve.server.announce import announce_replica
 from vlserve.server.listen import bind_socket
 from vlserve.server.playground.routes import add_playground, playground_config
 from vlserve.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -33,7 +34,6 @@ from vlserve.server.serving_chat import OpenAIServingChat
 from vlserve.server.serving_completion import OpenAIServingCompletion
 
 logger = logging.getLogger("vlserve.server")
-DOC_PATHS = ("/docs", "/redoc", "/openapi.json")
 
 
 def local_prompt_encoder(server: ServerArgs):
@@ -49,11 +49,13 @@ def make_engine(opts: Options, log_level: str = "INFO", role: str = SERVE) -> As
     `role`: "serve" (media handled here), or "language" / "decode", whose prompts are worked on by peers."""
     server = opts.server
     if role in DISAGG_ROLES:
-        from vlserve.disagg.registry import advertised_host
+        from vlserve.disagg.registry import advertised_events_endpoint, advertised_host
         from vlserve.disagg.remote_encoder import remote_prompt_encoder
 
         public = advertised_host(opts.disagg, server.host)
-        encoder = remote_prompt_encoder(opts.disagg, f"{public}:{server.port}", opts.engine.model, role)
+        events = advertised_events_endpoint(opts.engine.kv_events_endpoint, public)
+        encoder = remote_prompt_encoder(opts.disagg, f"{public}:{server.port}", opts.engine.model, role,
+                                        kv_events=events)
     else:
         encoder = local_prompt_encoder(server)
     template = load_chat_template(server.chat_template) if server.chat_template is not None else None
@@ -83,15 +85,7 @@ def build_app(engine: AsyncLLM, server: ServerArgs) -> FastAPI:
                   redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
     install_error_handlers(app)
 
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        path = request.url.path
-        if server.api_key and (path.startswith("/v1") or path in DOC_PATHS):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {server.api_key}".encode()):
-                log_client_error(f"{request.method} {path}", 401, "invalid or missing API key")
-                return error_response("invalid or missing API key", 401)
-        return await call_next(request)
+    install_api_key_check(app, server.api_key)
 
     # Bodies are read and parsed by the handlers themselves: size limit first, strict JSON, off the event loop
     # when large. `openapi_extra` keeps the documented schema.
@@ -155,6 +149,7 @@ async def serve(opts: Options, log_level: str = "INFO", role: str = SERVE, sock:
         with SigtermStop() as sigterm:
             engine = make_engine(opts, log_level, role)
             await engine.start()
+            announced = await announce_replica(opts, engine) if role == SERVE else None
             try:
                 config = uvicorn.Config(build_app(engine, server), log_level=log_level.lower(), access_log=False,
                                         timeout_graceful_shutdown=5, log_config=None,
@@ -167,6 +162,8 @@ async def serve(opts: Options, log_level: str = "INFO", role: str = SERVE, sock:
                 finally:
                     watch.cancel()
             finally:
+                if announced is not None:
+                    await finish(announced.stop())
                 await finish(engine.shutdown())
             return 1 if engine.core.dead_reason is not None else 0
         return 0  # stopped by SIGTERM during start-up

@@ -48,10 +48,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     if (opts.disagg.num_prefill or opts.disagg.num_decode) and not opts.disagg.disagg:
         sock.close()
         raise InvalidInputError("--num-prefill/--num-decode start an E->P->D deployment: add --disagg")
-    if opts.disagg.registry and not opts.disagg.disagg:
-        sock.close()
-        raise InvalidInputError("--registry names where disaggregated roles meet: add --disagg (or start the roles "
-                                "with vlserve encode / language / prefill / decode)")
+    # (--registry without --disagg registers this server as a replica for `vlserve router`: server/announce.py)
     if opts.disagg.disagg and opts.disagg.num_decode and opts.engine.tensor_parallel_size > 1:
         sock.close()
         raise InvalidInputError("--tensor-parallel-size is not supported by prefill and decode instances (E->P->D)")

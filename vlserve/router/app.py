@@ -1,0 +1,146 @@
+"""`vlserve router`: the OpenAI API in front of several replicas (`serve --registry`, `language`, `decode`),
+found through the registry, each request sent where its prompt's prefix is cached (router/choice.py).
+
+Start-up: the port is bound first, then the tokenizer and processor load (config files only, no weights), then
+the replica list starts and uvicorn serves. /ready answers 200 once a replica is known and answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+import vlserve
+from vlserve.core.config import Options
+from vlserve.core.processes import SigtermStop, finish
+from vlserve.disagg.auth import PeerAuth, require_secret_off_loopback
+from vlserve.disagg.registries import open_registry
+from vlserve.disagg.registry import InstanceInfo, new_instance_id, registry_target
+from vlserve.frontend.metrics import CONTENT_TYPE
+from vlserve.router.choice import Chooser
+from vlserve.router.metrics import RouterMetrics
+from vlserve.router.prompts import PromptHasher
+from vlserve.router.proxy import Proxy
+from vlserve.router.replicas import ReplicaSet
+from vlserve.server.api_key import install_api_key_check
+from vlserve.server.errors import error_response, install_error_handlers
+from vlserve.server.listen import bind_socket
+from vlserve.server.playground.routes import add_playground, playground_config
+from vlserve.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from vlserve.server.serving import PARSE_INLINE_BYTES, OpenAIServing, read_body
+
+logger = logging.getLogger("vlserve.router")
+
+
+def build_router_app(opts: Options, hasher: PromptHasher, replicas: ReplicaSet) -> FastAPI:
+    server, d = opts.server, opts.disagg
+    model_name = server.served_model_name or opts.engine.model
+    # The server's model check and disconnect handling (it needs no engine for those).
+    serving = OpenAIServing(None, server, model_name)
+    metrics = RouterMetrics(replicas)
+    proxy = Proxy(replicas, Chooser(d.routing, d.routing_cache_weight), metrics, serving.until_done_or_disconnect)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        logger.info("routing %r (%s) on http://%s:%d", model_name, d.routing, server.host, server.port)
+        yield
+        await proxy.aclose()
+
+    app = FastAPI(title="vlserve router", version=vlserve.__version__, lifespan=lifespan, docs_url=None,
+                  redoc_url=None, openapi_url=None)
+    install_error_handlers(app)
+    install_api_key_check(app, server.api_key)
+
+    async def route(raw: Request, path: str, model, hash_fn) -> Response:
+        data = await read_body(raw, server.max_request_bytes, server.body_read_timeout)
+        if len(data) <= PARSE_INLINE_BYTES:
+            body = parse_body(data, model)
+        else:
+            body = await asyncio.get_running_loop().run_in_executor(hasher.executor, parse_body, data, model)
+        body.check_fields(server)
+        serving.check_model(body.model)
+        hashes = await serving.until_done_or_disconnect(raw, hash_fn(body)) if d.routing == "cache-aware" else []
+        return await proxy.forward(raw, path, data, hashes)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw: Request):
+        return await route(raw, "/v1/chat/completions", ChatCompletionRequest, hasher.chat)
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request):
+        return await route(raw, "/v1/completions", CompletionRequest, hasher.completion)
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "vlserve",
+                "max_model_len": hasher.cfg.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health():  # liveness: this process answers
+        return Response(status_code=200)
+
+    @app.get("/ready")
+    async def ready():
+        if not replicas.num_answering:
+            known = len(replicas.replicas)
+            return error_response(f"not ready: {known} replicas known, none answering yet (roles "
+                                  f"{', '.join(d.replica_role)} at {registry_target(d).endpoints[0]})", 503)
+        return JSONResponse({"status": "ready", "replicas": len(replicas.replicas),
+                             "answering": replicas.num_answering})
+
+    @app.get("/metrics")
+    async def metrics_route():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/version")
+    async def version():
+        return JSONResponse({"version": vlserve.__version__})
+
+    if server.playground:  # the same page as a server's: it talks to this router's /v1 routes
+        add_playground(app, playground_config(server, hasher.cfg.limit_mm_per_prompt))
+    return app
+
+
+def open_replicas(opts: Options) -> ReplicaSet:
+    d = opts.disagg
+    auth = PeerAuth(d.disagg_secret)
+    require_secret_off_loopback(auth, registry_target(d).host, "this router's registry")
+    # The router only reads the registry: this record is never registered.
+    registry = open_registry(d, InstanceInfo(new_instance_id(), "router", ""), opts.engine.model, auth=auth)
+    return ReplicaSet(registry, tuple(d.replica_role), d.heartbeat_interval)
+
+
+async def run_router(opts: Options, log_level: str = "INFO", sock: socket.socket | None = None) -> int:
+    import uvicorn
+
+    from vlserve.server.slow_clients import header_timeout_protocol
+
+    server = opts.server
+    sock = sock or bind_socket(server.host, server.port)
+    try:
+        with SigtermStop() as sigterm:
+            hasher = PromptHasher(opts)
+            replicas = open_replicas(opts)
+            await replicas.start()
+            try:
+                config = uvicorn.Config(build_router_app(opts, hasher, replicas), log_level=log_level.lower(),
+                                        access_log=False, timeout_graceful_shutdown=5, log_config=None,
+                                        http=header_timeout_protocol(server.header_read_timeout))
+                sigterm.serving()
+                await uvicorn.Server(config).serve(sockets=[sock])
+            finally:
+                await finish(replicas.stop())
+                hasher.close()
+        return 0
+    finally:
+        sock.close()
+
+
+def main(opts: Options, log_level: str, sock: socket.socket) -> int:
+    return asyncio.run(run_router(opts, log_level, sock))

@@ -1,0 +1,71 @@
+"""A request's prefix-cache block hashes, computed in the router exactly as the replicas' engines compute them:
+the server's chat parsing and template, the model's input processor (tokenizer, media fetched under the router's
+URL policy, decoded, resized and hashed), then `prompt_block_hashes`. No model runs here.
+
+A hash is only a hint: a request the router cannot process (a picture it may not fetch, a bad body part) is
+routed by load with no overlap, and the replica answers it with its own verdict.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+from vlserve.core.block_hash import prompt_block_hashes
+from vlserve.core.config import Options
+from vlserve.core.errors import VlserveError
+from vlserve.core.prompt import MEDIA_KINDS
+from vlserve.frontend.chat import parse_chat_messages
+from vlserve.frontend.config import FrontendConfig
+from vlserve.frontend.input_processor import InputProcessor
+from vlserve.frontend.prompt_encoder import LocalPromptEncoder
+from vlserve.frontend.tokenizer import load_chat_template, render_chat
+from vlserve.media.fetch import MediaFetcher, MediaPolicy
+from vlserve.model.facts import resolve_model_facts
+from vlserve.server.protocol import ChatCompletionRequest, CompletionRequest
+
+logger = logging.getLogger("vlserve.router")
+
+
+class PromptHasher:
+    def __init__(self, opts: Options):
+        server = opts.server
+        self.block_size = opts.engine.block_size
+        facts = resolve_model_facts(opts.engine)  # config files only
+        self.cfg = FrontendConfig.of(facts, opts.engine)
+        self.processor = InputProcessor.for_model(self.cfg, **server.media_bounds())
+        if server.chat_template is not None:
+            self.processor.tokenizer.chat_template = load_chat_template(server.chat_template)
+        self.trust_template = server.trust_request_chat_template
+        self.executor = ThreadPoolExecutor(max_workers=server.media_threads, thread_name_prefix="vlserve-router")
+        fetchers = {kind: MediaFetcher(MediaPolicy.from_args(server, kind)) for kind in MEDIA_KINDS}
+        self.encoder = LocalPromptEncoder(self.processor, fetchers, self.executor)
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    async def chat(self, body: ChatCompletionRequest) -> list[bytes]:
+        return await self._hint(self._chat_prompt(body), body.mm_processor_kwargs)
+
+    async def completion(self, body: CompletionRequest) -> list[bytes]:
+        prompts = body.prompts()  # n prompts: the first one's prefix is the hint (a batch goes to one replica)
+        return await self._hint(asyncio.sleep(0, prompts[0]), None)
+
+    async def _chat_prompt(self, body: ChatCompletionRequest) -> dict:
+        chat = parse_chat_messages(body.messages, allow_python_objects=False, modalities=self.cfg.model.modalities)
+        template = body.chat_template if self.trust_template else None
+        tools, _ = body.tool_setup()
+        text = await asyncio.get_running_loop().run_in_executor(
+            self.executor, render_chat, self.processor.tokenizer, chat.messages, body.add_generation_prompt,
+            template, body.chat_template_kwargs, tools)
+        return chat.prompt(text)
+
+    async def _hint(self, prompt_work, mm_processor_kwargs: dict | None) -> list[bytes]:
+        try:
+            prompt = await prompt_work
+            encoded = await self.encoder.encode(prompt, mm_processor_kwargs, "router")
+        except VlserveError as e:
+            logger.debug("no cache hint for this request (routed by load): %s", e)
+            return []
+        return prompt_block_hashes(encoded.prompt, self.block_size)

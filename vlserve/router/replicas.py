@@ -1,0 +1,164 @@
+"""The router's replicas: who is there (the registry, listed every --heartbeat-interval), what each has cached
+(its KV events, followed on a thread by `KVEventSubscriber` into a `KVIndex`) and how busy each is (this router's
+in-flight count, plus running and waiting requests scraped from its /metrics at the same interval).
+
+A replica that refuses a connection or fails before answering is avoided for a while (`avoid`); one that leaves
+the registry is dropped, its requests in flight left to finish (they hold their own connections).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+
+import httpx
+
+from vlserve.disagg.kv_events_subscriber import KVEventSubscriber
+from vlserve.disagg.kv_index import KVIndex
+from vlserve.disagg.registry import InstanceInfo, Registry
+from vlserve.router.choice import ReplicaLoad
+
+logger = logging.getLogger("vlserve.router")
+AVOID_S = 5.0  # how long a replica that failed a connection is left out (unless it is the only one)
+SCRAPED = {"vlserve:num_requests_running": "running", "vlserve:num_requests_waiting": "waiting"}
+
+
+class Replica(ReplicaLoad):
+    def __init__(self, info: InstanceInfo):
+        super().__init__(info.instance_id)
+        self.info = info
+        self.url = f"http://{info.http_address}"
+        self.avoid_until = 0.0
+        self.answering = False  # its last /metrics scrape answered
+
+
+def parse_load(text: str) -> dict[str, int]:
+    """running / waiting from a replica's Prometheus text (labels ignored, values summed)."""
+    out = {"running": 0, "waiting": 0}
+    for line in text.splitlines():
+        name, _, rest = line.partition("{") if "{" in line.split(" ", 1)[0] else line.partition(" ")
+        key = SCRAPED.get(name.strip())
+        if key is not None:
+            try:
+                out[key] += int(float(rest.rsplit(" ", 1)[-1]))
+            except ValueError:
+                pass
+    return out
+
+
+class EventsThread:
+    """Owns the KVEventSubscriber (ZeroMQ sockets are single-threaded): adds and removes arrive by queue."""
+
+    def __init__(self, index: KVIndex):
+        self.index = index
+        self._ops: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="vlserve-kv-events", daemon=True)
+        self._thread.start()
+
+    def add(self, name: str, endpoint: str) -> None:
+        self._ops.put(("add", name, endpoint))
+
+    def remove(self, name: str) -> None:
+        self._ops.put(("remove", name, ""))
+
+    def _run(self) -> None:
+        sub = KVEventSubscriber(self.index)
+        try:
+            while not self._stop.is_set():
+                while not self._ops.empty():
+                    op, name, endpoint = self._ops.get()
+                    if op == "add":
+                        sub.add(name, endpoint)
+                    else:
+                        sub.remove(name)
+                sub.poll(50)
+        finally:
+            sub.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+
+class ReplicaSet:
+    def __init__(self, registry: Registry, roles: tuple[str, ...], interval: float, index: KVIndex | None = None):
+        self.registry, self.roles, self.interval = registry, roles, interval
+        self.index = index or KVIndex()
+        self.replicas: dict[str, Replica] = {}
+        self.events = EventsThread(self.index)
+        self._http = httpx.AsyncClient(timeout=max(1.0, interval))
+        self._task: asyncio.Task | None = None
+        self.changed = asyncio.Event()
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self.events.close()
+        await self._http.aclose()
+        await self.registry.stop(deregister=False)
+
+    def candidates(self, exclude: set[str] = frozenset()) -> list[Replica]:
+        """Replicas to route to, in a stable order: those not avoided, else (all avoided) every one left."""
+        now = time.monotonic()
+        left = [r for name, r in sorted(self.replicas.items()) if name not in exclude]
+        fine = [r for r in left if r.avoid_until <= now]
+        return fine or left
+
+    def avoid(self, name: str, why: str) -> None:
+        replica = self.replicas.get(name)
+        if replica is not None:
+            replica.avoid_until = time.monotonic() + AVOID_S
+            logger.warning("replica %s (%s) avoided for %gs: %s", name, replica.info.http_address, AVOID_S, why)
+
+    @property
+    def num_answering(self) -> int:
+        return sum(r.answering for r in self.replicas.values())
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except Exception as e:  # noqa: BLE001 - the registry may be restarting: keep who we know
+                logger.warning("could not list replicas (keeping the %d known): %s", len(self.replicas), e)
+            await self.scrape()
+            await asyncio.sleep(self.interval)
+
+    async def refresh(self) -> None:
+        listed: dict[str, InstanceInfo] = {}
+        for role in self.roles:
+            for info in await self.registry.list_instances(role):
+                if info.http_address:
+                    listed[info.instance_id] = info
+        for name in [n for n in self.replicas if n not in listed]:
+            logger.info("replica %s (%s) left", name, self.replicas[name].info.http_address)
+            del self.replicas[name]
+            self.events.remove(name)
+        for name, info in listed.items():
+            if name not in self.replicas:
+                self.replicas[name] = Replica(info)
+                logger.info("replica %s (%s, %s) joined; kv events %s", name, info.role, info.http_address,
+                            info.kv_events or "off (routed by load only)")
+                if info.kv_events:
+                    self.events.add(name, info.kv_events)
+        self.changed.set()
+
+    async def scrape(self) -> None:
+        async def one(r: Replica) -> None:
+            try:
+                resp = await self._http.get(f"{r.url}/metrics")
+                resp.raise_for_status()
+            except httpx.HTTPError:
+                r.answering = False
+                return
+            r.answering = True
+            load = parse_load(resp.text)
+            r.running, r.waiting = load["running"], load["waiting"]
+        await asyncio.gather(*(one(r) for r in list(self.replicas.values())))
