@@ -285,7 +285,8 @@ def test_front_ends_read_model_facts_without_the_engine_config_or_the_loader():
 
 def family_packages() -> set[str]:
     """vlserve/model/families/<name>/: one folder per model family."""
-    return {m for m, path in modules().items() if m.startswith("vlserve.model.families.") and path.name == "__init__.py"}
+    return {m for m, path in modules().items()
+            if m.startswith("vlserve.model.families.") and path.name == "__init__.py"}
 
 
 def test_a_familys_modules_are_imported_by_itself_and_the_registry_only():
