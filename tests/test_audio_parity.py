@@ -9,6 +9,7 @@ import pytest
 
 from tests.audio_samples import noise, sine
 from tests.conftest import assert_pool_full
+from tests.engine_probes import metric_delta, record_chunks
 from tests.hf_reference import HFAudioReference
 from vlserve import LLM, SamplingParams
 from vlserve.core.errors import InvalidInputError
@@ -62,10 +63,6 @@ def _metrics(llm: LLM) -> dict:
     return dict(llm.get_metrics())
 
 
-def _delta(before: dict, after: dict) -> dict:
-    return {k: after[k] - before[k] for k in before}
-
-
 class Ref:
     """transformers' reference and its expected (prompt ids, new ids) for every prompt of PROMPTS."""
 
@@ -87,24 +84,6 @@ def ref(tiny_ckpt) -> Ref:
 def llm(ref) -> LLM:
     """One engine shared by the tests that only compare outputs and metric deltas (at most 3 clips a prompt)."""
     return LLM(ref.path, dtype="float32", num_kv_blocks=256, limit_mm_per_prompt={"audio": 3})
-
-
-def _record_chunks(llm: LLM, preempted: list | None = None) -> list[tuple[list, int, int]]:
-    """Wrap the scheduler: collects (the request's media items, first token, end) of every scheduled chunk, and
-    into `preempted` the media items of every preempted request."""
-    sched = llm.engine.core.scheduler
-    seen: list[tuple[list, int, int]] = []
-    orig = sched.schedule
-
-    def schedule():
-        out = orig()
-        seen.extend((c.req.mm_items, c.start, c.end) for c in out.chunks)
-        if preempted is not None:
-            preempted.extend(sched.requests[rid].mm_items for rid in out.preempted)
-        return out
-
-    sched.schedule = schedule
-    return seen
 
 
 def _audio_splits(seen) -> int:
@@ -147,7 +126,7 @@ def test_clips_of_one_step_share_one_audio_tower_call(ref):
 def test_chunked_prefill_splits_audio(ref):
     """A 7-token budget cuts every audio item (>= 32 tokens) across several steps."""
     llm = LLM(ref.path, dtype="float32", num_kv_blocks=256, max_num_batched_tokens=7)
-    seen = _record_chunks(llm)
+    seen = record_chunks(llm)
     _run_and_check(llm, ref, MIXED)
     assert _audio_splits(seen) >= 4 * 4, "each of the four audio items should start at least 4 chunks inside it"
     assert max(end - start for _, start, end in seen) <= 7
@@ -157,7 +136,7 @@ def test_chunked_prefill_splits_audio(ref):
 def test_unsplit_audio_when_chunked_mm_input_is_off(ref):
     """disable_chunked_mm_input: a budget the largest item (50 tokens) fits keeps every item in one step."""
     llm = LLM(ref.path, dtype="float32", num_kv_blocks=256, max_num_batched_tokens=56, disable_chunked_mm_input=True)
-    seen = _record_chunks(llm)
+    seen = record_chunks(llm)
     _run_and_check(llm, ref, MIXED)
     assert _audio_splits(seen) == 0
     assert len({start for _, start, _ in seen if start > 0}) > 1, "the budget was meant to chunk the prompts"
@@ -168,7 +147,7 @@ def test_unsplit_audio_when_chunked_mm_input_is_off(ref):
 def test_preemption_recomputes_identically(ref):
     llm = LLM(ref.path, dtype="float32", num_kv_blocks=40, block_size=4, max_num_batched_tokens=64)
     preempted: list = []
-    _record_chunks(llm, preempted)
+    record_chunks(llm, preempted)
     _run_and_check(llm, ref, MIXED)
     assert llm.get_metrics()["num_preemptions_total"] > 0, "the pool was meant to be too small for all at once"
     assert any(it.modality == "audio" for items in preempted for it in items), "a request with audio was to be " \
@@ -185,14 +164,14 @@ def test_same_audio_prompt_hits_the_prefix_cache(llm, ref):
     _check(_run(llm, [(prompt, [fresh])]), [expected], ["first"])
     mid = _metrics(llm)
     (second,) = _run(llm, [(prompt, [fresh])])
-    d = _delta(mid, _metrics(llm))
+    d = metric_delta(mid, _metrics(llm))
     _check([second], [expected], ["second"])
     ids, bs = second.prompt_token_ids, llm.config.block_size
     assert d["prefix_cache_hits_total"] >= len(ids) - bs, f"only {d['prefix_cache_hits_total']} of {len(ids)} reused"
     audio_end = len(ids) - ids[::-1].index(llm.config.model.audio_token_id)
     assert d["prefix_cache_hits_total"] >= audio_end, "the clip's blocks should all be cached"
     assert d["encoder_cache_queries_total"] == 0, "nothing of the clip is computed again: no encoder query"
-    assert _delta(before, mid)["encoder_cache_hits_total"] == 0
+    assert metric_delta(before, mid)["encoder_cache_hits_total"] == 0
 
 
 def test_other_clip_of_the_same_length_hits_only_the_text_before_it(llm, ref):
@@ -200,7 +179,7 @@ def test_other_clip_of_the_same_length_hits_only_the_text_before_it(llm, ref):
     _run(llm, [(prompt, [CLIP_C])])  # cached (the shared engine may hold it already)
     before = _metrics(llm)
     (out,) = _run(llm, [(prompt, [CLIP_C2])])
-    d = _delta(before, _metrics(llm))
+    d = metric_delta(before, _metrics(llm))
     expected = ref.greedy(prompt, [CLIP_C2])
     _check([out], [expected], ["other clip"])
     assert out.prompt_token_ids == ref.expected["late"][0], "same length: the same ids, only the sound differs"
@@ -222,7 +201,7 @@ def test_the_audio_changes_the_output_and_a_repeat_hits_the_encoder_cache(llm, r
     again = chat(f"Now a new question about the same recording: {AUD} Is it music?")
     before = _metrics(llm)
     (out,) = _run(llm, [(again, [other])])
-    d = _delta(before, _metrics(llm))
+    d = metric_delta(before, _metrics(llm))
     assert d["encoder_cache_queries_total"] == 1 and d["encoder_cache_hits_total"] == 1
     _check([out], [ref.greedy(again, [other])], ["same clip, other text"])
     assert_pool_full(llm)

@@ -11,6 +11,7 @@ import threading
 import pytest
 
 from tests.conftest import IMG, assert_pool_full, noise_image
+from tests.engine_probes import metric_delta
 from vlserve import LLM, SamplingParams
 from vlserve.core.errors import InvalidInputError
 from vlserve.engine.block_pool import BlockPool
@@ -46,10 +47,6 @@ def _gen(llm, prompts, **kw):
 
 def _metrics(llm):
     return dict(llm.get_metrics())
-
-
-def _delta(before, after):
-    return {k: after[k] - before[k] for k in before}
 
 
 def _image_offset(llm, out):
@@ -100,7 +97,7 @@ def test_same_text_same_picture_reuses(llm):
     mid = _metrics(llm)
     (second,) = _gen(llm, prompt)
     after = _metrics(llm)
-    d1, d2 = _delta(before, mid), _delta(mid, after)
+    d1, d2 = metric_delta(before, mid), metric_delta(mid, after)
     assert d1["encoder_cache_hits_total"] == 0 and d1["encoder_cache_queries_total"] == 1
     n = len(second.prompt_token_ids)
     bs = llm.config.block_size
@@ -123,10 +120,10 @@ def test_same_text_different_picture_reuses_only_text_before_it(llm):
     bs = llm.config.block_size
     offset = _image_offset(llm, b)
     assert offset == _image_offset(llm, a) and offset >= bs, "the preamble should fill at least one block"
-    d = _delta(mid, after)
+    d = metric_delta(mid, after)
     assert d["prefix_cache_hits_total"] == (offset // bs) * bs
     assert d["encoder_cache_hits_total"] == 0 and d["encoder_cache_queries_total"] == 1
-    assert _delta(before, mid)["encoder_cache_hits_total"] == 0
+    assert metric_delta(before, mid)["encoder_cache_hits_total"] == 0
     _flush_and_check_no_leak(llm)
 
 
@@ -139,7 +136,7 @@ def test_different_text_same_picture_hits_encoder_only(llm):
         (b,) = _gen(llm, _req(f"Common start. Another question, very different words {IMG}", [img]))
     finally:
         del llm.engine.core.runner.encoders.encode
-    d = _delta(before, _metrics(llm))
+    d = metric_delta(before, _metrics(llm))
     assert d["encoder_cache_hits_total"] == 1 and d["encoder_cache_queries_total"] == 1
     assert encoded == [], "a hit must skip the vision encoder"
     common = 0
@@ -168,7 +165,7 @@ def test_same_picture_in_every_form_hits_one_entry(llm, tmp_path):
 
     before = _metrics(llm)
     _gen(llm, [_req(f"Form {i}: {IMG}", [src]) for i, src in enumerate(forms)])
-    d = _delta(before, _metrics(llm))
+    d = metric_delta(before, _metrics(llm))
     assert d["encoder_cache_queries_total"] == len(forms)
     assert d["encoder_cache_hits_total"] == len(forms) - 1
     assert hashes[0] in _hashes_in_cache(llm)
@@ -179,7 +176,7 @@ def test_same_picture_in_every_form_hits_one_entry(llm, tmp_path):
     assert req.mm_items[0].mm_hash != hashes[0]
     before = _metrics(llm)
     _gen(llm, _req(f"Form 0: {IMG}", [img]), mm_processor_kwargs=kw)
-    d = _delta(before, _metrics(llm))
+    d = metric_delta(before, _metrics(llm))
     assert d["encoder_cache_queries_total"] == 1 and d["encoder_cache_hits_total"] == 0
     _flush_and_check_no_leak(llm)
 
@@ -284,7 +281,7 @@ def test_encoder_cache_size_zero(path):
     before = _metrics(llm)
     assert _ids(_gen(llm, prompts)) == expected
     assert _ids(_gen(llm, prompts)) == expected  # sequential repeat: no entry survived between calls
-    d = _delta(before, _metrics(llm))
+    d = metric_delta(before, _metrics(llm))
     assert d["encoder_cache_hits_total"] == 0
     llm.engine.core.step()
     assert llm.engine.core.runner.encoders.outputs == {}
@@ -298,7 +295,7 @@ def test_same_uuid_means_same_item(llm):
     _gen(llm, _req(f"Uuid test {IMG}", [noise_image(120, 90, 901)], uuids=["pic-42"]))
     mid = _metrics(llm)
     _gen(llm, _req(f"Uuid test, other words {IMG}", [noise_image(120, 90, 902)], uuids=["pic-42"]))
-    d1, d2 = _delta(before, mid), _delta(mid, _metrics(llm))
+    d1, d2 = metric_delta(before, mid), metric_delta(mid, _metrics(llm))
     assert d1["encoder_cache_hits_total"] == 0
     assert d2["encoder_cache_hits_total"] == 1 and d2["encoder_cache_queries_total"] == 1
     _flush_and_check_no_leak(llm)

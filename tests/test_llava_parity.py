@@ -20,6 +20,7 @@ import pytest
 from transformers.image_processing_utils import select_best_resolution
 
 from tests.conftest import assert_pool_full, noise_image
+from tests.engine_probes import metric_delta, record_chunks
 from tests.hf_reference import HFLlavaReference
 from vlserve import LLM, SamplingParams
 
@@ -107,28 +108,6 @@ def _run_and_check(llm: LLM, fam: Family, names) -> None:
     _check(_run(llm, [fam.parts(n) for n in names]), [fam.expected[n] for n in names], names)
 
 
-def _delta(before: dict, after: dict) -> dict:
-    return {k: after[k] - before[k] for k in before}
-
-
-def _record_chunks(llm: LLM, preempted: list | None = None) -> list[tuple[list, int, int]]:
-    """Wrap the scheduler: collects (the request's media items, first token, end) of every scheduled chunk, and
-    into `preempted` the media items of every preempted request."""
-    sched = llm.engine.core.scheduler
-    seen: list[tuple[list, int, int]] = []
-    orig = sched.schedule
-
-    def schedule():
-        out = orig()
-        seen.extend((c.req.mm_items, c.start, c.end) for c in out.chunks)
-        if preempted is not None:
-            preempted.extend(sched.requests[rid].mm_items for rid in out.preempted)
-        return out
-
-    sched.schedule = schedule
-    return seen
-
-
 def _splits(seen, modality: str) -> int:
     """How many chunks begin strictly inside an item of `modality` (its tokens span several steps)."""
     return sum(1 for items, start, _ in seen for it in items if it.modality == modality and it.offset < start < it.end)
@@ -165,7 +144,7 @@ def test_mixed_batches_in_both_orders(fam, llm):
 # ---- chunked prefill, preemption ------------------------------------------------------------------------------
 def test_chunked_prefill_splits_pictures_and_videos(fam):
     llm = LLM(str(fam.path), dtype="float32", num_kv_blocks=256, max_num_batched_tokens=12)
-    seen = _record_chunks(llm)
+    seen = record_chunks(llm)
     _run_and_check(llm, fam, MIXED)
     assert _splits(seen, "image") >= 20, "pictures should start many chunks inside them"
     assert _splits(seen, "video") >= 2, "videos should be split across steps too"
@@ -176,7 +155,7 @@ def test_chunked_prefill_splits_pictures_and_videos(fam):
 def test_preemption_recomputes_identically(fam):
     llm = LLM(str(fam.path), dtype="float32", num_kv_blocks=64, block_size=4, max_num_batched_tokens=64)
     preempted: list = []
-    _record_chunks(llm, preempted)
+    record_chunks(llm, preempted)
     _run_and_check(llm, fam, MIXED)
     assert llm.get_metrics()["num_preemptions_total"] > 0, "the pool was meant to be too small for all at once"
     assert any(it.modality == "image" for items in preempted for it in items), "a request with a picture was to " \
@@ -196,7 +175,7 @@ def test_same_picture_and_prompt_hit_the_prefix_cache(fam, llm):
     _check(_run(llm, [(text, fresh, [])]), [expected], ["first"])
     before = llm.get_metrics()
     _check(_run(llm, [(text, fresh, [])]), [expected], ["second"])
-    d = _delta(before, llm.get_metrics())
+    d = metric_delta(before, llm.get_metrics())
     assert d["prefix_cache_hits_total"] >= image_end, "the picture's blocks should all be cached"
     assert d["encoder_cache_queries_total"] == 0, "nothing of the picture is computed again: no encoder query"
 
@@ -213,7 +192,7 @@ def test_other_picture_of_the_same_size_hits_only_the_text_before_it(fam, llm):
     _run(llm, [(text, first, [])])
     before = llm.get_metrics()
     (out,) = _run(llm, [(text, other, [])])
-    d = _delta(before, llm.get_metrics())
+    d = metric_delta(before, llm.get_metrics())
     _check([out], [fam.greedy(text, other)], ["other picture"])
     offset, bs = out.prompt_token_ids.index(llm.config.model.image_token_id), llm.config.block_size
     assert offset >= 2 * bs, "the preamble should fill at least two blocks"
@@ -231,7 +210,7 @@ def test_a_prefix_hit_that_ends_inside_the_picture(fam, llm):
     expected = fam.greedy(text, picture)
     before = llm.get_metrics()
     (out,) = _run(llm, [(text, picture, [])])
-    d = _delta(before, llm.get_metrics())
+    d = metric_delta(before, llm.get_metrics())
     _check([out], [expected], ["ends with the picture"])
     offset = out.prompt_token_ids.index(llm.config.model.image_token_id)
     assert offset < d["prefix_cache_hits_total"] < len(out.prompt_token_ids), "the hit should end inside the picture"
