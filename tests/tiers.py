@@ -33,6 +33,7 @@ FILE_TIERS = {
     "test_kv_index.py": "unit",
     "test_router_announce.py": "unit",
     "test_router_choice.py": "unit",
+    "test_router_hashes.py": "unit",
     "test_router.py": "multiprocess",
     "test_layers.py": "unit",
     "test_llava_model.py": "unit",

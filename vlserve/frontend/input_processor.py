@@ -86,6 +86,14 @@ class InputProcessor:
             raise InvalidInputError("the prompt is not valid unicode (it holds a lone surrogate)") from None
 
     def process(self, prompt: dict | str, mm_processor_kwargs: dict | None = None) -> ProcessedPrompt:
+        return self.processor.process(self._prompt_media(prompt, mm_processor_kwargs))
+
+    def layout(self, prompt: dict | str, mm_processor_kwargs: dict | None = None) -> ProcessedPrompt:
+        """`process` without the encoder inputs (the family's `layout`): the same token ids, items and so block
+        hashes, for a router. Data URLs may be given as they came: a re-sent one is then a cache lookup."""
+        return self.processor.layout(self._prompt_media(prompt, mm_processor_kwargs))
+
+    def _prompt_media(self, prompt: dict | str, mm_processor_kwargs: dict | None) -> PromptMedia:
         text, token_ids = self.tokenize(prompt)
         if not token_ids:
             raise InvalidInputError("the prompt is empty")
@@ -102,8 +110,7 @@ class InputProcessor:
                                     f"(supported: {', '.join(sorted(known)) or 'none for this model'})")
         media = {kind: self._sources(kind, mm_data, uuids) for kind in self.modalities}
         from_ids = isinstance(prompt, dict) and "prompt_token_ids" in prompt
-        return self.processor.process(PromptMedia(text, token_ids, media, dict(kwargs), from_ids,
-                                                  lambda t: self.tokenize({"prompt": t})[1]))
+        return PromptMedia(text, token_ids, media, dict(kwargs), from_ids, lambda t: self.tokenize({"prompt": t})[1])
 
     def _sources(self, kind: str, mm_data: dict, uuids: dict) -> list[tuple[Any, str | None]]:
         value = mm_data.get(kind)

@@ -1,6 +1,9 @@
 """A request's prefix-cache block hashes, computed in the router exactly as the replicas' engines compute them:
-the server's chat parsing and template, the model's input processor (tokenizer, media fetched under the router's
-URL policy, decoded, resized and hashed), then `prompt_block_hashes`. No model runs here.
+the server's chat parsing and template, the model's input processor in its layout-only form (tokenizer; media
+fetched under the router's URL policy, decoded and hashed as the engine hashes them, token counts from their size,
+no resize or patchify; `InputProcessor.layout`), then `prompt_block_hashes`. No model runs here. Data URLs go to
+the processor as sent: the family's layout cache knows a re-sent picture by a hash of its text, so a chat's
+later turns cost a lookup per picture rather than a decode.
 
 A hash is only a hint: a request the router cannot process (a picture it may not fetch, a bad body part) is
 routed by load with no overlap, and the replica answers it with its own verdict.
@@ -19,8 +22,8 @@ from vlserve.core.prompt import MEDIA_KINDS
 from vlserve.frontend.chat import parse_chat_messages
 from vlserve.frontend.config import FrontendConfig
 from vlserve.frontend.input_processor import InputProcessor
-from vlserve.frontend.prompt_encoder import LocalPromptEncoder
 from vlserve.frontend.tokenizer import load_chat_template, render_chat
+from vlserve.media.data_url import is_data_url
 from vlserve.media.fetch import MediaFetcher, MediaPolicy
 from vlserve.model.facts import resolve_model_facts
 from vlserve.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -39,8 +42,7 @@ class PromptHasher:
             self.processor.tokenizer.chat_template = load_chat_template(server.chat_template)
         self.trust_template = server.trust_request_chat_template
         self.executor = ThreadPoolExecutor(max_workers=server.media_threads, thread_name_prefix="vlserve-router")
-        fetchers = {kind: MediaFetcher(MediaPolicy.from_args(server, kind)) for kind in MEDIA_KINDS}
-        self.encoder = LocalPromptEncoder(self.processor, fetchers, self.executor)
+        self.fetchers = {kind: MediaFetcher(MediaPolicy.from_args(server, kind)) for kind in MEDIA_KINDS}
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
@@ -64,8 +66,20 @@ class PromptHasher:
     async def _hint(self, prompt_work, mm_processor_kwargs: dict | None) -> list[bytes]:
         try:
             prompt = await prompt_work
-            encoded = await self.encoder.encode(prompt, mm_processor_kwargs, "router")
+            if prompt.get("multi_modal_data"):
+                prompt = {**prompt, "multi_modal_data": await self._fetch(prompt["multi_modal_data"])}
+            processed = await asyncio.get_running_loop().run_in_executor(
+                self.executor, self.processor.layout, prompt, mm_processor_kwargs)
         except VlserveError as e:
             logger.debug("no cache hint for this request (routed by load): %s", e)
             return []
-        return prompt_block_hashes(encoded.prompt, self.block_size)
+        return prompt_block_hashes(processed, self.block_size)
+
+    async def _fetch(self, media: dict[str, list]) -> dict[str, list]:
+        """http(s) and file URLs fetched under their kind's policy; data URLs and embedding entries as sent."""
+        async def one(kind: str, source):
+            if kind not in self.fetchers or not isinstance(source, str) or is_data_url(source):
+                return source
+            return await self.fetchers[kind].fetch(source)
+
+        return {kind: list(await asyncio.gather(*(one(kind, s) for s in sources))) for kind, sources in media.items()}
