@@ -43,7 +43,8 @@ def build_router_app(opts: Options, hasher: PromptHasher, replicas: ReplicaSet) 
     # The server's model check and disconnect handling (it needs no engine for those).
     serving = OpenAIServing(None, server, model_name)
     metrics = RouterMetrics(replicas)
-    proxy = Proxy(replicas, Chooser(d.routing, d.routing_cache_weight), metrics, serving.until_done_or_disconnect)
+    chooser = Chooser(d.routing, d.routing_cache_weight, opts.engine.block_size)
+    proxy = Proxy(replicas, chooser, metrics, serving.until_done_or_disconnect)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
