@@ -35,6 +35,7 @@ FILE_TIERS = {
     "test_router_choice.py": "unit",
     "test_router_hashes.py": "unit",
     "test_router.py": "multiprocess",
+    "test_router_disagg.py": "multiprocess",
     "test_layers.py": "unit",
     "test_llava_model.py": "unit",
     "test_model_facts.py": "unit",
