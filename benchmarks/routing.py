@@ -8,7 +8,7 @@ both replicas (hit tokens / queried tokens, from their /metrics), TTFT p50/p99 (
 at the client), requests/s; then each policy's ratio to round-robin.
 
 Cache pressure: a router matters when caches are full. Each replica's KV cache (`--num-kv-blocks`) is sized from
-the workload: `--cache-share` (default 0.75) of the working set, the blocks of every user's last prompt. So the
+the workload: `--cache-share` (default 0.6) of the working set, the blocks of every user's last prompt. So the
 conversations fit in the two caches when each is cached once (on one replica), not when each is cached on both,
 which is what round-robin and least-load do after a few turns. `--cache-share 4` gives caches that never evict.
 
@@ -121,6 +121,20 @@ async def one_user(client: httpx.AsyncClient, url: str, model: str, seed: int, a
         await asyncio.sleep(0.05)  # a user reads the answer; the replica's cache events reach the router
 
 
+def cpu_seconds(groups: list[int]) -> float:
+    """CPU time (user + system) of every live process in these process groups (each vlserve process and its
+    engine): what a policy costs the machine, not only how long its clients waited."""
+    total, tick = 0, os.sysconf("SC_CLK_TCK")
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) in groups:  # pgrp
+            total += int(fields[11]) + int(fields[12])
+    return total / tick
+
+
 def cache_counts(urls: list[str]) -> tuple[float, float]:
     hits = queries = 0.0
     for u in urls:
@@ -130,18 +144,31 @@ def cache_counts(urls: list[str]) -> tuple[float, float]:
     return hits, queries
 
 
-async def run_policy(url: str, replicas: list[str], model: str, seed0: int, a) -> dict:
+async def run_policy(url: str, replicas: list[str], model: str, seed0: int, a, groups: list[int],
+                     router: int) -> dict:
     h0, q0 = cache_counts(replicas)
+    c0, r0 = cpu_seconds(groups), cpu_seconds([router])
     turns: list[dict] = []
     t0 = time.perf_counter()
     async with httpx.AsyncClient(timeout=600) as client:
         await asyncio.gather(*(one_user(client, url, model, seed0 + u, a, turns) for u in range(a.users)))
     elapsed = time.perf_counter() - t0
     h1, q1 = cache_counts(replicas)
+    cpu, router_cpu = cpu_seconds(groups) - c0, cpu_seconds([router]) - r0
+    routed = scrape(f"{url}/metrics")
+    per_replica: dict[str, float] = {}
+    for k, v in routed.items():
+        if k.startswith("vlserve:router_requests_total"):
+            replica = k.split('replica="', 1)[1].split('"', 1)[0]
+            per_replica[replica] = per_replica.get(replica, 0) + v
+    split = sorted(per_replica.values(), reverse=True)  # warm-up requests included
+    by_cache = sum(v for k, v in routed.items() if k.startswith("vlserve:router_requests_total")
+                   and 'decision="cache-hit"' in k)
     ttfts = sorted(t["ttft"] for t in turns)
     return {"hit_rate": (h1 - h0) / max(q1 - q0, 1), "ttft_p50": statistics.median(ttfts),
             "ttft_p99": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))], "req_s": len(turns) / elapsed,
-            "turns": turns}
+            "cpu_per_req": cpu / len(turns), "router_cpu_per_req": router_cpu / len(turns), "turns": turns,
+            "split": "/".join(f"{v:.0f}" for v in split), "by_cache": by_cache}
 
 
 def hit_bound(turns: list[dict]) -> float:
@@ -190,7 +217,7 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--image-side", type=int, default=448, help="picture width and height in pixels")
-    ap.add_argument("--cache-share", type=float, default=0.75,
+    ap.add_argument("--cache-share", type=float, default=0.6,
                     help="each replica's KV cache, as a share of the working set (all users' last prompts)")
     ap.add_argument("--num-kv-blocks", type=int, help="each replica's KV cache in blocks (instead of --cache-share)")
     ap.add_argument("--routing-cache-weight", type=float, default=1.0)
@@ -234,7 +261,10 @@ def main() -> None:
         time.sleep(3)  # routers follow every replica's event stream in order (not cold)
         results = {}
         for k, policy in enumerate(POLICIES):
-            results[policy] = asyncio.run(run_policy(routers[policy], replicas, name, 1000 * (k + 1), a))
+            groups = [p.pid for p in procs if p.name.startswith("replica")]
+            router = next(p.pid for p in procs if p.name == f"router-{policy}")
+            results[policy] = asyncio.run(run_policy(routers[policy], replicas, name, 1000 * (k + 1), a, groups,
+                                                     router))
     finally:
         for p in reversed(procs):
             stop(p)
@@ -247,12 +277,17 @@ def main() -> None:
     print(f"bounds: idle replica TTFT {cold * 1e3:.0f} ms not cached, {warm * 1e3:.0f} ms cached; hit rate if every "
           f"turn found its chat's previous turn cached: {hit_bound(results['cache-aware']['turns']):.1%}")
     base = results["round-robin"]
-    print(f"{'policy':<12} {'hit rate':>9} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} {'req/s':>7}   "
-          "(x round-robin: hit rate, TTFT p50, req/s)")
+    print(f"{'policy':<12} {'hit rate':>9} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} {'req/s':>7} {'CPU ms/req':>11}"
+          "   (x round-robin: hit rate, TTFT p50, req/s)")
     for policy, r in results.items():
         print(f"{policy:<12} {r['hit_rate']:>9.1%} {r['ttft_p50'] * 1e3:>12.0f} {r['ttft_p99'] * 1e3:>12.0f} "
-              f"{r['req_s']:>7.2f}   x{r['hit_rate'] / max(base['hit_rate'], 1e-9):.2f} "
-              f"x{r['ttft_p50'] / base['ttft_p50']:.2f} x{r['req_s'] / base['req_s']:.2f}")
+              f"{r['req_s']:>7.2f} {r['cpu_per_req'] * 1e3:>11.0f}   "
+              f"x{r['hit_rate'] / max(base['hit_rate'], 1e-9):.2f} x{r['ttft_p50'] / base['ttft_p50']:.2f} "
+              f"x{r['req_s'] / base['req_s']:.2f}")
+    print("CPU ms/req: both replicas'; routers' own: " + ", ".join(
+        f"{p} {r['router_cpu_per_req'] * 1e3:.0f}" for p, r in results.items()) + "; requests per replica: " +
+        ", ".join(f"{p} {r['split']}" for p, r in results.items()) +
+        f"; cache-aware decided by a cached prefix: {results['cache-aware']['by_cache']:.0f}")
 
 
 if __name__ == "__main__":

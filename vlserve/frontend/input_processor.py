@@ -88,10 +88,23 @@ class InputProcessor:
     def process(self, prompt: dict | str, mm_processor_kwargs: dict | None = None) -> ProcessedPrompt:
         return self.processor.process(self._prompt_media(prompt, mm_processor_kwargs))
 
-    def layout(self, prompt: dict | str, mm_processor_kwargs: dict | None = None) -> ProcessedPrompt:
+    def layout(self, prompt: dict | str, mm_processor_kwargs: dict | None = None,
+               only_cached: bool = False) -> ProcessedPrompt:
         """`process` without the encoder inputs (the family's `layout`): the same token ids, items and so block
-        hashes, for a router. Data URLs may be given as they came: a re-sent one is then a cache lookup."""
-        return self.processor.layout(self._prompt_media(prompt, mm_processor_kwargs))
+        hashes, for a router. Data URLs may be given as they came: a re-sent one is then a cache lookup.
+        `only_cached`: raise NotLaidOut rather than decode an item whose layout is not cached."""
+        media = self._prompt_media(prompt, mm_processor_kwargs)
+        if not only_cached:
+            return self.processor.layout(media)
+        with self.processor.layouts.only_cached():
+            return self.processor.layout(media)
+
+    def text_before_media(self, prompt: dict | str) -> list[int]:
+        """The prompt's token ids before its first media placeholder: the same whatever the media turn out to be."""
+        _, ids = self.tokenize(prompt)
+        m = self.cfg.model
+        pads = {m.image_token_id, m.video_token_id, m.audio_token_id}
+        return ids[:next((i for i, t in enumerate(ids) if t in pads), len(ids))]
 
     def _prompt_media(self, prompt: dict | str, mm_processor_kwargs: dict | None) -> PromptMedia:
         text, token_ids = self.tokenize(prompt)

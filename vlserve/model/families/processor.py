@@ -9,6 +9,7 @@ position rules in its folder.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 from abc import ABC, abstractmethod
@@ -67,15 +68,29 @@ class PromptMedia:
     tokenize: Callable[[str], list[int]]  # the front end's tokenizer, with its bounds (a family that rewrites text)
 
 
+class NotLaidOut(Exception):
+    """`LayoutCache.only_cached`: an item whose layout is not cached yet (it would need a decode)."""
+
+
 class LayoutCache:
     """Media items' layouts (token counts, grids, content hashes; no pixels) by a hash of the item's raw source
     (data URL text or fetched bytes) and the settings: a picture sent again, as every turn of a chat resends it,
-    costs one blake3 pass over its bytes instead of a decode. Bounded, least recently used out; thread-safe."""
+    costs one blake3 pass over its bytes instead of a decode. Bounded, least recently used out; thread-safe.
+    Inside `only_cached()` (on this thread) an item not cached raises NotLaidOut instead of being decoded."""
 
     def __init__(self, size: int = 1024):
         self.size, self.hits, self.misses = size, 0, 0
         self._items: OrderedDict[bytes, Any] = OrderedDict()
         self._lock = threading.Lock()
+        self._local = threading.local()
+
+    @contextlib.contextmanager
+    def only_cached(self):
+        self._local.only_cached = True
+        try:
+            yield
+        finally:
+            self._local.only_cached = False
 
     @staticmethod
     def key(kind: str, src: Any, settings: Any) -> bytes | None:
@@ -97,6 +112,8 @@ class LayoutCache:
                 self._items.move_to_end(key)
                 self.hits += 1
                 return hit
+        if getattr(self._local, "only_cached", False):
+            raise NotLaidOut
         value = make()  # outside the lock: a decode takes milliseconds
         with self._lock:
             self.misses += 1
