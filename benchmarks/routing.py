@@ -202,6 +202,21 @@ async def warm_up(urls: list[str], model: str, a) -> None:
                 await ask(client, url, model, messages, a.max_tokens)
 
 
+def wait_following(routers: list[str], timeout: float = 60) -> None:
+    """Every router follows both replicas' event streams from their start (a router that joins a stream late
+    never learns what was stored before: it is cold until then)."""
+    deadline = time.monotonic() + timeout
+    for url in routers:
+        while True:
+            m = scrape(f"{url}/metrics")
+            if (m.get('vlserve:router_replicas{state="answering"}') == 2
+                    and m.get('vlserve:router_replicas{state="cache_cold"}') == 0):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"router {url} does not follow both replicas: {m}")
+            time.sleep(0.2)
+
+
 def machine() -> str:
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     flags = open("/proc/cpuinfo").read()
@@ -256,6 +271,7 @@ def main() -> None:
         for p in procs:
             wait_healthy(p, p.health, 300, p.name, lambda p=p: Path(p.log_path).read_text())
         name = httpx.get(f"{replicas[0]}/v1/models").json()["data"][0]["id"]
+        wait_following(list(routers.values()))
         asyncio.run(warm_up([*replicas, *routers.values()], name, a))
         cold, warm = asyncio.run(idle_ttft(replicas[0], name, a))
         time.sleep(3)  # routers follow every replica's event stream in order (not cold)

@@ -134,10 +134,10 @@ def test_prompt_hasher_gives_the_hashes_of_what_the_server_processes(tiny_ckpt):
                                                           {"role": "user", "content": parts}])
         engine = prompt_block_hashes(hasher.processor.process(fetched(chat_prompt(hasher.processor, parts))), BLOCK)
         # a picture not seen yet is not decoded on the request's path: the blocks before it, the rest made aside
-        first = asyncio.run(hasher.chat(body))
-        assert 0 < len(first) < len(engine) and first == engine[:len(first)]
+        first, whole = asyncio.run(hasher.chat(body))
+        assert 0 < len(first) < len(engine) and first == engine[:len(first)] and not whole
         deadline = time.monotonic() + 10
-        while (hashes := asyncio.run(hasher.chat(body))) != engine:
+        while (hashes := asyncio.run(hasher.chat(body))[0]) != engine:
             assert time.monotonic() < deadline, "the picture's layout was never made"
             time.sleep(0.05)
         assert len(hashes) > 10
@@ -146,7 +146,7 @@ def test_prompt_hasher_gives_the_hashes_of_what_the_server_processes(tiny_ckpt):
                                                          {"role": "user", "content": [bad_part]}])
         before = len(hasher.processor.text_before_media(chat_prompt(hasher.processor, [bad_part]))) // BLOCK
         for _ in range(2):  # not a picture: never more than the text before it; the replica says why
-            assert len(asyncio.run(hasher.chat(bad))) == before
+            assert len(asyncio.run(hasher.chat(bad))[0]) == before
             time.sleep(0.2)
     finally:
         hasher.close()

@@ -65,8 +65,9 @@ def build_router_app(opts: Options, hasher: PromptHasher, replicas: ReplicaSet) 
             body = await asyncio.get_running_loop().run_in_executor(hasher.executor, parse_body, data, model)
         body.check_fields(server)
         serving.check_model(body.model)
-        hashes = await serving.until_done_or_disconnect(raw, hash_fn(body)) if d.routing == "cache-aware" else []
-        return await proxy.forward(raw, path, data, hashes)
+        hashes, whole = (await serving.until_done_or_disconnect(raw, hash_fn(body)) if d.routing == "cache-aware"
+                         else ([], False))
+        return await proxy.forward(raw, path, data, hashes, whole)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request):

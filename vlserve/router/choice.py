@@ -21,7 +21,7 @@ from dataclasses import dataclass
 POLICIES = ("cache-aware", "least-load", "round-robin")
 # Imbalance beyond which cache-aware gives way to least-load: more than BALANCE_ABS requests over the least
 # busy replica's and more than BALANCE_REL times them.
-BALANCE_ABS, BALANCE_REL = 8, 2.0
+BALANCE_ABS, BALANCE_REL = 4, 2.0
 AVG_DECAY = 0.9  # of the running average prompt size (tokens)
 
 
@@ -60,7 +60,8 @@ class Chooser:
     def choose(self, replicas: Sequence[ReplicaLoad], overlaps: Mapping[str, int] | None = None,
                blocks: int = 0) -> Choice:
         """`replicas`: the candidates (already without failed ones), in a stable order; `overlaps`: leading cached
-        blocks of the request per replica (missing: 0); `blocks`: the request's full blocks (0: unknown).
+        blocks of the request per replica (missing: 0); `blocks`: the request's full blocks (0: unknown, as
+        when the hashes stop before a picture not seen yet: it counts at the average size).
         Raises LookupError when there is none."""
         if not replicas:
             raise LookupError("no replica to send the request to")

@@ -50,10 +50,10 @@ class PromptHasher:
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
-    async def chat(self, body: ChatCompletionRequest) -> list[bytes]:
+    async def chat(self, body: ChatCompletionRequest) -> tuple[list[bytes], bool]:
         return await self._hint(self._chat_prompt(body), body.mm_processor_kwargs)
 
-    async def completion(self, body: CompletionRequest) -> list[bytes]:
+    async def completion(self, body: CompletionRequest) -> tuple[list[bytes], bool]:
         prompts = body.prompts()  # n prompts: the first one's prefix is the hint (a batch goes to one replica)
         return await self._hint(asyncio.sleep(0, prompts[0]), None)
 
@@ -66,7 +66,8 @@ class PromptHasher:
             template, body.chat_template_kwargs, tools)
         return chat.prompt(text)
 
-    async def _hint(self, prompt_work, mm_processor_kwargs: dict | None) -> list[bytes]:
+    async def _hint(self, prompt_work, mm_processor_kwargs: dict | None) -> tuple[list[bytes], bool]:
+        """The block hashes, and whether they cover the whole prompt (else its size is unknown)."""
         try:
             prompt = await prompt_work
             if prompt.get("multi_modal_data"):
@@ -75,12 +76,12 @@ class PromptHasher:
                 self.executor, self._layout_or_prefix, prompt, mm_processor_kwargs)
         except VlserveError as e:
             logger.debug("no cache hint for this request (routed by load): %s", e)
-            return []
+            return [], False
         if isinstance(processed, list):
             hashes: list[bytes] = []
             extend_block_hashes(processed, [], self.block_size, hashes, [])
-            return hashes
-        return prompt_block_hashes(processed, self.block_size)
+            return hashes, False
+        return prompt_block_hashes(processed, self.block_size), True
 
     def _layout_or_prefix(self, prompt: dict, mm_processor_kwargs: dict | None) -> ProcessedPrompt | list[int]:
         """The prompt's layout when every media item's is cached; else the token ids before the first item, the
