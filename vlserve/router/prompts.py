@@ -45,10 +45,13 @@ class PromptHasher:
             self.processor.tokenizer.chat_template = load_chat_template(server.chat_template)
         self.trust_template = server.trust_request_chat_template
         self.executor = ThreadPoolExecutor(max_workers=server.media_threads, thread_name_prefix="vlserve-router")
+        # Pictures seen for the first time are laid out here, one at a time: never ahead of requests' own work.
+        self.background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlserve-router-layout")
         self.fetchers = {kind: MediaFetcher(MediaPolicy.from_args(server, kind)) for kind in MEDIA_KINDS}
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.background.shutdown(wait=False, cancel_futures=True)
 
     async def chat(self, body: ChatCompletionRequest) -> tuple[list[bytes], bool]:
         return await self._hint(self._chat_prompt(body), body.mm_processor_kwargs)
@@ -89,7 +92,7 @@ class PromptHasher:
         try:
             return self.processor.layout(prompt, mm_processor_kwargs, only_cached=True)
         except NotLaidOut:
-            future = self.executor.submit(self.processor.layout, prompt, mm_processor_kwargs)
+            future = self.background.submit(self.processor.layout, prompt, mm_processor_kwargs)
             future.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: the replica says why
             return self.processor.text_before_media(prompt)
 
