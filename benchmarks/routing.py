@@ -7,10 +7,16 @@ their own picture, every turn resending the conversation so far. Reported per po
 both replicas (hit tokens / queried tokens, from their /metrics), TTFT p50/p99 (first streamed content chunk,
 at the client), requests/s; then each policy's ratio to round-robin.
 
-On a 2-core machine both replicas share the cores: the TTFT difference is what the prefill and vision work a
-cache hit saves, not added compute.
+Cache pressure: a router matters when caches are full. Each replica's KV cache (`--num-kv-blocks`) is sized from
+the workload: `--cache-share` (default 0.6) of the working set, the blocks of every user's last prompt. So the
+conversations fit in the two caches when each is cached once (on one replica), not when each is cached on both,
+which is what round-robin and least-load do after a few turns. `--cache-share 4` gives caches that never evict.
 
-    .venv/bin/python benchmarks/routing.py [--model DIR] [--users 6] [--turns 4] [--max-tokens 8]
+Warm-up first (each replica and router serves a few requests of its own, outside the measurement), and the
+machine's bounds: TTFT of an idle replica for a picture turn not cached vs fully cached (what a hit can save at
+best here), and the hit rate if every turn found the previous turn of its chat cached.
+
+    .venv/bin/python benchmarks/routing.py [--model DIR | --size small] [--users 8] [--turns 4] [--cache-share 0.75]
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import asyncio
 import base64
 import io
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -37,6 +44,7 @@ from tests.conftest import noise_image  # noqa: E402
 from tests.server_utils import free_port, scrape, start_vlserve, stop, wait_healthy  # noqa: E402
 
 POLICIES = ("round-robin", "least-load", "cache-aware")
+BLOCK = 16
 SYSTEM = "You are a careful assistant who answers questions about the user's picture. " * 3
 QUESTIONS = ["What is in this picture?", "What colours stand out?", "Is there any text?", "Describe the corners.",
              "What might it be used for?", "Summarise our chat."]
@@ -48,6 +56,33 @@ def data_url(seed: int, side: int) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
+def first_turn(seed: int, side: int) -> list[dict]:
+    return [{"role": "system", "content": SYSTEM},
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(seed, side)}},
+                                         {"type": "text", "text": QUESTIONS[0]}]}]
+
+
+def next_turn(messages: list[dict], answer: str, turn: int) -> list[dict]:
+    return [*messages, {"role": "assistant", "content": answer},
+            {"role": "user", "content": QUESTIONS[(turn + 1) % len(QUESTIONS)]}]
+
+
+def last_prompt_blocks(model: str, a) -> int:
+    """Blocks of a user's last prompt (the layout the router computes; answers as `max_tokens` words)."""
+    from vlserve.core.config import EngineArgs
+    from vlserve.engine.config import resolve_config
+    from vlserve.frontend.chat import parse_chat_messages
+    from vlserve.frontend.input_processor import InputProcessor
+    from vlserve.frontend.tokenizer import render_chat
+
+    proc = InputProcessor.for_model(resolve_config(EngineArgs(model=model, dtype="float32"), announce=False))
+    messages = first_turn(0, a.image_side)
+    for turn in range(a.turns - 1):
+        messages = next_turn(messages, " ".join(["word"] * a.max_tokens), turn)
+    chat = parse_chat_messages(messages, allow_python_objects=False, modalities=proc.modalities)
+    return math.ceil(proc.layout(chat.prompt(render_chat(proc.tokenizer, chat.messages, True))).num_tokens / BLOCK)
+
+
 def start(name: str, args: list[str], health: str, logs: list) -> subprocess.Popen:
     log = tempfile.NamedTemporaryFile("w+", prefix=f"vlserve-{name}-", suffix=".log", delete=False)
     logs.append(log)
@@ -56,33 +91,48 @@ def start(name: str, args: list[str], health: str, logs: list) -> subprocess.Pop
     return proc
 
 
-async def one_user(client: httpx.AsyncClient, url: str, model: str, seed: int, turns: int, side: int,
-                   max_tokens: int, ttfts: list[float]) -> int:
-    messages = [{"role": "system", "content": SYSTEM},
-                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(seed, side)}},
-                                             {"type": "text", "text": QUESTIONS[0]}]}]
-    done = 0
-    for turn in range(turns):
-        body = {"model": model, "messages": messages, "max_tokens": max_tokens, "min_tokens": max_tokens,
-                "temperature": 0, "stream": True}
-        t0 = time.perf_counter()
-        first, text = None, []
-        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
-            resp.raise_for_status()
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                delta = chunk["choices"][0]["delta"].get("content") if chunk.get("choices") else None
-                if delta:
-                    first = first or time.perf_counter()
-                    text.append(delta)
-        ttfts.append((first or time.perf_counter()) - t0)
-        done += 1
-        messages = [*messages, {"role": "assistant", "content": "".join(text)},
-                    {"role": "user", "content": QUESTIONS[(turn + 1) % len(QUESTIONS)]}]
+async def ask(client: httpx.AsyncClient, url: str, model: str, messages: list[dict], max_tokens: int) -> dict:
+    """One streamed turn: TTFT (first content chunk), the answer, and the usage the replica reports."""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "min_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first, text, usage = None, [], {}
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            usage = chunk.get("usage") or usage
+            delta = chunk["choices"][0]["delta"].get("content") if chunk.get("choices") else None
+            if delta:
+                first = first or time.perf_counter()
+                text.append(delta)
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {"ttft": (first or time.perf_counter()) - t0, "answer": "".join(text),
+            "prompt": usage.get("prompt_tokens", 0), "cached": cached}
+
+
+async def one_user(client: httpx.AsyncClient, url: str, model: str, seed: int, a, turns: list[dict]) -> None:
+    messages = first_turn(seed, a.image_side)
+    for turn in range(a.turns):
+        turns.append({**await ask(client, url, model, messages, a.max_tokens), "turn": turn, "user": seed})
+        messages = next_turn(messages, turns[-1]["answer"], turn)
         await asyncio.sleep(0.05)  # a user reads the answer; the replica's cache events reach the router
-    return done
+
+
+def cpu_seconds(groups: list[int]) -> float:
+    """CPU time (user + system) of every live process in these process groups (each vlserve process and its
+    engine): what a policy costs the machine, not only how long its clients waited."""
+    total, tick = 0, os.sysconf("SC_CLK_TCK")
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) in groups:  # pgrp
+            total += int(fields[11]) + int(fields[12])
+    return total / tick
 
 
 def cache_counts(urls: list[str]) -> tuple[float, float]:
@@ -94,34 +144,107 @@ def cache_counts(urls: list[str]) -> tuple[float, float]:
     return hits, queries
 
 
-async def run_policy(url: str, replicas: list[str], model: str, seed0: int, a) -> dict:
+async def run_policy(url: str, replicas: list[str], model: str, seed0: int, a, groups: list[int],
+                     router: int) -> dict:
     h0, q0 = cache_counts(replicas)
-    ttfts: list[float] = []
+    c0, r0 = cpu_seconds(groups), cpu_seconds([router])
+    turns: list[dict] = []
     t0 = time.perf_counter()
     async with httpx.AsyncClient(timeout=600) as client:
-        done = await asyncio.gather(*(one_user(client, url, model, seed0 + u, a.turns, a.image_side, a.max_tokens,
-                                               ttfts) for u in range(a.users)))
+        await asyncio.gather(*(one_user(client, url, model, seed0 + u, a, turns) for u in range(a.users)))
     elapsed = time.perf_counter() - t0
     h1, q1 = cache_counts(replicas)
-    ttfts.sort()
+    cpu, router_cpu = cpu_seconds(groups) - c0, cpu_seconds([router]) - r0
+    routed = scrape(f"{url}/metrics")
+    per_replica: dict[str, float] = {}
+    for k, v in routed.items():
+        if k.startswith("vlserve:router_requests_total"):
+            replica = k.split('replica="', 1)[1].split('"', 1)[0]
+            per_replica[replica] = per_replica.get(replica, 0) + v
+    split = sorted(per_replica.values(), reverse=True)  # warm-up requests included
+    by_cache = sum(v for k, v in routed.items() if k.startswith("vlserve:router_requests_total")
+                   and 'decision="cache-hit"' in k)
+    ttfts = sorted(t["ttft"] for t in turns)
     return {"hit_rate": (h1 - h0) / max(q1 - q0, 1), "ttft_p50": statistics.median(ttfts),
-            "ttft_p99": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))], "req_s": sum(done) / elapsed}
+            "ttft_p99": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))], "req_s": len(turns) / elapsed,
+            "cpu_per_req": cpu / len(turns), "router_cpu_per_req": router_cpu / len(turns), "turns": turns,
+            "split": "/".join(f"{v:.0f}" for v in split), "by_cache": by_cache}
+
+
+def hit_bound(turns: list[dict]) -> float:
+    """Every turn finds the previous turn's prompt cached (whole blocks), a first turn its system prompt (the
+    least any first turn found: the system prompt is cached everywhere after the warm-up)."""
+    prompt = {(t["user"], t["turn"]): t["prompt"] for t in turns}
+    system = min(t["cached"] for t in turns if t["turn"] == 0)
+    cacheable = sum(prompt[u, k - 1] // BLOCK * BLOCK if k else system for u, k in prompt)
+    return cacheable / sum(prompt.values())
+
+
+async def idle_ttft(url: str, model: str, a) -> tuple[float, float]:
+    """An idle replica's TTFT for a picture turn: not cached (new picture), then the same again (cached)."""
+    cold, warm = [], []
+    async with httpx.AsyncClient(timeout=600) as client:
+        for seed in range(3):
+            messages = first_turn(900 + seed, a.image_side)
+            cold.append((await ask(client, url, model, messages, a.max_tokens))["ttft"])
+            await asyncio.sleep(0.2)
+            warm.append((await ask(client, url, model, messages, a.max_tokens))["ttft"])
+    return statistics.median(cold), statistics.median(warm)
+
+
+async def warm_up(urls: list[str], model: str, a) -> None:
+    """Start-up costs out of the measurement: pictures through each replica, text through each router."""
+    async with httpx.AsyncClient(timeout=600) as client:
+        for k, url in enumerate(urls):
+            messages = first_turn(800 + k, a.image_side) if k < 2 else [{"role": "system", "content": SYSTEM},
+                                                                         {"role": "user", "content": "Hello."}]
+            for _ in range(2):
+                await ask(client, url, model, messages, a.max_tokens)
+
+
+def wait_following(routers: list[str], timeout: float = 60) -> None:
+    """Every router follows both replicas' event streams from their start (a router that joins a stream late
+    never learns what was stored before: it is cold until then)."""
+    deadline = time.monotonic() + timeout
+    for url in routers:
+        while True:
+            m = scrape(f"{url}/metrics")
+            if (m.get('vlserve:router_replicas{state="answering"}') == 2
+                    and m.get('vlserve:router_replicas{state="cache_cold"}') == 0):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"router {url} does not follow both replicas: {m}")
+            time.sleep(0.2)
+
+
+def machine() -> str:
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    flags = open("/proc/cpuinfo").read()
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "neither AVX2 nor AVX-512"
+    return f"{cpu} ({isa}), {os.cpu_count()} cores"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="checkpoint folder (default: a random Qwen2-VL of --size made in a temp dir)")
-    ap.add_argument("--size", default="medium", help="size of the random checkpoint made without --model")
-    ap.add_argument("--users", type=int, default=6)
+    ap.add_argument("--size", default="small", help="size of the random checkpoint made without --model")
+    ap.add_argument("--users", type=int, default=8)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--image-side", type=int, default=448, help="picture width and height in pixels")
+    ap.add_argument("--cache-share", type=float, default=0.6,
+                    help="each replica's KV cache, as a share of the working set (all users' last prompts)")
+    ap.add_argument("--num-kv-blocks", type=int, help="each replica's KV cache in blocks (instead of --cache-share)")
+    ap.add_argument("--routing-cache-weight", type=float, default=1.0)
     a = ap.parse_args()
     model = a.model
     if model is None:
         from vlserve.tools.tiny_model import make_tiny_model
 
         model = str(make_tiny_model(Path(tempfile.mkdtemp()) / a.size, arch="qwen2_vl", size=a.size))
+    per_user = last_prompt_blocks(model, a)
+    working_set = a.users * per_user
+    kv_blocks = a.num_kv_blocks or max(2 * per_user, math.ceil(a.cache_share * working_set))
     logs: list = []
     procs: list[subprocess.Popen] = []
     bport = free_port()
@@ -133,41 +256,54 @@ def main() -> None:
         for i in range(2):
             port = free_port()
             replicas.append(f"http://127.0.0.1:{port}")
-            procs.append(start(f"replica-{i}", ["serve", "--model", model, "--port", str(port), "--registry",
-                                                f"http://127.0.0.1:{bport}", "--kv-events-endpoint",
-                                                f"tcp://127.0.0.1:{free_port()}", *hb], f"{replicas[-1]}/health",
-                               logs))
+            procs.append(start(f"replica-{i}", [
+                "serve", "--model", model, "--port", str(port), "--registry", f"http://127.0.0.1:{bport}",
+                "--kv-events-endpoint", f"tcp://127.0.0.1:{free_port()}", "--num-kv-blocks", str(kv_blocks),
+                "--block-size", str(BLOCK), *hb], f"{replicas[-1]}/health", logs))
         routers = {}
         for policy in POLICIES:
             port = free_port()
             routers[policy] = f"http://127.0.0.1:{port}"
-            procs.append(start(f"router-{policy}", ["router", "--model", model, "--port", str(port), "--bootstrap",
-                                                    f"127.0.0.1:{bport}", "--routing", policy, *hb],
-                               f"{routers[policy]}/ready", logs))
+            procs.append(start(f"router-{policy}", [
+                "router", "--model", model, "--port", str(port), "--bootstrap", f"127.0.0.1:{bport}", "--routing",
+                policy, "--block-size", str(BLOCK), "--routing-cache-weight", str(a.routing_cache_weight), *hb],
+                f"{routers[policy]}/ready", logs))
         for p in procs:
             wait_healthy(p, p.health, 300, p.name, lambda p=p: Path(p.log_path).read_text())
-        time.sleep(3)  # routers follow every replica's event stream in order (not cold)
         name = httpx.get(f"{replicas[0]}/v1/models").json()["data"][0]["id"]
+        wait_following(list(routers.values()))
+        asyncio.run(warm_up([*replicas, *routers.values()], name, a))
+        cold, warm = asyncio.run(idle_ttft(replicas[0], name, a))
+        time.sleep(3)  # routers follow every replica's event stream in order (not cold)
         results = {}
         for k, policy in enumerate(POLICIES):
-            results[policy] = asyncio.run(run_policy(routers[policy], replicas, name, 1000 * (k + 1), a))
+            groups = [p.pid for p in procs if p.name.startswith("replica")]
+            router = next(p.pid for p in procs if p.name == f"router-{policy}")
+            results[policy] = asyncio.run(run_policy(routers[policy], replicas, name, 1000 * (k + 1), a, groups,
+                                                     router))
     finally:
         for p in reversed(procs):
             stop(p)
         for log in logs:
             log.close()
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    flags = open("/proc/cpuinfo").read()
-    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "neither AVX2 nor AVX-512"
-    print(f"machine: {cpu} ({isa}), {os.cpu_count()} cores; 2 replicas; {a.users} users x {a.turns} turns, "
-          f"{a.image_side}px pictures, {a.max_tokens} tokens per answer")
+    print(f"machine: {machine()}; 2 replicas; {a.users} users x {a.turns} turns, {a.image_side}px pictures, "
+          f"{a.max_tokens} tokens per answer; model {Path(model).name}")
+    print(f"KV cache per replica: {kv_blocks} blocks of {BLOCK} = {kv_blocks / working_set:.2f} x the working set "
+          f"({a.users} users x {per_user} blocks); --routing-cache-weight {a.routing_cache_weight}")
+    print(f"bounds: idle replica TTFT {cold * 1e3:.0f} ms not cached, {warm * 1e3:.0f} ms cached; hit rate if every "
+          f"turn found its chat's previous turn cached: {hit_bound(results['cache-aware']['turns']):.1%}")
     base = results["round-robin"]
-    print(f"{'policy':<12} {'hit rate':>9} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} {'req/s':>7}   "
-          "(x round-robin: hit rate, TTFT p50, req/s)")
+    print(f"{'policy':<12} {'hit rate':>9} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} {'req/s':>7} {'CPU ms/req':>11}"
+          "   (x round-robin: hit rate, TTFT p50, req/s)")
     for policy, r in results.items():
         print(f"{policy:<12} {r['hit_rate']:>9.1%} {r['ttft_p50'] * 1e3:>12.0f} {r['ttft_p99'] * 1e3:>12.0f} "
-              f"{r['req_s']:>7.2f}   x{r['hit_rate'] / max(base['hit_rate'], 1e-9):.2f} "
-              f"x{r['ttft_p50'] / base['ttft_p50']:.2f} x{r['req_s'] / base['req_s']:.2f}")
+              f"{r['req_s']:>7.2f} {r['cpu_per_req'] * 1e3:>11.0f}   "
+              f"x{r['hit_rate'] / max(base['hit_rate'], 1e-9):.2f} x{r['ttft_p50'] / base['ttft_p50']:.2f} "
+              f"x{r['req_s'] / base['req_s']:.2f}")
+    print("CPU ms/req: both replicas'; routers' own: " + ", ".join(
+        f"{p} {r['router_cpu_per_req'] * 1e3:.0f}" for p, r in results.items()) + "; requests per replica: " +
+        ", ".join(f"{p} {r['split']}" for p, r in results.items()) +
+        f"; cache-aware decided by a cached prefix: {results['cache-aware']['by_cache']:.0f}")
 
 
 if __name__ == "__main__":

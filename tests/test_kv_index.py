@@ -135,8 +135,13 @@ def test_silent_replica_goes_cold_after_timeout(index, clock):
     clock.now += 1.5  # a: 5.5 s silent > 5; b: 1.5 s
     assert index.longest_prefixes(chain(1, 2)) == {"a": 0, "b": 1}
     assert "silent" in index.view("a").cold_reason and not index.is_cold("b")
-    index.apply("a", a.batch())  # back, in sequence: warm, but what it had is forgotten
-    assert not index.is_cold("a") and index.longest_prefix("a", chain(1)) == 0
+    index.apply("a", a.batch())  # back, in sequence (a long engine step, say): warm with what it had
+    assert not index.is_cold("a") and index.longest_prefixes(chain(1, 2)) == {"a": 2, "b": 1}
+    clock.now += 6.0
+    assert index.longest_prefix("a", chain(1)) == 0 and index.is_cold("b")
+    a.seq += 1  # one batch lost
+    index.apply("a", a.batch())  # back after the lost batch: what it had is forgotten
+    assert "gap" in index.view("a").cold_reason and index.longest_prefix("a", chain(1)) == 0
 
 
 def test_memory_bound_drops_oldest(clock):
@@ -208,11 +213,11 @@ def test_subscriber_ignores_undecodable_messages(clock):
     sub = KVEventSubscriber(index)
     try:
         sub.add("a", f"tcp://127.0.0.1:{port}")
-        good = encode_batch(KVEventBatch("run", 0, 0.0, [stored(1)]))
-        deadline = time.monotonic() + 5
+        deadline, seq = time.monotonic() + 5, 0
         while index.view("a").publisher is None and time.monotonic() < deadline:  # the SUB joins late: repeat
             pub.send(b"\x93garbage")
-            pub.send(good)
+            pub.send(encode_batch(KVEventBatch("run", seq, 0.0, [stored(1)])))  # in sequence: two may arrive
+            seq += 1
             sub.poll(20)
         assert sub.undecodable >= 1 and index.longest_prefix("a", chain(1)) == 1
     finally:

@@ -323,12 +323,13 @@ class DisaggArgs:
     # The router (`vlserve router`): which replicas, and how it picks one.
     replica_role: tuple[str, ...] = option(("serve", "language", "decode"), "registry roles the router sends "
                                            "requests to", {ROUTER}, nargs="+", choices=("serve", "language", "decode"))
-    routing: str = option("cache-aware", "how the router picks a replica: cache-aware (most cached leading blocks "
-                          "of the request, weighed against load), least-load, round-robin", {ROUTER},
+    routing: str = option("cache-aware", "how the router picks a replica: cache-aware (most cached leading tokens "
+                          "of the request, weighed against its prefill queue), least-load, round-robin", {ROUTER},
                           choices=("cache-aware", "least-load", "round-robin"))
     routing_cache_weight: float = option(
-        1.0, "cache-aware: score = weight x (leading blocks of the request cached on the replica) - load (its "
-        "requests in flight from this router, plus its running and waiting ones)", {ROUTER})
+        1.0, "cache-aware: what a prompt token cached on a replica is worth against a prompt token queued there "
+        "for prefill (score = weight x cached leading tokens of the request - the replica's prefill queue in "
+        "tokens); 0 routes by the shortest prefill queue", {ROUTER})
 
 
 def encode_args(args: EngineArgs) -> bytes:

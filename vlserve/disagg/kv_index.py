@@ -13,11 +13,14 @@ its view may be wrong:
   applied again (a late, older batch is ignored), so the view grows back, but only from blocks stored again: a
   block cached before the gap that stays cached is unknown until evicted and stored anew. The view is then a
   subset of the truth. A fresh publisher starting at sequence 0 is a clean start, not a gap.
-- **Silence.** A replica publishes at least a keepalive every second; one not heard from for `silence_timeout_s`
-  (by this process's clock: publishers' clocks may disagree) is cold and its blocks forgotten: it may be dead, or
-  its events may not reach us.
-- A cold replica turns warm again at its next batch in sequence. `longest_prefix` of a cold replica answers from
-  what it learned since it turned cold (0 right after).
+- **Silence.** A replica publishes at least a keepalive every second, and a busy one after every engine step;
+  one not heard from for `silence_timeout_s` (by this process's clock: publishers' clocks may disagree) is cold:
+  it may be dead, or its events may not reach us, so queries count nothing cached there. Its blocks are kept,
+  not forgotten: silence loses no event by itself (the sequence numbers say when one was lost), and a replica in
+  one long engine step (a large prefill on a loaded machine) is silent for no other reason. Its next batch in
+  sequence makes it warm with its whole view; a gap or a new publisher forgets it as above.
+- A cold replica turns warm again at its next batch in sequence. `longest_prefix` of a replica cold after a gap
+  answers from what it learned since (0 right after); of a silent one, 0.
 - **Memory.** At most `max_blocks_per_replica` hashes per replica: storing one more drops its oldest-stored hash
   (the one most likely evicted by the replica's own LRU meanwhile).
 
@@ -51,6 +54,7 @@ class ReplicaView:
     block_size: int | None = None  # as its last BlockStored said
     gaps: int = 0  # sequence gaps, reorders and restarts seen
     dropped_by_bound: int = 0  # hashes dropped by max_blocks_per_replica
+    silent: bool = False  # cold for silence: its blocks are kept, hidden from queries until it is heard again
 
 
 class KVIndex:
@@ -96,6 +100,7 @@ class KVIndex:
         with self._lock:
             view = self._replicas.setdefault(name, ReplicaView())
             view.last_heard = self._clock()
+            view.silent = False
             if batch.replica_id != view.publisher:
                 clean = batch.seq == 0  # a publisher's first batch: we have seen its whole stream
                 if view.publisher is not None:
@@ -134,7 +139,7 @@ class KVIndex:
         with self._lock:
             self._expire()
             view = self._replicas.get(name)
-            if view is None:
+            if view is None or view.silent:
                 return 0
             n = 0
             for h in block_hashes:
@@ -155,6 +160,9 @@ class KVIndex:
                     break
                 for name in alive:
                     result[name] = i + 1
+            for name, view in self._replicas.items():
+                if view.silent:
+                    result[name] = 0
             return result
 
     # ---- internals (lock held) ----------------------------------------------------------------------------
@@ -189,10 +197,13 @@ class KVIndex:
             self._unhold(name, h)
         view.blocks.clear()
         view.cold_reason = reason
+        view.silent = False
 
     def _expire(self) -> None:
         now = self._clock()
         for name, view in self._replicas.items():
             if (view.cold_reason is None and view.last_heard is not None
                     and now - view.last_heard > self.silence_timeout_s):
-                self._forget(name, f"silent for {now - view.last_heard:.1f}s")
+                logger.warning("KV events of replica %s: silent for %.1fs; counted cold until heard again", name,
+                               now - view.last_heard)
+                view.cold_reason, view.silent = f"silent for {now - view.last_heard:.1f}s", True

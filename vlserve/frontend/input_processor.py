@@ -86,6 +86,27 @@ class InputProcessor:
             raise InvalidInputError("the prompt is not valid unicode (it holds a lone surrogate)") from None
 
     def process(self, prompt: dict | str, mm_processor_kwargs: dict | None = None) -> ProcessedPrompt:
+        return self.processor.process(self._prompt_media(prompt, mm_processor_kwargs))
+
+    def layout(self, prompt: dict | str, mm_processor_kwargs: dict | None = None,
+               only_cached: bool = False) -> ProcessedPrompt:
+        """`process` without the encoder inputs (the family's `layout`): the same token ids, items and so block
+        hashes, for a router. Data URLs may be given as they came: a re-sent one is then a cache lookup.
+        `only_cached`: raise NotLaidOut rather than decode an item whose layout is not cached."""
+        media = self._prompt_media(prompt, mm_processor_kwargs)
+        if not only_cached:
+            return self.processor.layout(media)
+        with self.processor.layouts.only_cached():
+            return self.processor.layout(media)
+
+    def text_before_media(self, prompt: dict | str) -> list[int]:
+        """The prompt's token ids before its first media placeholder: the same whatever the media turn out to be."""
+        _, ids = self.tokenize(prompt)
+        m = self.cfg.model
+        pads = {m.image_token_id, m.video_token_id, m.audio_token_id}
+        return ids[:next((i for i, t in enumerate(ids) if t in pads), len(ids))]
+
+    def _prompt_media(self, prompt: dict | str, mm_processor_kwargs: dict | None) -> PromptMedia:
         text, token_ids = self.tokenize(prompt)
         if not token_ids:
             raise InvalidInputError("the prompt is empty")
@@ -102,8 +123,7 @@ class InputProcessor:
                                     f"(supported: {', '.join(sorted(known)) or 'none for this model'})")
         media = {kind: self._sources(kind, mm_data, uuids) for kind in self.modalities}
         from_ids = isinstance(prompt, dict) and "prompt_token_ids" in prompt
-        return self.processor.process(PromptMedia(text, token_ids, media, dict(kwargs), from_ids,
-                                                  lambda t: self.tokenize({"prompt": t})[1]))
+        return PromptMedia(text, token_ids, media, dict(kwargs), from_ids, lambda t: self.tokenize({"prompt": t})[1])
 
     def _sources(self, kind: str, mm_data: dict, uuids: dict) -> list[tuple[Any, str | None]]:
         value = mm_data.get(kind)

@@ -43,7 +43,8 @@ def build_router_app(opts: Options, hasher: PromptHasher, replicas: ReplicaSet) 
     # The server's model check and disconnect handling (it needs no engine for those).
     serving = OpenAIServing(None, server, model_name)
     metrics = RouterMetrics(replicas)
-    proxy = Proxy(replicas, Chooser(d.routing, d.routing_cache_weight), metrics, serving.until_done_or_disconnect)
+    chooser = Chooser(d.routing, d.routing_cache_weight, opts.engine.block_size)
+    proxy = Proxy(replicas, chooser, metrics, serving.until_done_or_disconnect)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -64,8 +65,9 @@ def build_router_app(opts: Options, hasher: PromptHasher, replicas: ReplicaSet) 
             body = await asyncio.get_running_loop().run_in_executor(hasher.executor, parse_body, data, model)
         body.check_fields(server)
         serving.check_model(body.model)
-        hashes = await serving.until_done_or_disconnect(raw, hash_fn(body)) if d.routing == "cache-aware" else []
-        return await proxy.forward(raw, path, data, hashes)
+        hashes, whole = (await serving.until_done_or_disconnect(raw, hash_fn(body)) if d.routing == "cache-aware"
+                         else ([], False))
+        return await proxy.forward(raw, path, data, hashes, whole)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request):

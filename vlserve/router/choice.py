@@ -1,10 +1,16 @@
 """How the router picks a replica for one request: pure functions over what it knows of each replica.
 
 - round-robin: the next replica in turn;
-- least-load: the fewest requests (this router's in flight to it, plus its running and waiting ones as scraped);
-- cache-aware: the highest `weight x overlap - load`, where overlap is how many leading blocks of the request
-  the replica's prefix cache holds (from its KV events; a cold replica counts 0). Ties go to the lower load, then
-  in turn, so requests with nothing cached spread like least-load.
+- least-load: the fewest requests (this router's in flight to it, plus the running and waiting ones its /metrics
+  showed beyond those);
+- cache-aware: costs in one unit, prompt tokens to prefill. A replica's gain for the request is
+  `weight x (tokens of the request's leading blocks it holds)` minus its queue: the prompt tokens not cached
+  there of this router's requests it has not started answering, plus other clients' requests (from its
+  /metrics) at the average prompt size. Weight 1: a cached token is worth one queued token of prefill (a cache
+  hit also skips the vision tower, so >1 is defensible on picture-heavy traffic); 0: the shortest prefill queue.
+  Highest gain wins; ties go to the fewer requests, then in turn, so requests with nothing cached spread. A
+  replica far busier in requests than the least busy one (decoding requests, which the prefill queue does not
+  count) is passed over for least-load, as SGLang's router does when load is imbalanced.
 """
 
 from __future__ import annotations
@@ -13,6 +19,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 POLICIES = ("cache-aware", "least-load", "round-robin")
+# Imbalance beyond which cache-aware gives way to least-load: more than BALANCE_ABS requests over the least
+# busy replica's and more than BALANCE_REL times them.
+BALANCE_ABS, BALANCE_REL = 4, 2.0
+AVG_DECAY = 0.9  # of the running average prompt size (tokens)
 
 
 @dataclass
@@ -21,12 +31,12 @@ class ReplicaLoad:
 
     name: str
     in_flight: int = 0  # this router's requests to it, not yet finished
-    running: int = 0  # scraped from its /metrics
-    waiting: int = 0
+    others: int = 0  # running + waiting on it beyond this router's in flight (its last /metrics scrape)
+    prefill_tokens: int = 0  # uncached prompt tokens of this router's requests it has not started answering
 
     @property
     def load(self) -> int:
-        return self.in_flight + self.running + self.waiting
+        return self.in_flight + self.others
 
 
 @dataclass(frozen=True)
@@ -34,40 +44,57 @@ class Choice:
     name: str
     decision: str  # "cache-hit" (chosen for a cached prefix), "load" (no overlap decided it), "round-robin"
     overlap: int  # leading blocks of the request cached on the chosen replica
+    new_tokens: int  # prompt tokens the chosen replica must prefill (estimated): its queue grows by these
 
 
 class Chooser:
-    def __init__(self, policy: str = "cache-aware", cache_weight: float = 1.0):
+    def __init__(self, policy: str = "cache-aware", cache_weight: float = 1.0, block_size: int = 16):
         if policy not in POLICIES:
             raise ValueError(f"routing must be one of {', '.join(POLICIES)}, got {policy!r}")
         if cache_weight < 0:
             raise ValueError(f"the cache weight must be >= 0, got {cache_weight}")
-        self.policy, self.cache_weight = policy, cache_weight
+        self.policy, self.cache_weight, self.block_size = policy, cache_weight, block_size
+        self.avg_tokens = 0.0  # prompt size of recent hashed requests: what a request of unknown size counts
         self._turn = 0
 
-    def choose(self, replicas: Sequence[ReplicaLoad], overlaps: Mapping[str, int] | None = None) -> Choice:
+    def choose(self, replicas: Sequence[ReplicaLoad], overlaps: Mapping[str, int] | None = None,
+               blocks: int = 0) -> Choice:
         """`replicas`: the candidates (already without failed ones), in a stable order; `overlaps`: leading cached
-        blocks of the request per replica (missing: 0). Raises LookupError when there is none."""
+        blocks of the request per replica (missing: 0); `blocks`: the request's full blocks (0: unknown, as
+        when the hashes stop before a picture not seen yet: it counts at the average size).
+        Raises LookupError when there is none."""
         if not replicas:
             raise LookupError("no replica to send the request to")
         turn = self._turn
         self._turn += 1
         overlaps = overlaps or {}
+        if blocks:
+            self.avg_tokens = AVG_DECAY * self.avg_tokens + (1 - AVG_DECAY) * blocks * self.block_size
+        size = blocks * self.block_size if blocks else round(self.avg_tokens)
+
+        def made(pick: ReplicaLoad, decision: str) -> Choice:
+            overlap = overlaps.get(pick.name, 0)
+            return Choice(pick.name, decision, overlap, max(0, size - overlap * self.block_size))
+
         if self.policy == "round-robin":
-            pick = replicas[turn % len(replicas)]
-            return Choice(pick.name, "round-robin", overlaps.get(pick.name, 0))
+            return made(replicas[turn % len(replicas)], "round-robin")
         n = len(replicas)
         rotated = [replicas[(turn + i) % n] for i in range(n)]  # ties broken in turn
+        least = min(rotated, key=lambda r: r.load)
         if self.policy == "least-load":
-            pick = min(rotated, key=lambda r: r.load)
-            return Choice(pick.name, "load", overlaps.get(pick.name, 0))
+            return made(least, "load")
 
-        def score(r: ReplicaLoad) -> tuple[float, int]:
-            return self.cache_weight * overlaps.get(r.name, 0) - r.load, -r.load
+        def queue(r: ReplicaLoad) -> float:
+            return r.prefill_tokens + r.others * self.avg_tokens
 
-        pick = max(rotated, key=score)
+        def gain(r: ReplicaLoad) -> tuple[float, int]:
+            return self.cache_weight * overlaps.get(r.name, 0) * self.block_size - queue(r), -r.load
+
+        pick = max(rotated, key=gain)
+        if pick.load > least.load + BALANCE_ABS and pick.load > BALANCE_REL * least.load:
+            return made(least, "load")
         overlap = overlaps.get(pick.name, 0)
-        least = min(r.load for r in replicas)
-        # A cached prefix decided it only if some overlap was there and it beat the least loaded choice.
-        decided = overlap > 0 and (pick.load > least or overlap > min(overlaps.get(r.name, 0) for r in replicas))
-        return Choice(pick.name, "cache-hit" if decided else "load", overlap)
+        # A cached prefix decided it if some was there and it won over a shorter queue or a smaller overlap.
+        decided = overlap > 0 and (queue(pick) > min(queue(r) for r in replicas)
+                                   or overlap > min(overlaps.get(r.name, 0) for r in replicas))
+        return made(pick, "cache-hit" if decided else "load")

@@ -48,7 +48,8 @@ class Proxy:
     async def aclose(self) -> None:
         await self.http.aclose()
 
-    async def forward(self, raw: Request, path: str, body: bytes, hashes: list[bytes]) -> Response:
+    async def forward(self, raw: Request, path: str, body: bytes, hashes: list[bytes], whole: bool = True) -> Response:
+        """`hashes`: the prompt's block hashes; `whole`: they cover all of it (else its size is unknown)."""
         headers = {k: v for k, v in raw.headers.items() if k.lower() in FORWARDED_HEADERS}
         tried: set[str] = set()
         for attempt in range(2):
@@ -57,12 +58,18 @@ class Proxy:
                 break
             overlaps = (self.replicas.index.longest_prefixes(hashes)
                         if hashes and self.chooser.policy == "cache-aware" else {})
-            choice = self.chooser.choose(candidates, overlaps)
+            choice = self.chooser.choose(candidates, overlaps, len(hashes) if whole else 0)
             replica = self.replicas.replicas[choice.name]
             replica.in_flight += 1
+            # Queued for prefill until the replica answers: a server sends its headers once the prompt is
+            # prefilled (a stream's first chunk) or, not streaming, once done.
+            replica.prefill_tokens += choice.new_tokens
             try:
                 request = self.http.build_request("POST", f"{replica.url}{path}", content=body, headers=headers)
-                resp = await self.until_done_or_disconnect(raw, self.http.send(request, stream=True))
+                try:
+                    resp = await self.until_done_or_disconnect(raw, self.http.send(request, stream=True))
+                finally:
+                    replica.prefill_tokens -= choice.new_tokens
             except CONNECT_FAILURES as e:
                 replica.in_flight -= 1
                 tried.add(replica.name)

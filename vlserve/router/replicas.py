@@ -1,6 +1,7 @@
 """The router's replicas: who is there (the registry, listed every --heartbeat-interval), what each has cached
 (its KV events, followed on a thread by `KVEventSubscriber` into a `KVIndex`) and how busy each is (this router's
-in-flight count, plus running and waiting requests scraped from its /metrics at the same interval).
+in-flight count and prefill queue, plus the running and waiting requests its /metrics shows beyond those, scraped
+at the same interval).
 
 A replica that refuses a connection or fails before answering is avoided for a while (`avoid`); one that leaves
 the registry is dropped, its requests in flight left to finish (they hold their own connections).
@@ -152,6 +153,7 @@ class ReplicaSet:
 
     async def scrape(self) -> None:
         async def one(r: Replica) -> None:
+            ours = r.in_flight  # as the replica counts them now (some may finish meanwhile: the max below)
             try:
                 resp = await self._http.get(f"{r.url}/metrics")
                 resp.raise_for_status()
@@ -160,5 +162,5 @@ class ReplicaSet:
                 return
             r.answering = True
             load = parse_load(resp.text)
-            r.running, r.waiting = load["running"], load["waiting"]
+            r.others = max(0, load["running"] + load["waiting"] - max(ours, r.in_flight))
         await asyncio.gather(*(one(r) for r in list(self.replicas.values())))

@@ -9,12 +9,17 @@ position rules in its folder.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import threading
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import blake3
 import torch
 
 from vlserve.core.errors import InvalidInputError
@@ -63,17 +68,80 @@ class PromptMedia:
     tokenize: Callable[[str], list[int]]  # the front end's tokenizer, with its bounds (a family that rewrites text)
 
 
+class NotLaidOut(Exception):
+    """`LayoutCache.only_cached`: an item whose layout is not cached yet (it would need a decode)."""
+
+
+class LayoutCache:
+    """Media items' layouts (token counts, grids, content hashes; no pixels) by a hash of the item's raw source
+    (data URL text or fetched bytes) and the settings: a picture sent again, as every turn of a chat resends it,
+    costs one blake3 pass over its bytes instead of a decode. Bounded, least recently used out; thread-safe.
+    Inside `only_cached()` (on this thread) an item not cached raises NotLaidOut instead of being decoded."""
+
+    def __init__(self, size: int = 1024):
+        self.size, self.hits, self.misses = size, 0, 0
+        self._items: OrderedDict[bytes, Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self._local = threading.local()
+
+    @contextlib.contextmanager
+    def only_cached(self):
+        self._local.only_cached = True
+        try:
+            yield
+        finally:
+            self._local.only_cached = False
+
+    @staticmethod
+    def key(kind: str, src: Any, settings: Any) -> bytes | None:
+        """None for what may change under the same name (a path) or has no bytes of its own (a PIL image)."""
+        if isinstance(src, str) and src[:5].lower() == "data:":
+            src = src.encode()
+        if not isinstance(src, (bytes, bytearray, memoryview)):
+            return None
+        h = blake3.blake3(f"{kind}|{json.dumps(settings, sort_keys=True, default=str)}|".encode())
+        h.update(src)
+        return h.digest()
+
+    def get_or_make(self, key: bytes | None, make: Callable[[], Any]) -> Any:
+        if key is None:
+            return make()
+        with self._lock:
+            hit = self._items.get(key)
+            if hit is not None:
+                self._items.move_to_end(key)
+                self.hits += 1
+                return hit
+        if getattr(self._local, "only_cached", False):
+            raise NotLaidOut
+        value = make()  # outside the lock: a decode takes milliseconds
+        with self._lock:
+            self.misses += 1
+            self._items[key] = value
+            if len(self._items) > self.size:
+                self._items.popitem(last=False)
+        return value
+
+
 class MultiModalProcessor(ABC):
     # mm_processor_kwargs this family reads (any other name is refused before the family sees the prompt)
     mm_kwargs: frozenset[str] = frozenset()
 
     def __init__(self, ctx: ProcessorContext):
         self.ctx = ctx
+        self.layouts = LayoutCache()
 
     @abstractmethod
     def process(self, prompt: PromptMedia) -> ProcessedPrompt:
         """Load and preprocess the media (decode, bound, resize, hash), expand placeholders, positions. Raises
         InvalidInputError (or a subclass) for anything the client can fix."""
+
+    def layout(self, prompt: PromptMedia) -> ProcessedPrompt:
+        """What `process` gives less the encoder inputs: the same token ids and items (offsets, token counts,
+        grids, content hashes) with no pixel values or features, so the same block hashes (a router's need).
+        A family may skip resizing and patchifying here, and look re-sent items up in `self.layouts`; by
+        default this is `process`."""
+        return self.process(prompt)
 
 
 def expand_placeholders(token_ids: Sequence[int], pad_token_id: int,

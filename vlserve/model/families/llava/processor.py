@@ -45,6 +45,7 @@ from vlserve.model.families.llava.pixels import (
 )
 from vlserve.model.families.processor import (
     EMBED_DTYPES,
+    LayoutCache,
     MultiModalProcessor,
     ProcessorContext,
     PromptMedia,
@@ -97,10 +98,18 @@ class LlavaProcessor(MultiModalProcessor):
                                  f"of {self.image.tile}px) differ from the model's {list(self.geo.pinpoints)}")
 
     def process(self, prompt: PromptMedia) -> ProcessedPrompt:
+        return self._run(prompt, pixels=True)
+
+    def layout(self, prompt: PromptMedia) -> ProcessedPrompt:
+        """No tiling or resizing: token counts follow from the decoded size (decoding stays: the content hash is
+        of the decoded pixels, as the engine's); items seen before come from `self.layouts`."""
+        return self._run(prompt, pixels=False)
+
+    def _run(self, prompt: PromptMedia, pixels: bool) -> ProcessedPrompt:
         m = self.ctx.model
         max_frames = self._max_frames(prompt.mm_kwargs)
-        images = [self._image(src, uid) for src, uid in prompt.media.get("image", [])]
-        videos = [self._video(src, uid, max_frames) for src, uid in prompt.media.get("video", [])]
+        images = [self._image(src, uid, pixels) for src, uid in prompt.media.get("image", [])]
+        videos = [self._video(src, uid, max_frames, pixels) for src, uid in prompt.media.get("video", [])]
         token_ids, offsets = expand_all_placeholders(prompt.token_ids, {
             m.image_token_id: [it.num_tokens for it in images],
             m.video_token_id: [it.num_tokens for it in videos]})
@@ -110,9 +119,14 @@ class LlavaProcessor(MultiModalProcessor):
         return ProcessedPrompt(token_ids, [it.placed_at(off) for off, it in placed], positions, delta, prompt.text)
 
     # ---- pictures ----------------------------------------------------------------------------------------------
-    def _image(self, src: Any, uid: str | None) -> _Item:
+    def _image(self, src: Any, uid: str | None, pixels: bool = True) -> _Item:
         if isinstance(src, dict) and "image_embeds" in src:
             return self._embeds(src)
+        if pixels:
+            return self._load_image(src, uid, True)
+        return self.layouts.get_or_make(LayoutCache.key("image", src, [uid]), lambda: self._load_image(src, uid, False))
+
+    def _load_image(self, src: Any, uid: str | None, pixels: bool) -> _Item:
         img = load_image(src, self.ctx.max_image_pixels)
         grid = (self.geo.num_tiles(img.height, img.width), img.height, img.width)
         tokens = item_tokens(self.ctx.model, grid)
@@ -121,9 +135,8 @@ class LlavaProcessor(MultiModalProcessor):
         if bh * bw > self.ctx.max_image_pixels:
             raise MediaTooLargeError(f"the {img.width}x{img.height} picture would be resized to {bw}x{bh} = {bh * bw} "
                                      f"pixels, more than the {self.ctx.max_image_pixels} allowed (--max-image-pixels)")
-        pixels = anyres_pixels(img, self.image)
         mm_hash = hash_user_id(str(uid), self.image_params) if uid else hash_image(img, self.image_params)
-        return _Item(tokens, grid, mm_hash, "image", pixel_values=pixels)
+        return _Item(tokens, grid, mm_hash, "image", pixel_values=anyres_pixels(img, self.image) if pixels else None)
 
     def _embeds(self, entry: dict) -> _Item:
         """Precomputed picture embeddings: {"image_embeds": [tokens, hidden] tensor (or base64 of a safetensors
@@ -166,10 +179,16 @@ class LlavaProcessor(MultiModalProcessor):
             raise InvalidInputError(f"max_frames {v} exceeds the server's limit of {cap} (--max-video-frames)")
         return v
 
-    def _video(self, src: Any, uid: str | None, max_frames: int) -> _Item:
+    def _video(self, src: Any, uid: str | None, max_frames: int, pixels: bool = True) -> _Item:
         if isinstance(src, dict):
             raise InvalidInputError("precomputed video embeddings are not supported for LLaVA models; send the "
                                     "video itself")
+        if pixels:
+            return self._load_video(src, uid, max_frames, True)
+        key = LayoutCache.key("video", src, [uid, max_frames])
+        return self.layouts.get_or_make(key, lambda: self._load_video(src, uid, max_frames, False))
+
+    def _load_video(self, src: Any, uid: str | None, max_frames: int, pixels: bool) -> _Item:
         if isinstance(src, np.ndarray):
             if src.ndim != 4:
                 raise InvalidInputError(f"a video array must be [frames, height, width, 3], got shape {src.shape}")
@@ -185,9 +204,8 @@ class LlavaProcessor(MultiModalProcessor):
         if rh * rw > self.ctx.max_image_pixels:
             raise MediaTooLargeError(f"the video's {width}x{height} frames would be resized to {rw}x{rh} = {rh * rw} "
                                      f"pixels, more than the {self.ctx.max_image_pixels} allowed (--max-image-pixels)")
-        pixels = video_pixels(frames, self.video)
         # the sampled frames and the settings make the pixel values; a uuid stands for the whole clip, so its
         # hash also holds how many frames were taken from it
         mm_hash = (hash_user_id(str(uid), {**self.video_params, "max_frames": max_frames}) if uid
                    else hash_video(frames, self.video_params))
-        return _Item(tokens, grid, mm_hash, "video", pixel_values=pixels)
+        return _Item(tokens, grid, mm_hash, "video", pixel_values=video_pixels(frames, self.video) if pixels else None)

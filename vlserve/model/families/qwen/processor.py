@@ -28,6 +28,7 @@ from vlserve.media.video import VideoOptions, load_video, preprocess_video, vide
 from vlserve.model.audio_encoder import audio_output_tokens
 from vlserve.model.families.processor import (
     EMBED_DTYPES,
+    LayoutCache,
     MultiModalProcessor,
     ProcessorContext,
     PromptMedia,
@@ -113,6 +114,14 @@ class QwenProcessor(MultiModalProcessor):
                                          m.vision_end_token_id) if m.video_timestamps else None)
 
     def process(self, prompt: PromptMedia) -> ProcessedPrompt:
+        return self._run(prompt, pixels=True)
+
+    def layout(self, prompt: PromptMedia) -> ProcessedPrompt:
+        """No resize or patchify: token counts follow from the decoded size (decoding stays: the content hash is
+        of the decoded pixels, as the engine's); items seen before come from `self.layouts`."""
+        return self._run(prompt, pixels=False)
+
+    def _run(self, prompt: PromptMedia, pixels: bool) -> ProcessedPrompt:
         kwargs, token_ids, media = prompt.mm_kwargs, prompt.token_ids, prompt.media
         hear_videos = self._use_audio_in_video(kwargs)
         mcfg = self.ctx.model
@@ -127,8 +136,8 @@ class QwenProcessor(MultiModalProcessor):
                 raise InvalidInputError(f"min_pixels {min_px} is above this model's max_pixels "
                                         f"({self.image_cfg.max_pixels})")
             pixel_params = {"min_pixels": min_px, "max_pixels": max_px}  # what changes the encoder's output
-            image_items = [self._image(src, uid, pixel_params) for src, uid in images]
-            per_video = [self._video(src, uid, kwargs, pixel_params, hear_videos) for src, uid in videos]
+            image_items = [self._image(src, uid, pixel_params, pixels) for src, uid in images]
+            per_video = [self._video(src, uid, kwargs, pixel_params, hear_videos, pixels) for src, uid in videos]
         if self.video_layout is not None and per_video:
             stamps = [timestamps for _, timestamps in per_video]
             if prompt.from_token_ids:
@@ -189,30 +198,47 @@ class QwenProcessor(MultiModalProcessor):
             raise InvalidInputError("use_audio_in_video: this model cannot hear a video's sound (Qwen2.5-Omni can)")
         return hear
 
-    def _image(self, src: Any, uid: str | None, params: dict) -> _Item:
+    def _image(self, src: Any, uid: str | None, params: dict, pixels: bool = True) -> _Item:
         if isinstance(src, dict) and "image_embeds" in src:
             return self._embeds(src)
+        if pixels:
+            return self._load_image(src, uid, params, True)
+        key = LayoutCache.key("image", src, [uid, params])
+        return self.layouts.get_or_make(key, lambda: self._load_image(src, uid, params, False))
+
+    def _load_image(self, src: Any, uid: str | None, params: dict, pixels: bool) -> _Item:
         img = load_image(src, self.ctx.max_image_pixels)
         h, w = smart_resize(img.height, img.width, self.image_cfg.factor, params["min_pixels"], params["max_pixels"])
-        patch = self.image_cfg.patch_size
+        patch, merge = self.image_cfg.patch_size, self.image_cfg.merge_size
         self._check_size((1, h // patch, w // patch), "picture")
-        p = preprocess_image(img, self.image_cfg, params["min_pixels"], params["max_pixels"])
         mm_hash = hash_user_id(str(uid), params) if uid else hash_image(img, params)
+        if not pixels:  # what preprocess_image's grid and token count would be
+            return _Item((h // patch) * (w // patch) // merge**2, (1, h // patch, w // patch), mm_hash)
+        p = preprocess_image(img, self.image_cfg, params["min_pixels"], params["max_pixels"])
         return _Item(p.num_embed_tokens, p.grid_thw, mm_hash, pixel_values=p.pixel_values)
 
     def _video(self, src: Any, uid: str | None, kwargs: dict, pixel_params: dict,
-               hear: bool = False) -> tuple[list[_Item] | _Heard, list[float]]:
+               hear: bool = False, pixels: bool = True) -> tuple[list[_Item] | _Heard, list[float]]:
         """The video's items: one, or with Qwen3-VL's layout one per temporal patch plus each patch's time in
         seconds (for the prompt), or (`hear`: Omni with its sound) its windows' items."""
         opts = self.video_opts.with_overrides(kwargs, self.ctx.max_video_frames, self.ctx.max_image_pixels)
+        if pixels or hear:  # a heard video's windows need its sound's features: always whole
+            return self._load_video(src, uid, opts, pixel_params, hear, True)
+        key = LayoutCache.key("video", src, [uid, pixel_params, repr(opts)])
+        return self.layouts.get_or_make(key, lambda: self._load_video(src, uid, opts, pixel_params, False, False))
+
+    def _load_video(self, src: Any, uid: str | None, opts, pixel_params: dict, hear: bool,
+                    pixels: bool) -> tuple[list[_Item] | _Heard, list[float]]:
         video = load_video(list(src) if isinstance(src, np.ndarray) else src, opts, self.ctx.max_image_pixels)
         lo, hi = pixel_params["min_pixels"], pixel_params["max_pixels"]
         t, h, w = video_grid(video, self.image_cfg, opts, lo, hi)
         # one item per temporal patch with Qwen3-VL's layout: each must fit the encoder on its own
         self._check_size((1, h, w) if self.video_layout is not None else (t, h, w), "video")
-        p = preprocess_video(video, self.image_cfg, opts, lo, hi)
         params = {**pixel_params, "fps": opts.fps, "max_frames": opts.max_frames, "total_pixels": opts.total_pixels}
         mm_hash = hash_user_id(str(uid), params) if uid else hash_video(video.frames, params)
+        if not pixels:
+            return self._video_layout(video, (t, h, w), mm_hash)
+        p = preprocess_video(video, self.image_cfg, opts, lo, hi)
         if self.video_layout is not None:
             t, h, w = p.grid_thw
             rows = p.pixel_values.view(t, h * w, -1)
@@ -226,6 +252,19 @@ class QwenProcessor(MultiModalProcessor):
             return self._heard_video(p, mm_hash, sound.waveform, uid), []
         return [_Item(p.num_embed_tokens, p.grid_thw, mm_hash, pixel_values=p.pixel_values,
                       time_interval=interval, modality="video", seconds_per_grid=p.second_per_grid)], []
+
+    def _video_layout(self, video, grid_thw: tuple[int, int, int],
+                      mm_hash: str) -> tuple[list[_Item], list[float]]:
+        """`_load_video`'s items as preprocess_video's grid would make them, without the pixels."""
+        t, h, w = grid_thw
+        tp, tokens = self.image_cfg.temporal_patch_size, h * w // self.image_cfg.merge_size**2
+        if self.video_layout is not None:
+            return ([_Item(tokens, (1, h, w), hash_video_patch(mm_hash, k), modality="video") for k in range(t)],
+                    video.timestamps(tp))
+        vision, second_per_grid = self.ctx.model.vision, tp / video.sample_fps
+        interval = second_per_grid * vision.tokens_per_second if vision.time_scaled_video else 1.0
+        return [_Item(t * tokens, grid_thw, mm_hash, time_interval=interval, modality="video",
+                      seconds_per_grid=second_per_grid)], []
 
     def _heard_video(self, p, video_hash: str, waveform: np.ndarray, uid: str | None) -> _Heard:
         """Frames and sound cut into the windows they are laid out in; each window of either encodes alone."""
