@@ -113,15 +113,15 @@ def test_a_resent_picture_is_a_cache_lookup_and_settings_are_part_of_the_key(pro
 
 
 def test_the_cache_is_bounded():
-    from vlserve.model.families.processor import LayoutCache
+    from vlserve.model.families.processor import MediaItemCache
 
-    cache = LayoutCache(size=2)
-    keys = [LayoutCache.key("image", f"data:image/png;base64,{k}", {}) for k in "abc"]
+    cache = MediaItemCache(size=2)
+    keys = [MediaItemCache.key("image", f"data:image/png;base64,{k}", {}) for k in "abc"]
     for k, value in zip(keys, "abc"):
         cache.get_or_make(k, lambda v=value: v)
     assert cache.get_or_make(keys[0], lambda: "again") == "again"  # the oldest went out
-    assert LayoutCache.key("image", "/some/path.png", {}) is None  # a path may change under its name
-    assert LayoutCache.key("image", b"x", {"a": 1}) != LayoutCache.key("image", b"x", {"a": 2})
+    assert MediaItemCache.key("image", "/some/path.png", {}) is None  # a path may change under its name
+    assert MediaItemCache.key("image", b"x", {"a": 1}) != MediaItemCache.key("image", b"x", {"a": 2})
 
 
 def test_prompt_hasher_gives_the_hashes_of_what_the_server_processes(tiny_ckpt):

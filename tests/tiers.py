@@ -31,6 +31,7 @@ FILE_TIERS = {
     "test_llava_processor.py": "unit",
     "test_kernel_build.py": "unit",
     "test_kv_index.py": "unit",
+    "test_processed_media_cache.py": "unit",
     "test_router_announce.py": "unit",
     "test_router_choice.py": "unit",
     "test_router_hashes.py": "unit",

@@ -217,6 +217,9 @@ class ServerArgs:
     max_waiting_requests: int | None = option(None, "answer 503 when this many requests already wait (default: no "
                                               "limit)", ENGINE_HTTP_ROLES)
     media_threads: int = option(4, "threads that tokenize, decode and preprocess", {SERVE} | REGISTRY_ROLES)
+    mm_processor_cache_gb: float = option(
+        1.0, "GiB of processed pictures and videos (resized pixels) kept by a hash of their bytes, so one sent again "
+        "(every turn of a chat resends it) is not decoded and resized again; 0 turns it off", MEDIA_ROLES)
     disable_log_requests: bool = option(False, "no info log line per request", ENGINE_HTTP_ROLES)
     max_request_bytes: int = option(64 * 2**20, "largest request body in bytes; a bigger one gets 413 before it is "
                                     "read", HTTP_ROLES)
@@ -246,8 +249,11 @@ class ServerArgs:
 
     def media_bounds(self) -> dict:
         """What bounds one media item in prompt processing (`InputProcessor.for_model` keywords)."""
+        if not self.mm_processor_cache_gb >= 0:
+            raise InvalidInputError(f"mm_processor_cache_gb must be >= 0, got {self.mm_processor_cache_gb}")
         return {"max_image_pixels": self.max_image_pixels, "max_audio_seconds": self.max_audio_seconds,
-                "max_media_bytes": self.max_media_bytes, "max_video_bytes": self.max_video_bytes}
+                "max_media_bytes": self.max_media_bytes, "max_video_bytes": self.max_video_bytes,
+                "processed_cache_bytes": int(self.mm_processor_cache_gb * 2**30)}
 
 @dataclass
 class DisaggArgs:

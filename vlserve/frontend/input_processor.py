@@ -29,7 +29,7 @@ def as_list(value: Any) -> list:
 
 def processor_context(cfg: FrontendConfig, tokenizer, max_image_pixels: int = DEFAULT_MAX_PIXELS_DECODED,
                       max_audio_seconds: float = DEFAULT_MAX_AUDIO_SECONDS, max_media_bytes: int = 20 * 2**20,
-                      max_video_bytes: int = 200 * 2**20) -> ProcessorContext:
+                      max_video_bytes: int = 200 * 2**20, processed_cache_bytes: int = 0) -> ProcessorContext:
     # One media item must fit the encoder's per-step budget, its cache and the context.
     caps = {f"max_num_encoder_input_tokens={cfg.max_num_encoder_input_tokens}": cfg.max_num_encoder_input_tokens,
             f"max_model_len={cfg.max_model_len}": cfg.max_model_len}
@@ -39,7 +39,8 @@ def processor_context(cfg: FrontendConfig, tokenizer, max_image_pixels: int = DE
         caps[name] = cfg.encoder_cache_size // rows
     return ProcessorContext(cfg.model, cfg.model_path, tokenizer, cfg.dtype, cfg.max_model_len,
                             min(caps.items(), key=lambda kv: kv[1]), max_image_pixels, cfg.max_video_frames,
-                            cfg.enable_mm_embeds, max_audio_seconds, max_media_bytes, max_video_bytes)
+                            cfg.enable_mm_embeds, max_audio_seconds, max_media_bytes, max_video_bytes,
+                            processed_cache_bytes)
 
 
 class InputProcessor:
@@ -57,7 +58,7 @@ class InputProcessor:
     def for_model(cls, cfg: FrontendConfig, max_image_pixels: int = DEFAULT_MAX_PIXELS_DECODED,
                   **audio_bounds) -> "InputProcessor":
         """With the checkpoint's own tokenizer and its family's processor (every front-end starts this way).
-        `audio_bounds`: max_audio_seconds, max_media_bytes, max_video_bytes."""
+        `audio_bounds`: max_audio_seconds, max_media_bytes, max_video_bytes, processed_cache_bytes."""
         tokenizer = load_tokenizer(cfg.model_path)
         family = family_of(cfg.model.architecture)
         ctx = processor_context(cfg, tokenizer, max_image_pixels, **audio_bounds)

@@ -48,6 +48,7 @@ class ProcessorContext:
     max_audio_seconds: float
     max_media_bytes: int
     max_video_bytes: int
+    processed_cache_bytes: int = 0  # processed media items kept for a re-sent picture or video (0: none)
 
     def check_item_tokens(self, tokens: int, what: str, hint: str = "send a smaller one") -> None:
         name, limit = self.item_token_limit
@@ -69,18 +70,34 @@ class PromptMedia:
 
 
 class NotLaidOut(Exception):
-    """`LayoutCache.only_cached`: an item whose layout is not cached yet (it would need a decode)."""
+    """`MediaItemCache.only_cached`: an item whose layout is not cached yet (it would need a decode)."""
 
 
-class LayoutCache:
-    """Media items' layouts (token counts, grids, content hashes; no pixels) by a hash of the item's raw source
-    (data URL text or fetched bytes) and the settings: a picture sent again, as every turn of a chat resends it,
-    costs one blake3 pass over its bytes instead of a decode. Bounded, least recently used out; thread-safe.
-    Inside `only_cached()` (on this thread) an item not cached raises NotLaidOut instead of being decoded."""
+def item_nbytes(item: Any) -> int:
+    """Bytes of the tensors a processed item holds (what a cache of processed items is bounded by)."""
+    values = item if isinstance(item, tuple) else (item,)
+    total = 0
+    for value in values:
+        for part in value if isinstance(value, list) else [value]:
+            for name in ("pixel_values", "audio_features", "embeddings"):
+                t = getattr(part, name, None)
+                if isinstance(t, torch.Tensor):
+                    total += t.numel() * t.element_size()
+    return total + 256  # the item's own fields
 
-    def __init__(self, size: int = 1024):
+
+class MediaItemCache:
+    """Media items by a hash of the item's raw source (data URL text or fetched bytes) and the settings: a picture
+    sent again, as every turn of a chat resends it, costs one blake3 pass over its bytes instead of a decode and a
+    resize. Two uses: layouts (token counts, grids, content hashes; no pixels: a router's need), bounded by count,
+    and processed items (pixels too: a server's), bounded by bytes (`weigh`). Least recently used out; thread-safe.
+    Inside `only_cached()` (on this thread) an item not cached raises NotLaidOut instead of being made."""
+
+    def __init__(self, size: int = 1024, weigh: Callable[[Any], int] | None = None):
         self.size, self.hits, self.misses = size, 0, 0
-        self._items: OrderedDict[bytes, Any] = OrderedDict()
+        self.weigh = weigh or (lambda _: 1)
+        self.weight = 0
+        self._items: OrderedDict[bytes, tuple[Any, int]] = OrderedDict()
         self._lock = threading.Lock()
         self._local = threading.local()
 
@@ -104,22 +121,25 @@ class LayoutCache:
         return h.digest()
 
     def get_or_make(self, key: bytes | None, make: Callable[[], Any]) -> Any:
-        if key is None:
+        if key is None or self.size <= 0:
             return make()
         with self._lock:
             hit = self._items.get(key)
             if hit is not None:
                 self._items.move_to_end(key)
                 self.hits += 1
-                return hit
+                return hit[0]
         if getattr(self._local, "only_cached", False):
             raise NotLaidOut
         value = make()  # outside the lock: a decode takes milliseconds
+        weight = self.weigh(value)
         with self._lock:
             self.misses += 1
-            self._items[key] = value
-            if len(self._items) > self.size:
-                self._items.popitem(last=False)
+            if weight <= self.size and key not in self._items:
+                self._items[key] = (value, weight)
+                self.weight += weight
+            while self.weight > self.size:
+                self.weight -= self._items.popitem(last=False)[1][1]
         return value
 
 
@@ -129,7 +149,9 @@ class MultiModalProcessor(ABC):
 
     def __init__(self, ctx: ProcessorContext):
         self.ctx = ctx
-        self.layouts = LayoutCache()
+        self.layouts = MediaItemCache()
+        # Processed items (pixels, features) of pictures and videos sent again, bounded by --mm-processor-cache-gb.
+        self.processed = MediaItemCache(ctx.processed_cache_bytes, weigh=item_nbytes)
 
     @abstractmethod
     def process(self, prompt: PromptMedia) -> ProcessedPrompt:

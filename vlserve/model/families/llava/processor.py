@@ -45,7 +45,7 @@ from vlserve.model.families.llava.pixels import (
 )
 from vlserve.model.families.processor import (
     EMBED_DTYPES,
-    LayoutCache,
+    MediaItemCache,
     MultiModalProcessor,
     ProcessorContext,
     PromptMedia,
@@ -122,9 +122,8 @@ class LlavaProcessor(MultiModalProcessor):
     def _image(self, src: Any, uid: str | None, pixels: bool = True) -> _Item:
         if isinstance(src, dict) and "image_embeds" in src:
             return self._embeds(src)
-        if pixels:
-            return self._load_image(src, uid, True)
-        return self.layouts.get_or_make(LayoutCache.key("image", src, [uid]), lambda: self._load_image(src, uid, False))
+        cache = self.processed if pixels else self.layouts
+        return cache.get_or_make(MediaItemCache.key("image", src, [uid]), lambda: self._load_image(src, uid, pixels))
 
     def _load_image(self, src: Any, uid: str | None, pixels: bool) -> _Item:
         img = load_image(src, self.ctx.max_image_pixels)
@@ -183,10 +182,9 @@ class LlavaProcessor(MultiModalProcessor):
         if isinstance(src, dict):
             raise InvalidInputError("precomputed video embeddings are not supported for LLaVA models; send the "
                                     "video itself")
-        if pixels:
-            return self._load_video(src, uid, max_frames, True)
-        key = LayoutCache.key("video", src, [uid, max_frames])
-        return self.layouts.get_or_make(key, lambda: self._load_video(src, uid, max_frames, False))
+        key = MediaItemCache.key("video", src, [uid, max_frames])
+        cache = self.processed if pixels else self.layouts
+        return cache.get_or_make(key, lambda: self._load_video(src, uid, max_frames, pixels))
 
     def _load_video(self, src: Any, uid: str | None, max_frames: int, pixels: bool) -> _Item:
         if isinstance(src, np.ndarray):

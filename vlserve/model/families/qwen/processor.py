@@ -28,7 +28,7 @@ from vlserve.media.video import VideoOptions, load_video, preprocess_video, vide
 from vlserve.model.audio_encoder import audio_output_tokens
 from vlserve.model.families.processor import (
     EMBED_DTYPES,
-    LayoutCache,
+    MediaItemCache,
     MultiModalProcessor,
     ProcessorContext,
     PromptMedia,
@@ -201,10 +201,9 @@ class QwenProcessor(MultiModalProcessor):
     def _image(self, src: Any, uid: str | None, params: dict, pixels: bool = True) -> _Item:
         if isinstance(src, dict) and "image_embeds" in src:
             return self._embeds(src)
-        if pixels:
-            return self._load_image(src, uid, params, True)
-        key = LayoutCache.key("image", src, [uid, params])
-        return self.layouts.get_or_make(key, lambda: self._load_image(src, uid, params, False))
+        key = MediaItemCache.key("image", src, [uid, params])
+        cache = self.processed if pixels else self.layouts
+        return cache.get_or_make(key, lambda: self._load_image(src, uid, params, pixels))
 
     def _load_image(self, src: Any, uid: str | None, params: dict, pixels: bool) -> _Item:
         img = load_image(src, self.ctx.max_image_pixels)
@@ -222,10 +221,11 @@ class QwenProcessor(MultiModalProcessor):
         """The video's items: one, or with Qwen3-VL's layout one per temporal patch plus each patch's time in
         seconds (for the prompt), or (`hear`: Omni with its sound) its windows' items."""
         opts = self.video_opts.with_overrides(kwargs, self.ctx.max_video_frames, self.ctx.max_image_pixels)
-        if pixels or hear:  # a heard video's windows need its sound's features: always whole
+        if hear:  # a heard video's windows need its sound's features: always whole
             return self._load_video(src, uid, opts, pixel_params, hear, True)
-        key = LayoutCache.key("video", src, [uid, pixel_params, repr(opts)])
-        return self.layouts.get_or_make(key, lambda: self._load_video(src, uid, opts, pixel_params, False, False))
+        key = MediaItemCache.key("video", src, [uid, pixel_params, repr(opts)])
+        cache = self.processed if pixels else self.layouts
+        return cache.get_or_make(key, lambda: self._load_video(src, uid, opts, pixel_params, False, pixels))
 
     def _load_video(self, src: Any, uid: str | None, opts, pixel_params: dict, hear: bool,
                     pixels: bool) -> tuple[list[_Item] | _Heard, list[float]]:
