@@ -47,6 +47,7 @@ FILE_TIERS = {
     "test_sampler.py": "unit",
     "test_sampling_params.py": "unit",
     "test_scheduler_units.py": "unit",
+    "test_state_cache.py": "unit",
     "test_stream_updates.py": "unit",
     "test_template_sandbox.py": "unit",
     "test_tiers.py": "unit",
