@@ -73,6 +73,7 @@ FILE_TIERS = {
     "test_pd_handoff.py": "engine",
     "test_quantization.py": "engine",
     "test_qwen3_vl.py": "engine",
+    "test_qwen3_5_parity.py": "engine",
     "test_structured_limits.py": "engine",
     "test_structured_outputs.py": "engine",
     "test_video.py": "engine",
