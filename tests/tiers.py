@@ -35,6 +35,8 @@ FILE_TIERS = {
     "test_router_choice.py": "unit",
     "test_router.py": "multiprocess",
     "test_layers.py": "unit",
+    "test_gated_delta.py": "unit",
+    "test_qwen3_5_model.py": "unit",
     "test_llava_model.py": "unit",
     "test_model_facts.py": "unit",
     "test_media_fetch.py": "unit",
