@@ -71,11 +71,13 @@ class ModelShard:
         language = getattr(model, "language_model", None)
         self.kv_caches: list[torch.Tensor | LinearLayerState] = []
         self.kv_layers: list[int] = []  # layers with a KV cache (all but a hybrid model's linear ones)
+        self.layer_states: list[LinearLayerState | None] = []  # per layer: None unless linear attention
         if language is not None:
             text = model.cfg.text
             states = new_layer_states(text, cfg.num_state_slots, cfg.dtype, device, tp.size) \
                 if cfg.model.is_hybrid else [None] * len(language.layers)
             self.kv_layers = [i for i, st in enumerate(states) if st is None]
+            self.layer_states = states
             attn = language.layers[self.kv_layers[0]].self_attn  # this rank's key/value heads
             slots = cfg.num_kv_blocks * cfg.block_size
             # Zeroed, not empty: padded decode rows read slot 0, and 0-weight x NaN garbage would still be NaN.
@@ -135,7 +137,7 @@ class ModelShard:
         dev = self.device
         meta = attention_metadata(batch, self.block_size, dev)
         if batch.state_copies:  # snapshots into running slots, before any layer reads them
-            copy_state_slots(self.kv_caches, batch.state_copies)
+            copy_state_slots(self.layer_states, batch.state_copies)
         embeds = self.model.embed_tokens(batch.token_ids.to(dev))
         deepstack = None
         if batch.media is not None:
