@@ -76,13 +76,14 @@ def main() -> None:
     ap.add_argument("--picture-size", type=int, default=448, help="pixels per side")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--max-num-seqs", type=int, default=16, help="running state slots (one request at a time here)")
     args = ap.parse_args()
     model = args.model
     if model is None:
         from vlserve.tools.tiny_model import make_tiny_model
 
         model = str(make_tiny_model(Path(tempfile.mkdtemp()) / "ckpt", arch=args.arch, size=args.size))
-    base = {"device": args.device, "dtype": args.dtype, "max_model_len": 8192}
+    base = {"device": args.device, "dtype": args.dtype, "max_model_len": 8192, "max_num_seqs": args.max_num_seqs}
     rows = {name: measure(model, {**base, **extra}, args.pictures, args.questions, args.picture_size)
             for name, extra in CONFIGS.items()}
     ref = rows["no prefix caching"]

@@ -319,3 +319,16 @@ def test_tensor_parallel_and_kv_moving_roles_refuse_hybrid_models(base_cfg):
     assert make_connector(None, cfg) is None
     with pytest.raises(InvalidInputError, match="max_state_snapshots"):
         EngineArgs(model="x", max_state_snapshots=-1).check()
+
+
+def test_the_state_pool_is_logged_and_exported(base_cfg):
+    from vlserve.core.wire import EngineStats
+    from vlserve.engine.core import _state_pool_text
+    from vlserve.frontend.metrics import ENGINE_METRICS
+
+    cfg = _cfg(base_cfg)
+    text = _state_pool_text(cfg)
+    assert f"{cfg.state_bytes / 2**30:.3f} GiB" in text and "4 running + 8 snapshot slots" in text
+    assert _state_pool_text(base_cfg) == ""
+    for name in ("state_snapshot_queries_total", "state_snapshot_hits_total", "state_cache_usage_perc"):
+        assert name in ENGINE_METRICS and name in EngineStats.__struct_fields__

@@ -203,7 +203,8 @@ def _num_kv_blocks(args: EngineArgs, path: Path, model_cfg: ModelConfig, dtype: 
 
 def default_kv_bytes(args: EngineArgs, path: Path, model_cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                      max_model_len: int, state_bytes: int = 0) -> int:
-    """KV cache bytes (with a hybrid model's `state_bytes`, the state pool included) when the user set no size.
+    """KV cache bytes (with a hybrid model's `state_bytes`, the state pool on top, inside the same memory bounds)
+    when the user set no size.
 
     Scaled to the model (as large as its weights, at least MIN_DEFAULT_KV_BYTES), never more than every sequence
     at full length needs (max_num_seqs x max_model_len), bounded by a share of the memory left after the weights,
@@ -214,7 +215,7 @@ def default_kv_bytes(args: EngineArgs, path: Path, model_cfg: ModelConfig, dtype
     need = args.max_num_seqs * max_model_len * per_token + state_bytes
     one_sequence = max_model_len * per_token + state_bytes
     weights = _weight_bytes(path, model_cfg, dtype) // ranks  # about: a data-parallel vision tower is whole
-    budget = max(weights, MIN_DEFAULT_KV_BYTES)
+    budget = max(weights, MIN_DEFAULT_KV_BYTES) + state_bytes  # the KV part sized as for any model
     available = memory_available_bytes(device)
     if available is not None:
         share = GPU_FREE_MEMORY_SHARE if device.type == "cuda" else CPU_FREE_MEMORY_SHARE
