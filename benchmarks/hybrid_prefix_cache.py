@@ -11,7 +11,6 @@ language model's prefill of the shared prefix (system prompt + picture).
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import sys
 import tempfile
@@ -50,20 +49,26 @@ def ask(llm: LLM, img: Image.Image, question: str) -> float:
     return time.perf_counter() - t0
 
 
-def measure(model: str, engine_args: dict, pictures: int, questions: int, size: int) -> dict:
-    llm = LLM(model, **engine_args)
-    ask(llm, picture(0, size), "warm up")  # first-call costs out of the way
-    first, repeat = [], []
+def measure(model: str, base: dict, pictures: int, questions: int, size: int) -> dict[str, dict]:
+    """Every configuration's engine at once, asked in turn (same picture, same question), so that whatever else
+    the machine does at the time weighs on them alike."""
+    llms = {name: LLM(model, **base, **extra) for name, extra in CONFIGS.items()}
+    first: dict[str, list[float]] = {name: [] for name in llms}
+    repeat: dict[str, list[float]] = {name: [] for name in llms}
+    for llm in llms.values():
+        ask(llm, picture(0, size), "warm up")  # first-call costs out of the way
     for p in range(pictures):
         img = picture(100 + p, size)
-        first.append(ask(llm, img, QUESTIONS[0]))
-        repeat += [ask(llm, img, QUESTIONS[1 + q % (len(QUESTIONS) - 1)]) for q in range(questions - 1)]
-    m = llm.get_metrics()
-    del llm
-    gc.collect()
-    return {"first": statistics.median(first), "repeat": statistics.median(repeat),
-            "hits": m["state_snapshot_hits_total"], "queries": m["state_snapshot_queries_total"],
-            "cached": m["prefix_cache_hits_total"], "prompt": m["prefix_cache_queries_total"]}
+        for q in range(questions):
+            for name, llm in llms.items():
+                (repeat if q else first)[name].append(ask(llm, img, QUESTIONS[q % len(QUESTIONS)]))
+    rows = {}
+    for name, llm in llms.items():
+        m = llm.get_metrics()
+        rows[name] = {"first": statistics.median(first[name]), "repeat": statistics.median(repeat[name]),
+                      "hits": m["state_snapshot_hits_total"], "queries": m["state_snapshot_queries_total"],
+                      "cached": m["prefix_cache_hits_total"], "prompt": m["prefix_cache_queries_total"]}
+    return rows
 
 
 def main() -> None:
@@ -77,15 +82,16 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-num-seqs", type=int, default=16, help="running state slots (one request at a time here)")
+    ap.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="per engine (three are loaded at once)")
     args = ap.parse_args()
     model = args.model
     if model is None:
         from vlserve.tools.tiny_model import make_tiny_model
 
         model = str(make_tiny_model(Path(tempfile.mkdtemp()) / "ckpt", arch=args.arch, size=args.size))
-    base = {"device": args.device, "dtype": args.dtype, "max_model_len": 8192, "max_num_seqs": args.max_num_seqs}
-    rows = {name: measure(model, {**base, **extra}, args.pictures, args.questions, args.picture_size)
-            for name, extra in CONFIGS.items()}
+    base = {"device": args.device, "dtype": args.dtype, "max_model_len": 8192, "max_num_seqs": args.max_num_seqs,
+            "kv_cache_memory_gb": args.kv_cache_memory_gb}
+    rows = measure(model, base, args.pictures, args.questions, args.picture_size)
     ref = rows["no prefix caching"]
     print(f"\nmodel {model} ({args.arch}, {args.size if args.model is None else 'given'}), device {args.device}, "
           f"{args.pictures} pictures x {args.questions} questions, {args.picture_size}px")
