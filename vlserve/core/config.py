@@ -102,6 +102,10 @@ class EngineArgs:
     num_kv_blocks: int | None = option(None, "KV cache size in blocks (overrides --kv-cache-memory-gb)", LM_ROLES)
     enable_prefix_caching: bool = option(True, "turn off automatic prefix caching", LM_ROLES,
                                          flag="--disable-prefix-caching", negate=True)
+    max_state_snapshots: int = option(
+        32, "hybrid models (Qwen3.5): linear-attention state snapshots kept for prefix caching (least recently used "
+        "evicted; each as large as one sequence's state, taken from the KV cache memory; 0: a prefix hit always "
+        "recomputes from token 0)", LM_ROLES)
     kv_events_endpoint: str | None = option(
         None, "publish KV cache events (prefix-cache blocks stored and evicted, by block hash) on a ZeroMQ PUB "
         "socket bound here, for cache-aware routers: tcp://HOST:PORT (default: off)", {SERVE, LANGUAGE, DECODE},
@@ -165,6 +169,9 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not value > 0):
                 raise InvalidInputError(f"{name} must be positive, got {value}")
+        if isinstance(self.max_state_snapshots, bool) or not isinstance(self.max_state_snapshots, int) \
+                or self.max_state_snapshots < 0:
+            raise InvalidInputError(f"max_state_snapshots must be an integer >= 0, got {self.max_state_snapshots!r}")
         if self.encoder_cache_size < 0 or self.max_num_encoder_input_tokens <= 0:
             raise InvalidInputError("encoder_cache_size must be >= 0 and max_num_encoder_input_tokens > 0")
         for kind, limit in self.limit_mm_per_prompt.items():

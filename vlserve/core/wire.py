@@ -77,6 +77,9 @@ class EngineStats(msgspec.Struct):
     num_preemptions_total: int = 0
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
+    state_snapshot_queries_total: int = 0
+    state_snapshot_hits_total: int = 0
+    state_cache_usage_perc: float = 0.0
     encoder_cache_queries_total: int = 0
     encoder_cache_hits_total: int = 0
     prompt_tokens_total: int = 0

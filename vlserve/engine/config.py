@@ -10,10 +10,11 @@ from pathlib import Path
 import torch
 
 from vlserve.core.config import TOWERS, EngineArgs
-from vlserve.core.errors import InvalidInputError
+from vlserve.core.errors import ConfigurationError, InvalidInputError
 from vlserve.model.facts import ModelFacts, resolve_model_facts
 from vlserve.model.hardware import memory_available_bytes
 from vlserve.model.config_types import ModelConfig
+from vlserve.model.layers.linear_state import state_bytes_per_slot
 from vlserve.model.loader import weight_files
 from vlserve.model.quantization import QuantizationConfig, resolve_quantization
 
@@ -54,18 +55,45 @@ class VlserveConfig:
     tensor_parallel_size: int = 1
     mm_encoder_tp_mode: str = WEIGHTS
     args: EngineArgs | None = None  # what it was resolved from (sent, with `facts`, to the other tensor-parallel ranks)
+    # Hybrid models (linear-attention layers): prefix-cache snapshots of per-sequence states; 0 otherwise.
+    num_state_snapshots: int = 0
 
     @property
     def kv_bytes_per_token(self) -> int:
         """Per rank (each caches its share of the key/value heads)."""
         return kv_bytes_per_token(self.model, self.dtype, self.tensor_parallel_size)
 
+    @property
+    def num_state_slots(self) -> int:
+        """Linear-attention state slots: one per running sequence, then the snapshots (0: not a hybrid model)."""
+        return self.max_num_seqs + self.num_state_snapshots if self.model.is_hybrid else 0
+
+    @property
+    def state_bytes(self) -> int:
+        """The whole state pool, per rank."""
+        return self.num_state_slots * state_bytes_per_slot(self.model.text, self.dtype, self.tensor_parallel_size)
+
 
 def kv_bytes_per_token(model: ModelConfig, dtype: torch.dtype, ranks: int = 1) -> int:
-    """Per rank: under tensor parallelism each rank caches its share of the key/value heads (at least one)."""
+    """Per rank: under tensor parallelism each rank caches its share of the key/value heads (at least one).
+    Linear-attention layers keep no KV (their per-sequence states are counted by `state_pool_bytes`)."""
     t = model.text
     heads = max(t.num_kv_heads // ranks, 1)
-    return 2 * t.num_layers * heads * t.head_dim * torch.empty((), dtype=dtype).element_size()
+    layers = sum(not t.is_linear_layer(i) for i in range(t.num_layers))
+    return 2 * layers * heads * t.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def num_state_snapshots(args: EngineArgs, model: ModelConfig) -> int:
+    """Snapshot slots of a hybrid model: none without prefix caching (nothing would ever look them up)."""
+    return args.max_state_snapshots if model.is_hybrid and args.enable_prefix_caching else 0
+
+
+def state_pool_bytes(args: EngineArgs, model: ModelConfig, dtype: torch.dtype) -> int:
+    """Per rank: running slots (max_num_seqs) plus snapshot slots, every linear layer; 0 for other models."""
+    if not model.is_hybrid:
+        return 0
+    slots = args.max_num_seqs + num_state_snapshots(args, model)
+    return slots * state_bytes_per_slot(model.text, dtype, args.tensor_parallel_size)
 
 
 def check_tensor_parallel(args: EngineArgs, model: ModelConfig, quantization: QuantizationConfig | None,
@@ -78,6 +106,9 @@ def check_tensor_parallel(args: EngineArgs, model: ModelConfig, quantization: Qu
         raise InvalidInputError(f"mm_encoder_tp_mode must be '{WEIGHTS}' or '{DATA}', got {args.mm_encoder_tp_mode!r}")
     if tp == 1:
         return
+    if model.is_hybrid and args.load_language:
+        raise InvalidInputError(f"{model.architecture} has linear-attention layers, whose per-sequence states are not "
+                                "split over tensor-parallel ranks yet: use tensor_parallel_size 1")
     if device.type == "cuda":
         if device.index is not None:
             raise InvalidInputError("with tensor_parallel_size > 1 rank r runs on cuda:r (of CUDA_VISIBLE_DEVICES); "
@@ -142,26 +173,38 @@ def resolve_config(args: EngineArgs, facts: ModelFacts | None = None, announce: 
         load_vision=args.load_vision, facts=facts, load_language=args.load_language,
         towers=loaded_towers(args, model_cfg),
         tensor_parallel_size=args.tensor_parallel_size, mm_encoder_tp_mode=args.mm_encoder_tp_mode, args=args,
+        num_state_snapshots=num_state_snapshots(args, model_cfg) if args.load_language else 0,
     )
 
 
 def _num_kv_blocks(args: EngineArgs, path: Path, model_cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                    max_model_len: int) -> int:
     per_block = kv_bytes_per_token(model_cfg, dtype, args.tensor_parallel_size) * args.block_size
+    if not per_block:
+        raise ConfigurationError(f"{model_cfg.architecture}: no full-attention layer (nothing to cache KV for)")
+    states = state_pool_bytes(args, model_cfg, dtype)  # taken out of the memory budget first
     if args.num_kv_blocks is not None:
         num_blocks = args.num_kv_blocks
-    elif args.kv_cache_memory_gb is not None:
-        num_blocks = int(args.kv_cache_memory_gb * 2**30) // per_block
     else:
-        num_blocks = default_kv_bytes(args, path, model_cfg, dtype, device, max_model_len) // per_block
+        if args.kv_cache_memory_gb is not None:
+            budget = int(args.kv_cache_memory_gb * 2**30)
+        else:
+            budget = default_kv_bytes(args, path, model_cfg, dtype, device, max_model_len, states)
+        num_blocks = (budget - states) // per_block
+        if states and num_blocks < 2:
+            raise InvalidInputError(
+                f"the linear-attention state pool ({states / 2**30:.2f} GiB: max_num_seqs {args.max_num_seqs} + "
+                f"{num_state_snapshots(args, model_cfg)} snapshots) leaves no room for the KV cache in "
+                f"{budget / 2**30:.2f} GiB; raise kv_cache_memory_gb, or lower max_num_seqs or max_state_snapshots")
     if num_blocks < 2:
         raise InvalidInputError(f"KV cache too small: {num_blocks} blocks; raise kv_cache_memory_gb or num_kv_blocks")
     return num_blocks
 
 
 def default_kv_bytes(args: EngineArgs, path: Path, model_cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                     max_model_len: int) -> int:
-    """KV cache bytes when the user set no size.
+                     max_model_len: int, state_bytes: int = 0) -> int:
+    """KV cache bytes (with a hybrid model's `state_bytes`, the state pool on top, inside the same memory bounds)
+    when the user set no size.
 
     Scaled to the model (as large as its weights, at least MIN_DEFAULT_KV_BYTES), never more than every sequence
     at full length needs (max_num_seqs x max_model_len), bounded by a share of the memory left after the weights,
@@ -169,10 +212,10 @@ def default_kv_bytes(args: EngineArgs, path: Path, model_cfg: ModelConfig, dtype
     """
     ranks = args.tensor_parallel_size
     per_token = kv_bytes_per_token(model_cfg, dtype, ranks)  # all figures per rank
-    need = args.max_num_seqs * max_model_len * per_token
-    one_sequence = max_model_len * per_token
+    need = args.max_num_seqs * max_model_len * per_token + state_bytes
+    one_sequence = max_model_len * per_token + state_bytes
     weights = _weight_bytes(path, model_cfg, dtype) // ranks  # about: a data-parallel vision tower is whole
-    budget = max(weights, MIN_DEFAULT_KV_BYTES)
+    budget = max(weights, MIN_DEFAULT_KV_BYTES) + state_bytes  # the KV part sized as for any model
     available = memory_available_bytes(device)
     if available is not None:
         share = GPU_FREE_MEMORY_SHARE if device.type == "cuda" else CPU_FREE_MEMORY_SHARE

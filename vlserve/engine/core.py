@@ -72,9 +72,10 @@ class EngineCore:
         self._ready_arrived: list[EngineCoreOutput] = []
         self._released_early: set[str] = set()  # prompts released once their KV was loaded, before they left
         self._exported: list[ExportedKV] = []
-        logger.info("engine ready in %.1fs: %s on %s, %s, %d KV blocks x %d tokens", time.perf_counter() - t0,
-                    cfg.model.architecture, cfg.device, str(cfg.dtype).removeprefix("torch."), cfg.num_kv_blocks,
-                    cfg.block_size)
+        kv_gib = cfg.num_kv_blocks * cfg.block_size * cfg.kv_bytes_per_token / 2**30
+        logger.info("engine ready in %.1fs: %s on %s, %s, KV cache %.3f GiB (%d blocks x %d tokens)%s",
+                    time.perf_counter() - t0, cfg.model.architecture, cfg.device, str(cfg.dtype).removeprefix("torch."),
+                    kv_gib, cfg.num_kv_blocks, cfg.block_size, _state_pool_text(cfg))
 
     def add_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
                     arrival_time: float | None = None, kv_transfer: KVTransfer | None = None) -> list[str]:
@@ -258,8 +259,9 @@ class EngineCore:
             self.kv_events.flush()
 
     def reset_prefix_cache(self) -> bool:
-        """Drops every cached prefix block (published as AllBlocksCleared); False while requests hold blocks."""
-        done = self.scheduler.kv.reset_prefix_cache()
+        """Drops every cached prefix block (published as AllBlocksCleared) and state snapshot; False while requests
+        hold blocks."""
+        done = self.scheduler.reset_prefix_cache()
         if done and self.kv_events is not None:
             self.kv_events.flush()
         return done
@@ -287,8 +289,19 @@ class EngineCore:
             "num_preemptions_total": s.num_preemptions,
             "prefix_cache_queries_total": s.kv.prefix_queries,
             "prefix_cache_hits_total": s.kv.prefix_hits,
+            "state_snapshot_queries_total": s.state.queries if s.state is not None else 0,
+            "state_snapshot_hits_total": s.state.hits if s.state is not None else 0,
+            "state_cache_usage_perc": s.state.usage if s.state is not None else 0.0,
             "encoder_cache_queries_total": s.encoder_cache.queries,
             "encoder_cache_hits_total": s.encoder_cache.hits,
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
         }
+
+
+def _state_pool_text(cfg: VlserveConfig) -> str:
+    """A hybrid model's state pool, for the start-up line beside the KV cache ('' for other models)."""
+    if not cfg.model.is_hybrid:
+        return ""
+    return (f", linear-attention state pool {cfg.state_bytes / 2**30:.3f} GiB ({cfg.max_num_seqs} running + "
+            f"{cfg.num_state_snapshots} snapshot slots)")

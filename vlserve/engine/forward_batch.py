@@ -4,6 +4,9 @@ tensor-parallel rank can run from (and that travels to them as a typed message).
 The runner on rank 0 builds it from the scheduled chunks (token ids, M-RoPE positions, KV slots, block tables,
 the media embedding rows gathered from wherever they are); each rank turns it into its own attention metadata
 (`attention_metadata`) and runs the same forward.
+
+A hybrid model (linear-attention layers) adds each sequence's state slot, whether it starts from a zero state,
+the snapshots its prefill chunk takes, and the slot copies to make before the forward (None for other models).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch
 
 from vlserve.core.wire import TensorRef, tensor_from, tensor_ref
 from vlserve.model.layers.attention import AttentionMetadata, build_prefill_span
+from vlserve.model.layers.linear_state import LinearStateBatch
 
 
 @dataclass
@@ -30,6 +34,11 @@ class ForwardBatch:
     media_rows: torch.Tensor | None  # [R] rows whose embedding comes from a media item
     media: torch.Tensor | None  # [R, embedding_width] those rows (DeepStack features after the first hidden cols)
     sample_rows: torch.Tensor  # [S] rows whose logits are wanted (may be empty)
+    # Hybrid models only, in batch order (decode rows, then prefill chunks):
+    state_slots: torch.Tensor | None = None  # [num_seqs] int64 running state slot of each sequence
+    state_fresh: torch.Tensor | None = None  # [num_seqs] bool: its chunk starts at token 0 (a zero state)
+    state_checkpoints: list[list[tuple[int, int]]] | None = None  # per prefill chunk: (tokens in, snapshot slot)
+    state_copies: list[tuple[int, int]] | None = None  # (src, dst) slot copies made before the forward pass
 
 
 def attention_metadata(batch: ForwardBatch, block_size: int, device: torch.device) -> AttentionMetadata:
@@ -49,6 +58,9 @@ def attention_metadata(batch: ForwardBatch, block_size: int, device: torch.devic
         if span.context_slots is not None:
             span.context_slots, span.mask = put(span.context_slots), put(span.mask)
         meta.prefills.append(span)
+    if batch.state_slots is not None:
+        meta.linear = LinearStateBatch(put(batch.state_slots), put(batch.state_fresh),
+                                       batch.state_checkpoints or [[] for _ in batch.prefills])
     return meta
 
 
@@ -65,10 +77,14 @@ class WireForwardBatch(msgspec.Struct, array_like=True):
     media_rows: TensorRef | None
     media: TensorRef | None
     sample_rows: TensorRef
+    state_slots: TensorRef | None = None
+    state_fresh: TensorRef | None = None
+    state_checkpoints: list[list[tuple[int, int]]] | None = None
+    state_copies: list[tuple[int, int]] | None = None
 
 
 _TENSOR_FIELDS = ("token_ids", "positions", "slot_mapping", "decode_table", "decode_context_lens", "media_rows",
-                  "media", "sample_rows")
+                  "media", "sample_rows", "state_slots", "state_fresh")
 
 
 def batch_to_wire(batch: ForwardBatch, tensors: list[torch.Tensor]) -> WireForwardBatch:
@@ -76,8 +92,11 @@ def batch_to_wire(batch: ForwardBatch, tensors: list[torch.Tensor]) -> WireForwa
         return None if t is None else tensor_ref(t, tensors)
 
     fields = {name: ref(getattr(batch, name)) for name in _TENSOR_FIELDS}
+    if batch.state_fresh is not None:  # the wire carries no bool tensors
+        fields["state_fresh"] = ref(batch.state_fresh.to(torch.uint8))
     return WireForwardBatch(num_decode=batch.num_decode, prefills=batch.prefills,
-                            prefill_slots=[ref(s) for s in batch.prefill_slots], **fields)
+                            prefill_slots=[ref(s) for s in batch.prefill_slots],
+                            state_checkpoints=batch.state_checkpoints, state_copies=batch.state_copies, **fields)
 
 
 def batch_from_wire(msg: WireForwardBatch, frames: list) -> ForwardBatch:
@@ -85,5 +104,11 @@ def batch_from_wire(msg: WireForwardBatch, frames: list) -> ForwardBatch:
         return None if ref is None else tensor_from(ref, frames)
 
     fields = {name: tensor(getattr(msg, name)) for name in _TENSOR_FIELDS}
+    if fields["state_fresh"] is not None:
+        fields["state_fresh"] = fields["state_fresh"].bool()
+    checkpoints = None if msg.state_checkpoints is None else [[tuple(c) for c in span]
+                                                              for span in msg.state_checkpoints]
+    copies = None if msg.state_copies is None else [tuple(c) for c in msg.state_copies]
     return ForwardBatch(num_decode=msg.num_decode, prefills=[tuple(p) for p in msg.prefills],
-                        prefill_slots=[tensor(s) for s in msg.prefill_slots], **fields)
+                        prefill_slots=[tensor(s) for s in msg.prefill_slots], state_checkpoints=checkpoints,
+                        state_copies=copies, **fields)

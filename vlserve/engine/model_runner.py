@@ -18,6 +18,7 @@ from vlserve.engine.executor import encodes_whole_step
 from vlserve.engine.forward_batch import ForwardBatch
 from vlserve.engine.sampler import Sampler, SamplingMetadata, TokenBitmask
 from vlserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+from vlserve.engine.state_cache import StateStep
 from vlserve.engine.structured.matchers import GrammarMatchers
 from vlserve.engine.transfer_buffers import TransferBuffers
 from vlserve.engine.encoder_runner import EncoderRunner
@@ -96,8 +97,9 @@ class ModelRunner:
         last = ctx - 1
         return table, ctx, table[torch.arange(len(decode)), last // bs] * bs + last % bs
 
-    def _prepare(self, chunks: list[ScheduledChunk]):
-        """The step's chunks in batch order (decode rows first) and the `ForwardBatch` that runs them."""
+    def _prepare(self, chunks: list[ScheduledChunk], state: StateStep | None = None):
+        """The step's chunks in batch order (decode rows first) and the `ForwardBatch` that runs them (with a
+        hybrid model's `state`: each sequence's state slot, fresh or not, its snapshots and the copies first)."""
         decode = [c for c in chunks if c.num_tokens == 1]
         prefill = [c for c in chunks if c.num_tokens > 1]
         ordered = decode + prefill
@@ -125,6 +127,11 @@ class ModelRunner:
                 sample_rows.append(row - 1)
         batch = ForwardBatch(torch.tensor(token_ids), positions, torch.cat(slot_parts), len(decode), table, ctx,
                              spans, span_slots, media_rows, media, torch.tensor(sample_rows, dtype=torch.long))
+        if state is not None:
+            batch.state_slots = torch.tensor([state.slots[c.req.request_id] for c in ordered], dtype=torch.long)
+            batch.state_fresh = torch.tensor([c.start == 0 for c in ordered], dtype=torch.bool)
+            batch.state_checkpoints = [state.checkpoints.get(c.req.request_id, []) for c in prefill]
+            batch.state_copies = list(state.copies)
         return ordered, batch
 
     def _media(self, ordered: list[ScheduledChunk]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -166,7 +173,7 @@ class ModelRunner:
             self.encoders.encode([req.mm_items[idx] for req, idx in sched.encode])
         if sched.empty:
             return {}, {}
-        ordered, batch = self._prepare(sched.chunks)
+        ordered, batch = self._prepare(sched.chunks, sched.state)
         sampling = [c.req for c in ordered if c.samples]
         # Grammar masks: on an accelerator they are filled while the forward pass runs.
         constrained = [i for i, r in enumerate(sampling) if r.grammar is not None]

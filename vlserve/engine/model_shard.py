@@ -7,6 +7,9 @@ With one device this is the whole model. Under tensor parallelism every rank run
 `--mm-encoder-tp-mode data` ("data parallel encoder"): the vision tower is whole on every rank, the pictures of
 a call are spread over the ranks by patch count (`balance`), each rank encodes its share and the rows are
 all-gathered back into the original order.
+
+A hybrid model (Qwen3.5) caches KV for its full-attention layers only; each linear-attention layer has a pool of
+per-sequence state slots instead (`kv_caches` keeps one entry per layer, a tensor or a `LinearLayerState`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from vlserve.engine.config import DATA, VlserveConfig
 from vlserve.engine.forward_batch import ForwardBatch, attention_metadata
 from vlserve.engine.encoder_runner import cpu_budget, groups_of
 from vlserve.model.decoder import DeepstackInput
+from vlserve.model.layers.linear_state import LinearLayerState, copy_state_slots, new_layer_states
 from vlserve.model.layers.packed_linear import packed_linear_supported
 from vlserve.model.layers.parallel import SINGLE, TPGroup
 from vlserve.model.loader import load_model
@@ -65,13 +69,21 @@ class ModelShard:
         self.device = device
         self.block_size = cfg.block_size
         language = getattr(model, "language_model", None)
-        self.kv_caches: list[torch.Tensor] = []
+        self.kv_caches: list[torch.Tensor | LinearLayerState] = []
+        self.kv_layers: list[int] = []  # layers with a KV cache (all but a hybrid model's linear ones)
+        self.layer_states: list[LinearLayerState | None] = []  # per layer: None unless linear attention
         if language is not None:
-            attn = language.layers[0].self_attn  # this rank's key/value heads
+            text = model.cfg.text
+            states = new_layer_states(text, cfg.num_state_slots, cfg.dtype, device, tp.size) \
+                if cfg.model.is_hybrid else [None] * len(language.layers)
+            self.kv_layers = [i for i, st in enumerate(states) if st is None]
+            self.layer_states = states
+            attn = language.layers[self.kv_layers[0]].self_attn  # this rank's key/value heads
             slots = cfg.num_kv_blocks * cfg.block_size
             # Zeroed, not empty: padded decode rows read slot 0, and 0-weight x NaN garbage would still be NaN.
-            self.kv_caches = [torch.zeros(2, slots, attn.num_kv_heads, attn.head_dim, dtype=cfg.dtype, device=device)
-                              for _ in language.layers]
+            self.kv_caches = [st if st is not None else
+                              torch.zeros(2, slots, attn.num_kv_heads, attn.head_dim, dtype=cfg.dtype, device=device)
+                              for st in states]
             self.hidden = model.cfg.text.hidden_size
             self.deepstack_levels = model.cfg.deepstack_levels
 
@@ -124,6 +136,8 @@ class ModelShard:
         """Logits (float32, full vocabulary) of `batch.sample_rows`; None when no row samples."""
         dev = self.device
         meta = attention_metadata(batch, self.block_size, dev)
+        if batch.state_copies:  # snapshots into running slots, before any layer reads them
+            copy_state_slots(self.layer_states, batch.state_copies)
         embeds = self.model.embed_tokens(batch.token_ids.to(dev))
         deepstack = None
         if batch.media is not None:
@@ -148,9 +162,11 @@ class ModelShard:
     def read_kv(self, slots: torch.Tensor) -> torch.Tensor:
         """[layers, 2, len(slots), kv_heads, head_dim]: the KV cache at these slots, on the CPU."""
         index = slots.to(self.device)
-        return torch.stack([cache.index_select(1, index) for cache in self.kv_caches]).cpu()
+        return torch.stack([self.kv_caches[i].index_select(1, index) for i in self.kv_layers]).cpu()
 
     def write_kv(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        """`kv` as `read_kv` gives it: one entry per layer with a KV cache."""
         index = slots.to(self.device)
-        for cache, layer in zip(self.kv_caches, kv):
+        for i, layer in zip(self.kv_layers, kv):
+            cache = self.kv_caches[i]
             cache.index_copy_(1, index, layer.to(self.device, cache.dtype))

@@ -7,6 +7,10 @@ the most recently admitted running request is preempted: its blocks are freed an
 (or, when the engine's KV connector says it cannot be recomputed here, its KV is read out first and written back
 at readmission). The connector (engine/kv_connector/, none on an aggregated engine) also says which waiting
 requests have KV to load instead of computing, and keeps the blocks of requests whose KV it exports.
+
+A hybrid model (linear-attention layers) also needs a state slot per running request and, for a prefix hit, a
+state snapshot where the hit ends (engine/state_cache.py): its hits are cut back to the longest cached prefix that
+has one.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from vlserve.engine.encoder_cache import EncoderCacheManager
 from vlserve.engine.kv_cache_manager import KVCacheManager
 from vlserve.engine.kv_connector.base import KVConnector
 from vlserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+from vlserve.engine.state_cache import StateCache, StateStep
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +37,9 @@ class Scheduler:
         self.connector = connector
         self.kv = KVCacheManager(cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.encoder_cache = EncoderCacheManager.for_model(cfg.encoder_cache_size, cfg.model)
+        self.state: StateCache | None = None
+        if cfg.model.is_hybrid:
+            self.state = StateCache(cfg.max_num_seqs, cfg.num_state_snapshots, cfg.block_size)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -84,6 +92,8 @@ class Scheduler:
     # ---- one step --------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(free_encoder_keys=self._freed_encoder_keys)
+        if self.state is not None:
+            out.state = StateStep()
         self._freed_encoder_keys = []
         token_budget = self.cfg.max_num_batched_tokens
         encoder_budget = self.cfg.max_num_encoder_input_tokens
@@ -129,10 +139,18 @@ class Scheduler:
                 out.kv_in.append((req, hit))
                 continue
             cached = self.kv.find_cached_prefix(req)
+            snapshot = None
+            if self.state is not None and self.kv.enable_prefix_caching:
+                keep, snapshot = self.state.resumable_blocks(req, cached)
+                cached = cached[:keep]
             start = len(cached) * self.kv.block_size
             n, encode = self._plan_chunk(req, start, token_budget, encoder_budget)
             if n == 0 or not self.kv.allocate_slots(req, n, cached):
                 break
+            if self.state is not None and self.kv.enable_prefix_caching:
+                self.state.record_lookup(snapshot is not None)
+            if snapshot is not None:
+                self.state.resume(req, snapshot, out.state)
             self.kv.record_lookup(req, start)
             req.num_cached_tokens = start
             self.waiting.popleft()
@@ -173,6 +191,10 @@ class Scheduler:
 
     def _commit(self, req: Request, start: int, n: int, encode: list[int], out: SchedulerOutput) -> None:
         out.chunks.append(ScheduledChunk(req, start, n))
+        if out.state is not None:
+            out.state.slots[req.request_id] = self.state.slot(req)
+            if self.kv.enable_prefix_caching:
+                self.state.checkpoints(req, start, start + n, out.state)
         cache, rid, items = self.encoder_cache, req.request_id, req.mm_items
         pending = [i for i in req.items_overlapping(start, start + n)
                    if items[i].needs_encoder and not cache.holds((rid, i), items[i]) and i not in encode]
@@ -189,6 +211,8 @@ class Scheduler:
         if req.num_computed_tokens and self.connector is not None and self.connector.keeps_kv_on_preempt(req):
             out.kv_out.append((req, list(req.block_ids), req.num_computed_tokens))
         self.kv.free(req)
+        if self.state is not None:
+            self.state.free(req)  # recomputed at readmission, from token 0 or from a snapshot
         out.free_encoder_keys.extend(self.encoder_cache.release_all(req.request_id, req.mm_items))
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
@@ -205,6 +229,8 @@ class Scheduler:
         logprobs: dict[str, TokenLogprobs] | None = None,
     ) -> list[EngineCoreOutput]:
         outputs = []
+        if sched.state is not None:
+            self.state.step_done(sched.state)
         for chunk in sched.chunks:
             req = chunk.req
             if req.status.finished:  # aborted while the step ran
@@ -266,6 +292,8 @@ class Scheduler:
         req.status = status
         if self.connector is None or not self.connector.request_finished(req, status):
             self.kv.free(req)  # else the connector frees them once it has exported the KV
+        if self.state is not None:
+            self.state.free(req)
         self._freed_encoder_keys.extend(self.encoder_cache.release_all(req.request_id, req.mm_items))
         del self.requests[req.request_id]
 
@@ -280,6 +308,12 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         return True
+
+    def reset_prefix_cache(self) -> bool:
+        """Drops every cached prefix block and state snapshot; False while requests hold blocks."""
+        if not self.kv.reset_prefix_cache():
+            return False
+        return self.state is None or self.state.reset()
 
     def finish_status(self, req: Request, token: int) -> RequestStatus | None:
         """How `req` ends at `token`, just appended (its grammar built and advanced by the caller), or None."""

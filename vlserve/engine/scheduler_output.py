@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vlserve.core.request import Request
+from vlserve.engine.state_cache import StateStep
 
 
 @dataclass
@@ -35,6 +36,8 @@ class SchedulerOutput:
     # Admitted requests whose pending KV (the connector's) is written now: (request, first token to write; the
     # ones before are shared from the prefix cache). They compute from the next step on.
     kv_in: list[tuple[Request, int]] = field(default_factory=list)
+    # A hybrid model's linear-attention states this step: running slots, snapshot copies and checkpoints.
+    state: StateStep | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -24,6 +24,11 @@ ENGINE_METRICS = {
     "num_preemptions_total": ("counter", "Requests preempted (recomputed later) for lack of KV blocks."),
     "prefix_cache_queries_total": ("counter", "Prompt tokens looked up in the prefix cache."),
     "prefix_cache_hits_total": ("counter", "Prompt tokens served from the prefix cache."),
+    "state_snapshot_queries_total": ("counter", "Hybrid models: admissions that looked for a linear-attention state "
+                                     "snapshot to resume a prefix hit from."),
+    "state_snapshot_hits_total": ("counter", "Hybrid models: admissions that resumed from a state snapshot."),
+    "state_cache_usage_perc": ("gauge", "Hybrid models: fraction of linear-attention state slots (running "
+                               "requests' and snapshots) in use."),
     "encoder_cache_queries_total": ("counter", "Multimodal items looked up in the encoder cache."),
     "encoder_cache_hits_total": ("counter", "Multimodal items served from the encoder cache."),
     "prompt_tokens_total": ("counter", "Prompt tokens received."),

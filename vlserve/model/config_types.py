@@ -23,6 +23,7 @@ class MoEConfig:
     intermediate_size: int  # per expert
     sparse_step: int  # every `sparse_step`-th layer is sparse ...
     dense_layers: tuple[int, ...]  # ... except these, which keep a dense MLP
+    shared_expert_intermediate_size: int = 0  # Qwen3.5-MoE: a shared expert gated by sigmoid (0: none)
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,22 @@ class RopeScaling:
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class LinearAttentionConfig:
+    """Qwen3.5's Gated DeltaNet layers: a causal depthwise conv over q, k, v, then the gated delta rule."""
+
+    conv_kernel: int
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels the conv runs over: q and k (key heads) then v (value heads)."""
+        return 2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
 
 
 @dataclass(frozen=True)
@@ -58,6 +75,18 @@ class TextConfig:
     hidden_act: str = "silu"
     moe: MoEConfig | None = None
     rope_scaling: RopeScaling | None = None  # None: plain RoPE (every Qwen model)
+    # Qwen3.5's hybrid decoder: per layer "linear_attention" or "full_attention"; () = every layer full attention.
+    layer_types: tuple[str, ...] = ()
+    linear_attention: LinearAttentionConfig | None = None
+    partial_rotary_factor: float = 1.0  # rotary on the first head_dim * factor dims of each head
+    attn_output_gate: bool = False  # full attention's output * sigmoid(gate), the gate from q_proj
+
+    def is_linear_layer(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def is_sparse_layer(self, layer: int) -> bool:
         m = self.moe
@@ -158,6 +187,12 @@ class ModelConfig:
 
     def setting(self, name: str, default: QuantValue = None) -> QuantValue:
         return next((v for k, v in self.family_settings if k == name), default)
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Some decoder layers are linear attention (Qwen3.5): they keep a per-sequence state, not a KV cache."""
+        t = self.text
+        return any(t.is_linear_layer(i) for i in range(t.num_layers))
 
     @property
     def modalities(self) -> tuple[str, ...]:

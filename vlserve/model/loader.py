@@ -18,7 +18,7 @@ import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from vlserve.core.errors import ModelLoadError
+from vlserve.core.errors import ConfigurationError, ModelLoadError
 from vlserve.model.families import family_of
 from vlserve.model.hardware import resolve_dtype
 from vlserve.model.kernels import cpu_kernels
@@ -33,7 +33,7 @@ from vlserve.model.quantization import (
     quantized_buffers,
     resolve_quantization,
 )
-from vlserve.model.weight_names import FUSED_SHARDS
+from vlserve.model.weight_names import EXPERT_SHARD, FUSED_SHARDS
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +86,12 @@ def _shard_view(model: nn.Module, name: str, param: torch.Tensor, shard: str) ->
     Offsets and sizes come from the model (never from the incoming tensor), so a piece of the wrong size
     fails the shape check instead of landing silently in its neighbour's rows.
     """
+    expert = EXPERT_SHARD.match(shard)
+    if expert:  # one expert's matrix of the 3-D expert weights
+        e, kind = int(expert[1]), expert[2]
+        if e >= param.shape[0]:
+            raise ModelLoadError(f"'{name}': expert {e} of a model with {param.shape[0]} experts")
+        return param[e] if kind == "down" else _shard_view(model, name, param[e], kind)
     total = param.shape[0]
     if shard in ("gate", "up"):
         half = total // 2
@@ -153,7 +159,11 @@ def load_weights(model: nn.Module, folder: Path, files: list[Path] | None = None
                     elif name.endswith(EXPERT_TENSORS):
                         full = rule.full_shape(param.shape) if rule is not None else param.shape
                         tensor = expert_tensor(tensor, full, transformers_major)
-                    if rule is not None:
+                    expert = EXPERT_SHARD.match(shard) if shard else None
+                    if expert and rule is not None:  # one expert: cut as a slice of the 3-D weight would be
+                        kind = expert[2]
+                        tensor = rule.local(tensor.unsqueeze(0), None if kind == "down" else kind).squeeze(0)
+                    elif rule is not None:
                         tensor = rule.local(tensor, shard)
                     target = _shard_view(model, name, param, shard) if shard else param
                     if target.shape != tensor.shape:
@@ -169,6 +179,9 @@ def load_weights(model: nn.Module, folder: Path, files: list[Path] | None = None
     missing = []
     for name in params:  # a fused parameter is whole when stored whole or when every piece of it was
         pieces = next((s for key, s in FUSED_SHARDS.items() if f".{key}." in name), ())
+        if name.endswith(EXPERT_TENSORS) and f"{name}:None" not in loaded:  # stored one expert at a time
+            kinds = ("down",) if name.endswith("down_proj") else ("gate", "up")
+            pieces = tuple(f"e{e}.{k}" for e in range(params[name].shape[0]) for k in kinds)
         if f"{name}:None" in loaded or pieces and all(f"{name}:{s}" in loaded for s in pieces):
             continue
         missing += [f"{name}:{s}" for s in pieces if f"{name}:{s}" not in loaded] or [name]
@@ -196,6 +209,9 @@ def load_model(
     `tp`: this rank's share of a tensor-parallel model (`vision_tp`: the vision tower's, when it differs).
     `towers`: the media towers to build ("vision", "audio"; None: all the model has); others' tensors are skipped."""
     cfg = cfg or load_model_config(folder)
+    if cfg.is_hybrid and tp.size > 1 and with_language:
+        raise ConfigurationError(f"{cfg.architecture} (hybrid linear attention) runs on a single rank for now: "
+                                 f"tensor_parallel_size {tp.size} is not supported")
     if quantization is None and cfg.quantization:  # a 4-bit checkpoint loads as one whatever the caller passed
         quantization = resolve_quantization(None, cfg.quantization)
     device = torch.device(device)

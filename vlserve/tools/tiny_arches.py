@@ -22,6 +22,8 @@ TINY_ARCHES: dict[str, TinyArch] = {
     "qwen2_5_vl": TinyArch("Qwen2.5-VL", "Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
     "qwen3_vl": TinyArch("Qwen3-VL", "Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
     "qwen3_vl_moe": TinyArch("Qwen3-VL-MoE", "Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration"),
+    "qwen3_5": TinyArch("Qwen3.5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
+    "qwen3_5_moe": TinyArch("Qwen3.5-MoE", "Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration"),
     "qwen2_audio": TinyArch("Qwen2-Audio", "Qwen2AudioConfig", "Qwen2AudioForConditionalGeneration"),
     "qwen2_5_omni": TinyArch("Qwen2.5-Omni", "Qwen2_5OmniThinkerConfig", "Qwen2_5OmniThinkerForConditionalGeneration"),
     # The checkpoint as released: thinker, talker and token2wav (vlserve serves the thinker).

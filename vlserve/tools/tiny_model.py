@@ -36,7 +36,7 @@ from vlserve.tools.bpe_tokenizer import (
     save_tokenizer,
     special_token_ids,
 )
-from vlserve.tools import tiny_llava
+from vlserve.tools import tiny_llava, tiny_qwen3_5
 from vlserve.tools.tiny_arches import TINY_ARCHES
 
 # arch -> (transformers config class, model class); the families themselves are listed in tiny_arches.py
@@ -45,6 +45,8 @@ ARCHES: dict[str, tuple[type, type]] = {
     for name, a in TINY_ARCHES.items()
 }
 QWEN3 = ("qwen3_vl", "qwen3_vl_moe")
+QWEN3_5 = tiny_qwen3_5.QWEN3_5_ARCHES
+QWEN3_VISION = QWEN3 + QWEN3_5  # Qwen3-VL's tower, patch size and processor files (Qwen3.5: without DeepStack)
 OMNI = ("qwen2_5_omni", "qwen2_5_omni_full")
 AUDIO = ("qwen2_audio", *OMNI)
 # arch -> (special tokens, chat template, tokenizer attributes naming them)
@@ -138,10 +140,10 @@ def _vision_config(arch: str, spec: SizeSpec, init_range: float) -> dict[str, An
         "spatial_merge_size": MERGE_SIZE,
         "initializer_range": init_range,
     }
-    if arch in QWEN3:
+    if arch in QWEN3_VISION:
+        deepstack = {"deepstack_visual_indexes": list(spec.deepstack_3)} if arch in QWEN3 else {}
         return {**common, "patch_size": PATCH_SIZE_3, "hidden_size": spec.vit_width, "out_hidden_size": spec.hidden,
-                "intermediate_size": spec.vit_intermediate_25, "depth": spec.vit_depth_3,
-                "deepstack_visual_indexes": list(spec.deepstack_3),
+                "intermediate_size": spec.vit_intermediate_25, "depth": spec.vit_depth_3, **deepstack,
                 "num_position_embeddings": spec.position_grid_3**2, "hidden_act": "gelu_pytorch_tanh"}
     if arch == "qwen2_vl":
         # In Qwen2-VL `hidden_size` is the merger's output width (= LM hidden), `embed_dim` the ViT width.
@@ -169,6 +171,8 @@ def _model_config(arch: str, size: str, vocab_size: int, ids: dict[str, int], in
         text["num_hidden_layers"] = spec.layers_3
         text["rope_parameters"] = {"rope_type": "default", "mrope_section": list(MRoPE_SECTIONS_3[size]),
                                    "mrope_interleaved": True, "rope_theta": 5000000.0}
+    if arch in QWEN3_5:
+        text = tiny_qwen3_5.text_config(arch, size, text, spec.experts)
     if arch == "qwen3_vl_moe":
         text["num_experts"], text["num_experts_per_tok"], text["moe_intermediate_size"] = spec.experts
         text["decoder_sparse_step"] = 1
@@ -274,7 +278,7 @@ def _audio_preprocessor_config(arch: str, max_pixels: int) -> dict[str, Any]:
 
 
 def _preprocessor_config(arch: str, max_pixels: int) -> dict[str, Any]:
-    qwen3 = arch in QWEN3
+    qwen3 = arch in QWEN3_VISION
     patch = PATCH_SIZE_3 if qwen3 else PATCH_SIZE
     min_pixels = (patch * MERGE_SIZE * 2) ** 2 if qwen3 else MIN_PIXELS
     return {
@@ -325,7 +329,7 @@ def _check_saved(out_dir: Path, arch: str, init_range: float) -> None:
     probes += ("audio_tower.layers.0.self_attn.q_proj.weight",) if arch in AUDIO else ()
     probes += ("visual.blocks.0.attn.q.weight",) if arch in OMNI else ()
     probes += ("visual.blocks.0.attn.qkv.weight",) if arch not in AUDIO + LLAVA else ()
-    probes = tiny_llava.PROBES if arch in LLAVA else probes
+    probes = tiny_llava.PROBES if arch in LLAVA else tiny_qwen3_5.PROBES if arch in QWEN3_5 else probes
     found: dict[str, float] = {}
     for shard in sorted(out_dir.glob("*.safetensors")):
         with safe_open(str(shard), framework="pt") as f:
@@ -407,7 +411,7 @@ def make_tiny_model(
             (out / name).write_text(json.dumps(contents, indent=2))
         if arch == "qwen2_5_omni_full":  # transformers' full Omni loads its talker's voices from here
             torch.save({}, out / "spk_dict.pt")
-        if arch in QWEN3:
+        if arch in QWEN3_VISION:
             (out / "video_preprocessor_config.json").write_text(json.dumps(_video_preprocessor_config(spec), indent=2))
         bar.update()
 

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from vlserve.model.kernels import cpu_kernels
+from vlserve.model.layers.linear_state import LinearStateBatch
 
 
 @dataclass
@@ -39,6 +40,7 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_blocks * block_size] bool
     decode_context_lens: torch.Tensor | None = None  # [num_decode] int64, tokens each decode row attends to
     prefills: list[PrefillSpan] = field(default_factory=list)
+    linear: LinearStateBatch | None = None  # hybrid models: each sequence's linear-attention state slot
 
 
 def build_prefill_span(start: int, num_tokens: int, context_len: int, slots: torch.Tensor | None) -> PrefillSpan:

@@ -1,5 +1,5 @@
-"""Sparse mixture-of-experts MLP (Qwen3-VL-MoE): softmax router -> top-k -> renormalized weights, no shared
-expert.
+"""Sparse mixture-of-experts MLP (Qwen3-VL-MoE, Qwen3.5-MoE): softmax router -> top-k -> renormalized weights;
+Qwen3.5 adds a shared expert (a gated MLP every token runs) scaled by sigmoid(shared_expert_gate(x)).
 
 Experts are stored as two 3-D weights in the linear layout, `gate_up_proj [E, 2I, H]` and
 `down_proj [E, H, I]`. Tokens are grouped by expert with one sort, then each expert that got tokens runs one
@@ -15,17 +15,22 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vlserve.model.layers.mlp import get_activation
+from vlserve.model.layers.mlp import GatedMLP, get_activation
 from vlserve.model.layers.parallel import Column, Row, current_tp, even_split
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, act: str):
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, act: str,
+                 shared_intermediate: int = 0):
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
         self.gate = nn.Linear(hidden, num_experts, bias=False)  # the router
         self.experts = Experts(hidden, intermediate, num_experts, act)
         self.tp = current_tp()
+        self.shared_expert = self.shared_expert_gate = None
+        if shared_intermediate:
+            self.shared_expert = GatedMLP(hidden, shared_intermediate, act, bias=False)
+            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
@@ -33,7 +38,10 @@ class SparseMoE(nn.Module):
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
         weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
-        return self.tp.all_reduce(self.experts(x, experts, weights))
+        out = self.tp.all_reduce(self.experts(x, experts, weights))
+        if self.shared_expert is None:
+            return out
+        return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 
 class Experts(nn.Module):

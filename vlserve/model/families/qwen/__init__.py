@@ -1,4 +1,5 @@
-"""The Qwen family: Qwen2-VL, Qwen2.5-VL, Qwen3-VL(-MoE) with DeepStack, Qwen2-Audio, Qwen2.5-Omni's thinker."""
+"""The Qwen family: Qwen2-VL, Qwen2.5-VL, Qwen3-VL(-MoE) with DeepStack, Qwen3.5(-MoE) (hybrid linear attention),
+Qwen2-Audio, Qwen2.5-Omni's thinker."""
 
 from __future__ import annotations
 
