@@ -50,7 +50,8 @@ from vlserve.engine.transfer_buffers import TransferBuffers
 SECRET = "correct horse battery staple"
 REG = b'{"instance_id": "i1", "role": "encode", "address": "127.0.0.1:5"}'
 
-PICTURE_MODEL = SimpleNamespace(max_model_len=1024, model=SimpleNamespace(modalities=("image", "video")))
+PICTURE_MODEL = SimpleNamespace(max_model_len=1024, model=SimpleNamespace(modalities=("image", "video"),
+                                                                           is_hybrid=False))
 
 
 # ---- registry ------------------------------------------------------------------------------------------------

@@ -87,9 +87,9 @@ class Decode:
         self.blocks: dict[str, list[int]] = {}
 
     def receive(self, rid: str, processed: ProcessedPrompt, rows: torch.Tensor) -> ProcessedPrompt:
-        """What a transport does: a KV row per token into a run of blocks (token ids and positions travel beside);
-        the prompt as it arrives."""
-        n = len(processed.prompt_token_ids)
+        """What a transport does: a KV row per token (then a hybrid model's state rows) into a run of blocks
+        (token ids and positions travel beside); the prompt as it arrives."""
+        n = rows.shape[0]
         blocks = self.buffers.allocate(n)
         self.buffers.write_rows(blocks, torch.arange(n), rows)
         self.blocks[rid] = blocks

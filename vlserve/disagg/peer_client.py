@@ -47,7 +47,7 @@ from vlserve.disagg.metrics import TransferMetrics
 from vlserve.disagg.peer_kinds import ENCODER_PEERS, PeerKind, rendezvous_score
 from vlserve.disagg.transports import TRANSPORTS
 from vlserve.disagg.received import ReceivedChunks
-from vlserve.disagg.transports.base import chunk_num_rows, in_thread
+from vlserve.disagg.transports.base import in_thread
 from vlserve.frontend.config import FrontendConfig
 from vlserve.engine.prompt_check import check_prompt
 from vlserve.engine.transfer_buffers import TransferBuffers
@@ -204,10 +204,11 @@ class PeerClient:
         if peer.paired:
             return
         ours = self.kind.expects(self.cfg)
-        theirs = (pong.architecture, pong.hidden_size, pong.deepstack_levels, pong.kv_width)
+        theirs = (pong.architecture, pong.hidden_size, pong.deepstack_levels, pong.kv_width, pong.state_rows)
         if theirs != ours:
-            logger.error("%s %s serves %s (hidden size %d, %d deepstack levels, KV rows of %d); this server needs "
-                         "%s (hidden size %d, %d deepstack levels, KV rows of %d): not paired", self.kind.name,
+            logger.error("%s %s serves %s (hidden size %d, %d deepstack levels, KV rows of %d, %d state rows); this "
+                         "server needs %s (hidden size %d, %d deepstack levels, KV rows of %d, %d state rows): not "
+                         "paired", self.kind.name,
                          peer.info.address, theirs[0][:64], *theirs[1:], *ours)
             self._drop(peer, "its model does not match", quiet=True, for_s=300.0)
             return
@@ -311,14 +312,15 @@ class PeerClient:
         succeeded = False
         try:
             pool_rows = self.buffers.num_blocks * self.buffers.block_tokens  # a smaller pool: all of it at most
-            run = await self._allocate(min(self.kind.allocate_rows(self.opts), pool_rows))
+            tail = self.kind.tail_rows(self.cfg)
+            run = await self._allocate(min(self.kind.allocate_rows(self.opts) + tail, pool_rows))
             blocks += run
             await peer.sock.send_multipart(self.requests.encode(TransferRequest(
                 request_id, tid, prompt, media, uuids, mm_kwargs or {}, run, self.buffers.block_tokens, self.target,
                 params)))
             enter(TransferState.WAITING_FOR_INPUT)
             received = ReceivedChunks(self.kind.rows_for_every_token, self.buffers.block_tokens,
-                                      self.cfg.max_model_len)
+                                      self.cfg.max_model_len, tail)
             while True:
                 header, frames = await self._next_chunk(queue, enter)
                 enter(TransferState.TRANSFERRING)
@@ -374,7 +376,9 @@ class PeerClient:
     async def _rows_finite(self, header: TransferChunk, run: list[int]) -> bool:
         """The chunk's rows, as they landed in our blocks, hold only finite values (a peer's NaN would otherwise
         become a 200 of garbage). One pass over the rows: off the event loop once it is more than a few."""
-        rows = torch.arange(chunk_num_rows(header))  # the chunk's rows fill its run from the first slot
+        # The chunk's rows fill its run from the first slot. A hybrid model's state rows (the tail, after the last
+        # token's) hold float32 bytes, not values of the rows' dtype: the engine checks the unpacked state.
+        rows = torch.arange(sum(s.num_rows for s in header.segments if s.token < header.total_tokens))
         if rows.numel() * self.buffers.layout.width <= INLINE_CHECK_VALUES:
             return self.buffers.rows_finite(run, rows)
         return await in_thread(self.buffers.rows_finite, run, rows)

@@ -22,6 +22,7 @@ import blake3
 
 from vlserve.core.config import DisaggArgs
 from vlserve.core.errors import VlserveError
+from vlserve.engine.state_rows import state_row_count
 from vlserve.frontend.config import FrontendConfig
 from vlserve.media.data_url import decode_base64
 
@@ -49,7 +50,11 @@ class PeerKind:
         """What a peer's Pong must say to be paired: it produces exactly what this model needs."""
         m = cfg.model
         return (m.architecture, m.text.hidden_size, m.deepstack_levels,
-                m.kv_row_width if self.rows_for_every_token else 0)
+                m.kv_row_width if self.rows_for_every_token else 0, self.tail_rows(cfg))
+
+    def tail_rows(self, cfg: FrontendConfig) -> int:
+        """Rows after a prompt's token rows: a hybrid model's linear states, handed over with its KV."""
+        return state_row_count(cfg.model, cfg.dtype) if self.rows_for_every_token and cfg.model.is_hybrid else 0
 
     def affinity_key(self, prompt: str, media: dict, uuids: dict) -> str:
         """What a request is keyed by when picking a peer: the same key goes to the same peer while it can."""

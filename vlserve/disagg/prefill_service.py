@@ -4,7 +4,8 @@ A decode instance sends it a rendered prompt (with media URLs), the request's sa
 its receive blocks. The prefill instance has the prompt's media encoded by encoder services (embedding rows in
 its own receive blocks, exactly like a language server), runs the prompt through its engine, samples the first
 token as the whole request would, and writes every prompt token's KV row (engine.kv_handoff) into the decode
-instance's blocks over the transport; the last chunk carries the first token and the random state. It speaks the
+instance's blocks over the transport (a hybrid model's linear states follow as rows, engine.state_rows); the last
+chunk carries the first token and the random state. It speaks the
 peers' protocol (disagg.messages) as the sender, with the same resume, abort and expiry (disagg.sender).
 """
 
@@ -27,6 +28,7 @@ from vlserve.disagg.messages import (
     TransferState,
 )
 from vlserve.disagg.metrics import ScrapeTimeGauges, TransferMetrics
+from vlserve.disagg.peer_kinds import PREFILL_PEERS
 from vlserve.disagg.remote_encoder import remote_prompt_encoder
 from vlserve.disagg.sender import OutgoingTransfer, SenderService, every_token_rows
 from vlserve.disagg.transports import TRANSPORTS
@@ -62,7 +64,7 @@ class PrefillService(SenderService):
     def pong(self, nonce: int) -> Pong:
         m = self.engine.cfg.model
         return Pong(nonce, self.in_flight, m.architecture, m.text.hidden_size, m.deepstack_levels,
-                    m.kv_row_width)
+                    m.kv_row_width, PREFILL_PEERS.tail_rows(self.engine.cfg))
 
     def on_request(self, peer: bytes, msg: TransferRequest) -> None:
         key = (peer, msg.request_id, msg.transfer_id)
@@ -84,8 +86,11 @@ class PrefillService(SenderService):
             engine_id = f"p{next(self._ids)}-{req.request_id[:128]}"
             with await self.engine.prepare(prompt, req.mm_processor_kwargs, request_id=engine_id) as prepared:
                 handoff, rows = await self.engine.prefill(prepared, req.params, engine_id)  # takes it over
-            transfer = OutgoingTransfer(key, prepared.prompt, req.block_tokens, every_token=True,
-                                        rows_of=every_token_rows(rows), target=req.target, handoff=handoff)
+            n, tail = prepared.prompt.num_tokens, PREFILL_PEERS.tail_rows(self.engine.cfg)
+            if rows.shape[0] != n + tail:
+                raise RuntimeError(f"the engine handed {rows.shape[0]} rows for {n} tokens and {tail} state rows")
+            transfer = OutgoingTransfer(key, prepared.prompt, req.block_tokens, every_token=True, tail_rows=tail,
+                                        rows_of=every_token_rows(rows, n), target=req.target, handoff=handoff)
             if self.sender.hold(transfer):
                 await self.sender.send_chunk(transfer, 0, req.block_ids)
         except asyncio.CancelledError:

@@ -15,9 +15,11 @@ MAX_MM_HASH_CHARS = 128
 
 
 class ReceivedChunks:
-    def __init__(self, every_token: bool, block_tokens: int, max_model_len: int):
-        """`every_token`: KV rows for every token (from a prefill instance), not media rows (from an encoder)."""
+    def __init__(self, every_token: bool, block_tokens: int, max_model_len: int, tail_rows: int = 0):
+        """`every_token`: KV rows for every token (from a prefill instance), not media rows (from an encoder);
+        `tail_rows`: rows after the last token's (a hybrid model's linear states, from a prefill instance)."""
         self.every_token, self.block_tokens, self.max_model_len = every_token, block_tokens, max_model_len
+        self.tail_rows = tail_rows
         self.first: TransferChunk | None = None
         self.row_map: RowMap | None = None
         self.tokens = 0  # tokens [0, tokens) have arrived
@@ -42,7 +44,7 @@ class ReceivedChunks:
             problems.append("an oversized mm_hash")
         if problems:
             return problems
-        row_map = self.row_map or RowMap(header.items, self.every_token)
+        row_map = self.row_map or RowMap(header.items, self.every_token, self.tail_rows)
         end = row_map.chunk_end(self.tokens, len(run) * self.block_tokens, header.total_tokens)
         if header.num_tokens != end - self.tokens or header.partial != (end < header.total_tokens):
             problems.append(f"{header.num_tokens} tokens where {end - self.tokens} fit")
@@ -50,6 +52,8 @@ class ReceivedChunks:
         # stale row of another request), none extra, none for text.
         if self.every_token:
             rows = [(header.start_token, header.num_tokens)]
+            if self.tail_rows and end == header.total_tokens:  # the states, after the last token's row
+                rows.append((header.total_tokens, self.tail_rows))
         else:
             chunk_end = header.start_token + header.num_tokens
             media = [(max(it.offset, header.start_token), min(it.offset + it.num_tokens, chunk_end))
@@ -64,16 +68,17 @@ class ReceivedChunks:
     def add(self, header: TransferChunk, tokens: ChunkTokens) -> None:
         """A chunk that passed `problems` has landed: its rows are in the blocks, its tokens here."""
         self.first = self.first or header
-        self.row_map = self.row_map or RowMap(header.items, self.every_token)
+        self.row_map = self.row_map or RowMap(header.items, self.every_token, self.tail_rows)
         self.tokens = header.start_token + header.num_tokens
-        self.rows = self.row_map.rows_before(self.tokens)
+        self.rows = self.row_map.rows_through(self.tokens, header.total_tokens)
         self._fill_ids.append(tokens.fill_ids)
         self._positions.append(tokens.positions)
 
     @property
     def rows_left(self) -> int:
         """Rows still to come (what a resume needs room for)."""
-        return self.row_map.rows_before(self.first.total_tokens) - self.rows
+        total = self.first.total_tokens
+        return self.row_map.rows_through(total, total) - self.rows
 
     def prompt(self, text: str, blocks: list[int]) -> ProcessedPrompt:
         """The prompt as it arrived, its rows in `blocks` (still to be checked like anything the engine admits)."""

@@ -55,6 +55,7 @@ class OutgoingTransfer:
     prompt: ProcessedPrompt
     block_tokens: int  # rows per receive block
     every_token: bool = False  # a row for every token (KV), not for media tokens only
+    tail_rows: int = 0  # rows after the last token's: a hybrid model's linear states (disagg.row_map)
     # (start, end) -> the row segments of tokens start..end and their rows, in segment order
     rows_of: Callable[[int, int], tuple[list[RowSegment], torch.Tensor]] | None = None  # set before sending
     target: TransferTarget | None = None  # where the receiver's blocks are, for transports that write them
@@ -77,10 +78,13 @@ def media_rows(prompt: ProcessedPrompt, item_rows: list[torch.Tensor], width: in
     return rows_of
 
 
-def every_token_rows(rows: torch.Tensor):
-    """`rows_of` for KV rows: one row per prompt token."""
+def every_token_rows(rows: torch.Tensor, num_tokens: int):
+    """`rows_of` for KV rows: one row per prompt token, then any rows after them (a hybrid model's states) with
+    the last token's."""
     def rows_of(start: int, end: int) -> tuple[list[RowSegment], torch.Tensor]:
-        return [RowSegment(start, end - start)], rows[start:end]
+        if end < num_tokens or rows.shape[0] == num_tokens:
+            return [RowSegment(start, end - start)], rows[start:end]
+        return [RowSegment(start, end - start), RowSegment(num_tokens, rows.shape[0] - num_tokens)], rows[start:]
     return rows_of
 
 
@@ -113,8 +117,8 @@ class TransferSender:
         total = prompt.num_tokens
         if not 0 <= start < total or not block_ids:
             raise VlserveError(f"the receiver offered no room (start {start} of {total} tokens)")
-        end = RowMap(prompt.mm_items, transfer.every_token).chunk_end(start, len(block_ids) * transfer.block_tokens,
-                                                                       total)
+        row_map = RowMap(prompt.mm_items, transfer.every_token, transfer.tail_rows)
+        end = row_map.chunk_end(start, len(block_ids) * transfer.block_tokens, total)
         n = end - start
         segments, rows = await in_thread(transfer.rows_of, start, end)  # gathers a chunk's rows: a copy
         data = ChunkData(torch.tensor(prompt.prompt_token_ids[start:end], dtype=torch.int64),

@@ -66,6 +66,13 @@ class ModelRunner:
     def write_kv(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
         self.executor.write_kv(slots, kv)
 
+    def read_state_rows(self, slot: int) -> torch.Tensor:
+        """A hybrid model's linear states in `slot` as rows of the KV rows' width (engine.state_rows)."""
+        return self.executor.read_state_rows(slot, self.cfg.model.kv_row_width)
+
+    def write_state_rows(self, slot: int, rows: torch.Tensor) -> None:
+        self.executor.write_state_rows(slot, rows)
+
     def take_encoder_seconds(self) -> list[tuple[str, float]]:
         """Tower call durations since the last call (histogram samples for the metrics)."""
         return self.encoders.take_seconds() if self.encoders is not None else []

@@ -21,6 +21,7 @@ import torch
 from vlserve.engine.config import DATA, VlserveConfig
 from vlserve.engine.forward_batch import ForwardBatch, attention_metadata
 from vlserve.engine.encoder_runner import cpu_budget, groups_of
+from vlserve.engine.state_rows import pack_state, unpack_state
 from vlserve.model.decoder import DeepstackInput
 from vlserve.model.layers.linear_state import LinearLayerState, copy_state_slots, new_layer_states
 from vlserve.model.layers.packed_linear import packed_linear_supported
@@ -170,3 +171,10 @@ class ModelShard:
         for i, layer in zip(self.kv_layers, kv):
             cache = self.kv_caches[i]
             cache.index_copy_(1, index, layer.to(self.device, cache.dtype))
+
+    def read_state_rows(self, slot: int, width: int) -> torch.Tensor:
+        """A hybrid model's linear states in `slot` as handoff rows (engine.state_rows), on the CPU."""
+        return pack_state(self.layer_states, slot, width, self.kv_caches[self.kv_layers[0]].dtype)
+
+    def write_state_rows(self, slot: int, rows: torch.Tensor) -> None:
+        unpack_state(rows, self.layer_states, slot)

@@ -209,10 +209,13 @@ class Scheduler:
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         if req.num_computed_tokens and self.connector is not None and self.connector.keeps_kv_on_preempt(req):
-            out.kv_out.append((req, list(req.block_ids), req.num_computed_tokens))
+            # A hybrid model's state goes with its KV: its slot is read before this step's forward pass (no slot
+            # is handed out again before then: nothing is admitted in a step that preempts).
+            slot = None if self.state is None else self.state.slot_of.get(req.request_id)
+            out.kv_out.append((req, list(req.block_ids), req.num_computed_tokens, slot))
         self.kv.free(req)
         if self.state is not None:
-            self.state.free(req)  # recomputed at readmission, from token 0 or from a snapshot
+            self.state.free(req)  # else recomputed at readmission, from token 0 or from a snapshot
         out.free_encoder_keys.extend(self.encoder_cache.release_all(req.request_id, req.mm_items))
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED

@@ -31,8 +31,8 @@ class SchedulerOutput:
     free_encoder_keys: list[str] = field(default_factory=list)  # encoder outputs the runner may drop now
     preempted: list[str] = field(default_factory=list)
     # Preempted requests whose KV the connector keeps (their prompt cannot be recomputed here): (request, its
-    # blocks, tokens) to read before the forward pass writes anything.
-    kv_out: list[tuple[Request, list[int], int]] = field(default_factory=list)
+    # blocks, tokens, a hybrid model's state slot or None) to read before the forward pass writes anything.
+    kv_out: list[tuple[Request, list[int], int, int | None]] = field(default_factory=list)
     # Admitted requests whose pending KV (the connector's) is written now: (request, first token to write; the
     # ones before are shared from the prefix cache). They compute from the next step on.
     kv_in: list[tuple[Request, int]] = field(default_factory=list)

@@ -85,6 +85,11 @@ class TextConfig:
         return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
 
     @property
+    def num_kv_layers(self) -> int:
+        """Layers with a KV cache: every layer but the linear-attention ones."""
+        return sum(not self.is_linear_layer(i) for i in range(self.num_layers))
+
+    @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 
@@ -216,9 +221,10 @@ class ModelConfig:
 
     @property
     def kv_row_width(self) -> int:
-        """Columns of one token's KV across every layer (what a prefill instance sends per prompt token)."""
+        """Columns of one token's KV across every layer with a KV cache (what a prefill instance sends per prompt
+        token)."""
         t = self.text
-        return t.num_layers * 2 * t.num_kv_heads * t.head_dim
+        return t.num_kv_layers * 2 * t.num_kv_heads * t.head_dim
 
     @property
     def video_timestamps(self) -> bool:

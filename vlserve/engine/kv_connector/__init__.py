@@ -4,7 +4,6 @@ KV computed elsewhere. An engine without one (aggregated, language, offline) com
 from __future__ import annotations
 
 from vlserve.core.config import DECODE, PREFILL
-from vlserve.core.errors import ConfigurationError
 from vlserve.engine.kv_connector.base import ExportedKV, KVConnector, KVTransfer, MovedKV, PendingKV
 from vlserve.engine.kv_connector.decode import DecodeConnector
 from vlserve.engine.kv_connector.prefill import PrefillConnector
@@ -15,10 +14,6 @@ KV_CONNECTORS: dict[str, type[KVConnector]] = {PREFILL: PrefillConnector, DECODE
 def make_connector(role: str | None, cfg) -> KVConnector | None:
     """The connector of an engine serving `role`, or None for roles whose engine computes all its KV."""
     connector = KV_CONNECTORS.get(role) if role is not None else None
-    if connector is not None and cfg.model.is_hybrid:
-        raise ConfigurationError(
-            f"the {role} role moves KV between instances, but {cfg.model.architecture} also keeps linear-attention "
-            "states that are not transferred yet: serve it aggregated, or E->PD (encode + language roles)")
     return None if connector is None else connector(cfg)
 
 

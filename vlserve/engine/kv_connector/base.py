@@ -37,11 +37,14 @@ class PendingKV:
     # From another instance: a prefix already cached here is shared rather than written, and the prompt's receive
     # blocks are released once it is written. (KV swapped out at a preemption is neither.)
     from_peer: bool = False
+    # A hybrid model: its linear states after those tokens, as rows (engine.state_rows), written into its slot.
+    state_rows: Callable[[], torch.Tensor] | None = None
 
 
 @dataclass
 class ExportedKV:
-    """A finished request's prompt KV, one row per token (see kv_handoff.kv_to_rows), and its random state."""
+    """A finished request's prompt KV, one row per token (see kv_handoff.kv_to_rows), then a hybrid model's
+    linear states as rows (engine.state_rows), and its random state."""
 
     request_id: str
     rows: torch.Tensor

@@ -2,7 +2,9 @@
 this engine's receive blocks (`prompt.block_rows`) and its first token (with the random state) in a `Handoff`.
 It waits in the queue like any request; when the scheduler admits it, its KV is written into its blocks (a prefix
 already cached here is shared) and the receive blocks are released at once. Its pictures are not here to
-recompute it from, so a preemption swaps its KV out to host memory and back in at readmission."""
+recompute it from, so a preemption swaps its KV out to host memory and back in at readmission. A hybrid model's
+linear states arrive as rows after the prompt's KV rows and go into the request's state slot with its KV; a
+preemption swaps them out and back in with it."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from vlserve.core.request import Request, RequestStatus
 from vlserve.core.sampling_params import SamplingParams
 from vlserve.engine.kv_connector.base import KVConnector, KVTransfer, MovedKV, PendingKV
 from vlserve.engine.kv_handoff import check_handed_first, rows_to_kv
+from vlserve.engine.state_rows import state_row_count
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +57,17 @@ class DecodeConnector(KVConnector):
                 raise InvalidInputError(f"the handed-over random state does not fit this device: {e}") from None
         req.num_cached_tokens = first.num_cached_tokens  # what the prefill saved: reported in usage
         t, blocks, n = self.cfg.model.text, req.prompt.block_rows, req.num_prompt_tokens
-        transfer = self.transfer
+        transfer, state_rows = self.transfer, state_row_count(self.cfg.model, self.cfg.dtype)
 
         def read(start: int) -> torch.Tensor:
-            return rows_to_kv(transfer.read_rows(blocks, start, n - start), t.num_layers, t.num_kv_heads, t.head_dim)
+            return rows_to_kv(transfer.read_rows(blocks, start, n - start), t.num_kv_layers, t.num_kv_heads,
+                              t.head_dim)
 
-        self._pending[req.request_id] = PendingKV(n, read, from_peer=True)
+        def read_state() -> torch.Tensor:  # a hybrid model's linear states follow the prompt's KV rows
+            return transfer.read_rows(blocks, n, state_rows)
+
+        self._pending[req.request_id] = PendingKV(n, read, from_peer=True,
+                                                  state_rows=read_state if state_rows else None)
         self._not_recomputable.add(req.request_id)
         return EngineCoreOutput(req.request_id, list(first.new_token_ids), first.new_logprobs,
                                 num_cached_tokens=first.num_cached_tokens)
@@ -84,14 +92,22 @@ class DecodeConnector(KVConnector):
 
     def move_kv(self, sched) -> MovedKV:
         runner = self.runner
-        for req, block_ids, n in sched.kv_out:  # read before this step's forward pass reuses the blocks
+        for req, block_ids, n, slot in sched.kv_out:  # read before this step's forward pass reuses the blocks
             kv = runner.read_kv(runner.block_slots(block_ids, n))
-            self._pending[req.request_id] = PendingKV(n, lambda start, kv=kv: kv[:, :, start:])
+            state = None if slot is None else runner.read_state_rows(slot)
+            self._pending[req.request_id] = PendingKV(n, lambda start, kv=kv: kv[:, :, start:],
+                                                      state_rows=None if state is None else lambda s=state: s)
         moved = MovedKV([], [])
         for req, start in sched.kv_in:
             pending = self._pending.pop(req.request_id)
             try:
                 runner.write_kv(runner.token_slots(req, pending.num_tokens)[start:], pending.read(start))
+                if pending.state_rows is not None:
+                    runner.write_state_rows(self.scheduler.state.slot(req), pending.state_rows())
+            except InvalidInputError as e:  # e.g. a peer's state holding NaN: that request fails (400)
+                logger.error("request %s: its handed-over state was refused: %s", req.request_id, e)
+                moved.failed.append((req.request_id, str(e)))
+                continue
             except Exception as e:  # noqa: BLE001 - that request fails (500), the engine goes on
                 logger.exception("request %s: its KV could not be written", req.request_id)
                 moved.failed.append((req.request_id, f"its KV could not be written: {type(e).__name__}"))

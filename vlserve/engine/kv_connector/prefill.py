@@ -1,11 +1,14 @@
 """The prefill role's connector: every request computes its prompt and samples its first token; when it finishes
 its blocks are kept, read out as KV rows after the step (sent back to the front end, which hands them to a decode
-instance) and freed. A hold nobody takes (the step's outputs were lost) expires."""
+instance) and freed. A hybrid model's linear states follow its KV rows as rows too (read as it finishes, before
+its state slot is freed). A hold nobody takes (the step's outputs were lost) expires."""
 
 from __future__ import annotations
 
 import logging
 import time
+
+import torch
 
 from vlserve.core.errors import ConfigurationError, InvalidInputError
 from vlserve.core.messages import EngineCoreOutput
@@ -25,7 +28,8 @@ class PrefillConnector(KVConnector):
             raise ConfigurationError("KV handed between instances is not supported with tensor parallelism: "
                                      "run the prefill role with --tensor-parallel-size 1")
         self.ttl = ttl
-        self.held: dict[str, tuple[Request, float]] = {}  # finished, blocks kept until exported: (request, since)
+        # Finished, blocks kept until exported: (request, since, a hybrid model's state rows read at its finish).
+        self.held: dict[str, tuple[Request, float, torch.Tensor | None]] = {}
 
     def check_request(self, prompt: ProcessedPrompt, params: SamplingParams, kv_transfer: KVTransfer | None) -> None:
         if kv_transfer is not None:
@@ -43,12 +47,15 @@ class PrefillConnector(KVConnector):
     def request_finished(self, req: Request, status: RequestStatus) -> bool:
         if status == RequestStatus.FINISHED_ABORTED or not req.block_ids:
             return False
-        self.held[req.request_id] = (req, time.monotonic())
+        state = self.scheduler.state
+        # Its state slot is freed with the request (the pool has one per running request): its rows are read now.
+        rows = None if state is None else self.runner.read_state_rows(state.slot_of[req.request_id])
+        self.held[req.request_id] = (req, time.monotonic(), rows)
         return True
 
     def start_step(self) -> None:
         now = time.monotonic()
-        for rid in [rid for rid, (_, since) in self.held.items() if now - since > self.ttl]:
+        for rid in [rid for rid, (_, since, _) in self.held.items() if now - since > self.ttl]:
             logger.warning("request %s: its prefilled KV was not taken within %.0f s; released", rid, self.ttl)
             self._release(rid)
 
@@ -60,11 +67,13 @@ class PrefillConnector(KVConnector):
         """A held request's prompt KV as rows, with its random state; its blocks are freed."""
         if request_id not in self.held:
             raise InvalidInputError(f"nothing held for request {request_id!r}")
-        req, _ = self.held[request_id]
+        req, _, state_rows = self.held[request_id]
         try:
-            kv = self.runner.read_kv(self.runner.token_slots(req, req.num_prompt_tokens))
+            rows = kv_to_rows(self.runner.read_kv(self.runner.token_slots(req, req.num_prompt_tokens)))
+            if state_rows is not None:
+                rows = torch.cat([rows, state_rows.to(rows.dtype)])
             state = None if req.generator is None else req.generator.get_state().numpy().tobytes()
-            return ExportedKV(request_id, kv_to_rows(kv), state)
+            return ExportedKV(request_id, rows, state)
         finally:
             self._release(request_id)
 

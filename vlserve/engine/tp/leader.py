@@ -211,7 +211,7 @@ class TPLeader:
     def read_kv(self, slots: torch.Tensor) -> torch.Tensor:
         raise InvalidInputError("KV handed between instances is not supported with tensor parallelism")
 
-    write_kv = read_kv
+    write_kv = read_state_rows = write_state_rows = read_kv
 
     # ---- failures ------------------------------------------------------------------------------------------------
     def check_alive(self) -> None:
