@@ -16,7 +16,7 @@ Warm-up first (each replica and router serves a few requests of its own, outside
 machine's bounds: TTFT of an idle replica for a picture turn not cached vs fully cached (what a hit can save at
 best here), and the hit rate if every turn found the previous turn of its chat cached.
 
-    .venv/bin/python benchmarks/routing.py [--model DIR | --size small] [--users 8] [--turns 4] [--cache-share 0.75]
+    .venv/bin/python benchmarks/routing.py [--model DIR | --size medium] [--users 8] [--turns 4] [--cache-share 0.75]
 """
 
 from __future__ import annotations
@@ -227,7 +227,7 @@ def machine() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="checkpoint folder (default: a random Qwen2-VL of --size made in a temp dir)")
-    ap.add_argument("--size", default="small", help="size of the random checkpoint made without --model")
+    ap.add_argument("--size", default="medium", help="size of the random checkpoint made without --model")
     ap.add_argument("--users", type=int, default=8)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=8)
