@@ -422,9 +422,20 @@ def test_a_client_that_leaves_a_plain_request_aborts_it(server):
     """Without streaming too: the server notices the disconnect (through its API-key middleware) and stops
     generating, instead of running the request to max_tokens for nobody."""
     before = server.metrics()
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", json=_long_completion(stream=False), headers=server.headers(),
-                   timeout=1.0)
+
+    async def leave_once_it_runs():
+        # The client leaves as soon as the request is seen generating, not after a fixed time: a fast machine
+        # could finish all its tokens within any fixed timeout, and the test would prove nothing.
+        async with httpx.AsyncClient(base_url=server.url, headers=server.headers(), timeout=60) as http:
+            task = asyncio.create_task(http.post("/v1/completions", json=_long_completion(stream=False)))
+            deadline = time.monotonic() + 20
+            while server.metrics()["vlserve:generation_tokens_total"] == before["vlserve:generation_tokens_total"]:
+                assert time.monotonic() < deadline and not task.done(), "the request never started generating"
+                await asyncio.sleep(0.005)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(leave_once_it_runs())
     after = _wait_idle(server)
     generated = after["vlserve:generation_tokens_total"] - before["vlserve:generation_tokens_total"]
     assert generated < MAX_MODEL_LEN - 8, "the request ran to the end although its client left"
