@@ -4,7 +4,9 @@ that path needs a CPU kernel of its own.
 
 Prefill: prompts of --prompt-tokens text tokens, one at a time, max_tokens 1. Decode: --decode-seqs sequences
 decoding --decode-tokens tokens together (their short prompts' prefill subtracted). The delta rule's FLOP rate is
-printed beside this machine's fp32 GEMM rate (the bound a kernel could approach).
+printed beside this machine's fp32 GEMM rate (the bound a kernel could approach). Then the decode step alone at a
+released model's head shape: vlserve's fused kernel (in place on the state pool) against the torch path, beside
+the memory-traffic bound.
 
     .venv/bin/python benchmarks/hybrid_layers.py [--model DIR | --size medium] [--prompt-tokens 1024]
 """
@@ -12,6 +14,7 @@ printed beside this machine's fp32 GEMM rate (the bound a kernel could approach)
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -21,8 +24,13 @@ import torch
 
 from vlserve import LLM, SamplingParams
 from vlserve.model.families.qwen import qwen3_5_text
+from vlserve.model.kernels import cpu_kernels
+from vlserve.model.layers import gated_delta
 
-TIMED = ("causal_conv", "chunk_gated_delta", "causal_conv_step", "gated_delta_step")
+sys.path.insert(0, str(Path(__file__).parent))
+from machine_bounds import gemm_flops, read_bandwidth  # noqa: E402
+
+TIMED = ("causal_conv", "chunk_gated_delta", "causal_conv_step", "gated_delta_step_in_pool")
 
 
 class Timers:
@@ -51,13 +59,29 @@ class Timers:
         return out
 
 
-def gemm_rate(n: int = 1024, reps: int = 10) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    return 2 * n ** 3 * reps / (time.perf_counter() - t0)
+def decode_step_kernel_vs_torch(seqs: int, heads: int = 32, dk: int = 128, dv: int = 128, reps: int = 20):
+    """The decode step alone at a released model's head shape (value heads x 128 x 128 fp32 states): vlserve's
+    kernel against the torch path, ms per layer, and the memory traffic bound (each state read twice, written
+    once)."""
+    pool = torch.randn(seqs + 4, heads, dk, dv) * 0.1
+    slots, fresh = torch.arange(seqs), torch.zeros(seqs, dtype=torch.bool)
+    args = (torch.randn(seqs, heads // 2, dk), torch.randn(seqs, heads // 2, dk), torch.randn(seqs, heads, dv),
+            -torch.rand(seqs, heads), torch.rand(seqs, heads))
+
+    def timed() -> float:
+        gated_delta.gated_delta_step_in_pool(*args, pool, slots, fresh)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            gated_delta.gated_delta_step_in_pool(*args, pool, slots, fresh)
+        return (time.perf_counter() - t0) / reps
+
+    kernel = timed() if cpu_kernels.for_tensor(pool, (torch.float32,)) is not None else float("nan")
+    original, cpu_kernels.for_tensor = cpu_kernels.for_tensor, lambda *a, **k: None
+    try:
+        torch_s = timed()
+    finally:
+        cpu_kernels.for_tensor = original
+    return kernel, torch_s, 3 * seqs * heads * dk * dv * 4
 
 
 def main() -> None:
@@ -103,7 +127,7 @@ def main() -> None:
     decode_s, decode = time.perf_counter() - t0 - short_s, timers.take()
     decode = {k: v - short_t.get(k, 0.0) for k, v in decode.items()}
 
-    rate = gemm_rate()
+    rate = gemm_flops(torch.float32)
     print(f"\nmodel {model} ({args.arch}), dtype {llm.engine.cfg.dtype}, {torch.get_num_threads()} threads")
     pre_mix = prefill.get("causal_conv", 0) + prefill.get("chunk_gated_delta", 0)
     print(f"prefill: {args.prompts} x {args.prompt_tokens} tokens in {prefill_s * 1e3:.0f} ms "
@@ -118,6 +142,13 @@ def main() -> None:
     steps = args.decode_tokens - 1
     print(f"decode: {args.decode_seqs} sequences x {steps} steps in {decode_s * 1e3:.0f} ms "
           f"({decode_s / steps * 1e3:.1f} ms/step); sequence mixing {dec_mix * 1e3:.0f} ms = {dec_mix / decode_s:.1%}")
+    bandwidth = read_bandwidth()
+    print(f"decode step alone, 32 value heads x 128 x 128 fp32 states (a released model's layer), memory "
+          f"{bandwidth / 1e9:.1f} GB/s:")
+    for seqs in (1, 8, 32):
+        kernel, torch_s, traffic = decode_step_kernel_vs_torch(seqs)
+        print(f"  {seqs:>2} sequences: kernel {kernel * 1e3:.2f} ms, torch {torch_s * 1e3:.2f} ms "
+              f"(x{torch_s / kernel:.1f}); bound {traffic / bandwidth * 1e3:.2f} ms")
 
 
 if __name__ == "__main__":

@@ -213,3 +213,46 @@ def test_gated_mlp_uses_the_silu_kernel(monkeypatch):
         assert Spy.calls == 1
         monkeypatch.setattr(cpu_kernels, "load", lambda: None)  # the torch ops instead
         assert torch.equal(fused, mlp(x))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dk,dv", [(128, 128), (16, 24), (8, 13)])
+def test_gated_delta_step_kernel_updates_the_pool_in_place(isa, dk, dv):
+    """Gated DeltaNet's decode step on states in the pool: the same output and states as the torch step (fp32,
+    another summation order), other slots untouched, a fresh sequence starting from zero; several steps chained."""
+    from vlserve.model.layers.gated_delta import _prepare, gated_delta_step
+
+    torch.manual_seed(dk + dv)
+    B, Hk, H, slots = 3, 2, 4, 6
+    pool = torch.randn(slots, H, dk, dv) * 0.3
+    slot_ids, fresh = torch.tensor([4, 0, 2]), torch.tensor([False, True, False])
+    want_pool = pool.clone()
+    for _ in range(3):
+        q, k = torch.randn(B, Hk, dk), torch.randn(B, Hk, dk)
+        v, g, beta = torch.randn(B, H, dv), -torch.rand(B, H), torch.rand(B, H)
+        start = torch.where(~fresh[:, None, None, None], want_pool[slot_ids], 0)
+        want, state = gated_delta_step(q, k, v, g, beta, start)
+        want_pool[slot_ids] = state
+        pq, pk, pv, pg, pb = _prepare(q, k, v, g, beta)
+        got = kernels.gated_delta_step(pool, slot_ids, fresh, pq.contiguous(), pk.contiguous(), pv, pg, pb, isa)
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+        assert torch.allclose(pool, want_pool, rtol=1e-5, atol=1e-5)
+        fresh = torch.zeros(B, dtype=torch.bool)
+    assert torch.equal(pool[[1, 3, 5]], want_pool[[1, 3, 5]])  # slots nobody used
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        kernels.gated_delta_step(pool, torch.tensor([9, 0, 1]), fresh, pq.contiguous(), pk.contiguous(), pv, pg,
+                                 pb, isa)
+
+
+def test_the_decode_step_in_the_pool_takes_the_kernel_or_torch(monkeypatch):
+    from vlserve.model.layers import gated_delta
+
+    torch.manual_seed(1)
+    pool = torch.randn(5, 4, 16, 16) * 0.3
+    args = (torch.randn(2, 2, 16), torch.randn(2, 2, 16), torch.randn(2, 4, 16), -torch.rand(2, 4), torch.rand(2, 4))
+    slots, fresh = torch.tensor([3, 1]), torch.tensor([False, True])
+    fallback_pool = pool.clone()
+    got = gated_delta.gated_delta_step_in_pool(*args, pool, slots, fresh)
+    monkeypatch.setattr(cpu_kernels, "for_tensor", lambda *a, **k: None)
+    want = gated_delta.gated_delta_step_in_pool(*args, fallback_pool, slots, fresh)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5) and torch.allclose(pool, fallback_pool, atol=1e-5)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from vlserve.model.kernels import cpu_kernels
+
 CHUNK = 64
 
 
@@ -63,6 +65,26 @@ def gated_delta_step(q, k, v, g, beta, state: torch.Tensor) -> tuple[torch.Tenso
     s = s + k.unsqueeze(-1) * delta.unsqueeze(-2)
     out = (q.unsqueeze(-2) @ s).squeeze(-2)
     return out.to(dtype), s
+
+
+def gated_delta_step_in_pool(q, k, v, g, beta, pool: torch.Tensor, slots: torch.Tensor,
+                             fresh: torch.Tensor) -> torch.Tensor:
+    """`gated_delta_step` for B sequences whose states live in `pool` [slots, H, Dk, Dv] (fp32) at `slots`
+    (distinct), updated in place; `fresh` [B] bool: that sequence starts from a zero state. Returns the output
+    [B, H, Dv] (v's dtype). On the CPU with vlserve's kernels: one fused pass pair over each state, in place (the
+    torch path gathers, decays, updates and scatters the states: about five times the memory traffic)."""
+    kernels = cpu_kernels.for_tensor(pool, (torch.float32,))
+    if kernels is None:
+        keep = ~fresh.to(pool.device)
+        state = torch.where(keep[:, None, None, None], pool.index_select(0, slots), 0)
+        out, state = gated_delta_step(q, k, v, g, beta, state)
+        pool.index_copy_(0, slots, state)
+        return out
+    dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    out = kernels.gated_delta_step(pool, slots.contiguous(), fresh.contiguous(), q.contiguous(), k.contiguous(),
+                                   v.contiguous(), g.contiguous(), beta.contiguous(), cpu_kernels.isa_cap())
+    return out.to(dtype)
 
 
 def chunk_gated_delta(q, k, v, g, beta, state: torch.Tensor | None, offsets: list[int] = (),

@@ -16,7 +16,7 @@ from vlserve.core.errors import ConfigurationError
 from vlserve.model.config_types import TextConfig
 from vlserve.model.decoder import DecoderModel
 from vlserve.model.layers.attention import AttentionMetadata, paged_attention
-from vlserve.model.layers.gated_delta import causal_conv, causal_conv_step, chunk_gated_delta, gated_delta_step
+from vlserve.model.layers.gated_delta import causal_conv, causal_conv_step, chunk_gated_delta, gated_delta_step_in_pool
 from vlserve.model.layers.linear_state import LinearLayerState
 from vlserve.model.layers.mlp import GatedMLP
 from vlserve.model.layers.moe import SparseMoE
@@ -96,13 +96,11 @@ class GatedDeltaNet(nn.Module):
         core = x.new_zeros(T, la.num_value_heads, la.value_head_dim)
         nd = meta.num_decode_tokens
         if nd:
-            slots, keep = lin.slots[:nd], ~lin.fresh[:nd]
-            conv = torch.where(keep[:, None, None], state.conv.index_select(0, slots), 0)
-            rec = torch.where(keep[:, None, None, None], state.recurrent.index_select(0, slots), 0)
+            slots, fresh = lin.slots[:nd], lin.fresh[:nd]
+            conv = torch.where(~fresh[:, None, None], state.conv.index_select(0, slots), 0)
             out, conv = causal_conv_step(mixed[:nd], weight, conv)
-            core[:nd], rec = gated_delta_step(*self._heads(out), g[:nd], beta[:nd], rec)
+            core[:nd] = gated_delta_step_in_pool(*self._heads(out), g[:nd], beta[:nd], state.recurrent, slots, fresh)
             state.conv.index_copy_(0, slots, conv.to(state.conv.dtype))
-            state.recurrent.index_copy_(0, slots, rec)
         width = la.conv_kernel - 1
         for j, span in enumerate(meta.prefills):
             seq, rows = nd + j, slice(span.start, span.start + span.num_tokens)

@@ -31,6 +31,8 @@ constexpr long VLS_ATT_KEYS = 64;  // and keys per block (key/value heads are pa
                      const uint16_t* sin);                                                                         \
     void rotary_bf16_f32(uint16_t* x, long rows, long row_stride, long heads, long D, const float* cos,           \
                          const float* sin);                                                                        \
+    void gated_delta_step_f32(float* S, const float* q, const float* k, const float* v, float decay, float beta,  \
+                              bool fresh, float* out, long Dk, long Dv, float* scratch);                           \
     long prefill_attention_scratch(long D);                                                                        \
     void prefill_attention_f32(const float* q, const float* kt, const float* vt, long s_pad, float* out,           \
                                long q_stride, long out_stride, long D, long G, long p0, long p1, long last_key,    \

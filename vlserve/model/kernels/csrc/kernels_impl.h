@@ -288,3 +288,44 @@ void rotary_bf16(uint16_t* x, long rows, long row_stride, long heads, long D, co
 void rotary_bf16_f32(uint16_t* x, long rows, long row_stride, long heads, long D, const float* cos, const float* sin) {
     rotary_impl(x, rows, row_stride, heads, D, cos, sin, false);
 }
+
+// Gated delta rule, one decode token of one value head, in place on its state S [Dk, Dv] (fp32), as
+// gated_delta.gated_delta_step computes it: S = exp(g) S; stored = S^T k; S += k ((v - stored) beta)^T; out = S^T q.
+// Two passes over S instead of torch's many: the first reads it (stored, from the decayed values), the second
+// decays, writes and reads out in one go. `fresh`: S starts at zero (the sequence's first token). scratch: Dv.
+void gated_delta_step_f32(float* S, const float* q, const float* k, const float* v, float decay, float beta,
+                          bool fresh, float* out, long Dk, long Dv, float* scratch) {
+    const long Dw = Dv - Dv % W;  // vector part; the rest lane by lane
+    float* stored = scratch;
+    if (fresh) {
+        for (long j = 0; j < Dk * Dv; j++) S[j] = 0.f;
+    }
+    for (long j = 0; j < Dv; j++) stored[j] = 0.f;
+    const vf dv = vset1(decay);
+    for (long i = 0; i < Dk; i++) {
+        const float* row = S + i * Dv;
+        const vf ki = vset1(k[i]);
+        long j = 0;
+        for (; j < Dw; j += W) vstore(stored + j, vadd(vload(stored + j), vmul(ki, vmul(vload(row + j), dv))));
+        for (; j < Dv; j++) stored[j] += k[i] * (row[j] * decay);
+    }
+    for (long j = 0; j < Dv; j++) {
+        stored[j] = (v[j] - stored[j]) * beta;  // the write: what v adds where k points
+        out[j] = 0.f;
+    }
+    for (long i = 0; i < Dk; i++) {
+        float* row = S + i * Dv;
+        const vf ki = vset1(k[i]), qi = vset1(q[i]);
+        long j = 0;
+        for (; j < Dw; j += W) {
+            const vf s = vadd(vmul(vload(row + j), dv), vmul(ki, vload(stored + j)));
+            vstore(row + j, s);
+            vstore(out + j, vadd(vload(out + j), vmul(qi, s)));
+        }
+        for (; j < Dv; j++) {
+            const float s = row[j] * decay + k[i] * stored[j];
+            row[j] = s;
+            out[j] += q[i] * s;
+        }
+    }
+}

@@ -4,6 +4,7 @@
 // torch's threads.
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <cmath>
 #include <vector>
 #include <torch/extension.h>
 
@@ -288,6 +289,42 @@ torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, 
     return out;
 }
 
+// Gated DeltaNet decode (Qwen3.5's linear attention), one token for each of B sequences, in place on their states
+// in the layer's pool: pool [slots, H, Dk, Dv] fp32, slots [B] int64 (distinct), fresh [B] bool (start from zero);
+// q, k [B, H, Dk], v [B, H, Dv], g, beta [B, H] fp32 (q and k normalized, scaled and repeated to the H value heads
+// by the caller) -> the output [B, H, Dv] fp32.
+torch::Tensor gated_delta_step(torch::Tensor& pool, const torch::Tensor& slots, const torch::Tensor& fresh,
+                               const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                               const torch::Tensor& g, const torch::Tensor& beta, int64_t cap) {
+    TORCH_CHECK(pool.dim() == 4 && pool.is_contiguous() && pool.device().is_cpu() &&
+                    pool.scalar_type() == torch::kFloat, "gated_delta_step: a contiguous fp32 CPU state pool");
+    const long B = slots.numel(), H = pool.size(1), Dk = pool.size(2), Dv = pool.size(3), n = pool.size(0);
+    for (const auto* t : {&q, &k, &v, &g, &beta})
+        TORCH_CHECK(t->is_contiguous() && t->device().is_cpu() && t->scalar_type() == torch::kFloat &&
+                        t->size(0) == B && t->size(1) == H, "gated_delta_step: contiguous fp32 [B, H, ...] inputs");
+    TORCH_CHECK(q.size(2) == Dk && k.size(2) == Dk && v.size(2) == Dv && g.dim() == 2 && beta.dim() == 2,
+                "gated_delta_step: q, k [B, H, Dk], v [B, H, Dv], g, beta [B, H]");
+    TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.is_contiguous() && fresh.scalar_type() == torch::kBool &&
+                    fresh.is_contiguous() && fresh.numel() == B, "gated_delta_step: int64 slots, bool fresh");
+    const int64_t* sp = slots.data_ptr<int64_t>();
+    for (long b = 0; b < B; b++) TORCH_CHECK(0 <= sp[b] && sp[b] < n, "gated_delta_step: a slot outside the pool");
+    auto out = torch::empty({B, H, Dv}, q.options());
+    const int isa = pick(cap);
+    float *pp = pool.data_ptr<float>(), *op = out.data_ptr<float>();
+    const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+    const float *gp = g.data_ptr<float>(), *bp = beta.data_ptr<float>();
+    const bool* fp = fresh.data_ptr<bool>();
+    at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> scratch(Dv);
+        for (int64_t u = begin; u < end; u++) {
+            const long b = u / H, h = u % H;
+            VLS_DISPATCH(isa, gated_delta_step_f32, pp + (sp[b] * H + h) * Dk * Dv, qp + u * Dk, kp + u * Dk,
+                         vp + u * Dv, std::exp(gp[u]), bp[u], fp[b], op + u * Dv, Dk, Dv, scratch.data());
+        }
+    });
+    return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -299,4 +336,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("silu_mul", &silu_mul);
     m.def("rotary_", &rotary_);
     m.def("prefill_attention", &prefill_attention);
+    m.def("gated_delta_step", &gated_delta_step);
 }
