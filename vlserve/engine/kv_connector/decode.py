@@ -104,7 +104,7 @@ class DecodeConnector(KVConnector):
                 runner.write_kv(runner.token_slots(req, pending.num_tokens)[start:], pending.read(start))
                 if pending.state_rows is not None:
                     runner.write_state_rows(self.scheduler.state.slot(req), pending.state_rows())
-            except InvalidInputError as e:  # e.g. a peer's state holding NaN: that request fails (400)
+            except InvalidInputError as e:  # e.g. a peer's state holding NaN: that request fails, the engine goes on
                 logger.error("request %s: its handed-over state was refused: %s", req.request_id, e)
                 moved.failed.append((req.request_id, str(e)))
                 continue
