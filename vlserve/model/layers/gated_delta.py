@@ -101,9 +101,9 @@ def chunk_gated_delta(q, k, v, g, beta, state: torch.Tensor | None, offsets: lis
     pad = -T % chunk
     n = (T + pad) // chunk
 
-    def blocks(x):  # [T, H, ...] -> [H, n, chunk, ...], zero-padded: padding tokens neither decay nor write
-        x = F.pad(x.transpose(0, 1), (0, 0, 0, pad) if x.dim() == 3 else (0, pad))
-        return x.reshape(H, n, chunk, *x.shape[2:])
+    def blocks(x):  # [T, H, ...] -> [n, H, chunk, ...], zero-padded: padding tokens neither decay nor write
+        x = F.pad(x, (0, 0, 0, 0, 0, pad) if x.dim() == 3 else (0, 0, 0, pad))
+        return x.reshape(n, chunk, H, *x.shape[2:]).transpose(1, 2).contiguous()
 
     q, k, v, g, beta = map(blocks, (q, k, v, g, beta))
     decay = g.cumsum(-1)  # log of the decay from the block's start through each token: [H, n, chunk]
@@ -118,22 +118,22 @@ def chunk_gated_delta(q, k, v, g, beta, state: torch.Tensor | None, offsets: lis
     intra = (q @ k.transpose(-1, -2)) * pair_decay  # within-block attention
     q_decayed = q * decay.exp().unsqueeze(-1)
     k_to_end = k * (decay[..., -1:] - decay).exp().unsqueeze(-1)
-    block_decay = decay[..., -1].exp()[..., None, None]  # [H, n, 1, 1]
+    block_decay = decay[..., -1].exp()[..., None, None]  # [n, H, 1, 1]
 
     s = torch.zeros(H, Dk, Dv, dtype=torch.float32, device=q.device) if state is None else state.float()
-    out = torch.empty(H, n, chunk, Dv, dtype=torch.float32, device=q.device)
+    out = torch.empty(n, H, chunk, Dv, dtype=torch.float32, device=q.device)
     wanted: dict[int, list[int]] = {}
     for pos, off in enumerate(offsets):
         wanted.setdefault((off - 1) // chunk, []).append(pos)
     found: list[torch.Tensor | None] = [None] * len(offsets)
     for i in range(n):
-        v_new = u[:, i] - w[:, i] @ s  # the block's writes, corrected by what S already holds
-        out[:, i] = q_decayed[:, i] @ s + intra[:, i] @ v_new
+        v_new = u[i] - w[i] @ s  # the block's writes, corrected by what S already holds
+        out[i] = q_decayed[i] @ s + intra[i] @ v_new
         for pos in wanted.get(i, ()):  # the state after the first p tokens of this block
             p = offsets[pos] - i * chunk
-            last = decay[:, i, p - 1 : p]  # [H, 1]
-            k_p = k[:, i, :p] * (last - decay[:, i, :p]).exp().unsqueeze(-1)
+            last = decay[i, :, p - 1 : p]  # [H, 1]
+            k_p = k[i, :, :p] * (last - decay[i, :, :p]).exp().unsqueeze(-1)
             found[pos] = s * last.exp().unsqueeze(-1) + k_p.transpose(-1, -2) @ v_new[:, :p]
-        s = s * block_decay[:, i] + k_to_end[:, i].transpose(-1, -2) @ v_new
-    out = out.reshape(H, n * chunk, Dv)[:, :T].transpose(0, 1).to(dtype)
+        s = s * block_decay[i] + k_to_end[i].transpose(-1, -2) @ v_new
+    out = out.transpose(1, 2).reshape(n * chunk, H, Dv)[:T].to(dtype)
     return out, s, found
