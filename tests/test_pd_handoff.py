@@ -121,6 +121,15 @@ def prefilled(prefill: Prefill, prompt, params: SamplingParams, rid: str):
     return processed, Handoff(outs[-1], kv.generator_state), kv.rows
 
 
+def hand_over(prefill: Prefill, decode: Decode, prompts: list, params: SamplingParams) -> list[str]:
+    """Each prompt prefilled and handed to `decode` (ids s0, s1, ...), all waiting there at once."""
+    rids = [f"s{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(rids, prompts):
+        processed, handoff, rows = prefilled(prefill, prompt, params, rid)
+        decode.add(rid, decode.receive(rid, processed, rows), params, handoff)
+    return rids
+
+
 def run(decode: Decode, rids: list[str]) -> dict[str, list[int]]:
     tokens: dict[str, list[int]] = {rid: [] for rid in rids}
     while decode.core.has_unfinished:
@@ -173,10 +182,7 @@ def test_preempted_handoffs_swap_their_kv_and_stay_exact(path, prefill, whole):
     decode = Decode(path, num_kv_blocks=26)
     prompts = [PICTURE, PROMPTS[0], PROMPTS[1], PROMPTS[2]]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    rids = [f"s{i}" for i in range(len(prompts))]
-    for rid, prompt in zip(rids, prompts):
-        processed, handoff, rows = prefilled(prefill, prompt, params, rid)
-        decode.add(rid, decode.receive(rid, processed, rows), params, handoff)
+    rids = hand_over(prefill, decode, prompts, params)
     swaps = []
     connector = decode.core.connector
     original = connector.move_kv

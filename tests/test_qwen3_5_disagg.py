@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.conftest import IMG, assert_pool_full, noise_image
-from tests.test_pd_handoff import Decode, Prefill, _whole, prefilled, run
+from tests.test_pd_handoff import Decode, Prefill, _whole, hand_over, prefilled, run
 from vlserve import LLM, SamplingParams
 from vlserve.core.errors import InvalidInputError
 from vlserve.disagg.messages import RowSegment, TransferChunk
@@ -150,10 +150,7 @@ def test_preempted_handoffs_swap_their_states_with_their_kv(path, prefill, whole
     decode = Decode(path, num_kv_blocks=16)
     prompts = [PICTURE, TEXT, "def fibonacci(n):", "Hello, how are you?"]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    rids = [f"s{i}" for i in range(len(prompts))]
-    for rid, prompt in zip(rids, prompts):
-        processed, handoff, rows = prefilled(prefill, prompt, params, rid)
-        decode.add(rid, decode.receive(rid, processed, rows), params, handoff)
+    rids = hand_over(prefill, decode, prompts, params)
     swapped = []
     connector = decode.core.connector
     original = connector.move_kv
@@ -181,6 +178,10 @@ def test_a_nan_state_fails_its_request_only(path, prefill, whole):
     failed = decode.core.take_failed()
     assert [rid for rid, *_ in failed] == ["bad"] and "NaN" in failed[0][1]
     assert not decode.core.has_unfinished and not decode.blocks
+    assert decode.buffers.num_free == decode.buffers.num_blocks
+    kv = decode.core.scheduler.kv.pool
+    kv.check_integrity()
+    assert kv.num_free == kv.num_blocks  # the refused request's KV was written, then freed with it
     decode.core.scheduler.state.check_integrity()
     assert not decode.core.scheduler.state.slot_of
 

@@ -30,6 +30,7 @@ class DecodeConnector(KVConnector):
             raise ConfigurationError("KV handed between instances is not supported with tensor parallelism: "
                                      "run the decode role with --tensor-parallel-size 1")
         self.cfg = cfg
+        self.state_rows = state_row_count(cfg.model, cfg.dtype)  # after each prompt's KV rows (hybrid models)
         self._pending: dict[str, PendingKV] = {}  # KV to write when the request is (re)admitted
         self._not_recomputable: set[str] = set()  # handed-over requests: preempting one swaps its KV out
 
@@ -57,7 +58,7 @@ class DecodeConnector(KVConnector):
                 raise InvalidInputError(f"the handed-over random state does not fit this device: {e}") from None
         req.num_cached_tokens = first.num_cached_tokens  # what the prefill saved: reported in usage
         t, blocks, n = self.cfg.model.text, req.prompt.block_rows, req.num_prompt_tokens
-        transfer, state_rows = self.transfer, state_row_count(self.cfg.model, self.cfg.dtype)
+        transfer, state_rows = self.transfer, self.state_rows
 
         def read(start: int) -> torch.Tensor:
             return rows_to_kv(transfer.read_rows(blocks, start, n - start), t.num_kv_layers, t.num_kv_heads,

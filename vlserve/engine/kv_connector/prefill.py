@@ -71,7 +71,7 @@ class PrefillConnector(KVConnector):
         try:
             rows = kv_to_rows(self.runner.read_kv(self.runner.token_slots(req, req.num_prompt_tokens)))
             if state_rows is not None:
-                rows = torch.cat([rows, state_rows.to(rows.dtype)])
+                rows = torch.cat([rows, state_rows])  # both in the KV cache's dtype (the states as bytes)
             state = None if req.generator is None else req.generator.get_state().numpy().tobytes()
             return ExportedKV(request_id, rows, state)
         finally:
