@@ -20,6 +20,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test,disagg]'
+	@# Triton: the CUDA attention path's kernels (vlserve.model.kernels.triton_attention). A CUDA torch brings the
+	@# Triton it needs; with a CPU torch the tests run those kernels in Triton's interpreter, on the version the GPU
+	@# machines' images carry.
+	@$(PY) -c "import sys, torch; sys.exit(torch.version.cuda is not None)" && \
+		$(PY) -m pip install --quiet triton==3.6.0 || true
 	@# Mooncake's engine links libibverbs (RDMA verbs), even for TCP: install it where we may (root + apt).
 	@ldconfig -p | grep -q libibverbs.so.1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 		{ apt-get install -y -qq --no-install-recommends libibverbs1 >/dev/null 2>&1 || \

@@ -124,6 +124,13 @@ class EngineArgs:
     enable_mm_embeds: bool = option(False, "accept precomputed image embeddings (image_embeds parts)",
                                     {SERVE, LANGUAGE, DECODE, DEMO})
     seed: int = option(0, "engine seed", LM_ROLES)
+    enforce_eager: bool = option(False, "no CUDA graphs: decode steps and the vision tower run op by op (also "
+                                 "set by the environment variable VLSERVE_ENFORCE_EAGER=1)", MODEL_ROLES)
+    cuda_graph_sizes: tuple[int, ...] | None = option(
+        None, "decode batch sizes captured as CUDA graphs; a step of b decode rows replays the smallest size >= b, "
+        "padded (default on CUDA: 1, 2, 4, 8, then every multiple of 8 up to min(max_num_seqs, 256); on a CPU "
+        "none, since a CPU has no launch cost to save: sizes given there run the same padded path without "
+        "capture)", LM_ROLES, nargs="+", parse=int, metavar="N")
     tensor_parallel_size: int = option(
         1, "split the language model (and, with --mm-encoder-tp-mode weights, the vision tower) over this many "
         "ranks: one process each, cores split between them on CPU; several machines: start every rank with "
@@ -172,6 +179,10 @@ class EngineArgs:
         if isinstance(self.max_state_snapshots, bool) or not isinstance(self.max_state_snapshots, int) \
                 or self.max_state_snapshots < 0:
             raise InvalidInputError(f"max_state_snapshots must be an integer >= 0, got {self.max_state_snapshots!r}")
+        if self.cuda_graph_sizes is not None and (
+                isinstance(self.cuda_graph_sizes, (str, int)) or
+                not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in self.cuda_graph_sizes)):
+            raise InvalidInputError(f"cuda_graph_sizes takes positive batch sizes, got {self.cuda_graph_sizes!r}")
         if self.encoder_cache_size < 0 or self.max_num_encoder_input_tokens <= 0:
             raise InvalidInputError("encoder_cache_size must be >= 0 and max_num_encoder_input_tokens > 0")
         for kind, limit in self.limit_mm_per_prompt.items():

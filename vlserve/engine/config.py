@@ -4,6 +4,7 @@ vlserve.model.facts) as the front end resolved them, cache sizes final."""
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import torch
 
 from vlserve.core.config import TOWERS, EngineArgs
 from vlserve.core.errors import ConfigurationError, InvalidInputError
+from vlserve.engine.decode_graphs import default_sizes
 from vlserve.model.facts import ModelFacts, resolve_model_facts
 from vlserve.model.hardware import memory_available_bytes
 from vlserve.model.config_types import ModelConfig
@@ -23,6 +25,7 @@ WEIGHTS, DATA = "weights", "data"  # mm_encoder_tp_mode
 MIN_DEFAULT_KV_BYTES = 256 * 2**20  # the default KV cache is as large as the weights, and at least this
 CPU_FREE_MEMORY_SHARE = 0.5  # of what is free after the weights, the default KV cache takes at most this share
 GPU_FREE_MEMORY_SHARE = 0.9
+EAGER_ENV = "VLSERVE_ENFORCE_EAGER"
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,8 @@ class VlserveConfig:
     args: EngineArgs | None = None  # what it was resolved from (sent, with `facts`, to the other tensor-parallel ranks)
     # Hybrid models (linear-attention layers): prefix-cache snapshots of per-sequence states; 0 otherwise.
     num_state_snapshots: int = 0
+    graph_sizes: tuple[int, ...] = ()  # decode batch sizes run from captured graphs (engine.decode_graphs); () none
+    enforce_eager: bool = False  # no graphs at all (decode, vision tower)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -174,7 +179,23 @@ def resolve_config(args: EngineArgs, facts: ModelFacts | None = None, announce: 
         towers=loaded_towers(args, model_cfg),
         tensor_parallel_size=args.tensor_parallel_size, mm_encoder_tp_mode=args.mm_encoder_tp_mode, args=args,
         num_state_snapshots=num_state_snapshots(args, model_cfg) if args.load_language else 0,
+        graph_sizes=decode_graph_sizes(args, device) if args.load_language else (), enforce_eager=eager(args),
     )
+
+
+def eager(args: EngineArgs) -> bool:
+    """--enforce-eager, or VLSERVE_ENFORCE_EAGER=1 (one switch for a whole test run, through any entry point)."""
+    return args.enforce_eager or os.environ.get(EAGER_ENV, "") == "1"
+
+
+def decode_graph_sizes(args: EngineArgs, device: torch.device) -> tuple[int, ...]:
+    """The decode batch sizes to capture: none with enforce_eager; the user's (capped at max_num_seqs); by
+    default on CUDA 1, 2, 4, 8, then multiples of 8 up to min(max_num_seqs, 256), and none on a CPU."""
+    if eager(args):
+        return ()
+    if args.cuda_graph_sizes is not None:
+        return tuple(sorted({min(n, args.max_num_seqs) for n in args.cuda_graph_sizes}))
+    return default_sizes(args.max_num_seqs) if device.type == "cuda" else ()
 
 
 def _num_kv_blocks(args: EngineArgs, path: Path, model_cfg: ModelConfig, dtype: torch.dtype, device: torch.device,

@@ -3,7 +3,8 @@ tensor-parallel rank can run from (and that travels to them as a typed message).
 
 The runner on rank 0 builds it from the scheduled chunks (token ids, M-RoPE positions, KV slots, block tables,
 the media embedding rows gathered from wherever they are); each rank turns it into its own attention metadata
-(`attention_metadata`) and runs the same forward.
+(`attention_metadata`: the varlen kernel's on CUDA, the CPU path's per-sequence spans otherwise) and runs the same
+forward.
 
 A hybrid model (linear-attention layers) adds each sequence's state slot, whether it starts from a zero state,
 the snapshots its prefill chunk takes, and the slot copies to make before the forward (None for other models).
@@ -17,7 +18,8 @@ import msgspec
 import torch
 
 from vlserve.core.wire import TensorRef, tensor_from, tensor_ref
-from vlserve.model.layers.attention import AttentionMetadata, build_prefill_span
+from vlserve.model.accelerator import NATIVE, TRITON
+from vlserve.model.layers.attention import AttentionMetadata, VarlenBatch, build_prefill_span
 from vlserve.model.layers.linear_state import LinearStateBatch
 
 
@@ -27,10 +29,9 @@ class ForwardBatch:
     positions: torch.Tensor  # [3, T] M-RoPE positions
     slot_mapping: torch.Tensor  # [T] KV slot each new token is written to
     num_decode: int
-    decode_table: torch.Tensor | None  # [num_decode, max_blocks] block ids (padding: 0)
-    decode_context_lens: torch.Tensor | None  # [num_decode] tokens each decode row attends to
+    block_table: torch.Tensor  # [num_seqs, max_blocks] int64 block ids of every sequence (padding: 0)
+    context_lens: torch.Tensor  # [num_seqs] int64 tokens each sequence attends over (cached + this step's)
     prefills: list[tuple[int, int, int]]  # (first row, tokens this step, context length incl. cached prefix)
-    prefill_slots: list[torch.Tensor | None]  # context slots of a chunk with a cached prefix, else None
     media_rows: torch.Tensor | None  # [R] rows whose embedding comes from a media item
     media: torch.Tensor | None  # [R, embedding_width] those rows (DeepStack features after the first hidden cols)
     sample_rows: torch.Tensor  # [S] rows whose logits are wanted (may be empty)
@@ -41,27 +42,44 @@ class ForwardBatch:
     state_copies: list[tuple[int, int]] | None = None  # (src, dst) slot copies made before the forward pass
 
 
-def attention_metadata(batch: ForwardBatch, block_size: int, device: torch.device) -> AttentionMetadata:
+def attention_metadata(batch: ForwardBatch, block_size: int, device: torch.device,
+                       backend: str = NATIVE) -> AttentionMetadata:
     def put(t: torch.Tensor) -> torch.Tensor:
         return t.to(device, non_blocking=True)
 
     meta = AttentionMetadata(slot_mapping=put(batch.slot_mapping), num_decode_tokens=batch.num_decode,
                              block_size=block_size)
-    if batch.num_decode:
-        table, ctx = batch.decode_table, batch.decode_context_lens
-        pos = torch.arange(table.shape[1] * block_size)
-        meta.decode_blocks = put(table.reshape(-1))
-        meta.decode_mask = put((pos.unsqueeze(0) < ctx.unsqueeze(1))[:, None, None, :])
-        meta.decode_context_lens = put(ctx)
-    for (start, num_tokens, context_len), slots in zip(batch.prefills, batch.prefill_slots):
-        span = build_prefill_span(start, num_tokens, context_len, slots)
-        if span.context_slots is not None:
-            span.context_slots, span.mask = put(span.context_slots), put(span.mask)
-        meta.prefills.append(span)
+    if backend == TRITON:
+        lens = [1] * batch.num_decode + [n for _, n, _ in batch.prefills]
+        query_start = torch.tensor([0] + lens).cumsum(0)
+        meta.varlen = VarlenBatch(put(query_start), put(batch.context_lens), put(batch.block_table), max(lens))
+    else:
+        _native_spans(meta, batch, block_size, put)
     if batch.state_slots is not None:
         meta.linear = LinearStateBatch(put(batch.state_slots), put(batch.state_fresh),
                                        batch.state_checkpoints or [[] for _ in batch.prefills])
     return meta
+
+
+def _native_spans(meta: AttentionMetadata, batch: ForwardBatch, block_size: int, put) -> None:
+    """The CPU path's view: the decode rows' block table and mask, and each prefill chunk's context slots."""
+    nd = batch.num_decode
+    if nd:
+        ctx = batch.context_lens[:nd]
+        table = batch.block_table[:nd, : -(-int(ctx.max()) // block_size)]
+        pos = torch.arange(table.shape[1] * block_size)
+        meta.decode_blocks = put(table.reshape(-1))
+        meta.decode_mask = put((pos.unsqueeze(0) < ctx.unsqueeze(1))[:, None, None, :])
+        meta.decode_context_lens = put(ctx)
+    for j, (start, num_tokens, context_len) in enumerate(batch.prefills):
+        slots = None
+        if context_len > num_tokens:  # a cached prefix: the chunk attends over slots from the block table
+            idx = torch.arange(context_len)
+            slots = batch.block_table[nd + j][idx // block_size] * block_size + idx % block_size
+        span = build_prefill_span(start, num_tokens, context_len, slots)
+        if span.context_slots is not None:
+            span.context_slots, span.mask = put(span.context_slots), put(span.mask)
+        meta.prefills.append(span)
 
 
 # ---- on the wire (rank 0 -> the other ranks) ------------------------------------------------------------------
@@ -70,10 +88,9 @@ class WireForwardBatch(msgspec.Struct, array_like=True):
     positions: TensorRef
     slot_mapping: TensorRef
     num_decode: int
-    decode_table: TensorRef | None
-    decode_context_lens: TensorRef | None
+    block_table: TensorRef
+    context_lens: TensorRef
     prefills: list[tuple[int, int, int]]
-    prefill_slots: list[TensorRef | None]
     media_rows: TensorRef | None
     media: TensorRef | None
     sample_rows: TensorRef
@@ -83,7 +100,7 @@ class WireForwardBatch(msgspec.Struct, array_like=True):
     state_copies: list[tuple[int, int]] | None = None
 
 
-_TENSOR_FIELDS = ("token_ids", "positions", "slot_mapping", "decode_table", "decode_context_lens", "media_rows",
+_TENSOR_FIELDS = ("token_ids", "positions", "slot_mapping", "block_table", "context_lens", "media_rows",
                   "media", "sample_rows", "state_slots", "state_fresh")
 
 
@@ -95,7 +112,6 @@ def batch_to_wire(batch: ForwardBatch, tensors: list[torch.Tensor]) -> WireForwa
     if batch.state_fresh is not None:  # the wire carries no bool tensors
         fields["state_fresh"] = ref(batch.state_fresh.to(torch.uint8))
     return WireForwardBatch(num_decode=batch.num_decode, prefills=batch.prefills,
-                            prefill_slots=[ref(s) for s in batch.prefill_slots],
                             state_checkpoints=batch.state_checkpoints, state_copies=batch.state_copies, **fields)
 
 
@@ -110,5 +126,5 @@ def batch_from_wire(msg: WireForwardBatch, frames: list) -> ForwardBatch:
                                                               for span in msg.state_checkpoints]
     copies = None if msg.state_copies is None else [tuple(c) for c in msg.state_copies]
     return ForwardBatch(num_decode=msg.num_decode, prefills=[tuple(p) for p in msg.prefills],
-                        prefill_slots=[tensor(s) for s in msg.prefill_slots], state_checkpoints=checkpoints,
+                        state_checkpoints=checkpoints,
                         state_copies=copies, **fields)

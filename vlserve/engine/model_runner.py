@@ -93,17 +93,6 @@ class ModelRunner:
             parts.append((torch.arange(max(start, p), end) + req.mrope_delta).expand(3, -1))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
-    def _decode_rows(self, decode: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Block table, context lengths and write slots of all single-token rows at once."""
-        bs = self.block_size
-        ctx = torch.tensor([c.end for c in decode])
-        max_blocks = max(len(c.req.block_ids) for c in decode)
-        table = torch.zeros(len(decode), max_blocks, dtype=torch.long)
-        for row, c in enumerate(decode):
-            table[row, : len(c.req.block_ids)] = torch.tensor(c.req.block_ids)
-        last = ctx - 1
-        return table, ctx, table[torch.arange(len(decode)), last // bs] * bs + last % bs
-
     def _prepare(self, chunks: list[ScheduledChunk], state: StateStep | None = None):
         """The step's chunks in batch order (decode rows first) and the `ForwardBatch` that runs them (with a
         hybrid model's `state`: each sequence's state slot, fresh or not, its snapshots and the copies first)."""
@@ -114,26 +103,29 @@ class ModelRunner:
         for c in ordered:
             token_ids.extend(c.req.token_ids[c.start : c.end])
         positions = torch.cat([self._positions(c.req, c.start, c.end) for c in ordered], dim=1)
-        table = ctx = None
-        slot_parts, spans, span_slots = [], [], []
-        if decode:
-            table, ctx, decode_slots = self._decode_rows(decode)
-            slot_parts.append(decode_slots)
-        row = len(decode)
+        bs = self.block_size
+        max_blocks = max(-(-c.end // bs) for c in ordered)  # the blocks the longest context spans
+        table = torch.zeros(len(ordered), max_blocks, dtype=torch.long)
+        for row, c in enumerate(ordered):
+            blocks = c.req.block_ids[: -(-c.end // bs)]
+            table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+        ctx = torch.tensor([c.end for c in ordered], dtype=torch.long)
+        spans, row = [], len(decode)
         for c in prefill:
-            ctx_slots = self._slots(c.req, 0, c.end)
-            slot_parts.append(ctx_slots[c.start :])
             spans.append((row, c.num_tokens, c.end))
-            span_slots.append(ctx_slots if c.start else None)
             row += c.num_tokens
+        # each new token's slot, from its sequence's block-table row
+        seq_of_token = torch.cat([torch.full((c.num_tokens,), i) for i, c in enumerate(ordered)])
+        pos_in_seq = torch.cat([torch.arange(c.start, c.end) for c in ordered])
+        slot_mapping = table[seq_of_token, pos_in_seq // bs] * bs + pos_in_seq % bs
         media_rows, media = self._media(ordered)
         sample_rows, row = [], 0
         for c in ordered:
             row += c.num_tokens
             if c.samples:
                 sample_rows.append(row - 1)
-        batch = ForwardBatch(torch.tensor(token_ids), positions, torch.cat(slot_parts), len(decode), table, ctx,
-                             spans, span_slots, media_rows, media, torch.tensor(sample_rows, dtype=torch.long))
+        batch = ForwardBatch(torch.tensor(token_ids), positions, slot_mapping, len(decode), table, ctx, spans,
+                             media_rows, media, torch.tensor(sample_rows, dtype=torch.long))
         if state is not None:
             batch.state_slots = torch.tensor([state.slots[c.req.request_id] for c in ordered], dtype=torch.long)
             batch.state_fresh = torch.tensor([c.start == 0 for c in ordered], dtype=torch.bool)

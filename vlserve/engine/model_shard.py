@@ -8,6 +8,9 @@ With one device this is the whole model. Under tensor parallelism every rank run
 a call are spread over the ranks by patch count (`balance`), each rank encodes its share and the rows are
 all-gathered back into the original order.
 
+Decode-only steps replay captured graphs where the config asks for them (engine.decode_graphs); every KV cache
+and state pool has one scratch block / slot past the pool's own for their padding rows.
+
 A hybrid model (Qwen3.5) caches KV for its full-attention layers only; each linear-attention layer has a pool of
 per-sequence state slots instead (`kv_caches` keeps one entry per layer, a tensor or a `LinearLayerState`).
 """
@@ -19,9 +22,12 @@ import logging
 import torch
 
 from vlserve.engine.config import DATA, VlserveConfig
+from vlserve.engine.decode_graphs import DecodeGraphs
 from vlserve.engine.forward_batch import ForwardBatch, attention_metadata
+from vlserve.engine.vision_graphs import VisionGraphs, supports_graphs
 from vlserve.engine.encoder_runner import cpu_budget, groups_of
 from vlserve.engine.state_rows import pack_state, unpack_state
+from vlserve.model.accelerator import Accelerator
 from vlserve.model.decoder import DeepstackInput
 from vlserve.model.layers.linear_state import LinearLayerState, copy_state_slots, new_layer_states
 from vlserve.model.layers.packed_linear import packed_linear_supported
@@ -68,25 +74,36 @@ class ModelShard:
         self.tp = tp
         self.encoder_mode = cfg.mm_encoder_tp_mode
         self.device = device
+        self.acc = Accelerator(device)
         self.block_size = cfg.block_size
+        self.graphs: DecodeGraphs | None = None
+        visual = getattr(model, "visual", None)
+        self.vision_graphs = VisionGraphs(visual, self.acc) \
+            if not cfg.enforce_eager and supports_graphs(visual, self.acc) else None
         language = getattr(model, "language_model", None)
         self.kv_caches: list[torch.Tensor | LinearLayerState] = []
         self.kv_layers: list[int] = []  # layers with a KV cache (all but a hybrid model's linear ones)
         self.layer_states: list[LinearLayerState | None] = []  # per layer: None unless linear attention
         if language is not None:
             text = model.cfg.text
-            states = new_layer_states(text, cfg.num_state_slots, cfg.dtype, device, tp.size) \
+            # + 1: the scratch slot of padded graph rows
+            states = new_layer_states(text, cfg.num_state_slots + 1, cfg.dtype, device, tp.size) \
                 if cfg.model.is_hybrid else [None] * len(language.layers)
             self.kv_layers = [i for i, st in enumerate(states) if st is None]
             self.layer_states = states
             attn = language.layers[self.kv_layers[0]].self_attn  # this rank's key/value heads
-            slots = cfg.num_kv_blocks * cfg.block_size
+            slots = (cfg.num_kv_blocks + 1) * cfg.block_size  # + 1: the scratch block of padded graph rows
             # Zeroed, not empty: padded decode rows read slot 0, and 0-weight x NaN garbage would still be NaN.
             self.kv_caches = [st if st is not None else
                               torch.zeros(2, slots, attn.num_kv_heads, attn.head_dim, dtype=cfg.dtype, device=device)
                               for st in states]
             self.hidden = model.cfg.text.hidden_size
             self.deepstack_levels = model.cfg.deepstack_levels
+            if cfg.graph_sizes:
+                self.graphs = DecodeGraphs(model, self.kv_caches, self.acc, cfg.graph_sizes, cfg.block_size,
+                                           -(-cfg.max_model_len // cfg.block_size), cfg.num_kv_blocks,
+                                           cfg.num_state_slots if cfg.model.is_hybrid else None)
+                self.graphs.capture()
 
     # ---- vision tower ------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -94,7 +111,7 @@ class ModelShard:
         """Each item's embedding rows. In data mode `pixels` are this rank's share only (`share_of`)."""
         if self.encoder_mode == DATA and self.tp.size > 1:
             return self._encode_share(pixels, grids)
-        return self.model.encode_images(pixels, grids)
+        return self.model.encode_images(pixels, grids, self.vision_graphs)
 
     @torch.inference_mode()
     def encode_audio(self, features: list[torch.Tensor], lengths: list[int]) -> list[torch.Tensor]:
@@ -118,7 +135,7 @@ class ModelShard:
         rows = [torch.empty(0, width, dtype=self.model.visual.patch_embed.proj.weight.dtype, device=self.device)]
         for group in groups_of([p.shape[0] for p in parts], cpu_budget(self.device)) if mine else []:
             group_pixels = torch.cat([parts[j] for j in group])
-            rows += self.model.encode_images(group_pixels, [grids[mine[j]] for j in group])
+            rows += self.model.encode_images(group_pixels, [grids[mine[j]] for j in group], self.vision_graphs)
         rows = torch.cat(rows)
         longest = max(sum(tokens[i] for i in share) for share in shares)  # all_gather wants equal shapes
         padded = torch.cat([rows, rows.new_zeros(longest - rows.shape[0], width)])
@@ -136,7 +153,10 @@ class ModelShard:
     def forward(self, batch: ForwardBatch) -> torch.Tensor | None:
         """Logits (float32, full vocabulary) of `batch.sample_rows`; None when no row samples."""
         dev = self.device
-        meta = attention_metadata(batch, self.block_size, dev)
+        if self.graphs is not None and self.graphs.fits(batch):
+            hidden = self.graphs.run(batch)
+            return self._logits(hidden, batch)
+        meta = attention_metadata(batch, self.block_size, dev, self.acc.attention)
         if batch.state_copies:  # snapshots into running slots, before any layer reads them
             copy_state_slots(self.layer_states, batch.state_copies)
         embeds = self.model.embed_tokens(batch.token_ids.to(dev))
@@ -149,9 +169,12 @@ class ModelShard:
                 features = media[:, self.hidden :].reshape(-1, self.deepstack_levels, self.hidden).transpose(0, 1)
                 deepstack = DeepstackInput(rows, features)
         hidden = self.model(embeds, batch.positions.to(dev), self.kv_caches, meta, deepstack)
+        return self._logits(hidden, batch)
+
+    def _logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | None:
         if batch.sample_rows.numel() == 0:
             return None
-        return self.model.compute_logits(hidden[batch.sample_rows.to(dev)]).float()
+        return self.model.compute_logits(hidden[batch.sample_rows.to(self.device)]).float()
 
     def check_alive(self) -> None:
         """Raises when the model can no longer run (a lost rank, under tensor parallelism); never here."""

@@ -6,6 +6,7 @@ Many images (or windows of one image) go through the ViT in one call as a flat `
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +15,8 @@ import torch.nn.functional as F
 
 from vlserve.model.hardware import detect
 from vlserve.model.config_types import VisionConfig
-from vlserve.model.kernels import cpu_kernels
+from vlserve.model.accelerator import TRITON, attention_backend
+from vlserve.model.kernels import cpu_kernels, triton_attention
 from vlserve.model.layers.parallel import column_linear, current_tp, even_split, head_split, row_linear
 from vlserve.model.layers.rotary import rotate_heads_
 
@@ -61,12 +63,17 @@ class VisionRotary(nn.Module):
 
 @dataclass
 class VarlenPlan:
-    """How to run attention over sequences of given lengths; built once per forward, used by every block."""
+    """How to run attention over sequences of given lengths; built once per forward, used by every block.
+
+    On CUDA (the Triton attention backend) one kernel launch covers every sequence: `cu_seqlens` holds where each
+    starts. On CPU, uniform lengths run as one batch, nearly uniform ones as a padded batch, others one by one."""
 
     lengths: list[int]
     gather: torch.Tensor | None = None  # [n, max_len] token rows, for the padded batch
     mask: torch.Tensor | None = None  # [n, 1, 1, max_len]
     valid: torch.Tensor | None = None  # [n, max_len] which padded rows are real
+    cu_seqlens: torch.Tensor | None = None  # [n + 1] int64 on the device: the varlen kernel's sequence starts
+    max_len: int = 0  # the longest sequence (sizes the varlen kernel's tiles)
 
     @property
     def uniform(self) -> bool:
@@ -75,6 +82,10 @@ class VarlenPlan:
 
 def plan_varlen(lengths: list[int], device: torch.device, max_waste: float = 0.25) -> VarlenPlan:
     plan = VarlenPlan(lengths)
+    if attention_backend(device) == TRITON:
+        plan.cu_seqlens = torch.tensor([0, *lengths], dtype=torch.long).cumsum(0).to(device, non_blocking=True)
+        plan.max_len = max(lengths, default=0)
+        return plan
     if plan.uniform:
         return plan
     longest, total = max(lengths), sum(lengths)
@@ -125,6 +136,9 @@ def _kernels(q: torch.Tensor):
 def varlen_attention(q, k, v, plan: VarlenPlan) -> torch.Tensor:
     """q/k/v: [N, heads, head_dim] -> [N, heads, head_dim], attention only within each sequence."""
     n_tok, heads, hd = q.shape
+    if plan.cu_seqlens is not None:
+        return triton_attention.varlen_attention(q, k, v, plan.cu_seqlens, plan.max_len, hd**-0.5, causal=False,
+                                                 out=q.new_empty(n_tok, heads, hd))
     kernels = _kernels(q)
     if kernels is not None:  # one call per sequence: no padding, no mask
         return torch.cat([kernels.prefill_attention(qs, ks, vs, False, hd**-0.5, cpu_kernels.isa_cap())
@@ -179,6 +193,27 @@ class PatchMerger(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.mlp(self.ln_q(x).view(-1, self.hidden)))
+
+
+@dataclass
+class VisionPass:
+    """A vision tower's call split where graphs need it: `prepare` (patch embedding and what depends on the
+    pictures' grids: rotary angles, sequence lengths, a reordering) runs op by op; `body(x, cos, sin, plans)` (the
+    blocks and mergers) has shapes fixed by the token count alone, so it can be captured per token count.
+    `finish` turns body's merged rows back into the processor's order."""
+
+    x: torch.Tensor  # [N, width] embedded patches
+    cos: torch.Tensor  # [N, head_dim] fp32
+    sin: torch.Tensor
+    lengths: dict[str, list[int]]  # attention sequences by plan name ("full", "window")
+    finish: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def plans(self) -> dict[str, VarlenPlan]:
+        return {name: plan_varlen(lengths, self.x.device) for name, lengths in self.lengths.items()}
+
+    def run(self, body) -> torch.Tensor:
+        out = body(self.x, self.cos, self.sin, self.plans())
+        return out if self.finish is None else self.finish(out)
 
 
 def cu_lengths(grid_thw: list[tuple[int, int, int]]) -> list[int]:

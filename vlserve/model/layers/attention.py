@@ -1,10 +1,15 @@
-"""Paged attention over a flat batch of tokens: vlserve's CPU kernels, torch's scaled_dot_product_attention elsewhere.
+"""Paged attention over a flat batch of tokens: one Triton launch on CUDA; on CPU vlserve's kernels, or torch's
+scaled_dot_product_attention where they cannot run.
 
 Layout of one layer's KV cache: `[2, num_blocks * block_size, num_kv_heads, head_dim]` (K then V); a token's
 slot is `block_id * block_size + offset`. The runner builds one `AttentionMetadata` per step and every layer
 reuses it, so per-layer work is only the cache write, a gather and the SDPA calls.
 
-Tokens of a step are ordered decode-first: the first `num_decode_tokens` tokens each belong to a different
+On CUDA (`meta.varlen` set; see vlserve.model.accelerator) every sequence of the step, decode rows and prefill
+chunks alike, is attended in one launch of vlserve's varlen Triton kernel, which reads K/V through the block
+table where they lie (vlserve.model.kernels.triton_attention).
+
+The CPU path: tokens of a step are ordered decode-first: the first `num_decode_tokens` tokens each belong to a different
 sequence with exactly one new token. On CPU they go to vlserve's paged decode kernel, which reads K/V where they
 lie in the cache (no per-layer gather of whole contexts); elsewhere (CUDA, fp16, head sizes not a multiple of 16,
 no compiler) they are gathered and attended in one batched, padded SDPA call. Every other sequence
@@ -19,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from vlserve.model.kernels import cpu_kernels
+from vlserve.model.kernels import cpu_kernels, triton_attention
 from vlserve.model.layers.linear_state import LinearStateBatch
 
 
@@ -32,6 +37,16 @@ class PrefillSpan:
 
 
 @dataclass
+class VarlenBatch:
+    """Every sequence of a step for the varlen kernel, in batch order (decode rows first)."""
+
+    query_start: torch.Tensor  # [B + 1] int64: sequence b's new tokens are rows query_start[b] .. query_start[b+1]
+    seq_lens: torch.Tensor  # [B] int64: tokens sequence b attends over (cached prefix + new tokens)
+    block_table: torch.Tensor  # [B, max_blocks] int64 block ids (padding: 0)
+    max_query_len: int  # the most new tokens any sequence has (1 for a decode-only step)
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V is written
     num_decode_tokens: int = 0
@@ -41,6 +56,7 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None  # [num_decode] int64, tokens each decode row attends to
     prefills: list[PrefillSpan] = field(default_factory=list)
     linear: LinearStateBatch | None = None  # hybrid models: each sequence's linear-attention state slot
+    varlen: VarlenBatch | None = None  # set: the Triton path (then the decode/prefill fields above are unused)
 
 
 def build_prefill_span(start: int, num_tokens: int, context_len: int, slots: torch.Tensor | None) -> PrefillSpan:
@@ -83,6 +99,12 @@ def paged_attention(
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
+    if meta.varlen is not None:
+        vb = meta.varlen
+        out = q.new_empty(num_tokens, num_heads, head_dim)
+        triton_attention.varlen_attention(q, k_cache, v_cache, vb.query_start, vb.max_query_len, scale, True,
+                                          vb.seq_lens, vb.block_table, meta.block_size, out=out)
+        return out.view(num_tokens, num_heads * head_dim)
 
     out = torch.empty_like(q)
     nd = meta.num_decode_tokens

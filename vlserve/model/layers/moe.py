@@ -4,7 +4,10 @@ Qwen3.5 adds a shared expert (a gated MLP every token runs) scaled by sigmoid(sh
 Experts are stored as two 3-D weights in the linear layout, `gate_up_proj [E, 2I, H]` and
 `down_proj [E, H, I]`. Tokens are grouped by expert with one sort, then each expert that got tokens runs one
 GEMM over all of them: a Python loop over experts, never over tokens. Contributions are summed in expert order,
-as the reference does. On CPU, `pack` swaps each expert's two matrices for oneDNN-prepacked copies (see
+as the reference does. A pass captured as a graph (`static_shapes`) cannot read the counts: it runs each
+(token, expert) pair on its expert's gathered weights when that gathers no more than every expert once, else every
+expert on every token with zero weight where it was not chosen; both add a token's experts in ascending order, as
+the reference does. On CPU, `pack` swaps each expert's two matrices for oneDNN-prepacked copies (see
 packed_linear.py: bf16 where the CPU has it natively, bit-identical; fp32 everywhere, within an ulp), as the
 dense linears get.
 """
@@ -17,6 +20,7 @@ import torch.nn.functional as F
 
 from vlserve.model.layers.mlp import GatedMLP, get_activation
 from vlserve.model.layers.parallel import Column, Row, current_tp, even_split
+from vlserve.model.layers.static_shapes import active as static_shapes_active
 
 
 class SparseMoE(nn.Module):
@@ -75,6 +79,10 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """experts, weights: [T, k] -> sum over k of weight * expert(x)."""
+        if static_shapes_active():
+            if experts.numel() <= self.num_experts and self.packed is None:
+                return self._gathered(x, experts, weights)
+            return self._every_expert(x, experts, weights)
         k = experts.shape[1]
         flat = experts.reshape(-1)  # [T*k], token t's slots at t*k .. t*k+k-1
         order = torch.argsort(flat, stable=True)
@@ -90,4 +98,28 @@ class Experts(nn.Module):
             start += n
             y = self._expert(e, x[rows])
             out.index_add_(0, rows, y * weights.reshape(-1)[slots, None])
+        return out
+
+    def _gathered(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Static shapes, few pairs: each (token, expert) pair multiplies its expert's weights, gathered."""
+        T, k = experts.shape
+        order = torch.argsort(experts, dim=1)  # each token's experts in ascending order, like the reference's sum
+        experts, weights = experts.gather(1, order), weights.gather(1, order)
+        flat = experts.reshape(-1)
+        rows = x.repeat_interleave(k, dim=0).unsqueeze(-1)  # [T*k, H, 1]
+        gate, up = torch.bmm(self.gate_up_proj[flat], rows).squeeze(-1).chunk(2, dim=-1)
+        y = torch.bmm(self.down_proj[flat], (self.act(gate) * up).unsqueeze(-1)).squeeze(-1)  # [T*k, H]
+        y = (y * weights.reshape(-1, 1)).view(T, k, -1)
+        out = y[:, 0]
+        for j in range(1, k):
+            out = out + y[:, j]
+        return out
+
+    def _every_expert(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Static shapes, many pairs: every expert runs on every token; a token's weight for an expert it did not
+        choose is 0, so adding that expert's product leaves its sum as it was."""
+        dense = x.new_zeros(x.shape[0], self.num_experts).scatter_(1, experts, weights)  # [T, E]
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            out = out + self._expert(e, x) * dense[:, e : e + 1]
         return out

@@ -18,8 +18,9 @@ from vlserve.model.vision_common import (
     PatchEmbed,
     PatchMerger,
     VisionRotary,
+    VarlenPlan,
+    VisionPass,
     cu_lengths,
-    plan_varlen,
 )
 
 
@@ -53,6 +54,9 @@ class Qwen2_5_VLVisionTransformer(nn.Module):
         self.merger = PatchMerger(cfg, RMSNorm(cfg.width, eps=1e-6))
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
+        return self.prepare(pixel_values, grid_thw).run(self.body)
+
+    def prepare(self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> VisionPass:
         unit = self.cfg.spatial_merge_size**2
         x = self.patch_embed(pixel_values)
         cos, sin = self.rotary(grid_thw, x.device)
@@ -62,10 +66,12 @@ class Qwen2_5_VLVisionTransformer(nn.Module):
         def regroup(t: torch.Tensor) -> torch.Tensor:  # reorder whole merge groups into window order
             return t.view(-1, unit, t.shape[-1])[order].reshape(-1, t.shape[-1])
 
-        x, cos, sin = regroup(x), regroup(cos), regroup(sin)
-        window_plan = plan_varlen(window_lengths, x.device)
-        full_plan = plan_varlen(cu_lengths(grid_thw), x.device)  # windows never cross frames: still valid
+        # windows never cross frames: the per-frame sequences still hold in window order
+        return VisionPass(regroup(x), regroup(cos), regroup(sin),
+                          {"full": cu_lengths(grid_thw), "window": window_lengths},
+                          finish=lambda merged: merged[torch.argsort(order)])
+
+    def body(self, x, cos, sin, plans: dict[str, VarlenPlan]) -> torch.Tensor:
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, full_plan if i in self.cfg.fullatt_block_indexes else window_plan)
-        merged = self.merger(x)
-        return merged[torch.argsort(order)]
+            x = block(x, cos, sin, plans["full"] if i in self.cfg.fullatt_block_indexes else plans["window"])
+        return self.merger(x)

@@ -13,9 +13,9 @@ from vlserve.model.vision_common import (
     PatchMerger,
     VarlenPlan,
     VisionAttention,
+    VisionPass,
     VisionRotary,
     cu_lengths,
-    plan_varlen,
 )
 
 
@@ -59,9 +59,14 @@ class Qwen2VLVisionTransformer(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
         """pixel_values: [num_patches, patch_dim] for all items -> [num_patches / merge^2, out_dim]."""
+        return self.prepare(pixel_values, grid_thw).run(self.body)
+
+    def prepare(self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> VisionPass:
         x = self.patch_embed(pixel_values)
         cos, sin = self.rotary(grid_thw, x.device)
-        plan = plan_varlen(cu_lengths(grid_thw), x.device)
+        return VisionPass(x, cos, sin, {"full": cu_lengths(grid_thw)})
+
+    def body(self, x, cos, sin, plans: dict[str, VarlenPlan]) -> torch.Tensor:
         for block in self.blocks:
-            x = block(x, cos, sin, plan)
+            x = block(x, cos, sin, plans["full"])
         return self.merger(x)

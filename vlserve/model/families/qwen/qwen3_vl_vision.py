@@ -17,9 +17,10 @@ from vlserve.model.layers.parallel import column_linear, current_tp, even_split,
 from vlserve.model.vision_common import (
     PatchEmbed,
     VisionRotary,
+    VarlenPlan,
+    VisionPass,
     cu_lengths,
     merge_order_hw,
-    plan_varlen,
 )
 
 
@@ -99,15 +100,20 @@ class Qwen3VLVisionTransformer(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
         """pixel_values: [num_patches, patch_dim] -> [num_patches / merge^2, out_dim * (1 + deepstack levels)]."""
+        return self.prepare(pixel_values, grid_thw).run(self.body)
+
+    def prepare(self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> VisionPass:
         x = self.patch_embed(pixel_values)
         taps, weights = position_grid_taps(grid_thw, self.grid_side, self.cfg.spatial_merge_size)
         pos = (self.pos_embed(taps.to(x.device)) * weights.to(x.device)[:, :, None]).sum(1)
         x = x + pos.to(x.dtype)
         cos, sin = self.rotary(grid_thw, x.device)
-        plan = plan_varlen(cu_lengths(grid_thw), x.device)
+        return VisionPass(x, cos, sin, {"full": cu_lengths(grid_thw)})
+
+    def body(self, x, cos, sin, plans: dict[str, VarlenPlan]) -> torch.Tensor:
         deepstack = []  # in block order, each from the merger listed at its index's position
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, plan)
+            x = block(x, cos, sin, plans["full"])
             if i in self.cfg.deepstack_indexes:
                 deepstack.append(self.deepstack_merger_list[self.cfg.deepstack_indexes.index(i)](x))
         return torch.cat([self.merger(x), *deepstack], dim=-1)

@@ -1,0 +1,171 @@
+"""Decode steps replayed from graphs captured per batch size, the vision tower from graphs per patch count, and the
+varlen Triton attention under the whole engine. On a CPU the graph path is the CUDA one minus the capture (static
+buffers, padding rows writing a scratch block / state slot, bucketing; replays run eagerly) and Triton runs in its
+interpreter, so these tests prove here that padded batches give transformers' tokens (fp32, greedy), dense, MoE and
+hybrid, with preemption; tests/test_cuda.py checks the captured graphs themselves on a GPU."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from tests.conftest import assert_pool_full
+from tests.hf_reference import HF_CLASSES, HFReference
+from tests.test_parity import _check, _prompts, _run
+from vlserve import LLM, SamplingParams
+from vlserve.core.config import EngineArgs
+from vlserve.core.errors import InvalidInputError
+from vlserve.core.options import add_options, options_from
+from vlserve.engine.config import decode_graph_sizes
+from vlserve.engine.decode_graphs import default_sizes, padded_size
+from vlserve.engine.vision_graphs import VisionGraphs
+from vlserve.model.accelerator import ATTENTION_ENV, Accelerator
+from vlserve.model.kernels import triton_attention
+from vlserve.model.layers.moe import Experts
+from vlserve.model.layers.static_shapes import static_shapes
+
+MAX_NEW = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW)
+needs_triton = pytest.mark.skipif(not triton_attention.available(), reason="Triton is not installed")
+
+
+def _hf_classes():
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    HF_CLASSES.update(qwen3_5=Qwen3_5ForConditionalGeneration)
+
+
+@pytest.fixture(scope="module")
+def references(tiny_ckpt):
+    """arch -> (checkpoint, transformers' outputs for `_prompts()`)."""
+    made = {}
+    _hf_classes()
+
+    def get(arch):
+        if arch not in made:
+            path = tiny_ckpt(arch)
+            hf = HFReference(arch, path)
+            made[arch] = str(path), [hf.greedy(p, imgs, MAX_NEW) for p, imgs in _prompts()]
+        return made[arch]
+
+    return get
+
+
+def shard(llm: LLM):
+    return llm.engine.core.runner.executor
+
+
+def run_groups(llm, expected, groups):
+    for group in groups:
+        _check(_run(llm, [_prompts()[i] for i in group], GREEDY), expected, group)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen3_vl_moe", "qwen3_5"])
+def test_padded_decode_steps_match_transformers(references, arch):
+    """5 requests decode as a batch padded to 8, 3 as one padded to 4, 1 alone: transformers' tokens each time.
+    MoE layers take their static-shape paths inside graphs; Qwen3.5's padding rows use the scratch state slot."""
+    path, expected = references(arch)
+    llm = LLM(path, dtype="float32", num_kv_blocks=256, cuda_graph_sizes=[1, 2, 4, 8])
+    run_groups(llm, expected, [[0, 1, 2, 3, 4], [5, 6, 7], [8]])
+    replays = shard(llm).graphs.replays
+    assert replays.get(8, 0) >= MAX_NEW - 2 and replays.get(4, 0) >= MAX_NEW - 2 and replays.get(1, 0) >= 1, replays
+    assert_pool_full(llm)
+
+
+def test_graphs_with_preemption_and_batches_past_the_largest_size(references):
+    """Nine requests in a pool too small for all: preempted ones recompute, steps of more than 4 decode rows run
+    eagerly, smaller ones from graphs; the tokens stay transformers'."""
+    path, expected = references("qwen2_vl")
+    llm = LLM(path, dtype="float32", num_kv_blocks=40, block_size=4, max_num_batched_tokens=64,
+              cuda_graph_sizes=[2, 4])
+    _check(_run(llm, _prompts(), GREEDY), expected, range(len(_prompts())))
+    assert llm.get_metrics()["num_preemptions_total"] > 0
+    assert sum(shard(llm).graphs.replays.values()) > 0
+    assert_pool_full(llm)
+
+
+@needs_triton
+def test_triton_attention_path_matches_transformers(references, monkeypatch):
+    """The CUDA attention path (one varlen launch per layer for prefill and decode; Qwen2.5-VL's window and full
+    plans in the vision tower) in Triton's interpreter, with decode and vision graphs."""
+    monkeypatch.setenv(ATTENTION_ENV, "triton")
+    path, expected = references("qwen2_5_vl")
+    llm = LLM(path, dtype="float32", num_kv_blocks=256, cuda_graph_sizes=[1, 2, 4])
+    run_groups(llm, expected, [[1, 2, 0], [4]])
+    executor = shard(llm)
+    assert executor.acc.attention == "triton"
+    assert sum(executor.graphs.replays.values()) > 0 and executor.vision_graphs.replays >= 2
+    assert_pool_full(llm)
+
+
+@needs_triton
+def test_enforce_eager_turns_both_kinds_of_graph_off(tiny_ckpt, monkeypatch):
+    monkeypatch.setenv(ATTENTION_ENV, "triton")  # where vision graphs would otherwise be made
+    llm = LLM(str(tiny_ckpt("qwen2_5_vl")), dtype="float32", num_kv_blocks=64, cuda_graph_sizes=[4],
+              enforce_eager=True)
+    assert shard(llm).graphs is None and shard(llm).vision_graphs is None
+
+
+@needs_triton
+def test_vision_graph_buckets_equal_the_tower(tiny_ckpt, monkeypatch):
+    """Calls of several patch counts (Qwen2.5-VL: window and full plans) through the buckets give the tower's own
+    rows; a bucket is captured once and reused; a call past the largest bucket runs op by op."""
+    monkeypatch.setenv(ATTENTION_ENV, "triton")
+    llm = LLM(str(tiny_ckpt("qwen2_5_vl")), dtype="float32", num_kv_blocks=64, enforce_eager=True)
+    tower = shard(llm).model.visual
+    graphs = VisionGraphs(tower, Accelerator(torch.device("cpu")), buckets=(64, 128))
+    patch = tower.cfg.patch_dim
+    g = torch.Generator().manual_seed(0)
+    for grids in ([(1, 4, 4)], [(1, 4, 8), (1, 2, 2)], [(2, 4, 4), (1, 4, 4)], [(1, 8, 12)], [(1, 12, 12)]):
+        pixels = torch.randn(sum(t * h * w for t, h, w in grids), patch, generator=g)
+        with torch.inference_mode():
+            want, got = tower(pixels, grids), graphs(pixels, grids)
+        assert got.shape == want.shape and (got - want).abs().max() < 1e-5, grids
+    assert sorted(size for size, _ in graphs.captured) == [64, 128] and graphs.replays == 4
+
+
+def test_moe_static_paths_equal_the_grouped_one():
+    """Inside a graph the MoE layer cannot read per-expert counts: the gathered path (few pairs) and the
+    every-expert path (many) give the grouped path's output."""
+    torch.manual_seed(0)
+    experts = Experts(hidden=32, intermediate=24, num_experts=8, act="silu")
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(0, 0.2)
+        experts.down_proj.normal_(0, 0.2)
+    for tokens in (1, 3, 40):  # 2, 6 pairs: gathered; 80: every expert
+        x = torch.randn(tokens, 32)
+        logits = torch.randn(tokens, 8)
+        weights, chosen = torch.topk(logits.softmax(-1), 2)
+        want = experts(x, chosen, weights)
+        with static_shapes():
+            got = experts(x, chosen, weights)
+        assert (got - want).abs().max() < 1e-6
+
+
+def test_sizes_to_capture():
+    assert default_sizes(128) == (1, 2, 4, 8, *range(16, 129, 8))
+    assert default_sizes(5) == (1, 2, 4, 5) and default_sizes(1000)[-1] == 256
+    assert padded_size((1, 2, 4, 8), 3) == 4 and padded_size((1, 2, 4, 8), 9) is None
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    args = EngineArgs(model="m", max_num_seqs=12)
+    assert decode_graph_sizes(args, cpu) == () and decode_graph_sizes(args, cuda) == (1, 2, 4, 8, 12)
+    assert decode_graph_sizes(EngineArgs(model="m", max_num_seqs=12, cuda_graph_sizes=(64, 3)), cpu) == (3, 12)
+    assert decode_graph_sizes(EngineArgs(model="m", enforce_eager=True), cuda) == ()
+
+
+def test_the_environment_switch_turns_graphs_off(monkeypatch):
+    monkeypatch.setenv("VLSERVE_ENFORCE_EAGER", "1")
+    assert decode_graph_sizes(EngineArgs(model="m", cuda_graph_sizes=(4,)), torch.device("cuda")) == ()
+
+
+def test_graph_flags_parse_and_bad_sizes_are_refused():
+    parser = argparse.ArgumentParser()
+    add_options(parser, "serve")
+    opts = options_from(parser.parse_args(["--model", "m", "--enforce-eager", "--cuda-graph-sizes", "1", "4"]),
+                        "serve")
+    assert opts.engine.enforce_eager and opts.engine.cuda_graph_sizes == (1, 4)
+    for bad in ((0,), (2, -1), (True,), "4"):
+        with pytest.raises(InvalidInputError, match="cuda_graph_sizes"):
+            EngineArgs(model="m", cuda_graph_sizes=bad).check()

@@ -1,0 +1,101 @@
+"""What differs between a CPU and a CUDA device, in one place: which attention path runs, host staging memory,
+graph capture and waiting for the device.
+
+Everything CUDA-only (graph capture, pinned memory, the side stream of a capture) is behind `Accelerator`; the
+bookkeeping around it (static buffers, padding, bucketing) is ordinary tensor code that runs on both, so it is
+tested on the CPU. There a "graph" is `EagerGraph`: replaying it runs the captured function again over the same
+static buffers, which is exactly what a CUDA graph's replay computes.
+
+Attention: on CUDA the varlen Triton kernel (vlserve.model.kernels.triton_attention); on CPU vlserve's CPU kernels
+or torch SDPA. `VLSERVE_ATTENTION=triton` forces the Triton path anywhere (on a CPU it runs in Triton's
+interpreter: tests of the CUDA path's logic only); `VLSERVE_ATTENTION=native` forces the CPU/SDPA path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+
+import torch
+
+from vlserve.core.errors import InvalidInputError
+from vlserve.model.kernels import triton_attention
+
+logger = logging.getLogger("vlserve.accelerator")
+ATTENTION_ENV = "VLSERVE_ATTENTION"
+TRITON, NATIVE = "triton", "native"
+
+
+def attention_backend(device: torch.device | str) -> str:
+    """"triton" (the varlen kernel, one launch a step) or "native" (CPU kernels / SDPA, per sequence)."""
+    forced = os.environ.get(ATTENTION_ENV, "").strip().lower()
+    if forced:
+        if forced not in (TRITON, NATIVE):
+            raise InvalidInputError(f"{ATTENTION_ENV}={forced!r}: expected {TRITON!r} or {NATIVE!r}")
+        if forced == TRITON and not triton_attention.available():
+            raise InvalidInputError(f"{ATTENTION_ENV}=triton, but Triton is not installed")
+        return forced
+    if torch.device(device).type == "cuda" and triton_attention.available():
+        return TRITON
+    return NATIVE
+
+
+class EagerGraph:
+    """The CPU's stand-in for a captured graph: `replay` calls the function again (on the same static buffers)."""
+
+    def __init__(self, fn: Callable[[], None]):
+        self.fn = fn
+        fn()  # as a capture does: the function runs once now
+
+    def replay(self) -> None:
+        self.fn()
+
+
+class CudaGraph:
+    """A CUDA graph of `fn`, warmed up on a side stream first (lazy initialisations must not be captured)."""
+
+    def __init__(self, fn: Callable[[], None], pool, warmups: int = 2):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(warmups):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            fn()
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+class Accelerator:
+    """The device-specific calls the engine makes; one per model shard."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.is_cuda = self.device.type == "cuda"
+        self.attention = attention_backend(self.device)
+        self._pool = None
+
+    def staging(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A host buffer to fill on the CPU and copy to the device without blocking (pinned on CUDA)."""
+        return torch.empty(shape, dtype=dtype, pin_memory=self.is_cuda)
+
+    def to_device(self, host: torch.Tensor, static: torch.Tensor) -> None:
+        """Copies `host` (a staging buffer's prefix) into the start of the static device buffer `static`."""
+        static[: host.shape[0]].copy_(host, non_blocking=self.is_cuda)
+
+    def capture(self, fn: Callable[[], None]) -> EagerGraph | CudaGraph:
+        """`fn` as a graph: its replays recompute it over the same buffers. All graphs of one accelerator share
+        one memory pool (they never run at once)."""
+        if not self.is_cuda:
+            return EagerGraph(fn)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        return CudaGraph(fn, self._pool)
+
+    def synchronize(self) -> None:
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
