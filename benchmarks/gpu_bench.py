@@ -48,14 +48,17 @@ def ceilings(device: torch.device) -> dict:
         torch.cuda.synchronize(device)
         return start.elapsed_time(end) / 1e3 / reps
 
-    src = torch.randn(1 << 29, device=device)  # 2 GiB
-    dst = torch.empty_like(src)
-    copy = 2 * src.numel() * 4 / timed(lambda: dst.copy_(src), 10)
-    del src, dst
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    gemm = 2 * 8192**3 / timed(lambda: a @ b, 10)
-    return {"copy_bytes_per_s": copy, "bf16_flops": gemm}
+    def copy_rate():
+        src = torch.randn(1 << 29, device=device)  # 2 GiB
+        dst = torch.empty_like(src)
+        return 2 * src.numel() * 4 / timed(lambda: dst.copy_(src), 10)
+
+    def gemm_rate():
+        a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+        b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+        return 2 * 8192**3 / timed(lambda: a @ b, 10)
+
+    return {"copy_bytes_per_s": copy_rate(), "bf16_flops": gemm_rate()}
 
 
 def shaped_checkpoint(folder: Path, text: dict, vision: dict, device: torch.device) -> Path:
@@ -70,6 +73,8 @@ def shaped_checkpoint(folder: Path, text: dict, vision: dict, device: torch.devi
     cfg = AutoConfig.from_pretrained(path)
     for k, v in text.items():
         setattr(cfg.text_config, k, v)
+    if getattr(cfg.text_config, "layer_types", None) is not None:  # one entry per layer, checked against the depth
+        cfg.text_config.layer_types = ["full_attention"] * cfg.text_config.num_hidden_layers
     for k, v in vision.items():
         setattr(cfg.vision_config, k, v)
     cfg.tie_word_embeddings = cfg.text_config.tie_word_embeddings = True
@@ -90,7 +95,7 @@ def shaped_checkpoint(folder: Path, text: dict, vision: dict, device: torch.devi
         old.unlink()
     (path / "model.safetensors.index.json").unlink(missing_ok=True)
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    cfg.torch_dtype = "bfloat16"
+    cfg.dtype = "bfloat16"
     cfg.save_pretrained(path)
     return path
 
@@ -137,8 +142,28 @@ def vision_ms(llm, device: torch.device, pictures: int, reps: int = 20) -> dict:
     return out
 
 
+def profile_decode(llm, tokens: int = 200) -> None:
+    """Where a batch-1 decode step's host time goes (cProfile, by cumulative time): the GPU waits for it."""
+    import cProfile
+    import pstats
+
+    from picture_workload import DECODE_PROMPT
+
+    from vlserve import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    llm.generate([DECODE_PROMPT], params, use_tqdm=False)
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    llm.generate([DECODE_PROMPT], params, use_tqdm=False)
+    prof.disable()
+    print(f"decode profile: {tokens} tokens at batch 1 in {time.perf_counter() - t0:.3f}s (with the profiler)")
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(22)
+
+
 def bench_model(name: str, path: str, work: list[dict], device: torch.device, bw: float, hf_batches: list[int],
-                max_num_seqs: int) -> dict:
+                max_num_seqs: int, profile: bool = False) -> dict:
     from vlserve import LLM, SamplingParams
 
     res: dict = {"model": name}
@@ -149,6 +174,8 @@ def bench_model(name: str, path: str, work: list[dict], device: torch.device, bw
         phases = run_phases(llm, SamplingParams, work, decode_tokens=128, phases=("offline", "decode"))
         res[f"offline_tok_s_{label}"] = phases["offline_output_tokens"] / phases["offline_seconds"]
         res[f"decode_tok_s_{label}"] = phases["decode_tok_s"]
+        if profile and not eager:
+            profile_decode(llm)
         if not eager:  # this instance has the vision graphs: time the tower with them and without
             for n in (1, 4):
                 for tower_label, ms in vision_ms(llm, device, n).items():
@@ -177,6 +204,7 @@ def main() -> None:
     ap.add_argument("--hf-batch-sizes", default="8,24")
     ap.add_argument("--models", default="medium,3b", help="which of medium,3b to run")
     ap.add_argument("--max-num-seqs", type=int, default=32)
+    ap.add_argument("--profile-decode", action="store_true", help="cProfile batch-1 decode on the first model")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("gpu_bench: no CUDA device here: nothing measured")
@@ -202,7 +230,8 @@ def main() -> None:
             path = str(shaped_checkpoint(tmp / "3b", QWEN2_5_VL_3B_TEXT, QWEN2_5_VL_3B_VISION, device))
             label = "random Qwen2.5-VL-3B shapes (vocab 8k)"
         print(f"{label}: checkpoint in {time.perf_counter() - t0:.0f}s", flush=True)
-        res = bench_model(label, path, work, device, bw, hf_batches, args.max_num_seqs)
+        res = bench_model(label, path, work, device, bw, hf_batches, args.max_num_seqs,
+                          profile=args.profile_decode and not report["models"])
         report["models"].append(res)
         print(json.dumps(res, indent=1), flush=True)
         if args.json:

@@ -39,6 +39,7 @@ else
     say "wheels: none carried (.whl/ empty); using the machine's packages as they are"
 fi
 export PYTHONUNBUFFERED=1
+export VLSERVE_CPU_KERNELS=0  # the engine runs on CUDA; the CPU kernels' one-minute build would be wasted
 
 $PY - <<'EOF' 2>&1 | tee -a "$SUMMARY"
 import torch, platform
@@ -67,23 +68,24 @@ step() {
     timeout "$limit" "$@" > "$OUT_DIR/$name.log" 2>&1
     local rc=$?
     local last
-    last=$(grep -E "(passed|failed|error|skipped|no tests ran)" "$OUT_DIR/$name.log" | tail -1)
+    last=$(grep -E "^=* ?[0-9]+ (passed|failed|error|skipped)|no tests ran" "$OUT_DIR/$name.log" | tail -1)
     [ $rc = 124 ] && last="TIMED OUT after ${limit}s; $last"
     say "$(printf '%-22s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" "$last")"
 }
 
 PARITY="tests/test_parity.py tests/test_qwen3_vl.py tests/test_qwen3_5_parity.py tests/test_llava_parity.py"
-PYTEST="$PY -m pytest -p no:cacheprovider -q -rfE --timeout 300"
+PYTEST="$PY -m pytest -p no:cacheprovider -rfE --timeout 300"  # pyproject's -q: one more would hide the counts
 # -n: pytest-xdist, a file per worker (module fixtures stay in one process); the references run on the CPU
 XDIST="-n 4 --dist loadfile"
 $PY -c "import xdist" 2> /dev/null || XDIST=""
 
-step cuda_tests 240 $PYTEST -m "cuda or unit" tests/test_cuda.py tests/test_triton_attention.py \
-    tests/test_gated_delta.py tests/test_sampler.py $XDIST
+step cuda_tests 240 $PYTEST tests/test_cuda.py tests/test_triton_attention.py \
+    tests/test_gated_delta.py::test_chunked_rule_on_cuda tests/test_sampler.py::test_cuda_matches_device $XDIST
 step parity_graphs 300 $PYTEST -m engine $PARITY $XDIST
 VLSERVE_ENFORCE_EAGER=1 step parity_eager 300 $PYTEST -m engine $PARITY $XDIST
-step gpu_bench 360 $PY benchmarks/gpu_bench.py --json "$OUT_DIR/gpu_bench.json"
+step gpu_bench 360 $PY benchmarks/gpu_bench.py --json "$OUT_DIR/gpu_bench.json" --profile-decode
 grep -A8 "^| model" "$OUT_DIR/gpu_bench.log" >> "$SUMMARY" 2>/dev/null
+grep -A24 "^decode profile" "$OUT_DIR/gpu_bench.log" > "$OUT_DIR/decode_profile.txt" 2>/dev/null
 for log in cuda_tests parity_graphs parity_eager; do
     grep -E "^(FAILED|ERROR)" "$OUT_DIR/$log.log" | head -20 | sed "s/^/$log: /" >> "$SUMMARY"
 done

@@ -120,6 +120,7 @@ def test_causal_conv_with_carried_state():
     torch.testing.assert_close(new, ref_states)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
 def test_chunked_rule_on_cuda():
     q, k, v, g, beta = inputs(100)

@@ -261,7 +261,8 @@ def test_precomputed_embeddings_carry_deepstack_rows(references):
     proc = llm.engine.input_processor.processor
     cfg = proc.image_cfg
     p = preprocess_image(load_image(images[0]), cfg, cfg.min_pixels, cfg.max_pixels)
-    rows = llm.engine.core.runner.model.encode_images(p.pixel_values, [p.grid_thw])[0]
+    runner = llm.engine.core.runner
+    rows = runner.model.encode_images(p.pixel_values.to(runner.device), [p.grid_thw])[0].cpu()
     assert rows.shape[1] == 3 * 64
     entry = {"image_embeds": rows, "image_grid_thw": list(p.grid_thw)}
     out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": [entry]}}, GREEDY, use_tqdm=False)[0]

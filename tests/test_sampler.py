@@ -253,6 +253,7 @@ def test_logprobs_are_raw_before_penalties_and_temperature():
     assert out.sampled_ranks.item() == 2
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_matches_device():
     logits = rand_logits(4).cuda()

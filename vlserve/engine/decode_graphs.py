@@ -73,6 +73,7 @@ class DecodeGraphs:
         if self.hybrid:
             self.stage_state = accelerator.staging((n,), torch.long)
             self.stage_fresh = accelerator.staging((n,), torch.bool)
+        self.staged = accelerator.event()  # after the last step's copies out of the staging buffers
         self.graphs: dict[int, object] = {}
         self.replays: dict[int, int] = {}  # size -> steps it ran (tests and logs read it)
 
@@ -102,9 +103,10 @@ class DecodeGraphs:
 
     # ---- inside -------------------------------------------------------------------------------------------------
     def _stage(self, batch: ForwardBatch, b: int, size: int) -> None:
-        """The real rows, then padding rows, into the staging buffers, then onto the device. Reusing the pinned
-        buffers every step is safe because the engine reads each step's sampled tokens on the host before it
-        stages the next step (that read waits for the copies)."""
+        """The real rows, then padding rows, into the staging buffers, then onto the device. The copies run
+        without blocking, so the host first waits until the last step's copies have read the buffers (a step
+        that samples nothing, such as a one-token prompt chunk, leaves them possibly unread)."""
+        self.staged.synchronize()
         bs = self.block_size
         width = batch.block_table.shape[1]
         self.stage_ids[:b] = batch.token_ids
@@ -131,6 +133,7 @@ class DecodeGraphs:
         # Only the columns the step uses: beyond them a row keeps older block ids, which it never reads (it
         # reads the blocks its length spans), and every one of them is a valid block.
         self.block_table[:size, :width].copy_(self.stage_table[:size, :width], non_blocking=self.acc.is_cuda)
+        self.staged.record()
 
     def _metadata(self, size: int) -> AttentionMetadata:
         meta = AttentionMetadata(slot_mapping=self.slot_mapping[:size], num_decode_tokens=size,

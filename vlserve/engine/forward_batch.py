@@ -19,7 +19,7 @@ import torch
 
 from vlserve.core.wire import TensorRef, tensor_from, tensor_ref
 from vlserve.model.accelerator import NATIVE, TRITON
-from vlserve.model.layers.attention import AttentionMetadata, VarlenBatch, build_prefill_span
+from vlserve.model.layers.attention import AttentionMetadata, PrefillSpan, VarlenBatch, build_prefill_span
 from vlserve.model.layers.linear_state import LinearStateBatch
 
 
@@ -53,6 +53,8 @@ def attention_metadata(batch: ForwardBatch, block_size: int, device: torch.devic
         lens = [1] * batch.num_decode + [n for _, n, _ in batch.prefills]
         query_start = torch.tensor([0] + lens).cumsum(0)
         meta.varlen = VarlenBatch(put(query_start), put(batch.context_lens), put(batch.block_table), max(lens))
+        # where each prefill chunk's rows are (linear-attention layers run them one sequence at a time)
+        meta.prefills = [PrefillSpan(start, num_tokens, None, None) for start, num_tokens, _ in batch.prefills]
     else:
         _native_spans(meta, batch, block_size, put)
     if batch.state_slots is not None:

@@ -43,10 +43,13 @@ class _Bucket:
         self.plans = {name: VarlenPlan([], cu_seqlens=starts, max_len=size) for name, starts in self.starts.items()}
         for starts in self.starts.values():
             starts[0] = 0
-        self.out: torch.Tensor | None = None
+        self.out: torch.Tensor | None = None  # the body's rows, in a buffer every replay overwrites
 
         def run() -> None:
-            self.out = tower.body(self.x, self.cos, self.sin, self.plans)
+            rows = tower.body(self.x, self.cos, self.sin, self.plans)
+            if self.out is None:  # the first run (a CUDA capture's warm-up): outside any capture
+                self.out = torch.empty_like(rows)
+            self.out.copy_(rows)
 
         self.graph = acc.capture(run)
 
@@ -73,7 +76,8 @@ class VisionGraphs:
         self._stage(bucket, vp, n)
         bucket.graph.replay()
         self.replays += 1
-        merged = bucket.out[: n // self.unit]
+        # A copy: the encoder cache keeps these rows across steps, and the bucket's next replay overwrites its buffer.
+        merged = bucket.out[: n // self.unit].clone()
         return merged if vp.finish is None else vp.finish(merged)
 
     def _stage(self, bucket: _Bucket, vp: VisionPass, n: int) -> None:

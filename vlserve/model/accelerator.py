@@ -70,6 +70,14 @@ class CudaGraph:
         self.graph.replay()
 
 
+class NoEvent:
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
 class Accelerator:
     """The device-specific calls the engine makes; one per model shard."""
 
@@ -95,6 +103,11 @@ class Accelerator:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         return CudaGraph(fn, self._pool)
+
+    def event(self) -> torch.cuda.Event | NoEvent:
+        """Marks a point in the device's queue (`record()`), so the host can wait until the work before it is done
+        (`synchronize()`); on a CPU every call already ran."""
+        return torch.cuda.Event() if self.is_cuda else NoEvent()
 
     def synchronize(self) -> None:
         if self.is_cuda:

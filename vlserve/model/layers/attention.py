@@ -54,7 +54,7 @@ class AttentionMetadata:
     decode_blocks: torch.Tensor | None = None  # [num_decode * max_blocks] block ids to gather (padding -> 0)
     decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_blocks * block_size] bool
     decode_context_lens: torch.Tensor | None = None  # [num_decode] int64, tokens each decode row attends to
-    prefills: list[PrefillSpan] = field(default_factory=list)
+    prefills: list[PrefillSpan] = field(default_factory=list)  # varlen path: spans without slots or mask
     linear: LinearStateBatch | None = None  # hybrid models: each sequence's linear-attention state slot
     varlen: VarlenBatch | None = None  # set: the Triton path (then the decode/prefill fields above are unused)
 
