@@ -93,6 +93,19 @@ class ModelRunner:
             parts.append((torch.arange(max(start, p), end) + req.mrope_delta).expand(3, -1))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
+    @staticmethod
+    def _decode_positions(decode: list[ScheduledChunk]) -> torch.Tensor:
+        """[3, len(decode)] positions of one-token rows in one tensor: index + delta past the prompt, the
+        precomputed M-RoPE column inside it."""
+        cols = []
+        for c in decode:
+            req = c.req
+            if c.start >= req.num_prompt_tokens:
+                cols.append((c.start + req.mrope_delta,) * 3)
+            else:
+                cols.append(tuple(req.mrope_positions[:, c.start].tolist()))
+        return torch.tensor(cols, dtype=torch.long).reshape(-1, 3).t()
+
     def _prepare(self, chunks: list[ScheduledChunk], state: StateStep | None = None):
         """The step's chunks in batch order (decode rows first) and the `ForwardBatch` that runs them (with a
         hybrid model's `state`: each sequence's state slot, fresh or not, its snapshots and the copies first)."""
@@ -102,22 +115,23 @@ class ModelRunner:
         token_ids: list[int] = []
         for c in ordered:
             token_ids.extend(c.req.token_ids[c.start : c.end])
-        positions = torch.cat([self._positions(c.req, c.start, c.end) for c in ordered], dim=1)
+        positions = torch.cat([self._decode_positions(decode)] + [self._positions(c.req, c.start, c.end)
+                                                                   for c in prefill], dim=1)
         bs = self.block_size
-        max_blocks = max(-(-c.end // bs) for c in ordered)  # the blocks the longest context spans
-        table = torch.zeros(len(ordered), max_blocks, dtype=torch.long)
-        for row, c in enumerate(ordered):
-            blocks = c.req.block_ids[: -(-c.end // bs)]
-            table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+        rows = [c.req.block_ids[: -(-c.end // bs)] for c in ordered]  # the blocks each context spans
+        max_blocks = max(map(len, rows))
+        table = torch.tensor([r + [0] * (max_blocks - len(r)) for r in rows], dtype=torch.long)
         ctx = torch.tensor([c.end for c in ordered], dtype=torch.long)
+        # each new token's KV slot: a decode row's one token by hand, a prompt chunk's tokens at once
+        slots = [rows[i][(c.end - 1) // bs] * bs + (c.end - 1) % bs for i, c in enumerate(decode)]
+        slot_parts = [torch.tensor(slots, dtype=torch.long)]
         spans, row = [], len(decode)
-        for c in prefill:
+        for i, c in enumerate(prefill, start=len(decode)):
+            pos = torch.arange(c.start, c.end)
+            slot_parts.append(table[i, pos // bs] * bs + pos % bs)
             spans.append((row, c.num_tokens, c.end))
             row += c.num_tokens
-        # each new token's slot, from its sequence's block-table row
-        seq_of_token = torch.cat([torch.full((c.num_tokens,), i) for i, c in enumerate(ordered)])
-        pos_in_seq = torch.cat([torch.arange(c.start, c.end) for c in ordered])
-        slot_mapping = table[seq_of_token, pos_in_seq // bs] * bs + pos_in_seq % bs
+        slot_mapping = torch.cat(slot_parts) if prefill else slot_parts[0]
         media_rows, media = self._media(ordered)
         sample_rows, row = [], 0
         for c in ordered:
