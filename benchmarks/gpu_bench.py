@@ -3,7 +3,8 @@ it; on a machine without CUDA it says so and exits).
 
 Per model (a medium random Qwen2-VL, ~240M; a random model with Qwen2.5-VL-3B's shapes, vocabulary aside):
 - the offline picture workload (benchmarks/picture_workload.py: pictures of four sizes, 32-96 tokens out each):
-  vlserve with CUDA graphs, vlserve with --enforce-eager, transformers (static batches, its best batch size);
+  vlserve with CUDA graphs, with --enforce-eager, with graphs and --no-async-scheduling, and transformers (static
+  batches, its best batch size);
 - batch-1 decode tokens/s: vlserve with and without graphs, and the HBM bound (the LM's weight bytes per token
   over the copy bandwidth measured here);
 - the vision tower on 4 pictures of 224x224 and on 1: milliseconds per call with its graphs and without.
@@ -167,16 +168,17 @@ def bench_model(name: str, path: str, work: list[dict], device: torch.device, bw
     from vlserve import LLM, SamplingParams
 
     res: dict = {"model": name}
-    for label, eager in (("graphs", False), ("eager", True)):
+    for label, eager, overlap in (("graphs", False, True), ("eager", True, True), ("sync", False, False)):
         t0 = time.perf_counter()
-        llm = LLM(path, dtype="bfloat16", max_num_seqs=max_num_seqs, kv_cache_memory_gb=8, enforce_eager=eager)
+        llm = LLM(path, dtype="bfloat16", max_num_seqs=max_num_seqs, kv_cache_memory_gb=8, enforce_eager=eager,
+                  async_scheduling=overlap)
         res[f"start_s_{label}"] = time.perf_counter() - t0
         phases = run_phases(llm, SamplingParams, work, decode_tokens=128, phases=("offline", "decode"))
         res[f"offline_tok_s_{label}"] = phases["offline_output_tokens"] / phases["offline_seconds"]
         res[f"decode_tok_s_{label}"] = phases["decode_tok_s"]
-        if profile and not eager:
+        if profile and label == "graphs":
             profile_decode(llm)
-        if not eager:  # this instance has the vision graphs: time the tower with them and without
+        if label == "graphs":  # this instance has the vision graphs: time the tower with them and without
             for n in (1, 4):
                 for tower_label, ms in vision_ms(llm, device, n).items():
                     res[f"vit_ms_{n}pic_{tower_label}"] = ms
@@ -241,12 +243,13 @@ def main() -> None:
 
 def print_table(report: dict) -> None:
     print(f"\n{report['device']}, torch {report['torch']}, bf16")
-    print("| model | offline tok/s graphs / eager / transformers (ratio) | batch-1 decode tok/s graphs / eager / "
-          "HBM bound | ViT ms 1 pic graphs / eager | ViT ms 4 pics graphs / eager |")
+    print("| model | offline tok/s graphs / eager / no async / transformers (ratio) | batch-1 decode tok/s graphs / "
+          "eager / no async / HBM bound | ViT ms 1 pic graphs / eager | ViT ms 4 pics graphs / eager |")
     for r in report["models"]:
         print(f"| {r['model']} | {r['offline_tok_s_graphs']:.0f} / {r['offline_tok_s_eager']:.0f} / "
-              f"{r['hf_best_tok_s']:.0f} (x{r['offline_tok_s_graphs'] / r['hf_best_tok_s']:.1f}) | "
-              f"{r['decode_tok_s_graphs']:.0f} / {r['decode_tok_s_eager']:.0f} / {r['decode_bound_tok_s']:.0f} | "
+              f"{r['offline_tok_s_sync']:.0f} / {r['hf_best_tok_s']:.0f} "
+              f"(x{r['offline_tok_s_graphs'] / r['hf_best_tok_s']:.1f}) | {r['decode_tok_s_graphs']:.0f} / "
+              f"{r['decode_tok_s_eager']:.0f} / {r['decode_tok_s_sync']:.0f} / {r['decode_bound_tok_s']:.0f} | "
               f"{r.get('vit_ms_1pic_graphs', float('nan')):.2f} / {r['vit_ms_1pic_eager']:.2f} | "
               f"{r.get('vit_ms_4pic_graphs', float('nan')):.2f} / {r['vit_ms_4pic_eager']:.2f} |")
 

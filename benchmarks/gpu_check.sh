@@ -4,10 +4,11 @@
 # 1. installs what the machine's image lacks from wheels carried in .whl/ (benchmarks/gpu_wheels.txt lists them
 #    and says how to download them; nothing is fetched here: GPU machines may have no network);
 # 2. runs the tests that need CUDA (-m cuda) and the varlen-kernel tests on the GPU;
-# 3. runs the parity suites (Qwen2-VL, Qwen2.5-VL, Qwen3-VL(-MoE), Qwen3.5(-MoE), LLaVA-OneVision/NeXT-Video)
-#    against transformers on the GPU, with CUDA graphs (the default) and with VLSERVE_ENFORCE_EAGER=1;
+# 3. runs the parity suites (Qwen2-VL, Qwen2.5-VL, Qwen3-VL(-MoE), Qwen3.5(-MoE), LLaVA-OneVision/NeXT-Video,
+#    Qwen2-Audio, Qwen2.5-Omni, async scheduling) against transformers on the GPU, with CUDA graphs (the default)
+#    and with VLSERVE_ENFORCE_EAGER=1;
 # 4. runs benchmarks/gpu_bench.py (vlserve vs transformers on the same GPU, batch-1 decode vs the HBM bound,
-#    graphs on vs off, the vision tower with and without graphs).
+#    graphs on vs off, async scheduling on vs off, the vision tower with and without graphs).
 # Everything lands in OUT_DIR; OUT_DIR/summary.txt is the one file to read. Without a GPU it says what it skipped.
 set -u
 cd "$(dirname "$0")/.."
@@ -73,7 +74,8 @@ step() {
     say "$(printf '%-22s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" "$last")"
 }
 
-PARITY="tests/test_parity.py tests/test_qwen3_vl.py tests/test_qwen3_5_parity.py tests/test_llava_parity.py"
+PARITY="tests/test_parity.py tests/test_qwen3_vl.py tests/test_qwen3_5_parity.py tests/test_llava_parity.py
+        tests/test_audio_parity.py tests/test_omni_parity.py tests/test_async_scheduling.py"
 PYTEST="$PY -m pytest -p no:cacheprovider -rfE --timeout 300"  # pyproject's -q: one more would hide the counts
 # -n: pytest-xdist, a file per worker (module fixtures stay in one process); the references run on the CPU
 XDIST="-n 4 --dist loadfile"

@@ -82,7 +82,7 @@ def _budget_check(s: Scheduler, out):
     assert len({c.req.request_id for c in out.chunks}) == len(out.chunks), "a request scheduled twice in one step"
     for c in out.chunks:
         assert c.num_tokens >= 1
-        assert c.start == c.req.num_computed_tokens
+        assert c.end == c.req.num_computed_tokens  # advanced when scheduled (the next step starts there)
         assert c.end <= c.req.num_tokens
         assert len(c.req.block_ids) * s.kv.block_size >= c.end, "KV slots missing for scheduled tokens"
     assert sum(r.mm_items[i].num_tokens for r, i in out.encode) <= cfg.max_num_encoder_input_tokens

@@ -77,6 +77,7 @@ FILE_TIERS = {
     "test_packed_linear.py": "engine",
     "test_parity.py": "engine",
     "test_graphs.py": "engine",
+    "test_async_scheduling.py": "engine",
     "test_cuda.py": "engine",
     "test_pd_handoff.py": "engine",
     "test_quantization.py": "engine",

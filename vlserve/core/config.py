@@ -126,6 +126,10 @@ class EngineArgs:
     seed: int = option(0, "engine seed", LM_ROLES)
     enforce_eager: bool = option(False, "no CUDA graphs: decode steps and the vision tower run op by op (also "
                                  "set by the environment variable VLSERVE_ENFORCE_EAGER=1)", MODEL_ROLES)
+    async_scheduling: bool = option(
+        True, "schedule the next step and prepare its inputs while the device runs this one (CUDA, one rank, "
+        "no KV connector; steps with structured outputs, penalties or min_tokens still to reach wait for their "
+        "tokens): turn it off", LM_ROLES, flag="--no-async-scheduling", negate=True)
     cuda_graph_sizes: tuple[int, ...] | None = option(
         None, "decode batch sizes captured as CUDA graphs; a step of b decode rows replays the smallest size >= b, "
         "padded (default on CUDA: 1, 2, 4, 8, then every multiple of 8 up to min(max_num_seqs, 256); on a CPU "

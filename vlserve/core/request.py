@@ -42,6 +42,7 @@ class Request:
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        self.num_pending = 0  # tokens being sampled on the device, not read yet (async scheduling: up to 2)
         self.block_ids: list[int] = []
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None

@@ -26,6 +26,7 @@ MIN_DEFAULT_KV_BYTES = 256 * 2**20  # the default KV cache is as large as the we
 CPU_FREE_MEMORY_SHARE = 0.5  # of what is free after the weights, the default KV cache takes at most this share
 GPU_FREE_MEMORY_SHARE = 0.9
 EAGER_ENV = "VLSERVE_ENFORCE_EAGER"
+ASYNC_ENV = "VLSERVE_ASYNC_SCHEDULING"
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ class VlserveConfig:
     num_state_snapshots: int = 0
     graph_sizes: tuple[int, ...] = ()  # decode batch sizes run from captured graphs (engine.decode_graphs); () none
     enforce_eager: bool = False  # no graphs at all (decode, vision tower)
+    async_scheduling: bool = False  # the next step is scheduled while the device runs this one (engine.core)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -180,7 +182,15 @@ def resolve_config(args: EngineArgs, facts: ModelFacts | None = None, announce: 
         tensor_parallel_size=args.tensor_parallel_size, mm_encoder_tp_mode=args.mm_encoder_tp_mode, args=args,
         num_state_snapshots=num_state_snapshots(args, model_cfg) if args.load_language else 0,
         graph_sizes=decode_graph_sizes(args, device) if args.load_language else (), enforce_eager=eager(args),
+        async_scheduling=async_scheduling(args, device),
     )
+
+
+def async_scheduling(args: EngineArgs, device: torch.device) -> bool:
+    """On for one CUDA rank unless turned off. A CPU gains nothing (its host is the device), so it stays off there
+    unless VLSERVE_ASYNC_SCHEDULING=1 forces it (the tests do, to check its logic on any machine)."""
+    forced = os.environ.get(ASYNC_ENV, "") == "1"
+    return args.async_scheduling and args.tensor_parallel_size == 1 and (device.type == "cuda" or forced)
 
 
 def eager(args: EngineArgs) -> bool:

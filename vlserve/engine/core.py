@@ -21,11 +21,12 @@ from vlserve.core.structured_outputs import GrammarLimits
 from vlserve.engine.config import VlserveConfig
 from vlserve.engine.kv_connector import ExportedKV, KVConnector, KVTransfer
 from vlserve.engine.kv_events import KVEventPublisher
-from vlserve.engine.model_runner import ModelRunner
+from vlserve.engine.model_runner import LaunchedStep, ModelRunner
 from vlserve.engine.executor import start_executor
 from vlserve.engine.model_shard import ModelShard
 from vlserve.engine.prompt_check import check_prompt
 from vlserve.engine.scheduler import Scheduler
+from vlserve.engine.scheduler_output import SchedulerOutput
 from vlserve.engine.structured.matchers import GrammarMatchers
 from vlserve.engine.transfer_buffers import TransferBuffers
 
@@ -72,6 +73,11 @@ class EngineCore:
         self._ready_arrived: list[EngineCoreOutput] = []
         self._released_early: set[str] = set()  # prompts released once their KV was loaded, before they left
         self._exported: list[ExportedKV] = []
+        # Async scheduling (not with a KV connector: its moves need each step's results first): the step launched
+        # and not finished yet, as (schedule, launch).
+        self.async_scheduling = cfg.async_scheduling and connector is None
+        self._inflight: tuple[SchedulerOutput, LaunchedStep | None] | None = None
+        self.overlapped_steps = 0  # steps launched before the one before them was finished
         kv_gib = cfg.num_kv_blocks * cfg.block_size * cfg.kv_bytes_per_token / 2**30
         logger.info("engine ready in %.1fs: %s on %s, %s, KV cache %.3f GiB (%d blocks x %d tokens)%s",
                     time.perf_counter() - t0, cfg.model.architecture, cfg.device, str(cfg.dtype).removeprefix("torch."),
@@ -196,7 +202,7 @@ class EngineCore:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished or bool(self._ready_arrived)
+        return self.scheduler.has_unfinished or bool(self._ready_arrived) or self._inflight is not None
 
     def _check_id_free(self, engine_ids: list[str], request_id: str) -> None:
         if any(i in self.scheduler.requests or (self.connector is not None and self.connector.owns(i))
@@ -232,25 +238,57 @@ class EngineCore:
                 self._failed.append((parent, why, 500))
 
     def step(self) -> list[EngineCoreOutput]:
+        """schedule() -> launch on the device -> update_from_output(). Under async scheduling the step launched
+        last time is finished after this one is launched, so scheduling and preparing a step overlap the device's
+        work on the one before (its outputs come back one call later); a step that needs every token read first
+        (see `_may_overlap`) finishes the one in flight before it schedules."""
         if self._building:
             self._check_grammars()
         if self.connector is not None:
             self.connector.start_step()
         arrived, self._ready_arrived = self._ready_arrived, []
+        outputs: list[EngineCoreOutput] = []
+        overlap = self.async_scheduling and self._may_overlap()
+        if self._inflight is not None and not overlap:
+            outputs += self._finish_step(*self._inflight)
+            self._inflight = None
         sched = self.scheduler.schedule()
         if self.connector is not None:
             self._move_kv(sched)
         if sched.empty and self._building:  # only grammars being built: let the worker have the CPU
             time.sleep(0.001)
-        sampled, logprobs = self.runner.execute(sched)
+        launched = self.runner.launch(sched)
+        if overlap:
+            if self._inflight is not None:
+                self.overlapped_steps += 1
+                outputs += self._finish_step(*self._inflight)
+            self._inflight = (sched, launched) if not sched.empty else None
+        else:
+            outputs += self._finish_step(sched, launched)
+        self.publish_kv_events()
+        return arrived + outputs
+
+    def _finish_step(self, sched: SchedulerOutput, launched: LaunchedStep | None) -> list[EngineCoreOutput]:
+        """Reads a launched step's tokens and applies them: finished requests leave, the connector exports."""
+        sampled, logprobs = self.runner.collect(launched)
         outputs = self.scheduler.update_from_output(sched, sampled, logprobs)
         self._fail_broken_grammars()
         self.generation_tokens_total += len(outputs)
         self._left(o.request_id for o in outputs if o.finish_reason is not None)
         if self.connector is not None:
             self._exported += self.connector.after_step(outputs)
-        self.publish_kv_events()
-        return arrived + outputs
+        return outputs
+
+    def _may_overlap(self) -> bool:
+        """Whether the next step may be scheduled before the last one's tokens are read: not when any request
+        needs them on the host to build its next step's sampling (a grammar's mask, penalties over its output,
+        min_tokens still to reach)."""
+        for req in self.scheduler.requests.values():
+            p = req.params
+            if req.grammar is not None or p.presence_penalty or p.frequency_penalty or \
+                    p.repetition_penalty != 1.0 or req.num_output_tokens + req.num_pending < p.min_tokens:
+                return False
+        return True
 
     def publish_kv_events(self) -> None:
         """This step's prefix-cache changes as one batch; between steps, a keepalive batch when one is due, so

@@ -134,6 +134,8 @@ class DecodeGraphs:
         # reads the blocks its length spans), and every one of them is a valid block.
         self.block_table[:size, :width].copy_(self.stage_table[:size, :width], non_blocking=self.acc.is_cuda)
         self.staged.record()
+        if batch.pending_rows is not None:  # input tokens the previous step is still sampling, on the device
+            self.token_ids[batch.pending_rows.to(self.token_ids.device)] = batch.pending_tokens
 
     def _metadata(self, size: int) -> AttentionMetadata:
         meta = AttentionMetadata(slot_mapping=self.slot_mapping[:size], num_decode_tokens=size,

@@ -40,6 +40,10 @@ class ForwardBatch:
     state_fresh: torch.Tensor | None = None  # [num_seqs] bool: its chunk starts at token 0 (a zero state)
     state_checkpoints: list[list[tuple[int, int]]] | None = None  # per prefill chunk: (tokens in, snapshot slot)
     state_copies: list[tuple[int, int]] | None = None  # (src, dst) slot copies made before the forward pass
+    # Async scheduling: rows whose input token the previous step is still sampling, and those tokens, on the
+    # device (one process only: never on the wire).
+    pending_rows: torch.Tensor | None = None  # [P] int64 rows of token_ids
+    pending_tokens: torch.Tensor | None = None  # [P] int64, on the model's device
 
 
 def attention_metadata(batch: ForwardBatch, block_size: int, device: torch.device,
@@ -107,6 +111,8 @@ _TENSOR_FIELDS = ("token_ids", "positions", "slot_mapping", "block_table", "cont
 
 
 def batch_to_wire(batch: ForwardBatch, tensors: list[torch.Tensor]) -> WireForwardBatch:
+    if batch.pending_rows is not None:
+        raise ValueError("a batch whose input tokens are still on rank 0's device cannot go to other ranks")
     def ref(t):
         return None if t is None else tensor_ref(t, tensors)
 

@@ -63,7 +63,8 @@ class KVCacheManager:
         """Register blocks that became full and computed this step, so later requests can share them."""
         if not self.enable_prefix_caching:
             return
-        num_full = req.num_computed_tokens // self.block_size
+        # computed and known: under async scheduling a step may be computing a token that is not read yet
+        num_full = min(req.num_computed_tokens, req.num_tokens) // self.block_size
         if num_full <= req.num_cached_blocks:
             return
         update_block_hashes(req, self.block_size)

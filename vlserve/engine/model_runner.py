@@ -16,12 +16,13 @@ from vlserve.core.request import Request
 from vlserve.engine.config import VlserveConfig
 from vlserve.engine.executor import encodes_whole_step
 from vlserve.engine.forward_batch import ForwardBatch
-from vlserve.engine.sampler import Sampler, SamplingMetadata, TokenBitmask
+from vlserve.engine.sampler import Sampler, SamplerOutput, SamplingMetadata, TokenBitmask
 from vlserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from vlserve.engine.state_cache import StateStep
 from vlserve.engine.structured.matchers import GrammarMatchers
 from vlserve.engine.transfer_buffers import TransferBuffers
 from vlserve.engine.encoder_runner import EncoderRunner
+from vlserve.model.accelerator import Accelerator
 
 
 class ModelRunner:
@@ -41,6 +42,8 @@ class ModelRunner:
         self.device = cfg.device
         self.block_size = cfg.block_size
         self.sampler = Sampler()
+        self.acc = Accelerator(cfg.device)
+        self._last: LaunchedStep | None = None  # the most recent launch that samples
 
     @property
     def model(self) -> torch.nn.Module:
@@ -114,7 +117,9 @@ class ModelRunner:
         ordered = decode + prefill
         token_ids: list[int] = []
         for c in ordered:
-            token_ids.extend(c.req.token_ids[c.start : c.end])
+            known = c.req.token_ids[c.start : c.end]
+            # async scheduling: a decode row's input may still be being sampled (0 here; read on the device)
+            token_ids.extend(known if len(known) == c.num_tokens else [0])
         positions = torch.cat([self._decode_positions(decode)] + [self._positions(c.req, c.start, c.end)
                                                                    for c in prefill], dim=1)
         bs = self.block_size
@@ -179,23 +184,61 @@ class ModelRunner:
         return rows.to(self.device, self.cfg.dtype)
 
     # ---- step -----------------------------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
+        """Runs the step and waits for its sampled tokens."""
+        return self.collect(self.launch(sched))
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput) -> LaunchedStep | None:
+        """Queues the step's work on the device (towers, forward pass, sampling) and a copy of what it samples
+        to the host, without waiting for any of it; None when nothing samples. A decode row whose input token
+        the previous launch is still sampling (async scheduling) reads it on the device from that launch."""
         if self.encoders is not None:
             self.encoders.free(sched.free_encoder_keys)
             self.encoders.encode([req.mm_items[idx] for req, idx in sched.encode])
         if sched.empty:
-            return {}, {}
+            return None
         ordered, batch = self._prepare(sched.chunks, sched.state)
+        self._read_pending_inputs(ordered, batch)
         sampling = [c.req for c in ordered if c.samples]
         # Grammar masks: on an accelerator they are filled while the forward pass runs.
         constrained = [i for i, r in enumerate(sampling) if r.grammar is not None]
         masks = self.grammars.start_masks([sampling[i].grammar for i in constrained]) if constrained else None
         logits = self.executor.forward(batch)
         if not sampling:
-            return {}, {}
+            return None
         bitmask = TokenBitmask(constrained, masks()) if masks is not None else None
-        return self._sample(logits, sampling, bitmask)
+        launched = LaunchedStep(sampling, self._sample(logits, sampling, bitmask), self.acc)
+        self._last = launched
+        return launched
+
+    def collect(self, launched: LaunchedStep | None) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
+        """The launch's sampled tokens (and log-probabilities), once its copies to the host are done."""
+        if launched is None:
+            return {}, {}
+        launched.done.synchronize()
+        reqs = launched.reqs
+        sampled = {r.request_id: t for r, t in zip(reqs, launched.host[0].tolist())}
+        logprobs = {}
+        if len(launched.host) > 1:
+            lp, ids, ranks = (t.tolist() for t in launched.host[1:])
+            for i, r in enumerate(reqs):
+                if r.params.logprobs is not None:
+                    k = 1 + r.params.logprobs
+                    logprobs[r.request_id] = TokenLogprobs(ids[i][:k], lp[i][:k], ranks[i])
+        return sampled, logprobs
+
+    def _read_pending_inputs(self, ordered: list[ScheduledChunk], batch: ForwardBatch) -> None:
+        """Rows whose input token is not known on the host yet take it from the last launch's sampled tokens,
+        on the device (`batch.pending_rows` / `pending_tokens`)."""
+        rows = [i for i, c in enumerate(ordered) if c.start >= c.req.num_tokens]  # decode rows come first
+        if not rows:
+            return
+        last = self._last
+        index = {r.request_id: i for i, r in enumerate(last.reqs)}
+        source = torch.tensor([index[ordered[i].req.request_id] for i in rows], dtype=torch.long)
+        batch.pending_rows = torch.tensor(rows, dtype=torch.long)
+        batch.pending_tokens = last.sampled.index_select(0, source.to(last.sampled.device, non_blocking=True))
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request], bitmask: TokenBitmask | None = None):
         generators = {}
@@ -213,14 +256,21 @@ class ModelRunner:
             self.device,
             bitmask,
         )
-        out = self.sampler(logits, meta)
-        tokens = out.sampled.tolist()
-        sampled = {r.request_id: t for r, t in zip(reqs, tokens)}
-        logprobs = {}
+        return self.sampler(logits, meta)
+
+
+class LaunchedStep:
+    """A step's sampling, queued: the sampled ids stay on the device (the next step's inputs may read them)
+    and are copied to the host without blocking; `done` marks the copies' end."""
+
+    def __init__(self, reqs: list[Request], out: SamplerOutput, acc: Accelerator):
+        self.reqs = reqs
+        self.sampled = out.sampled
+        device = [out.sampled]
         if out.logprobs is not None:
-            lp, ids, ranks = out.logprobs.tolist(), out.logprob_token_ids.tolist(), out.sampled_ranks.tolist()
-            for i, r in enumerate(reqs):
-                if r.params.logprobs is not None:
-                    k = 1 + r.params.logprobs
-                    logprobs[r.request_id] = TokenLogprobs(ids[i][:k], lp[i][:k], ranks[i])
-        return sampled, logprobs
+            device += [out.logprobs, out.logprob_token_ids, out.sampled_ranks]
+        self.host = [acc.staging(tuple(t.shape), t.dtype) for t in device]
+        for host, t in zip(self.host, device):
+            host.copy_(t, non_blocking=acc.is_cuda)
+        self.done = acc.event()
+        self.done.record()

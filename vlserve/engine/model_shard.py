@@ -159,7 +159,10 @@ class ModelShard:
         meta = attention_metadata(batch, self.block_size, dev, self.acc.attention)
         if batch.state_copies:  # snapshots into running slots, before any layer reads them
             copy_state_slots(self.layer_states, batch.state_copies)
-        embeds = self.model.embed_tokens(batch.token_ids.to(dev))
+        token_ids = batch.token_ids.to(dev)
+        if batch.pending_rows is not None:
+            token_ids[batch.pending_rows.to(dev)] = batch.pending_tokens
+        embeds = self.model.embed_tokens(token_ids)
         deepstack = None
         if batch.media is not None:
             rows = batch.media_rows.to(dev)

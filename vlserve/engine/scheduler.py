@@ -101,6 +101,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and token_budget > 0:
             req = self.running[i]
+            if req.num_pending and self._last_token_pending(req):
+                i += 1
+                continue
             n, encode = self._plan_chunk(req, req.num_computed_tokens, token_budget, encoder_budget)
             if n == 0:
                 i += 1
@@ -168,7 +171,8 @@ class Scheduler:
         Pure: nothing is reserved here; `_commit` does that once the KV blocks are secured.
         """
         cache = self.encoder_cache
-        end = start + min(req.num_tokens - start, token_budget)
+        # a token still being sampled (async scheduling) counts: the step that reads it is scheduled now
+        end = start + min(req.num_tokens + req.num_pending - start, token_budget)
         encode: list[int] = []
         new_hashes: set[str] = set()
         available = {req.mm_items[i].mm_hash for i in req.items_overlapping(start, end)
@@ -189,8 +193,20 @@ class Scheduler:
                 encode.append(idx)
         return end - start, encode
 
+    def _last_token_pending(self, req: Request) -> bool:
+        """Under async scheduling: the token being sampled for `req` is its last (max_tokens, the context
+        length), so nothing more is scheduled; reading it finishes the request."""
+        p = req.params
+        if p.max_tokens is not None and req.num_output_tokens + req.num_pending >= p.max_tokens:
+            return True
+        return req.num_tokens + req.num_pending >= self.cfg.max_model_len
+
     def _commit(self, req: Request, start: int, n: int, encode: list[int], out: SchedulerOutput) -> None:
-        out.chunks.append(ScheduledChunk(req, start, n))
+        samples = start + n == req.num_tokens + req.num_pending
+        out.chunks.append(ScheduledChunk(req, start, n, samples))
+        req.num_computed_tokens = start + n  # the next step's chunk starts here, whether or not this one is done
+        if samples:
+            req.num_pending += 1
         if out.state is not None:
             out.state.slots[req.request_id] = self.state.slot(req)
             if self.kv.enable_prefix_caching:
@@ -236,18 +252,23 @@ class Scheduler:
             self.state.step_done(sched.state)
         for chunk in sched.chunks:
             req = chunk.req
-            if req.status.finished:  # aborted while the step ran
+            if req.status.finished:  # aborted while the step ran (or, async: finished by the step before)
                 continue
-            req.num_computed_tokens = chunk.end
-            self.kv.cache_full_blocks(req)
-            for idx in req.items_overlapping(chunk.start, chunk.end):
-                if req.mm_items[idx].end <= chunk.end:
-                    self._freed_encoder_keys.extend(self.encoder_cache.release((req.request_id, idx),
-                                                                               req.mm_items[idx]))
-            if req.request_id not in sampled:
+            running = req.status == RequestStatus.RUNNING  # else preempted since (async scheduling)
+            if running:
+                for idx in req.items_overlapping(chunk.start, chunk.end):
+                    if req.mm_items[idx].end <= chunk.end:
+                        self._freed_encoder_keys.extend(self.encoder_cache.release((req.request_id, idx),
+                                                                                   req.mm_items[idx]))
+            if not chunk.samples:
+                if running:
+                    self.kv.cache_full_blocks(req)
                 continue
+            req.num_pending -= 1
             token = sampled[req.request_id]
-            req.token_ids.append(token)
+            req.token_ids.append(token)  # a preempted request keeps it: it was computed from its whole context
+            if running:
+                self.kv.cache_full_blocks(req)
             if req.grammar is not None:
                 status = self._advance_grammar(req, token)
                 if status is None:

@@ -13,15 +13,13 @@ class ScheduledChunk:
     req: Request
     start: int  # first token index computed this step (= num_computed_tokens when scheduled)
     num_tokens: int
+    # It reaches the request's last token (known or still being sampled): it produces the next one. Decided when
+    # scheduled, since the request's known tokens grow while the step runs under async scheduling.
+    samples: bool = False
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
-
-    @property
-    def samples(self) -> bool:
-        """A chunk that reaches the last known token produces the next one."""
-        return self.end == self.req.num_tokens
 
 
 @dataclass
