@@ -11,10 +11,11 @@ import pytest
 from tests.conftest import assert_pool_full
 from tests.hf_reference import HF_CLASSES, HFReference
 from tests.test_parity import _check, _prompts, _run
-from tests.test_scheduler_units import TOKEN, _assert_all_free, _cfg, _req, base_cfg  # noqa: F401
+from tests.test_scheduler_units import TOKEN, _assert_all_free, _cfg, _req
 from vlserve import LLM, SamplingParams
+from vlserve.core.config import EngineArgs
 from vlserve.core.request import RequestStatus
-from vlserve.engine.config import ASYNC_ENV
+from vlserve.engine.config import ASYNC_ENV, resolve_config
 from vlserve.engine.scheduler import Scheduler
 
 MAX_NEW = 12
@@ -22,6 +23,11 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 
 
 # ---- the scheduler, stepped by hand --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def base(tiny_ckpt):
+    return resolve_config(EngineArgs(model=str(tiny_ckpt("qwen2_vl")), num_kv_blocks=64, device="cpu"))
+
+
 def _drain(s: Scheduler, overlap: bool, sample=lambda req: TOKEN, between=None, max_steps=1000):
     """Runs every request to its end; with `overlap`, each step is scheduled before the one before it is
     updated (its sampled tokens applied), as the engine does under async scheduling. Returns every output."""
@@ -76,11 +82,11 @@ SPEC = [(30, 5, {}), (3, 1, {}), (9, 7, {}), (17, 2, {}), (1, 9, {}), (12, 4, {"
 
 
 @pytest.mark.parametrize("pool", [64, 12], ids=["roomy", "preempting"])
-def test_overlapped_steps_give_the_synchronous_results(base_cfg, pool):
+def test_overlapped_steps_give_the_synchronous_results(base, pool):
     """The same requests, the same sampled tokens: every request ends with the tokens and the finish reason the
     synchronous schedule gives it, none is scheduled past its max_tokens, and every block comes back. In a pool
     too small for all of them, requests whose token is in flight are preempted."""
-    cfg = _cfg(base_cfg, num_kv_blocks=pool, block_size=4, max_num_batched_tokens=16)
+    cfg = _cfg(base, num_kv_blocks=pool, block_size=4, max_num_batched_tokens=16)
     results = []
     for overlap in (False, True):
         s = Scheduler(cfg)
@@ -94,8 +100,8 @@ def test_overlapped_steps_give_the_synchronous_results(base_cfg, pool):
     assert results[1]["q6"] == ([TOKEN], ("stop", TOKEN))  # a stop token ends it; the step after is dropped
 
 
-def test_an_abort_of_a_request_whose_token_is_in_flight(base_cfg):
-    s = Scheduler(_cfg(base_cfg))
+def test_an_abort_of_a_request_whose_token_is_in_flight(base):
+    s = Scheduler(_cfg(base))
     reqs = _requests([(5, 8, {}), (7, 8, {})])
     for r in reqs:
         s.add_request(r)

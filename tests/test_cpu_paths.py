@@ -53,7 +53,7 @@ def test_vision_tower_in_groups_gives_each_item_its_rows(tiny_ckpt, monkeypatch,
     grouped = EncoderRunner(model, torch.device("cpu"))
     monkeypatch.setattr(encoder_runner, "CPU_PATCHES_PER_CALL", 30)
     grouped.encode(items)
-    assert len(grouped.seconds) > 1 and len(together.seconds) == 1
+    assert len(grouped.timers) > 1 and len(together.timers) == 1
     for it in items:
         assert torch.allclose(grouped.outputs[it.mm_hash], together.outputs[it.mm_hash], atol=1e-5)
 

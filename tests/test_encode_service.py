@@ -141,7 +141,7 @@ def test_each_vision_call_is_observed_once_and_not_kept(service):
 
     _run(scenario(), [])
     assert _metric(service, "vlserve:encoder_latency_seconds_count") == before + 3
-    assert service.encoders.seconds == [], "vision-call times pile up in the encode service"
+    assert service.encoders.timers == [], "vision-call times pile up in the encode service"
 
 
 # ---- the tower loads like the engine's model: tensor-parallel ranks, or a data-parallel encoder ----------------

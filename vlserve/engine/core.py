@@ -299,6 +299,11 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         """Drops every cached prefix block (published as AllBlocksCleared) and state snapshot; False while requests
         hold blocks."""
+        if self._inflight is not None:  # async scheduling: a step of requests that all ended may be in flight
+            if self.scheduler.requests:
+                return False
+            self._finish_step(*self._inflight)  # nothing of it is reported: its requests are gone
+            self._inflight = None
         done = self.scheduler.reset_prefix_cache()
         if done and self.kv_events is not None:
             self.kv_events.flush()

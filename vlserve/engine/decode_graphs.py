@@ -19,7 +19,7 @@ import time
 import torch
 
 from vlserve.engine.forward_batch import ForwardBatch
-from vlserve.model.accelerator import NATIVE, Accelerator
+from vlserve.model.accelerator import NATIVE, Accelerator, to_device
 from vlserve.model.layers.attention import AttentionMetadata, VarlenBatch
 from vlserve.model.layers.linear_state import LinearStateBatch
 from vlserve.model.layers.static_shapes import static_shapes
@@ -135,7 +135,7 @@ class DecodeGraphs:
         self.block_table[:size, :width].copy_(self.stage_table[:size, :width], non_blocking=self.acc.is_cuda)
         self.staged.record()
         if batch.pending_rows is not None:  # input tokens the previous step is still sampling, on the device
-            self.token_ids[batch.pending_rows.to(self.token_ids.device)] = batch.pending_tokens
+            self.token_ids[to_device(batch.pending_rows, self.token_ids.device)] = batch.pending_tokens
 
     def _metadata(self, size: int) -> AttentionMetadata:
         meta = AttentionMetadata(slot_mapping=self.slot_mapping[:size], num_decode_tokens=size,

@@ -8,11 +8,11 @@ disaggregated encode service alike.
 
 from __future__ import annotations
 
-import time
 
 import torch
 
 from vlserve.core.prompt import MultiModalItem
+from vlserve.model.accelerator import Timer, to_device
 
 # On CPU the tower runs faster on a few thousand patches at a time than on everything at once: activations of a
 # large batch ([patches, 4 x width] per block) fall out of the caches (16 pictures in one call: ~25% slower per
@@ -58,7 +58,7 @@ class EncoderRunner:
         self.device = device
         self.whole_step = whole_step
         self.outputs: dict[str, torch.Tensor] = {}
-        self.seconds: list[tuple[str, float]] = []  # (tower, seconds) per tower call: histogram samples
+        self.timers: list[tuple[str, Timer]] = []  # (tower, its timer) per tower call: histogram samples
 
     @torch.inference_mode()
     def encode(self, items: list[MultiModalItem]) -> None:
@@ -68,19 +68,17 @@ class EncoderRunner:
         sounds = [it for it in items if it.audio_features is not None]
         budget = None if self.whole_step else cpu_budget(self.device)
         for group in batches(pictures, budget) if pictures else []:
-            pixels = torch.cat([it.pixel_values for it in group]).to(self.device, non_blocking=True)
+            pixels = to_device(torch.cat([it.pixel_values for it in group]), self.device)
             self._timed("vision", group, lambda: self.model.encode_images(pixels, [it.grid_thw for it in group]))
         audio_budget = CPU_AUDIO_FRAMES_PER_CALL if self.device.type == "cpu" else None
         for group in batches(sounds, audio_budget, audio=True) if sounds else []:
-            features = [it.audio_features.to(self.device, non_blocking=True) for it in group]
+            features = [to_device(it.audio_features, self.device) for it in group]
             self._timed("audio", group, lambda: self.model.encode_audio(features, [it.audio_len for it in group]))
 
     def _timed(self, tower: str, group: list[MultiModalItem], call) -> None:
-        t0 = time.perf_counter()
+        timer = Timer(self.device).start()
         embeds = call()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # so the latency below is the encoder's, not the launch's
-        self.seconds.append((tower, time.perf_counter() - t0))
+        self.timers.append((tower, timer.stop()))  # the tower's own time, read once the device has run it
         for it, emb in zip(group, embeds):
             self.outputs[it.mm_hash] = emb
 
@@ -89,5 +87,13 @@ class EncoderRunner:
             self.outputs.pop(key, None)
 
     def take_seconds(self) -> list[tuple[str, float]]:
-        seconds, self.seconds = self.seconds, []
+        """Durations of the tower calls the device has finished since the last call (others wait their turn)."""
+        seconds, waiting = [], []
+        for tower, timer in self.timers:
+            s = timer.seconds()
+            if s is None:
+                waiting.append((tower, timer))
+            else:
+                seconds.append((tower, s))
+        self.timers = waiting
         return seconds

@@ -18,7 +18,7 @@ import msgspec
 import torch
 
 from vlserve.core.wire import TensorRef, tensor_from, tensor_ref
-from vlserve.model.accelerator import NATIVE, TRITON
+from vlserve.model.accelerator import NATIVE, TRITON, to_device
 from vlserve.model.layers.attention import AttentionMetadata, PrefillSpan, VarlenBatch, build_prefill_span
 from vlserve.model.layers.linear_state import LinearStateBatch
 
@@ -49,7 +49,7 @@ class ForwardBatch:
 def attention_metadata(batch: ForwardBatch, block_size: int, device: torch.device,
                        backend: str = NATIVE) -> AttentionMetadata:
     def put(t: torch.Tensor) -> torch.Tensor:
-        return t.to(device, non_blocking=True)
+        return to_device(t, device)
 
     meta = AttentionMetadata(slot_mapping=put(batch.slot_mapping), num_decode_tokens=batch.num_decode,
                              block_size=block_size)

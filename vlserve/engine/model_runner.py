@@ -22,7 +22,7 @@ from vlserve.engine.state_cache import StateStep
 from vlserve.engine.structured.matchers import GrammarMatchers
 from vlserve.engine.transfer_buffers import TransferBuffers
 from vlserve.engine.encoder_runner import EncoderRunner
-from vlserve.model.accelerator import Accelerator
+from vlserve.model.accelerator import Accelerator, to_device
 
 
 class ModelRunner:
@@ -176,12 +176,12 @@ class ModelRunner:
         if item.needs_encoder:
             return self.encoders.outputs[item.mm_hash][lo - item.offset : hi - item.offset]
         if item.embeddings is not None:
-            return item.embeddings[lo - item.offset : hi - item.offset].to(self.device, self.cfg.dtype)
+            return to_device(item.embeddings[lo - item.offset : hi - item.offset], self.device, self.cfg.dtype)
         # Sent by an encoder service: gathered from the receive blocks, where the transport wrote them (the
         # item's rows one after another from its first row; text has none).
         width, first = self.cfg.model.embedding_width, req.prompt.media_row(idx)
         rows = self.transfer.read_rows(req.prompt.block_rows, first + lo - item.offset, hi - lo, width)
-        return rows.to(self.device, self.cfg.dtype)
+        return to_device(rows, self.device, self.cfg.dtype)
 
     # ---- step -----------------------------------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
@@ -238,7 +238,7 @@ class ModelRunner:
         index = {r.request_id: i for i, r in enumerate(last.reqs)}
         source = torch.tensor([index[ordered[i].req.request_id] for i in rows], dtype=torch.long)
         batch.pending_rows = torch.tensor(rows, dtype=torch.long)
-        batch.pending_tokens = last.sampled.index_select(0, source.to(last.sampled.device, non_blocking=True))
+        batch.pending_tokens = last.sampled.index_select(0, to_device(source, last.sampled.device))
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request], bitmask: TokenBitmask | None = None):
         generators = {}

@@ -27,7 +27,7 @@ from vlserve.engine.forward_batch import ForwardBatch, attention_metadata
 from vlserve.engine.vision_graphs import VisionGraphs, supports_graphs
 from vlserve.engine.encoder_runner import cpu_budget, groups_of
 from vlserve.engine.state_rows import pack_state, unpack_state
-from vlserve.model.accelerator import Accelerator
+from vlserve.model.accelerator import Accelerator, to_device
 from vlserve.model.decoder import DeepstackInput
 from vlserve.model.layers.linear_state import LinearLayerState, copy_state_slots, new_layer_states
 from vlserve.model.layers.packed_linear import packed_linear_supported
@@ -93,7 +93,8 @@ class ModelShard:
             self.layer_states = states
             attn = language.layers[self.kv_layers[0]].self_attn  # this rank's key/value heads
             slots = (cfg.num_kv_blocks + 1) * cfg.block_size  # + 1: the scratch block of padded graph rows
-            # Zeroed, not empty: padded decode rows read slot 0, and 0-weight x NaN garbage would still be NaN.
+            # Zeroed, not empty: the CPU path's padded decode rows read block 0 (masked), and 0-weight x NaN
+            # garbage would still be NaN.
             self.kv_caches = [st if st is not None else
                               torch.zeros(2, slots, attn.num_kv_heads, attn.head_dim, dtype=cfg.dtype, device=device)
                               for st in states]
@@ -130,7 +131,7 @@ class ModelShard:
         shares = balance([self.model.item_pixel_rows(g) for g in grids], self.tp.size)
         width = self.model.cfg.embedding_width
         mine = shares[self.tp.rank]
-        pixels = pixels.to(self.device)
+        pixels = to_device(pixels, self.device)
         parts = item_patches(self.model, pixels, [grids[i] for i in mine])
         rows = [torch.empty(0, width, dtype=self.model.visual.patch_embed.proj.weight.dtype, device=self.device)]
         for group in groups_of([p.shape[0] for p in parts], cpu_budget(self.device)) if mine else []:
@@ -159,25 +160,25 @@ class ModelShard:
         meta = attention_metadata(batch, self.block_size, dev, self.acc.attention)
         if batch.state_copies:  # snapshots into running slots, before any layer reads them
             copy_state_slots(self.layer_states, batch.state_copies)
-        token_ids = batch.token_ids.to(dev)
+        token_ids = to_device(batch.token_ids, dev)
         if batch.pending_rows is not None:
-            token_ids[batch.pending_rows.to(dev)] = batch.pending_tokens
+            token_ids[to_device(batch.pending_rows, dev)] = batch.pending_tokens
         embeds = self.model.embed_tokens(token_ids)
         deepstack = None
         if batch.media is not None:
-            rows = batch.media_rows.to(dev)
-            media = batch.media.to(dev, embeds.dtype)
+            rows = to_device(batch.media_rows, dev)
+            media = to_device(batch.media, dev, embeds.dtype)
             embeds[rows] = media[:, : self.hidden]
             if self.deepstack_levels:
                 features = media[:, self.hidden :].reshape(-1, self.deepstack_levels, self.hidden).transpose(0, 1)
                 deepstack = DeepstackInput(rows, features)
-        hidden = self.model(embeds, batch.positions.to(dev), self.kv_caches, meta, deepstack)
+        hidden = self.model(embeds, to_device(batch.positions, dev), self.kv_caches, meta, deepstack)
         return self._logits(hidden, batch)
 
     def _logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | None:
         if batch.sample_rows.numel() == 0:
             return None
-        return self.model.compute_logits(hidden[batch.sample_rows.to(self.device)]).float()
+        return self.model.compute_logits(hidden[to_device(batch.sample_rows, self.device)]).float()
 
     def check_alive(self) -> None:
         """Raises when the model can no longer run (a lost rank, under tensor parallelism); never here."""

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from vlserve.core.sampling_params import GREEDY_EPS, SamplingParams
+from vlserve.model.accelerator import to_device
 
 _NEG_INF = float("-inf")
 
@@ -56,13 +57,10 @@ class SamplingMetadata:
             # None when every row has the feature off, so the sampler skips it.
             if all(v == off for v in values):
                 return None
-            return torch.tensor(values, dtype=dtype, device=device)
+            return to_device(torch.tensor(values, dtype=dtype), device)
 
-        temperature = torch.tensor(
-            [0.0 if g else p.temperature for p, g in zip(params, greedy)],
-            dtype=torch.float32,
-            device=device,
-        )
+        temperature = to_device(torch.tensor([0.0 if g else p.temperature for p, g in zip(params, greedy)],
+                                             dtype=torch.float32), device)
         # Truncation settings only matter for random rows.
         top_k = top_p = min_p = None
         if not all_greedy:
@@ -173,7 +171,7 @@ def _byte_bias(device: torch.device) -> torch.Tensor:
 
 def _apply_token_bitmask(logits: torch.Tensor, mask: TokenBitmask) -> None:
     vocab = logits.shape[-1]
-    packed = mask.bits.to(logits.device, non_blocking=True).contiguous().view(torch.uint8)  # byte k: tokens 8k..8k+7
+    packed = to_device(mask.bits, logits.device).contiguous().view(torch.uint8)  # byte k: tokens 8k..8k+7
     bias = F.embedding(packed.long(), _byte_bias(logits.device)).view(len(mask.rows), -1)[:, :vocab]
     if len(mask.rows) == logits.shape[0]:
         logits += bias

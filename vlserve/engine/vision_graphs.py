@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from vlserve.engine.decode_graphs import padded_size
-from vlserve.model.accelerator import TRITON, Accelerator
+from vlserve.model.accelerator import TRITON, Accelerator, to_device
 from vlserve.model.vision_common import VarlenPlan, VisionPass
 
 DEFAULT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096)  # patches; larger calls are compute-bound anyway
@@ -88,9 +88,9 @@ class VisionGraphs:
         bucket.sin[:n].copy_(vp.sin)
         bucket.sin[n:].zero_()
         for name, lengths in vp.lengths.items():
-            # A fresh (pageable) host tensor each call: nothing waits for this step to finish before the next
-            # call, so a reused pinned buffer could be overwritten before its copy ran.
+            # A fresh host tensor each call (pinned on its way: a reused buffer could be overwritten before its
+            # copy ran, since nothing waits for this call's work before the next call).
             host = torch.full((bucket.max_seqs + 1,), bucket.size, dtype=torch.long)  # padding, then empty ones
             host[0] = 0
             host[1 : len(lengths) + 1] = torch.tensor(lengths, dtype=torch.long).cumsum(0)
-            bucket.starts[name].copy_(host, non_blocking=self.acc.is_cuda)
+            bucket.starts[name].copy_(to_device(host, bucket.starts[name].device))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 
 import torch
@@ -39,6 +40,45 @@ def attention_backend(device: torch.device | str) -> str:
     if torch.device(device).type == "cuda" and triton_attention.available():
         return TRITON
     return NATIVE
+
+
+def to_device(t: torch.Tensor, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`t` on `device` (in `dtype`) without making the host wait. A copy from ordinary (pageable) host memory to a
+    GPU first waits for everything already queued there, which would end any overlap of host work with the
+    device's: host tensors go through pinned memory and copy without blocking."""
+    device = torch.device(device)
+    if device.type == "cuda" and t.device.type == "cpu":
+        t = t.pin_memory().to(device, non_blocking=True)
+    return t.to(device, dtype) if dtype is not None else t.to(device)
+
+
+class Timer:
+    """Device time of the work queued between `start()` and `stop()`: CUDA events on a GPU (`seconds()` is None
+    until that work is done, and never waits for it), the host clock elsewhere."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.begin, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def start(self) -> Timer:
+        if self.cuda:
+            self.begin.record()
+        else:
+            self.t0 = time.perf_counter()
+        return self
+
+    def stop(self) -> Timer:
+        if self.cuda:
+            self.end.record()
+        else:
+            self.elapsed = time.perf_counter() - self.t0
+        return self
+
+    def seconds(self) -> float | None:
+        if not self.cuda:
+            return self.elapsed
+        return self.begin.elapsed_time(self.end) / 1e3 if self.end.query() else None
 
 
 class EagerGraph:
@@ -84,6 +124,8 @@ class Accelerator:
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
         self.is_cuda = self.device.type == "cuda"
+        if self.is_cuda and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # streams, events, graphs and Triton launches follow the current one
         self.attention = attention_backend(self.device)
         self._pool = None
 

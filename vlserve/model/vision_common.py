@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from vlserve.model.hardware import detect
 from vlserve.model.config_types import VisionConfig
-from vlserve.model.accelerator import TRITON, attention_backend
+from vlserve.model.accelerator import TRITON, attention_backend, to_device
 from vlserve.model.kernels import cpu_kernels, triton_attention
 from vlserve.model.layers.parallel import column_linear, current_tp, even_split, head_split, row_linear
 from vlserve.model.layers.rotary import rotate_heads_
@@ -56,7 +56,7 @@ class VisionRotary(nn.Module):
     def forward(self, grid_thw: list[tuple[int, int, int]], device: torch.device):
         rows, cols = zip(*(merge_order_hw(t, h, w, self.merge) for t, h, w in grid_thw))
         rows, cols = torch.cat(rows), torch.cat(cols)
-        freqs = torch.cat([rows[:, None] * self.inv_freq, cols[:, None] * self.inv_freq], dim=-1).to(device)
+        freqs = to_device(torch.cat([rows[:, None] * self.inv_freq, cols[:, None] * self.inv_freq], dim=-1), device)
         emb = torch.cat([freqs, freqs], dim=-1)  # [N, head_dim], fp32
         return emb.cos(), emb.sin()
 
@@ -83,7 +83,7 @@ class VarlenPlan:
 def plan_varlen(lengths: list[int], device: torch.device, max_waste: float = 0.25) -> VarlenPlan:
     plan = VarlenPlan(lengths)
     if attention_backend(device) == TRITON:
-        plan.cu_seqlens = torch.tensor([0, *lengths], dtype=torch.long).cumsum(0).to(device, non_blocking=True)
+        plan.cu_seqlens = to_device(torch.tensor([0, *lengths], dtype=torch.long).cumsum(0), device)
         plan.max_len = max(lengths, default=0)
         return plan
     if plan.uniform:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vlserve.core.errors import ConfigurationError
+from vlserve.model.accelerator import to_device
 from vlserve.model.config_types import TextConfig
 
 
@@ -89,8 +90,8 @@ def copy_state_slots(states: list[LinearLayerState | None], pairs: list[tuple[in
             continue
         dev = st.conv.device
         if dev not in index:
-            index[dev] = (torch.tensor(srcs, dtype=torch.long, device=dev), torch.tensor(dsts, dtype=torch.long,
-                                                                                          device=dev))
+            index[dev] = (to_device(torch.tensor(srcs, dtype=torch.long), dev),
+                          to_device(torch.tensor(dsts, dtype=torch.long), dev))
         src, dst = index[dev]
         st.conv.index_copy_(0, dst, st.conv.index_select(0, src))
         st.recurrent.index_copy_(0, dst, st.recurrent.index_select(0, src))

@@ -121,5 +121,6 @@ class Experts(nn.Module):
         dense = x.new_zeros(x.shape[0], self.num_experts).scatter_(1, experts, weights)  # [T, E]
         out = torch.zeros_like(x)
         for e in range(self.num_experts):
-            out = out + self._expert(e, x) * dense[:, e : e + 1]
+            w = dense[:, e : e + 1]
+            out = out + torch.where(w != 0, self._expert(e, x) * w, 0)  # an inf an unchosen expert made stays out
         return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from vlserve.model.accelerator import to_device
 from vlserve.model.config_types import VisionConfig
 from vlserve.model.families.qwen.qwen2_vl_vision import Qwen2VLVisionBlock
 from vlserve.model.layers.mlp import GatedMLP
@@ -61,7 +62,7 @@ class Qwen2_5_VLVisionTransformer(nn.Module):
         x = self.patch_embed(pixel_values)
         cos, sin = self.rotary(grid_thw, x.device)
         order, window_lengths = window_order(grid_thw, self.cfg)
-        order = order.to(x.device)
+        order = to_device(order, x.device)
 
         def regroup(t: torch.Tensor) -> torch.Tensor:  # reorder whole merge groups into window order
             return t.view(-1, unit, t.shape[-1])[order].reshape(-1, t.shape[-1])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from vlserve.model.accelerator import to_device
 from vlserve.model.config_types import VisionConfig
 from vlserve.model.families.qwen.qwen2_vl_vision import Qwen2VLVisionBlock
 from vlserve.model.layers.mlp import get_activation, in_row_slices
@@ -105,7 +106,7 @@ class Qwen3VLVisionTransformer(nn.Module):
     def prepare(self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> VisionPass:
         x = self.patch_embed(pixel_values)
         taps, weights = position_grid_taps(grid_thw, self.grid_side, self.cfg.spatial_merge_size)
-        pos = (self.pos_embed(taps.to(x.device)) * weights.to(x.device)[:, :, None]).sum(1)
+        pos = (self.pos_embed(to_device(taps, x.device)) * to_device(weights, x.device)[:, :, None]).sum(1)
         x = x + pos.to(x.dtype)
         cos, sin = self.rotary(grid_thw, x.device)
         return VisionPass(x, cos, sin, {"full": cu_lengths(grid_thw)})
