@@ -34,9 +34,33 @@ def greedy_new_tokens(model, tokenizer, inputs: dict, max_new_tokens: int) -> tu
     return prompt_ids, out[0, len(prompt_ids):].tolist()
 
 
+def hf_class(arch: str):
+    """transformers' class for `arch`; Qwen3.5's (transformers >= 5.23) are imported when first asked for."""
+    if arch not in HF_CLASSES and arch in ("qwen3_5", "qwen3_5_moe"):
+        from transformers import Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration
+
+        HF_CLASSES.update(qwen3_5=Qwen3_5ForConditionalGeneration, qwen3_5_moe=Qwen3_5MoeForConditionalGeneration)
+    return HF_CLASSES[arch]
+
+
+def prompt_references(tiny_ckpt, prompts: list, max_new_tokens: int):
+    """A module fixture's body: arch -> (tiny checkpoint folder, transformers reference, its greedy (prompt ids,
+    new ids) for each of `prompts`), each made once."""
+    made = {}
+
+    def get(arch: str):
+        if arch not in made:
+            path = tiny_ckpt(arch)
+            hf = HFReference(arch, path)
+            made[arch] = str(path), hf, [hf.greedy(p, imgs, max_new_tokens) for p, imgs in prompts]
+        return made[arch]
+
+    return get
+
+
 class HFReference:
     def __init__(self, arch: str, path):
-        self.model = HF_CLASSES[arch].from_pretrained(path, dtype=torch.float32).eval()
+        self.model = hf_class(arch).from_pretrained(path, dtype=torch.float32).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(path)
         self.image_token_id = self.model.config.image_token_id

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import assert_pool_full
-from tests.hf_reference import HF_CLASSES, HFReference
+from tests.hf_reference import prompt_references
 from tests.test_parity import _check, _prompts, _run
 from tests.test_scheduler_units import TOKEN, _assert_all_free, _cfg, _req
 from vlserve import LLM, SamplingParams
@@ -119,20 +119,7 @@ def test_an_abort_of_a_request_whose_token_is_in_flight(base):
 # ---- the engine -----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def expected(tiny_ckpt):
-    made = {}
-
-    def get(arch):
-        if arch not in made:
-            if arch == "qwen3_5":
-                from transformers import Qwen3_5ForConditionalGeneration
-
-                HF_CLASSES.update(qwen3_5=Qwen3_5ForConditionalGeneration)
-            path = tiny_ckpt(arch)
-            hf = HFReference(arch, path)
-            made[arch] = str(path), [hf.greedy(p, imgs, MAX_NEW) for p, imgs in _prompts()]
-        return made[arch]
-
-    return get
+    return prompt_references(tiny_ckpt, _prompts(), MAX_NEW)
 
 
 @pytest.fixture
@@ -148,7 +135,7 @@ def async_on(monkeypatch):
     ("qwen3_5", {}),  # linear-attention states
 ], ids=["batched", "chunked", "preempting", "graphs", "hybrid"])
 def test_transformers_tokens_under_async_scheduling(expected, async_on, arch, engine_args):
-    path, want = expected(arch)
+    path, _, want = expected(arch)
     llm = LLM(path, dtype="float32", **{"num_kv_blocks": 256, **engine_args})
     core = llm.engine.core
     assert core.async_scheduling

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.conftest import assert_pool_full
-from tests.hf_reference import HF_CLASSES, HFReference
+from tests.hf_reference import prompt_references
 from tests.test_parity import _check, _prompts, _run
 from vlserve import LLM, SamplingParams
 from vlserve.model.accelerator import CudaGraph
@@ -23,19 +23,8 @@ QWEN_ARCHES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", 
 
 @pytest.fixture(scope="module")
 def references(tiny_ckpt):
-    from transformers import Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration
-
-    HF_CLASSES.update(qwen3_5=Qwen3_5ForConditionalGeneration, qwen3_5_moe=Qwen3_5MoeForConditionalGeneration)
-    made = {}
-
-    def get(arch):
-        if arch not in made:
-            path = tiny_ckpt(arch)
-            hf = HFReference(arch, path)  # transformers on the CPU, fp32
-            made[arch] = str(path), [hf.greedy(p, imgs, MAX_NEW) for p, imgs in _prompts()]
-        return made[arch]
-
-    return get
+    """arch -> (checkpoint, transformers reference, its outputs for `_prompts()`)."""
+    return prompt_references(tiny_ckpt, _prompts(), MAX_NEW)  # transformers on the CPU, fp32
 
 
 def shard(llm: LLM):
@@ -43,7 +32,7 @@ def shard(llm: LLM):
 
 
 def test_the_engine_takes_the_cuda_path(references):
-    path, expected = references("qwen2_5_vl")
+    path, _, expected = references("qwen2_5_vl")
     llm = LLM(path, dtype="float32", num_kv_blocks=256, max_num_seqs=16)
     executor = shard(llm)
     assert executor.device.type == "cuda" and executor.acc.attention == "triton"
@@ -61,7 +50,7 @@ def test_the_engine_takes_the_cuda_path(references):
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
 def test_transformers_tokens_with_graphs_on_and_off(references, arch, eager):
     """All prompts at once, then in groups whose decode steps pad (5 -> 8, 3 -> 4)."""
-    path, expected = references(arch)
+    path, _, expected = references(arch)
     llm = LLM(path, dtype="float32", num_kv_blocks=256, enforce_eager=eager)
     _check(_run(llm, _prompts(), GREEDY), expected, range(len(_prompts())))
     for group in ([0, 1, 2, 3, 4], [5, 6, 7]):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.conftest import assert_pool_full
-from tests.hf_reference import HF_CLASSES, HFReference
+from tests.hf_reference import prompt_references
 from tests.test_parity import _check, _prompts, _run
 from vlserve import LLM, SamplingParams
 from vlserve.core.config import EngineArgs
@@ -31,26 +31,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW)
 needs_triton = pytest.mark.skipif(not triton_attention.available(), reason="Triton is not installed")
 
 
-def _hf_classes():
-    from transformers import Qwen3_5ForConditionalGeneration
-
-    HF_CLASSES.update(qwen3_5=Qwen3_5ForConditionalGeneration)
-
-
 @pytest.fixture(scope="module")
 def references(tiny_ckpt):
-    """arch -> (checkpoint, transformers' outputs for `_prompts()`)."""
-    made = {}
-    _hf_classes()
-
-    def get(arch):
-        if arch not in made:
-            path = tiny_ckpt(arch)
-            hf = HFReference(arch, path)
-            made[arch] = str(path), [hf.greedy(p, imgs, MAX_NEW) for p, imgs in _prompts()]
-        return made[arch]
-
-    return get
+    """arch -> (checkpoint, transformers reference, its outputs for `_prompts()`)."""
+    return prompt_references(tiny_ckpt, _prompts(), MAX_NEW)  # transformers on the CPU, fp32
 
 
 def shard(llm: LLM):
@@ -66,7 +50,7 @@ def run_groups(llm, expected, groups):
 def test_padded_decode_steps_match_transformers(references, arch):
     """5 requests decode as a batch padded to 8, 3 as one padded to 4, 1 alone: transformers' tokens each time.
     MoE layers take their static-shape paths inside graphs; Qwen3.5's padding rows use the scratch state slot."""
-    path, expected = references(arch)
+    path, _, expected = references(arch)
     llm = LLM(path, dtype="float32", num_kv_blocks=256, cuda_graph_sizes=[1, 2, 4, 8])
     run_groups(llm, expected, [[0, 1, 2, 3, 4], [5, 6, 7], [8]])
     replays = shard(llm).graphs.replays
@@ -77,7 +61,7 @@ def test_padded_decode_steps_match_transformers(references, arch):
 def test_graphs_with_preemption_and_batches_past_the_largest_size(references):
     """Nine requests in a pool too small for all: preempted ones recompute, steps of more than 4 decode rows run
     eagerly, smaller ones from graphs; the tokens stay transformers'."""
-    path, expected = references("qwen2_vl")
+    path, _, expected = references("qwen2_vl")
     llm = LLM(path, dtype="float32", num_kv_blocks=40, block_size=4, max_num_batched_tokens=64,
               cuda_graph_sizes=[2, 4])
     _check(_run(llm, _prompts(), GREEDY), expected, range(len(_prompts())))
@@ -91,7 +75,7 @@ def test_triton_attention_path_matches_transformers(references, monkeypatch):
     """The CUDA attention path (one varlen launch per layer for prefill and decode; Qwen2.5-VL's window and full
     plans in the vision tower) in Triton's interpreter, with decode and vision graphs."""
     monkeypatch.setenv(ATTENTION_ENV, "triton")
-    path, expected = references("qwen2_5_vl")
+    path, _, expected = references("qwen2_5_vl")
     llm = LLM(path, dtype="float32", num_kv_blocks=256, cuda_graph_sizes=[1, 2, 4])
     run_groups(llm, expected, [[2, 0], [4]])  # three pictures and text, then one picture alone
     executor = shard(llm)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.conftest import IMG, assert_pool_full, noise_image
-from tests.hf_reference import HF_CLASSES, HFReference
+from tests.hf_reference import prompt_references
 from tests.test_parity import _check, _prompts
 from tests.test_parity import _run as run_prompts
 from tests.test_qwen3_vl import hf_video_greedy, laid_out_ids, video_timestamps
@@ -24,34 +24,22 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW)
 ARCHES = ["qwen3_5", "qwen3_5_moe"]
 
 
-def _hf_classes():
-    from transformers import Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration
-
-    HF_CLASSES.update(qwen3_5=Qwen3_5ForConditionalGeneration, qwen3_5_moe=Qwen3_5MoeForConditionalGeneration)
-
-
 @pytest.fixture(scope="module")
 def references(tiny_ckpt):
     """arch -> (path, transformers reference, expected outputs of `_prompts()`)."""
-    made = {}
-    _hf_classes()
+    made = prompt_references(tiny_ckpt, _prompts(), MAX_NEW)
 
     def get(arch):
         if arch not in TINY_ARCHES:
             pytest.skip(f"make-tiny-model has no {arch} yet")
-        if arch not in made:
-            path = tiny_ckpt(arch)
-            hf = HFReference(arch, path)
-            made[arch] = path, hf, [hf.greedy(p, imgs, MAX_NEW) for p, imgs in _prompts()]
-        return made[arch]
+        return made(arch)
 
     return get
 
 
 @pytest.fixture(scope="module", params=ARCHES)
 def setup(request, references):
-    path, hf, expected = references(request.param)
-    return str(path), hf, expected
+    return references(request.param)
 
 
 def _run(llm: LLM, prompts, params=GREEDY):

@@ -117,9 +117,12 @@ def test_work_list_names_every_query_block_once():
     assert len(seq) == -(-71 // 16) + 5 and set(seq.tolist()[len(pairs):]) == {5}  # the rest: spare programs
 
 
-def test_engine_metadata_gives_both_paths_the_same_attention():
+@pytest.mark.parametrize("cpu_kernels", ["1", "0"], ids=["cpu-kernels", "torch-fallback"])
+def test_engine_metadata_gives_both_paths_the_same_attention(monkeypatch, cpu_kernels):
     """One step's ForwardBatch (two decode rows, a fresh prompt, a chunk after a cached prefix) through
-    attention_metadata for the Triton path and for the CPU path: the same outputs and the same cache writes."""
+    attention_metadata for the Triton path and for the CPU path (its compiled kernels, or torch's SDPA where there
+    are none): the same outputs and the same cache writes; the Triton path's layers share one work list."""
+    monkeypatch.setenv("VLSERVE_CPU_KERNELS", cpu_kernels)
     bs, heads, kv_heads, hd = 4, 4, 2, 32
     table = torch.tensor([[3, 7, 1, 0], [5, 0, 0, 0], [2, 6, 0, 0], [9, 4, 8, 10]])
     ctx = torch.tensor([10, 3, 6, 15])  # decode, decode, fresh prefill of 6, chunk of 5 after 10 cached
@@ -137,7 +140,11 @@ def test_engine_metadata_gives_both_paths_the_same_attention():
     for backend, device in ((NATIVE, "cpu"), (TRITON, DEVICE)):
         c = cache.clone().to(device)
         meta = attention_metadata(batch, bs, torch.device(device), backend)
-        outs.append(paged_attention(q.to(device), k.to(device), v.to(device), c, meta, hd**-0.5).cpu())
+        for _ in range(2):  # two layers of one step
+            out = paged_attention(q.to(device), k.to(device), v.to(device), c, meta, hd**-0.5).cpu()
+        outs.append(out)
         caches.append(c.cpu())
+        if backend == TRITON:
+            assert len(meta.varlen.work) == 1  # built by the first layer, reused by the second
     assert torch.equal(caches[0], caches[1])
     assert (outs[0] - outs[1]).abs().max() < 1e-5

@@ -8,7 +8,6 @@ disaggregated encode service alike.
 
 from __future__ import annotations
 
-
 import torch
 
 from vlserve.core.prompt import MultiModalItem

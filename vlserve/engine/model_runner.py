@@ -42,7 +42,7 @@ class ModelRunner:
         self.device = cfg.device
         self.block_size = cfg.block_size
         self.sampler = Sampler()
-        self.acc = Accelerator(cfg.device)
+        self.acc = getattr(executor, "acc", None) or Accelerator(cfg.device)  # the shard's, where there is one
         self._last: LaunchedStep | None = None  # the most recent launch that samples
 
     @property

@@ -46,6 +46,8 @@ class _Bucket:
         self.out: torch.Tensor | None = None  # the body's rows, in a buffer every replay overwrites
 
         def run() -> None:
+            for plan in self.plans.values():  # work lists follow the sequence starts: built again in every run
+                plan.work.clear()
             rows = tower.body(self.x, self.cos, self.sin, self.plans)
             if self.out is None:  # the first run (a CUDA capture's warm-up): outside any capture
                 self.out = torch.empty_like(rows)

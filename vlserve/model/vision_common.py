@@ -7,7 +7,7 @@ Many images (or windows of one image) go through the ViT in one call as a flat `
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -74,6 +74,7 @@ class VarlenPlan:
     valid: torch.Tensor | None = None  # [n, max_len] which padded rows are real
     cu_seqlens: torch.Tensor | None = None  # [n + 1] int64 on the device: the varlen kernel's sequence starts
     max_len: int = 0  # the longest sequence (sizes the varlen kernel's tiles)
+    work: dict = field(default_factory=dict)  # the varlen kernel's work lists, built by the first block
 
     @property
     def uniform(self) -> bool:
@@ -138,7 +139,7 @@ def varlen_attention(q, k, v, plan: VarlenPlan) -> torch.Tensor:
     n_tok, heads, hd = q.shape
     if plan.cu_seqlens is not None:
         return triton_attention.varlen_attention(q, k, v, plan.cu_seqlens, plan.max_len, hd**-0.5, causal=False,
-                                                 out=q.new_empty(n_tok, heads, hd))
+                                                 out=q.new_empty(n_tok, heads, hd), work_cache=plan.work)
     kernels = _kernels(q)
     if kernels is not None:  # one call per sequence: no padding, no mask
         return torch.cat([kernels.prefill_attention(qs, ks, vs, False, hd**-0.5, cpu_kernels.isa_cap())

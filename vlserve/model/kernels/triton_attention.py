@@ -193,9 +193,12 @@ def varlen_attention(
     block_table: torch.Tensor | None = None,  # paged: [B, max_blocks] int32 block ids
     block_size: int = 16,
     out: torch.Tensor | None = None,
+    work_cache: dict | None = None,
 ) -> torch.Tensor:
     """Attention of every sequence of a flat batch in one launch; see the module's docstring. Returns `out`
-    ([T, heads, head_dim], q's dtype). The last dimension of q, k, v and out must be contiguous."""
+    ([T, heads, head_dim], q's dtype). The last dimension of q, k, v and out must be contiguous. `work_cache`: a
+    dict that lives as long as `query_start` holds these values (one step, one tower call): the program work list
+    is then built once for all the layers that share it, not once per layer."""
     if triton is None:
         raise RuntimeError("Triton is not installed: the Triton attention path is unavailable")
     heads, head_dim = q.shape[1], q.shape[2]
@@ -219,7 +222,13 @@ def varlen_attention(
     if block_q * group_pad < 16:  # tl.dot wants at least 16 rows
         block_q = 16 // group_pad
     num_seqs = query_start.shape[0] - 1
-    work_seq, work_block = work_list(query_start, block_q, q.shape[0])
+    key = (block_q, q.shape[0])
+    if work_cache is not None and key in work_cache:
+        work_seq, work_block = work_cache[key]
+    else:
+        work_seq, work_block = work_list(query_start, block_q, q.shape[0])
+        if work_cache is not None:
+            work_cache[key] = work_seq, work_block
     grid = (work_seq.shape[0], kv_heads)
     dummy = query_start  # an unused pointer argument (not paged)
     _varlen_attention_kernel[grid](

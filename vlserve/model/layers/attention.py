@@ -44,6 +44,7 @@ class VarlenBatch:
     seq_lens: torch.Tensor  # [B] int64: tokens sequence b attends over (cached prefix + new tokens)
     block_table: torch.Tensor  # [B, max_blocks] int64 block ids (padding: 0)
     max_query_len: int  # the most new tokens any sequence has (1 for a decode-only step)
+    work: dict = field(default_factory=dict)  # the kernel's program work lists, built by the first layer
 
 
 @dataclass
@@ -103,7 +104,7 @@ def paged_attention(
         vb = meta.varlen
         out = q.new_empty(num_tokens, num_heads, head_dim)
         triton_attention.varlen_attention(q, k_cache, v_cache, vb.query_start, vb.max_query_len, scale, True,
-                                          vb.seq_lens, vb.block_table, meta.block_size, out=out)
+                                          vb.seq_lens, vb.block_table, meta.block_size, out=out, work_cache=vb.work)
         return out.view(num_tokens, num_heads * head_dim)
 
     out = torch.empty_like(q)
