@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import threading
 
 import pytest
 import torch
@@ -127,6 +128,87 @@ def test_a_full_cache_refusal_leaves_no_half_started_encoding(service, monkeypat
         assert not service.encoding and prompt.mm_items[0].mm_hash not in service.cache
 
     _run(scenario(), unretrieved)
+    service.cache.check_integrity()
+
+
+class GatedTower:
+    """The model's encode_images, held at its start until `gate` is set (the vision call "still running")."""
+
+    def __init__(self, model):
+        self.model, self.started, self.gate = model, threading.Event(), threading.Event()
+
+    def encode_images(self, pixels, grids):
+        self.started.set()
+        if not self.gate.wait(30):
+            raise RuntimeError("the test never opened the gate")
+        return self.model.encode_images(pixels, grids)
+
+
+async def _evicted_while_encoding(service: EncodeService, monkeypatch, seed: int):
+    """A vision call for a new picture is held running; the request that started it leaves (its entry is now
+    unreferenced) and a full cache evicts that entry. Returns (the prompt, the gated tower, the call's future)."""
+    tower = GatedTower(service.encoders.model)
+    monkeypatch.setattr(service.encoders, "model", tower)
+    prompt = await _prompt(service, seed)
+    mm_hash = prompt.mm_items[0].mm_hash
+    first = asyncio.create_task(service._embeddings(prompt, "left"))
+    while not tower.started.is_set():
+        await asyncio.sleep(0.01)
+    running = service.encoding[mm_hash]
+    first.cancel()  # the transfer failed or its receiver went away: the vision call goes on regardless
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    service.cache.release_all("left", prompt.mm_items)  # what the transfer's end does
+    other = await _prompt(service, seed + 1000)
+    with monkeypatch.context() as m:  # room for one picture only: the unreferenced entry is evicted
+        m.setattr(service.cache, "capacity", other.mm_items[0].num_tokens * service.cache.rows_per_token)
+        service.encoders.free(service.cache.allocate(("evictor", 0), other.mm_items[0]))
+        service.cache.release(("evictor", 0), other.mm_items[0])
+    assert mm_hash not in service.cache and mm_hash in service.encoding
+    return prompt, tower, running
+
+
+def test_a_request_for_a_picture_evicted_while_encoding_waits_for_that_encoding(service, monkeypatch):
+    """Before: neither encoded nor awaited, the new request read an output that was not there yet (KeyError ->
+    503). Now it awaits the vision call already running, and its entry accounts for the output."""
+    unretrieved: list = []
+
+    async def scenario():
+        prompt, tower, _ = await _evicted_while_encoding(service, monkeypatch, 30)
+        second = asyncio.create_task(service._embeddings(prompt, "second"))
+        try:
+            for _ in range(3):  # it runs up to its first wait (before: to its end, the KeyError)
+                await asyncio.sleep(0)
+            assert not second.done() or second.exception() is None, second.exception()
+        finally:
+            tower.gate.set()
+        rows = await second
+        assert rows[0].shape[0] == prompt.mm_items[0].num_tokens
+        mm_hash = prompt.mm_items[0].mm_hash
+        assert mm_hash in service.cache and mm_hash in service.encoders.outputs
+        service.encoders.free(service.cache.release_all("second", prompt.mm_items))
+
+    _run(scenario(), unretrieved)
+    assert not unretrieved, unretrieved
+    service.cache.check_integrity()
+    assert not service.encoding and not any(service.cache._holders.values())
+
+
+def test_a_late_output_whose_entry_was_evicted_is_not_kept(service, monkeypatch):
+    """Before: the vision call stored its output after its entry had gone, outside the cache's accounting, for
+    good (a leak). Now an output nobody's entry accounts for is dropped when the call ends."""
+    unretrieved: list = []
+
+    async def scenario():
+        prompt, tower, running = await _evicted_while_encoding(service, monkeypatch, 31)
+        tower.gate.set()
+        await running  # the vision call ended
+        return prompt.mm_items[0].mm_hash
+
+    mm_hash = _run(scenario(), unretrieved)
+    assert not unretrieved, unretrieved
+    assert mm_hash not in service.encoders.outputs, "an evicted picture's rows are kept outside the cache"
+    assert set(service.encoders.outputs) <= {h for h in service.cache._size}
     service.cache.check_integrity()
 
 

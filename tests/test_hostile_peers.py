@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 import torch
+import zmq
 from prometheus_client import CollectorRegistry
 
 from tests.server_utils import wait_healthy
@@ -32,9 +33,12 @@ from vlserve.core.errors import ServiceUnavailableError
 from vlserve.core.wire import Framer
 from vlserve.disagg.auth import HEADER, NonceMemory, PeerAuth, ReplayMemoryFull
 from vlserve.disagg.bootstrap import MAX_BODY_BYTES, InstanceInfo, build_bootstrap_app
-from vlserve.disagg.peer_client import PeerClient, PeerConn
+from vlserve.disagg.peer_client import PeerClient, PeerConn, PeerFailure
 from vlserve.disagg.peer_kinds import ENCODER_PEERS, PREFILL_PEERS
 from vlserve.disagg.messages import (
+    AbortTransfer,
+    Ping,
+    Pong,
     TransferRequest,
     SenderToReceiver,
     ItemMeta,
@@ -356,3 +360,158 @@ def test_a_deployment_over_shm_survives_its_buffer_file_being_truncated(tiny_ckp
     finally:
         cluster.close()
     assert path and not os.path.exists(path), "the buffer file outlived the language server"
+
+
+# ---- a failed transfer's blocks, and loops that must not die (issue #43) --------------------------------------
+class _SilentPeer:
+    """A peer that takes a request and never answers (its write may still be on its way); `abort_fails`: sending
+    it the abort fails (its socket is gone)."""
+
+    def __init__(self, client, name: str = "silent", abort_fails: bool = False):
+        self.client, self.abort_fails = client, abort_fails
+        self.conn = PeerConn(InstanceInfo(name, client.kind.role, "127.0.0.1:1"), self, paired=True,
+                             modalities=frozenset({"image", "video"}))
+        client.conns[name] = self.conn
+        self.requests: list = []
+        self.pings = 0
+
+    async def send_multipart(self, frames, copy: bool = True) -> None:
+        msg = Framer(ReceiverToSender).decode(frames)
+        if isinstance(msg, Ping):
+            self.pings += 1
+        elif isinstance(msg, AbortTransfer):
+            if self.abort_fails:
+                raise zmq.ZMQError(zmq.ENOTSOCK, "the peer's socket is gone")
+        else:
+            self.requests.append(msg)
+
+    def close(self, linger: int = 0) -> None:
+        pass
+
+
+async def _until(condition, what: str) -> None:
+    for _ in range(1000):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"never happened: {what}")
+
+
+def _blocks_in_use(client) -> int:
+    return client.buffers.num_blocks - client.buffers.num_free
+
+
+@pytest.mark.parametrize("how", ["dropped after missed heartbeats", "the abort cannot be sent"])
+def test_a_failed_transfers_blocks_wait_in_quarantine_whatever_becomes_of_the_peer(how):
+    """Over a transport that writes in place, the peer may still be writing into the blocks of a transfer that
+    failed: a peer dropped for missed heartbeats too (its write times out only later), and also when the abort
+    cannot be sent. Before, those blocks were freed at once, for another request to be written over."""
+    client, _ = _receiver("embedding", "shm")
+    client.conns.clear()
+    peer = _SilentPeer(client, abort_fails=how == "the abort cannot be sent")
+
+    async def go():
+        ask = asyncio.create_task(client.send_prompt("r1", "p", {"image": ["http://x/1.png"]}, {}, {}))
+        await _until(lambda: peer.requests, "the request reached the peer")
+        held = _blocks_in_use(client)
+        if how == "dropped after missed heartbeats":
+            client._drop(peer.conn, "missed 3 heartbeats")
+        else:
+            (queue,) = peer.conn.transfers.values()
+            queue.put_nowait(PeerFailure("it broke"))
+        with pytest.raises(ServiceUnavailableError):
+            await ask
+        return held
+
+    try:
+        held = asyncio.run(go())
+        assert held > 0
+        [(key, (blocks, _))] = client.quarantined.items()
+        assert key[0] == "r1" and len(blocks) == held and _blocks_in_use(client) == held, \
+            "a failed transfer's blocks were freed while its peer may still write into them"
+        client.free(client.quarantined.pop(key)[0])  # what its deadline (or the peer's word) does
+        assert client.buffers.num_free == client.buffers.num_blocks
+    finally:
+        client.transport.close()
+        client.buffers.unlink()
+
+
+def test_the_heartbeat_loop_survives_a_peer_whose_socket_fails():
+    """Before, a ping that could not be sent ended the heartbeat loop for good: no peer was ever dropped again.
+    Now that peer is dropped (its transfers retry elsewhere) and the others keep being pinged."""
+    client, _ = _receiver("embedding")
+    client.conns.clear()
+    client.opts.heartbeat_interval = 0.01
+    good, bad = _SilentPeer(client, "good"), _SilentPeer(client, "bad")
+
+    async def broken(frames, copy: bool = True):
+        raise zmq.ZMQError(zmq.ENOTSOCK, "socket closed")
+
+    bad.send_multipart = broken
+
+    async def go():
+        loop = asyncio.create_task(client._ping_loop())
+        try:
+            await _until(lambda: good.pings >= 2 or loop.done(), "two pings to the good peer")
+            assert not loop.done(), loop.exception()
+        finally:
+            loop.cancel()
+        assert "bad" not in client.conns and "good" in client.conns
+
+    try:
+        asyncio.run(go())
+    finally:
+        client.transport.close()
+
+
+class _Inbox:
+    """A peer's socket as the reader sees it: hands out what is queued; an exception is raised instead."""
+
+    def __init__(self, *items):
+        self.items = asyncio.Queue()
+        for item in items:
+            self.items.put_nowait(item)
+
+    async def recv_multipart(self):
+        item = await self.items.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self, linger: int = 0) -> None:
+        pass
+
+
+def test_the_reader_survives_a_message_it_fails_on_and_a_failed_socket_drops_the_peer():
+    """Before, one exception while handling a peer's message ended its reader: nothing from that peer was read
+    again (its transfers waited for their timeout) while it stayed listed. Now that message is logged and the
+    next one is read; a socket that fails drops the peer, whose transfers fail (and retry elsewhere) at once."""
+    client, _ = _receiver("embedding")
+    client.conns.clear()
+    replies = Framer(SenderToReceiver)
+    pong = replies.encode(Pong(1, 0, "arch", 8, 0))
+    chunk = replies.encode(TransferChunk("r", 7, 0, 1, 1, 0, [], [0], [], False))
+    sock = _Inbox(pong, chunk, zmq.ZMQError(zmq.ENOTSOCK, "socket closed"))
+    peer = PeerConn(InstanceInfo("flaky", "encode", "127.0.0.1:1"), sock)
+    client.conns["flaky"] = peer
+    inbox: asyncio.Queue = asyncio.Queue()
+    peer.transfers[("r", 7)] = inbox
+
+    def pair(*_):
+        raise RuntimeError("a bug handling this message")
+
+    client._pair = pair
+
+    async def go():
+        peer.reader = asyncio.create_task(client._read(peer))
+        got = await asyncio.wait_for(inbox.get(), 10)  # read after the message it failed on
+        assert isinstance(got[0], TransferChunk)
+        failure = await asyncio.wait_for(inbox.get(), 10)  # its socket failed: the transfer hears at once
+        assert isinstance(failure, PeerFailure)
+        assert "flaky" not in client.conns
+        await asyncio.gather(peer.reader, return_exceptions=True)
+
+    try:
+        asyncio.run(go())
+    finally:
+        client.transport.close()

@@ -378,3 +378,35 @@ def test_a_failed_kv_write_fails_that_request_and_leaves_nothing(path, prefill, 
     assert "w" not in decode.core.scheduler.requests and not decode.core.connector.owns("w")
     assert not decode.blocks
     assert decode.core.scheduler.kv.pool.num_free == decode.core.scheduler.kv.pool.num_blocks
+
+
+def test_a_failed_kv_export_fails_that_request_and_the_engine_goes_on(path, prefill, monkeypatch):
+    """Before: one export that failed (out of memory copying a long prompt's KV) escaped `EngineCore.step` and
+    ended the prefill engine. Now that request fails (500) with its blocks freed; the others are exported."""
+    core, connector = prefill.core, prefill.core.connector
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True).for_prefill()
+    real, calls = connector.runner.read_kv, []
+
+    def read_kv(slots):
+        calls.append(len(slots))
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory copying the KV")
+        return real(slots)
+
+    monkeypatch.setattr(connector.runner, "read_kv", read_kv)
+    for i, prompt in enumerate(PROMPTS):
+        core.add_request(f"x{i}", prefill.input_processor.process(prompt), params)
+    exported, failed = [], []
+    while core.has_unfinished:
+        core.step()
+        exported += core.take_exported()
+        failed += core.take_failed()
+    assert len(calls) == 3
+    ((rid, why, status),) = failed
+    assert status == 500 and "could not be exported" in why and "OutOfMemoryError" in why
+    assert sorted(e.request_id for e in exported) == sorted({"x0", "x1", "x2"} - {rid})
+    assert not connector.held
+    monkeypatch.undo()
+    processed, _, rows = prefilled(prefill, PROMPTS[0], params, "after")  # it goes on
+    assert rows.shape[0] == len(processed.prompt_token_ids)
+    assert_pool_full(prefill)

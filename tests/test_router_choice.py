@@ -44,8 +44,9 @@ def test_cache_aware_weighs_cached_tokens_against_the_prefill_queue_in_tokens():
     assert Chooser("cache-aware", 2.0, 16).choose(queued(a=0, b=200), {"b": 10}, blocks=20).name == "b"
     # weight 0: the shortest prefill queue, whatever is cached
     assert Chooser("cache-aware", 0.0, 16).choose(queued(a=50, b=0), {"a": 10}, blocks=20).name == "b"
-    # nothing cached anywhere: spread in turn
-    assert {c.choose(queued(a=0, b=0), {}, blocks=4).name for _ in range(4)} == {"a", "b"}
+    # nothing cached anywhere: spread
+    fresh = Chooser("cache-aware", block_size=16)
+    assert {fresh.choose(queued(a=0, b=0), {}, blocks=4).name for _ in range(4)} == {"a", "b"}
     # equal overlap everywhere (a shared system prompt): the shorter queue, decided by load
     choice = c.choose(queued(a=30, b=10), {"a": 2, "b": 2}, blocks=8)
     assert (choice.name, choice.decision) == ("b", "load")
@@ -99,3 +100,92 @@ def test_lost_or_reordered_events_fall_back_to_load():
     assert index.longest_prefixes(prompt)["b"] == 0
     index.apply("b", _batch(3, prompt))  # in order again: hits come back
     assert c.choose(loads(a=0, b=1), index.longest_prefixes(prompt), 3).name == "b"
+
+
+def _conversations(chooser: Chooser, users: int, turns: int, template: int = 3, per_turn: int = 6,
+                   concurrent: bool = False) -> tuple[dict[str, int], dict[int, set[str]], int, int]:
+    """`users` chats taking turns one request at a time over replicas a and b, each replica's cache holding what
+    it served (no eviction). Every prompt starts with the same template blocks; a chat's first turn stops at its
+    new picture (the router has not laid it out: partial hashes). Returns requests per replica, the replicas
+    each chat went to after its first turn, the prompt blocks found cached, and the cacheable bound (every turn
+    finding its previous turn)."""
+    cached: dict[str, set[bytes]] = {"a": set(), "b": set()}
+    served = {"a": 0, "b": 0}
+    homes: dict[int, set[str]] = {u: set() for u in range(users)}
+    found = bound = 0
+    for turn in range(turns):
+        for u in range(users):
+            prompt = [b"t%d" % i for i in range(template)]
+            prompt += [b"u%d-%d" % (u, i) for i in range(per_turn * (turn + 1))]
+            whole = turn > 0
+            hashes = prompt if whole else prompt[:template]
+            overlaps = {}
+            for name, held in cached.items():
+                overlaps[name] = next((i for i, h in enumerate(hashes) if h not in held), len(hashes))
+            common = chooser.observe(hashes, whole)
+            replicas = [ReplicaLoad(name, in_flight=int(concurrent)) for name in ("a", "b")]
+            choice = chooser.choose(replicas, overlaps, len(hashes) if whole else 0, common)
+            served[choice.name] += 1
+            found += next((i for i, h in enumerate(prompt) if h not in cached[choice.name]), len(prompt))
+            bound += template + per_turn * turn
+            cached[choice.name].update(prompt)
+            if turn:
+                homes[u].add(choice.name)
+    return served, homes, found, bound
+
+
+def test_low_traffic_new_chats_spread_and_each_chat_stays_where_it_is_cached():
+    """One request at a time: nothing is ever in flight, and the shared template cached on the first replica
+    must not pull every new chat there (it did: all 15 requests on one replica)."""
+    served, homes, found, bound = _conversations(Chooser("cache-aware", block_size=16), users=5, turns=3)
+    assert min(served.values()) >= 5, served  # both replicas used (5 chats: 3 and 2, 3 turns each)
+    assert all(len(h) == 1 for h in homes.values()), homes  # each chat's later turns on one replica
+    assert found >= bound - 3 * 2, (found, bound)  # every turn finds its previous turn (one template miss each)
+
+
+def test_a_shared_template_is_common_once_two_chats_fork_from_it():
+    c = Chooser("cache-aware", block_size=16)
+    template = [b"t1", b"t2", b"t3"]
+    assert c.observe(template, whole=False) == 0  # the first chat: nothing seen two ways yet
+    choice = c.choose(queued(a=0, b=0), {"a": 3}, 0, 0)
+    assert (choice.name, choice.decision) == ("a", "cache-hit")
+    assert c.observe(template, whole=False) == 3  # a second new chat forks after the template
+    choice = c.choose(queued(a=0, b=0), {"a": 3}, 0, 3)
+    assert (choice.name, choice.decision) == ("b", "load")  # placed by recent work, not by the template
+    # a chat that continues: its own blocks past the template decide
+    assert c.observe([*template, b"c1", b"c2"]) == 3
+    choice = c.choose(queued(a=0, b=0), {"a": 5, "b": 3}, 5, 3)
+    assert (choice.name, choice.decision) == ("a", "cache-hit")
+
+
+def test_a_new_chat_goes_where_it_evicts_least():
+    c = Chooser("cache-aware", block_size=16)
+    full = ReplicaLoad("a", cached_blocks=100, capacity_blocks=100)
+    empty = ReplicaLoad("b", cached_blocks=10, capacity_blocks=100)
+    assert {c.choose([full, empty], {}, 20).name for _ in range(1)} == {"b"}
+    c = Chooser("cache-aware", block_size=16)
+    assert [c.choose([full, empty], {}, 20).name for _ in range(3)].count("a") >= 1  # recent work still spreads
+
+
+def test_shared_prefixes_are_bounded_and_forget_the_oldest():
+    from vlserve.router.shared_prefixes import SharedPrefixes
+
+    s = SharedPrefixes(max_hashes=4)
+    assert s.observe([b"x", b"y"]) == 0 and s.observe([b"x", b"z"]) == 1  # x forks
+    assert s.observe([b"x", b"y", b"w"]) == 1  # y went on once: not a fork
+    s.observe([b"p", b"q", b"r"])
+    assert len(s) == 4  # x and y forgotten first
+    assert s.observe([b"x", b"z2"]) == 0
+    with pytest.raises(ValueError):
+        SharedPrefixes(0)
+
+
+def test_a_replicas_cache_size_is_read_from_its_metrics():
+    from vlserve.router.replicas import parse_load
+
+    text = ('# HELP x\nvlserve:num_requests_running{model_name="m"} 2.0\n'
+            'vlserve:num_requests_waiting{model_name="m"} 1.0\nvlserve:kv_cache_blocks{model_name="m"} 160.0\n')
+    assert parse_load(text) == {"running": 2, "waiting": 1, "capacity": 160}
+    index = KVIndex()
+    index.apply("b", _batch(0, [b"h1", b"h2"]))
+    assert index.num_blocks("b") == 2 and index.num_blocks("a") == 0

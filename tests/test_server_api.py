@@ -388,6 +388,7 @@ def test_metrics_move_and_repeated_picture_hits_encoder_cache(server, client):
     assert after["vlserve:inter_token_latency_seconds_count"] >= before["vlserve:inter_token_latency_seconds_count"] + 4
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
         assert after[f"vlserve:{name}"] == 0
+    assert after["vlserve:kv_cache_blocks"] > 0  # the pool's size, for a cache-aware router
 
 
 def _wait_idle(server, timeout: float = 20) -> dict:

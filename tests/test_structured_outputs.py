@@ -335,3 +335,16 @@ B: %json {"type": "string", "pattern": "^\\d/\\w$"}
 C: /\\d[ \t\n\r\f\v]/ | /\//"""  # the %json pattern is ECMAScript's, left to the JSON compiler
     with pytest.raises(InvalidInputError, match="structured_outputs.regex cannot be compiled: .*unfinished escape"):
         grammar_for(StructuredOutputsParams(regex="12\\"))
+
+
+def test_engine_shutdown_stops_the_grammar_threads(path):
+    """Before, `EngineCore.shutdown()` left the grammar compile threads (and the mask worker) running."""
+    core = LLM(path, dtype="float32", num_kv_blocks=32, block_size=8).engine.core
+    threads = list(core.grammars._worker._threads)
+    assert threads and all(t.is_alive() for t in threads)
+    core.shutdown()
+    for thread in threads:
+        thread.join(5)  # each ends at once once told to
+    assert not any(t.is_alive() for t in threads), "grammar compile threads outlived the engine"
+    with pytest.raises(RuntimeError, match="shut down"):
+        core.grammars.build(StructuredOutputsParams(regex="[a-z]+"), [], "late")

@@ -74,6 +74,7 @@ class EngineStats(msgspec.Struct):
     num_requests_running: int = 0
     num_requests_waiting: int = 0
     kv_cache_usage_perc: float = 0.0
+    kv_cache_blocks: int = 0
     num_preemptions_total: int = 0
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0

@@ -162,7 +162,11 @@ class EncodeService(SenderService):
                     raise ServiceUnavailableError("the encoder cache is full of pictures still being sent; retry "
                                                   "later")
                 self.encoders.free(self.cache.allocate((holder, i), item))
-                if item.mm_hash not in self.encoding:
+                if item.mm_hash in self.encoding:
+                    # Its entry was evicted while its vision call runs (the request that started it left): that
+                    # call's output lands in the entry just allocated; wait for it rather than encode it twice.
+                    waits.append(self.encoding[item.mm_hash])
+                else:
                     self.encoding[item.mm_hash] = asyncio.get_running_loop().create_future()
                     todo.append(item)
         except BaseException as e:
@@ -195,6 +199,10 @@ class EncodeService(SenderService):
             self.encoders.free(hashes)
             for mm_hash in hashes:
                 self.cache.discard(mm_hash)
+        else:
+            # An entry evicted while its call ran (nobody held it, nobody asked again) had its output freed before
+            # the output existed: drop what the call stored since, or it stays outside the cache's accounting.
+            self.encoders.free([it.mm_hash for it in items if it.mm_hash not in self.cache])
         for item in items:
             future = self.encoding.pop(item.mm_hash, None)
             if future is None or future.done():

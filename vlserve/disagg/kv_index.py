@@ -148,6 +148,13 @@ class KVIndex:
                 n += 1
             return n
 
+    def num_blocks(self, name: str) -> int:
+        """Blocks replica `name` holds as far as its events tell (0 while cold or unknown)."""
+        with self._lock:
+            self._expire()
+            view = self._replicas.get(name)
+            return 0 if view is None or view.cold_reason is not None else len(view.blocks)
+
     def longest_prefixes(self, block_hashes: Sequence[bytes]) -> dict[str, int]:
         """`longest_prefix` of every known replica, in one pass over the hashes."""
         with self._lock:

@@ -154,15 +154,25 @@ class PeerClient:
                 logger.info("%s %s at %s found; pairing", self.kind.name, iid[:8], info.address)
 
     async def _ping_loop(self) -> None:
+        """Must not die: without it no dead peer is ever dropped. So it cannot raise: a peer its ping cannot
+        reach is dropped (its transfers fail and retry elsewhere), anything else is logged and tried next round."""
         nonce = itertools.count()
         while True:
-            self.buffers.restore_file()  # a buffer file resized behind our back: put back before anyone reads it
+            try:
+                self.buffers.restore_file()  # a buffer file resized behind our back: put back before anyone reads it
+            except Exception:  # noqa: BLE001 - tried again next round; a transfer finding it resized fails alone
+                logger.exception("could not restore the receive buffer file")
             for peer in list(self.conns.values()):
+                if not peer.alive:
+                    continue  # dropped meanwhile (its socket is closed)
                 peer.missed += 1
                 if peer.missed > self.opts.heartbeat_failure_threshold:
                     self._drop(peer, f"missed {peer.missed - 1} heartbeats")
                     continue
-                await peer.sock.send_multipart(self.requests.encode(Ping(next(nonce))))
+                try:
+                    await peer.sock.send_multipart(self.requests.encode(Ping(next(nonce))))
+                except Exception as e:  # noqa: BLE001 - this peer only
+                    self._drop(peer, f"its heartbeat could not be sent: {e}")
             await asyncio.sleep(self.opts.heartbeat_interval)
 
     def _drop(self, peer: PeerConn, why: str, quiet: bool = False, for_s: float | None = None) -> None:
@@ -181,24 +191,39 @@ class PeerClient:
         peer.sock.close(linger=0)
 
     async def _read(self, peer: PeerConn) -> None:
+        """Must not die quietly: a peer whose reader is gone stays listed while its transfers wait for their
+        timeout. A message it fails on is logged and the next one read; a socket that fails drops the peer (its
+        transfers fail at once and retry elsewhere)."""
         while True:
-            frames = await peer.sock.recv_multipart()
             try:
-                msg = self.replies.decode(frames)
+                frames = await peer.sock.recv_multipart()
+            except asyncio.CancelledError:
+                raise
             except Exception as e:  # noqa: BLE001
-                logger.warning("undecodable message from %s %s: %s", self.kind.name, peer.info.address, e)
-                continue
-            peer.missed = 0  # any message proves it is alive
-            if isinstance(msg, Pong):
-                self._pair(peer, msg)
-                continue
-            key = (msg.request_id, msg.transfer_id)
-            if isinstance(msg, TransferFailed) and key in self.quarantined:
-                self.free(self.quarantined.pop(key)[0])  # the peer will not write into them any more
-                continue
-            q = peer.transfers.get(key)
-            if q is not None:
-                q.put_nowait((msg, frames))
+                self._drop(peer, f"its socket failed: {e}")
+                return
+            try:
+                self._on_reply(peer, frames)
+            except Exception:  # noqa: BLE001 - that message only
+                logger.exception("failed on a message from %s %s", self.kind.name, peer.info.address)
+
+    def _on_reply(self, peer: PeerConn, frames: list) -> None:
+        try:
+            msg = self.replies.decode(frames)
+        except Exception as e:  # noqa: BLE001
+            logger.warning("undecodable message from %s %s: %s", self.kind.name, peer.info.address, e)
+            return
+        peer.missed = 0  # any message proves it is alive
+        if isinstance(msg, Pong):
+            self._pair(peer, msg)
+            return
+        key = (msg.request_id, msg.transfer_id)
+        if isinstance(msg, TransferFailed) and key in self.quarantined:
+            self.free(self.quarantined.pop(key)[0])  # the peer will not write into them any more
+            return
+        q = peer.transfers.get(key)
+        if q is not None:
+            q.put_nowait((msg, frames))
 
     def _pair(self, peer: PeerConn, pong: Pong) -> None:
         if peer.paired:
@@ -360,12 +385,18 @@ class PeerClient:
             raise
         except BaseException:
             enter(TransferState.FAILED)
+            if self.transport.writes_in_place and blocks:
+                # It may be writing into them right now: they wait for its word (or the deadline, longer than its
+                # writes may take). Also when it was dropped (missed heartbeats): a write it started may still
+                # land. Quarantined before the abort is sent, so a send that fails cannot free them.
+                self.quarantined[(request_id, tid)] = (blocks, time.monotonic() + QUARANTINE_S)
+                blocks = []
             if peer.alive:  # let the peer drop what it holds for us
-                await peer.sock.send_multipart(self.requests.encode(AbortTransfer(request_id, tid)))
-                if self.transport.writes_in_place and blocks:
-                    # It may be writing into them right now: they wait for its word (or a deadline).
-                    self.quarantined[(request_id, tid)] = (blocks, time.monotonic() + QUARANTINE_S)
-                    blocks = []
+                try:
+                    await peer.sock.send_multipart(self.requests.encode(AbortTransfer(request_id, tid)))
+                except Exception as e:  # noqa: BLE001 - the transfer's own failure is what its caller must see
+                    logger.warning("request %s: could not send the abort to %s %s: %s", request_id, self.kind.name,
+                                   peer.info.address, e)
             raise
         finally:
             if not succeeded:

@@ -211,7 +211,7 @@ class EngineCore:
 
     def take_failed(self) -> list[tuple[str, str, int]]:
         """(request id, reason, status) of API requests refused after admission: their grammar failed to build,
-        or (500) the KV they arrived with could not be written."""
+        or (500) their KV could not be moved (written in, or exported)."""
         failed, self._failed = self._failed, []
         return failed
 
@@ -274,9 +274,11 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(sched, sampled, logprobs)
         self._fail_broken_grammars()
         self.generation_tokens_total += len(outputs)
-        self._left(o.request_id for o in outputs if o.finish_reason is not None)
-        if self.connector is not None:
+        if self.connector is not None:  # before `_left`, which forgets whose samples these are
             self._exported += self.connector.after_step(outputs)
+            for rid, why in self.connector.take_failed():  # that request fails, the engine goes on
+                self._failed.append((self._parent_of.get(rid, rid), why, 500))
+        self._left(o.request_id for o in outputs if o.finish_reason is not None)
         return outputs
 
     def _may_overlap(self) -> bool:
@@ -318,10 +320,16 @@ class EngineCore:
         self.runner.executor.check_alive()
 
     def shutdown(self) -> None:
-        """Stops the other tensor-parallel ranks, if any, and closes the KV events socket."""
-        self.runner.executor.shutdown()
-        if self.kv_events is not None:
-            self.kv_events.close()
+        """Stops the other tensor-parallel ranks, if any, the grammar threads, and closes the KV events socket;
+        each even if one before it fails."""
+        try:
+            self.runner.executor.shutdown()
+        finally:
+            try:
+                self.grammars.shutdown()
+            finally:
+                if self.kv_events is not None:
+                    self.kv_events.close()
 
     def get_metrics(self) -> dict[str, float]:
         s = self.scheduler
@@ -329,6 +337,7 @@ class EngineCore:
             "num_requests_running": len(s.running),
             "num_requests_waiting": len(s.waiting),
             "kv_cache_usage_perc": s.kv.usage,
+            "kv_cache_blocks": s.kv.pool.num_blocks,
             "num_preemptions_total": s.num_preemptions,
             "prefix_cache_queries_total": s.kv.prefix_queries,
             "prefix_cache_hits_total": s.kv.prefix_hits,

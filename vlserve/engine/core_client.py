@@ -164,23 +164,44 @@ class EngineCoreClient:
         return self.dead_reason is None and self.unresponsive_reason is None
 
     async def _output_loop(self) -> None:
-        while True:
-            frames = await self.out_sock.recv_multipart()
-            try:
-                msg = self._out_framer.decode(frames)
-            except Exception as e:  # noqa: BLE001 - a bad message must not kill the loop silently
-                logger.error("undecodable message from the engine: %s", e)
-                continue
-            if isinstance(msg, EngineFailed):
-                self._die(msg.message)
-                return
-            if isinstance(msg, EngineOutputs):
-                self.on_outputs(msg, frames)
-                # A ready socket returns at once: let /health and other requests in between two steps' outputs.
-                await asyncio.sleep(0)
+        """Must not die quietly: heartbeats would keep /health green while every stream waits for ever. A message
+        it cannot decode is skipped, and `on_outputs` fails a request it cannot handle by itself (AsyncLLM). What
+        still escapes means the front end's own state is broken: the engine is marked dead, loudly (/health red,
+        waiting requests get a 503, the server exits with 1 for its supervisor to restart it)."""
+        try:
+            while True:
+                frames = await self.out_sock.recv_multipart()
+                try:
+                    msg = self._out_framer.decode(frames)
+                except Exception as e:  # noqa: BLE001 - a bad message must not kill the loop silently
+                    logger.error("undecodable message from the engine: %s", e)
+                    continue
+                if isinstance(msg, EngineFailed):
+                    self._die(msg.message)
+                    return
+                if isinstance(msg, EngineOutputs):
+                    self.on_outputs(msg, frames)
+                    # A ready socket returns at once: let /health and other requests in between two steps' outputs.
+                    await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - see above: never a silent end
+            logger.exception("the engine's outputs could not be handled")
+            self._die(f"the front end could not handle the engine's outputs ({type(e).__name__}: {e})")
 
     # ---- liveness ----------------------------------------------------------------------------------------
     async def _watch(self) -> None:
+        """Must not die either: nothing else notices a frozen engine. If watching itself fails, the engine can no
+        longer be vouched for: it is marked dead, loudly, as in `_output_loop`."""
+        try:
+            await self._watch_liveness()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - never a silent end
+            logger.exception("the engine's liveness could not be watched")
+            self._die(f"the engine's liveness could not be watched ({type(e).__name__}: {e})")
+
+    async def _watch_liveness(self) -> None:
         nonces = itertools.count()
         last_answer = time.monotonic()
         last_steps, steps_moved = -1, time.monotonic()
@@ -196,7 +217,11 @@ class EngineCoreClient:
             deadline = time.monotonic() + HEARTBEAT_INTERVAL_S
             while (left := deadline - time.monotonic()) > 0:
                 if await self.hb_sock.poll(left * 1000):
-                    beat = self._hb_framer.decode(await self.hb_sock.recv_multipart())
+                    try:
+                        beat = self._hb_framer.decode(await self.hb_sock.recv_multipart())
+                    except msgspec.DecodeError as e:  # that answer only: the next one may do
+                        logger.error("undecodable heartbeat from the engine: %s", e)
+                        continue
                     now = time.monotonic()
                     last_answer = now
                     if beat.steps != last_steps or not beat.busy:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from vlserve.core.config import EngineArgs
-from vlserve.core.errors import EngineDeadError, InvalidInputError, ServiceUnavailableError
+from vlserve.core.errors import EngineDeadError, InvalidInputError, ServiceUnavailableError, VlserveError
 from vlserve.core.messages import EngineCoreOutput, Handoff
 from vlserve.core.outputs import RequestOutput
 from vlserve.core.processes import finish
@@ -280,34 +280,76 @@ class AsyncLLM:
 
     # ---- engine outputs ------------------------------------------------------------------------------------
     def _handle(self, msg: EngineOutputs, frames: list) -> None:
-        self.metrics.on_engine_stats(msg.stats)
+        """One engine message, request by request: a request whose part cannot be handled (a bug, e.g. in its
+        detokenizer) fails alone with a 500 and leaves the engine; the others go on. What still escapes is the
+        output loop's to judge (it marks the engine dead: see EngineCoreClient._output_loop)."""
+        try:
+            self.metrics.on_engine_stats(msg.stats)
+        except Exception:  # noqa: BLE001 - the metrics only: no request depends on them
+            logger.exception("the engine's stats could not be recorded")
         if self.prefills:
             msg.outputs = self._take_prefills(msg, frames)
         for rej in msg.rejected:
-            waiting = self.prefills.pop(rej.request_id, None)
-            if waiting is not None:
-                waiting.fail(rej.message, rej.status)
-            stream = self.streams.pop(rej.request_id, None)
-            self.output_processor.abort(rej.request_id)
-            self._release(rej.request_id)  # refused at admission: the engine never used the prompt
-            if stream is not None:
-                err = InvalidInputError(rej.message)
-                err.http_status = rej.status
-                stream.fail(err)
-        outputs, stop_now = self.output_processor.process(msg.outputs)
+            try:
+                self._reject(rej.request_id, rej.message, rej.status)
+            except Exception as e:  # noqa: BLE001
+                self._fail_request(rej.request_id, e)
+        changed: dict[str, RequestOutput] = {}  # each request's output once, in order (n samples share one)
+        stop_now: list[str] = []
+        for co in msg.outputs:
+            parent = self.output_processor.parent_of(co.request_id)
+            try:
+                outputs, stops = self.output_processor.process([co])
+            except Exception as e:  # noqa: BLE001
+                self._fail_request(parent or co.request_id, e)
+                continue
+            stop_now += stops
+            for out in outputs:
+                changed[out.request_id] = out
         if stop_now:
             self.core.send(FinishRequests(stop_now, "stop"))
         now = time.monotonic()
-        for out in outputs:
+        for out in changed.values():
             stream = self.streams.get(out.request_id)
             if stream is None:
                 continue
-            self._observe(out, stream, now)
+            try:
+                self._observe(out, stream, now)
+            except Exception:  # noqa: BLE001 - the metrics only: the request still gets its output
+                logger.exception("request %s: its metrics could not be recorded", out.request_id)
             stream.put(out)
             if out.finished:
                 del self.streams[out.request_id]
         for request_id in msg.released:
-            self._release(request_id)
+            try:
+                self._release(request_id)
+            except Exception:  # noqa: BLE001 - the engine is done with it: the request itself is not affected
+                logger.exception("request %s: its prompt's buffers could not be released", request_id)
+
+    def _reject(self, request_id: str, message: str, status: int) -> None:
+        """Refused by the engine (at admission, or after: its KV could not be written or exported, ...)."""
+        waiting = self.prefills.pop(request_id, None)
+        if waiting is not None:
+            waiting.fail(message, status)
+        stream = self.streams.pop(request_id, None)
+        if stream is not None:
+            err = InvalidInputError(message)
+            err.http_status = status
+            stream.fail(err)
+        self.output_processor.abort(request_id)
+        self._release(request_id)  # the engine does not use the prompt any more
+
+    def _fail_request(self, request_id: str, error: Exception) -> None:
+        """Handling this request's output failed: it fails with a 500 (the server's fault) and leaves the engine."""
+        logger.error("request %s: its output could not be handled", request_id, exc_info=error)
+        failure = VlserveError(f"internal error handling this request's output: {type(error).__name__}")
+        stream = self.streams.get(request_id)
+        if stream is not None:
+            stream.fail(failure)
+        waiting = self.prefills.pop(request_id, None)
+        if waiting is not None and not waiting.future.done():
+            waiting.future.set_exception(failure)
+        self.abort(request_id)
 
     def _take_prefills(self, msg: EngineOutputs, frames: list) -> list[EngineCoreOutput]:
         """Settles the prefills whose first token and KV arrived; returns the other requests' outputs."""
@@ -321,8 +363,13 @@ class AsyncLLM:
         for handed in msg.handed:
             waiting = self.prefills.pop(handed.request_id, None)
             if waiting is not None and waiting.first is not None and not waiting.future.done():
-                waiting.future.set_result((Handoff(waiting.first, handed.generator_state),
-                                           tensor_from(handed.rows, frames)))
+                try:
+                    rows = tensor_from(handed.rows, frames)
+                except Exception as e:  # noqa: BLE001 - that prefill fails, the others are settled
+                    logger.error("request %s: its KV rows could not be read", handed.request_id, exc_info=e)
+                    waiting.fail(f"internal error reading this request's KV: {type(e).__name__}", 500)
+                    continue
+                waiting.future.set_result((Handoff(waiting.first, handed.generator_state), rows))
         for rid, waiting in list(self.prefills.items()):
             if waiting.first is not None and waiting.first.finish_reason == "abort":
                 del self.prefills[rid]  # e.g. its grammar refused the token: nothing to hand over

@@ -21,6 +21,8 @@ ENGINE_METRICS = {
     "num_requests_running": ("gauge", "Requests in the running batch."),
     "num_requests_waiting": ("gauge", "Requests waiting to be scheduled."),
     "kv_cache_usage_perc": ("gauge", "Fraction of KV cache blocks in use (1 = full)."),
+    "kv_cache_blocks": ("gauge", "KV cache size in blocks (what kv_cache_usage_perc is a fraction of; a "
+                        "cache-aware router weighs a replica's cached blocks against it)."),
     "num_preemptions_total": ("counter", "Requests preempted (recomputed later) for lack of KV blocks."),
     "prefix_cache_queries_total": ("counter", "Prompt tokens looked up in the prefix cache."),
     "prefix_cache_hits_total": ("counter", "Prompt tokens served from the prefix cache."),

@@ -105,5 +105,11 @@ class KVConnector:
         return MovedKV([], [])
 
     def after_step(self, outputs: list[EngineCoreOutput]) -> list[ExportedKV]:
-        """After the step: the KV of requests that finished and whose KV leaves this instance."""
+        """After the step: the KV of requests that finished and whose KV leaves this instance. A request whose KV
+        cannot be exported is left out (its blocks freed) and reported by `take_failed`: one request's failure
+        must never end the engine."""
+        return []
+
+    def take_failed(self) -> list[tuple[str, str]]:
+        """(request id, why) of requests the connector failed since the last call (after_step): they fail (500)."""
         return []

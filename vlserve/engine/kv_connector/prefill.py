@@ -30,6 +30,7 @@ class PrefillConnector(KVConnector):
         self.ttl = ttl
         # Finished, blocks kept until exported: (request, since, a hybrid model's state rows read at its finish).
         self.held: dict[str, tuple[Request, float, torch.Tensor | None]] = {}
+        self._failed: list[tuple[str, str]] = []  # (request id, why) whose export failed, for take_failed
 
     def check_request(self, prompt: ProcessedPrompt, params: SamplingParams, kv_transfer: KVTransfer | None) -> None:
         if kv_transfer is not None:
@@ -60,8 +61,21 @@ class PrefillConnector(KVConnector):
             self._release(rid)
 
     def after_step(self, outputs: list[EngineCoreOutput]) -> list[ExportedKV]:
-        return [self.export(out.request_id) for out in outputs
-                if out.finish_reason is not None and out.request_id in self.held]
+        exported = []
+        for out in outputs:
+            if out.finish_reason is None or out.request_id not in self.held:
+                continue
+            try:
+                exported.append(self.export(out.request_id))
+            except Exception as e:  # noqa: BLE001 - e.g. out of memory copying a long prompt's KV: that request
+                # fails (export has freed its blocks), the engine and the step's other requests go on
+                logger.exception("request %s: its KV could not be exported", out.request_id)
+                self._failed.append((out.request_id, f"its KV could not be exported: {type(e).__name__}"))
+        return exported
+
+    def take_failed(self) -> list[tuple[str, str]]:
+        failed, self._failed = self._failed, []
+        return failed
 
     def export(self, request_id: str) -> ExportedKV:
         """A held request's prompt KV as rows, with its random state; its blocks are freed."""
