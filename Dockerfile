@@ -32,9 +32,14 @@ RUN if [ "$VARIANT" = cuda ]; then index="$CUDA_INDEX"; else index="$CPU_INDEX";
 COPY pyproject.toml README.md /tmp/vlserve/
 COPY vlserve /tmp/vlserve/vlserve
 RUN pip install --no-cache-dir '/tmp/vlserve[disagg]' && rm -rf /tmp/vlserve
+# Built as root into $VLSERVE_KERNEL_CACHE (/opt/vlserve/kernels/cpu-kernels-<key>), served as uid 10001 below: the
+# cache must be readable by every user (the build makes it so; the chmod keeps it so whatever the builder's umask).
+# A cache the server cannot read is a warning and the torch paths, never a failed start
+# (tests/test_kernel_cache_access.py runs this image's start command as a non-root user against such a build).
 RUN if [ "$VARIANT" = cpu ]; then \
       python -m vlserve.model.kernels.cpu_kernels || echo "CPU kernels not built: the torch fallbacks will run"; \
-    fi
+    fi \
+    && mkdir -p "$VLSERVE_KERNEL_CACHE" && chmod -R a+rX "$VLSERVE_KERNEL_CACHE"
 RUN useradd --uid 10001 --user-group --create-home vlserve
 USER 10001
 WORKDIR /home/vlserve

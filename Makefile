@@ -62,9 +62,15 @@ test: install
 test-fast: install
 	$(PY) -m pytest tests -m "unit or engine" -x --timeout 120 $(ARGS)
 
-# Extra flags go through ARGS, e.g. make serve ARGS="--model Qwen/Qwen2-VL-2B-Instruct --dtype bfloat16"
+# Extra flags go through ARGS, e.g. make serve ARGS="--model Qwen/Qwen2-VL-2B-Instruct --dtype bfloat16".
+# The address: make serve PORT=8001 HOST=0.0.0.0, or the same flags in ARGS (ARGS="--port 8001"); each flag is
+# written once (the defaults only when ARGS has none). A PORT or HOST in the environment is not used.
+HOST = 127.0.0.1
+PORT = 8000
+serve_flag_given = $(filter $(1) $(1)=%,$(ARGS))
+SERVE_ADDRESS = $(if $(call serve_flag_given,--host),,--host $(HOST)) $(if $(call serve_flag_given,--port),,--port $(PORT))
 serve: install
-	$(PY) -m vlserve serve --host 127.0.0.1 --port 8000 $(ARGS)
+	$(PY) -m vlserve serve $(strip $(SERVE_ADDRESS) $(ARGS))
 
 bench: install
 	$(PY) benchmarks/offline_throughput.py

@@ -2,8 +2,9 @@
 
 Starts a bootstrap registry, two `vlserve serve --registry ... --kv-events-endpoint ...` replicas and one
 `vlserve router` per policy in front of the same replicas. Each policy gets the same workload shape with its own
-pictures (so no policy inherits another's cache): `--users` users chat concurrently, each `--turns` turns about
-their own picture, every turn resending the conversation so far. Reported per policy: prefix-cache hit rate over
+pictures (so no policy inherits another's cache): `--users` users chat, each `--turns` turns about their own
+picture, every turn resending the conversation so far, at most `--concurrency` requests at once (1: the users
+take turns, one request at a time, nothing ever in flight when the router chooses; a list runs each level). Reported per policy: prefix-cache hit rate over
 both replicas (hit tokens / queried tokens, from their /metrics), TTFT p50/p99 (first streamed content chunk,
 at the client), requests/s; then each policy's ratio to round-robin.
 
@@ -113,10 +114,12 @@ async def ask(client: httpx.AsyncClient, url: str, model: str, messages: list[di
             "prompt": usage.get("prompt_tokens", 0), "cached": cached}
 
 
-async def one_user(client: httpx.AsyncClient, url: str, model: str, seed: int, a, turns: list[dict]) -> None:
+async def one_user(client: httpx.AsyncClient, url: str, model: str, seed: int, a, turns: list[dict],
+                   slots: asyncio.Semaphore) -> None:
     messages = first_turn(seed, a.image_side)
     for turn in range(a.turns):
-        turns.append({**await ask(client, url, model, messages, a.max_tokens), "turn": turn, "user": seed})
+        async with slots:  # FIFO: at concurrency 1 the users take turns
+            turns.append({**await ask(client, url, model, messages, a.max_tokens), "turn": turn, "user": seed})
         messages = next_turn(messages, turns[-1]["answer"], turn)
         await asyncio.sleep(0.05)  # a user reads the answer; the replica's cache events reach the router
 
@@ -144,26 +147,34 @@ def cache_counts(urls: list[str]) -> tuple[float, float]:
     return hits, queries
 
 
+def routed_per_replica(url: str) -> dict[str, tuple[float, float]]:
+    """Requests the router sent to each replica so far: (all, decided by a cached prefix)."""
+    out: dict[str, tuple[float, float]] = {}
+    for k, v in scrape(f"{url}/metrics").items():
+        if k.startswith("vlserve:router_requests_total"):
+            replica = k.split('replica="', 1)[1].split('"', 1)[0]
+            total, by_cache = out.get(replica, (0.0, 0.0))
+            out[replica] = (total + v, by_cache + (v if 'decision="cache-hit"' in k else 0))
+    return out
+
+
 async def run_policy(url: str, replicas: list[str], model: str, seed0: int, a, groups: list[int],
-                     router: int) -> dict:
+                     router: int, concurrency: int) -> dict:
     h0, q0 = cache_counts(replicas)
+    before = routed_per_replica(url)
     c0, r0 = cpu_seconds(groups), cpu_seconds([router])
     turns: list[dict] = []
     t0 = time.perf_counter()
     async with httpx.AsyncClient(timeout=600) as client:
-        await asyncio.gather(*(one_user(client, url, model, seed0 + u, a, turns) for u in range(a.users)))
+        slots = asyncio.Semaphore(concurrency)
+        await asyncio.gather(*(one_user(client, url, model, seed0 + u, a, turns, slots) for u in range(a.users)))
     elapsed = time.perf_counter() - t0
     h1, q1 = cache_counts(replicas)
     cpu, router_cpu = cpu_seconds(groups) - c0, cpu_seconds([router]) - r0
-    routed = scrape(f"{url}/metrics")
-    per_replica: dict[str, float] = {}
-    for k, v in routed.items():
-        if k.startswith("vlserve:router_requests_total"):
-            replica = k.split('replica="', 1)[1].split('"', 1)[0]
-            per_replica[replica] = per_replica.get(replica, 0) + v
-    split = sorted(per_replica.values(), reverse=True)  # warm-up requests included
-    by_cache = sum(v for k, v in routed.items() if k.startswith("vlserve:router_requests_total")
-                   and 'decision="cache-hit"' in k)
+    after = routed_per_replica(url)
+    counts = [after[n][0] - before.get(n, (0, 0))[0] for n in after]
+    split = sorted(counts + [0.0] * (len(replicas) - len(counts)), reverse=True)  # a replica sent nothing: 0
+    by_cache = sum(after[n][1] - before.get(n, (0, 0))[1] for n in after)
     ttfts = sorted(t["ttft"] for t in turns)
     return {"hit_rate": (h1 - h0) / max(q1 - q0, 1), "ttft_p50": statistics.median(ttfts),
             "ttft_p99": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))], "req_s": len(turns) / elapsed,
@@ -230,6 +241,8 @@ def main() -> None:
     ap.add_argument("--size", default="medium", help="size of the random checkpoint made without --model")
     ap.add_argument("--users", type=int, default=8)
     ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--concurrency", default="8", help="most requests at once, or a comma list to run each (1: the "
+                    "users take turns)")
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--image-side", type=int, default=448, help="picture width and height in pixels")
     ap.add_argument("--cache-share", type=float, default=0.6,
@@ -266,7 +279,8 @@ def main() -> None:
             routers[policy] = f"http://127.0.0.1:{port}"
             procs.append(start(f"router-{policy}", [
                 "router", "--model", model, "--port", str(port), "--bootstrap", f"127.0.0.1:{bport}", "--routing",
-                policy, "--block-size", str(BLOCK), "--routing-cache-weight", str(a.routing_cache_weight), *hb],
+                policy, "--block-size", str(BLOCK), "--routing-cache-weight", str(a.routing_cache_weight), *hb,
+                "--allow-unsigned-replicas"],  # its own loopback bootstrap, no secret
                 f"{routers[policy]}/ready", logs))
         for p in procs:
             wait_healthy(p, p.health, 300, p.name, lambda p=p: Path(p.log_path).read_text())
@@ -275,12 +289,15 @@ def main() -> None:
         asyncio.run(warm_up([*replicas, *routers.values()], name, a))
         cold, warm = asyncio.run(idle_ttft(replicas[0], name, a))
         time.sleep(3)  # routers follow every replica's event stream in order (not cold)
-        results = {}
-        for k, policy in enumerate(POLICIES):
-            groups = [p.pid for p in procs if p.name.startswith("replica")]
-            router = next(p.pid for p in procs if p.name == f"router-{policy}")
-            results[policy] = asyncio.run(run_policy(routers[policy], replicas, name, 1000 * (k + 1), a, groups,
-                                                     router))
+        runs: dict[int, dict[str, dict]] = {}
+        groups = [p.pid for p in procs if p.name.startswith("replica")]
+        for c, concurrency in enumerate(int(x) for x in a.concurrency.split(",")):
+            runs[concurrency] = {}
+            for k, policy in enumerate(POLICIES):  # new pictures for every run: no run inherits another's cache
+                router = next(p.pid for p in procs if p.name == f"router-{policy}")
+                runs[concurrency][policy] = asyncio.run(run_policy(
+                    routers[policy], replicas, name, 10_000 * (c + 1) + 1000 * (k + 1), a, groups, router,
+                    concurrency))
     finally:
         for p in reversed(procs):
             stop(p)
@@ -290,20 +307,31 @@ def main() -> None:
           f"{a.max_tokens} tokens per answer; model {Path(model).name}")
     print(f"KV cache per replica: {kv_blocks} blocks of {BLOCK} = {kv_blocks / working_set:.2f} x the working set "
           f"({a.users} users x {per_user} blocks); --routing-cache-weight {a.routing_cache_weight}")
-    print(f"bounds: idle replica TTFT {cold * 1e3:.0f} ms not cached, {warm * 1e3:.0f} ms cached; hit rate if every "
-          f"turn found its chat's previous turn cached: {hit_bound(results['cache-aware']['turns']):.1%}")
+    print(f"bounds: idle replica TTFT {cold * 1e3:.0f} ms not cached, {warm * 1e3:.0f} ms cached")
+    for concurrency, results in runs.items():
+        report(concurrency, results)
+    if len(runs) > 1:
+        print("\nsummary: hit rate round-robin / least-load / cache-aware (bound); cache-aware requests per replica")
+        for concurrency, results in runs.items():
+            rates = " / ".join(f"{results[p]['hit_rate']:.1%}" for p in POLICIES)
+            print(f"concurrency {concurrency}: {rates} ({hit_bound(results['cache-aware']['turns']):.1%}); "
+                  f"{results['cache-aware']['split']}")
+
+
+def report(concurrency: int, results: dict[str, dict]) -> None:
+    print(f"\nconcurrency {concurrency}: hit rate if every turn found its chat's previous turn cached: "
+          f"{hit_bound(results['cache-aware']['turns']):.1%}")
     base = results["round-robin"]
     print(f"{'policy':<12} {'hit rate':>9} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} {'req/s':>7} {'CPU ms/req':>11}"
-          "   (x round-robin: hit rate, TTFT p50, req/s)")
+          f" {'per replica':>12}   (x round-robin: hit rate, TTFT p50, req/s)")
     for policy, r in results.items():
         print(f"{policy:<12} {r['hit_rate']:>9.1%} {r['ttft_p50'] * 1e3:>12.0f} {r['ttft_p99'] * 1e3:>12.0f} "
-              f"{r['req_s']:>7.2f} {r['cpu_per_req'] * 1e3:>11.0f}   "
+              f"{r['req_s']:>7.2f} {r['cpu_per_req'] * 1e3:>11.0f} {r['split']:>12}   "
               f"x{r['hit_rate'] / max(base['hit_rate'], 1e-9):.2f} x{r['ttft_p50'] / base['ttft_p50']:.2f} "
               f"x{r['req_s'] / base['req_s']:.2f}")
     print("CPU ms/req: both replicas'; routers' own: " + ", ".join(
-        f"{p} {r['router_cpu_per_req'] * 1e3:.0f}" for p, r in results.items()) + "; requests per replica: " +
-        ", ".join(f"{p} {r['split']}" for p, r in results.items()) +
-        f"; cache-aware decided by a cached prefix: {results['cache-aware']['by_cache']:.0f}")
+        f"{p} {r['router_cpu_per_req'] * 1e3:.0f}" for p, r in results.items()) +
+        f"; cache-aware decided by a cached prefix: {results['cache-aware']['by_cache']:.0f} requests")
 
 
 if __name__ == "__main__":

@@ -444,7 +444,8 @@ def _serving(limits: dict, modalities: tuple[str, ...]):
 
     cfg = SimpleNamespace(limit_mm_per_prompt={**DEFAULT_MM_LIMITS, **limits}, max_model_len=4096,
                           model=SimpleNamespace(modalities=modalities))
-    engine = SimpleNamespace(cfg=cfg, input_processor=SimpleNamespace(max_prompt_chars=10**6))
+    engine = SimpleNamespace(cfg=cfg, input_processor=SimpleNamespace(max_prompt_chars=10**6),
+                             executor=None)  # messages are parsed on a worker thread (None: asyncio's default)
     return OpenAIServingChat(engine, ServerArgs(), "m")
 
 

@@ -59,3 +59,41 @@ def test_help_from_a_fresh_process_imports_no_torch():
             "print('torch' in sys.modules, 'transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["serve", "--peer-wait-timeout", "nan"], ["serve", "--peer-wait-timeout", "inf"],
+    ["serve", "--peer-wait-timeout", "-1"], ["serve", "--peer-wait-timeout", "1e12"],
+    ["serve", "--max-num-seqs", "0"], ["serve", "--port", "70000"], ["router", "--routing-cache-weight", "nan"],
+    ["serve", "--heartbeat-interval", "0"], ["encode", "--transfer-failure-prob", "1.5"],
+])
+def test_every_numeric_flag_out_of_range_stops_the_start_naming_the_flag(argv):
+    """Checked before anything loads: exit 78 (EX_CONFIG) and the flag's name (nan once made a request wait 40 s
+    instead of a 503)."""
+    import logging
+
+    from vlserve.cli import main
+    from vlserve.core.errors import EXIT_CONFIG
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("vlserve").addHandler(handler)
+    try:
+        assert main([argv[0], "--model", "/no/such/model", *argv[1:]]) == EXIT_CONFIG
+    finally:
+        logging.getLogger("vlserve").removeHandler(handler)
+    assert any(argv[1] in r.getMessage() for r in records), [r.getMessage() for r in records]
+
+
+def test_every_numeric_option_has_a_range():
+    """Defaults are in range, and every float is checked for finiteness (bounds or the >= 0 default)."""
+    import dataclasses
+
+    from vlserve.core.config import OPTION_GROUPS
+    from vlserve.core.options import check_range
+
+    for _, cls in OPTION_GROUPS:
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else None
+            check_range(f, default)

@@ -10,8 +10,8 @@ import torch
 from tests.test_router_hashes import chat_prompt, fetched, picture_url, video_url
 from vlserve.cli import build_parser
 from vlserve.core.block_hash import prompt_block_hashes
-from vlserve.core.config import SERVE, EngineArgs
-from vlserve.core.errors import InvalidInputError
+from vlserve.core.config import SERVE, EngineArgs, ServerArgs
+from vlserve.core.errors import ConfigurationError, InvalidInputError
 from vlserve.core.options import options_from
 from vlserve.engine.config import resolve_config
 from vlserve.frontend.input_processor import InputProcessor
@@ -75,5 +75,7 @@ def test_the_option_is_checked_and_reaches_the_processor(tiny_ckpt):
     ns = build_parser().parse_args(["serve", "--model", ckpt, "--mm-processor-cache-gb", "0.5"])
     assert options_from(ns, SERVE).server.media_bounds()["processed_cache_bytes"] == 2**29
     ns = build_parser().parse_args(["serve", "--model", ckpt, "--mm-processor-cache-gb", "-1"])
-    with pytest.raises(InvalidInputError, match="mm_processor_cache_gb"):
-        options_from(ns, SERVE).server.media_bounds()
+    with pytest.raises(ConfigurationError, match="--mm-processor-cache-gb"):  # the flag's range, at start
+        options_from(ns, SERVE)
+    with pytest.raises(InvalidInputError, match="mm_processor_cache_gb"):  # and in the Python API
+        ServerArgs(mm_processor_cache_gb=-1).media_bounds()

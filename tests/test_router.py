@@ -42,7 +42,8 @@ class Deployment:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.router = RoleProcess("router", ["router", "--model", str(ckpt), "--port", str(port), "--bootstrap",
-                                             f"127.0.0.1:{bport}", *common], f"{self.url}/ready")
+                                             f"127.0.0.1:{bport}", "--allow-unsigned-replicas", *common],
+                                  f"{self.url}/ready")
         self.procs = [self.boot, *self.replicas.values(), self.router]
         try:
             for p in self.procs:

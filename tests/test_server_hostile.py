@@ -98,7 +98,7 @@ def test_oversized_body_is_refused_from_its_header(server):
 
     t0 = time.monotonic()
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                   b"Content-Length: " + str(2**40).encode() + b"\r\n\r\n{")
         reply = s.recv(4096)
     assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
@@ -295,10 +295,10 @@ def test_slow_clients_are_cut_off(tiny_ckpt):
         addr = ("127.0.0.1", srv.port)
         with HealthProbe(srv.url) as probe, socket.create_connection(addr) as silent, \
                 socket.create_connection(addr) as dribbling, socket.create_connection(addr) as slow_body:
-            slow_body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            slow_body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                               b"Content-Length: 1000\r\n\r\n{")
             assert _closed_within(silent, 5) == b""
-            assert _closed_within(dribbling, 5, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n") == b""
+            assert _closed_within(dribbling, 5, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n") == b""
             reply = _closed_within(slow_body, 5, b" ")
             assert reply.startswith(b"HTTP/1.1 408") and b"--body-read-timeout" in reply, reply[:300]
         assert not probe.failures and probe.worst < HEALTH_BUDGET_S

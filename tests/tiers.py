@@ -28,13 +28,17 @@ FILE_TIERS = {
     "test_hostile_peers.py": "unit",
     "test_audio_input.py": "unit",
     "test_image_preprocessing.py": "unit",
+    "test_hostile_media.py": "unit",
     "test_llava_processor.py": "unit",
     "test_kernel_build.py": "unit",
+    "test_newcomer_fixes.py": "unit",
     "test_kv_index.py": "unit",
     "test_processed_media_cache.py": "unit",
     "test_router_announce.py": "unit",
     "test_router_choice.py": "unit",
     "test_router_hashes.py": "unit",
+    "test_router_hostile.py": "unit",
+    "test_http_hosts.py": "unit",
     "test_router.py": "multiprocess",
     "test_router_disagg.py": "multiprocess",
     "test_layers.py": "unit",
@@ -95,6 +99,7 @@ FILE_TIERS = {
     "test_kv_events_process.py": "multiprocess",
     "test_prompt_ownership.py": "multiprocess",
     "test_process_hygiene.py": "multiprocess",
+    "test_kernel_cache_access.py": "multiprocess",
     "test_playground.py": "multiprocess",
     "test_stream_abort.py": "unit",
     "test_readiness.py": "multiprocess",
@@ -111,6 +116,7 @@ FILE_TIERS = {
 
 # "file::test function" (every parametrization of it) whose tier is not its file's.
 TEST_TIERS = {
+    "test_http_hosts.py::test_served_processes_check_the_host_and_redirect_relatively": "multiprocess",
     "test_disagg_bootstrap.py::test_real_bootstrap_process": "multiprocess",
     "test_hostile_peers.py::test_a_real_registry_answers_a_huge_announced_body_without_waiting_for_it": "multiprocess",
     "test_hostile_peers.py::test_a_deployment_over_shm_survives_its_buffer_file_being_truncated": "transport",

@@ -41,21 +41,30 @@ TOWER_MODALITIES = {"vision": ("image", "video"), "audio": ("audio",)}
 TOWERS = tuple(TOWER_MODALITIES)
 
 
+# Ranges of numeric options (inclusive; None: unbounded). Every number is also finite; an option without bounds
+# is >= 0. Checked when a role starts (core/options.py): exit 78 naming the flag.
+COUNT = (1, None)  # how many of something: at least one
+SECONDS = (0.001, 30 * 86400)  # a timeout or interval: positive, at most 30 days
+PORT = (0, 65535)  # 0: any free port
+SHARE = (0.0, 1.0)
+ANY = (None, None)
+
+
 def option(default: Any = None, help: str = "", roles=frozenset(), *, factory=None, flag: str | None = None,
            parse=None, env: str | None = None, secret: bool = False, nargs: str | None = None,
            choices: tuple | None = None, negate: bool = False, role_defaults: dict | None = None,
-           metavar: str | None = None, aliases: tuple[str, ...] = ()) -> Any:
+           metavar: str | None = None, aliases: tuple[str, ...] = (), bounds: tuple | None = None) -> Any:
     """A dataclass field that is also a CLI flag of `roles`.
 
     `flag` overrides the flag name; `negate` makes a True-by-default bool a `--disable-...` switch; `parse`
     turns the flag's text into the value; `env` names an environment variable used when the flag is absent;
     `secret` values never go on a command line (children get them through the environment); `role_defaults`
     gives some roles another default (an encoder listens on 8100, not 8000); `aliases` are further flags for the
-    same option (an old name kept working).
+    same option (an old name kept working); `bounds` (lo, hi) is a numeric option's range (default: >= 0).
     """
     meta = {"help": help, "roles": frozenset(roles), "flag": flag, "parse": parse, "env": env, "secret": secret,
             "nargs": nargs, "choices": choices, "negate": negate, "role_defaults": role_defaults or {},
-            "metavar": metavar, "aliases": tuple(aliases)}
+            "metavar": metavar, "aliases": tuple(aliases), "bounds": bounds}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -91,15 +100,17 @@ class EngineArgs:
     device: str = option("auto", "auto (cuda when available, else cpu), cpu, cuda, cuda:1, ...",
                          MODEL_ROLES)
     max_model_len: int | None = option(None, "longest prompt + output in tokens (default: the model's, at most "
-                                       "32768)", LM_ROLES)
-    max_num_seqs: int = option(128, "most requests running at once", LM_ROLES)
+                                       "32768)", LM_ROLES, bounds=COUNT)
+    max_num_seqs: int = option(128, "most requests running at once", LM_ROLES, bounds=COUNT)
     max_num_batched_tokens: int = option(2048, "token budget of one engine step (prefill chunks + decode tokens)",
-                                         LM_ROLES)
-    block_size: int = option(16, "tokens per KV cache block (a router: the replicas')", LM_ROLES | {ROUTER})
+                                         LM_ROLES, bounds=COUNT)
+    block_size: int = option(16, "tokens per KV cache block (a router: the replicas')", LM_ROLES | {ROUTER},
+                             bounds=COUNT)
     kv_cache_memory_gb: float | None = option(
         None, "KV cache size in GiB (default: as large as the weights, at least 0.25, at most half the free memory, "
         "never more than max_num_seqs x max_model_len need)", LM_ROLES)
-    num_kv_blocks: int | None = option(None, "KV cache size in blocks (overrides --kv-cache-memory-gb)", LM_ROLES)
+    num_kv_blocks: int | None = option(None, "KV cache size in blocks (overrides --kv-cache-memory-gb)", LM_ROLES,
+                                       bounds=COUNT)
     enable_prefix_caching: bool = option(True, "turn off automatic prefix caching", LM_ROLES,
                                          flag="--disable-prefix-caching", negate=True)
     max_state_snapshots: int = option(
@@ -120,10 +131,10 @@ class EngineArgs:
         help="most media items per prompt, e.g. image=8,video=1,audio=4", roles=MODEL_ROLES | {ROUTER},
         factory=lambda: dict(DEFAULT_MM_LIMITS), parse=parse_limits, metavar="KIND=N,...")
     max_video_frames: int = option(32, "most frames sampled from one video (a request may ask for fewer)",
-                                   VISION_ROLES)
+                                   VISION_ROLES, bounds=COUNT)
     enable_mm_embeds: bool = option(False, "accept precomputed image embeddings (image_embeds parts)",
                                     {SERVE, LANGUAGE, DECODE, DEMO})
-    seed: int = option(0, "engine seed", LM_ROLES)
+    seed: int = option(0, "engine seed", LM_ROLES, bounds=ANY)
     enforce_eager: bool = option(False, "no CUDA graphs: decode steps and the vision tower run op by op (also "
                                  "set by the environment variable VLSERVE_ENFORCE_EAGER=1)", MODEL_ROLES)
     async_scheduling: bool = option(
@@ -138,7 +149,7 @@ class EngineArgs:
     tensor_parallel_size: int = option(
         1, "split the language model (and, with --mm-encoder-tp-mode weights, the vision tower) over this many "
         "ranks: one process each, cores split between them on CPU; several machines: start every rank with "
-        "torchrun", {SERVE, LANGUAGE, ENCODE, DEMO})
+        "torchrun", {SERVE, LANGUAGE, ENCODE, DEMO}, bounds=COUNT)
     mm_encoder_tp_mode: str = option(
         "weights", "vision tower under tensor parallelism: weights (split like the LM) or data (whole on every "
         "rank, each encodes a share of the pictures)", {SERVE, ENCODE, DEMO}, choices=("weights", "data"))
@@ -150,10 +161,10 @@ class EngineArgs:
         16384, "longest text any part of a constraint may force, in characters: a literal, a choice, a minimum "
         "repetition (a{n}, minLength, minItems) times what it repeats", LM_ROLES)
     structured_outputs_compile_timeout: float = option(
-        10.0, "seconds one schema, regex or grammar may take to compile; 400 after that", LM_ROLES)
+        10.0, "seconds one schema, regex or grammar may take to compile; 400 after that", LM_ROLES, bounds=SECONDS)
     structured_outputs_threads: int = option(
         2, "threads compiling constraints (apart from the media threads), in the front end and in the engine",
-        LM_ROLES)
+        LM_ROLES, bounds=COUNT)
     structured_outputs_max_queued: int = option(
         16, "constraints that may wait for a compile thread; more get 503 at once", LM_ROLES)
     structured_outputs_cache_mb: int = option(
@@ -213,7 +224,7 @@ class ServerArgs:
 
     host: str = option("127.0.0.1", "address to listen on", {SERVE, BOOTSTRAP} | REGISTRY_ROLES)
     port: int = option(8000, "HTTP port", {SERVE, BOOTSTRAP} | REGISTRY_ROLES,
-                       role_defaults={ENCODE: 8100, PREFILL: 8200, BOOTSTRAP: 8998, ROUTER: 8080})
+                       role_defaults={ENCODE: 8100, PREFILL: 8200, BOOTSTRAP: 8998, ROUTER: 8080}, bounds=PORT)
     served_model_name: str | None = option(None, "model name in the API (default: --model)", HTTP_ROLES)
     api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on /v1 routes", HTTP_ROLES,
                                  env="VLSERVE_API_KEY", secret=True)
@@ -225,31 +236,33 @@ class ServerArgs:
     allow_private_media_urls: bool = option(False, "allow media URLs resolving to private, loopback or link-local "
                                             "addresses (SSRF risk)", MEDIA_ROLES)
     max_media_bytes: int = option(20 * 2**20, "largest picture or audio clip in bytes (download, data URL or file)",
-                                  MEDIA_ROLES)
-    max_video_bytes: int = option(200 * 2**20, "largest video in bytes (download, data URL or file)", MEDIA_ROLES)
-    media_fetch_timeout: float = option(10.0, "seconds per media download", MEDIA_ROLES)
+                                  MEDIA_ROLES, bounds=COUNT)
+    max_video_bytes: int = option(200 * 2**20, "largest video in bytes (download, data URL or file)", MEDIA_ROLES,
+                                  bounds=COUNT)
+    media_fetch_timeout: float = option(10.0, "seconds per media download", MEDIA_ROLES, bounds=SECONDS)
     max_image_pixels: int = option(DEFAULT_MAX_PIXELS_DECODED, "largest picture or video frame in pixels (width x "
                                    "height): a larger one is refused before decoding, and pictures are resized for "
                                    "the encoder to at most this many (under the model's own max_pixels)",
-                                   MEDIA_ROLES)
+                                   MEDIA_ROLES, bounds=COUNT)
     max_audio_seconds: float = option(
         DEFAULT_MAX_AUDIO_SECONDS, "longest audio clip in seconds, checked from the header before decoding and "
         "again while decoding (413 over it); never above the model's own window (30 s for Qwen2-Audio, 300 s for "
-        "Qwen2.5-Omni)", MEDIA_ROLES)
+        "Qwen2.5-Omni)", MEDIA_ROLES, bounds=SECONDS)
     max_waiting_requests: int | None = option(None, "answer 503 when this many requests already wait (default: no "
                                               "limit)", ENGINE_HTTP_ROLES)
-    media_threads: int = option(4, "threads that tokenize, decode and preprocess", {SERVE} | REGISTRY_ROLES)
+    media_threads: int = option(4, "threads that tokenize, decode and preprocess", {SERVE} | REGISTRY_ROLES,
+                                bounds=COUNT)
     mm_processor_cache_gb: float = option(
         1.0, "GiB of processed pictures and videos (resized pixels) kept by a hash of their bytes, so one sent again "
         "(every turn of a chat resends it) is not decoded and resized again; 0 turns it off", MEDIA_ROLES)
     disable_log_requests: bool = option(False, "no info log line per request", ENGINE_HTTP_ROLES)
     max_request_bytes: int = option(64 * 2**20, "largest request body in bytes; a bigger one gets 413 before it is "
-                                    "read", HTTP_ROLES)
-    max_n: int = option(128, "most samples (n) one request may ask for", HTTP_ROLES)
+                                    "read", HTTP_ROLES, bounds=COUNT)
+    max_n: int = option(128, "most samples (n) one request may ask for", HTTP_ROLES, bounds=COUNT)
     header_read_timeout: float = option(10.0, "seconds a client may take to send a request's headers; the "
-                                        "connection is closed after that", HTTP_ROLES)
+                                        "connection is closed after that", HTTP_ROLES, bounds=SECONDS)
     body_read_timeout: float = option(60.0, "seconds a client may take to send a request's body; 408 after that",
-                                      HTTP_ROLES)
+                                      HTTP_ROLES, bounds=SECONDS)
     max_stop_strings: int = option(64, "most stop strings one request may give (and most stop_token_ids)",
                                    HTTP_ROLES)
     max_stop_string_chars: int = option(1024, "longest stop string, in characters", HTTP_ROLES)
@@ -264,9 +277,14 @@ class ServerArgs:
                                    ENGINE_HTTP_ROLES)
     engine_heartbeat_timeout: float = option(10.0, "seconds without an answer from the engine process before it "
                                              "counts as unresponsive (503 on /health and for waiting requests)",
-                                             ENGINE_HTTP_ROLES | {PREFILL})
+                                             ENGINE_HTTP_ROLES | {PREFILL}, bounds=SECONDS)
     playground: bool = option(True, "do not serve the browser playground page (GET / and /playground; 404 then)",
                               HTTP_ROLES, flag="--no-playground", negate=True)
+    allowed_hosts: tuple[str, ...] = option(
+        (), "Host header names this server answers to besides its own (default: loopback names and addresses when "
+        "--host is a loopback address; else also any IP address, this machine's host name and --host): NAME, .DOMAIN "
+        "(it and its subdomains), an IP address, or * for any. Others get 400: a page that rebinds its own name to "
+        "this address (DNS rebinding) cannot reach it", HTTP_ROLES, nargs="+", metavar="HOST")
 
 
     def media_bounds(self) -> dict:
@@ -288,6 +306,11 @@ class DisaggArgs:
     num_prefill: int = option(0, "prefill instances for --disagg (E->P->D; needs --num-decode too)", {SERVE})
     num_decode: int = option(0, "decode instances for --disagg (E->P->D); the first answers on --port, the others "
                              "on the ports after it", {SERVE})
+    disagg_base_port: int | None = option(
+        None, "ports for the roles --disagg starts, from this one up, in this order: the bootstrap registry (none "
+        "with --registry), each encoder's HTTP then data port, each prefill instance's HTTP then data port "
+        "(the API stays on --port; default or 0: free ports picked at start)", {SERVE}, bounds=PORT,
+        metavar="PORT")
     bootstrap: str = option("127.0.0.1:8998", "host:port of `vlserve bootstrap` (the embedded registry; "
                             "--registry names another)", REGISTRY_ROLES, metavar="HOST:PORT")
     registry: str | None = option(
@@ -329,22 +352,26 @@ class DisaggArgs:
         "resumes into more; the rest is freed when its transfer ends)", {SERVE, DECODE})
     receive_block_rows: int = option(16, "rows per receive buffer block (media and KV) (--embedding-block-tokens: "
                                      "deprecated alias)", {SERVE, LANGUAGE, PREFILL, DECODE},
-                                     aliases=("--embedding-block-tokens",))
+                                     aliases=("--embedding-block-tokens",), bounds=COUNT)
     heartbeat_interval: float = option(1.0, "seconds between heartbeats (registry and peers; a router lists the "
-                                       "registry and scrapes replicas this often)", {SERVE, BOOTSTRAP} | REGISTRY_ROLES)
+                                       "registry and scrapes replicas this often)", {SERVE, BOOTSTRAP} | REGISTRY_ROLES,
+                                       bounds=SECONDS)
     heartbeat_failure_threshold: int = option(3, "missed heartbeats before an instance is dropped (with etcd: the "
-                                              "lease TTL is interval x threshold)", {SERVE, BOOTSTRAP} | DISAGG_ROLES)
+                                              "lease TTL is interval x threshold)", {SERVE, BOOTSTRAP} | DISAGG_ROLES,
+                                              bounds=COUNT)
     peer_wait_timeout: float = option(
         5.0, "seconds a request waits for a peer to pair (an encoder, or a prefill instance) when none is, before "
         "it is refused with 503: a restart or a start-up race costs latency, not errors",
-        {SERVE, LANGUAGE, PREFILL, DECODE})
+        {SERVE, LANGUAGE, PREFILL, DECODE}, bounds=SECONDS)
     transfer_timeout: float = option(120.0, "seconds one transfer may take before it fails (and, on a sender, "
-                                     "before staged output nobody resumes is dropped)", {SERVE} | DISAGG_ROLES)
+                                     "before staged output nobody resumes is dropped)", {SERVE} | DISAGG_ROLES,
+                                     bounds=SECONDS)
     transfer_backend: str = option("zmq", "how embeddings and KV move between roles", {SERVE} | DISAGG_ROLES,
                                    choices=("zmq", "shm", "mooncake", "nixl"))
-    data_port: int | None = option(None, "ZeroMQ port receivers connect to (default: --port + 1)", {ENCODE, PREFILL})
+    data_port: int | None = option(None, "ZeroMQ port receivers connect to (default: --port + 1)", {ENCODE, PREFILL},
+                                   bounds=PORT)
     transfer_failure_prob: float = option(0.0, "fail this share of transfers on purpose (fault injection)",
-                                          {ENCODE, PREFILL}, env="VLSERVE_TRANSFER_FAILURE_PROB")
+                                          {ENCODE, PREFILL}, env="VLSERVE_TRANSFER_FAILURE_PROB", bounds=SHARE)
     disagg_secret: str | None = option(None, "shared secret of every role: signs registry calls and encrypts the "
                                        "data channel (required off loopback; serve --disagg makes one)",
                                        {SERVE, BOOTSTRAP} | REGISTRY_ROLES, env="VLSERVE_DISAGG_SECRET", secret=True)
@@ -358,6 +385,22 @@ class DisaggArgs:
         1.0, "cache-aware: what a prompt token cached on a replica is worth against a prompt token queued there "
         "for prefill (score = weight x cached leading tokens of the request - the replica's prefill queue in "
         "tokens); 0 routes by the shortest prefill queue", {ROUTER})
+    replica_api_key: str | None = option(
+        None, "the key the router sends replicas as 'Authorization: Bearer KEY' (their --api-key); a client's own "
+        "Authorization never goes upstream (default: the router's --api-key)", {ROUTER},
+        env="VLSERVE_REPLICA_API_KEY", secret=True)
+    allow_unsigned_replicas: bool = option(
+        False, "route to replicas found in a registry anyone who reaches it can register in (a bootstrap without "
+        "--disagg-secret, etcd without --registry-user or --registry-cert): refused by default, since such a "
+        "replica would receive clients' prompts", {ROUTER})
+    replica_read_timeout: float = option(
+        600.0, "seconds the router waits for a replica's next bytes: its answer's headers (a stream's come once the "
+        "prompt is prefilled, a whole answer's once it is generated) and then each chunk; past it the client gets "
+        "504 (mid-stream: an error event) and the replica is avoided for a while", {ROUTER}, bounds=SECONDS)
+    max_replica_response_bytes: int = option(
+        256 * 2**20, "largest answer the router takes whole from a replica (one not streamed), in bytes; a longer "
+        "one is cut off there with 502. Streams pass through chunk by chunk whatever their length", {ROUTER},
+        bounds=COUNT)
 
 
 def encode_args(args: EngineArgs) -> bytes:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 
 from vlserve.core.config import (
@@ -14,6 +15,7 @@ from vlserve.core.config import (
     Options,
     ServerArgs,
 )
+from vlserve.core.errors import ConfigurationError
 
 _SCALARS = {"int": int, "float": float, "str": str}
 
@@ -111,8 +113,22 @@ def options_from(ns: argparse.Namespace, role: str) -> Options:
         if value is None and role in f.metadata.get("role_defaults", {}):
             value = f.metadata["role_defaults"][role]
         if value is not None:
+            check_range(f, value)
             values[cls][f.name] = tuple(value) if isinstance(value, list) else value
     return Options(EngineArgs(**values[EngineArgs]), ServerArgs(**values[ServerArgs]), DisaggArgs(**values[DisaggArgs]))
+
+
+def check_range(f: dataclasses.Field, value) -> None:
+    """A numeric option's value is finite and within its bounds (default >= 0); else ConfigurationError naming
+    the flag (the process exits 78 before loading anything)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    lo, hi = f.metadata.get("bounds") or (0, None)
+    if math.isfinite(value) and (lo is None or value >= lo) and (hi is None or value <= hi):
+        return
+    wanted = ("a finite number" if lo is None and hi is None else f"between {lo} and {hi}" if hi is not None
+              else f"at least {lo}")
+    raise ConfigurationError(f"{_flag(f)} must be {wanted}, got {value}")
 
 
 def to_argv(opts: Options, role: str) -> tuple[list[str], dict[str, str]]:

@@ -3,8 +3,12 @@
 (E->P->D).
 
 Each child's command line is built from the options (only the flags its role honours), never by editing argv.
+The roles' own ports (registry, encoders, prefill instances) are free ports picked at start, or with
+--disagg-base-port B: B, B+1, ... in the order role_ports() documents.
 Children run in their own session, so a terminal's Ctrl-C reaches only this supervisor, which then stops them
-in order (language first, registry last: nothing logs a failed deregistration). SIGTERM does the same. A child
+together: every role gets SIGTERM at once and they all stop within one shared deadline (one after another,
+E->P->D took 16.6 s); the bootstrap registry goes last, once they have deregistered from it (nothing logs a failed
+deregistration). SIGTERM does the same. A child
 that dies is restarted with backoff (growing to CRASH_LOOP_BACKOFF_S while it keeps crashing, as a kubelet's
 CrashLoopBackOff does); the others keep serving meanwhile, and a crash-looping role never takes them down. A
 child that exits with EXIT_CONFIG (a bad --model, a corrupt checkpoint) stops the deployment at once: restarts
@@ -18,6 +22,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -64,29 +69,76 @@ class Child:
         if self.proc is None:
             return
         try:
-            self.proc.wait(timeout)
+            self.proc.wait(max(0.0, timeout))
         except subprocess.TimeoutExpired:
-            logger.warning("%s did not stop within %.0fs; killing it", self.name, timeout)
+            logger.warning("%s did not stop within %.0fs of SIGTERM; killing it", self.name, STOP_TIMEOUT_S)
             self.proc.kill()
             self.proc.wait()
+
+
+def role_ports(opts: Options) -> dict[str, int]:
+    """The ports of the processes `serve --disagg` starts besides its API (which stays on --port; decode instance i
+    on --port + i), by name, in this order: "bootstrap" (not with --registry), then for each encoder i
+    "encoder-i" (HTTP) and "encoder-i data", then for each prefill instance i "prefill-i" and "prefill-i data".
+    With --disagg-base-port B they are B, B+1, ... in exactly that order; without it (or 0) free ports picked now."""
+    d = opts.disagg
+    names = [] if d.registry else ["bootstrap"]
+    for role, count in (("encoder", d.num_encoders), ("prefill", d.num_prefill)):
+        for i in range(count):
+            names += [f"{role}-{i}", f"{role}-{i} data"]
+    base = d.disagg_base_port
+    if not base:
+        picked: dict[str, int] = {}
+        for name in names:
+            port = free_port()
+            while port in picked.values():  # two picks in a row may return the same free port
+                port = free_port()
+            picked[name] = port
+        return picked
+    ports = {name: base + i for i, name in enumerate(names)}
+    if names and base + len(names) - 1 > 65535:
+        raise InvalidInputError(f"--disagg-base-port {base}: these roles need {len(names)} ports, up to "
+                                f"{base + len(names) - 1}, past 65535; pick a lower base")
+    api = range(opts.server.port, opts.server.port + max(1, d.num_decode))
+    for name, port in ports.items():
+        if port in api:
+            raise InvalidInputError(f"--disagg-base-port {base} gives {name} port {port}, which the API takes "
+                                    f"(--port {opts.server.port}{' + decode instances' if d.num_decode > 1 else ''})"
+                                    f"; pick a base outside {api.start}-{api.stop - 1}")
+    return ports
+
+
+def check_ports_free(ports: dict[str, int], host: str = "127.0.0.1") -> None:
+    """Chosen ports (--disagg-base-port) must be free: a taken one is a configuration error naming it, not a role
+    crash-looping on its bind."""
+    for name, port in ports.items():
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the roles bind: TIME_WAIT is no conflict
+            try:
+                s.bind((host, port))
+            except OSError as e:
+                raise InvalidInputError(f"--disagg-base-port: port {port} ({name}) is not free on {host} ({e.strerror})"
+                                        "; pick another base") from None
 
 
 def plan_children(opts: Options, log_level: str) -> list[Child]:
     """The processes of one deployment, registry first."""
     vlserve = [sys.executable, "-m", "vlserve", "--log-level", log_level]
     children = []
+    role_port = role_ports(opts)
     if opts.disagg.registry:  # the roles meet there (their --registry comes with their options)
         meet: list[str] = []
     else:
-        boot_port = free_port()
+        boot_port = role_port["bootstrap"]
         meet = ["--bootstrap", f"127.0.0.1:{boot_port}"]
         argv, env = to_argv(opts, BOOTSTRAP)
-        children.append(Child("bootstrap", [*vlserve, "bootstrap", *argv, "--host", "127.0.0.1", "--port",
-                                            str(boot_port)], env))
+        children.append(Child("bootstrap", [*vlserve, "bootstrap", *_without(argv, "--host", "--port"), "--host",
+                                            "127.0.0.1", "--port", str(boot_port)], env))
     argv, env = to_argv(opts, ENCODE)
     encoders = []
     for i in range(opts.disagg.num_encoders):
-        ports = ["--host", "127.0.0.1", "--port", str(free_port()), "--data-port", str(free_port())]
+        ports = ["--host", "127.0.0.1", "--port", str(role_port[f"encoder-{i}"]), "--data-port",
+                 str(role_port[f"encoder-{i} data"])]
         encoders.append(Child(f"encoder-{i}", [*vlserve, "encode", *_without(argv, "--host", "--port"), *ports,
                                                *meet], env))
     children += encoders
@@ -103,7 +155,8 @@ def plan_children(opts: Options, log_level: str) -> list[Child]:
     argv, env = to_argv(opts, PREFILL)
     env = {**env, **threads}
     for i in range(d.num_prefill):
-        ports = ["--host", "127.0.0.1", "--port", str(free_port()), "--data-port", str(free_port())]
+        ports = ["--host", "127.0.0.1", "--port", str(role_port[f"prefill-{i}"]), "--data-port",
+                 str(role_port[f"prefill-{i} data"])]
         children.append(Child(f"prefill-{i}", [*vlserve, "prefill", *_without(argv, "--host", "--port"), *ports,
                                                *meet], env))
     argv, env = to_argv(opts, DECODE)
@@ -224,10 +277,17 @@ class Supervisor:
             child.restart_at = now + backoff
 
     def shutdown(self) -> None:
-        """API servers first, so they stop taking requests before their peers go; the registry last."""
-        for child in reversed(self.children):
-            child.stop()
-            child.wait(STOP_TIMEOUT_S)
+        """Every role gets SIGTERM at once (API servers first) and they stop side by side within one shared
+        deadline, so stopping takes as long as the slowest role, not the sum of them all; the bootstrap registry
+        then, once the roles have deregistered from it."""
+        roles = [c for c in reversed(self.children) if c.name != "bootstrap"]
+        registry = [c for c in self.children if c.name == "bootstrap"]
+        for group in (roles, registry):
+            for child in group:
+                child.stop()
+            deadline = time.monotonic() + STOP_TIMEOUT_S
+            for child in group:
+                child.wait(deadline - time.monotonic())
         if self.state_path is not None:
             with contextlib.suppress(OSError):
                 os.unlink(self.state_path)
@@ -238,6 +298,11 @@ def run_roles(opts: Options, log_level: str) -> int:
         opts.disagg.disagg_secret = secrets.token_urlsafe(32)
     children = plan_children(opts, log_level)
     d = opts.disagg
+    if d.disagg_base_port:
+        ports = role_ports(opts)
+        check_ports_free(ports)
+        logger.info("ports from --disagg-base-port %d: %s", d.disagg_base_port,
+                    ", ".join(f"{name} {port}" for name, port in ports.items()))
     api = f"{d.num_prefill} prefill and {d.num_decode} decode instance(s)" if d.num_decode else "a language server"
     where = f"meeting in {d.registry}" if d.registry else "and a bootstrap registry"
     logger.info("starting %d encoder(s) and %s %s, on %s:%d (Ctrl-C or SIGTERM stops all)",

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from vlserve.core.errors import InvalidInputError
 from vlserve.media.audio_formats import SNIFF_BYTES, check_audio_format
-from vlserve.media.data_url import decode_base64, is_data_url
+from vlserve.media.data_url import MAX_HEADER_CHARS, decode_base64, is_data_url
 
 ROLES = {"system", "user", "assistant", "tool", "developer"}
 MEDIA_KINDS = ("image", "video", "audio")
@@ -52,15 +52,22 @@ def _input_audio(part: dict, where: str) -> str:
                                 "'format': ...}")
     if not isinstance(fmt, str):
         raise InvalidInputError(f"{where}: input_audio needs a 'format' string (wav, mp3, flac, ogg, ...)")
-    payload = data.partition(";base64,")[2] if is_data_url(data) else data
-    lead = "".join(payload[:256].split())[:-(-SNIFF_BYTES // 3) * 4]  # the base64 of the first SNIFF_BYTES
+    start = 0
+    if is_data_url(data):  # its payload: the header is refused where the URL is decoded if it has no ";base64,"
+        start = data.find(";base64,", 0, MAX_HEADER_CHARS)
+        start = len(data) if start < 0 else start + len(";base64,")
+    lead = "".join(data[start:start + 256].split())[:-(-SNIFF_BYTES // 3) * 4]  # the base64 of the first SNIFF_BYTES
     check_audio_format(fmt, decode_base64(lead), f"{where}.input_audio")
     return data if is_data_url(data) else f"data:audio/{fmt.lower()};base64,{data}"
 
 
+_TEXT_SLICE = 1 << 20  # characters checked at a time (no whole copy of a long text)
+
+
 def _text(text: str, where: str) -> str:
     try:
-        text.encode("utf-8")
+        for i in range(0, len(text), _TEXT_SLICE):
+            text[i:i + _TEXT_SLICE].encode("utf-8")
     except UnicodeEncodeError:
         raise InvalidInputError(f"{where}: the text is not valid unicode (a lone surrogate)") from None
     return text

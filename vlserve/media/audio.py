@@ -30,9 +30,11 @@ from vlserve.media.audio_formats import (
     DEMUXERS,
     SNIFF_BYTES,
     check_audio_format,
+    check_wav_header,
     ogg_cut_short,
     sniff_audio_format,
     wav_cut_short,
+    wav_format_name,
 )
 from vlserve.media.data_url import decode_data_url, is_data_url
 
@@ -51,6 +53,10 @@ OMNI_ARCHITECTURES = ("Qwen2_5OmniForConditionalGeneration", "Qwen2_5OmniThinker
 MIN_SAMPLE_RATE = 8000  # telephone speech, the lowest rate common speech recordings use
 MAX_SAMPLE_RATE = 384000  # the highest rate audio interfaces record at
 MAX_CHANNELS = 8  # 7.1 surround, the widest common layout; decoding cost grows with every channel
+# The largest sample magnitude taken. Full scale is 1 (integers are scaled to it); a float clip may go past it, and
+# a float clip of unscaled integer samples reaches 2**31, but nothing real comes near this, and much larger values
+# (from 1e18 on) overflow the features to NaN. A clip with a larger sample is refused, never silently rescaled.
+MAX_SAMPLE_MAGNITUDE = 1e10
 _TRUNCATION_SLACK_S = 0.1  # decoded this much (plus 2 %) shorter than the header says: the file was cut
 # A file may decode to this much more than the sound it holds: a codec's priming and padding (AAC adds 1024 to
 # 2048 samples, MP3 up to 1152 + 529) where the container does not say to drop them. A file at the limit plus at
@@ -306,11 +312,15 @@ def _decode_bytes(data: bytes, limits: AudioLimits, fmt: str | None, what: str, 
         container = sniff_audio_format(data[:SNIFF_BYTES])
         if container is None:
             raise InvalidInputError(f"{what} is not audio in a supported container ({', '.join(sorted(DEMUXERS))})")
-    if container == "wav" and wav_cut_short(data[:1 << 16], len(data)):
-        raise InvalidInputError(f"{what} is truncated: its WAV header promises more samples than the file holds")
+    encoding = None
+    if container == "wav":
+        tag = check_wav_header(data[:1 << 16], what)  # a malformed header: a 400 before ffmpeg reads it
+        encoding = wav_format_name(tag) if tag is not None else None
+        if wav_cut_short(data[:1 << 16], len(data)):
+            raise InvalidInputError(f"{what} is truncated: its WAV header promises more samples than the file holds")
     if container == "ogg" and ogg_cut_short(data):
         raise InvalidInputError(f"{what} is truncated: its last Ogg page runs past the end of the file")
-    return _decode(io.BytesIO(data), container, limits, what, optional)
+    return _decode(io.BytesIO(data), container, limits, what, optional, encoding)
 
 
 def _open(fp: Any, container: str, what: str):
@@ -326,8 +336,10 @@ def _open(fp: Any, container: str, what: str):
                                 f"{type(e).__name__})") from None
 
 
-def _decode(fp: Any, container_name: str, limits: AudioLimits, what: str, optional: bool = False) -> Audio | None:
-    """The first audio stream (`optional`: None when there is none, else a 400)."""
+def _decode(fp: Any, container_name: str, limits: AudioLimits, what: str, optional: bool = False,
+            encoding: str | None = None) -> Audio | None:
+    """The first audio stream (`optional`: None when there is none, else a 400). `encoding`: how an error names
+    the stream's encoding, when the container's header said (a WAV format tag)."""
     import av
 
     with _open(fp, container_name, what) as container:
@@ -337,6 +349,9 @@ def _decode(fp: Any, container_name: str, limits: AudioLimits, what: str, option
             raise InvalidInputError(f"{what} has no audio stream")
         stream = container.streams.audio[0]
         ctx = stream.codec_context
+        if ctx is None or ctx.codec is None:  # ffmpeg has no decoder for what the header names
+            raise InvalidInputError(f"{what} is in an encoding this server cannot decode ({encoding or container_name}"
+                                    "): send PCM, IEEE float, FLAC, MP3, AAC, Vorbis or Opus audio")
         _check_rate(ctx.sample_rate, limits, what)
         _check_channels(ctx.channels, limits, what)
         declared = (float(stream.duration * stream.time_base) if stream.duration and stream.time_base
@@ -392,7 +407,8 @@ _INT_SCALE = {np.dtype(np.int16): 1 / 32768, np.dtype(np.int32): 1 / 2**31, np.d
 def _to_float(arr: np.ndarray) -> np.ndarray:
     """Samples as float32 in [-1, 1): integers scaled by their range (unsigned ones centred first)."""
     if arr.dtype.kind == "f":
-        return arr.astype(np.float32, copy=False)
+        with np.errstate(over="ignore"):  # float64 past float32's range becomes inf, refused by `_finish`
+            return arr.astype(np.float32, copy=False)
     if arr.dtype.kind == "u":
         half = 2 ** (8 * arr.dtype.itemsize - 1)
         return ((arr.astype(np.float64) - half) / half).astype(np.float32)
@@ -523,5 +539,10 @@ def _finish(waveform: np.ndarray, limits: AudioLimits, what: str) -> np.ndarray:
     if not len(waveform):
         raise InvalidInputError(f"{what} holds no audio samples")
     if not np.isfinite(waveform).all():
-        raise InvalidInputError(f"{what} holds NaN or infinite samples")
+        raise InvalidInputError(f"{what} holds NaN or infinite samples (or samples past float32's range); samples "
+                                f"must be finite, within +-{MAX_SAMPLE_MAGNITUDE:g}")
+    peak = float(np.abs(waveform).max())
+    if peak > MAX_SAMPLE_MAGNITUDE:
+        raise InvalidInputError(f"{what} holds a sample of magnitude {peak:.3g}; samples must lie within "
+                                f"+-{MAX_SAMPLE_MAGNITUDE:g} (full scale is 1)")
     return waveform

@@ -89,3 +89,76 @@ def ogg_cut_short(data: bytes) -> bool:
             return True
         pos += 27 + segments + sum(data[pos + 27:pos + 27 + segments])
     return pos != len(data)
+
+
+# WAV `fmt ` chunks. Uncompressed encodings are checked field by field (their bits per sample decide how the bytes
+# are read: a wrong one decodes noise or nothing); any other format tag is left to ffmpeg, which refuses what it
+# has no decoder for.
+WAVE_FORMAT_EXTENSIBLE = 0xFFFE
+# format tag -> (name, bits per sample it may state)
+WAVE_UNCOMPRESSED: dict[int, tuple[str, frozenset[int]]] = {
+    0x0001: ("PCM", frozenset(range(1, 33))),  # stored in whole bytes (12 bits in 2): what ffmpeg reads
+    0x0003: ("IEEE float", frozenset({32, 64})),
+    0x0006: ("A-law", frozenset({8})),
+    0x0007: ("mu-law", frozenset({8})),
+}
+# {XXXXXXXX-0000-0010-8000-00AA00389B71}: an extensible header's sub-format, a format tag in its first bytes
+_SUBFORMAT_TAIL = bytes.fromhex("000000001000800000aa00389b71")
+_RIFF_HEADER = 12
+
+
+def check_wav_header(head: bytes, what: str = "the audio") -> int | None:
+    """The WAV format tag (an extensible header's sub-format) of a RIFF/WAVE file's first bytes, its `fmt `
+    chunk checked: InvalidInputError for a malformed one. None when the chunk is not among `head`'s chunks
+    (ffmpeg then judges the file)."""
+    pos = _RIFF_HEADER
+    while pos + 8 <= len(head):
+        chunk, length = head[pos:pos + 4], int.from_bytes(head[pos + 4:pos + 8], "little")
+        if chunk == b"data":
+            raise InvalidInputError(f"{what}: its WAV header is malformed: no 'fmt ' chunk before the samples")
+        if chunk == b"fmt ":
+            return _check_fmt(head[pos + 8:pos + 8 + length], length, what)
+        pos += 8 + length + (length & 1)
+    return None
+
+
+def _check_fmt(fmt: bytes, length: int, what: str) -> int:
+    bad = f"{what}: its WAV header is malformed:"
+    if length < 16:
+        raise InvalidInputError(f"{bad} a 'fmt ' chunk of {length} bytes (16 at least)")
+    if len(fmt) < min(length, 40):
+        raise InvalidInputError(f"{bad} the file ends inside its 'fmt ' chunk")
+    tag, channels, rate = int.from_bytes(fmt[0:2], "little"), int.from_bytes(fmt[2:4], "little"), \
+        int.from_bytes(fmt[4:8], "little")
+    bits = int.from_bytes(fmt[14:16], "little")
+    if channels == 0:
+        raise InvalidInputError(f"{bad} 0 channels")
+    if rate == 0:
+        raise InvalidInputError(f"{bad} a sample rate of 0 Hz")
+    if tag == WAVE_FORMAT_EXTENSIBLE:
+        extra = int.from_bytes(fmt[16:18], "little") if len(fmt) >= 18 else 0
+        if length < 40 or len(fmt) < 40 or extra < 22:
+            raise InvalidInputError(f"{bad} an extensible format (0xFFFE) needs a 40-byte 'fmt ' chunk with 22 "
+                                    f"bytes of extension; this one has {length} with {extra}")
+        valid, subformat = int.from_bytes(fmt[18:20], "little"), fmt[24:40]
+        if subformat[2:] != _SUBFORMAT_TAIL:
+            raise InvalidInputError(f"{bad} its extensible sub-format {subformat.hex()} is not an audio encoding "
+                                    "this server decodes")
+        tag = int.from_bytes(subformat[:2], "little")
+        if tag == WAVE_FORMAT_EXTENSIBLE:
+            raise InvalidInputError(f"{bad} an extensible sub-format cannot itself be extensible")
+        if tag in WAVE_UNCOMPRESSED and valid > bits:
+            raise InvalidInputError(f"{bad} {valid} valid bits in samples of {bits} bits")
+    if tag in WAVE_UNCOMPRESSED:
+        name, allowed = WAVE_UNCOMPRESSED[tag]
+        if bits not in allowed:
+            accepted = (f"{min(allowed)} to {max(allowed)}" if len(allowed) > 2
+                        else " or ".join(map(str, sorted(allowed))))
+            raise InvalidInputError(f"{bad} {name} samples of {bits} bits ({name} samples have {accepted} bits)")
+    return tag
+
+
+def wav_format_name(tag: int) -> str:
+    """How an error names a WAV format tag."""
+    known = WAVE_UNCOMPRESSED.get(tag)
+    return f"WAV format 0x{tag:04X}" + (f" ({known[0]})" if known else "")

@@ -8,10 +8,12 @@ rescale + normalize, then patchify into merge-window-major order with each frame
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
@@ -37,30 +39,86 @@ ImageSource = Union[Image.Image, str, os.PathLike, bytes, bytearray, memoryview]
 # ---------------------------------------------------------------------------------------------
 
 
-def load_image(source: ImageSource, max_pixels_decoded: int = DEFAULT_MAX_PIXELS_DECODED) -> Image.Image:
+@dataclass(frozen=True)
+class ImageBounds:
+    """What a picture may be, all checked from its header (Pillow reads the size without decoding a pixel), before
+    it is decoded, resized or tiled. `max_pixels` is the server's (--max-image-pixels: pixels as decoded, and the
+    bytes they decode to); `max_side` and `max_aspect_ratio` are what the model family's processing refuses later
+    in any case (each family declares its own: `MultiModalProcessor.max_image_side` / `max_image_aspect_ratio`),
+    so a picture it would refuse costs no decode. All three are the same whichever way the picture is turned."""
+
+    max_pixels: int = DEFAULT_MAX_PIXELS_DECODED
+    max_side: int | None = None  # each side, in pixels
+    max_aspect_ratio: float | None = None  # the long side over the short one
+
+    def check(self, width: int, height: int, mode: str = "RGB") -> None:
+        _check_decoded_size(width, height, self.max_pixels, mode)
+        self.check_shape(width, height)
+
+    def check_shape(self, width: int, height: int, what: str = "image") -> None:
+        """Each side and the aspect ratio (a size already known to be positive)."""
+        if self.max_side is not None and max(width, height) > self.max_side:
+            raise MediaTooLargeError(f"{what} is {width}x{height} pixels; this model takes at most {self.max_side} "
+                                     "pixels a side")
+        if self.max_aspect_ratio is not None and max(width, height) / min(width, height) > self.max_aspect_ratio:
+            raise InvalidInputError(f"{what} is {width}x{height} pixels, an aspect ratio of "
+                                    f"{max(width, height) / min(width, height):.1f}; this model takes at most "
+                                    f"{self.max_aspect_ratio:g} (long side / short side)")
+
+
+# A family's check of a picture's size (width, height) before decoding: what its resize or tiling would make of
+# it (token count, resized size), raising InvalidInputError for what it would refuse.
+SizeCheck = Callable[[int, int], None]
+
+
+def load_image(source: ImageSource, max_pixels_decoded: int | ImageBounds = DEFAULT_MAX_PIXELS_DECODED,
+               check: SizeCheck | None = None) -> Image.Image:
     """Decode `source` into a fully loaded RGB PIL image.
 
     `source` is a PIL image, a local path (str / PathLike, optionally `file://`), raw encoded bytes,
     or a `data:image/...;base64,...` URL. Paths are opened as given: callers exposing this to
     untrusted users must decide whether local files are allowed at all.
+
+    `max_pixels_decoded` (the pixel cap, or a model family's `ImageBounds`: the cap and its shape bounds) and then
+    `check` are applied to the size the header states, before any pixel is decoded. The header's size is as
+    stored: EXIF may turn the picture a quarter, so `check` refuses it here only if it would refuse it either way
+    round (the caller checks the decoded picture again).
     """
+    bounds = (max_pixels_decoded if isinstance(max_pixels_decoded, ImageBounds)
+              else ImageBounds(max_pixels=max_pixels_decoded))
     if isinstance(source, Image.Image):
-        _check_decoded_size(source.width, source.height, max_pixels_decoded, source.mode)
+        check_header_size(source.width, source.height, source.mode, bounds, check)
         return to_rgb(source)
     if isinstance(source, (bytes, bytearray, memoryview)):
-        return _decode(io.BytesIO(bytes(source)), max_pixels_decoded, what="image bytes")
+        return _decode(io.BytesIO(bytes(source)), bounds, check, what="image bytes")
     if isinstance(source, os.PathLike):
-        return _open_path(Path(source), max_pixels_decoded)
+        return _open_path(Path(source), bounds, check)
     if isinstance(source, str):
         if is_data_url(source):
-            return _decode(io.BytesIO(decode_data_url(source, kind="image")), max_pixels_decoded, "data URL")
+            return _decode(io.BytesIO(decode_data_url(source, kind="image")), bounds, check, "data URL")
         if source.startswith(("http://", "https://")):
             raise InvalidInputError("remote image URLs must be fetched before load_image")
-        return _open_path(Path(source.removeprefix("file://")), max_pixels_decoded)
+        return _open_path(Path(source.removeprefix("file://")), bounds, check)
     raise InvalidInputError(f"unsupported image source type {type(source).__name__}")
 
 
-def _open_path(path: Path, max_pixels_decoded: int) -> Image.Image:
+def check_header_size(width: int, height: int, mode: str, bounds: ImageBounds, check: SizeCheck | None) -> None:
+    """`bounds`, then the family's `check` (refusing only what it refuses both ways round: see `load_image`)."""
+    bounds.check(width, height, mode)
+    if check is None:
+        return
+    try:
+        check(width, height)
+    except InvalidInputError as first:
+        if width == height:
+            raise
+        try:
+            check(height, width)
+        except InvalidInputError:
+            raise first from None
+
+
+def _open_path(path: Path, bounds: ImageBounds, check: SizeCheck | None) -> Image.Image:
     try:
         found = path.is_file()
     except (OSError, ValueError):  # e.g. name too long: treat like any other missing file
@@ -69,19 +127,19 @@ def _open_path(path: Path, max_pixels_decoded: int) -> Image.Image:
         raise InvalidInputError(f"image file not found: {str(path)[:256]}")
     try:
         with open(path, "rb") as f:
-            return _decode(f, max_pixels_decoded, what=f"image file {path.name!r}")
+            return _decode(f, bounds, check, what=f"image file {path.name!r}")
     except OSError as e:
         raise InvalidInputError(f"cannot read image file {path.name!r}: {e}") from None
 
 
-def _decode(fp: Any, max_pixels_decoded: int, what: str) -> Image.Image:
+def _decode(fp: Any, bounds: ImageBounds, check: SizeCheck | None, what: str) -> Image.Image:
     try:
         img = Image.open(fp)  # reads only the header: size is known before any pixel is decoded
     except Image.DecompressionBombError as e:  # PIL's own (larger) limit tripped in open()
         raise MediaTooLargeError(f"{what}: {e}") from None
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
         raise InvalidInputError(f"{what} is not a decodable image ({e.__class__.__name__})") from None
-    _check_decoded_size(img.width, img.height, max_pixels_decoded, img.mode)
+    check_header_size(img.width, img.height, img.mode, bounds, check)
     try:
         img.load()
         return to_rgb(_apply_exif_orientation(img))
@@ -94,10 +152,10 @@ def _decode(fp: Any, max_pixels_decoded: int, what: str) -> Image.Image:
 def _apply_exif_orientation(img: Image.Image) -> Image.Image:
     # Phones store rotation in EXIF; honour it as transformers' own load_image does. A malformed
     # EXIF block is not worth rejecting the request over, so fall back to the stored orientation.
-    try:
-        return ImageOps.exif_transpose(img)
-    except Exception:  # noqa: BLE001 - Pillow raises assorted types on bad EXIF
-        return img
+    # In place: a picture without a rotation is not copied.
+    with contextlib.suppress(Exception):  # Pillow raises assorted types on bad EXIF
+        ImageOps.exif_transpose(img, in_place=True)
+    return img
 
 
 def _bytes_per_pixel(mode: str) -> int:

@@ -29,7 +29,7 @@ from PIL import Image
 
 from vlserve.core.errors import InvalidInputError, MediaTooLargeError, ModelLoadError
 from vlserve.media.data_url import decode_data_url, is_data_url
-from vlserve.media.image import MAX_ASPECT_RATIO, ImageProcessorConfig, smart_resize, to_rgb
+from vlserve.media.image import MAX_ASPECT_RATIO, ImageBounds, ImageProcessorConfig, smart_resize, to_rgb
 
 FRAME_FACTOR = 2  # frames per temporal patch
 DEFAULT_FPS = 2.0
@@ -184,9 +184,11 @@ def _count_frames(source: Any) -> tuple[int, float]:
         return count, _stream_fps(stream, container, times, count)
 
 
-def decode_video(source: Any, opts: VideoOptions, max_frame_pixels: int, max_total_pixels: int) -> SampledVideo:
+def decode_video(source: Any, opts: VideoOptions, max_frame_pixels: int | ImageBounds,
+                 max_total_pixels: int) -> SampledVideo:
     """Only the sampled frames of the first video stream are kept (decoding streams past the others), and only
-    within the per-frame and total pixel budgets, checked before any frame is converted."""
+    within the per-frame and total pixel budgets (and a frame's shape bounds, when `max_frame_pixels` is an
+    ImageBounds), checked before any frame is converted."""
     data = _source_bytes(source)
     reopen = (lambda: io.BytesIO(data.getvalue())) if isinstance(data, io.BytesIO) else (lambda: data)
     with _open(reopen()) as container:
@@ -220,13 +222,22 @@ def decode_video(source: Any, opts: VideoOptions, max_frame_pixels: int, max_tot
     raise InvalidInputError("the video's frames could not be sampled (inconsistent frame count)")
 
 
-def _check_pixels(width: int, height: int, frames: int, max_frame_pixels: int, max_total_pixels: int) -> None:
+def _check_pixels(width: int, height: int, frames: int, max_frame_pixels: int | ImageBounds,
+                  max_total_pixels: int) -> None:
+    if isinstance(max_frame_pixels, ImageBounds):
+        bounds, max_frame_pixels = max_frame_pixels, max_frame_pixels.max_pixels
+    else:
+        bounds = None
+    if width <= 0 or height <= 0:
+        raise InvalidInputError(f"video frames have an empty size {width}x{height}")
     if width * height > max_frame_pixels:
         raise MediaTooLargeError(f"video frames are {width}x{height} = {width * height} pixels, more than the "
                                  f"{max_frame_pixels} allowed per frame")
     if frames * width * height > max_total_pixels:
         raise MediaTooLargeError(f"{frames} sampled frames of {width}x{height} exceed the decoded-video budget of "
                                  f"{max_total_pixels} pixels")
+    if bounds is not None:
+        bounds.check_shape(width, height, "a video frame")
 
 
 def _stream_fps(stream, container, times: list[float], count: int) -> float:
@@ -286,9 +297,11 @@ def _to_array(frame: Any) -> np.ndarray:
     return frame.to_ndarray(format="rgb24")  # a PyAV frame
 
 
-def load_video(source: Any, opts: VideoOptions, max_frame_pixels: int = DEFAULT_MAX_FRAME_PIXELS,
+def load_video(source: Any, opts: VideoOptions, max_frame_pixels: int | ImageBounds = DEFAULT_MAX_FRAME_PIXELS,
                max_total_pixels: int = DEFAULT_MAX_VIDEO_PIXELS) -> SampledVideo:
-    """A path / bytes / data URL (decoded with PyAV), or a list of frames taken as a clip at `opts.fps`."""
+    """A path / bytes / data URL (decoded with PyAV), or a list of frames taken as a clip at `opts.fps`.
+    `max_frame_pixels`: a frame's pixel cap, or a model family's `ImageBounds` (its cap, sides, aspect ratio),
+    checked on the first decoded frame before any frame is converted or resized."""
     if not isinstance(source, (list, tuple)):
         return decode_video(source, opts, max_frame_pixels, max_total_pixels)
     if not source:

@@ -3,6 +3,11 @@ found through the registry, each request sent where its prompt's prefix is cache
 
 Start-up: the port is bound first, then the tokenizer and processor load (config files only, no weights), then
 the replica list starts and uvicorn serves. /ready answers 200 once a replica is known and answers.
+
+Replicas see clients' prompts: the router routes only to replicas of a registry that needs a credential to join
+(a bootstrap with --disagg-secret, etcd with a user or client certificate) unless --allow-unsigned-replicas, and
+sends them its own key, never the client's (router/proxy.py). It answers only the Host names of
+server/hosts.py, as a server does.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 
 import vlserve
 from vlserve.core.config import Options
+from vlserve.core.errors import InvalidInputError
 from vlserve.core.processes import SigtermStop, finish
 from vlserve.disagg.auth import PeerAuth, require_secret_off_loopback
 from vlserve.disagg.registries import open_registry
@@ -29,6 +35,7 @@ from vlserve.router.proxy import Proxy
 from vlserve.router.replicas import ReplicaSet
 from vlserve.server.api_key import install_api_key_check
 from vlserve.server.errors import error_response, install_error_handlers
+from vlserve.server.hosts import HostCheck, HostPolicy, relative_slash_redirects
 from vlserve.server.listen import bind_socket
 from vlserve.server.playground.routes import add_playground, playground_config
 from vlserve.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
@@ -44,7 +51,9 @@ def build_router_app(opts: Options, hasher: PromptHasher, replicas: ReplicaSet) 
     serving = OpenAIServing(None, server, model_name)
     metrics = RouterMetrics(replicas)
     chooser = Chooser(d.routing, d.routing_cache_weight, opts.engine.block_size)
-    proxy = Proxy(replicas, chooser, metrics, serving.until_done_or_disconnect)
+    proxy = Proxy(replicas, chooser, metrics, serving.until_done_or_disconnect,
+                  replica_key=d.replica_api_key or server.api_key, read_timeout=d.replica_read_timeout,
+                  max_response_bytes=d.max_replica_response_bytes, executor=hasher.executor)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -55,6 +64,7 @@ def build_router_app(opts: Options, hasher: PromptHasher, replicas: ReplicaSet) 
     app = FastAPI(title="vlserve router", version=vlserve.__version__, lifespan=lifespan, docs_url=None,
                   redoc_url=None, openapi_url=None)
     install_error_handlers(app)
+    relative_slash_redirects(app)
     install_api_key_check(app, server.api_key)
 
     async def route(raw: Request, path: str, model, hash_fn) -> Response:
@@ -113,9 +123,30 @@ def open_replicas(opts: Options) -> ReplicaSet:
     d = opts.disagg
     auth = PeerAuth(d.disagg_secret)
     require_secret_off_loopback(auth, registry_target(d).host, "this router's registry")
+    open_to = check_registry_trust(opts)
+    if open_to:
+        logger.warning("routing to replicas of a registry that is %s (--allow-unsigned-replicas)", open_to)
     # The router only reads the registry: this record is never registered.
     registry = open_registry(d, InstanceInfo(new_instance_id(), "router", ""), opts.engine.model, auth=auth)
     return ReplicaSet(registry, tuple(d.replica_role), d.heartbeat_interval)
+
+
+def check_registry_trust(opts: Options) -> str:
+    """Refuses a registry anyone who reaches it can register in (their replicas would get clients' prompts) unless
+    --allow-unsigned-replicas; returns why it is open ("" when only holders of a credential can register)."""
+    d = opts.disagg
+    target = registry_target(d)
+    open_to = ""
+    if target.kind == "bootstrap" and not d.disagg_secret:
+        open_to = "a bootstrap without --disagg-secret"
+    elif target.kind == "etcd" and not (d.registry_user or d.registry_cert):
+        open_to = "etcd without --registry-user or --registry-cert"
+    if open_to and not d.allow_unsigned_replicas:
+        raise InvalidInputError(
+            f"the registry at {target.endpoints[0]} is {open_to}: any process that reaches it could register as a "
+            "replica and receive clients' prompts. Give every role --disagg-secret (or VLSERVE_DISAGG_SECRET), or "
+            "etcd credentials, or pass --allow-unsigned-replicas to route to its replicas anyway")
+    return open_to
 
 
 async def run_router(opts: Options, log_level: str = "INFO", sock: socket.socket | None = None) -> int:
@@ -124,6 +155,8 @@ async def run_router(opts: Options, log_level: str = "INFO", sock: socket.socket
     from vlserve.server.slow_clients import header_timeout_protocol
 
     server = opts.server
+    hosts = HostPolicy.of(server)  # a wrong --allowed-hosts, or an open registry, is refused before any work
+    check_registry_trust(opts)
     sock = sock or bind_socket(server.host, server.port)
     try:
         with SigtermStop() as sigterm:
@@ -131,8 +164,9 @@ async def run_router(opts: Options, log_level: str = "INFO", sock: socket.socket
             replicas = open_replicas(opts)
             await replicas.start()
             try:
-                config = uvicorn.Config(build_router_app(opts, hasher, replicas), log_level=log_level.lower(),
-                                        access_log=False, timeout_graceful_shutdown=5, log_config=None,
+                config = uvicorn.Config(HostCheck(build_router_app(opts, hasher, replicas), hosts),
+                                        log_level=log_level.lower(), access_log=False, timeout_graceful_shutdown=5,
+                                        log_config=None,
                                         http=header_timeout_protocol(server.header_read_timeout))
                 sigterm.serving()
                 await uvicorn.Server(config).serve(sockets=[sock])

@@ -3,8 +3,9 @@
 in-flight count and prefill queue, plus the running and waiting requests its /metrics shows beyond those, scraped
 at the same interval).
 
-A replica that refuses a connection or fails before answering is avoided for a while (`avoid`); one that leaves
-the registry is dropped, its requests in flight left to finish (they hold their own connections).
+A replica that refuses a connection, fails or goes silent (--replica-read-timeout) while answering, or answers
+what the router does not pass on, is avoided for a while (`avoid`); one that leaves the registry is dropped, its
+requests in flight left to finish (they hold their own connections).
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from vlserve.disagg.registry import InstanceInfo, Registry
 from vlserve.router.choice import ReplicaLoad
 
 logger = logging.getLogger("vlserve.router")
-AVOID_S = 5.0  # how long a replica that failed a connection is left out (unless it is the only one)
-SCRAPED = {"vlserve:num_requests_running": "running", "vlserve:num_requests_waiting": "waiting"}
+AVOID_S = 5.0  # how long a replica that failed (see above) is left out (unless it is the only one)
+SCRAPED = {"vlserve:num_requests_running": "running", "vlserve:num_requests_waiting": "waiting",
+           "vlserve:kv_cache_blocks": "capacity"}
 
 
 class Replica(ReplicaLoad):
@@ -37,8 +39,9 @@ class Replica(ReplicaLoad):
 
 
 def parse_load(text: str) -> dict[str, int]:
-    """running / waiting from a replica's Prometheus text (labels ignored, values summed)."""
-    out = {"running": 0, "waiting": 0}
+    """running / waiting / capacity (KV blocks) from a replica's Prometheus text (labels ignored, values
+    summed)."""
+    out = {"running": 0, "waiting": 0, "capacity": 0}
     for line in text.splitlines():
         name, _, rest = line.partition("{") if "{" in line.split(" ", 1)[0] else line.partition(" ")
         key = SCRAPED.get(name.strip())
@@ -110,8 +113,10 @@ class ReplicaSet:
         """Replicas to route to, in a stable order: those not avoided, else (all avoided) every one left."""
         now = time.monotonic()
         left = [r for name, r in sorted(self.replicas.items()) if name not in exclude]
-        fine = [r for r in left if r.avoid_until <= now]
-        return fine or left
+        fine = [r for r in left if r.avoid_until <= now] or left
+        for r in fine:  # what each holds now: a new conversation goes where it evicts least
+            r.cached_blocks = self.index.num_blocks(r.name)
+        return fine
 
     def avoid(self, name: str, why: str) -> None:
         replica = self.replicas.get(name)
@@ -163,4 +168,5 @@ class ReplicaSet:
             r.answering = True
             load = parse_load(resp.text)
             r.others = max(0, load["running"] + load["waiting"] - max(ours, r.in_flight))
+            r.capacity_blocks = load["capacity"]
         await asyncio.gather(*(one(r) for r in list(self.replicas.values())))

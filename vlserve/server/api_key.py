@@ -1,5 +1,9 @@
 """`--api-key`: 'Authorization: Bearer KEY' required on /v1 routes (and the API docs), compared in constant time.
-Shared by the OpenAI server and the router."""
+Shared by the OpenAI server and the router.
+
+/health, /ready, /version, /metrics and the playground page stay open, as vLLM leaves them: liveness and readiness
+probes and Prometheus scrapers (a router scraping its replicas too) read them without a key. /metrics holds
+counts and latencies, never a prompt or an answer."""
 
 from __future__ import annotations
 

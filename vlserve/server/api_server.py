@@ -27,6 +27,7 @@ from vlserve.frontend.tokenizer import load_chat_template
 from vlserve.server.api_key import install_api_key_check
 from vlserve.server.errors import error_response, install_error_handlers
 from vlserve.server.announce import announce_replica
+from vlserve.server.hosts import HostCheck, HostPolicy, relative_slash_redirects
 from vlserve.server.listen import bind_socket
 from vlserve.server.playground.routes import add_playground, playground_config
 from vlserve.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -84,7 +85,7 @@ def build_app(engine: AsyncLLM, server: ServerArgs) -> FastAPI:
     app = FastAPI(title="vlserve", version=vlserve.__version__, lifespan=lifespan, docs_url="/docs" if docs else None,
                   redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
     install_error_handlers(app)
-
+    relative_slash_redirects(app)
     install_api_key_check(app, server.api_key)
 
     # Bodies are read and parsed by the handlers themselves: size limit first, strict JSON, off the event loop
@@ -144,6 +145,7 @@ async def serve(opts: Options, log_level: str = "INFO", role: str = SERVE, sock:
     from vlserve.server.slow_clients import header_timeout_protocol
 
     server = opts.server
+    hosts = HostPolicy.of(server, opts.disagg.advertise_host)  # a wrong --allowed-hosts is refused before any work
     sock = sock or bind_socket(server.host, server.port)
     try:
         with SigtermStop() as sigterm:
@@ -151,8 +153,8 @@ async def serve(opts: Options, log_level: str = "INFO", role: str = SERVE, sock:
             await engine.start()
             announced = await announce_replica(opts, engine) if role == SERVE else None
             try:
-                config = uvicorn.Config(build_app(engine, server), log_level=log_level.lower(), access_log=False,
-                                        timeout_graceful_shutdown=5, log_config=None,
+                config = uvicorn.Config(HostCheck(build_app(engine, server), hosts), log_level=log_level.lower(),
+                                        access_log=False, timeout_graceful_shutdown=5, log_config=None,
                                         http=header_timeout_protocol(server.header_read_timeout))
                 http = uvicorn.Server(config)
                 sigterm.serving()

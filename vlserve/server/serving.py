@@ -24,7 +24,7 @@ from vlserve.frontend.prepared_prompt import PreparedPrompt
 from vlserve.server.errors import error_body, error_from_exception, log_client_error
 from vlserve.server.protocol import parse_body
 
-PARSE_INLINE_BYTES = 256 * 1024  # bigger bodies are parsed on a thread, off the event loop
+PARSE_INLINE_BYTES = 256 * 1024  # bigger bodies are parsed on a thread, off the event loop (as read: not copied)
 _json = msgspec.json.Encoder()
 # U+2028/U+2029 are legal raw in JSON but end a line for JavaScript and some SSE readers: send them escaped.
 _LINE_SEPARATORS = (("\u2028".encode(), b"\\u2028"), ("\u2029".encode(), b"\\u2029"))
@@ -62,6 +62,12 @@ class SSEResponse(StreamingResponse):
 async def read_body(raw: HTTPRequest, limit: int, timeout: float = math.inf) -> bytes:
     """The request body, refused with 413 as soon as it is known to exceed `limit` (header or bytes read), and
     with 408 if it has not all arrived `timeout` seconds after its headers (a slow-loris client)."""
+    return bytes(await read_body_buffer(raw, limit, timeout))
+
+
+async def read_body_buffer(raw: HTTPRequest, limit: int, timeout: float = math.inf) -> bytearray:
+    """`read_body`'s body as the buffer it was read into: no copy of it is made on the event loop (copying a
+    body of tens of megabytes there would hold up every other request, /health included)."""
     declared = raw.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise RequestTooLargeError(f"the request body is {declared} bytes, over the limit of {limit} bytes "
@@ -77,7 +83,7 @@ async def read_body(raw: HTTPRequest, limit: int, timeout: float = math.inf) -> 
     except TimeoutError:
         raise RequestTimeoutError(f"the request body did not arrive within {timeout:g}s (--body-read-timeout); "
                                   f"{len(body)} bytes came") from None
-    return bytes(body)
+    return body
 
 
 class OpenAIServing:
@@ -89,7 +95,7 @@ class OpenAIServing:
         self.model_name = model_name
 
     async def parse(self, raw: HTTPRequest, model: type[BaseModel]):
-        body = await read_body(raw, self.server.max_request_bytes, self.server.body_read_timeout)
+        body = await read_body_buffer(raw, self.server.max_request_bytes, self.server.body_read_timeout)
         if len(body) <= PARSE_INLINE_BYTES:
             parsed = parse_body(body, model)
         else:

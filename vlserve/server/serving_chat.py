@@ -13,7 +13,7 @@ from vlserve.core.outputs import CompletionOutput, RequestOutput
 from vlserve.core.sampling_params import SamplingParams
 from vlserve.core.structured_outputs import StructuredOutputsError
 from vlserve.frontend.prepared_prompt import PreparedPrompt
-from vlserve.frontend.chat import parse_chat_messages
+from vlserve.frontend.chat import ParsedChat, parse_chat_messages
 from vlserve.frontend.tokenizer import render_chat
 from vlserve.frontend.tool_calls import ToolCallStream, extract_tool_calls
 from vlserve.server.protocol import ChatCompletionRequest
@@ -81,6 +81,13 @@ class OpenAIServingChat(OpenAIServing):
         if body.chat_template is not None and not self.server.trust_request_chat_template:
             raise InvalidInputError("chat_template in a request is refused by this server (a template is code); "
                                     "the operator may allow it with --trust-request-chat-template")
+        loop = asyncio.get_running_loop()
+        chat, text = await loop.run_in_executor(self.engine.executor, self._chat_text, body)
+        return await self.engine.prepare(chat.prompt(text), body.mm_processor_kwargs, arrival, request_id, params)
+
+    def _chat_text(self, body: ChatCompletionRequest) -> tuple[ParsedChat, str]:
+        """The messages parsed and bounded, then rendered by the chat template. On a worker thread: parsing reads
+        every text and media part, tens of megabytes in a big body, which the event loop must not wait for."""
         chat = parse_chat_messages(body.messages, allow_python_objects=False,
                                    modalities=self.engine.cfg.model.modalities)
         limit_chars = self.engine.input_processor.max_prompt_chars
@@ -92,12 +99,9 @@ class OpenAIServingChat(OpenAIServing):
             if len(items) > limit:
                 raise InvalidInputError(f"{len(items)} {kind}s in one request; at most {limit} allowed "
                                         f"(--limit-mm-per-prompt {kind}={limit})")
-        loop = asyncio.get_running_loop()
         tools, _ = body.tool_setup()
-        text = await loop.run_in_executor(self.engine.executor, render_chat, self.engine.tokenizer, chat.messages,
-                                          body.add_generation_prompt, body.chat_template, body.chat_template_kwargs,
-                                          tools)
-        return await self.engine.prepare(chat.prompt(text), body.mm_processor_kwargs, arrival, request_id, params)
+        return chat, render_chat(self.engine.tokenizer, chat.messages, body.add_generation_prompt, body.chat_template,
+                                 body.chat_template_kwargs, tools)
 
     def _response(self, request_id: str, out: RequestOutput, top_k: int, parse_calls: bool) -> dict:
         choices = []

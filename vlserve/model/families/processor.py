@@ -25,6 +25,7 @@ import torch
 from vlserve.core.errors import InvalidInputError
 from vlserve.core.prompt import ProcessedPrompt
 from vlserve.media.data_url import decode_base64
+from vlserve.media.image import ImageBounds
 from vlserve.model.config_types import ModelConfig
 
 EMBED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # precomputed embeddings a client may send
@@ -67,6 +68,9 @@ class PromptMedia:
     mm_kwargs: dict  # mm_processor_kwargs, only names in the processor's `mm_kwargs`
     from_token_ids: bool  # the client sent token ids (a family that rewrites the prompt rewrites those)
     tokenize: Callable[[str], list[int]]  # the front end's tokenizer, with its bounds (a family that rewrites text)
+
+
+_KEY_SLICE = 1 << 20  # characters of a data URL encoded at a time for its cache key
 
 
 class NotLaidOut(Exception):
@@ -112,12 +116,15 @@ class MediaItemCache:
     @staticmethod
     def key(kind: str, src: Any, settings: Any) -> bytes | None:
         """None for what may change under the same name (a path) or has no bytes of its own (a PIL image)."""
-        if isinstance(src, str) and src[:5].lower() == "data:":
-            src = src.encode()
-        if not isinstance(src, (bytes, bytearray, memoryview)):
+        text = isinstance(src, str) and src[:5].lower() == "data:"
+        if not text and not isinstance(src, (bytes, bytearray, memoryview)):
             return None
         h = blake3.blake3(f"{kind}|{json.dumps(settings, sort_keys=True, default=str)}|".encode())
-        h.update(src)
+        if text:  # its UTF-8, a slice at a time (no whole copy of a data URL of megabytes)
+            for i in range(0, len(src), _KEY_SLICE):
+                h.update(src[i:i + _KEY_SLICE].encode())
+        else:
+            h.update(src)
         return h.digest()
 
     def get_or_make(self, key: bytes | None, make: Callable[[], Any]) -> Any:
@@ -146,12 +153,19 @@ class MediaItemCache:
 class MultiModalProcessor(ABC):
     # mm_processor_kwargs this family reads (any other name is refused before the family sees the prompt)
     mm_kwargs: frozenset[str] = frozenset()
+    # What this family's processing refuses of a picture's (or video frame's) shape whatever else it is: each
+    # side at most `max_image_side` pixels, the long side at most `max_image_aspect_ratio` times the short one
+    # (None: no bound). Declared here, they are checked with the server's pixel cap from the header, before any
+    # decoding (`image_bounds`, vlserve.media.image.ImageBounds).
+    max_image_side: int | None = None
+    max_image_aspect_ratio: float | None = None
 
     def __init__(self, ctx: ProcessorContext):
         self.ctx = ctx
         self.layouts = MediaItemCache()
         # Processed items (pixels, features) of pictures and videos sent again, bounded by --mm-processor-cache-gb.
         self.processed = MediaItemCache(ctx.processed_cache_bytes, weigh=item_nbytes)
+        self.image_bounds = ImageBounds(ctx.max_image_pixels, self.max_image_side, self.max_image_aspect_ratio)
 
     @abstractmethod
     def process(self, prompt: PromptMedia) -> ProcessedPrompt:

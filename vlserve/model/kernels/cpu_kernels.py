@@ -7,8 +7,14 @@ A build lives in a cache folder named by a hash of what makes it: the sources, t
 Python. Two checkouts with the same sources share one build; a checkout with other sources (another branch, an
 upgrade) gets its own folder and never invalidates anyone's. A build is compiled in a private temporary folder
 under an OS file lock (`flock`: released when its holder dies, so a killed build never leaves a lock anyone waits
-on) and moved into place in one rename, so nobody ever sees half a build. The kernel ISA follows
-vlserve.model.hardware (so VLSERVE_CPU_ISA caps it too).
+on) and moved into place in one rename, so nobody ever sees half a build. A finished build is readable by every
+user (a container builds it as root and serves as another uid); a cache this process cannot read or write is a
+warning and the torch fallbacks, never an error. The kernel ISA follows vlserve.model.hardware (so
+VLSERVE_CPU_ISA caps it too).
+
+The cache folder: $VLSERVE_KERNEL_CACHE when set (that folder itself holds the `cpu-kernels-<key>` builds), else
+$XDG_CACHE_HOME/vlserve, else ~/.cache/vlserve. (Versions before this one added a `vlserve/` level below
+$VLSERVE_KERNEL_CACHE; such a folder is left alone and may be deleted.)
 """
 
 from __future__ import annotations
@@ -38,15 +44,25 @@ LIBRARY = NAME + ".so"
 CFLAGS = ("-O3", "-fopenmp", "-std=c++17", "-ffp-contract=off")  # no FMA the reference does not do
 LDFLAGS = ("-fopenmp",)
 DISABLE_ENV = "VLSERVE_CPU_KERNELS"  # "0" turns them off (torch fallbacks everywhere)
-CACHE_ENV = "VLSERVE_KERNEL_CACHE"  # the folder that holds the builds (default: ~/.cache)
+CACHE_ENV = "VLSERVE_KERNEL_CACHE"  # the folder that holds the builds (default: ~/.cache/vlserve)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what the attention, norm and rotary kernels take
 BUILD_COMMAND = f"{Path(sys.executable).name} -m vlserve.model.kernels.cpu_kernels"
 _built: dict[Path, object] = {}  # modules this process compiled (imported once, from their build folder)
 
 
 def cache_root() -> Path:
-    root = os.environ.get(CACHE_ENV) or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return Path(root) / "vlserve"
+    """The folder that holds the builds: $VLSERVE_KERNEL_CACHE exactly as given, else $XDG_CACHE_HOME/vlserve (by
+    default ~/.cache/vlserve)."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vlserve"
+
+
+def _unusable_cache(folder: Path, e: OSError) -> None:
+    logger.warning("vlserve CPU kernels: the kernel cache %s cannot be read by this user (uid %d: %s: %s); using "
+                   "the slower torch paths. Make it readable (chmod -R a+rX %s) or point %s at a folder this user "
+                   "can read, and build there with `%s`", folder, os.getuid(), type(e).__name__, e, cache_root(),
+                   CACHE_ENV, BUILD_COMMAND)
 
 
 @functools.lru_cache(maxsize=None)
@@ -84,13 +100,21 @@ def load():
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return None
     folder = library_dir()
-    if not (folder / LIBRARY).is_file():
+    try:
+        built = (folder / LIBRARY).is_file()
+    except OSError as e:  # a folder another user built, private to them (root's build, served as uid 10001)
+        _unusable_cache(folder, e)
+        return None
+    if not built:
         logger.warning("vlserve CPU kernels are not built for these sources, this compiler and torch (%s): using "
                        "the slower torch paths. Build them once with `%s` (about a minute on 2 cores; `make "
                        "install` does it)", folder, BUILD_COMMAND)
         return None
     try:
         module = _import(folder)
+    except PermissionError as e:  # the library itself is private to the user who built it
+        _unusable_cache(folder, e)
+        return None
     except Exception as e:  # noqa: BLE001 - a broken build must not stop the engine: the torch paths still work
         logger.warning("vlserve CPU kernels in %s could not be loaded (%s: %s); using slower torch fallbacks. "
                        "Rebuild: rm -r %s && %s", folder, type(e).__name__, e, folder, BUILD_COMMAND)
@@ -116,10 +140,11 @@ def build(folder: Path | None = None, compile_into=None) -> Path | None:
     Builders of the same folder take turns under an OS lock; each compiles in its own temporary folder, which a
     rename puts in place. `compile_into(tmp_folder)` does the compiling (tests replace it)."""
     folder = folder or library_dir()
-    if (folder / LIBRARY).is_file():
-        return folder
     compile_into = compile_into or _compile
+    module = None
     try:
+        if (folder / LIBRARY).is_file():
+            return folder
         folder.parent.mkdir(parents=True, exist_ok=True)
         with open(folder.parent / f"{folder.name}.lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # another builder of this folder finishes first (or dies)
@@ -133,6 +158,8 @@ def build(folder: Path | None = None, compile_into=None) -> Path | None:
                 module = compile_into(tmp)
                 if not (tmp / LIBRARY).is_file():
                     raise RuntimeError(f"the build left no {LIBRARY}")
+                # mkdtemp made it 0700: as a plain mkdir would (umask), so that other users can load it
+                os.chmod(tmp, 0o777 & ~_umask())
                 os.rename(tmp, folder)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -142,9 +169,20 @@ def build(folder: Path | None = None, compile_into=None) -> Path | None:
         load.cache_clear()
         return folder
     except Exception as e:  # noqa: BLE001 - no compiler, no headers, read-only cache: the torch paths still work
-        logger.warning("vlserve CPU kernels cannot be built here (%s: %s); using slower torch fallbacks",
-                       type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        hint = (f" (the kernel cache {folder.parent} is not writable by this user: set {CACHE_ENV} to a folder that "
+                "is)") if isinstance(e, PermissionError) else ""
+        logger.warning("vlserve CPU kernels cannot be built here (%s: %s)%s; using slower torch fallbacks",
+                       type(e).__name__, str(e).splitlines()[0] if str(e) else "", hint)
         return None
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (os.umask sets it, racing other threads' file creation)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        return 0o022
 
 
 def _compile(into: Path):

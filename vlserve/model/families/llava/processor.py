@@ -15,9 +15,10 @@ uint8 array or a list of frames) is used whole, as vLLM and HF do, when it has a
 a longer one is sampled the same way (vLLM would encode every frame: unbounded). `max_frames` is the
 mm_processor_kwargs entry when given (at most --max-video-frames, else refused), else --max-video-frames.
 
-Bounds, checked before any pixel is resized: an item's token count (`ctx.check_item_tokens`, from the geometry
-alone), then the resized size against --max-image-pixels: a picture's anyres canvas (its best grid pinpoint), a
-video frame's resized size. Decoding is bounded by vlserve.media (pixels per picture or frame as decoded, frames).
+Bounds. A picture's are all checked from its header, before it is decoded: its pixels (--max-image-pixels), each
+side (`MAX_SIDE`, what the engine's check of its grid takes), its token count (`ctx.check_item_tokens`, from the
+geometry alone) and its anyres canvas (its best grid pinpoint) against --max-image-pixels. A video's: frames and
+pixels per frame as decoded (vlserve.media), then its token count and a frame's resized size before any resize.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ class _Item:
 
 class LlavaProcessor(MultiModalProcessor):
     mm_kwargs = frozenset({"max_frames"})
+    max_image_side = MAX_SIDE  # what the engine's check of a picture's grid takes (checks.check_grid)
 
     def __init__(self, ctx: ProcessorContext, image: PixelSettings | None = None,
                  video: PixelSettings | None = None):
@@ -126,16 +128,21 @@ class LlavaProcessor(MultiModalProcessor):
         return cache.get_or_make(MediaItemCache.key("image", src, [uid]), lambda: self._load_image(src, uid, pixels))
 
     def _load_image(self, src: Any, uid: str | None, pixels: bool) -> _Item:
-        img = load_image(src, self.ctx.max_image_pixels)
-        grid = (self.geo.num_tiles(img.height, img.width), img.height, img.width)
-        tokens = item_tokens(self.ctx.model, grid)
-        self.ctx.check_item_tokens(tokens, f"{img.width}x{img.height} picture")
-        bh, bw = canvas_size(img.height, img.width, self.image)
-        if bh * bw > self.ctx.max_image_pixels:
-            raise MediaTooLargeError(f"the {img.width}x{img.height} picture would be resized to {bw}x{bh} = {bh * bw} "
-                                     f"pixels, more than the {self.ctx.max_image_pixels} allowed (--max-image-pixels)")
+        img = load_image(src, self.image_bounds, lambda w, h: self._geometry(h, w))  # checked undecoded
+        grid, tokens = self._geometry(img.height, img.width)
         mm_hash = hash_user_id(str(uid), self.image_params) if uid else hash_image(img, self.image_params)
         return _Item(tokens, grid, mm_hash, "image", pixel_values=anyres_pixels(img, self.image) if pixels else None)
+
+    def _geometry(self, height: int, width: int) -> tuple[tuple[int, int, int], int]:
+        """A picture's grid and token count, both bounded (its tokens, its anyres canvas): from its size alone."""
+        grid = (self.geo.num_tiles(height, width), height, width)
+        tokens = item_tokens(self.ctx.model, grid)
+        self.ctx.check_item_tokens(tokens, f"{width}x{height} picture")
+        bh, bw = canvas_size(height, width, self.image)
+        if bh * bw > self.ctx.max_image_pixels:
+            raise MediaTooLargeError(f"the {width}x{height} picture would be resized to {bw}x{bh} = {bh * bw} "
+                                     f"pixels, more than the {self.ctx.max_image_pixels} allowed (--max-image-pixels)")
+        return grid, tokens
 
     def _embeds(self, entry: dict) -> _Item:
         """Precomputed picture embeddings: {"image_embeds": [tokens, hidden] tensor (or base64 of a safetensors
@@ -192,7 +199,7 @@ class LlavaProcessor(MultiModalProcessor):
                 raise InvalidInputError(f"a video array must be [frames, height, width, 3], got shape {src.shape}")
             src = list(src)
         opts = VideoOptions(max_frames=max_frames, min_frames=1, rules="uniform")
-        video = load_video(src, opts, self.ctx.max_image_pixels)
+        video = load_video(src, opts, self.image_bounds)
         frames = video.frames
         (height, width), n = frames[0].shape[:2], len(frames)
         grid = (n, 0, 0)

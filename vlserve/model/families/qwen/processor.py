@@ -23,7 +23,14 @@ from vlserve.media.hashing import (
     hash_video_patch,
     hash_window,
 )
-from vlserve.media.image import ImageProcessorConfig, load_image, preprocess_image, resolve_pixel_limits, smart_resize
+from vlserve.media.image import (
+    MAX_ASPECT_RATIO,
+    ImageProcessorConfig,
+    load_image,
+    preprocess_image,
+    resolve_pixel_limits,
+    smart_resize,
+)
 from vlserve.media.video import VideoOptions, load_video, preprocess_video, video_grid
 from vlserve.model.audio_encoder import audio_output_tokens
 from vlserve.model.families.processor import (
@@ -93,6 +100,7 @@ class QwenProcessor(MultiModalProcessor):
     `audio_cfg` for one without an audio tower (both read from the checkpoint when not given)."""
 
     mm_kwargs = frozenset({"min_pixels", "max_pixels", "fps", "max_frames", "total_pixels", "use_audio_in_video"})
+    max_image_aspect_ratio = MAX_ASPECT_RATIO  # smart_resize's bound (transformers')
 
     def __init__(self, ctx: ProcessorContext, image_cfg: ImageProcessorConfig | None = None,
                  audio_cfg: AudioProcessorConfig | None = None):
@@ -206,10 +214,9 @@ class QwenProcessor(MultiModalProcessor):
         return cache.get_or_make(key, lambda: self._load_image(src, uid, params, pixels))
 
     def _load_image(self, src: Any, uid: str | None, params: dict, pixels: bool) -> _Item:
-        img = load_image(src, self.ctx.max_image_pixels)
-        h, w = smart_resize(img.height, img.width, self.image_cfg.factor, params["min_pixels"], params["max_pixels"])
+        img = load_image(src, self.image_bounds, lambda w, h: self._resized(h, w, params))  # checked undecoded
+        h, w = self._resized(img.height, img.width, params)
         patch, merge = self.image_cfg.patch_size, self.image_cfg.merge_size
-        self._check_size((1, h // patch, w // patch), "picture")
         mm_hash = hash_user_id(str(uid), params) if uid else hash_image(img, params)
         if not pixels:  # what preprocess_image's grid and token count would be
             return _Item((h // patch) * (w // patch) // merge**2, (1, h // patch, w // patch), mm_hash)
@@ -229,7 +236,7 @@ class QwenProcessor(MultiModalProcessor):
 
     def _load_video(self, src: Any, uid: str | None, opts, pixel_params: dict, hear: bool,
                     pixels: bool) -> tuple[list[_Item] | _Heard, list[float]]:
-        video = load_video(list(src) if isinstance(src, np.ndarray) else src, opts, self.ctx.max_image_pixels)
+        video = load_video(list(src) if isinstance(src, np.ndarray) else src, opts, self.image_bounds)
         lo, hi = pixel_params["min_pixels"], pixel_params["max_pixels"]
         t, h, w = video_grid(video, self.image_cfg, opts, lo, hi)
         # one item per temporal patch with Qwen3-VL's layout: each must fit the encoder on its own
@@ -317,6 +324,12 @@ class QwenProcessor(MultiModalProcessor):
         params = cfg.hash_params(ctx)
         mm_hash = hash_user_id(str(uid), params) if uid else hash_audio(waveform, cfg.sampling_rate, params)
         return _Item(tokens, (1, 1, tokens), mm_hash, modality="audio", audio_features=feats, audio_len=frames)
+
+    def _resized(self, height: int, width: int, params: dict) -> tuple[int, int]:
+        """A picture's size for the encoder (smart_resize: its aspect-ratio bound), its grid's size checked."""
+        h, w = smart_resize(height, width, self.image_cfg.factor, params["min_pixels"], params["max_pixels"])
+        self._check_size((1, h // self.image_cfg.patch_size, w // self.image_cfg.patch_size), "picture")
+        return h, w
 
     def _check_size(self, grid_thw: tuple[int, int, int], what: str) -> None:
         """Refuse a resized item that is too large before doing the resize."""
