@@ -2,11 +2,13 @@
 
 Starts a bootstrap registry, two `vlserve serve --registry ... --kv-events-endpoint ...` replicas and one
 `vlserve router` per policy in front of the same replicas. Each policy gets the same workload shape with its own
-pictures (so no policy inherits another's cache): `--users` users chat, each `--turns` turns about their own
-picture, every turn resending the conversation so far, at most `--concurrency` requests at once (1: the users
-take turns, one request at a time, nothing ever in flight when the router chooses; a list runs each level). Reported per policy: prefix-cache hit rate over
-both replicas (hit tokens / queried tokens, from their /metrics), TTFT p50/p99 (first streamed content chunk,
-at the client), requests/s; then each policy's ratio to round-robin.
+pictures and its own system prompt (so no policy inherits another's cache, and the shared prompt starts cached
+nowhere, as on a fresh deployment): `--users` users chat, each `--turns` turns about their own picture, every
+turn resending the conversation so far, at most `--concurrency` requests at once (1: the users take turns, one
+request at a time, nothing ever in flight when the router chooses; a list runs each level). Reported per policy:
+prefix-cache hit rate over both replicas (hit tokens / queried tokens, from their /metrics), TTFT p50/p99 (first
+streamed content chunk, at the client), requests/s, requests per replica; then each policy's ratio to
+round-robin.
 
 Cache pressure: a router matters when caches are full. Each replica's KV cache (`--num-kv-blocks`) is sized from
 the workload: `--cache-share` (default 0.6) of the working set, the blocks of every user's last prompt. So the
@@ -57,8 +59,15 @@ def data_url(seed: int, side: int) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def first_turn(seed: int, side: int) -> list[dict]:
-    return [{"role": "system", "content": SYSTEM},
+def system_prompt(run: int) -> str:
+    """Every chat of one run shares it (as a deployment's chats share a template and a system prompt); each run
+    has its own, so that no replica holds it when the run starts: which replica caches it first is up to the
+    policy, as on a fresh deployment."""
+    return f"Session {run}. {SYSTEM}"
+
+
+def first_turn(seed: int, side: int, system: str = SYSTEM) -> list[dict]:
+    return [{"role": "system", "content": system},
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(seed, side)}},
                                          {"type": "text", "text": QUESTIONS[0]}]}]
 
@@ -116,7 +125,7 @@ async def ask(client: httpx.AsyncClient, url: str, model: str, messages: list[di
 
 async def one_user(client: httpx.AsyncClient, url: str, model: str, seed: int, a, turns: list[dict],
                    slots: asyncio.Semaphore) -> None:
-    messages = first_turn(seed, a.image_side)
+    messages = first_turn(seed, a.image_side, system_prompt(seed // 1000))
     for turn in range(a.turns):
         async with slots:  # FIFO: at concurrency 1 the users take turns
             turns.append({**await ask(client, url, model, messages, a.max_tokens), "turn": turn, "user": seed})

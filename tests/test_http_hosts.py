@@ -50,7 +50,8 @@ def test_host_name(header, expected):
     assert host_name(header) == expected
 
 
-LOOPBACK_OK = ["127.0.0.1:8000", "localhost:8000", "LOCALHOST", "[::1]:8000", "127.0.0.2", "app.localhost:8000"]
+LOOPBACK_OK = ["127.0.0.1:8000", "localhost:8000", "LOCALHOST", "[::1]:8000", "127.0.0.2", "app.localhost:8000",
+               "127.0.0.1:", "[::1]:", "[::ffff:127.0.0.1]:8000"]  # an empty port (RFC 3986); v4-mapped loopback
 ALWAYS_REFUSED = ["evil.example", "evil.example:8000", "127.0.0.1.evil.example", "localhost.evil.example",
                   "testserver", "", "a b", "[::1", "x:y"]
 

@@ -123,13 +123,14 @@ def router_options(*flags: str):
 
 
 @contextlib.asynccontextmanager
-async def router(behaviours: list, *flags: str):
-    """(client of the router app, the fake replicas by instance id, the ReplicaSet)."""
+async def router(behaviours: list, *flags: str, chat=None):
+    """(client of the router app, the fake replicas by instance id, the ReplicaSet). `chat`: the prompt hasher's
+    (block hashes, whole) for a chat request, for cache-aware routing."""
     fakes = [await FakeReplica(b).start() for b in behaviours]
     infos = [InstanceInfo(f"r{i}", "serve", "", f"127.0.0.1:{f.port}") for i, f in enumerate(fakes)]
     replicas = ReplicaSet(FakeRegistry(infos), ("serve",), 60.0)
     await replicas.refresh()
-    hasher = SimpleNamespace(executor=ThreadPoolExecutor(1), chat=None, completion=None,
+    hasher = SimpleNamespace(executor=ThreadPoolExecutor(1), chat=chat, completion=None,
                              cfg=SimpleNamespace(max_model_len=1024, limit_mm_per_prompt={"image": 1}))
     app = build_router_app(router_options(*flags), hasher, replicas)
     transport = httpx.ASGITransport(app=app)
@@ -303,6 +304,12 @@ def test_the_clients_key_never_reaches_a_replica():
                                      headers={"authorization": "Bearer routers-key"})
             assert resp.status_code == 200
             assert fakes["r0"].requests[-1]["authorization"] == "Bearer routers-key"
+        # replicas of an open registry may be anyone's: the key clients use on the router never goes there
+        async with router([ok], "--api-key", "routers-key", "--allow-unsigned-replicas") as (client, fakes, _):
+            resp = await client.post("/v1/chat/completions", json=CHAT,
+                                     headers={"authorization": "Bearer routers-key"})
+            assert resp.status_code == 200
+            assert "authorization" not in fakes["r0"].requests[-1]
     run(scenario)
 
 
@@ -330,3 +337,104 @@ def test_an_unsigned_registry_is_refused_unless_allowed(flags, refused):
         replicas = open_replicas(opts)
         await replicas.stop()
     asyncio.run(opened())
+
+
+# ---- routing at low traffic (issue #43 §1), through the real proxy ------------------------------------------
+def test_new_chats_one_at_a_time_spread_though_one_replica_holds_the_template():
+    """The chat template cached on r0 only (it served first) must not pull every new chat there: the proxy tells
+    the chooser which leading blocks other conversations share (before, every chat went to r0)."""
+    from vlserve.core.kv_events import BlockStored, KVEventBatch
+
+    template = [b"t1", b"t2", b"t3"]
+
+    async def new_chat(body):  # each a new picture after the template: its hashes stop there
+        return list(template), False
+
+    async def scenario():
+        async with router([answer(200, "application/json", json.dumps(ANSWER).encode())] * 2,
+                          "--routing", "cache-aware", chat=new_chat) as (client, fakes, replicas):
+            replicas.index.apply("r0", KVEventBatch("pub", 0, 0.0, [BlockStored(template, None, 16)]))
+            for _ in range(4):
+                resp = await client.post("/v1/chat/completions", json=CHAT)
+                assert resp.status_code == 200, resp.text
+            return {name: len(f.requests) for name, f in fakes.items()}
+
+    sent = run(scenario)
+    assert min(sent.values()) >= 1, sent
+
+
+def test_a_replicas_metrics_cannot_end_the_scrape_loop_or_be_held_whole():
+    """`+Inf` once raised OverflowError out of the scrape, ending the loop that lists joins and leaves; a huge
+    /metrics was read whole."""
+    from vlserve.router.replicas import MAX_METRICS_BYTES, parse_load
+
+    assert parse_load("vlserve:num_requests_running +Inf\nvlserve:num_requests_waiting NaN\n"
+                      "vlserve:kv_cache_blocks -3\nvlserve:num_requests_running 2\n") == {
+        "running": 2, "waiting": 0, "capacity": 0}
+
+    async def huge(fake, reader, writer):
+        await fake.send(writer, head(200, "text/plain"))
+        while fake.sent < 16 * MAX_METRICS_BYTES:  # until the router hangs up (read whole, it would not)
+            await fake.send(writer, b"# padding " + b"x" * 65536 + b"\n")
+
+    async def scenario():
+        async with router([huge]) as (client, fakes, replicas):
+            await replicas.scrape()
+            await asyncio.wait_for(fakes["r0"].hung_up.wait(), 30)
+            return replicas.replicas["r0"].answering
+
+    assert run(scenario) is False
+
+
+@pytest.mark.parametrize("bootstrap_checks_signatures", [False, True])
+def test_a_bootstrap_started_without_the_secret_is_found_out(bootstrap_checks_signatures):
+    """The router's own --disagg-secret proves nothing about the registry: one that answers an unsigned call would
+    take anyone's registration. Its replicas are not routed to (before, they were)."""
+    from vlserve.disagg.auth import HEADER
+
+    listing = json.dumps({"instances": [{"instance_id": "r0", "role": "serve", "address": "",
+                                         "http_address": "127.0.0.1:9"}]}).encode()
+
+    async def bootstrap(fake, reader, writer):
+        signed = HEADER.lower() in fake.requests[-1]
+        if bootstrap_checks_signatures and not signed:
+            await fake.send(writer, head(401, "application/json", 2) + b"{}")
+        else:
+            await fake.send(writer, head(200, "application/json", len(listing)) + listing)
+
+    async def scenario():
+        fake = await FakeReplica(bootstrap).start()
+        replicas = open_replicas(router_options("--bootstrap", f"127.0.0.1:{fake.port}", "--disagg-secret", "s3"))
+        try:
+            await replicas.refresh()
+            return replicas.refused, list(replicas.replicas)
+        finally:
+            await replicas.stop()
+            await fake.close()
+
+    refused, listed = run(scenario)
+    if bootstrap_checks_signatures:
+        assert (refused, listed) == ("", ["r0"])
+    else:
+        assert "--disagg-secret" in refused and listed == []
+
+
+def test_an_answer_that_opens_after_its_client_left_is_closed():
+    """The client left just as the replica's answer opened: that response is closed, not left generating."""
+    from vlserve.server.serving import _close_abandoned
+
+    class Opened:
+        closed = False
+
+        async def aclose(self):
+            self.closed = True
+
+    async def scenario():
+        opened = Opened()
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(opened)
+        _close_abandoned(done)
+        await asyncio.sleep(0)
+        return opened.closed
+
+    assert run(scenario)

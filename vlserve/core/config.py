@@ -387,7 +387,8 @@ class DisaggArgs:
         "tokens); 0 routes by the shortest prefill queue", {ROUTER})
     replica_api_key: str | None = option(
         None, "the key the router sends replicas as 'Authorization: Bearer KEY' (their --api-key); a client's own "
-        "Authorization never goes upstream (default: the router's --api-key)", {ROUTER},
+        "Authorization never goes upstream (default: the router's --api-key, unless --allow-unsigned-replicas)",
+        {ROUTER},
         env="VLSERVE_REPLICA_API_KEY", secret=True)
     allow_unsigned_replicas: bool = option(
         False, "route to replicas found in a registry anyone who reaches it can register in (a bootstrap without "

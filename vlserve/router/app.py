@@ -17,6 +17,8 @@ import contextlib
 import logging
 import socket
 
+import httpx
+
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -51,8 +53,11 @@ def build_router_app(opts: Options, hasher: PromptHasher, replicas: ReplicaSet) 
     serving = OpenAIServing(None, server, model_name)
     metrics = RouterMetrics(replicas)
     chooser = Chooser(d.routing, d.routing_cache_weight, opts.engine.block_size)
+    # One key on every role works by default; but to replicas of an open registry (anyone may have registered)
+    # the router's own key would hand out the key its clients use: only an explicit --replica-api-key goes there.
+    replica_key = d.replica_api_key or (None if d.allow_unsigned_replicas else server.api_key)
     proxy = Proxy(replicas, chooser, metrics, serving.until_done_or_disconnect,
-                  replica_key=d.replica_api_key or server.api_key, read_timeout=d.replica_read_timeout,
+                  replica_key=replica_key, read_timeout=d.replica_read_timeout,
                   max_response_bytes=d.max_replica_response_bytes, executor=hasher.executor)
 
     @contextlib.asynccontextmanager
@@ -99,6 +104,8 @@ def build_router_app(opts: Options, hasher: PromptHasher, replicas: ReplicaSet) 
 
     @app.get("/ready")
     async def ready():
+        if replicas.refused:
+            return error_response(f"not ready: {replicas.refused}", 503)
         if not replicas.num_answering:
             known = len(replicas.replicas)
             return error_response(f"not ready: {known} replicas known, none answering yet (roles "
@@ -128,7 +135,27 @@ def open_replicas(opts: Options) -> ReplicaSet:
         logger.warning("routing to replicas of a registry that is %s (--allow-unsigned-replicas)", open_to)
     # The router only reads the registry: this record is never registered.
     registry = open_registry(d, InstanceInfo(new_instance_id(), "router", ""), opts.engine.model, auth=auth)
-    return ReplicaSet(registry, tuple(d.replica_role), d.heartbeat_interval)
+    target = registry_target(d)
+    check = None
+    if target.kind == "bootstrap" and auth.enabled and not d.allow_unsigned_replicas:
+        async def check() -> str:
+            return await bootstrap_open(target.endpoints[0])
+    return ReplicaSet(registry, tuple(d.replica_role), d.heartbeat_interval, open_check=check)
+
+
+async def bootstrap_open(endpoint: str) -> str:
+    """Why the bootstrap at `endpoint` is open to anyone ("" when it refuses an unsigned call, or cannot be
+    reached): a router's own --disagg-secret proves nothing if the registry was started without one."""
+    try:
+        async with httpx.AsyncClient(timeout=5.0) as http:
+            resp = await http.get(f"{endpoint}/instances")
+    except httpx.HTTPError:
+        return ""
+    if resp.status_code < 400:
+        return (f"the bootstrap at {endpoint} answers unsigned calls (started without --disagg-secret): anyone who "
+                "reaches it could register as a replica and receive clients' prompts; give it the secret, or pass "
+                "--allow-unsigned-replicas")
+    return ""
 
 
 def check_registry_trust(opts: Options) -> str:

@@ -82,13 +82,15 @@ class Proxy:
         """`hashes`: the prompt's block hashes; `whole`: they cover all of it (else its size is unknown)."""
         headers = {k: v for k, v in raw.headers.items() if k.lower() in FORWARDED_HEADERS} | self.own_headers
         tried: set[str] = set()
+        # Once per request (a retry is the same request): which leading blocks other conversations share.
+        common = self.chooser.observe(hashes, whole) if hashes and self.chooser.policy == "cache-aware" else 0
         for attempt in range(2):
             candidates = self.replicas.candidates(exclude=tried)
             if not candidates:
                 break
             overlaps = (self.replicas.index.longest_prefixes(hashes)
                         if hashes and self.chooser.policy == "cache-aware" else {})
-            choice = self.chooser.choose(candidates, overlaps, len(hashes) if whole else 0)
+            choice = self.chooser.choose(candidates, overlaps, len(hashes) if whole else 0, common)
             replica = self.replicas.replicas[choice.name]
             replica.in_flight += 1
             # Queued for prefill until the replica answers: a server sends its headers once the prompt is

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import queue
 import threading
 import time
@@ -24,7 +25,9 @@ from vlserve.disagg.registry import InstanceInfo, Registry
 from vlserve.router.choice import ReplicaLoad
 
 logger = logging.getLogger("vlserve.router")
+OPEN_CHECK_S = 30.0  # how often a signed registry is checked to still refuse unsigned calls
 AVOID_S = 5.0  # how long a replica that failed (see above) is left out (unless it is the only one)
+MAX_METRICS_BYTES = 4 * 2**20  # a replica's /metrics is a few KiB; past this it is not read further
 SCRAPED = {"vlserve:num_requests_running": "running", "vlserve:num_requests_waiting": "waiting",
            "vlserve:kv_cache_blocks": "capacity"}
 
@@ -47,9 +50,11 @@ def parse_load(text: str) -> dict[str, int]:
         key = SCRAPED.get(name.strip())
         if key is not None:
             try:
-                out[key] += int(float(rest.rsplit(" ", 1)[-1]))
+                value = float(rest.rsplit(" ", 1)[-1])
             except ValueError:
-                pass
+                continue
+            if math.isfinite(value) and value >= 0:  # "+Inf", "NaN" or a negative count: not believed
+                out[key] += int(value)
     return out
 
 
@@ -89,12 +94,17 @@ class EventsThread:
 
 
 class ReplicaSet:
-    def __init__(self, registry: Registry, roles: tuple[str, ...], interval: float, index: KVIndex | None = None):
+    def __init__(self, registry: Registry, roles: tuple[str, ...], interval: float, index: KVIndex | None = None,
+                 open_check=None):
+        """`open_check`: an async callable saying why the registry is open to unsigned registrations now ("" when
+        it is not, or cannot tell): checked before the first listing and every OPEN_CHECK_S; while it says so, no
+        replica is listed (their prompts would go to whoever registered)."""
         self.registry, self.roles, self.interval = registry, roles, interval
+        self.open_check, self.refused, self._checked_at = open_check, "", -math.inf
         self.index = index or KVIndex()
         self.replicas: dict[str, Replica] = {}
         self.events = EventsThread(self.index)
-        self._http = httpx.AsyncClient(timeout=max(1.0, interval))
+        self._http = httpx.AsyncClient(timeout=max(1.0, interval), headers={"accept-encoding": "identity"})
         self._task: asyncio.Task | None = None
         self.changed = asyncio.Event()
 
@@ -134,11 +144,27 @@ class ReplicaSet:
                 await self.refresh()
             except Exception as e:  # noqa: BLE001 - the registry may be restarting: keep who we know
                 logger.warning("could not list replicas (keeping the %d known): %s", len(self.replicas), e)
-            await self.scrape()
+            try:
+                await self.scrape()
+            except Exception:  # noqa: BLE001 - this loop must not end: joins, leaves and /ready depend on it
+                logger.exception("could not scrape the replicas' load")
             await asyncio.sleep(self.interval)
 
     async def refresh(self) -> None:
+        if self.open_check is not None and time.monotonic() - self._checked_at >= OPEN_CHECK_S:
+            refused = await self.open_check()
+            self._checked_at = time.monotonic() if not refused else -math.inf  # refused: checked again next time
+            if refused != self.refused:
+                (logger.error if refused else logger.info)(
+                    "%s", f"routing to no replica: {refused}" if refused else "the registry takes signed calls only")
+            self.refused = refused
         listed: dict[str, InstanceInfo] = {}
+        if self.refused:
+            for name in list(self.replicas):
+                del self.replicas[name]
+                self.events.remove(name)
+            self.changed.set()
+            return
         for role in self.roles:
             for info in await self.registry.list_instances(role):
                 if info.http_address:
@@ -160,13 +186,26 @@ class ReplicaSet:
         async def one(r: Replica) -> None:
             ours = r.in_flight  # as the replica counts them now (some may finish meanwhile: the max below)
             try:
-                resp = await self._http.get(f"{r.url}/metrics")
-                resp.raise_for_status()
-            except httpx.HTTPError:
+                text = await self._read_metrics(r)
+            except (httpx.HTTPError, ValueError):
                 r.answering = False
                 return
             r.answering = True
-            load = parse_load(resp.text)
+            load = parse_load(text)
             r.others = max(0, load["running"] + load["waiting"] - max(ours, r.in_flight))
             r.capacity_blocks = load["capacity"]
         await asyncio.gather(*(one(r) for r in list(self.replicas.values())))
+
+    async def _read_metrics(self, r: Replica) -> str:
+        """Its /metrics text, read within MAX_METRICS_BYTES (ValueError past it: a replica is not trusted to be
+        small)."""
+        async with self._http.stream("GET", f"{r.url}/metrics") as resp:
+            resp.raise_for_status()
+            if resp.headers.get("content-encoding", "identity") != "identity":  # asked for none: not inflated here
+                raise ValueError("its /metrics came compressed")
+            body = bytearray()
+            async for chunk in resp.aiter_raw():
+                body += chunk
+                if len(body) > MAX_METRICS_BYTES:
+                    raise ValueError(f"its /metrics is over {MAX_METRICS_BYTES} bytes")
+        return body.decode("utf-8", "replace")

@@ -53,12 +53,12 @@ def host_name(header: str) -> str | None:
     value = header.strip().lower()
     if value.startswith("["):
         name, bracket, rest = value[1:].partition("]")
-        port_ok = not rest or (rest[:1] == ":" and rest[1:].isdigit())
+        port_ok = not rest or (rest[:1] == ":" and (rest[1:].isdigit() or not rest[1:]))  # "host:" is allowed
         if not bracket or not port_ok or not isinstance(_ip(name), ipaddress.IPv6Address):
             return None
         return str(_ip(name))
     name, colon, port = value.partition(":")
-    if colon and not port.isdigit():
+    if colon and port and not port.isdigit():
         return None  # a bare IPv6 address, or junk
     name = name.rstrip(".")
     if _ip(name) is not None:
@@ -115,7 +115,8 @@ class HostPolicy:
             return True
         ip = _ip(name)
         if ip is not None:
-            return ip.is_loopback or (not self.loopback_only)
+            mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:127.0.0.1 is 127.0.0.1
+            return ip.is_loopback or (mapped is not None and mapped.is_loopback) or not self.loopback_only
         return _is_loopback_name(name)
 
 

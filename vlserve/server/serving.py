@@ -209,8 +209,15 @@ async def _client_leaves(raw: HTTPRequest) -> None:
 
 
 def _close_abandoned(task: asyncio.Future) -> None:
-    if not task.cancelled() and task.exception() is None and isinstance(task.result(), PreparedPrompt):
-        task.result().close()
+    """What a handler gave up on arrived after all: closed, since nobody else holds it (a prepared prompt's
+    buffers; a replica's answer the router was opening, whose connection would otherwise keep it generating)."""
+    if task.cancelled() or task.exception() is not None:
+        return
+    result = task.result()
+    if isinstance(result, PreparedPrompt):
+        result.close()
+    elif callable(getattr(result, "aclose", None)):
+        asyncio.ensure_future(result.aclose())
 
 
 def created() -> int:
