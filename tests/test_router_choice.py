@@ -103,7 +103,7 @@ def test_lost_or_reordered_events_fall_back_to_load():
 
 
 def _conversations(chooser: Chooser, users: int, turns: int, template: int = 3, per_turn: int = 6,
-                   concurrent: bool = False) -> tuple[dict[str, int], dict[int, set[str]], int, int]:
+                   concurrent: bool = False, capacity: int = 0) -> tuple[dict[str, int], dict[int, set[str]], int, int]:
     """`users` chats taking turns one request at a time over replicas a and b, each replica's cache holding what
     it served (no eviction). Every prompt starts with the same template blocks; a chat's first turn stops at its
     new picture (the router has not laid it out: partial hashes). Returns requests per replica, the replicas
@@ -123,8 +123,9 @@ def _conversations(chooser: Chooser, users: int, turns: int, template: int = 3, 
             for name, held in cached.items():
                 overlaps[name] = next((i for i, h in enumerate(hashes) if h not in held), len(hashes))
             common = chooser.observe(hashes, whole)
-            replicas = [ReplicaLoad(name, in_flight=int(concurrent)) for name in ("a", "b")]
-            choice = chooser.choose(replicas, overlaps, len(hashes) if whole else 0, common)
+            replicas = [ReplicaLoad(name, in_flight=int(concurrent), cached_blocks=len(cached[name]),
+                                    capacity_blocks=capacity) for name in ("a", "b")]
+            choice = chooser.choose(replicas, overlaps, len(hashes), common, whole)
             served[choice.name] += 1
             found += next((i for i, h in enumerate(prompt) if h not in cached[choice.name]), len(prompt))
             bound += template + per_turn * turn
@@ -141,6 +142,19 @@ def test_low_traffic_new_chats_spread_and_each_chat_stays_where_it_is_cached():
     assert min(served.values()) >= 5, served  # both replicas used (5 chats: 3 and 2, 3 turns each)
     assert all(len(h) == 1 for h in homes.values()), homes  # each chat's later turns on one replica
     assert found >= bound - 3 * 2, (found, bound)  # every turn finds its previous turn (one template miss each)
+
+
+def test_low_traffic_spreads_when_the_size_of_new_chats_is_not_known_yet():
+    """A router that has seen only short whole requests (a warm-up) cannot size a new chat (its picture is not
+    laid out yet). The replica holding the template must still not look cheaper for it: placement charges every
+    replica the chat's whole estimated work (before, its uncached part was 0 on the template's holder, which then
+    took every new chat)."""
+    chooser = Chooser("cache-aware", block_size=16)
+    for _ in range(2):
+        chooser.choose([ReplicaLoad("a"), ReplicaLoad("b")], {}, 1)
+    served, homes, found, bound = _conversations(chooser, users=5, turns=3, capacity=40)
+    assert min(served.values()) >= 6, served  # 3 chats and 2
+    assert all(len(h) == 1 for h in homes.values()), homes
 
 
 def test_a_shared_template_is_common_once_two_chats_fork_from_it():

@@ -13,7 +13,7 @@
     the fewer requests, then in turn.
   * A new conversation (nothing past the shared prefix cached anywhere): it goes where it costs least to place:
     the queue, plus the prefill work sent there recently (a decaying sum, so that requests arriving one at a
-    time, with nothing ever in flight, still spread), plus what it would evict there (its tokens x the share of
+    time, with nothing ever in flight, still spread), plus what it would evict there (all its tokens x the share of
     that replica's cache already holding blocks). A shared template cached on one replica attracts nothing.
   A replica far busier in requests than the least busy one (decoding requests, which the prefill queue does not
   count) is passed over for least-load, as SGLang's router does when load is imbalanced.
@@ -81,24 +81,28 @@ class Chooser:
         return self.shared.observe(hashes, whole)
 
     def choose(self, replicas: Sequence[ReplicaLoad], overlaps: Mapping[str, int] | None = None,
-               blocks: int = 0, common: int = 0) -> Choice:
+               blocks: int = 0, common: int = 0, whole: bool = True) -> Choice:
         """`replicas`: the candidates (already without failed ones), in a stable order; `overlaps`: leading cached
-        blocks of the request per replica (missing: 0); `blocks`: the request's full blocks (0: unknown, as
-        when the hashes stop before a picture not seen yet: it counts at the average size); `common`: its
-        leading blocks shared with other conversations (`observe`). Raises LookupError when there is none."""
+        blocks of the request per replica (missing: 0); `blocks`: the request's hashed full blocks (0: unknown);
+        `whole`: they are all of it (else they stop before a picture not seen yet, and it counts at least at the
+        average size); `common`: its leading blocks shared with other conversations (`observe`). Raises
+        LookupError when there is none."""
         if not replicas:
             raise LookupError("no replica to send the request to")
         turn = self._turn
         self._turn += 1
         overlaps = overlaps or {}
-        if blocks:
+        if blocks and whole:
             self.avg_tokens = AVG_DECAY * self.avg_tokens + (1 - AVG_DECAY) * blocks * self.block_size
-        size = blocks * self.block_size if blocks else round(self.avg_tokens)
+            size = blocks * self.block_size
+        else:  # at least what was hashed and one block more (the picture it stopped at)
+            size = max(round(self.avg_tokens), (blocks + 1) * self.block_size if blocks else 0)
 
-        def made(pick: ReplicaLoad, decision: str) -> Choice:
+        def made(pick: ReplicaLoad, decision: str, work: int | None = None) -> Choice:
+            """`work`: the recent work it counts for (default: the tokens it prefills there)."""
             overlap = overlaps.get(pick.name, 0)
             choice = Choice(pick.name, decision, overlap, max(0, size - overlap * self.block_size))
-            self._sent(pick.name, choice.new_tokens, {r.name for r in replicas})
+            self._sent(pick.name, choice.new_tokens if work is None else work, {r.name for r in replicas})
             return choice
 
         if self.policy == "round-robin":
@@ -113,14 +117,15 @@ class Chooser:
             return r.prefill_tokens + r.others * self.avg_tokens
 
         if not any(overlaps.get(r.name, 0) > common for r in replicas):
+            # Every replica is charged the chat's whole work: the shared prefix one of them holds (or will) saves
+            # little and must not make it look cheaper, or it takes every new chat again.
             def placement(r: ReplicaLoad) -> tuple[float, int]:
-                uncached = max(0, size - overlaps.get(r.name, 0) * self.block_size)
-                return queue(r) + self.recent.get(r.name, 0.0) + uncached * r.occupancy, r.load
+                return queue(r) + self.recent.get(r.name, 0.0) + size * r.occupancy, r.load
 
             pick = min(rotated, key=placement)
             if pick.load > least.load + BALANCE_ABS and pick.load > BALANCE_REL * least.load:
                 pick = least
-            return made(pick, "load")
+            return made(pick, "load", work=max(size, self.block_size))
 
         def gain(r: ReplicaLoad) -> tuple[float, int]:
             return self.cache_weight * overlaps.get(r.name, 0) * self.block_size - queue(r), -r.load

@@ -90,7 +90,7 @@ class Proxy:
                 break
             overlaps = (self.replicas.index.longest_prefixes(hashes)
                         if hashes and self.chooser.policy == "cache-aware" else {})
-            choice = self.chooser.choose(candidates, overlaps, len(hashes) if whole else 0, common)
+            choice = self.chooser.choose(candidates, overlaps, len(hashes), common, whole)
             replica = self.replicas.replicas[choice.name]
             replica.in_flight += 1
             # Queued for prefill until the replica answers: a server sends its headers once the prompt is
