@@ -61,14 +61,15 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, name: str, re
 
 
 class RemoteServer:
-    def __init__(self, model: Path | str, *args: str, api_key: str | None = None, timeout: float = 180,
+    def __init__(self, model: Path | str | None, *args: str, api_key: str | None = None, timeout: float = 180,
                  wait: bool = True):
         """`wait=False`: returns once started; `wait_healthy()` then (several servers starting side by side, all
         from this thread: a server dies with the thread that started it)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
-        cmd = ["serve", "--model", str(model), "--port", str(self.port), *args]
+        # model None: no --model, the demo checkpoint served as `vlserve-demo` (as `make serve` runs it)
+        cmd = ["serve", *(["--model", str(model)] if model is not None else []), "--port", str(self.port), *args]
         if api_key:
             cmd += ["--api-key", api_key]
         self.log = tempfile.NamedTemporaryFile("w+", prefix="vlserve-server-", suffix=".log", delete=False)

@@ -127,8 +127,9 @@ def test_http_ok(server):
 
 
 def test_loopback_refused_by_default(server):
-    with pytest.raises(MediaFetchError, match="private, loopback, link-local or reserved"):
+    with pytest.raises(MediaFetchError, match="private, loopback, link-local or reserved") as e:
         fetch(f"{server}/img.png")
+    assert "unless the server is started with --allow-private-media-urls" in str(e.value)
 
 
 @pytest.mark.parametrize("host", ["[::1]", "0.0.0.0", "localhost", "0x7f.1", "127.1", "[::ffff:7f00:1]"])
@@ -162,12 +163,12 @@ def test_redirect_to_unlisted_domain_refused(server):
 
 
 def test_too_large_by_content_length(server):
-    with pytest.raises(MediaTooLargeError, match=r"Content-Length.*limit of 1000 bytes"):
+    with pytest.raises(MediaTooLargeError, match=r"Content-Length.*limit of 1000 bytes \(--max-media-bytes\)"):
         fetch(f"{server}/big", LOCAL)
 
 
 def test_too_large_streamed(server):
-    with pytest.raises(MediaTooLargeError, match="over the limit of 1000 bytes") as e:
+    with pytest.raises(MediaTooLargeError, match=r"over the limit of 1000 bytes \(--max-media-bytes\)") as e:
         fetch(f"{server}/big-nolen", LOCAL)
     assert "Content-Length" not in str(e.value)
     assert e.value.http_status == 413
@@ -262,7 +263,8 @@ def test_domain_allow_list():
     assert fake("https://PUBLIC.example./img.png", policy) == PNG
     assert fake("https://images.example.com/to-sub", policy) == PNG  # redirect to an allowed subdomain
     for bad in ("https://evil.com/x", "https://notimages.example.com/x", "https://example.com/x"):
-        with pytest.raises(MediaFetchError, match="not in the server's allowed media domains"):
+        with pytest.raises(MediaFetchError, match="not in the server's allowed media domains: .*"
+                                                  "--allowed-media-domains"):
             fake(bad, policy)
     with pytest.raises(MediaFetchError, match="redirected to host 'evil.com'.*allowed media domains"):
         fake("https://images.example.com/to-evil", policy)
@@ -322,8 +324,10 @@ def test_data_url_too_large():
     over = base64.b64encode(b"x" * (SMALL + 1)).decode()
     policy = MediaPolicy(max_bytes=SMALL)
     assert fetch(f"data:image/png;base64,{ok}", policy) == b"x" * SMALL
-    with pytest.raises(MediaTooLargeError, match="1001 bytes, over the limit of 1000"):
+    with pytest.raises(MediaTooLargeError, match=r"1001 bytes, over the limit of 1000 bytes \(--max-media-bytes\)"):
         fetch(f"data:image/png;base64,{over}", policy)
+    with pytest.raises(MediaTooLargeError, match=r"over the limit of 1000 bytes \(--max-video-bytes\)"):
+        fetch(f"data:video/mp4;base64,{over}", MediaPolicy(max_bytes=SMALL, max_bytes_flag="--max-video-bytes"))
 
 
 # --- file:// ---------------------------------------------------------------------------------------
@@ -367,12 +371,16 @@ def test_file_escape_refused(media_dir, rel):
     url = rel if rel.startswith("file:") else f"file://{media_dir}/{rel}"
     with pytest.raises(MediaFetchError, match="outside the server's allowed local media path") as e:
         fetch(url, _file_policy(media_dir))
-    assert str(media_dir) not in str(e.value)
+    assert str(media_dir) not in str(e.value)  # the allowed directory is never named to a client
+    assert "--allowed-local-media-path" in str(e.value)
 
 
 def test_file_without_allowed_dir_refused(media_dir):
-    with pytest.raises(MediaFetchError, match="not allowed by this server"):
+    with pytest.raises(MediaFetchError) as e:
         fetch(f"file://{media_dir}/img.png")
+    assert str(e.value) == ("file:// media URLs are refused: start the server with --allowed-local-media-path DIR to "
+                            "allow files under DIR")
+    assert e.value.http_status == 400
 
 
 @pytest.mark.parametrize(("rel", "match"), [("nope.png", "not exist"), ("sub", "regular file"), ("", "regular file")])
@@ -382,7 +390,7 @@ def test_file_not_a_file(media_dir, rel, match):
 
 
 def test_file_too_large(media_dir):
-    with pytest.raises(MediaTooLargeError, match="1001 bytes, over the limit of 1000"):
+    with pytest.raises(MediaTooLargeError, match=r"1001 bytes, over the limit of 1000 bytes \(--max-media-bytes\)"):
         fetch(f"file://{media_dir}/big.bin", _file_policy(media_dir))
 
 

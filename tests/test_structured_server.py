@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Literal
 
 import jsonschema
@@ -235,12 +236,16 @@ def test_a_tool_whose_parameters_cannot_compile_is_named(server, model):
     assert resp.json()["error"]["message"].startswith("tools[].function.parameters cannot be compiled: ")
 
 
-# The README's example, as written there. Its bounds keep the worst answer within max_tokens=200: a random
-# model writes the string until the limit otherwise, and the JSON comes back cut (LengthFinishReasonError).
+# docs/serving.md's example, as written there (test_the_docs_examples_are_the_ones_tested_here reads it; the docs'
+# blocks themselves run in tests/test_doc_snippets_run.py). Its bounds keep the worst answer within max_tokens=200:
+# a random model writes the string until the limit otherwise, and the JSON comes back cut (LengthFinishReasonError).
 class Receipt(pydantic.BaseModel):
     shop: str = pydantic.Field(max_length=20)
     total_cents: int = pydantic.Field(ge=0, le=10_000_000)
     paid_by_card: bool
+
+
+SERVING_DOC = Path(__file__).resolve().parents[1] / "docs" / "serving.md"
 
 
 @pytest.fixture(scope="module")
@@ -248,28 +253,71 @@ def demo_model(tiny_ckpt):
     return str(tiny_ckpt("qwen2_vl", "small"))  # what `vlserve serve` without --model makes: the same weights
 
 
-def test_the_readme_receipt_fits_its_max_tokens_at_worst(demo_model):
-    """Every answer the schema admits is at most 175 bytes, hence at most 175 tokens (each token of the demo
-    tokenizer is at least a byte; special tokens never match JSON text). A string character costs at most 6
-    bytes, the \\u001f escape (4-byte UTF-8 characters are less; general \\u escapes are refused)."""
+def _docs_python_block(marker: str) -> str:
+    """The ```python block of docs/serving.md that holds `marker`."""
+    blocks = re.findall(r"^```python\n(.*?)^```$", SERVING_DOC.read_text(), re.DOTALL | re.MULTILINE)
+    found = [b for b in blocks if marker in b]
+    assert len(found) == 1, f"docs/serving.md: {len(found)} python blocks hold {marker!r}"
+    return found[0]
+
+
+def _docs_tools() -> list:
+    """The `tools` of docs/serving.md's tool-calling example, evaluated."""
+    code = _docs_python_block('tool_choice="required"')
+    start = code.index("tools = [")
+    namespace: dict = {}
+    exec(code[start:code.index("\nresp = ", start)], namespace)  # noqa: S102 - our own docs
+    return namespace["tools"]
+
+
+def test_the_docs_examples_are_the_ones_tested_here():
+    """The Receipt and the forced tool call that docs/serving.md shows are the ones whose bounds are checked below."""
+    code = _docs_python_block("class Receipt(BaseModel)")
+    namespace: dict = {}
+    exec(code[:code.index("\nresp = ")], namespace)  # noqa: S102 - our own docs
+    assert namespace["Receipt"].model_json_schema() == Receipt.model_json_schema()
+    assert "response_format=Receipt, max_tokens=200" in code and '"Read this receipt."' in code
+    assert "can never exceed 175 tokens, so `max_tokens=200` always fits it" in SERVING_DOC.read_text()
+    code = _docs_python_block('tool_choice="required"')
+    assert "max_tokens=200" in code and "parallel_tool_calls=False" in code
+    assert "195 bytes, hence at most 195 tokens, so `max_tokens=200` always fits it" in SERVING_DOC.read_text()
+    assert _docs_tools()[0]["function"]["parameters"]["properties"]["city"]["maxLength"] == 20
+
+
+def _matcher_check(demo_model):
+    """`admitted(spec)(text)`: whether the grammar of `spec` admits `text` whole, fed byte by byte (the most
+    tokens it can take), on the demo tokenizer, each of whose tokens is at least a byte."""
     import llguidance
     import llguidance.hf
-    from openai.lib._pydantic import to_strict_json_schema
     from transformers import AutoTokenizer
 
     from vlserve.engine.structured.grammar import grammar_for
-    from vlserve.server.protocol import _response_format
 
     tok = AutoTokenizer.from_pretrained(demo_model)
     llt = llguidance.hf.from_tokenizer(tok, eos_token=tok.eos_token_id)
     assert min(len(llt.decode_bytes([t])) for t in range(llt.vocab_size) if not llt.is_special_token(t)) >= 1
-    spec = _response_format({"type": "json_schema", "json_schema": {
-        "name": "Receipt", "schema": to_strict_json_schema(Receipt), "strict": True}})
 
-    def admitted(text: str) -> bool:
-        m = llguidance.LLMatcher(llt, grammar_for(spec))
-        ids = [t for b in text.encode() for t in llt.tokenize_bytes(bytes([b]))]  # the most tokens: byte by byte
-        return m.validate_tokens(ids) == len(ids) and m.consume_tokens(ids) and m.is_stopped()
+    def admitted(spec):
+        grammar = grammar_for(spec)
+
+        def check(text: str) -> bool:
+            m = llguidance.LLMatcher(llt, grammar)
+            ids = [t for b in text.encode() for t in llt.tokenize_bytes(bytes([b]))]
+            return m.validate_tokens(ids) == len(ids) and m.consume_tokens(ids) and m.is_stopped()
+        return check
+    return admitted
+
+
+def test_the_docs_receipt_fits_its_max_tokens_at_worst(demo_model):
+    """Every answer the schema admits is at most 175 bytes, hence at most 175 tokens (each token of the demo
+    tokenizer is at least a byte; special tokens never match JSON text). A string character costs at most 6
+    bytes, the \\u001f escape (4-byte UTF-8 characters are less; general \\u escapes are refused)."""
+    from openai.lib._pydantic import to_strict_json_schema
+
+    from vlserve.server.protocol import _response_format
+
+    admitted = _matcher_check(demo_model)(_response_format({"type": "json_schema", "json_schema": {
+        "name": "Receipt", "schema": to_strict_json_schema(Receipt), "strict": True}}))
 
     def receipt(shop: str, cents: str = "10000000") -> str:
         return '{"shop":"' + shop + '","total_cents":' + cents + ',"paid_by_card":false}'
@@ -282,8 +330,27 @@ def test_the_readme_receipt_fits_its_max_tokens_at_worst(demo_model):
         assert not admitted(too_much), too_much
 
 
-def test_the_readme_parse_example_works_with_the_demo_model(demo_model):
-    """`client.chat.completions.parse(...)` as the README writes it, sampled with 40 seeds: always parsed."""
+def test_the_docs_forced_tool_call_fits_its_max_tokens_at_worst(demo_model):
+    """docs/serving.md's call (tool_choice "required", parallel_tool_calls false, a city of at most 20 characters)
+    is at most 195 bytes in the layout the grammar fixes, hence at most 195 tokens: max_tokens=200 fits it."""
+    from vlserve.frontend.tool_calls import call_grammar, check_tool_choice, check_tools
+
+    tools = check_tools(_docs_tools())
+    admitted = _matcher_check(demo_model)(call_grammar(tools, check_tool_choice("required", tools), parallel=False))
+
+    def call(city: str) -> str:
+        return '<tool_call>\n{"name": "get_weather", "arguments": {"city": "' + city + '"}}\n</tool_call>'
+
+    worst = call("\\u001f" * 20)
+    assert admitted(worst) and len(worst.encode()) == 195
+    assert admitted(call("Paris"))
+    for too_much in (call("\\u001f" * 21), call("Paris") + "\n" + call("Rome"),
+                     call("Paris").replace('"}}', '", "country": "FR"}}')):
+        assert not admitted(too_much), too_much
+
+
+def test_the_docs_parse_example_works_with_the_demo_model(demo_model):
+    """`client.chat.completions.parse(...)` as docs/serving.md writes it, sampled with 40 seeds: always parsed."""
     with RemoteServer(demo_model) as server:
         client = server.client(timeout=120)
         image_url = data_url(demo_image())

@@ -135,7 +135,7 @@ class InputProcessor:
         limit = self.cfg.limit_mm_per_prompt.get(kind, 0)
         if len(items) > limit:
             raise InvalidInputError(f"{len(items)} {kind}s in one prompt; at most {limit} allowed "
-                                    f"(limit_mm_per_prompt)")
+                                    f"(--limit-mm-per-prompt {kind}={limit}; offline, LLM(limit_mm_per_prompt=...))")
         ids = as_list(uuids.get(kind))
         if ids and len(ids) != len(items):
             raise InvalidInputError(f"{len(ids)} {kind} uuids for {len(items)} {kind}s")

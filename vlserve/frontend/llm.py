@@ -16,12 +16,13 @@ from vlserve.frontend.input_processor import as_list
 from vlserve.frontend.llm_engine import LLMEngine
 from vlserve.frontend.tokenizer import render_chat
 from vlserve.frontend.tool_calls import check_tools
+from vlserve.tools.demo_checkpoint import resolve_demo_name
 
 
 class LLM:
     """Load a checkpoint of a family vlserve serves (vlserve.model.families) and generate with continuous batching.
 
-    >>> llm = LLM(model="path/or/org/name", dtype="bfloat16", max_num_seqs=32)
+    >>> llm = LLM(model="path/or/org/name", dtype="bfloat16", max_num_seqs=32)   # "vlserve-demo": the demo checkpoint
     >>> llm.generate({"prompt": "<|vision_start|><|image_pad|><|vision_end|>What is this?",
     ...               "multi_modal_data": {"image": [pil_image]}}, SamplingParams(max_tokens=32))
     """
@@ -30,7 +31,7 @@ class LLM:
         unknown = set(engine_args) - EngineArgs.field_names()
         if unknown:
             raise TypeError(f"unknown engine arguments: {sorted(unknown)}")
-        self.engine = LLMEngine(EngineArgs(model=model, dtype=dtype, **engine_args))
+        self.engine = LLMEngine(EngineArgs(model=resolve_demo_name(model), dtype=dtype, **engine_args))
         self.tokenizer = self.engine.tokenizer
 
     @property

@@ -17,7 +17,7 @@ import io
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -170,6 +170,7 @@ class AudioLimits:
     max_seconds: float = DEFAULT_MAX_AUDIO_SECONDS
     max_seconds_reason: str = "--max-audio-seconds"  # the bound that set max_seconds, named in errors
     max_bytes: int = 20 * 2**20
+    max_bytes_reason: str = "--max-media-bytes"  # the option that sets max_bytes, named in errors
     min_sample_rate: int = MIN_SAMPLE_RATE
     max_sample_rate: int = MAX_SAMPLE_RATE
     max_channels: int = MAX_CHANNELS
@@ -229,13 +230,13 @@ def load_audio(source: Any, limits: AudioLimits, fmt: str | None = None) -> Audi
     if isinstance(source, (bytes, bytearray, memoryview)):
         data = bytes(source)
         if len(data) > limits.max_bytes:
-            raise MediaTooLargeError(f"the audio is {len(data)} bytes, over the limit of {limits.max_bytes} bytes")
+            raise _too_big("the audio", len(data), limits)
         return _decode_bytes(data, limits, fmt, "the audio")
     if isinstance(source, os.PathLike):
         return _decode_path(Path(source), limits, fmt)
     if isinstance(source, str):
         if is_data_url(source):  # its subtype is not judged (audio/wav for mp3 bytes is common): the bytes are
-            data = decode_data_url(source, limits.max_bytes, kind="audio")
+            data = decode_data_url(source, limits.max_bytes, "audio", limits.max_bytes_reason)
             return _decode_bytes(data, limits, fmt, "the audio data URL")
         if source.startswith(("http://", "https://")):
             raise InvalidInputError("remote audio URLs must be fetched before load_audio")
@@ -247,17 +248,23 @@ def load_video_audio(source: Any, limits: AudioLimits) -> Audio | None:
     """A video's sound track (for `use_audio_in_video`), decoded like any clip: bytes, a path or a
     `data:video/...` URL (`limits.max_bytes` should be the video bound, --max-video-bytes). None when the video
     has no audio stream, as transformers then gives the video no audio."""
+    limits = replace(limits, max_bytes_reason="--max-video-bytes")
     if isinstance(source, str) and is_data_url(source):
-        return _decode_bytes(decode_data_url(source, limits.max_bytes, kind="video"), limits, None, "the video",
-                             optional=True)
+        return _decode_bytes(decode_data_url(source, limits.max_bytes, "video", limits.max_bytes_reason), limits,
+                             None, "the video", optional=True)
     if isinstance(source, (bytes, bytearray, memoryview)):
         data = bytes(source)
         if len(data) > limits.max_bytes:
-            raise MediaTooLargeError(f"the video is {len(data)} bytes, over the limit of {limits.max_bytes} bytes")
+            raise _too_big("the video", len(data), limits)
         return _decode_bytes(data, limits, None, "the video", optional=True)
     if isinstance(source, (str, os.PathLike)):
         return _decode_path(Path(str(source).removeprefix("file://")), limits, None, optional=True)
     raise InvalidInputError(f"unsupported video source type {type(source).__name__} for its audio")
+
+
+def _too_big(what: str, size: int, limits: AudioLimits) -> MediaTooLargeError:
+    return MediaTooLargeError(f"{what} is {size} bytes, over the limit of {limits.max_bytes} bytes "
+                              f"({limits.max_bytes_reason})")
 
 
 def audio_items(value: Any) -> list:
@@ -291,7 +298,7 @@ def _decode_path(path: Path, limits: AudioLimits, fmt: str | None, optional: boo
     if not found:
         raise InvalidInputError(f"audio file not found: {str(path)[:256]}")
     if size > limits.max_bytes:
-        raise MediaTooLargeError(f"the audio file is {size} bytes, over the limit of {limits.max_bytes} bytes")
+        raise _too_big("the audio file", size, limits)
     try:
         with open(path, "rb") as f:
             data = f.read(limits.max_bytes + 1)
@@ -305,7 +312,7 @@ def _decode_bytes(data: bytes, limits: AudioLimits, fmt: str | None, what: str, 
     if not data:
         raise InvalidInputError(f"{what} is empty")
     if len(data) > limits.max_bytes:
-        raise MediaTooLargeError(f"{what} is {len(data)} bytes, over the limit of {limits.max_bytes} bytes")
+        raise _too_big(what, len(data), limits)
     if fmt is not None:
         container = check_audio_format(fmt, data[:SNIFF_BYTES], "the audio")
     else:

@@ -26,8 +26,10 @@ def is_data_url(source: object) -> bool:
     return isinstance(source, str) and source[:5].lower() == "data:"
 
 
-def decode_data_url(url: str, max_bytes: int = NO_LIMIT, kind: str | None = None) -> bytes:
-    """The payload of a base64 data URL; `kind` ("image", "video") must match its media type when given."""
+def decode_data_url(url: str, max_bytes: int = NO_LIMIT, kind: str | None = None,
+                    limit_flag: str | None = None) -> bytes:
+    """The payload of a base64 data URL; `kind` ("image", "video") must match its media type when given.
+    `limit_flag`: the option that sets `max_bytes` (e.g. "--max-media-bytes"), named when the payload is over it."""
     m = _DATA_URL.match(url, 0, MAX_HEADER_CHARS)
     if m is None:
         comma = url.find(",", 0, MAX_HEADER_CHARS + 1)
@@ -37,10 +39,10 @@ def decode_data_url(url: str, max_bytes: int = NO_LIMIT, kind: str | None = None
         raise InvalidInputError(f"a data URL must look like 'data:{kind or '<type>'}/<subtype>;base64,<data>'")
     if kind is not None and m.group(1).lower() not in (kind, "application"):
         raise InvalidInputError(f"a {kind} data URL must have a {kind}/... media type, not {m.group(1)!r}")
-    return decode_base64(url, max_bytes, start=m.end())
+    return decode_base64(url, max_bytes, start=m.end(), limit_flag=limit_flag)
 
 
-def decode_base64(data: str, max_bytes: int = NO_LIMIT, start: int = 0) -> bytes:
+def decode_base64(data: str, max_bytes: int = NO_LIMIT, start: int = 0, limit_flag: str | None = None) -> bytes:
     """`data[start:]` decoded. Tolerates ASCII whitespace, the url-safe alphabet and missing padding; rejects
     anything else (padding only at the end)."""
     clean = bytearray()
@@ -58,7 +60,8 @@ def decode_base64(data: str, max_bytes: int = NO_LIMIT, start: int = 0) -> bytes
         pad = clean.find(b"=", max(0, len(clean) - 3))
     size = len(clean) // 4 * 3 - (len(clean) - pad if pad >= 0 else 0)
     if size > max_bytes:
-        raise MediaTooLargeError(f"base64 media is {size} bytes, over the limit of {max_bytes} bytes")
+        raise MediaTooLargeError(f"base64 media is {size} bytes, over the limit of {max_bytes} bytes"
+                                 + (f" ({limit_flag})" if limit_flag else ""))
     out = bytearray()
     view = memoryview(clean)
     try:

@@ -30,6 +30,13 @@ _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*):")
 _WINDOWS_PATH = re.compile(r"^[a-zA-Z]:[\\/]")  # C:\cat.jpg, D:/x.png: a path, not scheme "c"
 _CHUNK = 64 * 1024
 
+# file:// refusals name the option that allows local files. The allowed directory itself is never named: a client
+# learns nothing of the server's file system from a refusal.
+FILE_REFUSED = ("file:// media URLs are refused: start the server with --allowed-local-media-path DIR to allow "
+                "files under DIR")
+FILE_OUTSIDE = ("file:// media URL is outside the server's allowed local media path: only files under the DIR "
+                "given to --allowed-local-media-path may be read (symlinks resolved)")
+
 
 @dataclass(frozen=True)
 class MediaPolicy:
@@ -39,6 +46,7 @@ class MediaPolicy:
     allowed_media_domains: tuple[str, ...] = ()  # empty: any domain; else the host or a parent must be listed
     allow_private_media_urls: bool = False  # allow hosts resolving to private/loopback/link-local/... IPs
     max_bytes: int = 20 * 2**20  # per media item: http bodies, decoded data URLs, local files
+    max_bytes_flag: str = "--max-media-bytes"  # the server option that sets max_bytes, named in errors
     timeout_s: float = 10.0  # the whole fetch, redirects included
     max_redirects: int = 5
 
@@ -49,6 +57,7 @@ class MediaPolicy:
                    allowed_media_domains=tuple(server.allowed_media_domains),
                    allow_private_media_urls=server.allow_private_media_urls,
                    max_bytes=server.max_video_bytes if kind == "video" else server.max_media_bytes,
+                   max_bytes_flag="--max-video-bytes" if kind == "video" else "--max-media-bytes",
                    timeout_s=server.media_fetch_timeout)
 
 
@@ -166,7 +175,8 @@ class MediaFetcher:
         scheme = m.group(1).lower() if m else ""
         if scheme == "data":  # decoding grows with the payload: off the event loop
             return await asyncio.get_running_loop().run_in_executor(None, decode_data_url, url,
-                                                                    self.policy.max_bytes)
+                                                                    self.policy.max_bytes, None,
+                                                                    self.policy.max_bytes_flag)
         if scheme == "file":
             return self._local_file(url)
         if scheme in ("http", "https"):
@@ -200,7 +210,7 @@ class MediaFetcher:
 
     def _local_file(self, url: str) -> Path:
         if self._local_root is None:
-            raise MediaFetchError("file:// media URLs are not allowed by this server")
+            raise MediaFetchError(FILE_REFUSED)
         parts = urlsplit(url)
         if parts.netloc not in ("", "localhost"):
             raise MediaFetchError("file:// media URL must name a local absolute path (file:///path/to/file)")
@@ -211,7 +221,7 @@ class MediaFetcher:
         real = os.path.realpath(path)
         # Containment is checked before existence so nothing is revealed about files outside.
         if os.path.commonpath([real, self._local_root]) != self._local_root:
-            raise MediaFetchError("file:// media URL is outside the server's allowed local media path")
+            raise MediaFetchError(FILE_OUTSIDE)
         try:
             st = os.stat(real)
         except (OSError, ValueError):
@@ -220,7 +230,8 @@ class MediaFetcher:
             raise MediaFetchError("file:// media URL does not name a regular file")
         if st.st_size > self.policy.max_bytes:
             raise MediaTooLargeError(
-                f"local media file is {st.st_size} bytes, over the limit of {self.policy.max_bytes} bytes"
+                f"local media file is {st.st_size} bytes, over the limit of {self.policy.max_bytes} bytes "
+                f"({self.policy.max_bytes_flag})"
             )
         # The file could still change after this check; the decoder's own pixel limits bound that.
         return Path(real)
@@ -244,7 +255,9 @@ class MediaFetcher:
             ip_literal = _is_ip_literal(host)
             allowed = any(host == d or (not ip_literal and host.endswith("." + d)) for d in self._domains)
             if not allowed:
-                raise MediaFetchError(f"{what} host {host!r}, which is not in the server's allowed media domains")
+                raise MediaFetchError(f"{what} host {host!r}, which is not in the server's allowed media domains: "
+                                      "it fetches media only from the domains given to --allowed-media-domains "
+                                      "(and their subdomains)")
         # Early, for a clear error; the connection itself checks again what it connects to (CheckedAddressBackend).
         await self.checked_addresses(host, url.port or (443 if url.scheme == "https" else 80), what)
 
@@ -259,8 +272,8 @@ class MediaFetcher:
         # One bad address is enough: the connection could use any of them.
         if not self.policy.allow_private_media_urls and any(is_non_public_address(a) for a in addrs):
             raise MediaFetchError(
-                f"{what} host {host!r}, which is a private, loopback, link-local or reserved address; "
-                "such media URLs are refused by the server's policy"
+                f"{what} host {host!r}, which resolves to a private, loopback, link-local or reserved address; "
+                "such media URLs are refused unless the server is started with --allow-private-media-urls"
             )
         return addrs
 
@@ -289,14 +302,15 @@ class MediaFetcher:
                     if declared.isdigit() and int(declared) > limit:
                         raise MediaTooLargeError(
                             f"media at {_short(url)!r} is {declared} bytes (Content-Length), "
-                            f"over the limit of {limit} bytes"
+                            f"over the limit of {limit} bytes ({self.policy.max_bytes_flag})"
                         )
                     body = bytearray()
                     async for chunk in resp.aiter_bytes(_CHUNK):
                         body += chunk
                         if len(body) > limit:  # stop downloading at once; never trust Content-Length alone
                             raise MediaTooLargeError(
-                                f"media at {_short(url)!r} is over the limit of {limit} bytes"
+                                f"media at {_short(url)!r} is over the limit of {limit} bytes "
+                                f"({self.policy.max_bytes_flag})"
                             )
                     return bytes(body)
         except httpx.InvalidURL as e:

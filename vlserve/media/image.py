@@ -13,6 +13,7 @@ import io
 import json
 import math
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,21 +133,44 @@ def _open_path(path: Path, bounds: ImageBounds, check: SizeCheck | None) -> Imag
         raise InvalidInputError(f"cannot read image file {path.name!r}: {e}") from None
 
 
+# Pillow's own guard against decompression bombs: DecompressionBombError (or its warning, where warnings are made
+# errors) for a picture over Image.MAX_IMAGE_PIXELS (x 2 for the error), raised in open() before the size reaches
+# our check, or in load() for a frame or tile. Its text never reaches a client: `_refused_by_pillow` says it again.
+_PILLOW_BOMB = (Image.DecompressionBombError, Image.DecompressionBombWarning)
+_PILLOW_PIXELS = re.compile(r"\((\d+) pixels\)")  # "Image size (10000000000 pixels) exceeds limit of ..."
+
+
 def _decode(fp: Any, bounds: ImageBounds, check: SizeCheck | None, what: str) -> Image.Image:
     try:
         img = Image.open(fp)  # reads only the header: size is known before any pixel is decoded
-    except Image.DecompressionBombError as e:  # PIL's own (larger) limit tripped in open()
-        raise MediaTooLargeError(f"{what}: {e}") from None
+    except _PILLOW_BOMB as e:
+        raise _refused_by_pillow(e, bounds.max_pixels) from None
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
         raise InvalidInputError(f"{what} is not a decodable image ({e.__class__.__name__})") from None
     check_header_size(img.width, img.height, img.mode, bounds, check)
     try:
         img.load()
         return to_rgb(_apply_exif_orientation(img))
-    except Image.DecompressionBombError as e:
-        raise MediaTooLargeError(f"{what}: {e}") from None
+    except _PILLOW_BOMB as e:
+        raise _refused_by_pillow(e, bounds.max_pixels, "a frame or tile of the ") from None
     except (OSError, ValueError, SyntaxError, EOFError) as e:  # truncated / corrupt payload
         raise InvalidInputError(f"{what} could not be decoded: {e}") from None
+
+
+def _refused_by_pillow(error: Exception, max_pixels: int, part: str = "") -> MediaTooLargeError:
+    """Pillow's decompression-bomb refusal in our words: the picture's pixels (as its header states them, from
+    Pillow's message) and the cap that refuses it, --max-image-pixels. Pillow's limit is the larger one unless the
+    cap was raised above it: then the picture may be within the cap, and the message says Pillow's limit refused
+    it."""
+    m = _PILLOW_PIXELS.search(str(error))
+    limit = (Image.MAX_IMAGE_PIXELS or 0) * (2 if isinstance(error, Image.DecompressionBombError) else 1)
+    pixels = int(m.group(1)) if m else None
+    size = f"{pixels} pixels" if pixels is not None else f"more than {limit} pixels"
+    if (pixels if pixels is not None else limit) > max_pixels:
+        return MediaTooLargeError(f"{part}image is {size}, more than the {max_pixels} allowed (--max-image-pixels)")
+    return MediaTooLargeError(f"{part}image is {size}: within --max-image-pixels ({max_pixels}) but over the {limit} "
+                              "pixels the image library (Pillow) decodes at most, its guard against decompression "
+                              "bombs")
 
 
 def _apply_exif_orientation(img: Image.Image) -> Image.Image:

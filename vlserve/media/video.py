@@ -93,7 +93,7 @@ class VideoOptions:
             values[key] = v if key == "fps" else int(v)
         if values["max_frames"] > server_max_frames:
             raise InvalidInputError(f"max_frames {values['max_frames']} exceeds the server's limit of "
-                                    f"{server_max_frames}")
+                                    f"{server_max_frames} (--max-video-frames)")
         values["min_frames"] = min(values["min_frames"], values["max_frames"])
         return VideoOptions(**values)
 
@@ -232,10 +232,11 @@ def _check_pixels(width: int, height: int, frames: int, max_frame_pixels: int | 
         raise InvalidInputError(f"video frames have an empty size {width}x{height}")
     if width * height > max_frame_pixels:
         raise MediaTooLargeError(f"video frames are {width}x{height} = {width * height} pixels, more than the "
-                                 f"{max_frame_pixels} allowed per frame")
+                                 f"{max_frame_pixels} allowed per frame (--max-image-pixels)")
     if frames * width * height > max_total_pixels:
         raise MediaTooLargeError(f"{frames} sampled frames of {width}x{height} exceed the decoded-video budget of "
-                                 f"{max_total_pixels} pixels")
+                                 f"{max_total_pixels} pixels: ask for fewer frames (max_frames in mm_processor_kwargs, "
+                                 "or a lower --max-video-frames) or send smaller ones")
     if bounds is not None:
         bounds.check_shape(width, height, "a video frame")
 

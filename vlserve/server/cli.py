@@ -13,9 +13,9 @@ from vlserve.core.config import DECODE, LANGUAGE, SERVE, EngineArgs
 from vlserve.core.errors import InvalidInputError
 from vlserve.core.options import add_options, options_from
 from vlserve.server.listen import bind_socket
+from vlserve.tools.demo_checkpoint import DEMO_NAME
 
 logger = logging.getLogger("vlserve.server")
-DEMO_NAME = "vlserve-demo"
 
 
 def tensor_parallel_worker(engine: EngineArgs) -> int | None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+DEMO_NAME = "vlserve-demo"  # the name the demo checkpoint is served as, and that `LLM(model=...)` accepts for it
+
 
 def demo_checkpoint() -> Path:
     """A small random Qwen2-VL made once and kept in the user's cache dir."""
@@ -15,3 +17,11 @@ def demo_checkpoint() -> Path:
     if not (root / "config.json").is_file():
         make_tiny_model(root, arch="qwen2_vl", size="small", seed=0)
     return root
+
+
+def resolve_demo_name(model: str) -> str:
+    """`LLM(model="vlserve-demo")`, as the server's clients name it, loads the demo checkpoint (made on first use);
+    a local folder of that name wins."""
+    if model == DEMO_NAME and not Path(model).exists():
+        return str(demo_checkpoint())
+    return model
