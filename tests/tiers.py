@@ -18,6 +18,7 @@ FILE_TIERS = {
     "test_bench_serve.py": "unit",
     "test_cli.py": "unit",
     "test_cli_messages.py": "unit",
+    "test_cpu_budget.py": "unit",
     "test_cpu_kernels.py": "unit",
     "test_detokenizer.py": "unit",
     "test_disagg_auth.py": "unit",

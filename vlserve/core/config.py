@@ -150,6 +150,11 @@ class EngineArgs:
         1, "split the language model (and, with --mm-encoder-tp-mode weights, the vision tower) over this many "
         "ranks: one process each, cores split between them on CPU; several machines: start every rank with "
         "torchrun", {SERVE, LANGUAGE, ENCODE, DEMO}, bounds=COUNT)
+    cpu_threads: int | None = option(
+        None, "CPU threads of this process's model work: torch's threads (a tensor-parallel rank gets its share) and "
+        "the most media threads by default; overrides OMP_NUM_THREADS (default: the CPUs this process may use, the "
+        "smaller of its affinity mask and the cgroup CPU quota; an explicit OMP_NUM_THREADS sets torch's)",
+        MODEL_ROLES, bounds=COUNT, metavar="N")
     mm_encoder_tp_mode: str = option(
         "weights", "vision tower under tensor parallelism: weights (split like the LM) or data (whole on every "
         "rank, each encodes a share of the pictures)", {SERVE, ENCODE, DEMO}, choices=("weights", "data"))
@@ -187,10 +192,12 @@ class EngineArgs:
     def check(self) -> None:
         """Refuses values no engine can run with (the front end before it starts the engine, the engine again)."""
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks",
-                     "kv_cache_memory_gb", "max_video_frames"):
+                     "kv_cache_memory_gb", "max_video_frames", "cpu_threads"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not value > 0):
                 raise InvalidInputError(f"{name} must be positive, got {value}")
+        if self.cpu_threads is not None and not isinstance(self.cpu_threads, int):
+            raise InvalidInputError(f"cpu_threads must be a positive integer, got {self.cpu_threads!r}")
         if isinstance(self.max_state_snapshots, bool) or not isinstance(self.max_state_snapshots, int) \
                 or self.max_state_snapshots < 0:
             raise InvalidInputError(f"max_state_snapshots must be an integer >= 0, got {self.max_state_snapshots!r}")
@@ -250,8 +257,8 @@ class ServerArgs:
         "Qwen2.5-Omni)", MEDIA_ROLES, bounds=SECONDS)
     max_waiting_requests: int | None = option(None, "answer 503 when this many requests already wait (default: no "
                                               "limit)", ENGINE_HTTP_ROLES)
-    media_threads: int = option(4, "threads that tokenize, decode and preprocess", {SERVE} | REGISTRY_ROLES,
-                                bounds=COUNT)
+    media_threads: int | None = option(None, "threads that tokenize, decode and preprocess (default: the CPU "
+                                       "budget, at most 4)", {SERVE} | REGISTRY_ROLES, bounds=COUNT)
     mm_processor_cache_gb: float = option(
         1.0, "GiB of processed pictures and videos (resized pixels) kept by a hash of their bytes, so one sent again "
         "(every turn of a chat resends it) is not decoded and resized again; 0 turns it off", MEDIA_ROLES)

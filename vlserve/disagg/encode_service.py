@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily
 
 from vlserve.core.config import TOWER_MODALITIES, Options
+from vlserve.core.cpu_budget import media_pool_size, plan_threads, size_default_executor
 from vlserve.core.errors import ConfigurationError, InvalidInputError, ServiceUnavailableError
 from vlserve.core.processes import SigtermStop, finish
 from vlserve.core.prompt import MEDIA_KINDS, ProcessedPrompt, media_kinds_needed
@@ -42,6 +43,7 @@ from vlserve.disagg.sender import OutgoingTransfer, SenderService, media_rows
 from vlserve.disagg.transports import TRANSPORTS
 from vlserve.disagg.registry import advertised_host
 from vlserve.engine.config import resolve_config
+from vlserve.engine.cpu_threads import apply_cpu_threads
 from vlserve.engine.encoder_cache import EncoderCacheManager
 from vlserve.engine.encoder_runner import EncoderRunner
 from vlserve.engine.executor import encodes_whole_step, start_executor
@@ -69,8 +71,11 @@ class EncodeService(SenderService):
         except InvalidInputError as e:  # e.g. a --tensor-parallel-size that cannot split this tower
             raise ConfigurationError(f"this encoder cannot start with these options: {e}") from None
         log_once()
+        threads = plan_threads(engine.cpu_threads, self.cfg.tensor_parallel_size)
+        media_pool = media_pool_size(server.media_threads, threads.total)
+        apply_cpu_threads(media_pool=media_pool, plan=threads)  # before the towers load: their packing uses them
         processor = InputProcessor.for_model(FrontendConfig.of(facts, engine), **server.media_bounds())
-        self.executor = ThreadPoolExecutor(max_workers=server.media_threads, thread_name_prefix="vlserve-media")
+        self.executor = ThreadPoolExecutor(max_workers=media_pool, thread_name_prefix="vlserve-media")
         fetchers = {kind: MediaFetcher(MediaPolicy.from_args(server, kind)) for kind in MEDIA_KINDS}
         self.prompts = LocalPromptEncoder(processor, fetchers, self.executor)
         transport = TRANSPORTS[d.transfer_backend](advertised_host(d, server.host))
@@ -270,6 +275,7 @@ async def run_encoder(opts: Options, log_level: str) -> int:
     from vlserve.disagg.registries import open_registry
     from vlserve.disagg.registry import InstanceInfo, advertised_host, new_instance_id
 
+    size_default_executor(opts.engine.cpu_threads)
     # (the model loads synchronously: a SIGTERM then takes effect at the first await)
     with SigtermStop() as sigterm:
         service = EncodeService(opts)

@@ -18,6 +18,7 @@ would fail the same way. Each child's log lines carry its name.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import secrets
@@ -30,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 
 from vlserve.core.config import BOOTSTRAP, DECODE, ENCODE, LANGUAGE, PREFILL, Options
+from vlserve.core.cpu_budget import OMP_ENV, cpu_budget
 from vlserve.core.errors import EXIT_CONFIG, InvalidInputError
 from vlserve.core.options import to_argv
 from vlserve.core.processes import DEPLOYMENT_STATE_ENV, LOG_TAG_ENV, die_with_parent, free_port, write_degraded
@@ -123,6 +125,7 @@ def check_ports_free(ports: dict[str, int], host: str = "127.0.0.1") -> None:
 
 def plan_children(opts: Options, log_level: str) -> list[Child]:
     """The processes of one deployment, registry first."""
+    opts = _split_cpu_threads(opts)
     vlserve = [sys.executable, "-m", "vlserve", "--log-level", log_level]
     children = []
     role_port = role_ports(opts)
@@ -149,7 +152,7 @@ def plan_children(opts: Options, log_level: str) -> list[Child]:
         return children
     if d.num_prefill < 1 or d.num_decode < 1:
         raise InvalidInputError("E->P->D needs at least one of each: --num-prefill P --num-decode D")
-    threads = _threads_each(d.num_encoders + d.num_prefill + d.num_decode)
+    threads = _threads_each(d.num_encoders + d.num_prefill + d.num_decode, opts.engine.cpu_threads)
     for child in encoders:
         child.env.update(threads)
     argv, env = to_argv(opts, PREFILL)
@@ -171,14 +174,24 @@ def plan_children(opts: Options, log_level: str) -> list[Child]:
     return children
 
 
-def _threads_each(model_roles: int) -> dict[str, str]:
-    """On one machine the roles of E->P->D run at the same time: each gets its share of the cores rather than
-    all of them (2 cores, encoder + prefill + decode: 1.7x the requests/s and a third of the TPOT of every role
-    on both cores, measured with benchmarks/disagg.py). A user's OMP_NUM_THREADS wins."""
-    if "OMP_NUM_THREADS" in os.environ:
+def _threads_each(model_roles: int, cpu_threads: int | None = None) -> dict[str, str]:
+    """On one machine the roles of E->P->D run at the same time: each gets its share of the CPU budget (affinity
+    and cgroup quota, core/cpu_budget.py) rather than all of it (2 cores, encoder + prefill + decode: 1.7x the
+    requests/s and a third of the TPOT of every role on both cores, measured with benchmarks/disagg.py). A user's
+    OMP_NUM_THREADS wins; --cpu-threads, already split by _split_cpu_threads, wins over both in the roles."""
+    if cpu_threads is not None or OMP_ENV in os.environ:
         return {}
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return {"OMP_NUM_THREADS": str(max(1, cores // max(1, model_roles)))}
+    return {OMP_ENV: str(max(1, cpu_budget().cpus // max(1, model_roles)))}
+
+
+def _split_cpu_threads(opts: Options) -> Options:
+    """`serve --disagg --cpu-threads N` with E->P->D: N is this machine's, so each role gets N / roles (E->PD keeps
+    all N for each role, as it keeps every core)."""
+    d, total = opts.disagg, opts.engine.cpu_threads
+    if total is None or not (d.num_prefill and d.num_decode):
+        return opts
+    share = max(1, total // (d.num_encoders + d.num_prefill + d.num_decode))
+    return dataclasses.replace(opts, engine=dataclasses.replace(opts.engine, cpu_threads=share))
 
 
 def nth_endpoint(endpoint: str, i: int) -> str:

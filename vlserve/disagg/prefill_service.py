@@ -19,6 +19,7 @@ from fastapi import FastAPI
 from fastapi.responses import Response
 
 from vlserve.core.config import PREFILL, Options
+from vlserve.core.cpu_budget import size_default_executor
 from vlserve.core.errors import InvalidInputError
 from vlserve.core.processes import SigtermStop, finish
 from vlserve.disagg.auth import PeerAuth, require_secret_off_loopback
@@ -125,6 +126,7 @@ async def run_prefill(opts: Options, log_level: str) -> int:
     when the engine died (a supervisor restarts the instance)."""
     host, port = opts.server.host, opts.server.port
     data_port = opts.disagg.data_port or port + 1
+    size_default_executor(opts.engine.cpu_threads)
     with SigtermStop() as sigterm:
         public = advertised_host(opts.disagg, host)
         encoder = remote_prompt_encoder(opts.disagg, f"{public}:{port}", opts.engine.model, PREFILL,

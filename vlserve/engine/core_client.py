@@ -60,11 +60,13 @@ class EngineCoreClient:
                  on_outputs: Callable[[EngineOutputs, list], None] | None = None,
                  on_failure: Callable[[str], None] | None = None,
                  on_recovery: Callable[[], None] | None = None, transfer_layout: BufferLayout | None = None,
-                 kv_role: str | None = None):
+                 kv_role: str | None = None, media_pool: int | None = None):
         """`facts`: resolved by the front end, shipped to the engine process, which uses them as they are.
         `transfer_layout`: receive buffers the engine process maps (a disaggregated language server's).
-        `kv_role`: the role whose KV connector the engine plugs in (prefill, decode), if any."""
+        `kv_role`: the role whose KV connector the engine plugs in (prefill, decode), if any. `media_pool`: the
+        front end's media threads (the engine logs them beside its own)."""
         self.args, self.facts, self.log_level, self.kv_role = args, facts, log_level, kv_role
+        self.media_pool = media_pool
         self.transfer_layout = transfer_layout
         self.heartbeat_timeout = heartbeat_timeout
         self.stuck_after = max(STUCK_STEP_MIN_S, 30 * heartbeat_timeout)
@@ -106,7 +108,7 @@ class EngineCoreClient:
             target=_engine_process,
             args=(encode_args(self.args), encode_facts(self.facts), addresses, self.log_level,
                   None if self.transfer_layout is None else msgspec.msgpack.encode(self.transfer_layout), os.getpid(),
-                  self.kv_role),
+                  self.kv_role, self.media_pool),
             name="vlserve-engine-core", daemon=True)
         self.proc.start()
         try:

@@ -42,6 +42,7 @@ from vlserve.core.wire import (
 )
 from vlserve.engine.config import resolve_config
 from vlserve.engine.core import EngineCore
+from vlserve.engine.cpu_threads import apply_cpu_threads
 from vlserve.engine.kv_connector import make_connector
 from vlserve.engine.transfer_buffers import BufferLayout, TransferBuffers
 from vlserve.model.facts import decode_facts
@@ -160,13 +161,14 @@ def _answer_heartbeats(ctx: zmq.Context, address: str, progress: Progress, stop:
 
 def run_engine_core(args_json: bytes, facts_json: bytes, addresses: dict[str, str], log_level: str = "INFO",
                     transfer_layout: bytes | None = None, parent_pid: int | None = None,
-                    kv_role: str | None = None) -> None:
+                    kv_role: str | None = None, media_pool: int | None = None) -> None:
     """Entry point of the spawned process. Exits non-zero when the engine cannot start.
 
     `facts_json`: the model facts the front end resolved (`ModelFacts`): used as they are, never resolved again.
     `transfer_layout`: receive buffers (msgspec-encoded `BufferLayout`) to map, on a disaggregated server.
     `parent_pid`: the front-end's (this process outlives it by no more than a poll). `kv_role`: the role whose
-    KV connector the engine plugs in (kv_connector.KV_CONNECTORS), None for an engine that computes all its KV."""
+    KV connector the engine plugs in (kv_connector.KV_CONNECTORS), None for an engine that computes all its KV.
+    `media_pool`: the front end's media threads, for the `CPU budget:` line."""
     logging.basicConfig(level=log_level, format=log_format())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the front-end, which shuts us down in order
     die_with_parent()
@@ -187,10 +189,12 @@ def run_engine_core(args_json: bytes, facts_json: bytes, addresses: dict[str, st
     try:
         try:
             log_once()
+            args = decode_args(args_json)
+            apply_cpu_threads(args.cpu_threads, args.tensor_parallel_size, media_pool)
             transfer = None
             if transfer_layout is not None:
                 transfer = TransferBuffers.attach(msgspec.msgpack.decode(transfer_layout, type=BufferLayout))
-            cfg = resolve_config(decode_args(args_json), decode_facts(facts_json))
+            cfg = resolve_config(args, decode_facts(facts_json))
             core = EngineCore(cfg, report_released=True, transfer=transfer, connector=make_connector(kv_role, cfg))
         except Exception as e:  # noqa: BLE001 - any start-up failure must reach the front-end as a message
             if not isinstance(e, VlserveError):  # ours have clear messages; anything else needs its traceback

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from vlserve.core.config import EngineArgs
+from vlserve.core.cpu_budget import media_pool_size, plan_threads
 from vlserve.core.errors import EngineDeadError, InvalidInputError, ServiceUnavailableError, VlserveError
 from vlserve.core.messages import EngineCoreOutput, Handoff
 from vlserve.core.outputs import RequestOutput
@@ -120,11 +121,12 @@ class RequestHandle:
 
 class AsyncLLM:
     def __init__(self, args: EngineArgs, model_name: str, max_waiting_requests: int | None = None,
-                 media_threads: int = 4, log_requests: bool = True, log_level: str = "INFO",
+                 media_threads: int | None = None, log_requests: bool = True, log_level: str = "INFO",
                  media_bounds: dict | None = None, heartbeat_timeout: float = 10.0,
                  prompt_encoder: Callable[["AsyncLLM"], PromptEncoder] | None = None, kv_role: str | None = None):
         """`kv_role`: the role (prefill, decode) whose KV connector the engine process plugs in, if any.
-        `media_bounds`: `ServerArgs.media_bounds()` (default: every option's default)."""
+        `media_bounds`: `ServerArgs.media_bounds()` (default: every option's default). `media_threads`: the media
+        pool's size (default: from the CPU budget, see core/cpu_budget.py)."""
         # Config files only (the weights load in the engine process), resolved here once: the engine gets them.
         self.facts = resolve_model_facts(args)
         self.cfg = FrontendConfig.of(self.facts, args)
@@ -135,7 +137,8 @@ class AsyncLLM:
         self.metrics = ServerMetrics(model_name, self.cfg.model.modalities)
         self.max_waiting_requests = max_waiting_requests
         self.log_requests = log_requests
-        self.executor = ThreadPoolExecutor(max_workers=media_threads, thread_name_prefix="vlserve-media")
+        media_pool = media_pool_size(media_threads, plan_threads(args.cpu_threads).total)
+        self.executor = ThreadPoolExecutor(max_workers=media_pool, thread_name_prefix="vlserve-media")
         # Constraints compile on their own bounded pool: a slow grammar never holds up media work.
         self.grammar_compiler = GrammarCompiler(GrammarLimits.from_args(args))
         self.dead = asyncio.Event()  # set once the engine process is gone for good
@@ -147,7 +150,8 @@ class AsyncLLM:
         buffers = self.prompt_encoder.transfer_buffers  # where a remote encoder's rows land, if anywhere
         self.core = EngineCoreClient(args, self.facts, log_level, heartbeat_timeout, on_outputs=self._handle,
                                      on_failure=self._fail_all,
-                                     transfer_layout=None if buffers is None else buffers.layout, kv_role=kv_role)
+                                     transfer_layout=None if buffers is None else buffers.layout, kv_role=kv_role,
+                                     media_pool=media_pool)
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     async def start(self) -> None:

@@ -10,6 +10,7 @@ from vlserve.core.outputs import RequestOutput
 from vlserve.core.sampling_params import SamplingParams, fan_out
 from vlserve.engine.config import VlserveConfig, resolve_config
 from vlserve.engine.core import EngineCore
+from vlserve.engine.cpu_threads import apply_cpu_threads
 from vlserve.frontend.config import FrontendConfig
 from vlserve.frontend.input_processor import InputProcessor
 from vlserve.frontend.output_processor import OutputProcessor
@@ -20,7 +21,13 @@ class LLMEngine:
         self.cfg: VlserveConfig = resolve_config(args)
         self.input_processor = InputProcessor.for_model(FrontendConfig.of(self.cfg.facts, args))
         self.tokenizer = self.input_processor.tokenizer
-        self.core = EngineCore(self.cfg)
+        # torch's threads from the CPU budget while this engine lives (the caller's count comes back at shutdown)
+        self._restore_threads = apply_cpu_threads(args.cpu_threads, self.cfg.tensor_parallel_size)
+        try:
+            self.core = EngineCore(self.cfg)
+        except BaseException:
+            self._restore_threads()
+            raise
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self._failed: list[tuple[str, str]] = []  # (request id, why), raised by the next step()
@@ -38,7 +45,10 @@ class LLMEngine:
         return request_id
 
     def shutdown(self) -> None:
-        self.core.shutdown()
+        try:
+            self.core.shutdown()
+        finally:
+            self._restore_threads()
 
     def abort_request(self, request_id: str) -> None:
         self.core.abort_requests(self.output_processor.abort(request_id))

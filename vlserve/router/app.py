@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response
 
 import vlserve
 from vlserve.core.config import Options
+from vlserve.core.cpu_budget import size_default_executor
 from vlserve.core.errors import InvalidInputError
 from vlserve.core.processes import SigtermStop, finish
 from vlserve.disagg.auth import PeerAuth, require_secret_off_loopback
@@ -184,6 +185,7 @@ async def run_router(opts: Options, log_level: str = "INFO", sock: socket.socket
     server = opts.server
     hosts = HostPolicy.of(server)  # a wrong --allowed-hosts, or an open registry, is refused before any work
     check_registry_trust(opts)
+    size_default_executor()
     sock = sock or bind_socket(server.host, server.port)
     try:
         with SigtermStop() as sigterm:

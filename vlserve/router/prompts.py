@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from vlserve.core.block_hash import extend_block_hashes, prompt_block_hashes
 from vlserve.core.config import Options
+from vlserve.core.cpu_budget import cpu_budget, media_pool_size
 from vlserve.core.errors import VlserveError
 from vlserve.core.prompt import MEDIA_KINDS, ProcessedPrompt
 from vlserve.frontend.chat import parse_chat_messages
@@ -44,7 +45,8 @@ class PromptHasher:
         if server.chat_template is not None:
             self.processor.tokenizer.chat_template = load_chat_template(server.chat_template)
         self.trust_template = server.trust_request_chat_template
-        self.executor = ThreadPoolExecutor(max_workers=server.media_threads, thread_name_prefix="vlserve-router")
+        self.executor = ThreadPoolExecutor(max_workers=media_pool_size(server.media_threads, cpu_budget().cpus),
+                                           thread_name_prefix="vlserve-router")
         # Pictures seen for the first time are laid out here, one at a time: never ahead of requests' own work.
         self.background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlserve-router-layout")
         self.fetchers = {kind: MediaFetcher(MediaPolicy.from_args(server, kind)) for kind in MEDIA_KINDS}

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 
 import vlserve
 from vlserve.core.config import DISAGG_ROLES, KV_ROLES, SERVE, Options, ServerArgs
+from vlserve.core.cpu_budget import size_default_executor
 from vlserve.core.processes import SigtermStop, finish, read_degraded
 from vlserve.core.prompt import MEDIA_KINDS
 from vlserve.frontend.async_llm import AsyncLLM
@@ -146,6 +147,7 @@ async def serve(opts: Options, log_level: str = "INFO", role: str = SERVE, sock:
 
     server = opts.server
     hosts = HostPolicy.of(server, opts.disagg.advertise_host)  # a wrong --allowed-hosts is refused before any work
+    size_default_executor(opts.engine.cpu_threads)
     sock = sock or bind_socket(server.host, server.port)
     try:
         with SigtermStop() as sigterm:

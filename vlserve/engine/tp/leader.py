@@ -99,7 +99,8 @@ class TPLeader:
         shm_path = collectives_file(place, device)
         procs = [] if place.from_env else [_spawn(r, place, address, shm_path, cfg) for r in range(1, size)]
         # after the spawns: a child inherits its parent's cores, and each rank picks its slice of all of them
-        undo_pin = pin_cores(place.local_rank, place.local_size) if device.type == "cpu" else (lambda: None)
+        cpu_threads = cfg.args.cpu_threads if cfg.args is not None else None
+        undo_pin = pin_cores(place.local_rank, place.local_size, cpu_threads) if device.type == "cpu" else lambda: None
         leader = cls(place, sock, procs)
         leader._finalizer = weakref.finalize(leader, _stop, sock, ctx, place.size, procs, undo_pin, shm_path)
         try:

@@ -7,8 +7,9 @@ Two ways to get ranks:
   `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`) and they meet through
   `env://`. The process with `RANK=0` serves; the others only run their share of the model.
 
-On CPU every rank of a machine gets its own slice of the cores (pinned, and as many torch threads), so the ranks
-never compete for a core. An explicit `OMP_NUM_THREADS` still sets the thread count.
+On CPU every rank of a machine gets its own slice of the cores (pinned) and its share of the CPU budget as torch
+threads (core/cpu_budget.py: a cgroup quota smaller than the cores counts), so the ranks never compete for a core.
+`--cpu-threads` (split between the ranks), else an explicit `OMP_NUM_THREADS` (per rank), sets the thread count.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from vlserve.core.cpu_budget import plan_threads
 from vlserve.core.errors import InvalidInputError
 from vlserve.core.processes import free_port
 from vlserve.engine.transfer_buffers import shm_dir
@@ -111,11 +113,13 @@ def leave_group() -> None:
         dist.destroy_process_group()
 
 
-def pin_cores(local_rank: int, local_size: int) -> Callable[[], None]:
-    """Pins this process to its slice of the machine's cores and sets torch's threads to match; returns the
-    undo (an in-process rank 0, e.g. the offline `LLM`, gives the cores back when it shuts down)."""
+def pin_cores(local_rank: int, local_size: int, cpu_threads: int | None = None) -> Callable[[], None]:
+    """Pins this process to its slice of the machine's cores and sets torch's threads to its share of the CPU
+    budget (of `cpu_threads` when given); returns the undo (an in-process rank 0, e.g. the offline `LLM`, gives
+    the cores back when it shuts down)."""
     if not hasattr(os, "sched_getaffinity"):
         return lambda: None
+    plan = plan_threads(cpu_threads, local_size)  # before pinning: the budget of the whole affinity mask
     before, threads = os.sched_getaffinity(0), torch.get_num_threads()
     cores = sorted(before)
     per_rank = len(cores) // local_size
@@ -124,8 +128,7 @@ def pin_cores(local_rank: int, local_size: int) -> Callable[[], None]:
         return lambda: None
     mine = cores[local_rank * per_rank : (local_rank + 1) * per_rank]
     os.sched_setaffinity(0, mine)
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(len(mine))
+    torch.set_num_threads(plan.torch_threads)  # <= len(mine) unless --cpu-threads or OMP_NUM_THREADS asks more
     logger.info("tensor-parallel rank (local %d of %d): cores %s, %d threads", local_rank, local_size, mine,
                 torch.get_num_threads())
 

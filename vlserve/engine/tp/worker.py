@@ -43,7 +43,7 @@ def run_rank(place: Placement, args: EngineArgs, facts: ModelFacts | None = None
     cfg = resolve_config(args, facts, announce=False)
     device = device_for(cfg.device, place.local_rank)
     if device.type == "cpu":
-        pin_cores(place.local_rank, place.local_size)
+        pin_cores(place.local_rank, place.local_size, args.cpu_threads)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, identity(place.rank))
