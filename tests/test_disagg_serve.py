@@ -70,6 +70,13 @@ def deployment(tiny_ckpt):
         log.close()
 
 
+def _log_since(log, start: int = 0) -> str:
+    """The deployment's log from offset `start` on (what a test's own actions wrote, when it noted the length
+    first: the shared deployment's log also holds every earlier test's lines)."""
+    log.seek(0)
+    return log.read()[start:]
+
+
 def _children(pid: int) -> dict[int, str]:
     out = {}
     for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
@@ -145,6 +152,7 @@ def test_every_role_gets_the_flags_it_honours(deployment):
 
 def test_encoder_crash_is_restarted_and_text_keeps_flowing(deployment, offline):
     proc, url, client, log = deployment
+    start = len(_log_since(log))
     encoders = [pid for pid, cmd in _children(proc.pid).items() if " encode " in cmd]
     t0 = time.monotonic()
     os.kill(encoders[0], signal.SIGKILL)
@@ -153,10 +161,9 @@ def test_encoder_crash_is_restarted_and_text_keeps_flowing(deployment, offline):
         offline, [{"role": "user", "content": "text only"}])
     assert ask(client, picture_chat(9)) == expected_text(offline, picture_chat(9))
     deadline = time.monotonic() + 90
-    while True:  # the restarted encoder registers anew and the language server pairs with it: a third pairing
-        log.seek(0)
-        text = log.read()
-        if text.count(" paired (") >= 3 and scrape(url + "/metrics")["vlserve:encoders_available"] == 2:
+    while True:  # the restarted encoder registers anew and the language server pairs with it: a new pairing
+        text = _log_since(log, start)
+        if " paired (" in text and scrape(url + "/metrics")["vlserve:encoders_available"] == 2:
             break
         assert time.monotonic() < deadline, "the crashed encoder was not restarted"
         time.sleep(0.1)
@@ -178,9 +185,28 @@ class NonsenseEncoder:
         self.served = 0
         self.loop = asyncio.new_event_loop()
         self.ready = threading.Event()
-        self.thread = threading.Thread(target=self.loop.run_until_complete, args=(self._main(),), daemon=True)
+        self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
         assert self.ready.wait(30)
+
+    def _run(self) -> None:
+        try:
+            self.loop.run_until_complete(self._main())
+        except asyncio.CancelledError:  # close()
+            pass
+
+    def close(self) -> None:
+        """Deregisters and stops answering (the language server drops it after missed heartbeats)."""
+        async def stop():
+            await self.boot.stop()
+            self.task.cancel()
+            self.sock.close(linger=0)
+            self.auth.stop()  # its ZAP socket too: then the context can end
+        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(30)
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+        self.ctx.term()
+        self.loop.close()
 
     async def _main(self) -> None:
         from vlserve.core.wire import Framer, tensor_ref
@@ -197,13 +223,15 @@ class NonsenseEncoder:
             TransferChunk,
         )
 
-        auth = PeerAuth(SECRET)
+        self.task = asyncio.current_task()
+        self.auth = auth = PeerAuth(SECRET)
         self.ctx = zmq.asyncio.Context()
-        sock = self.ctx.socket(zmq.ROUTER)
+        self.sock = sock = self.ctx.socket(zmq.ROUTER)
         auth.secure_server(sock)
         port = sock.bind_to_random_port("tcp://127.0.0.1")
-        boot = BootstrapClient(self.bootstrap, InstanceInfo(new_instance_id(), "encode", f"127.0.0.1:{port}"),
-                               0.3, auth=auth)
+        self.address = f"127.0.0.1:{port}"
+        self.boot = boot = BootstrapClient(self.bootstrap, InstanceInfo(new_instance_id(), "encode", self.address),
+                                           0.3, auth=auth)
         await boot.start()
         self.ready.set()
         inbox, outbox = Framer(ReceiverToSender), Framer(SenderToReceiver)
@@ -235,14 +263,13 @@ def test_a_language_server_whose_engine_dies_is_restarted(deployment, offline):
     forever, the supervisor restarts it, and it serves again."""
     proc, url, client, log = deployment
     language = next(pid for pid, cmd in _children(proc.pid).items() if " language " in cmd)
-    log.seek(0)
-    engine = int(re.findall(r"\[language\] .*engine core ready \(pid (\d+)\)", log.read())[-1])
+    start = len(_log_since(log))
+    engine = int(re.findall(r"\[language\] .*engine core ready \(pid (\d+)\)", _log_since(log))[-1])
     assert engine in _children(language)
     os.kill(engine, signal.SIGKILL)
     deadline = time.monotonic() + 120
     while True:
-        log.seek(0)
-        restarted = "restarting language" in log.read()
+        restarted = "restarting language" in _log_since(log, start)
         try:
             ready = restarted and httpx.get(url + "/ready", timeout=2).status_code == 200
         except httpx.HTTPError:
@@ -255,14 +282,26 @@ def test_a_language_server_whose_engine_dies_is_restarted(deployment, offline):
     assert httpx.get(url + "/ready").json() == {"status": "ready", "degraded": []}
     assert ask(client, [{"role": "user", "content": "text only"}]) == expected_text(
         offline, [{"role": "user", "content": "text only"}])
+    # The deployment whole again for the next test: the new language server paired with both encoders.
+    wait_until(lambda: scrape(url + "/metrics")["vlserve:encoders_available"] == 2,
+               "the restarted language server never paired with both encoders", 30)
 
 
-def test_nonsense_from_an_encoder_is_retried_elsewhere(tiny_ckpt, offline):
-    cluster = Cluster(tiny_ckpt("qwen2_vl"), {"main": []})
+@pytest.fixture(scope="module")
+def cluster(tiny_ckpt):
+    """Bootstrap, encoder A and language server "main" (the secret known): the tests that add an encoder of their
+    own (a NonsenseEncoder in this process) share it; each closes its encoder and waits for A alone again."""
+    c = Cluster(tiny_ckpt("qwen2_vl"), {"main": []})
+    yield c
+    c.close_quickly()
+
+
+def test_nonsense_from_an_encoder_is_retried_elsewhere(cluster, offline):
+    cluster.wait_encoders("main", 1)
+    start = len(cluster.languages["main"].read_log())
+    width = offline.config.model.text.hidden_size
+    fake = NonsenseEncoder(cluster.bootstrap_url, width, offline.config.model.architecture)
     try:
-        cluster.wait_encoders("main", 1)
-        width = offline.config.model.text.hidden_size
-        fake = NonsenseEncoder(cluster.bootstrap_url, width, offline.config.model.architecture)
         cluster.wait_encoders("main", 2)
         client = cluster.client("main")
         # Different pictures spread over both encoders by their content keys (rendezvous hashing): the fake gets
@@ -272,32 +311,37 @@ def test_nonsense_from_an_encoder_is_retried_elsewhere(tiny_ckpt, offline):
             assert ask(client, messages) == expected_text(offline, messages)
         assert fake.served >= len(NonsenseEncoder.KINDS)
         assert cluster.languages["main"].proc.poll() is None
-        assert "does not check out" in cluster.languages["main"].read_log() or \
-            "sent" in cluster.languages["main"].read_log()
+        log = cluster.languages["main"].read_log()[start:]
+        assert "does not check out" in log or "sent" in log
         wait_language_blocks_free(lambda: cluster.metrics("main"))
     finally:
-        cluster.close()
+        fake.close()
+    cluster.wait_encoders("main", 1)
 
 
 @pytest.mark.parametrize("mismatch", ["hidden size", "deepstack levels"])
-def test_an_encoder_of_another_model_is_never_paired(tiny_ckpt, offline, mismatch):
+def test_an_encoder_of_another_model_is_never_paired(cluster, offline, mismatch):
     """An encoder whose rows do not fit this model (another hidden size, or DeepStack levels the language model
     does not have) is refused at pairing with a clear error, and requests keep going to the right one."""
-    cluster = Cluster(tiny_ckpt("qwen2_vl"), {"main": []})
+    cluster.wait_encoders("main", 1)
+    start = len(cluster.languages["main"].read_log())
+    hidden = offline.config.model.text.hidden_size
+    fake = NonsenseEncoder(cluster.bootstrap_url, hidden * 2 if mismatch == "hidden size" else hidden,
+                           offline.config.model.architecture,
+                           deepstack_levels=3 if mismatch == "deepstack levels" else 0)
     try:
-        cluster.wait_encoders("main", 1)
-        hidden = offline.config.model.text.hidden_size
-        NonsenseEncoder(cluster.bootstrap_url, hidden * 2 if mismatch == "hidden size" else hidden,
-                        offline.config.model.architecture, deepstack_levels=3 if mismatch == "deepstack levels" else 0)
-        log = cluster.languages["main"].read_log
-        wait_until(lambda: "not paired" in log(), "the mismatched encoder was never refused")
+        def refused() -> list[str]:  # this test's encoder, by its address
+            return [x for x in cluster.languages["main"].read_log()[start:].splitlines()
+                    if "not paired" in x and fake.address in x]
+        wait_until(refused, "the mismatched encoder was never refused")
         assert cluster.metrics("main")["vlserve:encoders_available"] == 1
-        line = next(x for x in log().splitlines() if "not paired" in x)
+        line = refused()[0]
         assert ("hidden size 128" if mismatch == "hidden size" else "3 deepstack levels") in line, line
         messages = picture_chat(700)
         assert ask(cluster.client("main"), messages) == expected_text(offline, messages)
     finally:
-        cluster.close()
+        fake.close()
+    cluster.wait_encoders("main", 1)
 
 
 def test_a_crash_looping_role_never_takes_the_others_down(caplog, tmp_path, monkeypatch):

@@ -57,8 +57,23 @@ def epd(tiny_ckpt, tmp_path_factory):
         raise
     c.etcd = etcd
     yield c
+    if etcd.proc.poll() is not None:  # a test that killed it failed before starting it again
+        etcd.start()
     c.close_quickly()  # while etcd is up: each role revokes its lease
     etcd.kill()
+
+
+def two_encoders(c: Cluster) -> list[RoleProcess]:
+    """The state the fixture made, whatever a test before left (a killed encoder, a newcomer, etcd down): etcd up,
+    exactly two encoders running, paired with the prefill instance and listed in etcd."""
+    if c.etcd.proc.poll() is not None:
+        c.etcd.start()
+    keep = c.live_encoders()[:2]
+    while len(keep) < 2:
+        keep.append(f"E{len(c.encoders) + len(keep)}")
+    c.use_encoders(*keep)
+    wait_registered(c, "the two encoders never registered")
+    return [c.encoders[name] for name in keep]
 
 
 def registered(etcd: EtcdServer, namespace: str | None = None) -> dict[str, dict]:
@@ -121,6 +136,7 @@ def all_exact(c: Cluster, offline, chats: list) -> None:
 
 
 def test_roles_meet_in_etcd_and_answer_exactly(epd, offline):
+    two_encoders(epd)
     wait_registered(epd, "every role registers")
     assert sorted(listed(epd).values()) == ["decode", "encode", "encode", "prefill"]
     epd.wait_prefills("main", 1)
@@ -132,7 +148,7 @@ def test_roles_meet_in_etcd_and_answer_exactly(epd, offline):
 
 
 def test_a_killed_encoder_is_dropped_and_a_restarted_one_rejoins(epd, offline):
-    dead, other = epd.encoders["A"], epd.encoders["B"]
+    dead, other = two_encoders(epd)
     dead_id, other_id = instance_id(epd, dead), instance_id(epd, other)
     failed = 'vlserve:embedding_transfers_total{role="prefill",state="failed"}'
     before = scrape(epd.prefills["P"].metrics_url)[failed]
@@ -155,6 +171,7 @@ def test_a_killed_encoder_is_dropped_and_a_restarted_one_rejoins(epd, offline):
 
 
 def test_a_killed_etcd_leaves_paired_roles_serving_and_everyone_registers_again(epd, offline):
+    two_encoders(epd)
     wait_registered(epd, "registered before etcd goes")
     before = set(listed(epd))
     epd.etcd.kill()

@@ -40,14 +40,38 @@ def offline(tiny_ckpt):
     return LLM(str(tiny_ckpt("qwen2_vl")), dtype="float32", max_model_len=2048, limit_mm_per_prompt={"image": 4})
 
 
+# The decode instance's first run of blocks holds 32 tokens: longer prompts' KV arrives in several runs (resumes).
+# With no prefill instance paired a request waits 1 s for one (not 5) before its 503: only the test that leaves
+# none waits for it; every other one waits for its prefill instance to be paired before it asks.
+DECODE_ARGS = ["--kv-allocate-tokens", "32", "--peer-wait-timeout", "1"]
+
+
 @pytest.fixture(scope="module", params=ZMQ_ONLY)
 def pd(tiny_ckpt, request):
-    """Bootstrap, encoder A, prefill P, decode "main" whose first run of blocks holds 32 tokens: longer prompts'
-    KV arrives in several runs (resumes). Over ZeroMQ, or every backend for a test marked EVERY_PD_BACKEND."""
-    c = Cluster(tiny_ckpt("qwen2_vl"), {"main": ["--kv-allocate-tokens", "32"]}, prefills={"P": []},
+    """Bootstrap, encoder A, prefill P, decode "main" (DECODE_ARGS). Over ZeroMQ, or every backend for a test
+    marked EVERY_PD_BACKEND. Shared by the tests of that backend: each starts with `whole(pd)`."""
+    c = Cluster(tiny_ckpt("qwen2_vl"), {"main": DECODE_ARGS}, prefills={"P": []},
                 backend=request.param, extra=("--transfer-timeout", "8"))
     yield c
-    c.close()
+    c.close_quickly()
+
+
+def whole(pd: Cluster) -> Cluster:
+    """The cluster as its fixture made it, whatever a test before did to it: one working prefill instance (the
+    failing one stopped, a killed one replaced), a running decode instance, the two paired."""
+    if pd.languages["main"].proc.poll() is not None:  # killed by a test: a new one with the same flags
+        pd.start_language("main", DECODE_ARGS)
+    if "bad" in pd.prefills and pd.prefills["bad"].proc.poll() is None:
+        pd.prefills["bad"].close()
+
+    def good() -> list[str]:
+        return [name for name, p in pd.prefills.items() if name != "bad" and p.proc.poll() is None]
+    # The stopped failing one dropped first (counted until then), then a new one paired if none is left.
+    pd.wait_prefills("main", len(good()))
+    if not good():
+        pd.start_prefill("P")
+        pd.wait_prefills("main", 1)
+    return pd
 
 
 EVERY_PD_BACKEND = pytest.mark.parametrize("pd", BACKENDS, indirect=True)
@@ -80,7 +104,7 @@ def sampled(client, messages, seed: int) -> str:
 
 @EVERY_PD_BACKEND  # the KV write path and its resumes are each backend's own
 def test_e_p_d_matches_aggregated(pd, offline):
-    pd.wait_prefills("main", 1)
+    whole(pd)
     client = pd.client("main")
     for name, messages in CASES.items():
         assert ask(client, messages) == expected_text(offline, messages), name
@@ -102,7 +126,7 @@ def test_e_p_d_matches_aggregated(pd, offline):
 
 
 def test_bad_requests_get_the_aggregated_status_and_token_ids_prefill_locally(pd, offline):
-    client = pd.client("main")
+    client = whole(pd).client("main")
     ids = [11, 22, 33, 44, 55, 66]  # no text to send a prefill instance: the decode instance prefills it itself
     got = client.completions.create(model=client.served_model, prompt=ids, max_tokens=N_TOKENS, temperature=0,
                                     extra_body={"min_tokens": N_TOKENS}).choices[0].text
@@ -122,6 +146,7 @@ def test_bad_requests_get_the_aggregated_status_and_token_ids_prefill_locally(pd
 def test_failed_and_killed_prefill_instances(pd, offline):
     """A prefill that always fails is retried on the other; one killed mid-run gives correct answers or 503s;
     with only the failing one left, a clear 503; a restarted one rejoins. No block leaks on any role."""
+    good = next(name for name, p in whole(pd).prefills.items() if name != "bad" and p.proc.poll() is None)
     pd.start_prefill("bad", env={"VLSERVE_TRANSFER_FAILURE_PROB": "1"})
     pd.wait_prefills("main", 2)
     client = pd.client("main")
@@ -140,7 +165,7 @@ def test_failed_and_killed_prefill_instances(pd, offline):
     with ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(one, picture_chat(60 + i)) for i in range(8)]
         time.sleep(0.3)
-        pd.prefills["P"].kill()
+        pd.prefills[good].kill()
         results = [f.result(timeout=90) for f in futures]
     for i, got in enumerate(results):
         assert isinstance(got, Exception) or got == expected_text(offline, picture_chat(60 + i))
@@ -160,7 +185,7 @@ def test_failed_and_killed_prefill_instances(pd, offline):
 
 
 def test_a_killed_decode_instance_leaves_nothing_held(pd):
-    client = pd.client("main")
+    client = whole(pd).client("main")  # the next test that needs a decode instance starts a new one
     decode = pd.languages["main"]
     streaming = threading.Event()
 
