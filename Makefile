@@ -56,11 +56,14 @@ $(STAMP): pyproject.toml
 #                 and nixl run what is their own: write path, resumes, a peer dying mid-transfer)
 # `make test` runs all of them. `make test-fast` runs unit + engine, stopping at the first failure (under 2 minutes
 # on 2 cores); one tier or a mix: make test ARGS='-m "multiprocess or transport"'.
+# Tests run on TEST_WORKERS pytest-xdist workers (2: most multi-process tests wait on their servers half the time),
+# a file at a time per worker, so a module's shared cluster starts once; TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest tests $(ARGS)
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 test-fast: install
-	$(PY) -m pytest tests -m "unit or engine" -x --timeout 120 $(ARGS)
+	$(PY) -m pytest tests -m "unit or engine" -x --timeout 120 -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 # Extra flags go through ARGS, e.g. make serve ARGS="--model Qwen/Qwen2-VL-2B-Instruct --dtype bfloat16".
 # The address: make serve PORT=8001 HOST=0.0.0.0, or the same flags in ARGS (ARGS="--port 8001"); each flag is

@@ -15,7 +15,22 @@ from vlserve.tools.tiny_model import make_tiny_model
 ARCHES = ("qwen2_vl", "qwen2_5_vl")
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
 
-torch.set_num_threads(2)
+
+def _threads_per_worker() -> int:
+    """2 threads in a serial run; under pytest-xdist (`make test` runs 2 workers) the CPU budget shared by the
+    workers, so that their OpenMP pools never outnumber the cores (oversubscribed pools spin and wait on each
+    other). OMP_NUM_THREADS carries it to the engines and servers a test starts (they honour it over the budget)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers <= 1:
+        return 2
+    from vlserve.core.cpu_budget import cpu_budget
+
+    share = max(1, min(2, cpu_budget().cpus // workers))
+    os.environ.setdefault("OMP_NUM_THREADS", str(share))
+    return int(os.environ["OMP_NUM_THREADS"])
+
+
+torch.set_num_threads(_threads_per_worker())
 
 
 def pytest_sessionstart(session):
