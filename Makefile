@@ -54,8 +54,8 @@ $(STAMP): pyproject.toml
 #                 whose exit or crash is the point)
 #   transport     disaggregated roles over each --transfer-backend (the behaviour matrix over zmq; shm, mooncake
 #                 and nixl run what is their own: write path, resumes, a peer dying mid-transfer)
-# `make test` runs all of them. `make test-fast` runs unit + engine, stopping at the first failure (under 2 minutes
-# on 2 cores); one tier or a mix: make test ARGS='-m "multiprocess or transport"'.
+# `make test` runs all of them. `make test-fast` runs unit + engine, stopping at the first failure (about 6 minutes
+# on 2 busy cores); one tier or a mix: make test ARGS='-m "multiprocess or transport"'.
 # Tests run on TEST_WORKERS pytest-xdist workers (2: most multi-process tests wait on their servers half the time),
 # a file at a time per worker, so a module's shared cluster starts once; TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= 2

@@ -35,12 +35,11 @@ def broken(tiny_ckpt, tmp_path_factory):
 
 def test_engine_start_failure_exits_nonzero_quickly_every_time(broken):
     for _ in range(START_FAILURE_TRIES):
-        t0 = time.monotonic()
         proc = _vlserve("serve", "--model", str(broken), "--port", str(free_port()))
-        out, _ = proc.communicate(timeout=60)
-        took = time.monotonic() - t0
+        # It must give up, not retry: a server that keeps restarting its engine never exits and this times out
+        # (generous: start-up takes ~10 s quiet and three times that on a busy 2-core machine; no timing asserts).
+        out, _ = proc.communicate(timeout=120)
         assert proc.returncode == EXIT_CONFIG, out  # a corrupt checkpoint: restarting it would not help
-        assert took < 30, f"took {took:.1f}s to give up"
         assert "the engine failed to start" in out and "corrupt" in out
         assert "Traceback" not in out.split("ERROR vlserve:")[-1]
 
@@ -50,13 +49,11 @@ def test_taken_port_is_reported_before_the_model_loads(tiny_ckpt):
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        t0 = time.monotonic()
         proc = _vlserve("serve", "--model", str(tiny_ckpt("qwen2_vl")), "--port", str(port))
-        out, _ = proc.communicate(timeout=60)
+        out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port}" in out
-    assert "engine" not in out.lower().replace("vlserve.engine", "")  # nothing was started
-    assert time.monotonic() - t0 < 20
+    assert "engine" not in out.lower().replace("vlserve.engine", "")  # nothing was started: reported at once
 
 
 def _children(pid: int) -> set[int]:
@@ -154,11 +151,9 @@ def test_an_engine_whose_server_was_killed_while_it_started_exits(tiny_ckpt):
 
 
 def test_disagg_with_a_bad_model_stops_at_once_and_says_which_role(tmp_path):
-    t0 = time.monotonic()
     proc = _vlserve("serve", "--disagg", "--model", str(tmp_path / "no-such-model"), "--port", str(free_port()))
     out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == EXIT_CONFIG, out
-    assert time.monotonic() - t0 < 40, out  # was ~58 s: every role restarted 5 times
+    assert proc.returncode == EXIT_CONFIG, out  # at once: no role is restarted (it took ~58 s when each was, 5 times)
     assert "restarting" not in out and "cannot start with this configuration" in out, out
     assert "[encoder-0] vlserve: model" in out and "no such folder" in out, out  # the role names its lines
 
