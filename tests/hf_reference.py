@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Sequence
+
 import torch
 from transformers import (
     AutoTokenizer,
@@ -45,17 +48,53 @@ def hf_class(arch: str):
 
 def prompt_references(tiny_ckpt, prompts: list, max_new_tokens: int):
     """A module fixture's body: arch -> (tiny checkpoint folder, transformers reference, its greedy (prompt ids,
-    new ids) for each of `prompts`), each made once."""
-    made = {}
+    new ids) for each of `prompts`). The reference is `shared_reference`'s; each answer is computed when a test
+    first reads it (a test run alone computes only what it compares against)."""
 
     def get(arch: str):
-        if arch not in made:
-            path = tiny_ckpt(arch)
-            hf = HFReference(arch, path)
-            made[arch] = str(path), hf, [hf.greedy(p, imgs, max_new_tokens) for p, imgs in prompts]
-        return made[arch]
+        path = tiny_ckpt(arch)
+        hf = shared_reference(arch, path)
+        return str(path), hf, PromptReferences(hf, prompts, max_new_tokens)
 
     return get
+
+
+class PromptReferences(Sequence):
+    """transformers' greedy (prompt ids, new ids) for each of `prompts`, computed on first read (memoized by the
+    reference, see `HFReference.greedy`)."""
+
+    def __init__(self, hf: HFReference, prompts: list, max_new_tokens: int):
+        self.hf, self.prompts, self.max_new_tokens = hf, prompts, max_new_tokens
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        prompt, images = self.prompts[i]
+        return self.hf.greedy(prompt, images, self.max_new_tokens)
+
+
+_SHARED: dict[tuple[str, str], HFReference] = {}
+
+
+def shared_reference(arch: str, path) -> HFReference:
+    """One `HFReference` per checkpoint for the whole test process, so its memo of answers serves every module
+    that asks the same checkpoint the same prompt (the tiny checkpoints are made once per session)."""
+    key = (arch, str(path))
+    if key not in _SHARED:
+        _SHARED[key] = HFReference(arch, path)
+    return _SHARED[key]
+
+
+def image_key(image) -> tuple:
+    """What tells two pictures apart for transformers' image processor: mode, size, pixels, palette."""
+    digest = hashlib.sha1(image.tobytes())
+    palette = image.getpalette() if image.mode == "P" else None
+    if palette:
+        digest.update(bytes(palette))
+    return image.mode, image.size, digest.hexdigest(), repr(sorted(image.info.items()))
 
 
 class HFReference:
@@ -64,6 +103,7 @@ class HFReference:
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(path)
         self.image_token_id = self.model.config.image_token_id
+        self._answers: dict[tuple, dict[int, tuple[list[int], list[int]]]] = {}
 
     def inputs(self, prompt: str, images: list) -> dict:
         """transformers' pixels and grids; ids expanded by hand from transformers' grid (no vlserve code)."""
@@ -80,7 +120,16 @@ class HFReference:
         return out
 
     def greedy(self, prompt: str, images: list, max_new_tokens: int) -> tuple[list[int], list[int]]:
-        return greedy_new_tokens(self.model, self.tokenizer, self.inputs(prompt, images), max_new_tokens)
+        """Memoized (greedy decoding is deterministic): the same prompt and pictures are generated once. EOS is
+        masked up to the last token (`greedy_new_tokens`), so the first n tokens of a longer answer are the n-token
+        answer: a shorter request is answered from a longer run."""
+        runs = self._answers.setdefault((prompt, tuple(image_key(im) for im in images)), {})
+        longest = max((n for n in runs if n >= max_new_tokens), default=None)
+        if longest is None:
+            longest = max_new_tokens
+            runs[longest] = greedy_new_tokens(self.model, self.tokenizer, self.inputs(prompt, images), longest)
+        prompt_ids, new = runs[longest]
+        return list(prompt_ids), list(new[:max_new_tokens])
 
 
 class HFAudioReference:

@@ -11,7 +11,7 @@ import argparse
 import pytest
 import torch
 
-from tests.conftest import assert_pool_full
+from tests.conftest import IMG, assert_pool_full, noise_image
 from tests.hf_reference import prompt_references
 from tests.test_parity import _check, _prompts, _run
 from vlserve import LLM, SamplingParams
@@ -22,12 +22,14 @@ from vlserve.engine.config import decode_graph_sizes
 from vlserve.engine.decode_graphs import default_sizes, padded_size
 from vlserve.engine.vision_graphs import VisionGraphs
 from vlserve.model.accelerator import ATTENTION_ENV, Accelerator
+from vlserve.model.families.qwen.qwen2_5_vl_vision import window_order
 from vlserve.model.kernels import triton_attention
 from vlserve.model.layers.moe import Experts
 from vlserve.model.layers.static_shapes import static_shapes
 
 MAX_NEW = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW)
+TRITON_NEW = 8  # new tokens in the interpreted Triton path
 needs_triton = pytest.mark.skipif(not triton_attention.available(), reason="Triton is not installed")
 
 
@@ -73,11 +75,24 @@ def test_graphs_with_preemption_and_batches_past_the_largest_size(references):
 @needs_triton
 def test_triton_attention_path_matches_transformers(references, monkeypatch):
     """The CUDA attention path (one varlen launch per layer for prefill and decode; Qwen2.5-VL's window and full
-    plans in the vision tower) in Triton's interpreter, with decode and vision graphs."""
+    plans in the vision tower) in Triton's interpreter, with decode and vision graphs. The interpreter runs every
+    program of a grid in Python: small pictures (a bucket of 64 patches has 17 sequences' programs, one of 256 has
+    65) and 8 new tokens, enough for a decode step to open a new KV block and a new tile of keys."""
     monkeypatch.setenv(ATTENTION_ENV, "triton")
-    path, _, expected = references("qwen2_5_vl")
-    llm = LLM(path, dtype="float32", num_kv_blocks=256, cuda_graph_sizes=[1, 2, 4])
-    run_groups(llm, expected, [[2, 0], [4]])  # three pictures and text, then one picture alone
+    path, hf, _ = references("qwen2_5_vl")
+    llm = LLM(path, dtype="float32", num_kv_blocks=256, cuda_graph_sizes=[1, 2])  # the batches it decodes
+    # three pictures, the first of two windows (2 x 10 patches; windows of 8 x 8), 52 patches in all; then one
+    # picture alone (6 x 8 patches): both through the vision graph of 64 patches
+    pictures = (f"{IMG} and {IMG} and {IMG}: what differs?",
+                [noise_image(140, 28, 31), noise_image(56, 56, 32, "L"), noise_image(56, 56, 33, "RGBA")])
+    prompts = [pictures, _prompts()[0], _prompts()[1]]
+    want = [hf.greedy(p, imgs, TRITON_NEW) for p, imgs in prompts]
+    # the picture alone's decode steps write positions first .. first + 6: past a tile of keys and a KV block
+    first, tile = len(want[2][0]), triton_attention.BLOCK_KEYS
+    assert first < tile <= first + TRITON_NEW - 2 and tile % llm.config.block_size == 0
+    params = SamplingParams(temperature=0.0, max_tokens=TRITON_NEW, min_tokens=TRITON_NEW)
+    for group in ([0, 1], [2]):
+        _check(_run(llm, [prompts[i] for i in group], params), want, group)
     executor = shard(llm)
     assert executor.acc.attention == "triton"
     assert sum(executor.graphs.replays.values()) > 0 and executor.vision_graphs.replays >= 2
@@ -96,22 +111,29 @@ def test_enforce_eager_turns_both_kinds_of_graph_off(tiny_ckpt, monkeypatch):
 @pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl"])
 def test_vision_graph_buckets_equal_the_tower(tiny_ckpt, monkeypatch, arch):
     """Calls of several patch counts (Qwen2.5-VL: window and full plans) through the buckets give the tower's own
-    rows, which later replays of their bucket leave alone; a bucket is captured once and reused; a call past the
-    largest bucket runs op by op."""
+    rows, which later replays of their bucket leave alone; a bucket is captured once and reused, also filled to
+    its last row; a call past the largest bucket runs op by op. Small buckets: the interpreted kernel runs every
+    program of the grid in Python, and a bucket's grid grows with its size (one sequence per merge group)."""
     monkeypatch.setenv(ATTENTION_ENV, "triton")
     llm = LLM(str(tiny_ckpt(arch)), dtype="float32", num_kv_blocks=64, enforce_eager=True)
     tower = shard(llm).model.visual
-    graphs = VisionGraphs(tower, Accelerator(torch.device("cpu")), buckets=(64, 128))
+    graphs = VisionGraphs(tower, Accelerator(torch.device("cpu")), buckets=(16, 32))
+    if arch == "qwen2_5_vl":  # windows of 8 x 8 patches: the call of 20 patches has two, the one of 72 three
+        assert [window_order(grids, tower.cfg)[1] for grids in ([(1, 2, 10)], [(1, 4, 18)])] == [[16, 4],
+                                                                                                  [32, 32, 8]]
     patch = tower.cfg.patch_dim
     g = torch.Generator().manual_seed(0)
     results = []
-    for grids in ([(1, 4, 4)], [(1, 4, 8), (1, 2, 2)], [(2, 4, 4), (1, 4, 4)], [(1, 8, 12)], [(1, 12, 12)]):
+    # 4, 12 and 16 patches (a video's two frames and a picture: the bucket's every row) in the bucket of 16; 20 in
+    # the bucket of 32 (Qwen2.5-VL: a window of 16 patches and one of 4); 72 op by op (over one 64-row tile of
+    # queries in the full-attention blocks, three windows)
+    for grids in ([(1, 2, 2)], [(1, 2, 4), (1, 2, 2)], [(2, 2, 2), (1, 2, 4)], [(1, 2, 10)], [(1, 4, 18)]):
         pixels = torch.randn(sum(t * h * w for t, h, w in grids), patch, generator=g)
         with torch.inference_mode():
             want, got = tower(pixels, grids), graphs(pixels, grids)
         assert got.shape == want.shape and (got - want).abs().max() < 1e-5, grids
         results.append((got, want.clone()))
-    assert sorted(size for size, _ in graphs.captured) == [64, 128] and graphs.replays == 4
+    assert sorted(size for size, _ in graphs.captured) == [16, 32] and graphs.replays == 4
     # rows handed out earlier stay as they were after later replays of their bucket (the encoder cache keeps them)
     assert all(torch.equal(got, kept) or (got - kept).abs().max() < 1e-5 for got, kept in results)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import ARCHES, IMG, assert_pool_full, noise_image
-from tests.hf_reference import HFReference
+from tests.hf_reference import prompt_references
 from vlserve import LLM, SamplingParams
 
 MAX_NEW = 12
@@ -31,9 +31,7 @@ def _prompts():
 
 @pytest.fixture(scope="module", params=ARCHES)
 def setup(request, tiny_ckpt):
-    path = tiny_ckpt(request.param)
-    hf = HFReference(request.param, path)
-    expected = [hf.greedy(p, imgs, MAX_NEW) for p, imgs in _prompts()]
+    path, _, expected = prompt_references(tiny_ckpt, _prompts(), MAX_NEW)(request.param)
     return path, expected
 
 

@@ -21,6 +21,10 @@ from vlserve.tools.tiny_arches import TINY_ARCHES
 
 MAX_NEW = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW)
+# The prefix-hit tests ask one request at a time (each waits for the snapshots of the one before): 6 new tokens
+# each, enough for a resumed state that is wrong to show (test_a_resumed_request_needs_the_copied_state).
+SNAP_NEW = 6
+SNAP_GREEDY = SamplingParams(temperature=0.0, max_tokens=SNAP_NEW, min_tokens=SNAP_NEW)
 ARCHES = ["qwen3_5", "qwen3_5_moe"]
 
 
@@ -105,9 +109,12 @@ def _chat(question: str, picture: bool = True) -> str:
     return f"<|im_start|>user\n{IMG if picture else ''}{question}<|im_end|>\n<|im_start|>assistant\n"
 
 
+def _request(prompt: str, image):
+    return {"prompt": prompt, "multi_modal_data": {"image": [image]}} if image is not None else prompt
+
+
 def _generate(llm: LLM, prompt: str, image) -> tuple[list[int], list[int]]:
-    data = {"prompt": prompt, "multi_modal_data": {"image": [image]}} if image is not None else prompt
-    out = llm.generate(data, GREEDY, use_tqdm=False)[0]
+    out = llm.generate(_request(prompt, image), SNAP_GREEDY, use_tqdm=False)[0]
     return out.prompt_token_ids, out.outputs[0].token_ids
 
 
@@ -123,10 +130,11 @@ def test_prefix_hits_resume_from_state_snapshots(references, arch):
     text = "A plain text prompt, long enough to fill a few KV blocks of sixteen tokens each, twice over. " * 2
     asks = [(first, image), (_chat("Why is it so grey?"), image), (first, image), (follow_up, image), (text, None),
             (text, None)]
-    expected = [hf.greedy(p, [img] if img is not None else [], MAX_NEW) for p, img in asks]
+    expected = [hf.greedy(p, [img] if img is not None else [], SNAP_NEW) for p, img in asks]
     assert expected[3][0][:len(expected[0][0])] == expected[0][0], "the follow-up must extend the first prompt"
     off = LLM(str(path), dtype="float32", num_kv_blocks=256, enable_prefix_caching=False)
-    assert [_generate(off, p, img) for p, img in asks] == expected
+    outs = off.generate([_request(p, img) for p, img in asks], SNAP_GREEDY, use_tqdm=False)  # nothing to share
+    assert [(o.prompt_token_ids, o.outputs[0].token_ids) for o in outs] == expected
     assert off.get_metrics()["state_snapshot_queries_total"] == 0 and off.config.num_state_snapshots == 0
     for budget in (2048, 9):
         llm = LLM(str(path), dtype="float32", num_kv_blocks=256, block_size=16, max_num_batched_tokens=budget)
@@ -148,7 +156,7 @@ def test_prefix_hits_resume_from_state_snapshots(references, arch):
 
 def test_a_resumed_request_needs_the_copied_state(references, monkeypatch):
     """Guard against vacuous parity: a prefix hit that skips the snapshot copy (zero state, not fresh) answers
-    differently."""
+    differently within the SNAP_NEW tokens the prefix-hit tests compare."""
     from vlserve.engine.model_shard import ModelShard
 
     path, _, _ = references("qwen3_5")
@@ -177,8 +185,8 @@ def test_no_snapshots_means_no_hits(references):
     path, hf, _ = references("qwen3_5")
     image = noise_image(224, 160, 21)
     llm = LLM(str(path), dtype="float32", num_kv_blocks=256, max_state_snapshots=0)
-    for q in ("A?", "Why B?"):
-        assert _generate(llm, _chat(q), image) == hf.greedy(_chat(q), [image], MAX_NEW)
+    for q in ("What is in it?", "Why is it so grey?"):  # test_prefix_hits_resume_from_state_snapshots' first two
+        assert _generate(llm, _chat(q), image) == hf.greedy(_chat(q), [image], SNAP_NEW)
     m = llm.get_metrics()
     assert m["state_snapshot_hits_total"] == 0 and m["prefix_cache_hits_total"] == 0
     assert_states_free(llm)
@@ -189,9 +197,9 @@ def test_preemption_then_resume_from_snapshot(references):
     path, hf, _ = references("qwen3_5")
     image = noise_image(224, 160, 21)
     prompts = [(_chat(f"Question number {k}?"), [image]) for k in range(6)]
-    expected = [hf.greedy(p, imgs, MAX_NEW) for p, imgs in prompts]
+    expected = [hf.greedy(p, imgs, SNAP_NEW) for p, imgs in prompts]
     llm = LLM(str(path), dtype="float32", num_kv_blocks=24, block_size=4, max_num_batched_tokens=32)
-    _check(_run(llm, prompts), expected, range(len(prompts)))
+    _check(_run(llm, prompts, SNAP_GREEDY), expected, range(len(prompts)))
     m = llm.get_metrics()
     assert m["num_preemptions_total"] > 0 and m["state_snapshot_hits_total"] > 0
     assert_states_free(llm)

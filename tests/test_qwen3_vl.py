@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.conftest import IMG, assert_pool_full, noise_image
-from tests.hf_reference import HFReference
+from tests.hf_reference import HFReference, prompt_references
 from tests.test_parity import _check, _prompts
 from tests.test_parity import _run as run_prompts
 from tests.test_video import VID, clip_frames, encode_video
@@ -50,16 +50,7 @@ def released_layout(src, dst):
 @pytest.fixture(scope="module")
 def references(tiny_ckpt):
     """tiny checkpoint arch -> (path, transformers reference, expected outputs of `_prompts()`)."""
-    made = {}
-
-    def get(arch):
-        if arch not in made:
-            path = tiny_ckpt(arch)
-            hf = HFReference(arch, path)
-            made[arch] = path, hf, [hf.greedy(p, imgs, MAX_NEW) for p, imgs in _prompts()]
-        return made[arch]
-
-    return get
+    return prompt_references(tiny_ckpt, _prompts(), MAX_NEW)
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
