@@ -48,6 +48,7 @@ def pytest_sessionstart(session):
 def pytest_collection_modifyitems(config, items):
     """Every test gets exactly one tier marker (tests/tiers.py); a file without one stops the run, so `-m` never
     silently leaves a new file out."""
+    costliest: dict = {}  # file -> index in TIERS of its costliest test's tier
     for item in items:
         try:
             tier = tier_of(item.path.name, getattr(item, "originalname", item.name))
@@ -58,6 +59,11 @@ def pytest_collection_modifyitems(config, items):
         if marked != {tier}:
             raise pytest.UsageError(f"{item.nodeid} is marked {sorted(marked)}: one tier per test, the one "
                                     "tests/tiers.py gives it")
+        costliest[item.path] = max(costliest.get(item.path, 0), TIERS.index(tier))
+    # Files of the costliest tiers first (a file's tests stay together, in their order): pytest-xdist hands out
+    # files in this order, so the run ends on short unit files instead of one worker finishing a transport
+    # matrix while the other waits.
+    items.sort(key=lambda item: -costliest[item.path])
 
 
 @pytest.fixture(scope="session")

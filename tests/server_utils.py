@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -13,18 +12,18 @@ from pathlib import Path
 
 import httpx
 
-from vlserve.core.processes import die_with_parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from vlserve.core.processes import die_with_parent, free_port
 
 
 def start_vlserve(args: list[str], **popen_kwargs) -> subprocess.Popen:
     """`python -m vlserve ARGS` in a process group of its own that dies with this test process, even when the test
-    run is killed outright (no fixture teardown then): nothing a test starts outlives it."""
+    run is killed outright (no fixture teardown then): nothing a test starts outlives it.
+
+    With $VLSERVE_TEST_PROCESS_LOG set, each start appends a line (the test, the command) to that file: where the
+    suite's time goes is mostly process starts (~8 CPU-seconds each: torch, transformers, the engine process)."""
+    if os.environ.get("VLSERVE_TEST_PROCESS_LOG"):
+        with open(os.environ["VLSERVE_TEST_PROCESS_LOG"], "a") as f:
+            f.write(f"{os.environ.get('PYTEST_CURRENT_TEST', '?')}\t{' '.join(args)[:160]}\n")
     return subprocess.Popen([sys.executable, "-m", "vlserve", *args], start_new_session=True,
                             preexec_fn=die_with_parent, **popen_kwargs)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import subprocess
 import sys
 import time
@@ -12,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from tests.server_utils import wait_healthy
+from tests.server_utils import free_port, wait_healthy
 from vlserve.disagg.bootstrap import (
     Backoff,
     BootstrapClient,
@@ -343,14 +342,8 @@ def test_client_refused_registration_raises():
     asyncio.run(main())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_real_bootstrap_process():
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "vlserve", "bootstrap", "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:

@@ -19,7 +19,7 @@ import torch
 import zmq
 from prometheus_client import CollectorRegistry
 
-from tests.server_utils import wait_healthy
+from tests.server_utils import free_port, wait_healthy
 from tests.test_disagg import (
     Cluster,
     ask,
@@ -33,20 +33,20 @@ from vlserve.core.errors import ServiceUnavailableError
 from vlserve.core.wire import Framer
 from vlserve.disagg.auth import HEADER, NonceMemory, PeerAuth, ReplayMemoryFull
 from vlserve.disagg.bootstrap import MAX_BODY_BYTES, InstanceInfo, build_bootstrap_app
-from vlserve.disagg.peer_client import PeerClient, PeerConn, PeerFailure
-from vlserve.disagg.peer_kinds import ENCODER_PEERS, PREFILL_PEERS
 from vlserve.disagg.messages import (
     AbortTransfer,
+    ItemMeta,
     Ping,
     Pong,
-    TransferRequest,
-    SenderToReceiver,
-    ItemMeta,
     ReceiverToSender,
     RowSegment,
+    SenderToReceiver,
     TransferChunk,
+    TransferRequest,
 )
 from vlserve.disagg.metrics import TransferMetrics
+from vlserve.disagg.peer_client import PeerClient, PeerConn, PeerFailure
+from vlserve.disagg.peer_kinds import ENCODER_PEERS, PREFILL_PEERS
 from vlserve.disagg.transports import TRANSPORTS
 from vlserve.disagg.transports.base import ChunkData
 from vlserve.engine.transfer_buffers import TransferBuffers
@@ -148,12 +148,6 @@ def test_the_nonce_is_signed_and_the_memory_is_bounded_and_forgets_by_time():
     assert memory.admit("c" * 32, 1000.0, 1061.0) and len(memory) == 1  # the stale ones went
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _raw_post(port: int, headers: dict[str, str], body: bytes = b"") -> bytes:
     """Sends the head of a POST /register (and `body`, however short of its Content-Length); the answer."""
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
@@ -164,7 +158,7 @@ def _raw_post(port: int, headers: dict[str, str], body: bytes = b"") -> bytes:
 
 def test_a_real_registry_answers_a_huge_announced_body_without_waiting_for_it():
     """400 MB announced, a few bytes sent: the answer comes at once (before, the registry read it all first)."""
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "vlserve", "bootstrap", "--port", str(port)],
                             env={**os.environ, "VLSERVE_DISAGG_SECRET": SECRET},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -124,7 +124,9 @@ def make_serve(*make_args: str, env: dict | None = None) -> list[str]:
     """The flags `make serve ...` gives `vlserve serve` (printed with make -n, not run)."""
     if shutil.which("make") is None:
         pytest.skip("no make here")
-    base = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")}
+    # (ARGS too: `make test ARGS=...` puts it in this process's environment, and make reads it from there)
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "ARGS")}
     out = subprocess.run(["make", "--no-print-directory", "-n", "-C", str(ROOT), "serve", *make_args],
                          check=False, capture_output=True, text=True, timeout=60,
                          env={**base, **(env or {})})
@@ -365,3 +367,27 @@ def test_cache_effect_says_when_its_speed_up_is_noise():
     assert spread([1.5, 1.3, 1.4]) == "median 1.40x (min 1.30x - max 1.50x over 3 repeats)"
     assert "noise" in spread([0.77, 1.05, 0.95])  # the 0.77x a newcomer saw, without a word about noise
     assert "noise" in spread([0.77])
+
+
+def test_free_ports_come_from_outside_the_kernels_ephemeral_range(monkeypatch):
+    """A port the kernel picked for a bind to port 0 goes back to its pool once checked; a transport library's
+    listener or a gloo rank binding port 0 meanwhile could be handed it (an encoder then failed to bind its data
+    port). free_port picks from outside that pool, at random, and only a port it could bind."""
+    import socket
+
+    from vlserve.core import processes
+
+    ephemeral = processes._ephemeral_ports()
+    ports = {processes.free_port() for _ in range(20)}
+    assert not any(p in ephemeral for p in ports), (ports, ephemeral)
+    assert len(ports) > 10  # at random: two test workers rarely pick the same one
+    taken = {p: socket.socket() for p in sorted(ports)[:1]}
+    for port, s in taken.items():  # a port something holds is never handed out
+        s.bind(("127.0.0.1", port))
+    try:
+        monkeypatch.setattr(processes.random.SystemRandom, "choice", lambda self, pool: next(iter(taken)))
+        fallback = processes.free_port()  # every pick is taken: the kernel's choice
+        assert fallback not in taken and fallback in ephemeral
+    finally:
+        for s in taken.values():
+            s.close()

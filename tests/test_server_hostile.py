@@ -18,7 +18,9 @@ from tests.conftest import noise_image
 from tests.server_utils import RemoteServer
 from tests.test_server_api import data_url, image_part, user
 
-HEALTH_BUDGET_S = 1.0
+# A request whose cost grows with its size, run on the event loop, holds /health for seconds; a 2-core machine
+# running the suite on two workers has held it 1.7 s without one (a plain scheduling delay).
+HEALTH_BUDGET_S = 3.0
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +85,7 @@ HOSTILE = {
 
 
 @pytest.mark.parametrize("case", list(HOSTILE))
-def test_health_answers_within_a_second_during(server, case):
+def test_health_answers_within_seconds_during(server, case):
     path, body, status = HOSTILE[case]
     with HealthProbe(server.url) as probe:
         r = _post(server, path, body)
@@ -194,7 +196,7 @@ def _no_server_error(r: httpx.Response) -> None:
                 assert json.loads(line[6:])["error"]["code"] < 500, line
 
 
-@settings(max_examples=200, deadline=None, derandomize=True, database=None,
+@settings(max_examples=120, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
                                  HealthCheck.data_too_large])
 @given(chat=_chat_bodies, completion=_completion_bodies)

@@ -350,7 +350,7 @@ def test_the_docs_forced_tool_call_fits_its_max_tokens_at_worst(demo_model):
 
 
 def test_the_docs_parse_example_works_with_the_demo_model(demo_model):
-    """`client.chat.completions.parse(...)` as docs/serving.md writes it, sampled with 40 seeds: always parsed."""
+    """`client.chat.completions.parse(...)` as docs/serving.md writes it, sampled with 16 seeds: always parsed."""
     with RemoteServer(demo_model) as server:
         client = server.client(timeout=120)
         image_url = data_url(demo_image())
@@ -363,6 +363,6 @@ def test_the_docs_parse_example_works_with_the_demo_model(demo_model):
             return resp.choices[0]
 
         with ThreadPoolExecutor(8) as pool:
-            choices = list(pool.map(example, range(40)))
+            choices = list(pool.map(example, range(16)))
     assert all(isinstance(c.message.parsed, Receipt) and c.finish_reason == "stop" for c in choices)
-    assert len({c.message.parsed.shop for c in choices}) > 20  # sampled, not one answer 40 times
+    assert len({c.message.parsed.shop for c in choices}) > 8  # sampled, not one answer 16 times

@@ -60,9 +60,15 @@ class FakeItem:
 def test_collection_marks_each_test_with_its_tier_and_stops_at_a_file_without_one():
     from tests.conftest import pytest_collection_modifyitems
 
-    items = [FakeItem("test_sampler.py", "test_a"), FakeItem("test_pd_disagg.py", "test_e_p_d_matches_aggregated")]
+    items = [FakeItem("test_sampler.py", "test_a"),
+             FakeItem("test_pd_disagg.py", "test_e_p_d_roles_share_the_cores_on_one_machine"),
+             FakeItem("test_pd_disagg.py", "test_e_p_d_matches_aggregated"), FakeItem("test_sampler.py", "test_b")]
     pytest_collection_modifyitems(None, items)
-    assert [[m.name for m in i.markers] for i in items] == [["unit"], ["transport"]]
+    # The files of the costliest tiers first (a file counts as its costliest test), each file's tests in their order.
+    assert [(i.path.name, i.name, [m.name for m in i.markers]) for i in items] == [
+        ("test_pd_disagg.py", "test_e_p_d_roles_share_the_cores_on_one_machine", ["unit"]),
+        ("test_pd_disagg.py", "test_e_p_d_matches_aggregated", ["transport"]),
+        ("test_sampler.py", "test_a", ["unit"]), ("test_sampler.py", "test_b", ["unit"])]
     with pytest.raises(pytest.UsageError, match="tests/test_new.py has no tier"):
         pytest_collection_modifyitems(None, [FakeItem("test_new.py", "test_x")])
     with pytest.raises(pytest.UsageError, match="one tier per test"):  # a file's own marker disagreeing

@@ -6,10 +6,10 @@ import asyncio
 import ctypes
 import logging
 import os
+import random
 import signal
 import socket
 import sys
-
 
 LOG_TAG_ENV = "VLSERVE_LOG_TAG"  # `serve --disagg` names each role's lines (and its engine process's) with it
 
@@ -54,9 +54,34 @@ def die_with_parent() -> None:
         pass
 
 
+def _ephemeral_ports() -> range:
+    """The ports the kernel hands out for a bind to port 0 or an outgoing connection."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+        return range(low, high + 1)
+    except (OSError, ValueError):
+        return range(32768, 61000)  # Linux's default
+
+
 def free_port() -> int:
-    """A TCP port free on loopback right now (the caller binds it at once)."""
-    with socket.socket() as s:
+    """A TCP port free on loopback right now, for a process that binds it soon after. Picked at random outside
+    the kernel's ephemeral range: a port the kernel picked would go back to its pool once this check closes it, and
+    any bind to port 0 or outgoing connection meanwhile (a transport library's listener, a gloo rank) may be handed
+    the same number before its owner binds it."""
+    ephemeral, rng = _ephemeral_ports(), random.SystemRandom()
+    below = range(max(1024, ephemeral.start - 12000), ephemeral.start)
+    above = range(ephemeral.stop, 65536)
+    pool = below if len(below) >= len(above) else above
+    for _ in range(64 if len(pool) > 100 else 0):
+        port = rng.choice(pool)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # no room outside the ephemeral range: any free port
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

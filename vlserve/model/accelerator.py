@@ -13,6 +13,7 @@ interpreter: tests of the CUDA path's logic only); `VLSERVE_ATTENTION=native` fo
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import time
@@ -21,11 +22,15 @@ from collections.abc import Callable
 import torch
 
 from vlserve.core.errors import InvalidInputError
-from vlserve.model.kernels import triton_attention
 
 logger = logging.getLogger("vlserve.accelerator")
 ATTENTION_ENV = "VLSERVE_ATTENTION"
 TRITON, NATIVE = "triton", "native"
+
+
+def triton_available() -> bool:
+    """Triton is installed (asked without importing it: that takes ~0.3 s, and a CPU engine never needs it)."""
+    return importlib.util.find_spec("triton") is not None
 
 
 def attention_backend(device: torch.device | str) -> str:
@@ -34,10 +39,10 @@ def attention_backend(device: torch.device | str) -> str:
     if forced:
         if forced not in (TRITON, NATIVE):
             raise InvalidInputError(f"{ATTENTION_ENV}={forced!r}: expected {TRITON!r} or {NATIVE!r}")
-        if forced == TRITON and not triton_attention.available():
+        if forced == TRITON and not triton_available():
             raise InvalidInputError(f"{ATTENTION_ENV}=triton, but Triton is not installed")
         return forced
-    if torch.device(device).type == "cuda" and triton_attention.available():
+    if torch.device(device).type == "cuda" and triton_available():
         return TRITON
     return NATIVE
 

@@ -11,10 +11,11 @@ DEMO_NAME = "vlserve-demo"  # the name the demo checkpoint is served as, and tha
 
 def demo_checkpoint() -> Path:
     """A small random Qwen2-VL made once and kept in the user's cache dir."""
-    from vlserve.tools.tiny_model import make_tiny_model
-
     root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vlserve" / "demo-qwen2_vl-small"
     if not (root / "config.json").is_file():
+        # The builder imports transformers' model classes (seconds): only when there is something to build.
+        from vlserve.tools.tiny_model import make_tiny_model
+
         make_tiny_model(root, arch="qwen2_vl", size="small", seed=0)
     return root
 
