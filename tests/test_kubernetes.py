@@ -451,6 +451,9 @@ def test_resources_and_gpu_variant(variant):
         if is_role:
             assert c["image"] == ("vlserve:cuda" if gpu else "vlserve:latest")
             assert int(lim.get("nvidia.com/gpu", 1)) == 1
+            # vlserve sizes its threads from the cgroup quota the CPU limit sets; a hand-set OMP_NUM_THREADS
+            # would win over it and give every tensor-parallel rank the whole limit.
+            assert "OMP_NUM_THREADS" not in {e["name"] for e in c.get("env", [])}, w["metadata"]["name"]
 
 
 def dockerfile() -> str:
