@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from vlserve.cli import build_parser
+from vlserve.core.errors import EXIT_CONFIG
 from vlserve.tools.tiny_arches import TINY_ARCHES
 
 
@@ -59,6 +60,18 @@ def test_help_from_a_fresh_process_imports_no_torch():
             "print('torch' in sys.modules, 'transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+@pytest.mark.parametrize("command", ["serve", "language"])
+def test_a_bad_chat_template_flag_is_reported_before_torch_is_imported(command, tmp_path):
+    """A typo in --chat-template costs no model load (nor the 5 s of imports before one)."""
+    code = ("import sys; from vlserve.cli import main; "
+            f"code = main([{command!r}, '--model', {str(tmp_path)!r}, '--port', '0', "
+            "'--chat-template', '/no/such/template.jinja']); "
+            "print(code, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "is neither a file nor a Jinja template" in out.stderr, out.stderr
+    assert out.stdout.split() == [str(EXIT_CONFIG), "False"], out.stdout + out.stderr
 
 
 @pytest.mark.parametrize("argv", [

@@ -32,8 +32,17 @@ def tensor_parallel_worker(engine: EngineArgs) -> int | None:
     return run_if_worker(engine)
 
 
+def check_cheap_flags(opts) -> None:
+    """Flags that need no model, checked before torch and the model load (seconds): a mistake is reported at once."""
+    if opts.server.chat_template is not None:
+        from vlserve.frontend.tokenizer import load_chat_template
+
+        load_chat_template(opts.server.chat_template)
+
+
 def run_serve(ns: argparse.Namespace) -> int:
     opts = options_from(ns, SERVE)
+    check_cheap_flags(opts)
     if (code := tensor_parallel_worker(opts.engine)) is not None:
         return code
     sock = bind_socket(opts.server.host, opts.server.port)  # a taken port is reported before anything loads
@@ -64,6 +73,7 @@ def run_serve(ns: argparse.Namespace) -> int:
 
 def run_language(ns: argparse.Namespace, role: str = LANGUAGE) -> int:
     opts = options_from(ns, role)
+    check_cheap_flags(opts)
     opts.engine.load_vision = False
     if (code := tensor_parallel_worker(opts.engine)) is not None:
         return code
