@@ -29,8 +29,13 @@ TRITON, NATIVE = "triton", "native"
 
 
 def triton_available() -> bool:
-    """Triton is installed (asked without importing it: that takes ~0.3 s, and a CPU engine never needs it)."""
-    return importlib.util.find_spec("triton") is not None
+    """Triton is installed and imports. Asked only where Triton would run (CUDA, or forced): importing it takes
+    ~0.3 s that a CPU engine never needs."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    from vlserve.model.kernels import triton_attention
+
+    return triton_attention.available()
 
 
 def attention_backend(device: torch.device | str) -> str:
