@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from vlserve.core.errors import InvalidInputError
+from vlserve.model.kernels import triton_kernels
 
 logger = logging.getLogger("vlserve.accelerator")
 ATTENTION_ENV = "VLSERVE_ATTENTION"
@@ -31,11 +32,7 @@ TRITON, NATIVE = "triton", "native"
 def triton_available() -> bool:
     """Triton is installed and imports. Asked only where Triton would run (CUDA, or forced): importing it takes
     ~0.3 s that a CPU engine never needs."""
-    if importlib.util.find_spec("triton") is None:
-        return False
-    from vlserve.model.kernels import triton_attention
-
-    return triton_attention.available()
+    return importlib.util.find_spec("triton") is not None and triton_kernels().available()
 
 
 def attention_backend(device: torch.device | str) -> str:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from vlserve.model.accelerator import TRITON, attention_backend, to_device
 from vlserve.model.config_types import VisionConfig
 from vlserve.model.hardware import detect
-from vlserve.model.kernels import cpu_kernels
+from vlserve.model.kernels import cpu_kernels, triton_kernels
 from vlserve.model.layers.parallel import column_linear, current_tp, even_split, head_split, row_linear
 from vlserve.model.layers.rotary import rotate_heads_
 
@@ -138,9 +138,7 @@ def varlen_attention(q, k, v, plan: VarlenPlan) -> torch.Tensor:
     """q/k/v: [N, heads, head_dim] -> [N, heads, head_dim], attention only within each sequence."""
     n_tok, heads, hd = q.shape
     if plan.cu_seqlens is not None:
-        from vlserve.model.kernels import triton_attention  # only on the Triton path: importing Triton costs ~0.3 s
-
-        return triton_attention.varlen_attention(q, k, v, plan.cu_seqlens, plan.max_len, hd**-0.5, causal=False,
+        return triton_kernels().varlen_attention(q, k, v, plan.cu_seqlens, plan.max_len, hd**-0.5, causal=False,
                                                  out=q.new_empty(n_tok, heads, hd), work_cache=plan.work)
     kernels = _kernels(q)
     if kernels is not None:  # one call per sequence: no padding, no mask

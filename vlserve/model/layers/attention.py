@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from vlserve.model.kernels import cpu_kernels
+from vlserve.model.kernels import cpu_kernels, triton_kernels
 from vlserve.model.layers.linear_state import LinearStateBatch
 
 
@@ -101,11 +101,9 @@ def paged_attention(
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
     if meta.varlen is not None:
-        from vlserve.model.kernels import triton_attention  # only on the Triton path: importing Triton costs ~0.3 s
-
         vb = meta.varlen
         out = q.new_empty(num_tokens, num_heads, head_dim)
-        triton_attention.varlen_attention(q, k_cache, v_cache, vb.query_start, vb.max_query_len, scale, True,
+        triton_kernels().varlen_attention(q, k_cache, v_cache, vb.query_start, vb.max_query_len, scale, True,
                                           vb.seq_lens, vb.block_table, meta.block_size, out=out, work_cache=vb.work)
         return out.view(num_tokens, num_heads * head_dim)
 
