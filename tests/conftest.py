@@ -9,6 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
+from tests.server_utils import LOG_DIR_ENV
 from tests.tiers import TIERS, MissingTier, tier_of
 from vlserve.tools.tiny_model import make_tiny_model
 
@@ -64,6 +65,14 @@ def pytest_collection_modifyitems(config, items):
     # files in this order, so the run ends on short unit files instead of one worker finishing a transport
     # matrix while the other waits.
     items.sort(key=lambda item: -costliest[item.path])
+
+
+@pytest.fixture(scope="session", autouse=True)
+def process_logs(tmp_path_factory):
+    """The logs of the processes tests start (tests/server_utils.log_file) go under pytest's temporary folder,
+    which keeps only the last few runs: a run leaves no files in /tmp."""
+    os.environ[LOG_DIR_ENV] = str(tmp_path_factory.mktemp("process-logs"))
+    yield
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,18 @@ import httpx
 
 from vlserve.core.processes import die_with_parent, free_port
 
+LOG_DIR_ENV = "VLSERVE_TEST_LOG_DIR"
+
+
+def log_file(prefix: str):
+    """A log file for a process a test starts, kept after the test (a failure's message quotes it). In the
+    session's log folder (tests/conftest.py: under pytest's own temporary folder, of which only the last few runs
+    are kept), so a run leaves nothing behind in /tmp."""
+    folder = os.environ.get(LOG_DIR_ENV)
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+    return tempfile.NamedTemporaryFile("w+", prefix=prefix, suffix=".log", delete=False, dir=folder or None)
+
 
 def start_vlserve(args: list[str], **popen_kwargs) -> subprocess.Popen:
     """`python -m vlserve ARGS` in a process group of its own that dies with this test process, even when the test
@@ -71,7 +83,7 @@ class RemoteServer:
         cmd = ["serve", *(["--model", str(model)] if model is not None else []), "--port", str(self.port), *args]
         if api_key:
             cmd += ["--api-key", api_key]
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="vlserve-server-", suffix=".log", delete=False)
+        self.log = log_file("vlserve-server-")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         self.proc = start_vlserve(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         if wait:
@@ -130,7 +142,7 @@ class RoleProcess:
 
     def __init__(self, name: str, args: list[str], health_url: str, timeout: float = 180, env: dict | None = None):
         self.name, self.health_url = name, health_url
-        self.log = tempfile.NamedTemporaryFile("w+", prefix=f"vlserve-{name}-", suffix=".log", delete=False)
+        self.log = log_file(f"vlserve-{name}-")
         self.proc = start_vlserve(args, stdout=self.log, stderr=subprocess.STDOUT,
                                   env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
         self.timeout = timeout

@@ -23,7 +23,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from tests.server_utils import free_port, scrape, start_vlserve, stop, wait_healthy
+from tests.server_utils import free_port, log_file, scrape, start_vlserve, stop, wait_healthy
 from tests.test_disagg import (
     SECRET,
     Cluster,
@@ -49,7 +49,7 @@ def offline(tiny_ckpt):
 @pytest.fixture(scope="module")
 def deployment(tiny_ckpt):
     port = free_port()
-    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"serve-disagg-{port}.log", "w+")
+    log = log_file("serve-disagg-")
     proc = start_vlserve(["serve", "--disagg", "--num-encoders", "2", "--model", str(tiny_ckpt("qwen2_vl")),
                           "--dtype", "float32", "--max-model-len", "2048", "--port", str(port), "--limit-mm-per-prompt",
                           "image=3", "--heartbeat-interval", "0.3", "--max-image-pixels", "1000000",

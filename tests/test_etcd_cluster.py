@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from tests.etcd_server import EtcdServer, needs_etcd
-from tests.server_utils import RoleProcess, free_port, scrape, start_vlserve, stop, wait_healthy
+from tests.server_utils import RoleProcess, free_port, log_file, scrape, start_vlserve, stop, wait_healthy
 from tests.test_disagg import (
     CASES,
     Cluster,
@@ -222,7 +222,7 @@ def test_serve_disagg_with_etcd_starts_no_bootstrap(tiny_ckpt, offline, tmp_path
 
 def serve_disagg_in(etcd: EtcdServer, ckpt, offline) -> None:
     port, ns = free_port(), "serve-test"
-    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"serve-etcd-{port}.log", "w+")
+    log = log_file("serve-etcd-")
     proc = start_vlserve(["serve", "--disagg", "--num-encoders", "1", "--model", str(ckpt), "--dtype", "float32",
                           "--max-model-len", "2048", "--limit-mm-per-prompt", "image=4", "--port", str(port),
                           "--heartbeat-interval", "0.3", "--registry", etcd.url, "--registry-namespace", ns],

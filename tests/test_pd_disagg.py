@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_utils import free_port, scrape, start_vlserve, stop, wait_healthy
+from tests.server_utils import free_port, log_file, scrape, start_vlserve, stop, wait_healthy
 from tests.test_disagg import (
     BACKENDS,
     CASES,
@@ -217,7 +217,7 @@ def test_a_killed_decode_instance_leaves_nothing_held(pd):
 
 def test_serve_disagg_runs_e_p_d_in_one_command(tiny_ckpt, offline):
     port = free_port()
-    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"serve-epd-{port}.log", "w+")
+    log = log_file("serve-epd-")
     proc = start_vlserve(["serve", "--disagg", "--num-encoders", "1", "--num-prefill", "1", "--num-decode", "1",
                           "--model", str(tiny_ckpt("qwen2_vl")), "--dtype", "float32", "--max-model-len", "2048",
                           "--limit-mm-per-prompt", "image=4", "--port", str(port), "--heartbeat-interval", "0.3"],

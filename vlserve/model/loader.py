@@ -225,7 +225,8 @@ def load_model(
         if quantization is not None and quantization.is_checkpoint_format:
             logger.info("%s checkpoint: %d linears run in int4", quantization.method,
                         prepare_int4(model, files, quantization, our_name))
-    model = model.to_empty(device=device)
+    # Plain empties, not `to_empty`: its `empty_like` on meta tensors imports sympy (~0.4 s of every start).
+    model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     load_weights(model, folder, files, quantization, our_name)
     if quantization is not None and quantization.method == "int8":
         logger.info("int8: %d decoder linears quantized at load time", quantize_int8(model))

@@ -32,8 +32,11 @@ from vlserve.server.hosts import HostCheck, HostPolicy, relative_slash_redirects
 from vlserve.server.listen import bind_socket
 from vlserve.server.playground.routes import add_playground, playground_config
 from vlserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from vlserve.server.responses_protocol import ResponsesRequest
 from vlserve.server.serving_chat import OpenAIServingChat
 from vlserve.server.serving_completion import OpenAIServingCompletion
+from vlserve.server.serving_responses import OpenAIServingResponses
+from vlserve.server.serving_transcription import add_audio_routes
 
 logger = logging.getLogger("vlserve.server")
 
@@ -76,6 +79,7 @@ def build_app(engine: AsyncLLM, server: ServerArgs) -> FastAPI:
     model_name = engine.model_name
     chat = OpenAIServingChat(engine, server, model_name)
     completion = OpenAIServingCompletion(engine, server, model_name)
+    responses = OpenAIServingResponses(chat)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -98,6 +102,12 @@ def build_app(engine: AsyncLLM, server: ServerArgs) -> FastAPI:
     @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request):
         return await completion.create(request)
+
+    add_audio_routes(app, chat)
+
+    @app.post("/v1/responses", openapi_extra=_body_schema(ResponsesRequest))
+    async def create_response(request: Request):
+        return await responses.create(request)
 
     @app.get("/v1/models")
     async def models():

@@ -96,6 +96,11 @@ class _SamplingFields(BaseModel):
     guided_grammar: str | None = None
     # Which of the spellings above gave the output constraint: errors about it name the field the client sent.
     _constraint_source: str = PrivateAttr(default="structured_outputs")
+    # What response_format is called where the client wrote it: "text.format" in a Responses request.
+    _format_field: str = PrivateAttr(default="response_format")
+
+    def set_format_field(self, name: str) -> None:
+        self._format_field = name
 
     def check_fields(self, server: ServerArgs) -> None:
         """Refuse what cannot be honoured; log (once per name) unknown fields that change nothing."""
@@ -141,7 +146,7 @@ class _SamplingFields(BaseModel):
                   if getattr(self, f"guided_{k}") is not None}
         given = {}
         for source, value, convert in (("structured_outputs", self.structured_outputs, structured_outputs_from),
-                                       ("response_format", self.response_format, _response_format),
+                                       (self._format_field, self.response_format, _response_format),
                                        ("guided_*", guided or None, structured_outputs_from)):
             if value is not None:
                 try:
@@ -164,6 +169,8 @@ def _client_field(source: str, kind: str) -> str:
     """The request field, as the client wrote it, that gave a constraint of `kind` from `source`."""
     if source == "response_format":
         return "response_format.json_schema.schema" if kind == "json" else "response_format"
+    if source == "text.format":
+        return "text.format.schema" if kind == "json" else "text.format"
     if source == "guided_*":
         return f"guided_{kind}"
     if source == "tools":

@@ -115,8 +115,8 @@ class OpenAIServing:
         if name is not None and name != self.model_name:
             raise NotFoundError(f"the model {name!r} does not exist; this server serves {self.model_name!r}")
 
-    def new_request_id(self, given: str | None) -> str:
-        return f"{self.id_prefix}-{given or uuid.uuid4().hex}"
+    def new_request_id(self, given: str | None, prefix: str | None = None) -> str:
+        return f"{prefix or self.id_prefix}-{given or uuid.uuid4().hex}"
 
     def max_tokens(self, prompt: PreparedPrompt, requested: int | None) -> int:
         """The user's max_tokens, or what is left of the context; refused if the two do not fit together."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from fastapi import Request as HTTPRequest
 
@@ -40,11 +41,36 @@ def _calls_finish(reason: str | None) -> str | None:
     return "tool_calls" if reason == "stop" else reason
 
 
+@dataclass
+class ChatRun:
+    """A chat request the engine has taken: its first output and the stream of the rest."""
+
+    request_id: str
+    first: RequestOutput
+    outputs: AsyncIterator[RequestOutput]
+    top_k: int  # top_logprobs asked for (0 without logprobs)
+    logprobs: bool
+    parse_calls: bool  # tools were offered: tool calls are parsed out of the text
+
+
 class OpenAIServingChat(OpenAIServing):
     id_prefix = "chatcmpl"
 
     async def create(self, raw: HTTPRequest):
         body: ChatCompletionRequest = await self.parse(raw, ChatCompletionRequest)
+        run = await self.start(raw, body)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return SSEResponse(self._stream(run.request_id, run.first, run.outputs, include_usage, run.top_k,
+                                            run.parse_calls))
+        final = await self.final(raw, run)
+        return await self.json_response(lambda: self._response(run.request_id, final, run.top_k, run.parse_calls),
+                                        off_loop=run.logprobs)
+
+    async def start(self, raw: HTTPRequest, body: ChatCompletionRequest, id_prefix: str | None = None) -> ChatRun:
+        """A parsed chat request checked, rendered and handed to the engine; returns with its first output, so a
+        request the engine refuses still gets its 4xx. What the other APIs built on chat (Responses,
+        transcriptions) run too: the same checks, limits and metrics."""
         self.check_model(body.model)
         self.engine.check_accepting()
         top_k = body.logprobs_count()
@@ -55,8 +81,7 @@ class OpenAIServingChat(OpenAIServing):
         except StructuredOutputsError as e:  # name the field the client sent, e.g. response_format's schema
             raise body.constraint_error(e) from None
         tools, choice = body.tool_setup()
-        parse_calls = choice.mode != "none"
-        request_id = self.new_request_id(body.request_id)
+        request_id = self.new_request_id(body.request_id, id_prefix)
         prepared = await self.until_done_or_disconnect(raw, self._prepare(body, time.monotonic(), request_id,
                                                                                    checked))
         with prepared:  # closed here unless the engine takes it over
@@ -64,17 +89,20 @@ class OpenAIServingChat(OpenAIServing):
             self.check_logprob_budget(body.n, params.max_tokens, top_k)
             outputs = self.engine.generate(prepared, params, request_id)
         try:
-            # The first output is awaited before answering, so a request the engine refuses still gets its 4xx.
             first = await self.until_done_or_disconnect(raw, outputs.__anext__())
-            if body.stream:
-                include_usage = bool(body.stream_options and body.stream_options.include_usage)
-                return SSEResponse(self._stream(request_id, first, outputs, include_usage, top_k or 0, parse_calls))
-            final = first if first.finished else await self.until_done_or_disconnect(raw, self.final_output(outputs))
         except BaseException:
             outputs.close()  # e.g. the client left just as an output arrived: nobody reads the rest
             raise
-        return await self.json_response(lambda: self._response(request_id, final, top_k or 0, parse_calls),
-                                        off_loop=top_k is not None)
+        return ChatRun(request_id, first, outputs, top_k or 0, top_k is not None, choice.mode != "none")
+
+    async def final(self, raw: HTTPRequest, run: ChatRun) -> RequestOutput:
+        """The finished output of a started request (not streamed)."""
+        try:
+            return run.first if run.first.finished else await self.until_done_or_disconnect(
+                raw, self.final_output(run.outputs))
+        except BaseException:
+            run.outputs.close()
+            raise
 
     async def _prepare(self, body: ChatCompletionRequest, arrival: float, request_id: str,
                        params: SamplingParams) -> PreparedPrompt:
