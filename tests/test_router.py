@@ -128,6 +128,17 @@ def test_streaming_passes_through(deployment):
     whole = ask(client, messages).choices[0].message.content
     chunks = list(ask(client, messages, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole
+    # The Responses API through the router: the same answer (it is served by the chat path), routed by its prefix.
+    items = [messages[0], {"role": "user", "content": [
+        {"type": "input_image", "image_url": messages[1]["content"][0]["image_url"]["url"]},
+        {"type": "input_text", "text": messages[1]["content"][1]["text"]}]}]
+    answer = client.responses.create(model=client.models.list().data[0].id, input=items, temperature=0,
+                                     max_output_tokens=N_TOKENS, extra_body={"min_tokens": N_TOKENS})
+    assert answer.output_text == whole
+    with client.responses.stream(model=client.models.list().data[0].id, input=items, temperature=0,
+                                 max_output_tokens=N_TOKENS, extra_body={"min_tokens": N_TOKENS}) as stream:
+        deltas = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+    assert deltas == whole
     r = httpx.get(f"{deployment.url}/v1/models", timeout=10)
     assert r.status_code == 200 and r.json()["data"]
     bad = httpx.post(f"{deployment.url}/v1/chat/completions", content=b"{not json", timeout=10,

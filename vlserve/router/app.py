@@ -42,6 +42,7 @@ from vlserve.server.hosts import HostCheck, HostPolicy, relative_slash_redirects
 from vlserve.server.listen import bind_socket
 from vlserve.server.playground.routes import add_playground, playground_config
 from vlserve.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from vlserve.server.responses_protocol import ResponsesRequest
 from vlserve.server.serving import PARSE_INLINE_BYTES, OpenAIServing, read_body
 
 logger = logging.getLogger("vlserve.router")
@@ -92,6 +93,14 @@ def build_router_app(opts: Options, hasher: PromptHasher, replicas: ReplicaSet) 
     @app.post("/v1/completions")
     async def completions(raw: Request):
         return await route(raw, "/v1/completions", CompletionRequest, hasher.completion)
+
+    async def response_hint(body: ResponsesRequest) -> tuple[list[bytes], bool]:
+        chat = await asyncio.get_running_loop().run_in_executor(hasher.executor, body.to_chat_request)
+        return await hasher.chat(chat)  # the chat request a replica runs for it: the same prefix
+
+    @app.post("/v1/responses")
+    async def responses(raw: Request):
+        return await route(raw, "/v1/responses", ResponsesRequest, response_hint)
 
     @app.get("/v1/models")
     async def models():
