@@ -46,6 +46,7 @@ FILE_TIERS = {
     "test_run_batch.py": "multiprocess",
     "test_router_disagg.py": "multiprocess",
     "test_layers.py": "unit",
+    "test_listen.py": "unit",
     "test_gated_delta.py": "unit",
     "test_qwen3_5_model.py": "unit",
     "test_llava_model.py": "unit",
