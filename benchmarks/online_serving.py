@@ -73,11 +73,15 @@ def run_one(name: str, cmd: list[str], env: dict, port: int, bench_args: list[st
                        check=True)
         return json.loads(result.read_text())["metrics"]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
+
+
+def stop_server(proc: subprocess.Popen, wait_s: float = 60) -> None:
+    proc.terminate()
+    try:
+        proc.wait(wait_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 def main() -> None:

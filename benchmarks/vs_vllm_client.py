@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from machine_bounds import decode_bytes_per_token, read_bandwidth  # noqa: E402
-from online_serving import vllm_env, wait_healthy  # noqa: E402
+from online_serving import stop_server, vllm_env, wait_healthy  # noqa: E402
 
 from tests.server_utils import free_port  # noqa: E402
 
@@ -75,11 +75,7 @@ def measure(name: str, server_cmd: list[str], server_env: dict, port: int, venv:
                 results.append(json.loads(result.read_text()))
         return results
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
 
 
 def checkpoint(spec: str, folder: Path) -> str:
