@@ -13,10 +13,12 @@ the client runs in that venv, whose `vllm` console script does not start).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -51,10 +53,33 @@ def client_args(port: int, model: str, concurrency: int, num_prompts: int, pictu
             "--save-result", "--result-dir", str(result.parent), "--result-filename", result.name]
 
 
-def measure(name: str, server_cmd: list[str], server_env: dict, port: int, venv: Path, model: str,
-            loads: list[tuple[int, int, int]]) -> list[dict]:
-    """Starts the server, warms it up, runs each (concurrency, prompts, pictures) load with vLLM's client, stops
-    it."""
+@dataclass(frozen=True)
+class Load:
+    concurrency: int
+    prompts: int
+    pictures: int = 1
+    hogs: int = 0  # busy processes beside the server while this load runs (a shared or throttled machine)
+
+    @property
+    def tag(self) -> str:
+        return f"c{self.concurrency}-p{self.pictures}-h{self.hogs}"
+
+
+@contextlib.contextmanager
+def cpu_hogs(count: int):
+    """`count` processes that spin on the CPU for as long as the block runs."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def measure(name: str, server_cmd: list[str], server_env: dict | None, port: int, venv: Path, model: str,
+            loads: list[Load]) -> list[dict]:
+    """Starts the server, warms it up, runs each load with vLLM's client, stops it."""
     log = tempfile.NamedTemporaryFile("w+", prefix=f"{name}-", suffix=".log", delete=False)
     print(f"[{name}] starting (log: {log.name})", flush=True)
     proc = subprocess.Popen(server_cmd, stdout=log, stderr=subprocess.STDOUT, env=server_env)
@@ -64,18 +89,34 @@ def measure(name: str, server_cmd: list[str], server_env: dict, port: int, venv:
         wait_healthy(f"http://127.0.0.1:{port}", proc, 900)
         client_env = vllm_env(venv)
         client_env.pop("LD_PRELOAD", None)
-        runs = [(2, 4, 1, 1000, "warm-up")] + [(c, n, k, 1 + i, f"c{c}-p{k}") for i, (c, n, k) in enumerate(loads)]
-        for concurrency, prompts, pictures, seed, tag in runs:  # fresh pictures in every load: no cache hits
-            result = out_dir / f"{tag}.json"
-            print(f"[{name}] {tag}: {prompts} requests", flush=True)
-            subprocess.run([str(venv / "bin" / "python"), "-c", CLIENT,
-                            *client_args(port, model, concurrency, prompts, pictures, seed, result)],
-                           check=True, stdout=log, stderr=log, env=client_env)  # the client's noise: in the log
-            if tag != "warm-up":
+        for seed, load in enumerate([Load(2, 4), *loads]):  # fresh pictures in every load: no cache hits
+            result = out_dir / f"{seed}-{load.tag}.json"
+            print(f"[{name}] {'warm-up' if seed == 0 else load.tag}: {load.prompts} requests", flush=True)
+            with cpu_hogs(load.hogs):
+                subprocess.run([str(venv / "bin" / "python"), "-c", CLIENT,
+                                *client_args(port, model, load.concurrency, load.prompts, load.pictures, 1000 + seed,
+                                             result)],
+                               check=True, stdout=log, stderr=log, env=client_env)  # the client's noise: in the log
+            if seed:
                 results.append(json.loads(result.read_text()))
         return results
     finally:
         stop_server(proc)
+
+
+def both(model: str, venv: Path, loads: list[Load]) -> tuple[list[dict], list[dict]]:
+    """vlserve's results, then vLLM-CPU's, for the same loads on the same checkpoint (fp32 on both sides)."""
+    most = max(load.pictures for load in loads)
+    port = free_port()
+    ours = measure("vlserve", [sys.executable, "-m", "vlserve", "serve", "--model", model, "--dtype", "float32",
+                               "--port", str(port), "--max-model-len", "4096", "--disable-log-requests",
+                               "--limit-mm-per-prompt", f"image={most}"], None, port, venv, model, loads)
+    port = free_port()
+    peer = measure("vLLM-CPU", [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+                                "--model", model, "--dtype", "float32", "--port", str(port), "--max-model-len",
+                                "4096", "--limit-mm-per-prompt", f'{{"image": {most}, "video": 0}}'],
+                   vllm_env(venv), port, venv, model, loads)
+    return ours, peer
 
 
 def checkpoint(spec: str, folder: Path) -> str:
@@ -105,21 +146,11 @@ def main() -> None:
     table = []
     for spec, runs in by_model.items():
         model = checkpoint(spec, folder)
-        loads = [(c, max(16, args.prompts_per_concurrency * c), k) for c, k in runs]
-        most = max(k for _, _, k in loads)
-        port = free_port()
-        ours = measure("vlserve", [sys.executable, "-m", "vlserve", "serve", "--model", model, "--dtype", "float32",
-                                   "--port", str(port), "--max-model-len", "4096", "--disable-log-requests",
-                                   "--limit-mm-per-prompt", f"image={most}"],
-                       None, port, args.vllm_venv, model, loads)
-        port = free_port()
-        peer = measure("vLLM-CPU", [str(args.vllm_venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
-                                    "--model", model, "--dtype", "float32", "--port", str(port), "--max-model-len",
-                                    "4096", "--limit-mm-per-prompt", f'{{"image": {most}, "video": 0}}'],
-                       vllm_env(args.vllm_venv), port, args.vllm_venv, model, loads)
+        loads = [Load(c, max(16, args.prompts_per_concurrency * c), k) for c, k in runs]
+        ours, peer = both(model, args.vllm_venv, loads)
         bound = bandwidth / decode_bytes_per_token(model, 4, 4)  # fp32 weights read once per batch-1 token
-        for (concurrency, _, pictures), a, b in zip(loads, ours, peer):
-            table.append((spec, concurrency, pictures, a, b, bound))
+        for load, a, b in zip(loads, ours, peer):
+            table.append((spec, load.concurrency, load.pictures, a, b, bound))
 
     for spec, concurrency, pictures, a, b, bound in table:
         print(f"\n{spec} model, concurrency {concurrency}, {pictures} picture(s) a request "
