@@ -155,11 +155,16 @@ def main() -> None:
     for spec, concurrency, pictures, a, b, bound in table:
         print(f"\n{spec} model, concurrency {concurrency}, {pictures} picture(s) a request "
               f"(batch-1 decode bound {bound:.0f} tok/s)")
-        print(f"{'metric':<16}{'vlserve':>10}{'vLLM-CPU':>10}   vlserve/vLLM")
-        for key, label, better in ROWS:
-            x, y = a.get(key), b.get(key)
-            ratio = f"{x / y:.2f}x ({'higher' if better > 0 else 'lower'} is better)" if x and y else "-"
-            print(f"{label:<16}{x or 0:>10.1f}{y or 0:>10.1f}   {ratio}")
+        print_rows(a, b, "vLLM-CPU")
+
+
+def print_rows(ours: dict, peer: dict, peer_name: str) -> None:
+    """vLLM's client's figures for vlserve and a peer, side by side with their ratio."""
+    print(f"{'metric':<16}{'vlserve':>10}{peer_name:>11}   vlserve/{peer_name}")
+    for key, label, better in ROWS:
+        x, y = ours.get(key), peer.get(key)
+        ratio = f"{x / y:.2f}x ({'higher' if better > 0 else 'lower'} is better)" if x and y else "-"
+        print(f"{label:<16}{x or 0:>10.1f}{y or 0:>11.1f}   {ratio}")
 
 
 if __name__ == "__main__":
