@@ -18,6 +18,7 @@ from typing import BinaryIO
 import msgspec
 
 from vlserve.core.errors import ConfigurationError
+from vlserve.server.serving import escape_line_separators
 
 logger = logging.getLogger("vlserve.batch")
 
@@ -26,8 +27,6 @@ MAX_CUSTOM_ID_CHARS = 1024
 _SKIP_CHUNK_BYTES = 1 << 20
 _fields = msgspec.json.Decoder(dict[str, msgspec.Raw])  # a JSON object's values left unparsed (a body: as sent)
 _encode = msgspec.json.Encoder().encode
-# Legal raw in JSON, but line ends for str.splitlines() and JavaScript: written escaped (only strings hold them).
-_LINE_SEPARATORS = (("\u2028".encode(), b"\\u2028"), ("\u2029".encode(), b"\\u2029"))
 
 
 @dataclass
@@ -153,11 +152,7 @@ def _streams(body: msgspec.Raw) -> bool:
 
 # ---- output lines ----------------------------------------------------------------------------------------------
 def _line(record: dict) -> bytes:
-    data = _encode(record)
-    for raw, escaped in _LINE_SEPARATORS:
-        if raw in data:
-            data = data.replace(raw, escaped)
-    return data + b"\n"
+    return escape_line_separators(_encode(record)) + b"\n"
 
 
 def _new_id(prefix: str) -> str:

@@ -30,12 +30,17 @@ _json = msgspec.json.Encoder()
 _LINE_SEPARATORS = (("\u2028".encode(), b"\\u2028"), ("\u2029".encode(), b"\\u2029"))
 
 
-def sse(data: dict | str) -> bytes:
-    payload = data.encode() if isinstance(data, str) else _json.encode(data)
+def escape_line_separators(payload: bytes) -> bytes:
+    """JSON bytes with U+2028/U+2029 escaped: one line for SSE readers, JavaScript and JSONL readers alike."""
     for raw, escaped in _LINE_SEPARATORS:
         if raw in payload:
             payload = payload.replace(raw, escaped)
-    return b"data: " + payload + b"\n\n"
+    return payload
+
+
+def sse(data: dict | str) -> bytes:
+    payload = data.encode() if isinstance(data, str) else _json.encode(data)
+    return b"data: " + escape_line_separators(payload) + b"\n\n"
 
 
 SSE_DONE = sse("[DONE]")

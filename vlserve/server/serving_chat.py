@@ -48,8 +48,7 @@ class ChatRun:
     request_id: str
     first: RequestOutput
     outputs: AsyncIterator[RequestOutput]
-    top_k: int  # top_logprobs asked for (0 without logprobs)
-    logprobs: bool
+    top_logprobs: int | None  # None: no logprobs asked for
     parse_calls: bool  # tools were offered: tool calls are parsed out of the text
 
 
@@ -59,13 +58,14 @@ class OpenAIServingChat(OpenAIServing):
     async def create(self, raw: HTTPRequest):
         body: ChatCompletionRequest = await self.parse(raw, ChatCompletionRequest)
         run = await self.start(raw, body)
+        top_k = run.top_logprobs or 0
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return SSEResponse(self._stream(run.request_id, run.first, run.outputs, include_usage, run.top_k,
+            return SSEResponse(self._stream(run.request_id, run.first, run.outputs, include_usage, top_k,
                                             run.parse_calls))
         final = await self.final(raw, run)
-        return await self.json_response(lambda: self._response(run.request_id, final, run.top_k, run.parse_calls),
-                                        off_loop=run.logprobs)
+        return await self.json_response(lambda: self._response(run.request_id, final, top_k, run.parse_calls),
+                                        off_loop=run.top_logprobs is not None)
 
     async def start(self, raw: HTTPRequest, body: ChatCompletionRequest, id_prefix: str | None = None) -> ChatRun:
         """A parsed chat request checked, rendered and handed to the engine; returns with its first output, so a
@@ -93,7 +93,7 @@ class OpenAIServingChat(OpenAIServing):
         except BaseException:
             outputs.close()  # e.g. the client left just as an output arrived: nobody reads the rest
             raise
-        return ChatRun(request_id, first, outputs, top_k or 0, top_k is not None, choice.mode != "none")
+        return ChatRun(request_id, first, outputs, top_k, choice.mode != "none")
 
     async def final(self, raw: HTTPRequest, run: ChatRun) -> RequestOutput:
         """The finished output of a started request (not streamed)."""
