@@ -6,7 +6,8 @@
 # 2. runs the tests that need CUDA (-m cuda) and the varlen-kernel tests on the GPU;
 # 3. runs the parity suites (Qwen2-VL, Qwen2.5-VL, Qwen3-VL(-MoE), Qwen3.5(-MoE), LLaVA-OneVision/NeXT-Video,
 #    Qwen2-Audio, Qwen2.5-Omni, async scheduling) against transformers on the GPU, with CUDA graphs (the default)
-#    and with VLSERVE_ENFORCE_EAGER=1;
+#    and with VLSERVE_ENFORCE_EAGER=1, and beside them the serving suites (HTTP server, P/D disaggregation, audio,
+#    Responses) with the engines on the GPU;
 # 4. runs benchmarks/gpu_bench.py (vlserve vs transformers on the same GPU, batch-1 decode vs the HBM bound,
 #    graphs on vs off, async scheduling on vs off, the vision tower with and without graphs).
 # Everything lands in OUT_DIR; OUT_DIR/summary.txt is the one file to read. Without a GPU it says what it skipped.
@@ -76,6 +77,7 @@ step() {
 
 PARITY="tests/test_parity.py tests/test_qwen3_vl.py tests/test_qwen3_5_parity.py tests/test_llava_parity.py
         tests/test_audio_parity.py tests/test_omni_parity.py tests/test_async_scheduling.py"
+SERVING="tests/test_server_api.py tests/test_pd_disagg.py tests/test_audio_server.py tests/test_responses.py"
 PYTEST="$PY -m pytest -p no:cacheprovider -rfE --timeout 300"  # pyproject's -q: one more would hide the counts
 # -n: pytest-xdist, a file per worker (module fixtures stay in one process); the references run on the CPU
 XDIST="-n 4 --dist loadfile"
@@ -83,12 +85,19 @@ $PY -c "import xdist" 2> /dev/null || XDIST=""
 
 step cuda_tests 240 $PYTEST tests/test_cuda.py tests/test_triton_attention.py \
     tests/test_gated_delta.py::test_chunked_rule_on_cuda tests/test_sampler.py::test_cuda_matches_device $XDIST
-step parity_graphs 300 $PYTEST -m engine $PARITY $XDIST
-VLSERVE_ENFORCE_EAGER=1 step parity_eager 300 $PYTEST -m engine $PARITY $XDIST
-step gpu_bench 360 $PY benchmarks/gpu_bench.py --json "$OUT_DIR/gpu_bench.json" --profile-decode
+# The parity runs (graphs, eager) and the serving suites (the HTTP server, P/D and E->P->D moving KV between two
+# engines on the GPU, audio) run side by side: 12 workers on the 16 cores; each worker's CPU references get 2 threads.
+OMP_NUM_THREADS=2 step parity_graphs 300 $PYTEST -m engine $PARITY $XDIST &
+OMP_NUM_THREADS=2 VLSERVE_ENFORCE_EAGER=1 step parity_eager 300 $PYTEST -m engine $PARITY $XDIST &
+OMP_NUM_THREADS=2 step serving 300 $PYTEST $SERVING $XDIST &
+wait
+# GPU_CHECK_SECONDS caps the whole script (a lease's per-command limit): the benchmark gets what is left
+BENCH_LIMIT=$(( ${GPU_CHECK_SECONDS:-900} - SECONDS - 10 ))
+[ $BENCH_LIMIT -gt 360 ] && BENCH_LIMIT=360
+step gpu_bench $BENCH_LIMIT $PY benchmarks/gpu_bench.py --json "$OUT_DIR/gpu_bench.json" --profile-decode
 grep -A8 "^| model" "$OUT_DIR/gpu_bench.log" >> "$SUMMARY" 2>/dev/null
 grep -A24 "^decode profile" "$OUT_DIR/gpu_bench.log" > "$OUT_DIR/decode_profile.txt" 2>/dev/null
-for log in cuda_tests parity_graphs parity_eager; do
+for log in cuda_tests parity_graphs parity_eager serving; do
     grep -E "^(FAILED|ERROR)" "$OUT_DIR/$log.log" | head -20 | sed "s/^/$log: /" >> "$SUMMARY"
 done
 echo "--- summary ($SUMMARY) ---"

@@ -99,6 +99,17 @@ def noise_image(width: int, height: int, seed: int, mode: str = "RGB") -> Image.
     return img.convert(mode) if mode != "RGB" else img
 
 
+def first_step_logprobs(llm, request, **kwargs) -> dict[int, float]:
+    """The first generated token's top-5 logprobs. Two inputs whose media reach the language model give different
+    numbers even where a random tiny model's greedy tokens happen to agree (torch versions initialise it
+    differently), so "the picture / the sound matters" guards compare these, not the tokens."""
+    from vlserve import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+    out = llm.generate(request, params, use_tqdm=False, **kwargs)[0]
+    return {token: lp.logprob for token, lp in out.outputs[0].logprobs[0].items()}
+
+
 def assert_pool_full(llm) -> None:
     """No block leaked: after all requests finished every KV block is free and nothing is left queued."""
     sched = llm.engine.core.scheduler

@@ -72,6 +72,19 @@ def test_no_replacement_char_ever_in_output_text(tokenizer):
         assert TEXT.startswith(detok.output_text)
 
 
+@pytest.mark.parametrize("step", [1, 2])
+def test_a_character_cut_off_by_the_end_shows_as_replacement_at_finish(tokenizer, step):
+    """max_tokens can end the output inside a multi-byte character: the finished text is what decoding every output
+    token gives (U+FFFD for the cut character, as transformers' decode and SGLang show it), and the stream's last
+    delta carries it, so streamed and whole answers agree."""
+    ids = tokenizer.encode(TEXT)
+    cut = next(n for n in range(1, len(ids)) if tokenizer.decode(ids[:n]).endswith(REPLACEMENT))
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("prompt: "), SamplingParams())
+    deltas, _ = feed(detok, ids[:cut], step)
+    assert detok.output_text == tokenizer.decode(ids[:cut]) == "".join(deltas)
+    assert detok.output_text.endswith(REPLACEMENT) and REPLACEMENT not in "".join(deltas[:-1])
+
+
 def test_special_tokens_skipped_or_kept(tokenizer):
     ids = tokenizer.encode("hello") + [tokenizer.eos_token_id]
     skip = IncrementalDetokenizer(tokenizer, [], SamplingParams())

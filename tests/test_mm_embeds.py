@@ -21,9 +21,10 @@ PROMPT = f"<|im_start|>user\n{IMG}Describe it.<|im_end|>\n<|im_start|>assistant\
 def vit_embeddings(llm: LLM, image) -> tuple[torch.Tensor, tuple[int, int, int]]:
     proc = llm.engine.input_processor.processor
     p = preprocess_image(image, proc.image_cfg)
-    with torch.inference_mode():
-        emb = llm.engine.core.runner.model.encode_images(p.pixel_values, [p.grid_thw])[0]
-    return emb.clone(), p.grid_thw
+    model = llm.engine.core.runner.model
+    with torch.inference_mode():  # the engine's model may sit on a GPU; the caller compares on the CPU
+        emb = model.encode_images(p.pixel_values.to(next(model.parameters()).device), [p.grid_thw])[0]
+    return emb.cpu().clone(), p.grid_thw
 
 
 def b64_safetensors(t: torch.Tensor, name: str = "image_embeds") -> str:

@@ -130,5 +130,12 @@ class IncrementalDetokenizer:
         return stop
 
     def finish(self) -> None:
-        """The request ended (EOS, max_tokens, abort): held-back text becomes visible."""
+        """The request ended (EOS, max_tokens, abort): held-back text becomes visible, and the bytes of a character
+        the last tokens left unfinished are shown as U+FFFD, as decoding the whole output shows them (a stream's
+        deltas still add up to the final text). A stop string's cut stays where it is."""
+        if not self.finished and len(self._ids) > self._read_offset:
+            prefix = self._prefix_offset
+            shown = self._decode(self._ids[prefix:self._read_offset])
+            self._text += self._decode(self._ids[prefix:])[len(shown):]
+            self._read_offset = len(self._ids)
         self._finished = True
