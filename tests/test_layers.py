@@ -22,6 +22,7 @@ LAYERS = [
     {"vlserve.tools", "vlserve.bench"},  # stand-alone tools: only core below them
     {"vlserve.media"},  # fetching and decoding pictures, video and sound; content hashes
     {"vlserve.model"},
+    {"vlserve.lora"},  # LoRA adapters on the model's linears: read, checked, put in slots
     {"vlserve.engine"},
     {"vlserve.frontend"},
     {"vlserve.disagg"},

@@ -3,11 +3,12 @@
 `import vlserve` stays light: `LLM` (and with it torch) is imported on first use.
 """
 
+from vlserve.core.lora import LoRARequest
 from vlserve.core.outputs import CompletionOutput, RequestOutput
 from vlserve.core.sampling_params import SamplingParams
 from vlserve.core.structured_outputs import StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "LoRARequest"]
 __version__ = "0.1.0"
 
 

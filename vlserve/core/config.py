@@ -141,6 +141,17 @@ class EngineArgs:
         True, "schedule the next step and prepare its inputs while the device runs this one (CUDA, one rank, "
         "no KV connector; steps with structured outputs, penalties or min_tokens still to reach wait for their "
         "tokens): turn it off", LM_ROLES, flag="--no-async-scheduling", negate=True)
+    enable_lora: bool = option(False, "serve LoRA adapters (PEFT format) of this model: on the language model and "
+                               "on the media towers and projectors", {SERVE, DEMO})
+    lora_modules: tuple[str, ...] = option(
+        (), "adapters served from the start, as NAME=PATH (a folder with adapter_config.json and "
+        "adapter_model.safetensors); a request picks one with \"model\": NAME", {SERVE}, nargs="+",
+        metavar="NAME=PATH")
+    max_loras: int = option(1, "most adapters one engine step runs (each one a slot on the device)", {SERVE, DEMO},
+                            bounds=(1, 64))
+    max_lora_rank: int = option(16, "highest LoRA rank an adapter may have", {SERVE, DEMO}, bounds=(1, 512))
+    max_cpu_loras: int | None = option(None, "adapters kept loaded in host memory (default: max_loras; at least "
+                                       "that)", {SERVE, DEMO}, bounds=(1, 4096))
     cuda_graph_sizes: tuple[int, ...] | None = option(
         None, "decode batch sizes captured as CUDA graphs; a step of b decode rows replays the smallest size >= b, "
         "padded (default on CUDA: 1, 2, 4, 8, then every multiple of 8 up to min(max_num_seqs, 256); on a CPU "
@@ -205,6 +216,11 @@ class EngineArgs:
                 isinstance(self.cuda_graph_sizes, (str, int)) or
                 not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in self.cuda_graph_sizes)):
             raise InvalidInputError(f"cuda_graph_sizes takes positive batch sizes, got {self.cuda_graph_sizes!r}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise InvalidInputError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
+                                    f"({self.max_loras})")
+        if self.lora_modules and not self.enable_lora:
+            raise InvalidInputError("lora_modules needs enable_lora")
         if self.encoder_cache_size < 0 or self.max_num_encoder_input_tokens <= 0:
             raise InvalidInputError("encoder_cache_size must be >= 0 and max_num_encoder_input_tokens > 0")
         for kind, limit in self.limit_mm_per_prompt.items():
@@ -282,6 +298,10 @@ class ServerArgs:
                                                "otherwise: a template is code)", HTTP_ROLES)
     enable_api_docs: bool = option(False, "serve /docs, /redoc and /openapi.json (behind --api-key when set)",
                                    ENGINE_HTTP_ROLES)
+    allow_runtime_lora: bool = option(
+        False, "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with --enable-lora): an API client "
+        "then names a folder on this machine for the server to read, so keep it off unless every client with the "
+        "API key may choose what the server reads", {SERVE})
     engine_heartbeat_timeout: float = option(10.0, "seconds without an answer from the engine process before it "
                                              "counts as unresponsive (503 on /health and for waiting requests)",
                                              ENGINE_HTTP_ROLES | {PREFILL}, bounds=SECONDS)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vlserve.core.lora import AdapterRef
 
 # Every kind of media a prompt may carry (a model takes some of them: `ModelConfig.modalities`).
 MEDIA_KINDS = ("image", "video", "audio")
@@ -66,6 +67,7 @@ class ProcessedPrompt:
     # `kv_in_blocks` every prompt token's KV row from a prefill instance.
     block_rows: list[int] | None = None
     kv_in_blocks: bool = False
+    lora: AdapterRef | None = None  # the LoRA adapter it runs with (its KV, and its media rows if it adapts towers)
 
     @property
     def num_tokens(self) -> int:

@@ -37,6 +37,7 @@ class Request:
         self.params = sampling_params
         self.eos_token_ids = eos_token_ids
         self.mm_items = prompt.mm_items
+        self.lora = prompt.lora
         self.mrope_positions = prompt.mrope_positions
         self.mrope_delta = prompt.mrope_delta
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()

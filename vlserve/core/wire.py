@@ -10,6 +10,7 @@ from __future__ import annotations
 import msgspec
 import torch
 
+from vlserve.core.lora import AdapterRef
 from vlserve.core.messages import EngineCoreOutput, Handoff
 from vlserve.core.prompt import MultiModalItem, ProcessedPrompt
 from vlserve.core.sampling_params import SamplingParams
@@ -51,6 +52,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     arrival_time: float
     block_rows: list[int] | None = None  # receive blocks holding the prompt's media rows, item after item
     handoff: Handoff | None = None  # decode instance: prefilled elsewhere; `block_rows` hold its KV rows
+    lora: AdapterRef | None = None  # its LoRA adapter
 
 
 class FinishRequests(msgspec.Struct, tag="finish"):
@@ -195,7 +197,7 @@ def prompt_to_wire(request_id: str, prompt: ProcessedPrompt, params: SamplingPar
                         ref(it.embeddings), it.modality, ref(it.audio_features), it.audio_len)
              for it in prompt.mm_items]
     msg = AddRequest(request_id, prompt.prompt_token_ids, items, tensor_ref(prompt.mrope_positions, tensors),
-                     prompt.mrope_delta, params, arrival_time, prompt.block_rows, handoff)
+                     prompt.mrope_delta, params, arrival_time, prompt.block_rows, handoff, prompt.lora)
     return msg, tensors
 
 
@@ -207,7 +209,7 @@ def prompt_from_wire(msg: AddRequest, frames: list) -> ProcessedPrompt:
                             tensor(it.embeddings), it.modality, tensor(it.audio_features), it.audio_len)
              for it in msg.mm_items]
     return ProcessedPrompt(msg.prompt_token_ids, items, tensor_from(msg.mrope_positions, frames), msg.mrope_delta,
-                           block_rows=msg.block_rows, kv_in_blocks=msg.handoff is not None)
+                           block_rows=msg.block_rows, kv_in_blocks=msg.handoff is not None, lora=msg.lora)
 
 
 class _AnyRequestId(msgspec.Struct):

@@ -30,6 +30,13 @@ ASYNC_ENV = "VLSERVE_ASYNC_SCHEDULING"
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    max_loras: int  # device slots: adapters one step may run
+    max_cpu_loras: int  # adapters kept in host memory
+    max_rank: int
+
+
+@dataclass(frozen=True)
 class VlserveConfig:
     """Everything the engine needs, resolved: paths, dtype, device and cache sizes are final here. `model_path`,
     `model`, `dtype`, `device` and `max_model_len` are `facts`' own, in torch's types."""
@@ -64,6 +71,7 @@ class VlserveConfig:
     graph_sizes: tuple[int, ...] = ()  # decode batch sizes run from captured graphs (engine.decode_graphs); () none
     enforce_eager: bool = False  # no graphs at all (decode, vision tower)
     async_scheduling: bool = False  # the next step is scheduled while the device runs this one (engine.core)
+    lora: LoRAConfig | None = None  # serving LoRA adapters (vlserve.lora); None: off
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -167,6 +175,7 @@ def resolve_config(args: EngineArgs, facts: ModelFacts | None = None, announce: 
     device, dtype = facts.torch_device, facts.torch_dtype
     quantization = resolve_quantization(args.quantization, model_cfg.quantization)
     check_tensor_parallel(args, model_cfg, quantization, device)
+    lora = lora_config(args)
     # an encode service has no KV cache
     num_blocks = _num_kv_blocks(args, path, model_cfg, dtype, device, max_model_len) if args.load_language else 0
     return VlserveConfig(
@@ -181,9 +190,22 @@ def resolve_config(args: EngineArgs, facts: ModelFacts | None = None, announce: 
         towers=loaded_towers(args, model_cfg),
         tensor_parallel_size=args.tensor_parallel_size, mm_encoder_tp_mode=args.mm_encoder_tp_mode, args=args,
         num_state_snapshots=num_state_snapshots(args, model_cfg) if args.load_language else 0,
-        graph_sizes=decode_graph_sizes(args, device) if args.load_language else (), enforce_eager=eager(args),
-        async_scheduling=async_scheduling(args, device),
+        # LoRA deltas are computed per step from the slots in use: no graphs (decode or vision) with adapters
+        graph_sizes=decode_graph_sizes(args, device) if args.load_language and lora is None else (),
+        enforce_eager=eager(args) or lora is not None, async_scheduling=async_scheduling(args, device), lora=lora,
     )
+
+
+def lora_config(args: EngineArgs) -> LoRAConfig | None:
+    if not args.enable_lora:
+        return None
+    if args.tensor_parallel_size > 1:
+        raise InvalidInputError("LoRA adapters run on one rank for now: use tensor_parallel_size 1 with "
+                                "enable_lora")
+    if not (args.load_language and args.load_vision):
+        raise InvalidInputError("LoRA adapters are served by the aggregated engine for now (not by disaggregated "
+                                "encode, prefill or decode roles)")
+    return LoRAConfig(args.max_loras, max(args.max_cpu_loras or args.max_loras, args.max_loras), args.max_lora_rank)
 
 
 def async_scheduling(args: EngineArgs, device: torch.device) -> bool:

@@ -53,6 +53,9 @@ class EngineCore:
                                         overlap=cfg.device.type != "cpu", limits=GrammarLimits.from_args(cfg.args))
         self.runner = ModelRunner(cfg, executor, transfer, self.grammars)
         self.scheduler = Scheduler(cfg, connector)
+        self.lora = getattr(executor, "lora", None)  # LoRA adapter slots, when serving adapters
+        if self.lora is not None:
+            self.lora.in_use = lambda: {r.lora.key for r in self.scheduler.requests.values() if r.lora is not None}
         self.connector = connector
         self.kv_events: KVEventPublisher | None = None
         endpoint = cfg.args.kv_events_endpoint if cfg.args is not None else None
@@ -94,6 +97,11 @@ class EngineCore:
             self.connector.check_request(prompt, params, kv_transfer)
         capacity = None if self.transfer is None else (self.transfer.num_blocks, self.transfer.block_tokens)
         check_prompt(prompt, self.cfg, capacity)
+        if prompt.lora is not None:
+            if self.lora is None:
+                raise InvalidInputError(f"LoRA adapter {prompt.lora.name!r}: this engine serves no adapters (start "
+                                        "it with enable_lora / --enable-lora)")
+            self.lora.prepare(prompt.lora)  # read now: an adapter that does not fit refuses this request only
         children = [Request(cid, prompt, p, self.cfg.model.eos_token_ids, arrival_time)
                     for cid, p in fan_out(params, request_id)]
         self._check_id_free([c.request_id for c in children], request_id)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from vlserve.core.prompt import MultiModalItem
+from vlserve.model.layers.lora_rows import lora_rows
 from vlserve.model.accelerator import Timer, to_device
 
 # On CPU the tower runs faster on a few thousand patches at a time than on everything at once: activations of a
@@ -60,9 +61,19 @@ class EncoderRunner:
         self.timers: list[tuple[str, Timer]] = []  # (tower, its timer) per tower call: histogram samples
 
     @torch.inference_mode()
-    def encode(self, items: list[MultiModalItem]) -> None:
-        """Batched tower calls over `items` (no attention across items); outputs land in `outputs`."""
-        items = [it for it in items if it.mm_hash not in self.outputs]
+    def encode(self, items: list[MultiModalItem], lora_slots: list[int | None] | None = None) -> None:
+        """Batched tower calls over `items` (no attention across items); outputs land in `outputs`. `lora_slots`:
+        per item, the adapter slot its tower runs with (None: none); items of one adapter share calls."""
+        slots = lora_slots or [None] * len(items)
+        todo: dict[int | None, list[MultiModalItem]] = {}
+        for it, slot in zip(items, slots):
+            if it.mm_hash not in self.outputs:
+                todo.setdefault(slot, []).append(it)
+        for slot, group in todo.items():
+            with lora_rows(() if slot is None else ((slot, None),)):
+                self._encode(group)
+
+    def _encode(self, items: list[MultiModalItem]) -> None:
         pictures = [it for it in items if it.pixel_values is not None]
         sounds = [it for it in items if it.audio_features is not None]
         budget = None if self.whole_step else cpu_budget(self.device)

@@ -44,6 +44,8 @@ class ForwardBatch:
     # device (one process only: never on the wire).
     pending_rows: torch.Tensor | None = None  # [P] int64 rows of token_ids
     pending_tokens: torch.Tensor | None = None  # [P] int64, on the model's device
+    # LoRA: (adapter slot, rows) groups of vlserve.model.layers.lora_rows (one process only: adapters run on one rank)
+    lora_rows: tuple = ()
 
 
 def attention_metadata(batch: ForwardBatch, block_size: int, device: torch.device,

@@ -22,6 +22,7 @@ from vlserve.engine.state_cache import StateStep
 from vlserve.engine.structured.matchers import GrammarMatchers
 from vlserve.engine.transfer_buffers import TransferBuffers
 from vlserve.engine.encoder_runner import EncoderRunner
+from vlserve.model.layers.lora_rows import row_groups
 from vlserve.model.accelerator import Accelerator, to_device
 
 
@@ -114,6 +115,9 @@ class ModelRunner:
         hybrid model's `state`: each sequence's state slot, fresh or not, its snapshots and the copies first)."""
         decode = [c for c in chunks if c.num_tokens == 1]
         prefill = [c for c in chunks if c.num_tokens > 1]
+        if any(c.req.lora is not None for c in chunks):  # one row range per adapter in each part (lora_rows)
+            decode.sort(key=_adapter_order)
+            prefill.sort(key=_adapter_order)
         ordered = decode + prefill
         token_ids: list[int] = []
         for c in ordered:
@@ -193,12 +197,22 @@ class ModelRunner:
         """Queues the step's work on the device (towers, forward pass, sampling) and a copy of what it samples
         to the host, without waiting for any of it; None when nothing samples. A decode row whose input token
         the previous launch is still sampling (async scheduling) reads it on the device from that launch."""
+        slots = self._lora_slots(sched)
         if self.encoders is not None:
             self.encoders.free(sched.free_encoder_keys)
-            self.encoders.encode([req.mm_items[idx] for req, idx in sched.encode])
+            items = [req.mm_items[idx] for req, idx in sched.encode]
+            towers = [slots.get(req.lora.key) if req.lora is not None and req.lora.towers else None
+                      for req, _ in sched.encode]
+            if any(slot is not None for slot in towers):  # tower adapters: calls grouped by adapter
+                self.encoders.encode(items, towers)
+            else:
+                self.encoders.encode(items)
         if sched.empty:
             return None
         ordered, batch = self._prepare(sched.chunks, sched.state)
+        if slots:
+            batch.lora_rows = row_groups([slots.get(c.req.lora.key) if c.req.lora is not None else None
+                                          for c in ordered], [c.num_tokens for c in ordered])
         self._read_pending_inputs(ordered, batch)
         sampling = [c.req for c in ordered if c.samples]
         # Grammar masks: on an accelerator they are filled while the forward pass runs.
@@ -211,6 +225,15 @@ class ModelRunner:
         launched = LaunchedStep(sampling, self._sample(logits, sampling, bitmask), self.acc)
         self._last = launched
         return launched
+
+    def _lora_slots(self, sched: SchedulerOutput) -> dict[str, int]:
+        """The device slot of each adapter this step runs (filled now where they are not there yet)."""
+        lora = getattr(self.executor, "lora", None)
+        if lora is None:
+            return {}
+        refs = [c.req.lora for c in sched.chunks if c.req.lora is not None]
+        refs += [req.lora for req, _ in sched.encode if req.lora is not None and req.lora.towers]
+        return lora.assign(refs) if refs else {}
 
     def collect(self, launched: LaunchedStep | None) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
         """The launch's sampled tokens (and log-probabilities), once its copies to the host are done."""
@@ -257,6 +280,10 @@ class ModelRunner:
             bitmask,
         )
         return self.sampler(logits, meta)
+
+
+def _adapter_order(chunk: ScheduledChunk) -> str:
+    return "" if chunk.req.lora is None else chunk.req.lora.key
 
 
 class LaunchedStep:

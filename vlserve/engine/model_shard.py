@@ -32,7 +32,9 @@ from vlserve.model.decoder import DeepstackInput
 from vlserve.model.layers.linear_state import LinearLayerState, copy_state_slots, new_layer_states
 from vlserve.model.layers.packed_linear import packed_linear_supported
 from vlserve.model.layers.parallel import SINGLE, TPGroup
-from vlserve.model.loader import load_model
+from vlserve.model.loader import load_model, weight_files
+from vlserve.model.layers.lora_rows import lora_rows
+from vlserve.lora.slots import LoRASlots
 
 logger = logging.getLogger("vlserve.engine")
 
@@ -64,6 +66,17 @@ def load_shard(cfg: VlserveConfig, tp: TPGroup = SINGLE, device: torch.device | 
     return ModelShard(model, cfg, tp, device)
 
 
+def lora_slots(model: torch.nn.Module, cfg: VlserveConfig, device: torch.device) -> LoRASlots:
+    """Adapter slots around the model's linears. An adapter file larger than the model's own weights is refused."""
+    from vlserve.model.families import family_of
+
+    family = family_of(cfg.model.architecture)
+    max_bytes = sum(f.stat().st_size for f in weight_files(cfg.model_path))
+    lora = cfg.lora
+    return LoRASlots(model, family.load(family.weight_names), lora.max_loras, lora.max_cpu_loras, lora.max_rank,
+                     max_bytes, cfg.dtype, device)
+
+
 class ModelShard:
     def __init__(self, model: torch.nn.Module, cfg: VlserveConfig, tp: TPGroup = SINGLE,
                  device: torch.device | None = None):
@@ -71,6 +84,7 @@ class ModelShard:
         if packed_linear_supported(device, cfg.dtype) and hasattr(model, "pack_for_cpu"):
             logger.info("packed %d linears into oneDNN's layout", model.pack_for_cpu())
         self.model = model
+        self.lora = lora_slots(model, cfg, device) if cfg.lora is not None else None  # after packing: wraps them
         self.tp = tp
         self.encoder_mode = cfg.mm_encoder_tp_mode
         self.device = device
@@ -172,7 +186,8 @@ class ModelShard:
             if self.deepstack_levels:
                 features = media[:, self.hidden :].reshape(-1, self.deepstack_levels, self.hidden).transpose(0, 1)
                 deepstack = DeepstackInput(rows, features)
-        hidden = self.model(embeds, to_device(batch.positions, dev), self.kv_caches, meta, deepstack)
+        with lora_rows(batch.lora_rows):
+            hidden = self.model(embeds, to_device(batch.positions, dev), self.kv_caches, meta, deepstack)
         return self._logits(hidden, batch)
 
     def _logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | None:

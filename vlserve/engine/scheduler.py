@@ -130,6 +130,9 @@ class Scheduler:
             if req.grammar is not None and (not req.grammar.ready or req.grammar.error is not None):
                 not_ready.append(self.waiting.popleft())
                 continue
+            if req.lora is not None and not self._adapter_fits(req):  # every adapter slot is taken: it waits
+                not_ready.append(self.waiting.popleft())
+                continue
             pending = None if self.connector is None else self.connector.pending_kv(req)
             if pending is not None:  # its KV is written, not computed
                 cached = self.kv.find_cached_prefix(req) if pending.from_peer else []
@@ -164,6 +167,11 @@ class Scheduler:
             encoder_budget -= sum(req.mm_items[k].num_tokens for k in encode)
         self.waiting.extendleft(reversed(not_ready))
         return out
+
+    def _adapter_fits(self, req: Request) -> bool:
+        """Running requests use at most max_loras different adapters (the device's slots)."""
+        running = {r.lora.key for r in self.running if r.lora is not None}
+        return req.lora.key in running or len(running) < self.cfg.lora.max_loras
 
     def _plan_chunk(self, req: Request, start: int, token_budget: int, encoder_budget: int) -> tuple[int, list[int]]:
         """How many tokens of `req` to compute from `start`, and which of its items must be encoded for them.

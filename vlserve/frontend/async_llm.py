@@ -19,7 +19,9 @@ import torch
 
 from vlserve.core.config import EngineArgs
 from vlserve.core.cpu_budget import media_pool_size, plan_threads
-from vlserve.core.errors import EngineDeadError, InvalidInputError, ServiceUnavailableError, VlserveError
+from vlserve.core.errors import (EngineDeadError, InvalidInputError, NotFoundError, ServiceUnavailableError,
+                                 VlserveError)
+from vlserve.core.lora import AdapterRef
 from vlserve.core.messages import EngineCoreOutput, Handoff
 from vlserve.core.outputs import RequestOutput
 from vlserve.core.processes import finish
@@ -36,6 +38,7 @@ from vlserve.frontend.metrics import ServerMetrics
 from vlserve.frontend.output_processor import OutputProcessor
 from vlserve.frontend.prepared_prompt import PreparedPrompt
 from vlserve.frontend.prompt_encoder import LocalPromptEncoder, PromptEncoder
+from vlserve.lora.catalog import LoRACatalog, parse_lora_modules, with_adapter
 from vlserve.model.facts import resolve_model_facts
 
 logger = logging.getLogger("vlserve.engine")
@@ -135,6 +138,13 @@ class AsyncLLM:
         self.tokenizer = self.input_processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = ServerMetrics(model_name, self.cfg.model.modalities)
+        self.loras: LoRACatalog | None = None  # the adapters a request may name as its model (--enable-lora)
+        self._loading: set[str] = set()  # adapter names a runtime load is checking now
+        if args.enable_lora:
+            self.loras = LoRACatalog(self.cfg.model, self.cfg.model_path, args.max_lora_rank)
+            for name, path in parse_lora_modules(args.lora_modules):  # a bad one stops the start with its reason
+                self._check_new_adapter_name(name)
+                self.loras.load(name, path)
         self.max_waiting_requests = max_waiting_requests
         self.log_requests = log_requests
         media_pool = media_pool_size(media_threads, plan_threads(args.cpu_threads).total)
@@ -219,15 +229,16 @@ class AsyncLLM:
                     f"the server is overloaded: {waiting} requests are waiting (max_waiting_requests="
                     f"{self.max_waiting_requests}); retry later")
 
-    def generate(self, prepared: PreparedPrompt, params: SamplingParams, request_id: str) -> "RequestHandle":
+    def generate(self, prepared: PreparedPrompt, params: SamplingParams, request_id: str,
+                 adapter: AdapterRef | None = None) -> "RequestHandle":
         """Takes the prompt over and sends the request now (or raises, with the prompt freed); iterate the handle
         for its cumulative outputs, the last one `finished`. Closing the handle early (client gone) aborts it in
-        the engine."""
+        the engine. `adapter`: the LoRA adapter it runs with (None: the base model)."""
         release = prepared.hand_over()
         try:
             self.check_accepting()
             self._check_id_free(request_id)
-            prompt = prepared.prompt
+            prompt = with_adapter(prepared.prompt, adapter)
             msg, tensors = prompt_to_wire(request_id, prompt, params, prepared.arrival, handoff=prepared.handoff)
             children = fan_out(params, request_id)
         except BaseException:
@@ -264,6 +275,41 @@ class AsyncLLM:
         finally:
             if self.prefills.pop(request_id, None) is not None and self.core.dead_reason is None:
                 self.core.send(FinishRequests([request_id], "abort"))  # cancelled: nobody takes its KV
+
+    # ---- LoRA adapters -------------------------------------------------------------------------------------
+    async def load_lora(self, name: str, path: str, replace: bool = False) -> AdapterRef:
+        """Checks the adapter at `path` (a folder on this machine) and serves it as `name`; on the thread pool,
+        since it reads the adapter's files. A name already served is refused unless `replace` (requests running
+        with the old adapter finish with it). The engine process reads the weights when a step first needs them."""
+        if self.loras is None:
+            raise InvalidInputError("this server serves no LoRA adapters: start it with --enable-lora")
+        if not replace and (name in self.loras.adapters or name in self._loading):
+            raise InvalidInputError(f"the LoRA adapter {name!r} has already been loaded")
+        self._check_new_adapter_name(name)
+        self._loading.add(name)  # on the event loop: two loads of one name cannot both pass the check above
+        try:
+            ref = await asyncio.get_running_loop().run_in_executor(self.executor, self.loras.load, name, path)
+        except OSError as e:  # e.g. a file it may not read: the caller's folder, not the server, is at fault
+            raise InvalidInputError(f"LoRA adapter {name!r}: {path} could not be read ({e.strerror or e})") from None
+        finally:
+            self._loading.discard(name)
+        logger.info("LoRA adapter %r loaded from %r", name, ref.path)
+        return ref
+
+    async def unload_lora(self, name: str) -> None:
+        """New requests naming it are refused (404); those already running finish with it. On the thread pool:
+        the catalog's lock may be held by a load reading its files."""
+        if self.loras is None:
+            raise InvalidInputError("this server serves no LoRA adapters: start it with --enable-lora")
+        try:
+            await asyncio.get_running_loop().run_in_executor(self.executor, self.loras.unload, name)
+        except KeyError:
+            raise NotFoundError(f"the LoRA adapter {name!r} is not loaded") from None
+        logger.info("LoRA adapter %r unloaded", name)
+
+    def _check_new_adapter_name(self, name: str) -> None:
+        if name == self.model_name:  # the base model's name must keep meaning the base model
+            raise InvalidInputError(f"a LoRA adapter cannot be named {name!r}: that is the served model's name")
 
     def _check_id_free(self, request_id: str) -> None:
         # An id whose prompt is not yet released is still the engine's: its report must free that prompt only.

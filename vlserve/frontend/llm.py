@@ -9,6 +9,7 @@ from tqdm import tqdm
 
 from vlserve.core.config import EngineArgs
 from vlserve.core.errors import InvalidInputError
+from vlserve.core.lora import LoRARequest
 from vlserve.core.outputs import RequestOutput
 from vlserve.core.sampling_params import SamplingParams
 from vlserve.frontend.chat import parse_chat_messages
@@ -51,13 +52,18 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         mm_processor_kwargs: dict | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """`lora_request`: the LoRA adapter of every prompt, or a list with one per prompt (None: the base
+        model); needs `LLM(..., enable_lora=True)`."""
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         params = self._params_list(sampling_params, len(prompts))
+        adapters = self._adapters_list(lora_request, len(prompts))
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
-                ids.append(self.engine.add_request(prompt, p, mm_processor_kwargs=mm_processor_kwargs))
+            for prompt, p, adapter in zip(prompts, params, adapters):
+                ids.append(self.engine.add_request(prompt, p, mm_processor_kwargs=mm_processor_kwargs,
+                                                   lora_request=adapter))
         except Exception:
             for rid in ids:  # nothing half-submitted stays in the engine
                 self.engine.abort_request(rid)
@@ -73,9 +79,10 @@ class LLM:
         add_generation_prompt: bool = True,
         mm_processor_kwargs: dict | None = None,
         tools: list[dict] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """`tools`: function tools offered to the model (OpenAI's layout); parse its answer with
-        `vlserve.frontend.tool_calls.extract_tool_calls`."""
+        `vlserve.frontend.tool_calls.extract_tool_calls`. `lora_request`: as for `generate`."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tools = check_tools(tools)
         prompts = []
@@ -83,7 +90,7 @@ class LLM:
             chat = parse_chat_messages(conv, modalities=self.engine.cfg.model.modalities)
             text = render_chat(self.tokenizer, chat.messages, add_generation_prompt, chat_template, tools=tools)
             prompts.append(chat.prompt(text))
-        return self.generate(prompts, sampling_params, use_tqdm, mm_processor_kwargs)
+        return self.generate(prompts, sampling_params, use_tqdm, mm_processor_kwargs, lora_request)
 
     def get_metrics(self) -> dict[str, float]:
         return self.engine.core.get_metrics()
@@ -98,6 +105,15 @@ class LLM:
         if len(params) != n:
             raise InvalidInputError(f"{len(params)} sampling params for {n} prompts")
         return params
+
+    @staticmethod
+    def _adapters_list(lora_request, n: int) -> list:
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            return [lora_request] * n
+        adapters = as_list(lora_request)
+        if len(adapters) != n:
+            raise InvalidInputError(f"{len(adapters)} LoRA requests for {n} prompts")
+        return adapters
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

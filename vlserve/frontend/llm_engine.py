@@ -6,6 +6,7 @@ import itertools
 
 from vlserve.core.config import EngineArgs
 from vlserve.core.errors import InvalidInputError
+from vlserve.core.lora import AdapterRef, LoRARequest
 from vlserve.core.outputs import RequestOutput
 from vlserve.core.sampling_params import SamplingParams, fan_out
 from vlserve.engine.config import VlserveConfig, resolve_config
@@ -14,6 +15,7 @@ from vlserve.engine.cpu_threads import apply_cpu_threads
 from vlserve.frontend.config import FrontendConfig
 from vlserve.frontend.input_processor import InputProcessor
 from vlserve.frontend.output_processor import OutputProcessor
+from vlserve.lora.catalog import LoRACatalog, parse_lora_modules, with_adapter
 
 
 class LLMEngine:
@@ -29,20 +31,35 @@ class LLMEngine:
             self._restore_threads()
             raise
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.loras: LoRACatalog | None = None
+        if self.cfg.lora is not None:
+            self.loras = LoRACatalog(self.cfg.model, self.cfg.model_path, self.cfg.lora.max_rank)
+            for name, path in parse_lora_modules(args.lora_modules):
+                self.loras.load(name, path)
         self._ids = itertools.count()
         self._failed: list[tuple[str, str]] = []  # (request id, why), raised by the next step()
 
     def add_request(self, prompt, params: SamplingParams, request_id: str | None = None,
-                    mm_processor_kwargs: dict | None = None) -> str:
+                    mm_processor_kwargs: dict | None = None, lora_request: LoRARequest | None = None) -> str:
         if not isinstance(params, SamplingParams):
             raise InvalidInputError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         request_id = request_id or str(next(self._ids))
         if params.structured_outputs is not None:
             self.core.grammars.check(params.structured_outputs)  # a bad schema or grammar is refused here
-        processed = self.input_processor.process(prompt, mm_processor_kwargs)
+        adapter = self._adapter(lora_request)
+        processed = with_adapter(self.input_processor.process(prompt, mm_processor_kwargs), adapter)
         self.core.add_request(request_id, processed, params)
         self.output_processor.add(request_id, processed.text, processed.prompt_token_ids, fan_out(params, request_id))
         return request_id
+
+    def _adapter(self, lora_request: LoRARequest | None) -> AdapterRef | None:
+        if lora_request is None:
+            return None
+        if not isinstance(lora_request, LoRARequest):
+            raise InvalidInputError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        if self.loras is None:
+            raise InvalidInputError("this engine serves no LoRA adapters: create it with enable_lora=True")
+        return self.loras.for_request(lora_request)
 
     def shutdown(self) -> None:
         try:

@@ -92,14 +92,17 @@ def _shard_view(model: nn.Module, name: str, param: torch.Tensor, shard: str) ->
         if e >= param.shape[0]:
             raise ModelLoadError(f"'{name}': expert {e} of a model with {param.shape[0]} experts")
         return param[e] if kind == "down" else _shard_view(model, name, param[e], kind)
-    total = param.shape[0]
+    return param.narrow(0, *shard_rows(model, name, param.shape[0], shard))
+
+
+def shard_rows(model: nn.Module, name: str, total: int, shard: str) -> tuple[int, int]:
+    """(first row, rows) of fused parameter `name` (`total` rows) that piece `shard` (q/k/v, gate/up) fills."""
     if shard in ("gate", "up"):
         half = total // 2
-        return param.narrow(0, 0 if shard == "gate" else half, half)
+        return (0 if shard == "gate" else half), half
     attn = model.get_submodule(name.rsplit(".", 2)[0])  # "...self_attn.qkv_proj.weight" -> the attention module
     q, kv = attn.q_size, attn.kv_size
-    offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard]
-    return param.narrow(0, offset, size)
+    return {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard]
 
 
 @contextmanager

@@ -33,6 +33,7 @@ from vlserve.server.listen import bind_socket
 from vlserve.server.playground.routes import add_playground, playground_config
 from vlserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from vlserve.server.responses_protocol import ResponsesRequest
+from vlserve.server.serving import LoadLoRAAdapterRequest, OpenAIServingLoRA, UnloadLoRAAdapterRequest
 from vlserve.server.serving_chat import OpenAIServingChat
 from vlserve.server.serving_completion import OpenAIServingCompletion
 from vlserve.server.serving_responses import OpenAIServingResponses
@@ -80,6 +81,7 @@ def build_app(engine: AsyncLLM, server: ServerArgs) -> FastAPI:
     chat = OpenAIServingChat(engine, server, model_name)
     completion = OpenAIServingCompletion(engine, server, model_name)
     responses = OpenAIServingResponses(chat)
+    loras = OpenAIServingLoRA(engine, server, model_name)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -110,10 +112,24 @@ def build_app(engine: AsyncLLM, server: ServerArgs) -> FastAPI:
         return await responses.create(request)
 
     @app.get("/v1/models")
-    async def models():
-        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "vlserve",
-                "root": str(engine.cfg.model_path), "max_model_len": engine.cfg.max_model_len}
-        return {"object": "list", "data": [card]}
+    async def models():  # vLLM's cards: the base model, then one per LoRA adapter with the base as its parent
+        def card(name: str, root: str, parent: str | None) -> dict:
+            return {"id": name, "object": "model", "created": 0, "owned_by": "vlserve", "root": root,
+                    "parent": parent, "max_model_len": engine.cfg.max_model_len}
+
+        loras = getattr(engine, "loras", None)  # None: started without --enable-lora
+        adapters = tuple(loras.adapters.values()) if loras is not None else ()
+        return {"object": "list", "data": [card(model_name, str(engine.cfg.model_path), None),
+                                           *(card(a.name, a.path, model_name) for a in adapters)]}
+
+    # Always routed: without --enable-lora / --allow-runtime-lora they answer 400 naming the flag to start with.
+    @app.post("/v1/load_lora_adapter", openapi_extra=_body_schema(LoadLoRAAdapterRequest))
+    async def load_lora_adapter(request: Request):
+        return await loras.load(request)
+
+    @app.post("/v1/unload_lora_adapter", openapi_extra=_body_schema(UnloadLoRAAdapterRequest))
+    async def unload_lora_adapter(request: Request):
+        return await loras.unload(request)
 
     @app.get("/health")
     async def health():  # liveness: the engine is alive (a restart is what helps otherwise)

@@ -1,5 +1,5 @@
-"""What chat and completions share: reading bodies within limits, model check, token budget, disconnects,
-SSE framing."""
+"""What chat and completions share: reading bodies within limits, model check (the base model or a LoRA adapter),
+token budget, disconnects, SSE framing; and the runtime LoRA endpoints."""
 
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
 
 from vlserve.core.config import ServerArgs
 from vlserve.core.errors import (InvalidInputError, NotFoundError, RequestTimeoutError, RequestTooLargeError,
                                  VlserveError)
+from vlserve.core.lora import AdapterRef
 from vlserve.core.outputs import RequestOutput
 from vlserve.core.sampling_params import SamplingParams
 from vlserve.frontend.async_llm import AsyncLLM
@@ -26,6 +27,8 @@ from vlserve.server.protocol import parse_body
 
 PARSE_INLINE_BYTES = 256 * 1024  # bigger bodies are parsed on a thread, off the event loop (as read: not copied)
 _json = msgspec.json.Encoder()
+MAX_ADAPTER_NAME_CHARS, MAX_ADAPTER_PATH_CHARS = 256, 4096
+LISTED_MODELS = 8  # a 404 for an unknown model names the served ones when there are at most this many
 # U+2028/U+2029 are legal raw in JSON but end a line for JavaScript and some SSE readers: send them escaped.
 _LINE_SEPARATORS = (("\u2028".encode(), b"\\u2028"), ("\u2029".encode(), b"\\u2029"))
 
@@ -116,9 +119,23 @@ class OpenAIServing:
         if params.structured_outputs is not None:
             await self.until_done_or_disconnect(raw, self.engine.grammar_compiler.check(params.structured_outputs))
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
-            raise NotFoundError(f"the model {name!r} does not exist; this server serves {self.model_name!r}")
+    def check_model(self, name: str | None) -> AdapterRef | None:
+        """The LoRA adapter a request's `model` names; None for the base model (or no name). 404 otherwise."""
+        if name is None or name == self.model_name:
+            return None
+        loras = getattr(self.engine, "loras", None)  # none on a router (no engine here)
+        adapters = loras.adapters if loras is not None else {}
+        ref = adapters.get(name)
+        if ref is not None:
+            return ref
+        served = [self.model_name, *adapters]
+        listed = (", ".join(map(repr, served)) if len(served) <= LISTED_MODELS
+                  else f"{self.model_name!r} and {len(adapters)} LoRA adapters (see GET /v1/models)")
+        raise NotFoundError(f"the model {name!r} does not exist; this server serves {listed}")
+
+    def answered_model(self, adapter: AdapterRef | None) -> str:
+        """The `model` an answer names: what the request asked for, as vLLM does."""
+        return self.model_name if adapter is None else adapter.name
 
     def new_request_id(self, given: str | None, prefix: str | None = None) -> str:
         return f"{prefix or self.id_prefix}-{given or uuid.uuid4().hex}"
@@ -197,6 +214,50 @@ class OpenAIServing:
         message, status = error_from_exception(exc)
         log_client_error(f"stream {request_id}", status, message)
         return sse(error_body(message, status))
+
+
+class _LoRABody(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    lora_name: str = Field(min_length=1, max_length=MAX_ADAPTER_NAME_CHARS)
+
+    def check_fields(self, server: ServerArgs) -> None:
+        pass  # bounded by the fields themselves
+
+
+class LoadLoRAAdapterRequest(_LoRABody):
+    lora_path: str = Field(min_length=1, max_length=MAX_ADAPTER_PATH_CHARS)
+    load_inplace: bool = False  # vLLM's: replace an adapter already served under this name
+
+
+class UnloadLoRAAdapterRequest(_LoRABody):
+    lora_int_id: int | None = None  # vLLM's; adapters are told apart by name here
+
+
+class OpenAIServingLoRA(OpenAIServing):
+    """vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter. Off unless --allow-runtime-lora: the path
+    is a folder on the server's machine, so whoever may call them chooses what the server reads."""
+
+    async def load(self, raw: HTTPRequest) -> Response:
+        self._check_allowed()
+        body: LoadLoRAAdapterRequest = await self.parse(raw, LoadLoRAAdapterRequest)
+        await self.engine.load_lora(body.lora_name, body.lora_path, replace=body.load_inplace)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    async def unload(self, raw: HTTPRequest) -> Response:
+        self._check_allowed()
+        body: UnloadLoRAAdapterRequest = await self.parse(raw, UnloadLoRAAdapterRequest)
+        await self.engine.unload_lora(body.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+    def _check_allowed(self) -> None:
+        # A 400 that says what to do (rather than the 404 of an unknown route): these are vLLM's paths.
+        if self.engine.loras is None:
+            raise InvalidInputError("this server serves no LoRA adapters: start it with --enable-lora (and "
+                                    "--allow-runtime-lora to load adapters while it runs)")
+        if not self.server.allow_runtime_lora:
+            raise InvalidInputError("loading and unloading LoRA adapters at runtime is off: start the server with "
+                                    "--allow-runtime-lora (API clients then choose folders the server reads)")
 
 
 class ClientGoneError(VlserveError):

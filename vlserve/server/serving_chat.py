@@ -50,6 +50,7 @@ class ChatRun:
     outputs: AsyncIterator[RequestOutput]
     top_logprobs: int | None  # None: no logprobs asked for
     parse_calls: bool  # tools were offered: tool calls are parsed out of the text
+    model: str  # the model name the answer gives: the base model's or the LoRA adapter's the request named
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -62,16 +63,17 @@ class OpenAIServingChat(OpenAIServing):
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return SSEResponse(self._stream(run.request_id, run.first, run.outputs, include_usage, top_k,
-                                            run.parse_calls))
+                                            run.parse_calls, run.model))
         final = await self.final(raw, run)
-        return await self.json_response(lambda: self._response(run.request_id, final, top_k, run.parse_calls),
-                                        off_loop=run.top_logprobs is not None)
+        return await self.json_response(
+            lambda: self._response(run.request_id, final, top_k, run.parse_calls, run.model),
+            off_loop=run.top_logprobs is not None)
 
     async def start(self, raw: HTTPRequest, body: ChatCompletionRequest, id_prefix: str | None = None) -> ChatRun:
         """A parsed chat request checked, rendered and handed to the engine; returns with its first output, so a
         request the engine refuses still gets its 4xx. What the other APIs built on chat (Responses,
         transcriptions) run too: the same checks, limits and metrics."""
-        self.check_model(body.model)
+        adapter = self.check_model(body.model)
         self.engine.check_accepting()
         top_k = body.logprobs_count()
         checked = body.sampling_params(body.requested_max_tokens(), top_k)  # refuse bad values before any work
@@ -87,13 +89,13 @@ class OpenAIServingChat(OpenAIServing):
         with prepared:  # closed here unless the engine takes it over
             params = body.sampling_params(self.max_tokens(prepared, body.requested_max_tokens()), top_k)
             self.check_logprob_budget(body.n, params.max_tokens, top_k)
-            outputs = self.engine.generate(prepared, params, request_id)
+            outputs = self.engine.generate(prepared, params, request_id, adapter)
         try:
             first = await self.until_done_or_disconnect(raw, outputs.__anext__())
         except BaseException:
             outputs.close()  # e.g. the client left just as an output arrived: nobody reads the rest
             raise
-        return ChatRun(request_id, first, outputs, top_k, choice.mode != "none")
+        return ChatRun(request_id, first, outputs, top_k, choice.mode != "none", self.answered_model(adapter))
 
     async def final(self, raw: HTTPRequest, run: ChatRun) -> RequestOutput:
         """The finished output of a started request (not streamed)."""
@@ -131,7 +133,8 @@ class OpenAIServingChat(OpenAIServing):
         return chat, render_chat(self.engine.tokenizer, chat.messages, body.add_generation_prompt, body.chat_template,
                                  body.chat_template_kwargs, tools)
 
-    def _response(self, request_id: str, out: RequestOutput, top_k: int, parse_calls: bool) -> dict:
+    def _response(self, request_id: str, out: RequestOutput, top_k: int, parse_calls: bool,
+                  model: str | None = None) -> dict:
         choices = []
         for c in out.outputs:
             message: dict = {"role": "assistant", "content": c.text}
@@ -143,15 +146,16 @@ class OpenAIServingChat(OpenAIServing):
                     finish_reason = _calls_finish(finish_reason)
             choices.append({"index": c.index, "message": message, "logprobs": chat_logprobs(c, 0, top_k),
                             "finish_reason": finish_reason, "stop_reason": c.stop_reason})
-        return {"id": request_id, "object": "chat.completion", "created": created(), "model": self.model_name,
-                "choices": choices, "usage": self.usage(out)}
+        return {"id": request_id, "object": "chat.completion", "created": created(),
+                "model": model or self.model_name, "choices": choices, "usage": self.usage(out)}
 
     async def _stream(self, request_id: str, first: RequestOutput, outputs: AsyncIterator[RequestOutput],
-                      include_usage: bool, top_k: int, parse_calls: bool) -> AsyncIterator[bytes]:
-        stamp = created()
+                      include_usage: bool, top_k: int, parse_calls: bool,
+                      model: str | None = None) -> AsyncIterator[bytes]:
+        stamp, model = created(), model or self.model_name
 
         def chunk(choices: list[dict], usage: dict | None = None) -> bytes:
-            body = {"id": request_id, "object": "chat.completion.chunk", "created": stamp, "model": self.model_name,
+            body = {"id": request_id, "object": "chat.completion.chunk", "created": stamp, "model": model,
                     "choices": choices}
             if include_usage:
                 body["usage"] = usage

@@ -35,7 +35,8 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create(self, raw: HTTPRequest):
         body: CompletionRequest = await self.parse(raw, CompletionRequest)
-        self.check_model(body.model)
+        adapter = self.check_model(body.model)
+        model = self.answered_model(adapter)
         self.engine.check_accepting()
         arrival, prompts = time.monotonic(), body.prompts()
         if len(prompts) * body.n > self.server.max_n:
@@ -56,11 +57,11 @@ class OpenAIServingCompletion(OpenAIServing):
                 with await self.until_done_or_disconnect(raw, preparing) as prepared:  # closed unless sent
                     params = body.sampling_params(self.max_tokens(prepared, body.max_tokens), body.logprobs)
                     self.check_logprob_budget(len(prompts) * body.n, params.max_tokens, body.logprobs)
-                    gens.append(self.engine.generate(prepared, params, rid))
+                    gens.append(self.engine.generate(prepared, params, rid, adapter))
             firsts = await self.until_done_or_disconnect(raw, self._first_outputs(gens))
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
-                return SSEResponse(self._stream(request_id, firsts, gens, include_usage, top_k))
+                return SSEResponse(self._stream(request_id, firsts, gens, include_usage, top_k, model))
             finals = await self.until_done_or_disconnect(
                 raw, asyncio.gather(*(self._last(f, g) for f, g in zip(firsts, gens))))
         except BaseException:
@@ -71,7 +72,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
         def response() -> dict:
             choices = [self._choice(k * n + c.index, c, top_k) for k, out in enumerate(finals) for c in out.outputs]
-            return {"id": request_id, "object": "text_completion", "created": created(), "model": self.model_name,
+            return {"id": request_id, "object": "text_completion", "created": created(), "model": model,
                     "choices": choices, "usage": self._sum_usage(finals)}
 
         return await self.json_response(response, off_loop=body.logprobs is not None)
@@ -102,9 +103,9 @@ class OpenAIServingCompletion(OpenAIServing):
         return total
 
     async def _stream(self, request_id: str, firsts: list[RequestOutput], gens: list, include_usage: bool,
-                      top_k: int) -> AsyncIterator[bytes]:
+                      top_k: int, model: str | None = None) -> AsyncIterator[bytes]:
         """Chunks of all prompts interleaved as they come, each choice with its own global index."""
-        stamp, n = created(), len(firsts[0].outputs)
+        stamp, n, model = created(), len(firsts[0].outputs), model or self.model_name
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(k: int, first: RequestOutput, gen) -> None:
@@ -133,8 +134,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     choices.append(self._choice(idx, c, top_k, c.text[chars:], toks, chars))
                     sent[idx] = (len(c.text), len(c.token_ids), c.finish_reason is not None)
                 if choices:
-                    body = {"id": request_id, "object": "text_completion", "created": stamp,
-                            "model": self.model_name, "choices": choices}
+                    body = {"id": request_id, "object": "text_completion", "created": stamp, "model": model,
+                            "choices": choices}
                     if include_usage:
                         body["usage"] = None
                     yield sse(body)
@@ -143,7 +144,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 elif out.finished:  # it finished while the chunk above was sent (one object, updated in place)
                     queue.put_nowait((k, out))
             if include_usage:
-                yield sse({"id": request_id, "object": "text_completion", "created": stamp, "model": self.model_name,
+                yield sse({"id": request_id, "object": "text_completion", "created": stamp, "model": model,
                            "choices": [], "usage": self._sum_usage(list(finals.values()))})
         except Exception as e:  # noqa: BLE001 - the status line is gone; the error goes in the stream
             yield self.error_event(e, request_id)

@@ -80,7 +80,9 @@ class OpenAIServingResponses:
             "id": request_id, "object": "response", "created_at": stamp, "status": status, "background": False,
             "error": error, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-            "model": self.chat.model_name, "output": output, "parallel_tool_calls": body.parallel_tool_calls,
+            # the name the request used: the base model's, or a LoRA adapter's
+            "model": body.model or self.chat.model_name, "output": output,
+            "parallel_tool_calls": body.parallel_tool_calls,
             "previous_response_id": None, "store": False, "temperature": body.temperature, "top_p": body.top_p,
             "text": {"format": body.text_format()}, "tool_choice": body.tool_choice or "auto",
             "tools": body.tools or [], "truncation": "disabled", "usage": usage, "user": body.user,

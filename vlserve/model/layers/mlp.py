@@ -7,6 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from vlserve.model.kernels import cpu_kernels
+from vlserve.model.layers.lora_rows import rows_between
 from vlserve.model.layers.parallel import column_linear, current_tp, even_split, row_linear
 
 
@@ -28,10 +29,16 @@ CPU_ROWS_PER_SLICE = 512
 
 
 def in_row_slices(fn, x: torch.Tensor) -> torch.Tensor:
-    """fn(x) for a row-wise fn, computed slice by slice on CPU when x has many rows."""
+    """fn(x) for a row-wise fn, computed slice by slice on CPU when x has many rows (each slice with the LoRA
+    adapter rows that fall in it)."""
     if x.device.type != "cpu" or x.shape[0] <= CPU_ROWS_PER_SLICE:
         return fn(x)
-    return torch.cat([fn(part) for part in x.split(CPU_ROWS_PER_SLICE)])
+    parts = []
+    for start in range(0, x.shape[0], CPU_ROWS_PER_SLICE):
+        end = min(start + CPU_ROWS_PER_SLICE, x.shape[0])
+        with rows_between(start, end):
+            parts.append(fn(x[start:end]))
+    return torch.cat(parts)
 
 
 def get_activation(name: str):

@@ -1,0 +1,171 @@
+"""LoRA adapters in PEFT's on-disk format for the tiny checkpoints, and the merged checkpoints that are their
+reference (what PEFT's `merge_and_unload` saves): pure torch + safetensors, peft is not installed.
+
+An adapter names its modules by the checkpoint's own tensor names (`base_model.model.<tensor name minus
+.weight>.lora_A.weight`); its A and B are random, like a trained adapter's (PEFT starts B at zero, which would
+make every adapter a no-op), and large enough to change the tiny models' greedy tokens."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import shutil
+import zlib
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+PEFT_PREFIX = "base_model.model."
+TARGETS = ("lm", "tower", "both")
+# media towers and their projectors, in each layout the tiny checkpoints use (Qwen2/2.5-VL `visual.`, Qwen3-VL
+# `model.visual.`, LLaVA `vision_tower.` + projector, Qwen2-Audio `audio_tower.` + `multi_modal_projector.linear`)
+TOWER_PREFIXES = tuple(p + t for p in ("", "model.")
+                       for t in ("visual.", "vision_tower.", "audio_tower.", "multi_modal_projector."))
+# the language model's decoder linears: attention q/k/v/o, dense MLP gate/up/down (MoE experts are not nn.Linear)
+LM_LINEAR = re.compile(r"(^|\.)layers\.\d+\.(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.weight$")
+
+
+def checkpoint_shapes(ckpt: Path) -> dict[str, list[int]]:
+    """tensor name -> shape over every safetensors file of the checkpoint, without loading a tensor."""
+    shapes = {}
+    for f in sorted(Path(ckpt).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as sf:
+            names = sf.keys()  # a safetensors file, not a dict
+            shapes.update({k: sf.get_slice(k).get_shape() for k in names})
+    return shapes
+
+
+def _is_tower_linear(name: str, shape: list[int]) -> bool:
+    """A 2-D weight of a tower or projector that is not an embedding (patch embeddings are convolutions, but
+    position tables are 2-D too: `pos_embed`, `position_embedding`, `embed_positions`)."""
+    return (name.startswith(TOWER_PREFIXES) and name.endswith(".weight") and len(shape) == 2
+            and "embed" not in name)
+
+
+def target_weights(ckpt: Path, targets: str = "lm") -> dict[str, list[int]]:
+    """The checkpoint's linear weights an adapter of `targets` ("lm", "tower", "both") adapts: name -> [out, in]."""
+    if targets not in TARGETS:
+        raise ValueError(f"targets is one of {TARGETS}, not {targets!r}")
+    picked = {}
+    for name, shape in checkpoint_shapes(ckpt).items():
+        lm = not name.startswith(TOWER_PREFIXES) and bool(LM_LINEAR.search(name)) and len(shape) == 2
+        if (targets in ("lm", "both") and lm) or (targets in ("tower", "both") and _is_tower_linear(name, shape)):
+            picked[name] = shape
+    if not picked:
+        raise ValueError(f"{ckpt}: no {targets} linear weights")
+    return dict(sorted(picked.items()))
+
+
+def short_name(module: str) -> str:
+    """PEFT's `target_modules` entry for a module: its last name, with its parent where that is an index (the
+    Qwen merger's `mlp.0`), since PEFT matches entries as dotted suffixes."""
+    parts = module.split(".")
+    return ".".join(parts[-2:]) if parts[-1].isdigit() else parts[-1]
+
+
+def lora_scale(config: dict) -> float:
+    """PEFT's scaling: alpha / r, or alpha / sqrt(r) with rsLoRA."""
+    r = config["r"]
+    return config["lora_alpha"] / (math.sqrt(r) if config.get("use_rslora") else r)
+
+
+def make_peft_adapter(ckpt: Path, out: Path, targets: str = "lm", rank: int = 8, alpha: float = 16, seed: int = 0,
+                      std: float = 0.1, rslora: bool = False) -> Path:
+    """A PEFT LoRA adapter folder for `ckpt`: adapter_config.json and adapter_model.safetensors, A [r, in] and
+    B [out, r] drawn N(0, std). The tiny weights are N(0, 0.15): with the default alpha / r = 2 the delta moves
+    each linear's output by about a third of its size, enough to change the greedy tokens, not enough to make them
+    all one token. Each module draws from its own seed, so "both" is the union of "lm" and "tower" of one seed."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    weights = target_weights(ckpt, targets)
+    tensors = {}
+    for name, (n_out, n_in) in weights.items():
+        module = PEFT_PREFIX + name.removesuffix(".weight")
+        gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+        tensors[f"{module}.lora_A.weight"] = torch.randn(rank, n_in, generator=gen) * std
+        tensors[f"{module}.lora_B.weight"] = torch.randn(n_out, rank, generator=gen) * std
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    modules = sorted({short_name(n.removesuffix(".weight")) for n in weights})
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": modules,
+              "use_rslora": rslora, "use_dora": False, "bias": "none", "modules_to_save": None,
+              "fan_in_fan_out": False, "lora_dropout": 0.0, "task_type": "CAUSAL_LM",
+              "base_model_name_or_path": str(ckpt), "rank_pattern": {}, "alpha_pattern": {}, "inference_mode": True}
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def read_adapter(adapter: Path) -> tuple[float, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """(scale, checkpoint weight name -> (A, B)) of a PEFT adapter folder this module wrote."""
+    adapter = Path(adapter)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    if config.get("rank_pattern") or config.get("alpha_pattern") or config.get("use_dora"):
+        raise ValueError("per-module ranks / alphas and DoRA are not handled here")
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    pairs = {}
+    for key, a in tensors.items():
+        if key.endswith(".lora_A.weight"):
+            module = key.removesuffix(".lora_A.weight")
+            pairs[module.removeprefix(PEFT_PREFIX) + ".weight"] = (a, tensors[module + ".lora_B.weight"])
+    return lora_scale(config), pairs
+
+
+def merge_adapter(ckpt: Path, adapter: Path, out: Path) -> Path:
+    """A copy of `ckpt` (config, tokenizer, processor files) whose weights are W + scale * B @ A (float32 math)
+    for every module of `adapter`: the merged model transformers' reference runs."""
+    out = Path(out)
+    shutil.copytree(ckpt, out)
+    scale, pairs = read_adapter(adapter)
+    left = set(pairs)
+    for f in sorted(out.glob("*.safetensors")):
+        tensors = load_file(str(f))
+        for name in left & set(tensors):
+            a, b = pairs[name]
+            w = tensors[name]
+            tensors[name] = (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
+        left -= set(tensors)
+        save_file(tensors, str(f), metadata={"format": "pt"})
+    if left:
+        raise KeyError(f"adapter modules not in the checkpoint: {sorted(left)[:5]}")
+    return out
+
+
+def _digest(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), hashlib.sha1(t.detach().float().contiguous().numpy().tobytes()).hexdigest()
+
+
+def modules_by_weight(model: torch.nn.Module, ckpt: Path) -> dict[str, torch.nn.Linear]:
+    """checkpoint weight name -> the nn.Linear transformers loaded it into, found by the weight's values (random
+    weights are unique), so no renaming rule of transformers' (`model.language_model.` ...) is assumed."""
+    linears = {_digest(m.weight): m for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    found = {}
+    for f in sorted(Path(ckpt).glob("*.safetensors")):
+        for name, t in load_file(str(f)).items():
+            if t.ndim == 2 and _digest(t) in linears:
+                found[name] = linears[_digest(t)]
+    return found
+
+
+@contextmanager
+def unmerged_lora(model: torch.nn.Module, ckpt: Path, adapter: Path):
+    """PEFT's unmerged forward on a transformers model of `ckpt`: every adapted nn.Linear's output gets
+    scale * x @ A.T @ B.T added (a forward hook), for as long as the context lasts."""
+    scale, pairs = read_adapter(adapter)
+    modules = modules_by_weight(model, ckpt)
+    missing = set(pairs) - set(modules)
+    if missing:
+        raise KeyError(f"adapter modules transformers has no nn.Linear for: {sorted(missing)[:5]}")
+
+    def hook(a, b):
+        return lambda mod, args, out: out + scale * (args[0] @ a.T) @ b.T
+
+    handles = [modules[name].register_forward_hook(hook(a, b)) for name, (a, b) in pairs.items()]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()

@@ -1,0 +1,277 @@
+"""LoRA adapters in PEFT's format give, through the engine, the greedy tokens (fp32, token for token) and expanded
+prompt ids of transformers running the merged checkpoint (W + scale * B @ A, tests/lora_utils.py): on every tiny
+checkpoint family, for adapters of the language model, of the media tower and projector, and of both; several
+adapters and the base model in one batch; with pictures split across prefill steps; and without an adapter ever
+reusing another's (or the base model's) prefix-cache blocks or tower outputs.
+
+The merged checkpoint is first checked against PEFT's unmerged forward (a hook on each adapted nn.Linear of
+transformers' own model), so the reference does not rest on our naming of the checkpoint's modules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.audio_samples import noise
+from tests.conftest import IMG, assert_pool_full, first_step_logprobs, noise_image
+from tests.engine_probes import metric_delta, record_chunks
+from tests.hf_reference import HFAudioReference, HFLlavaReference, HFReference, image_key, shared_reference
+from tests.lora_utils import TARGETS, make_peft_adapter, merge_adapter, unmerged_lora
+from vlserve import LLM, LoRARequest, SamplingParams
+
+ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava_onevision", "qwen2_audio")
+MAX_NEW = 8
+# min_tokens: end-of-sequence masked until the last token, as transformers' min_new_tokens does
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW)
+RATE = 16000
+AUD = "<|audio_bos|><|AUDIO|><|audio_eos|>"
+PREAMBLE = "You are a careful viewer. Look at the picture below and answer in one short sentence: "
+PICTURE, TEXT = 0, 1  # indices into each family's prompts
+# adapter name -> make_peft_adapter's arguments; "both" of a seed is the union of its "lm" and "tower"
+ADAPTERS = {**{kind: {"targets": kind} for kind in TARGETS}, "tower2": {"targets": "tower", "seed": 1},
+            "rslora": {"targets": "both", "seed": 2, "rank": 16, "alpha": 4, "rslora": True}}
+
+
+def chat(text: str, sep: str = "\n") -> str:
+    return f"<|im_start|>user{sep}{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+# family -> [(prompt with one picture / clip, its media), (text-only prompt, [])]
+PROMPTS = {
+    **{arch: [(f"Describe this picture: {IMG}", [noise_image(120, 90, 1)]), ("Hello, how are you?", [])]
+       for arch in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")},
+    "llava_onevision": [(chat("<image>\nWhat is in the picture?", " "), [noise_image(100, 100, 2)]),
+                        (chat("Tell me about whales.", " "), [])],
+    "qwen2_audio": [(chat(f"{AUD}What is this sound?"), [noise(24000, seed=1)]), (chat("Tell me about whales."), [])],
+}
+
+
+def request(arch: str, text: str, media: list):
+    """vlserve's prompt: text alone, or with its pictures / (clip, rate) pairs."""
+    if not media:
+        return text
+    key, items = ("audio", [(c, RATE) for c in media]) if arch == "qwen2_audio" else ("image", media)
+    return {"prompt": text, "multi_modal_data": {key: items}}
+
+
+class Family:
+    """One tiny checkpoint and its adapters by name (ADAPTERS), each adapter's merged checkpoint, transformers
+    reference and memoized greedy answers; one engine serving them all. Everything is made when first asked for,
+    so a test run alone builds only what it compares against."""
+
+    def __init__(self, arch: str, path, root):
+        self.arch, self.path, self.root = arch, path, root
+        self._adapters, self._refs, self._answers = {}, {}, {}
+        self._llm = None
+
+    def adapter(self, name: str):
+        if name not in self._adapters:
+            self._adapters[name] = make_peft_adapter(self.path, self.root / name, **ADAPTERS[name])
+        return self._adapters[name]
+
+    def lora(self, name: str | None) -> LoRARequest | None:
+        """The engine's request for adapter `name` (None: the base model); names are unique per family."""
+        if name is None:
+            return None
+        self.adapter(name)
+        return LoRARequest(f"{self.arch}-{name}", list(self._adapters).index(name) + 1, str(self._adapters[name]))
+
+    def reference(self, name: str | None):
+        """transformers on the base checkpoint (None) or on adapter `name` merged into a copy of it."""
+        if name not in self._refs:
+            if name is None:
+                path = self.path
+            else:
+                path = merge_adapter(self.path, self.adapter(name), self.root / f"{name}-merged")
+            self._refs[name] = hf_reference(self.arch, path, shared=name is None)
+        return self._refs[name]
+
+    def expected(self, name: str | None, text: str, media: list) -> tuple[list[int], list[int]]:
+        key = (name, text, tuple(media_key(m) for m in media))
+        if key not in self._answers:
+            self._answers[key] = greedy(self.reference(name), text, media)
+        return self._answers[key]
+
+    def prompt(self, i: int) -> tuple[str, list]:
+        return PROMPTS[self.arch][i]
+
+    @property
+    def llm(self) -> LLM:
+        if self._llm is None:
+            self._llm = LLM(str(self.path), dtype="float32", num_kv_blocks=256, enable_lora=True, max_loras=4,
+                            max_lora_rank=16)
+        return self._llm
+
+
+def media_key(item) -> tuple:
+    """What tells two pictures or two clips apart."""
+    return image_key(item) if hasattr(item, "getpalette") else (item.shape, item.tobytes())
+
+
+def hf_reference(arch: str, path, shared: bool = False):
+    if arch == "qwen2_audio":
+        return HFAudioReference(path)
+    if arch == "llava_onevision":
+        return HFLlavaReference(path)
+    return shared_reference(arch, path) if shared else HFReference(arch, path)
+
+
+def greedy(ref, text: str, media: list) -> tuple[list[int], list[int]]:
+    """(expanded prompt ids, new ids) of a reference, whatever its family's signature."""
+    if isinstance(ref, HFLlavaReference):
+        return tuple(ref.greedy(text, MAX_NEW, media)[:2])
+    return tuple(ref.greedy(text, media, MAX_NEW))
+
+
+@pytest.fixture(scope="module")
+def families(tiny_ckpt, tmp_path_factory):
+    made = {}
+
+    def get(arch: str) -> Family:
+        if arch not in made:
+            made[arch] = Family(arch, tiny_ckpt(arch), tmp_path_factory.mktemp(f"lora-{arch}"))
+        return made[arch]
+
+    return get
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def fam(request, families) -> Family:
+    return families(request.param)
+
+
+def run(fam: Family, items: list[tuple[int | tuple[str, list], str | None]], llm: LLM | None = None):
+    """Generates [(prompt index or (text, media), adapter name)] in one call, one LoRARequest per prompt."""
+    prompts = [fam.prompt(p) if isinstance(p, int) else p for p, _ in items]
+    return (llm or fam.llm).generate([request(fam.arch, *p) for p in prompts], GREEDY, use_tqdm=False,
+                                     lora_request=[fam.lora(name) for _, name in items])
+
+
+def check(fam: Family, outs, items) -> None:
+    for out, (p, name) in zip(outs, items, strict=True):
+        text, media = fam.prompt(p) if isinstance(p, int) else p
+        prompt_ids, gen = fam.expected(name, text, media)
+        what = f"{fam.arch} adapter {name} prompt {p if isinstance(p, int) else text!r}"
+        assert out.prompt_token_ids == prompt_ids, f"{what}: expanded prompt ids differ"
+        assert out.outputs[0].token_ids == gen, f"{what}: generated tokens differ"
+
+
+def run_and_check(fam: Family, items, llm: LLM | None = None):
+    outs = run(fam, items, llm)
+    check(fam, outs, items)
+    return outs
+
+
+# ---- the reference itself ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", TARGETS)
+def test_merged_checkpoint_equals_unmerged_lora_in_transformers(fam, kind):
+    """Merging (our key naming, our scale) equals PEFT's semantics on transformers' own modules, and the delta is
+    large: the logits move by much more than the fp32 noise between the two."""
+    base, merged = fam.reference(None), fam.reference(kind)
+    adapter = fam.adapter(kind)
+    for i in (PICTURE, TEXT):
+        inputs = base.inputs(*fam.prompt(i))
+        with torch.no_grad():
+            plain = base.model(**inputs).logits
+            with unmerged_lora(base.model, fam.path, adapter):
+                hooked = base.model(**inputs).logits
+            want = merged.model(**inputs).logits
+        torch.testing.assert_close(want, hooked, rtol=0, atol=1e-4)
+        moved = (want - plain).abs().max().item()
+        if kind == "tower" and i == TEXT:
+            assert moved == 0, "a tower adapter changed a prompt without media"
+        else:
+            assert moved > 1.0, f"the adapter barely moves the logits ({moved})"
+
+
+# ---- the engine ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", TARGETS)
+def test_adapter_equals_merged_checkpoint(fam, kind):
+    """A prompt with media and one without, batched under one adapter, equal the merged model's answers; the
+    adapter matters (guard against a vacuous parity): its answer is not the base model's."""
+    lora = fam.lora(kind)
+    outs = fam.llm.generate([request(fam.arch, *fam.prompt(i)) for i in (PICTURE, TEXT)], GREEDY, use_tqdm=False,
+                            lora_request=lora)
+    check(fam, outs, [(PICTURE, kind), (TEXT, kind)])
+    for i in (PICTURE,) if kind == "tower" else (PICTURE, TEXT):
+        if fam.expected(kind, *fam.prompt(i))[1] == fam.expected(None, *fam.prompt(i))[1]:
+            req = request(fam.arch, *fam.prompt(i))
+            assert first_step_logprobs(fam.llm, req, lora_request=lora) != first_step_logprobs(fam.llm, req), \
+                f"prompt {i}: adapter {kind} changes nothing"
+    assert_pool_full(fam.llm)
+
+
+def test_mixed_batch_of_adapters_and_the_base_model(families):
+    """Three adapters and the base model in one call, the same picture under each: every answer is its own
+    merged model's, and the one it gets alone."""
+    fam = families("qwen2_vl")
+    items = [(PICTURE, "lm"), (PICTURE, "tower"), (TEXT, "both"), (PICTURE, None), (TEXT, "lm"), (PICTURE, "both"),
+             (TEXT, None), (TEXT, "tower")]
+    batched = run_and_check(fam, items)
+    run_and_check(fam, items[::-1])
+    for item, out in zip(items, batched):
+        (alone,) = run(fam, [item])
+        assert alone.outputs[0].token_ids == out.outputs[0].token_ids, f"{item}: alone differs from batched"
+    assert_pool_full(fam.llm)
+
+
+def test_rslora_adapter_of_the_largest_rank(families):
+    """rsLoRA's scale (alpha / sqrt(r)) at max_lora_rank, on both the tower and the language model."""
+    fam = families("qwen2_vl")
+    run_and_check(fam, [(PICTURE, "rslora"), (TEXT, "rslora")])
+    for i in (PICTURE, TEXT):
+        assert fam.expected("rslora", *fam.prompt(i))[1] != fam.expected(None, *fam.prompt(i))[1]
+    assert_pool_full(fam.llm)
+
+
+def test_adapters_never_share_cached_blocks_or_tower_outputs(families):
+    """One picture prompt under a tower adapter, the base model, another tower adapter: none reuses another's
+    prefix-cache blocks or encoder outputs, each equals its own reference; the first adapter again reuses its
+    own blocks, and its own tower output under other text."""
+    fam = families("qwen2_vl")
+    llm, bs = fam.llm, fam.llm.config.block_size
+    prompt = (f"{PREAMBLE}{IMG} Thanks, that is all.", [noise_image(110, 80, seed=71)])  # seen by no other test
+    deltas = {}
+    for name in ("tower", None, "tower2"):
+        before = dict(llm.get_metrics())
+        (out,) = run_and_check(fam, [(prompt, name)])
+        deltas[name] = metric_delta(before, dict(llm.get_metrics()))
+    ids = out.prompt_token_ids
+    assert ids.index(llm.config.model.image_token_id) >= bs, "the text before the picture should fill a block"
+    for name in (None, "tower2"):
+        assert deltas[name]["prefix_cache_hits_total"] == 0, f"{name}: reused another adapter's blocks"
+        assert deltas[name]["encoder_cache_hits_total"] == 0, f"{name}: reused another adapter's tower output"
+    answers = {tuple(fam.expected(name, *prompt)[1]) for name in ("tower", None, "tower2")}
+    assert len(answers) == 3, "each tower adapter should change the answer"
+
+    before = dict(llm.get_metrics())
+    run_and_check(fam, [(prompt, "tower")])
+    d = metric_delta(before, dict(llm.get_metrics()))
+    assert d["prefix_cache_hits_total"] >= (len(ids) - 1) // bs * bs, "the same adapter should reuse its blocks"
+
+    other_text = (f"A new question about the same picture: {IMG} Is it dark?", prompt[1])
+    before = dict(llm.get_metrics())
+    run_and_check(fam, [(other_text, "tower")])
+    d = metric_delta(before, dict(llm.get_metrics()))
+    assert d["encoder_cache_queries_total"] == 1 and d["encoder_cache_hits_total"] == 1, \
+        "the same adapter should reuse its own tower output"
+    assert_pool_full(llm)
+
+
+def _picture_splits(seen) -> int:
+    """How many chunks begin strictly inside a picture (its tokens span several steps)."""
+    return sum(1 for items, start, _ in seen for it in items if it.modality == "image" and it.offset < start < it.end)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen3_vl"])
+def test_chunked_prefill_splits_pictures_under_adapters(families, arch):
+    """A 7-token budget cuts each picture across steps; the steps of one request keep its adapter, batched
+    with others under other adapters (Qwen3-VL: the DeepStack rows of an adapted tower too)."""
+    fam = families(arch)
+    llm = LLM(str(fam.path), dtype="float32", num_kv_blocks=256, max_num_batched_tokens=7, enable_lora=True,
+              max_loras=4, max_lora_rank=16)
+    seen = record_chunks(llm)
+    run_and_check(fam, [(PICTURE, "tower"), (TEXT, "lm"), (PICTURE, "both"), (PICTURE, None)], llm)
+    assert _picture_splits(seen) >= 3, "each picture should start a chunk inside it"
+    assert max(end - start for _, start, end in seen) <= 7
+    assert_pool_full(llm)

@@ -1,0 +1,3 @@
+"""LoRA adapters on every linear of the language model and the media towers: PEFT files read and checked
+(`adapter`), linears that add each row group's adapter delta (`layers`, `rows`), device slots filled on demand
+(`slots`) and the front end's catalogue of served adapters (`catalog`)."""

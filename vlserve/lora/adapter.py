@@ -1,0 +1,232 @@
+"""LoRA adapters in PEFT's format, read and checked against the model they adapt.
+
+An adapter folder holds `adapter_config.json` and `adapter_model.safetensors`, whose tensors are named
+`base_model.model.<checkpoint module>.lora_A.weight` ([rank, in]) and `...lora_B.weight` ([out, rank]). The
+checkpoint module goes through the family's own checkpoint-name mapping (the one the loader uses), so an adapter
+trained on either transformers layout lands on our modules, a q/k/v or gate/up piece on its rows of our fused
+linear. Everything is checked from the file's header before any tensor is read: what cannot be served exactly
+(DoRA, trained biases, extra saved modules, embeddings, convolutions, MoE experts, a rank over the limit, shapes
+that do not fit) is refused naming the field or tensor, so nothing is ever half-loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from blake3 import blake3
+from safetensors import SafetensorError, safe_open
+
+from vlserve.core.errors import InvalidInputError
+from vlserve.model.weight_names import FUSED_SHARDS
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+MAX_CONFIG_BYTES = 1 << 20
+# `<module>.lora_A.weight`, PEFT's saved name, or `<module>.lora_A.<adapter>.weight` as a model in memory names it
+KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[\w-]+)?\.weight$")
+TOWER_PREFIXES = ("visual.", "audio_tower.")
+TARGET_PREFIXES = ("language_model.layers.",) + TOWER_PREFIXES
+NOT_TARGETS = ("patch_embed.proj",)  # a convolution stored as a linear: PEFT's conv LoRA has another shape
+
+
+@dataclass(frozen=True)
+class LinearTarget:
+    """A linear an adapter may adapt: its shape, and the rows each checkpoint piece fills (None: all)."""
+
+    in_features: int
+    out_features: int
+    pieces: dict[str | None, tuple[int, int]]
+
+    def rows(self, shard: str | None) -> tuple[int, int]:
+        return self.pieces[shard]
+
+
+def lora_targets(model: nn.Module) -> dict[str, LinearTarget]:
+    """Every linear of the decoder layers and the media towers (projectors included), by module name. The LM
+    head, embeddings and MoE experts are not linears here, so never targets."""
+    from vlserve.model.loader import shard_rows  # not at import: a front end checks adapters without the loader
+
+    targets = {}
+    for name, module in model.named_modules():
+        if not name.startswith(TARGET_PREFIXES) or name.endswith(NOT_TARGETS):
+            continue
+        n_in, n_out = getattr(module, "in_features", None), getattr(module, "out_features", None)
+        if not isinstance(n_in, int) or not isinstance(n_out, int) or hasattr(module, "num_embeddings"):
+            continue
+        pieces: dict[str | None, tuple[int, int]] = {None: (0, n_out)}
+        for shard in FUSED_SHARDS.get(name.rsplit(".", 1)[-1], ()):
+            pieces[shard] = shard_rows(model, f"{name}.weight", n_out, shard)
+        targets[name] = LinearTarget(n_in, n_out, pieces)
+    return targets
+
+
+@dataclass(frozen=True)
+class AdapterPiece:
+    module: str  # our module name
+    shard: str | None  # the fused piece it adapts (None: the whole linear)
+    rank: int
+    scale: float  # lora_alpha / rank (rsLoRA: / sqrt(rank))
+    a_key: str
+    b_key: str
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    name: str
+    path: str
+    pieces: tuple[AdapterPiece, ...]
+    digest: str  # of the weights file: tells two adapters of one name apart
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}@{self.digest}"
+
+    @property
+    def towers(self) -> bool:
+        return any(p.module.startswith(TOWER_PREFIXES) for p in self.pieces)
+
+    @property
+    def rank(self) -> int:
+        return max(p.rank for p in self.pieces)
+
+
+def _config(folder: Path) -> dict:
+    path = folder / CONFIG_FILE
+    if not path.is_file() or not (folder / WEIGHTS_FILE).is_file():
+        raise InvalidInputError(f"LoRA adapter {folder}: expected {CONFIG_FILE} and {WEIGHTS_FILE} in the folder "
+                                "(PEFT's save_pretrained layout)")
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise InvalidInputError(f"LoRA adapter {folder}: {CONFIG_FILE} is over {MAX_CONFIG_BYTES} bytes")
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InvalidInputError(f"LoRA adapter {folder}: {CONFIG_FILE} is not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise InvalidInputError(f"LoRA adapter {folder}: {CONFIG_FILE} must hold a JSON object")
+    refused = {
+        "peft_type": cfg.get("peft_type", "LORA") not in ("LORA", None),
+        "use_dora": bool(cfg.get("use_dora")),
+        "bias": cfg.get("bias", "none") not in ("none", None),
+        "lora_bias": bool(cfg.get("lora_bias")),
+        "modules_to_save": bool(cfg.get("modules_to_save")),
+        "fan_in_fan_out": bool(cfg.get("fan_in_fan_out")),
+    }
+    for field, bad in refused.items():
+        if bad:
+            raise InvalidInputError(f"LoRA adapter {folder}: {field}={cfg.get(field)!r} is not supported (plain "
+                                    "LoRA on linear layers only: peft_type LORA, no DoRA, bias none, no "
+                                    "modules_to_save)")
+    alpha = cfg.get("lora_alpha", cfg.get("r", 8))
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise InvalidInputError(f"LoRA adapter {folder}: lora_alpha must be a number, got {alpha!r}")
+    for field in ("rank_pattern", "alpha_pattern"):
+        if not isinstance(cfg.get(field) or {}, dict):
+            raise InvalidInputError(f"LoRA adapter {folder}: {field} must be an object")
+    return cfg
+
+
+def _pattern_value(patterns: dict, module: str, default):
+    """PEFT's per-module overrides: the first key that matches the end of the module's name."""
+    for key, value in patterns.items():
+        try:
+            if re.fullmatch(rf"(.*\.)?(?:{key})", module):
+                return value
+        except re.error:
+            raise InvalidInputError(f"LoRA adapter: bad pattern {key!r} in alpha_pattern") from None
+    return default
+
+
+def read_adapter(name: str, folder: str | Path, targets: dict[str, LinearTarget], our_name, max_rank: int,
+                 max_bytes: int) -> AdapterSpec:
+    """Checks an adapter against the model from its config and tensor header alone. `our_name`: the family's
+    checkpoint-name mapping; `max_bytes`: the largest weights file accepted."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise InvalidInputError(f"LoRA adapter {name!r}: {folder} is not a folder")
+    cfg = _config(folder)
+    weights = folder / WEIGHTS_FILE
+    size = weights.stat().st_size
+    if size > max_bytes:
+        raise InvalidInputError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} is {size} bytes, more than this model's "
+                                f"own weights ({max_bytes}): not an adapter of it")
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except (SafetensorError, OSError) as e:
+        raise InvalidInputError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} is not a readable safetensors file "
+                                f"({e})") from None
+    pairs: dict[str, dict[str, str]] = {}
+    for key in shapes:
+        m = KEY.match(key)
+        if m is None:
+            raise InvalidInputError(f"LoRA adapter {name!r}: tensor {key!r} is not a LoRA A/B weight of a linear "
+                                    "layer (embedding LoRA, DoRA magnitudes and trained biases are not supported)")
+        pairs.setdefault(m["module"], {})[m["ab"]] = key
+    if not pairs:
+        raise InvalidInputError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} holds no LoRA weights")
+    rslora = bool(cfg.get("use_rslora"))
+    pieces = []
+    for module, ab in pairs.items():
+        if set(ab) != {"A", "B"}:
+            raise InvalidInputError(f"LoRA adapter {name!r}: {module} has lora_{next(iter(ab))} but not its pair")
+        mapped = our_name(f"{module}.weight")
+        ours, shard = mapped if mapped is not None else (None, None)
+        ours = ours[: -len(".weight")] if ours and ours.endswith(".weight") else None
+        target = targets.get(ours) if ours else None
+        if target is None or shard not in target.pieces:
+            raise InvalidInputError(f"LoRA adapter {name!r}: target module {module!r} is not a linear layer this "
+                                    "model can adapt (decoder-layer and media-tower linears only; not the LM "
+                                    "head, embeddings, convolutions or MoE experts)")
+        a, b = shapes[ab["A"]], shapes[ab["B"]]
+        rank = a[0] if len(a) == 2 else 0
+        rows = target.rows(shard)[1]
+        if len(a) != 2 or len(b) != 2 or a[1] != target.in_features or b != (rows, rank) or rank < 1:
+            raise InvalidInputError(f"LoRA adapter {name!r}: {module}: lora_A {list(a)} / lora_B {list(b)} do not "
+                                    f"fit a linear of {target.in_features} -> {rows} features")
+        if rank > max_rank:
+            raise InvalidInputError(f"LoRA adapter {name!r}: rank {rank} of {module} is over max_lora_rank "
+                                    f"{max_rank}")
+        alpha = _pattern_value(cfg.get("alpha_pattern") or {}, module, cfg.get("lora_alpha", rank))
+        scale = alpha / (math.sqrt(rank) if rslora else rank)
+        pieces.append(AdapterPiece(ours, shard, rank, float(scale), ab["A"], ab["B"]))
+    return AdapterSpec(name, str(folder), tuple(pieces), _digest(weights))
+
+
+def _digest(path: Path) -> str:
+    h = blake3()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def adapter_weights(spec: AdapterSpec, targets: dict[str, LinearTarget], dtype: torch.dtype,
+                    device: torch.device) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per adapted linear: (A [R, in], B [out, R]) with every piece's ranks side by side, B scaled and zero
+    outside each piece's rows, so one pair of products gives the whole linear's delta."""
+    by_module: dict[str, list[AdapterPiece]] = {}
+    for piece in spec.pieces:
+        by_module.setdefault(piece.module, []).append(piece)
+    out = {}
+    with safe_open(str(Path(spec.path) / WEIGHTS_FILE), framework="pt") as f:
+        for module, pieces in by_module.items():
+            target = targets[module]
+            total = sum(p.rank for p in pieces)
+            a = torch.empty(total, target.in_features, dtype=torch.float32)
+            b = torch.zeros(target.out_features, total, dtype=torch.float32)
+            col = 0
+            for p in pieces:
+                first, rows = target.rows(p.shard)
+                a[col : col + p.rank] = f.get_tensor(p.a_key).float()
+                b[first : first + rows, col : col + p.rank] = f.get_tensor(p.b_key).float() * p.scale
+                col += p.rank
+            if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+                raise InvalidInputError(f"LoRA adapter {spec.name!r}: {module} has non-finite weights")
+            out[module] = (a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype))
+    return out

@@ -1,0 +1,84 @@
+"""The adapters a model shard holds: on the device, up to `max_loras` slots; in host memory, up to
+`max_cpu_loras` adapters read from disk (least recently used ones go first, never one a step is using)."""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+
+from vlserve.core.errors import InvalidInputError
+from vlserve.core.lora import AdapterRef
+from vlserve.lora.adapter import adapter_weights, lora_targets, read_adapter
+from vlserve.lora.layers import LoRALinear, wrap_linears
+
+logger = logging.getLogger("vlserve.lora")
+Weights = dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+class LoRASlots:
+    def __init__(self, model: torch.nn.Module, our_name, max_loras: int, max_cpu_loras: int, max_rank: int,
+                 max_bytes: int, dtype: torch.dtype, device: torch.device):
+        self.targets = lora_targets(model)
+        self.layers: dict[str, LoRALinear] = wrap_linears(model, self.targets, max_loras)
+        self.our_name, self.max_rank, self.max_bytes = our_name, max_rank, max_bytes
+        self.dtype, self.device = dtype, device
+        self.max_cpu_loras = max_cpu_loras
+        self.host: OrderedDict[str, Weights] = OrderedDict()  # adapter key -> weights on the CPU
+        self.slot_keys: list[str | None] = [None] * max_loras
+        self.last_used = [0] * max_loras
+        self._tick = 0
+        self.loads = 0  # adapters put into a slot (each a copy of its weights to the device)
+        # the keys of every request's adapter in the engine: host memory keeps those (the engine core sets it)
+        self.in_use: Callable[[], set[str]] = set
+
+    def prepare(self, ref: AdapterRef) -> None:
+        """Reads a new request's adapter into host memory now: a file that no longer fits refuses the request
+        here, never a step later."""
+        self._host_weights(ref)
+
+    def assign(self, refs: list[AdapterRef]) -> dict[str, int]:
+        """A slot for each adapter of a step (at most max_loras different ones: the scheduler sees to it),
+        filling slots whose adapters this step does not use, least recently used first."""
+        wanted = list(dict.fromkeys(r.key for r in refs))
+        if len(wanted) > len(self.slot_keys):
+            raise RuntimeError(f"{len(wanted)} adapters in one step, {len(self.slot_keys)} slots")
+        self._tick += 1
+        slots = {}
+        for ref in {r.key: r for r in refs}.values():
+            if ref.key in self.slot_keys:
+                slot = self.slot_keys.index(ref.key)
+            else:
+                free = [s for s, k in enumerate(self.slot_keys) if k not in wanted]
+                slot = min(free, key=lambda s: (self.slot_keys[s] is not None, self.last_used[s]))
+                self._fill(slot, ref)
+            self.last_used[slot] = self._tick
+            slots[ref.key] = slot
+        return slots
+
+    def _fill(self, slot: int, ref: AdapterRef) -> None:
+        weights = self._host_weights(ref)
+        for name, layer in self.layers.items():
+            pair = weights.get(name)
+            layer.adapters[slot] = None if pair is None else (pair[0].to(self.device), pair[1].to(self.device))
+        self.slot_keys[slot] = ref.key
+        self.loads += 1
+
+    def _host_weights(self, ref: AdapterRef) -> Weights:
+        if ref.key in self.host:
+            self.host.move_to_end(ref.key)
+            return self.host[ref.key]
+        spec = read_adapter(ref.name, ref.path, self.targets, self.our_name, self.max_rank, self.max_bytes)
+        if spec.key != ref.key:
+            raise InvalidInputError(f"LoRA adapter {ref.name!r}: {ref.path} changed since it was loaded; load it "
+                                    "again")
+        weights = adapter_weights(spec, self.targets, self.dtype, torch.device("cpu"))
+        self.host[ref.key] = weights
+        in_use, excess = self.in_use(), max(0, len(self.host) - self.max_cpu_loras)
+        for key in [k for k in self.host if k not in in_use and k != ref.key][:excess]:
+            del self.host[key]  # least recently used first; adapters of requests in the engine stay
+        logger.info("LoRA adapter %s read from %s (rank %d, %d linears)", ref.name, ref.path, spec.rank,
+                    len(weights))
+        return weights
