@@ -19,7 +19,7 @@ from tests.hf_reference import HFAudioReference, HFLlavaReference, HFReference, 
 from tests.lora_utils import TARGETS, make_peft_adapter, merge_adapter, unmerged_lora
 from vlserve import LLM, LoRARequest, SamplingParams
 
-ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava_onevision", "qwen2_audio")
+ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "llava_onevision", "qwen2_audio")
 MAX_NEW = 8
 # min_tokens: end-of-sequence masked until the last token, as transformers' min_new_tokens does
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW)
@@ -39,7 +39,7 @@ def chat(text: str, sep: str = "\n") -> str:
 # family -> [(prompt with one picture / clip, its media), (text-only prompt, [])]
 PROMPTS = {
     **{arch: [(f"Describe this picture: {IMG}", [noise_image(120, 90, 1)]), ("Hello, how are you?", [])]
-       for arch in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")},
+       for arch in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5")},
     "llava_onevision": [(chat("<image>\nWhat is in the picture?", " "), [noise_image(100, 100, 2)]),
                         (chat("Tell me about whales.", " "), [])],
     "qwen2_audio": [(chat(f"{AUD}What is this sound?"), [noise(24000, seed=1)]), (chat("Tell me about whales."), [])],
