@@ -105,6 +105,7 @@ FILE_TIERS = {
     "test_transcriptions.py": "multiprocess",
     "test_llava_serving.py": "multiprocess",
     "test_lora_server.py": "multiprocess",
+    "test_lora_disagg.py": "multiprocess",
     "test_engine_process.py": "multiprocess",
     "test_kv_events_process.py": "multiprocess",
     "test_prompt_ownership.py": "multiprocess",

@@ -31,6 +31,9 @@ REGISTRY_ROLES = DISAGG_ROLES | {ROUTER}  # roles that read the registry (a rout
 MODEL_ROLES = frozenset({SERVE, DEMO}) | DISAGG_ROLES  # roles that load (part of) the model
 MEDIA_ROLES = frozenset({SERVE, ENCODE, ROUTER})  # roles that fetch and decode media (a router: to hash it)
 KV_ROLES = frozenset({PREFILL, DECODE})  # roles whose engine moves KV between instances (a KV connector)
+# roles that apply LoRA adapters: not yet prefill and decode instances (E->P->D); those naming them: API servers
+LORA_ROLES = frozenset({SERVE, DEMO, LANGUAGE, ENCODE})
+LORA_API_ROLES = frozenset({SERVE, LANGUAGE})
 # Kinds a user does not name keep these. Audio: 4 clips of at most --max-audio-seconds (30 s) each, 3000 audio
 # tokens at 25 a second, less than one large picture may take.
 DEFAULT_MM_LIMITS = {"image": 8, "video": 1, "audio": 4}
@@ -142,16 +145,16 @@ class EngineArgs:
         "no KV connector; steps with structured outputs, penalties or min_tokens still to reach wait for their "
         "tokens): turn it off", LM_ROLES, flag="--no-async-scheduling", negate=True)
     enable_lora: bool = option(False, "serve LoRA adapters (PEFT format) of this model: on the language model and "
-                               "on the media towers and projectors", {SERVE, DEMO})
+                               "on the media towers and projectors", LORA_ROLES)
     lora_modules: tuple[str, ...] = option(
         (), "adapters served from the start, as NAME=PATH (a folder with adapter_config.json and "
-        "adapter_model.safetensors); a request picks one with \"model\": NAME", {SERVE}, nargs="+",
+        "adapter_model.safetensors); a request picks one with \"model\": NAME", LORA_API_ROLES, nargs="+",
         metavar="NAME=PATH")
-    max_loras: int = option(1, "most adapters one engine step runs (each one a slot on the device)", {SERVE, DEMO},
+    max_loras: int = option(1, "most adapters one engine step runs (each one a slot on the device)", LORA_ROLES,
                             bounds=(1, 64))
-    max_lora_rank: int = option(16, "highest LoRA rank an adapter may have", {SERVE, DEMO}, bounds=(1, 512))
+    max_lora_rank: int = option(16, "highest LoRA rank an adapter may have", LORA_ROLES, bounds=(1, 512))
     max_cpu_loras: int | None = option(None, "adapters kept loaded in host memory (default: max_loras; at least "
-                                       "that)", {SERVE, DEMO}, bounds=(1, 4096))
+                                       "that)", LORA_ROLES, bounds=(1, 4096))
     cuda_graph_sizes: tuple[int, ...] | None = option(
         None, "decode batch sizes captured as CUDA graphs; a step of b decode rows replays the smallest size >= b, "
         "padded (default on CUDA: 1, 2, 4, 8, then every multiple of 8 up to min(max_num_seqs, 256); on a CPU "
@@ -301,7 +304,7 @@ class ServerArgs:
     allow_runtime_lora: bool = option(
         False, "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with --enable-lora): an API client "
         "then names a folder on this machine for the server to read, so keep it off unless every client with the "
-        "API key may choose what the server reads", {SERVE})
+        "API key may choose what the server reads", LORA_API_ROLES)
     engine_heartbeat_timeout: float = option(10.0, "seconds without an answer from the engine process before it "
                                              "counts as unresponsive (503 on /health and for waiting requests)",
                                              ENGINE_HTTP_ROLES | {PREFILL}, bounds=SECONDS)

@@ -12,6 +12,11 @@ A language server sends a prompt with media and the ids of its receive blocks. T
   the receiver's blocks (item after item) through the transport. Text tokens never take a row. When the
   receiver's blocks run out it asks to resume; meanwhile the rows wait in the encoder cache, held for that
   transfer (no staging copy).
+
+A request may name a LoRA adapter of the towers (`--enable-lora`): its items get hashes of their own (the cache
+never mixes adapters) and the towers run with the adapter in a slot. An encoder that cannot apply it (started
+without --enable-lora, the folder missing on this machine, a rank over its --max-lora-rank) refuses with a 503
+naming itself and why: the language server tries another encoder.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from prometheus_client.core import CounterMetricFamily
 from vlserve.core.config import TOWER_MODALITIES, Options
 from vlserve.core.cpu_budget import media_pool_size, plan_threads, size_default_executor
 from vlserve.core.errors import ConfigurationError, InvalidInputError, ServiceUnavailableError
+from vlserve.core.lora import AdapterRef
 from vlserve.core.processes import SigtermStop, finish
 from vlserve.core.prompt import MEDIA_KINDS, ProcessedPrompt, media_kinds_needed
 from vlserve.disagg.auth import PeerAuth, require_secret_off_loopback
@@ -52,6 +58,7 @@ from vlserve.frontend.input_processor import InputProcessor
 from vlserve.media.fetch import MediaFetcher, MediaPolicy
 from vlserve.frontend.metrics import CONTENT_TYPE, LATENCY_BUCKETS, PREFIX
 from vlserve.frontend.prompt_encoder import LocalPromptEncoder
+from vlserve.lora.catalog import with_adapter
 from vlserve.model.facts import resolve_model_facts
 from vlserve.model.hardware import log_once
 
@@ -89,6 +96,8 @@ class EncodeService(SenderService):
         self.registry = CollectorRegistry()
         self._setup(server.host, d.data_port or server.port + 1, auth, transport,
                     TransferMetrics(self.registry, None, "encode"), d.transfer_timeout, d.transfer_failure_prob)
+        self.address = f"{advertised_host(d, server.host)}:{self.data_port}"  # how refusals name this encoder
+        self.lora = getattr(self.tower, "lora", None)  # tower adapter slots (--enable-lora); the vision thread's
         self.registry.register(_EncoderStats(self))
         self.encoder_latency = Histogram(PREFIX + "encoder_latency_seconds", "Media encoder time per tower call, "
                                          "by tower (vision, audio).", ["tower"], registry=self.registry,
@@ -130,8 +139,11 @@ class EncodeService(SenderService):
             if req.params is not None:
                 raise InvalidInputError("this is an encoder, not a prefill instance: check the roles' registry")
             self.check_kinds(req)
+            if req.lora is not None:
+                await self._take_adapter(req.lora)
             prompt = self.start_request(req)
             processed = (await self.prompts.encode(prompt, req.mm_processor_kwargs, req.request_id)).prompt
+            processed = with_adapter(processed, req.lora)  # its items' hashes: this adapter's own
             for item in processed.mm_items:
                 self.mm_items.labels(item.modality).inc()
             holder = f"{req.request_id}/{req.transfer_id}/{peer.hex()}"
@@ -149,6 +161,22 @@ class EncodeService(SenderService):
             await self.request_failed(key, e)
         finally:
             self.in_flight -= 1
+
+    async def _take_adapter(self, ref: AdapterRef) -> None:
+        """Reads a request's tower adapter into host memory (on the vision thread, which alone uses the slots).
+        What keeps this encoder from applying it is its own limit, not the request's fault: a 503, so the
+        language server tries another encoder."""
+        why = None
+        if self.lora is None:
+            why = "it serves no LoRA adapters (start it with --enable-lora)"
+        else:
+            try:
+                await asyncio.get_running_loop().run_in_executor(self.vit, self.lora.prepare, ref)
+            except (InvalidInputError, OSError) as e:
+                why = str(e)
+        if why is not None:
+            logger.warning("LoRA adapter %r refused: %s", ref.name, why)
+            raise ServiceUnavailableError(f"encoder {self.address} cannot apply LoRA adapter {ref.name!r}: {why}")
 
     async def _embeddings(self, prompt: ProcessedPrompt, holder: str) -> list[torch.Tensor]:
         """Each media item's rows: from the encoder cache, a vision call in flight, or a new one (batched).
@@ -179,7 +207,7 @@ class EncodeService(SenderService):
             raise
         if todo:
             # Settled when the tower is done, even if this request is cancelled meanwhile (others may wait on it).
-            call = asyncio.get_running_loop().run_in_executor(self.vit, self._run_tower, todo)
+            call = asyncio.get_running_loop().run_in_executor(self.vit, self._run_tower, todo, prompt.lora)
             call.add_done_callback(
                 lambda done: self._encoded(todo, asyncio.CancelledError() if done.cancelled() else done.exception()))
             await asyncio.shield(call)
@@ -187,10 +215,15 @@ class EncodeService(SenderService):
             await asyncio.shield(wait)
         return [self.encoders.outputs[it.mm_hash] if it.needs_encoder else it.embeddings for it in items]
 
-    def _run_tower(self, items: list) -> None:
-        """On the vision thread: the tower over `items`, each call's time into the latency histogram."""
+    def _run_tower(self, items: list, lora: AdapterRef | None = None) -> None:
+        """On the vision thread: the tower over `items` (with adapter `lora`), each call's time into the latency
+        histogram."""
         try:
-            self.encoders.encode(items)
+            if lora is None:
+                self.encoders.encode(items)
+            else:
+                slot = self.lora.assign([lora])[lora.key]
+                self.encoders.encode(items, [slot] * len(items))
         finally:
             for tower, seconds in self.encoders.take_seconds():
                 self.encoder_latency.labels(tower).observe(seconds)

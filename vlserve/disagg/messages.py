@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 
+from vlserve.core.lora import AdapterRef
 from vlserve.core.messages import Handoff
 from vlserve.core.sampling_params import SamplingParams
 from vlserve.core.wire import TensorRef
@@ -55,6 +56,7 @@ class TransferRequest(msgspec.Struct, tag="transfer"):
     block_tokens: int  # rows per block
     target: TransferTarget | None = None  # None: the data travels as frames (zmq)
     params: SamplingParams | None = None  # to a prefill instance: how to sample the first token
+    lora: AdapterRef | None = None  # to an encoder: the tower adapter to run the media with (None: the base towers)
 
 
 class ResumeRequest(msgspec.Struct, tag="resume"):

@@ -26,6 +26,7 @@ from vlserve.core.config import DisaggArgs
 from vlserve.core.errors import InvalidInputError, MediaTooLargeError, ServiceUnavailableError
 from vlserve.core.messages import Handoff
 from vlserve.core.prompt import ProcessedPrompt, media_kinds_needed
+from vlserve.core.lora import AdapterRef
 from vlserve.core.sampling_params import SamplingParams
 from vlserve.core.wire import Framer
 from vlserve.disagg.auth import PeerAuth, require_secret_off_loopback
@@ -256,9 +257,11 @@ class PeerClient:
         return max(near, key=lambda p: rendezvous_score(key, p.info.instance_id))
 
     async def send_prompt(self, request_id: str, prompt: str, media: dict, uuids: dict, mm_kwargs: dict,
-                          params: SamplingParams | None = None) -> tuple[ProcessedPrompt, Handoff | None]:
+                          params: SamplingParams | None = None, lora: AdapterRef | None = None
+                          ) -> tuple[ProcessedPrompt, Handoff | None]:
         """The processed prompt, its rows in receive blocks (`block_rows`) the caller must free; from a prefill
-        instance (`params` given) also its first token and random state."""
+        instance (`params` given) also its first token and random state. `lora`: a tower adapter the encoder
+        runs the media with."""
         if self.kind.key_is_costly(media):
             key = await in_thread(self.kind.affinity_key, prompt, media, uuids)
         else:
@@ -273,7 +276,7 @@ class PeerClient:
                 break
             tried.add(peer.info.instance_id)
             try:
-                return await self._transfer(peer, request_id, prompt, media, uuids, mm_kwargs, params)
+                return await self._transfer(peer, request_id, prompt, media, uuids, mm_kwargs, params, lora)
             except PeerFailure as e:
                 retry = len(tried) < 2 and self._pick(key, tried, needs) is not None
                 logger.warning("request %s: %s %s failed (%s)%s", request_id, self.kind.name, peer.info.address, e,
@@ -323,7 +326,8 @@ class PeerClient:
             self._block_freed.set()
 
     async def _transfer(self, peer: PeerConn, request_id: str, prompt: str, media: dict, uuids: dict,
-                        mm_kwargs: dict, params: SamplingParams | None) -> tuple[ProcessedPrompt, Handoff | None]:
+                        mm_kwargs: dict, params: SamplingParams | None, lora: AdapterRef | None = None
+                        ) -> tuple[ProcessedPrompt, Handoff | None]:
         self.buffers.restore_file()
         restored = self.buffers.restored  # a restore later on means this transfer's rows were lost
         tid = next(self._ids)
@@ -342,7 +346,7 @@ class PeerClient:
             blocks += run
             await peer.sock.send_multipart(self.requests.encode(TransferRequest(
                 request_id, tid, prompt, media, uuids, mm_kwargs or {}, run, self.buffers.block_tokens, self.target,
-                params)))
+                params, lora)))
             enter(TransferState.WAITING_FOR_INPUT)
             received = ReceivedChunks(self.kind.rows_for_every_token, self.buffers.block_tokens,
                                       self.cfg.max_model_len, tail)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from vlserve.core.config import DisaggArgs
 from vlserve.core.errors import InvalidInputError
+from vlserve.core.lora import AdapterRef
 from vlserve.disagg.registry import InstanceInfo, new_instance_id
 from vlserve.disagg.peer_client import PeerClient
 from vlserve.disagg.peer_kinds import ENCODER_PEERS, PREFILL_PEERS, PeerKind
@@ -64,7 +65,7 @@ class RemotePromptEncoder:
             await self.client.stop()
 
     async def encode(self, prompt: dict, mm_processor_kwargs: dict | None, request_id: str,
-                     params=None) -> EncodedPrompt:
+                     params=None, lora: AdapterRef | None = None) -> EncodedPrompt:
         media = prompt.get("multi_modal_data") or {}
         prefill = self.kind.rows_for_every_token
         if not (_has_urls(media) or (prefill and "prompt" in prompt)):
@@ -85,7 +86,8 @@ class RemotePromptEncoder:
             raise InvalidInputError("a prompt with media needs its text (token ids cannot carry placeholders here)")
         processed, handoff = await self.client.send_prompt(request_id or "prompt", prompt["prompt"], media,
                                                       prompt.get("multi_modal_uuids") or {}, mm_processor_kwargs or {},
-                                                      params if prefill else None)
+                                                      params if prefill else None,
+                                                      lora if lora is not None and lora.towers else None)
         blocks = processed.block_rows
         # Called once, by the prompt's owner (frontend.prepared_prompt): the engine is done with the rows, or
         # never got them.

@@ -34,6 +34,7 @@ from vlserve.model.layers.packed_linear import packed_linear_supported
 from vlserve.model.layers.parallel import SINGLE, TPGroup
 from vlserve.model.loader import load_model, weight_files
 from vlserve.model.layers.lora_rows import lora_rows
+from vlserve.lora.adapter import LM_PREFIX, TOWER_PREFIX
 from vlserve.lora.slots import LoRASlots
 
 logger = logging.getLogger("vlserve.engine")
@@ -73,8 +74,12 @@ def lora_slots(model: torch.nn.Module, cfg: VlserveConfig, device: torch.device)
     family = family_of(cfg.model.architecture)
     max_bytes = sum(f.stat().st_size for f in weight_files(cfg.model_path))
     lora = cfg.lora
+    # the parts of the model loaded elsewhere (disaggregated: an encoder's LM, a language server's towers)
+    elsewhere = tuple(prefix for tower, prefix in TOWER_PREFIX.items() if tower not in cfg.towers)
+    if not cfg.load_language:
+        elsewhere += (LM_PREFIX,)
     return LoRASlots(model, family.load(family.weight_names), lora.max_loras, lora.max_cpu_loras, lora.max_rank,
-                     max_bytes, cfg.dtype, device)
+                     max_bytes, cfg.dtype, device, elsewhere)
 
 
 class ModelShard:

@@ -16,6 +16,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Protocol
 
+from vlserve.core.lora import AdapterRef
 from vlserve.core.messages import Handoff
 from vlserve.core.prompt import ProcessedPrompt
 from vlserve.core.sampling_params import SamplingParams
@@ -41,10 +42,11 @@ class PromptEncoder(Protocol):
     transfer_buffers: TransferBuffers | None
 
     async def encode(self, prompt: dict, mm_processor_kwargs: dict | None, request_id: str,
-                     params: SamplingParams | None = None) -> EncodedPrompt:
+                     params: SamplingParams | None = None, lora: AdapterRef | None = None) -> EncodedPrompt:
         """`prompt`: {"prompt": text | "prompt_token_ids": ids, "multi_modal_data": {kind: [url, ...]},
         "multi_modal_uuids": {...}}; media sources are URLs (http(s), data:, file://) or embedding entries.
-        `params`: the request's sampling parameters (all but a defaulted max_tokens), when known."""
+        `params`: the request's sampling parameters (all but a defaulted max_tokens), when known. `lora`: the
+        request's LoRA adapter (an encoder elsewhere runs its towers with it; here the engine does)."""
 
     async def start(self) -> None: ...
 
@@ -73,7 +75,8 @@ class LocalPromptEncoder:
         return None
 
     async def encode(self, prompt: dict, mm_processor_kwargs: dict | None, request_id: str,
-                     params: SamplingParams | None = None) -> EncodedPrompt:
+                     params: SamplingParams | None = None, lora: AdapterRef | None = None) -> EncodedPrompt:
+        # `lora` is not needed here: the engine runs the towers, with the adapter `generate` gives the prompt
         media = prompt.get("multi_modal_data") or {}
         if media:
             prompt = {**prompt, "multi_modal_data": await self.fetch_all(media)}

@@ -30,8 +30,10 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 MAX_CONFIG_BYTES = 1 << 20
 # `<module>.lora_A.weight`, PEFT's saved name, or `<module>.lora_A.<adapter>.weight` as a model in memory names it
 KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[\w-]+)?\.weight$")
-TOWER_PREFIXES = ("visual.", "audio_tower.")
-TARGET_PREFIXES = ("language_model.layers.",) + TOWER_PREFIXES
+TOWER_PREFIX = {"vision": "visual.", "audio": "audio_tower."}  # each tower's modules (projector included)
+TOWER_PREFIXES = tuple(TOWER_PREFIX.values())
+LM_PREFIX = "language_model."
+TARGET_PREFIXES = (LM_PREFIX + "layers.",) + TOWER_PREFIXES
 NOT_TARGETS = ("patch_embed.proj",)  # a convolution stored as a linear: PEFT's conv LoRA has another shape
 
 
@@ -93,7 +95,7 @@ class AdapterSpec:
 
     @property
     def rank(self) -> int:
-        return max(p.rank for p in self.pieces)
+        return max((p.rank for p in self.pieces), default=0)  # 0: nothing on this part of the model
 
 
 def _config(folder: Path) -> dict:
@@ -143,9 +145,11 @@ def _pattern_value(patterns: dict, module: str, default):
 
 
 def read_adapter(name: str, folder: str | Path, targets: dict[str, LinearTarget], our_name, max_rank: int,
-                 max_bytes: int) -> AdapterSpec:
+                 max_bytes: int, elsewhere: tuple[str, ...] = ()) -> AdapterSpec:
     """Checks an adapter against the model from its config and tensor header alone. `our_name`: the family's
-    checkpoint-name mapping; `max_bytes`: the largest weights file accepted."""
+    checkpoint-name mapping; `max_bytes`: the largest weights file accepted; `elsewhere`: prefixes of our
+    modules another process holds (disaggregated serving): their pieces are left out here, its front end having
+    checked them against the whole model."""
     folder = Path(folder)
     if not folder.is_dir():
         raise InvalidInputError(f"LoRA adapter {name!r}: {folder} is not a folder")
@@ -178,6 +182,8 @@ def read_adapter(name: str, folder: str | Path, targets: dict[str, LinearTarget]
         mapped = our_name(f"{module}.weight")
         ours, shard = mapped if mapped is not None else (None, None)
         ours = ours[: -len(".weight")] if ours and ours.endswith(".weight") else None
+        if ours and ours.startswith(elsewhere):
+            continue
         target = targets.get(ours) if ours else None
         if target is None or shard not in target.pieces:
             raise InvalidInputError(f"LoRA adapter {name!r}: target module {module!r} is not a linear layer this "

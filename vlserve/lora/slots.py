@@ -20,10 +20,12 @@ Weights = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 class LoRASlots:
     def __init__(self, model: torch.nn.Module, our_name, max_loras: int, max_cpu_loras: int, max_rank: int,
-                 max_bytes: int, dtype: torch.dtype, device: torch.device):
+                 max_bytes: int, dtype: torch.dtype, device: torch.device, elsewhere: tuple[str, ...] = ()):
+        """`elsewhere`: prefixes of the modules this shard does not hold (an encoder's LM, a language server's
+        towers): an adapter's pieces there are another process's to apply."""
         self.targets = lora_targets(model)
         self.layers: dict[str, LoRALinear] = wrap_linears(model, self.targets, max_loras)
-        self.our_name, self.max_rank, self.max_bytes = our_name, max_rank, max_bytes
+        self.our_name, self.max_rank, self.max_bytes, self.elsewhere = our_name, max_rank, max_bytes, elsewhere
         self.dtype, self.device = dtype, device
         self.max_cpu_loras = max_cpu_loras
         self.host: OrderedDict[str, Weights] = OrderedDict()  # adapter key -> weights on the CPU
@@ -70,7 +72,8 @@ class LoRASlots:
         if ref.key in self.host:
             self.host.move_to_end(ref.key)
             return self.host[ref.key]
-        spec = read_adapter(ref.name, ref.path, self.targets, self.our_name, self.max_rank, self.max_bytes)
+        spec = read_adapter(ref.name, ref.path, self.targets, self.our_name, self.max_rank, self.max_bytes,
+                            self.elsewhere)
         if spec.key != ref.key:
             raise InvalidInputError(f"LoRA adapter {ref.name!r}: {ref.path} changed since it was loaded; load it "
                                     "again")

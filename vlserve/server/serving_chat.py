@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from fastapi import Request as HTTPRequest
 
 from vlserve.core.errors import InvalidInputError
+from vlserve.core.lora import AdapterRef
 from vlserve.core.outputs import CompletionOutput, RequestOutput
 from vlserve.core.sampling_params import SamplingParams
 from vlserve.core.structured_outputs import StructuredOutputsError
@@ -85,7 +86,7 @@ class OpenAIServingChat(OpenAIServing):
         tools, choice = body.tool_setup()
         request_id = self.new_request_id(body.request_id, id_prefix)
         prepared = await self.until_done_or_disconnect(raw, self._prepare(body, time.monotonic(), request_id,
-                                                                                   checked))
+                                                                                   checked, adapter))
         with prepared:  # closed here unless the engine takes it over
             params = body.sampling_params(self.max_tokens(prepared, body.requested_max_tokens()), top_k)
             self.check_logprob_budget(body.n, params.max_tokens, top_k)
@@ -107,13 +108,14 @@ class OpenAIServingChat(OpenAIServing):
             raise
 
     async def _prepare(self, body: ChatCompletionRequest, arrival: float, request_id: str,
-                       params: SamplingParams) -> PreparedPrompt:
+                       params: SamplingParams, adapter: AdapterRef | None = None) -> PreparedPrompt:
         if body.chat_template is not None and not self.server.trust_request_chat_template:
             raise InvalidInputError("chat_template in a request is refused by this server (a template is code); "
                                     "the operator may allow it with --trust-request-chat-template")
         loop = asyncio.get_running_loop()
         chat, text = await loop.run_in_executor(self.engine.executor, self._chat_text, body)
-        return await self.engine.prepare(chat.prompt(text), body.mm_processor_kwargs, arrival, request_id, params)
+        return await self.engine.prepare(chat.prompt(text), body.mm_processor_kwargs, arrival, request_id, params,
+                                         adapter)
 
     def _chat_text(self, body: ChatCompletionRequest) -> tuple[ParsedChat, str]:
         """The messages parsed and bounded, then rendered by the chat template. On a worker thread: parsing reads

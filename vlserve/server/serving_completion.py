@@ -53,7 +53,7 @@ class OpenAIServingCompletion(OpenAIServing):
         gens, top_k = [], body.logprobs or 0
         try:
             for prompt, rid in zip(prompts, ids):
-                preparing = self.engine.prepare(prompt, None, arrival, rid, checked)
+                preparing = self.engine.prepare(prompt, None, arrival, rid, checked, adapter)
                 with await self.until_done_or_disconnect(raw, preparing) as prepared:  # closed unless sent
                     params = body.sampling_params(self.max_tokens(prepared, body.max_tokens), body.logprobs)
                     self.check_logprob_budget(len(prompts) * body.n, params.max_tokens, body.logprobs)

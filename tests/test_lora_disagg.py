@@ -1,0 +1,139 @@
+"""LoRA adapters in E->PD: a language server and encoders, each its own process. A chat with a picture by adapter
+name (an adapter of the vision tower, of the language model, of both) and the base model each give the
+aggregated offline engine's greedy fp32 answer: the encoder runs the tower adapter, the language server the LM
+one. An encoder started without --enable-lora refuses a tower adapter with a 503 naming itself and why: the
+language server tries another encoder, or answers that 503 when none can; adapters of the LM alone never need
+the encoder's support, and nothing leaks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import openai
+import pytest
+
+from tests.lora_utils import make_peft_adapter
+from tests.server_utils import scrape
+from tests.test_disagg import Cluster, picture_chat, wait_encoder_idle, wait_language_blocks_free, wait_until
+from tests.test_lora_server import chat_prompt
+from vlserve import LLM, LoRARequest, SamplingParams
+from vlserve.core.errors import EXIT_CONFIG
+
+N_TOKENS = 8
+MAX_RANK = 8
+LORA = ("--enable-lora", "--max-lora-rank", str(MAX_RANK))
+ADAPTERS = ("tower", "lm", "both")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_ckpt):
+    return tiny_ckpt("qwen2_vl")
+
+
+@pytest.fixture(scope="module")
+def adapters(ckpt, tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    return {name: make_peft_adapter(ckpt, root / name, name, seed=i + 1) for i, name in enumerate(ADAPTERS)}
+
+
+@pytest.fixture(scope="module")
+def cluster(ckpt, adapters):
+    """Bootstrap, encoder "A" (--enable-lora) and language server "main" serving the three adapters."""
+    modules = [f"{name}={path}" for name, path in adapters.items()]
+    c = Cluster(ckpt, {"main": [*LORA, "--max-loras", "2", "--lora-modules", *modules]}, encoders={"A": LORA})
+    yield c
+    c.close_quickly()
+
+
+@pytest.fixture(scope="module")
+def offline(ckpt):
+    llm = LLM(str(ckpt), dtype="float32", max_model_len=2048, limit_mm_per_prompt={"image": 4}, enable_lora=True,
+              max_lora_rank=MAX_RANK, max_loras=2)
+    yield llm
+    llm.shutdown()
+
+
+def ask(cluster: Cluster, messages, model: str) -> str:
+    resp = cluster.client("main").chat.completions.create(
+        model=model, messages=messages, max_tokens=N_TOKENS, temperature=0, extra_body={"min_tokens": N_TOKENS})
+    assert resp.model == model
+    return resp.choices[0].message.content
+
+
+def expected(offline: LLM, adapters, messages, name: str | None) -> str:
+    lora = None if name is None else LoRARequest(name, 1 + ADAPTERS.index(name), str(adapters[name]))
+    params = SamplingParams(temperature=0, max_tokens=N_TOKENS, min_tokens=N_TOKENS)
+    return offline.generate(chat_prompt(offline, messages), params, use_tqdm=False,
+                            lora_request=lora)[0].outputs[0].text
+
+
+def assert_nothing_held(cluster: Cluster) -> None:
+    wait_language_blocks_free(lambda: cluster.metrics("main"))
+    for name in cluster.live_encoders():
+        wait_encoder_idle(cluster.encoders[name].metrics_url)
+
+
+def test_each_adapter_and_the_base_model_match_the_aggregated_engine(cluster, offline, adapters, ckpt):
+    messages = picture_chat(1)
+    base = expected(offline, adapters, messages, None)
+    assert ask(cluster, messages, str(ckpt)) == base
+    for name in ADAPTERS:
+        want = expected(offline, adapters, messages, name)
+        assert want != base, name  # each adapter changes the answer: the comparison below means something
+        assert ask(cluster, messages, name) == want, name
+    # the encoder cache keeps each adapter's picture apart: asked again, in another order, the same answers
+    for name in reversed(ADAPTERS):
+        assert ask(cluster, messages, name) == expected(offline, adapters, messages, name), name
+    assert ask(cluster, messages, str(ckpt)) == base
+    assert_nothing_held(cluster)
+
+
+def test_an_encoder_without_lora_refuses_tower_adapters_and_the_cluster_serves_on(cluster, offline, adapters,
+                                                                                  ckpt):
+    cluster.use_encoders("A", "B")  # B: no --enable-lora
+    # a tower adapter sent to B is refused there and retried on A: every answer right
+    for seed in range(2, 6):
+        messages = picture_chat(seed)
+        assert ask(cluster, messages, "tower") == expected(offline, adapters, messages, "tower"), seed
+    assert "LoRA adapter 'tower' refused: it serves no LoRA adapters" in cluster.encoders["B"].read_log()
+    cluster.use_encoders("B")
+    messages = picture_chat(7)
+    with pytest.raises(openai.APIStatusError) as e:
+        ask(cluster, messages, "both")
+    message = e.value.response.json()["error"]["message"]
+    assert e.value.status_code == 503, message
+    assert "cannot apply LoRA adapter 'both'" in message and "--enable-lora" in message, message
+    # an LM adapter and the base model never need the encoder's adapters
+    assert ask(cluster, messages, "lm") == expected(offline, adapters, messages, "lm")
+    assert ask(cluster, messages, str(ckpt)) == expected(offline, adapters, messages, None)
+    assert_nothing_held(cluster)
+    enc = scrape(cluster.encoders["B"].metrics_url)
+    assert enc["vlserve:encode_requests_in_flight"] == 0
+    wait_until(lambda: cluster.metrics("main")["vlserve:encoders_available"] == 1, "B unpaired")
+
+
+# ---- options --------------------------------------------------------------------------------------------------
+def test_serve_disagg_passes_the_lora_options_to_encoders_and_the_language_server(ckpt):
+    from tests.test_cli import _flags, _subparser
+    from vlserve.core.config import Options
+    from vlserve.disagg.launcher import plan_children
+
+    for role in ("prefill", "decode"):  # E->P->D: the KV handoff does not carry adapters yet
+        assert not {"--enable-lora", "--lora-modules", "--max-loras"} & _flags(_subparser(role)), role
+    opts = Options()
+    opts.engine.model, opts.engine.enable_lora, opts.engine.max_lora_rank = "/m", True, 32
+    opts.engine.lora_modules, opts.server.allow_runtime_lora = ("a=/adapters/a",), True
+    argv = {c.name: c.argv for c in plan_children(opts, "INFO")}
+    for name in ("encoder-0", "language"):
+        assert "--enable-lora" in argv[name] and argv[name][argv[name].index("--max-lora-rank") + 1] == "32"
+    assert "--lora-modules" in argv["language"] and "--allow-runtime-lora" in argv["language"]
+    assert "--lora-modules" not in argv["encoder-0"] and "--allow-runtime-lora" not in argv["encoder-0"]
+
+
+def test_serve_disagg_with_prefill_and_decode_refuses_lora(ckpt):
+    out = subprocess.run([sys.executable, "-m", "vlserve", "serve", "--model", str(ckpt), "--port", "0", "--disagg",
+                          "--num-prefill", "1", "--num-decode", "1", "--enable-lora"],
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == EXIT_CONFIG, out.stderr[-3000:]
+    assert "--enable-lora is not supported by prefill and decode instances" in out.stderr, out.stderr[-3000:]
