@@ -224,7 +224,8 @@ class _Engine(NS):
     def check_accepting(self) -> None:
         pass
 
-    async def prepare(self, prompt, mm_processor_kwargs=None, arrival=None, request_id="", params=None):
+    async def prepare(self, prompt, mm_processor_kwargs=None, arrival=None, request_id="", params=None,
+                      adapter=None):
         await self.encoder.encode(prompt, mm_processor_kwargs, request_id, params)
         raise AssertionError("every request of these tests is refused while its media is prepared")
 

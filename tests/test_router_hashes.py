@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import json
 import time
 
 import pytest
@@ -150,3 +151,58 @@ def test_prompt_hasher_gives_the_hashes_of_what_the_server_processes(tiny_ckpt):
             time.sleep(0.2)
     finally:
         hasher.close()
+
+
+def test_with_a_lora_adapter_the_router_hashes_as_the_replica_does(tiny_ckpt):
+    """A request naming a LoRA adapter: the router's hashes are the replica's for that adapter (its prefix cache
+    keys blocks by adapter, and a tower adapter's pictures by adapter too), never the base model's; the blocks
+    before an unseen picture too."""
+    from vlserve.core.lora import AdapterRef
+    from vlserve.lora.catalog import with_adapter
+
+    ckpt = tiny_ckpt("qwen2_vl")
+    ns = build_parser().parse_args(["router", "--model", str(ckpt), "--block-size", str(BLOCK)])
+    hasher = PromptHasher(options_from(ns, ROUTER))
+    try:
+        parts = [{"type": "text", "text": "Look at this picture closely:"},
+                 {"type": "image_url", "image_url": {"url": picture_url(11)}}, {"type": "text", "text": "What?"}]
+        body = ChatCompletionRequest(model="towers", messages=[{"role": "system", "content": "You answer briefly."},
+                                                               {"role": "user", "content": parts}])
+        processed = hasher.processor.process(fetched(chat_prompt(hasher.processor, parts)))
+        towers = AdapterRef("towers", "/a", "towers@0123456789abcdef", True)
+        replica = prompt_block_hashes(with_adapter(processed, towers), BLOCK)
+        assert replica[0] != prompt_block_hashes(processed, BLOCK)[0]
+        first, whole = asyncio.run(hasher.chat(body, towers))  # the picture not laid out yet: the text before it
+        assert 0 < len(first) < len(replica) and first == replica[:len(first)] and not whole
+        deadline = time.monotonic() + 10
+        while asyncio.run(hasher.chat(body, towers))[0] != replica:
+            assert time.monotonic() < deadline, "the picture's layout was never made"
+            time.sleep(0.05)
+    finally:
+        hasher.close()
+
+
+def test_replicas_list_their_adapters_and_only_those_serving_one_take_its_requests():
+    from vlserve.core.lora import AdapterRef
+    from vlserve.disagg.registry import InstanceInfo
+    from vlserve.router.replicas import Replica, ReplicaSet, parse_adapters
+
+    card = {"id": "docs", "object": "model", "root": "/adapters/docs", "parent": "base",
+            "lora": {"key": "docs@00ff", "towers": False}}
+    text = ('{"object": "list", "data": [{"id": "base", "parent": null}, %s, {"id": "x", "parent": "base"}, '
+            '{"id": 7, "parent": "base", "lora": {"key": "k", "towers": true}}, "junk"]}') % json.dumps(card)
+    assert parse_adapters(text) == {"docs": AdapterRef("docs", "/adapters/docs", "docs@00ff", False)}
+    assert parse_adapters("not json") == {} and parse_adapters('{"data": 3}') == {} and parse_adapters("[]") == {}
+
+    replicas = ReplicaSet.__new__(ReplicaSet)  # the choice only: no registry, no scraping
+    replicas.replicas, replicas.index = {}, None
+    for name, served in (("a", {}), ("b", parse_adapters(text)), ("c", {})):
+        r = replicas.replicas[name] = Replica(InstanceInfo(name, "serve", f"{name}:1", f"{name}:1"))
+        r.adapters, r.answering = served, True
+    replicas.index = type("NoIndex", (), {"num_blocks": staticmethod(lambda name: 0)})()
+    assert [r.name for r in replicas.candidates()] == ["a", "b", "c"]
+    assert [r.name for r in replicas.candidates(adapter="docs")] == ["b"]
+    assert replicas.candidates(adapter="other") == []
+    assert set(replicas.adapters()) == {"docs"}
+    replicas.replicas["b"].answering = False  # a replica not answering lists nothing
+    assert replicas.adapters() == {}

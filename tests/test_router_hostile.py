@@ -347,7 +347,7 @@ def test_new_chats_one_at_a_time_spread_though_one_replica_holds_the_template():
 
     template = [b"t1", b"t2", b"t3"]
 
-    async def new_chat(body):  # each a new picture after the template: its hashes stop there
+    async def new_chat(body, adapter=None):  # each a new picture after the template: its hashes stop there
         return list(template), False
 
     async def scenario():

@@ -48,16 +48,31 @@ from vlserve.server.serving import PARSE_INLINE_BYTES, OpenAIServing, read_body
 logger = logging.getLogger("vlserve.router")
 
 
+class ReplicaAdapters:
+    """The server's model check reads an engine's adapter catalogue (`.loras.adapters`); here it is the union of
+    the adapters the replicas list."""
+
+    def __init__(self, replicas: ReplicaSet):
+        self.loras = self
+        self.replicas = replicas
+
+    @property
+    def adapters(self):
+        return self.replicas.adapters()
+
+
 def build_router_app(opts: Options, hasher: PromptHasher, replicas: ReplicaSet) -> FastAPI:
     server, d = opts.server, opts.disagg
     model_name = server.served_model_name or opts.engine.model
     # The server's model check and disconnect handling (it needs no engine for those).
-    serving = OpenAIServing(None, server, model_name)
+    serving = OpenAIServing(ReplicaAdapters(replicas), server, model_name)
     metrics = RouterMetrics(replicas)
     chooser = Chooser(d.routing, d.routing_cache_weight, opts.engine.block_size)
     # One key on every role works by default; but to replicas of an open registry (anyone may have registered)
     # the router's own key would hand out the key its clients use: only an explicit --replica-api-key goes there.
     replica_key = d.replica_api_key or (None if d.allow_unsigned_replicas else server.api_key)
+    if replica_key:
+        replicas.auth = {"authorization": f"Bearer {replica_key}"}  # to read their /v1/models
     proxy = Proxy(replicas, chooser, metrics, serving.until_done_or_disconnect,
                   replica_key=replica_key, read_timeout=d.replica_read_timeout,
                   max_response_bytes=d.max_replica_response_bytes, executor=hasher.executor)
@@ -81,10 +96,10 @@ def build_router_app(opts: Options, hasher: PromptHasher, replicas: ReplicaSet) 
         else:
             body = await asyncio.get_running_loop().run_in_executor(hasher.executor, parse_body, data, model)
         body.check_fields(server)
-        serving.check_model(body.model)
-        hashes, whole = (await serving.until_done_or_disconnect(raw, hash_fn(body)) if d.routing == "cache-aware"
-                         else ([], False))
-        return await proxy.forward(raw, path, data, hashes, whole)
+        adapter = serving.check_model(body.model)  # a LoRA adapter some replica serves, or the base model
+        hashes, whole = (await serving.until_done_or_disconnect(raw, hash_fn(body, adapter))
+                         if d.routing == "cache-aware" else ([], False))
+        return await proxy.forward(raw, path, data, hashes, whole, adapter.name if adapter is not None else None)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request):
@@ -94,19 +109,21 @@ def build_router_app(opts: Options, hasher: PromptHasher, replicas: ReplicaSet) 
     async def completions(raw: Request):
         return await route(raw, "/v1/completions", CompletionRequest, hasher.completion)
 
-    async def response_hint(body: ResponsesRequest) -> tuple[list[bytes], bool]:
+    async def response_hint(body: ResponsesRequest, adapter) -> tuple[list[bytes], bool]:
         chat = await asyncio.get_running_loop().run_in_executor(hasher.executor, body.to_chat_request)
-        return await hasher.chat(chat)  # the chat request a replica runs for it: the same prefix
+        return await hasher.chat(chat, adapter)  # the chat request a replica runs for it: the same prefix
 
     @app.post("/v1/responses")
     async def responses(raw: Request):
         return await route(raw, "/v1/responses", ResponsesRequest, response_hint)
 
     @app.get("/v1/models")
-    async def models():
-        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "vlserve",
+    async def models():  # the model, then the LoRA adapters its replicas serve
+        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "vlserve", "parent": None,
                 "max_model_len": hasher.cfg.max_model_len}
-        return {"object": "list", "data": [card]}
+        adapters = [{**card, "id": name, "root": ref.path, "parent": model_name}
+                    for name, ref in replicas.adapters().items()]
+        return {"object": "list", "data": [card, *adapters]}
 
     @app.get("/health")
     async def health():  # liveness: this process answers

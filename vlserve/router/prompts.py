@@ -17,7 +17,8 @@ import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
-from vlserve.core.block_hash import extend_block_hashes, prompt_block_hashes
+from vlserve.core.block_hash import chain_root, extend_block_hashes, prompt_block_hashes
+from vlserve.core.lora import AdapterRef
 from vlserve.core.config import Options
 from vlserve.core.cpu_budget import cpu_budget, media_pool_size
 from vlserve.core.errors import VlserveError
@@ -28,6 +29,7 @@ from vlserve.frontend.input_processor import InputProcessor
 from vlserve.frontend.tokenizer import load_chat_template, render_chat
 from vlserve.media.data_url import is_data_url
 from vlserve.media.fetch import MediaFetcher, MediaPolicy
+from vlserve.lora.catalog import with_adapter
 from vlserve.model.families.processor import NotLaidOut
 from vlserve.model.facts import resolve_model_facts
 from vlserve.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -55,12 +57,13 @@ class PromptHasher:
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.background.shutdown(wait=False, cancel_futures=True)
 
-    async def chat(self, body: ChatCompletionRequest) -> tuple[list[bytes], bool]:
-        return await self._hint(self._chat_prompt(body), body.mm_processor_kwargs)
+    async def chat(self, body: ChatCompletionRequest, adapter: AdapterRef | None = None) -> tuple[list[bytes], bool]:
+        return await self._hint(self._chat_prompt(body), body.mm_processor_kwargs, adapter)
 
-    async def completion(self, body: CompletionRequest) -> tuple[list[bytes], bool]:
+    async def completion(self, body: CompletionRequest,
+                         adapter: AdapterRef | None = None) -> tuple[list[bytes], bool]:
         prompts = body.prompts()  # n prompts: the first one's prefix is the hint (a batch goes to one replica)
-        return await self._hint(asyncio.sleep(0, prompts[0]), None)
+        return await self._hint(asyncio.sleep(0, prompts[0]), None, adapter)
 
     async def _chat_prompt(self, body: ChatCompletionRequest) -> dict:
         chat = parse_chat_messages(body.messages, allow_python_objects=False, modalities=self.cfg.model.modalities)
@@ -71,8 +74,10 @@ class PromptHasher:
             template, body.chat_template_kwargs, tools)
         return chat.prompt(text)
 
-    async def _hint(self, prompt_work, mm_processor_kwargs: dict | None) -> tuple[list[bytes], bool]:
-        """The block hashes, and whether they cover the whole prompt (else its size is unknown)."""
+    async def _hint(self, prompt_work, mm_processor_kwargs: dict | None,
+                    adapter: AdapterRef | None = None) -> tuple[list[bytes], bool]:
+        """The block hashes, and whether they cover the whole prompt (else its size is unknown); with a LoRA
+        adapter, the hashes a replica's prefix cache gives the prompt under that adapter."""
         try:
             prompt = await prompt_work
             if prompt.get("multi_modal_data"):
@@ -84,9 +89,10 @@ class PromptHasher:
             return [], False
         if isinstance(processed, list):
             hashes: list[bytes] = []
-            extend_block_hashes(processed, [], self.block_size, hashes, [])
+            extend_block_hashes(processed, [], self.block_size, hashes, [],
+                                chain_root(adapter.key if adapter is not None else None))
             return hashes, False
-        return prompt_block_hashes(processed, self.block_size), True
+        return prompt_block_hashes(with_adapter(processed, adapter), self.block_size), True
 
     def _layout_or_prefix(self, prompt: dict, mm_processor_kwargs: dict | None) -> ProcessedPrompt | list[int]:
         """The prompt's layout when every media item's is cached; else the token ids before the first item, the

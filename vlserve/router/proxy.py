@@ -78,14 +78,16 @@ class Proxy:
     async def aclose(self) -> None:
         await self.http.aclose()
 
-    async def forward(self, raw: Request, path: str, body: bytes, hashes: list[bytes], whole: bool = True) -> Response:
-        """`hashes`: the prompt's block hashes; `whole`: they cover all of it (else its size is unknown)."""
+    async def forward(self, raw: Request, path: str, body: bytes, hashes: list[bytes], whole: bool = True,
+                      adapter: str | None = None) -> Response:
+        """`hashes`: the prompt's block hashes; `whole`: they cover all of it (else its size is unknown);
+        `adapter`: the LoRA adapter it names (only replicas serving it take it)."""
         headers = {k: v for k, v in raw.headers.items() if k.lower() in FORWARDED_HEADERS} | self.own_headers
         tried: set[str] = set()
         # Once per request (a retry is the same request): which leading blocks other conversations share.
         common = self.chooser.observe(hashes, whole) if hashes and self.chooser.policy == "cache-aware" else 0
         for attempt in range(2):
-            candidates = self.replicas.candidates(exclude=tried)
+            candidates = self.replicas.candidates(exclude=tried, adapter=adapter)
             if not candidates:
                 break
             overlaps = (self.replicas.index.longest_prefixes(hashes)

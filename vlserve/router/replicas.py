@@ -1,7 +1,7 @@
 """The router's replicas: who is there (the registry, listed every --heartbeat-interval), what each has cached
 (its KV events, followed on a thread by `KVEventSubscriber` into a `KVIndex`) and how busy each is (this router's
 in-flight count and prefill queue, plus the running and waiting requests its /metrics shows beyond those, scraped
-at the same interval).
+at the same interval), and which LoRA adapters it serves (its /v1/models, read with its metrics).
 
 A replica that refuses a connection, fails or goes silent (--replica-read-timeout) while answering, or answers
 what the router does not pass on, is avoided for a while (`avoid`); one that leaves the registry is dropped, its
@@ -11,6 +11,7 @@ requests in flight left to finish (they hold their own connections).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import queue
@@ -19,6 +20,7 @@ import time
 
 import httpx
 
+from vlserve.core.lora import AdapterRef
 from vlserve.disagg.kv_events_subscriber import KVEventSubscriber
 from vlserve.disagg.kv_index import KVIndex
 from vlserve.disagg.registry import InstanceInfo, Registry
@@ -28,6 +30,9 @@ logger = logging.getLogger("vlserve.router")
 OPEN_CHECK_S = 30.0  # how often a signed registry is checked to still refuse unsigned calls
 AVOID_S = 5.0  # how long a replica that failed (see above) is left out (unless it is the only one)
 MAX_METRICS_BYTES = 4 * 2**20  # a replica's /metrics is a few KiB; past this it is not read further
+MAX_MODELS_BYTES = 4 * 2**20  # its /v1/models likewise
+MAX_ADAPTERS = 4096  # adapters taken from one replica's list
+MAX_ADAPTER_TEXT = 4096  # characters of an adapter's name, folder or key
 SCRAPED = {"vlserve:num_requests_running": "running", "vlserve:num_requests_waiting": "waiting",
            "vlserve:kv_cache_blocks": "capacity"}
 
@@ -39,6 +44,7 @@ class Replica(ReplicaLoad):
         self.url = f"http://{info.http_address}"
         self.avoid_until = 0.0
         self.answering = False  # its last /metrics scrape answered
+        self.adapters: dict[str, AdapterRef] = {}  # the LoRA adapters its /v1/models lists
 
 
 def parse_load(text: str) -> dict[str, int]:
@@ -93,6 +99,25 @@ class EventsThread:
         self._thread.join(timeout=2)
 
 
+def parse_adapters(text: str) -> dict[str, AdapterRef]:
+    """The LoRA adapters of a replica's /v1/models: the cards with a parent and vlserve's `lora` entry (the key
+    its caches use, whether it adapts the towers). Cards that are not well-formed are left out."""
+    try:
+        cards = json.loads(text).get("data")
+    except (ValueError, AttributeError):
+        return {}
+    adapters = {}
+    for card in cards[:MAX_ADAPTERS + 1] if isinstance(cards, list) else []:
+        lora = card.get("lora") if isinstance(card, dict) and card.get("parent") is not None else None
+        if not isinstance(lora, dict):
+            continue
+        name, root, key, towers = card.get("id"), card.get("root", ""), lora.get("key"), lora.get("towers")
+        if all(isinstance(v, str) and 0 < len(v) <= MAX_ADAPTER_TEXT for v in (name, key)) and \
+                isinstance(root, str) and len(root) <= MAX_ADAPTER_TEXT and isinstance(towers, bool):
+            adapters[name] = AdapterRef(name, root, key, towers)
+    return adapters
+
+
 class ReplicaSet:
     def __init__(self, registry: Registry, roles: tuple[str, ...], interval: float, index: KVIndex | None = None,
                  open_check=None):
@@ -107,6 +132,7 @@ class ReplicaSet:
         self._http = httpx.AsyncClient(timeout=max(1.0, interval), headers={"accept-encoding": "identity"})
         self._task: asyncio.Task | None = None
         self.changed = asyncio.Event()
+        self.auth: dict[str, str] = {}  # the router's key upstream (its /v1/models sits behind the replicas' key)
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._loop())
@@ -119,10 +145,21 @@ class ReplicaSet:
         await self._http.aclose()
         await self.registry.stop(deregister=False)
 
-    def candidates(self, exclude: set[str] = frozenset()) -> list[Replica]:
-        """Replicas to route to, in a stable order: those not avoided, else (all avoided) every one left."""
+    def adapters(self) -> dict[str, AdapterRef]:
+        """Every LoRA adapter some answering replica serves (the first listing of a name wins)."""
+        union: dict[str, AdapterRef] = {}
+        for _, r in sorted(self.replicas.items()):
+            if r.answering:
+                for name, ref in r.adapters.items():
+                    union.setdefault(name, ref)
+        return union
+
+    def candidates(self, exclude: set[str] = frozenset(), adapter: str | None = None) -> list[Replica]:
+        """Replicas to route to, in a stable order: those not avoided, else (all avoided) every one left; with
+        `adapter`, only those serving that LoRA adapter."""
         now = time.monotonic()
-        left = [r for name, r in sorted(self.replicas.items()) if name not in exclude]
+        left = [r for name, r in sorted(self.replicas.items())
+                if name not in exclude and (adapter is None or adapter in r.adapters)]
         fine = [r for r in left if r.avoid_until <= now] or left
         for r in fine:  # what each holds now: a new conversation goes where it evicts least
             r.cached_blocks = self.index.num_blocks(r.name)
@@ -194,18 +231,25 @@ class ReplicaSet:
             load = parse_load(text)
             r.others = max(0, load["running"] + load["waiting"] - max(ours, r.in_flight))
             r.capacity_blocks = load["capacity"]
+            try:
+                r.adapters = parse_adapters(await self._read(r, "/v1/models", MAX_MODELS_BYTES, self.auth))
+            except (httpx.HTTPError, ValueError):
+                pass  # its adapters as last read
         await asyncio.gather(*(one(r) for r in list(self.replicas.values())))
 
     async def _read_metrics(self, r: Replica) -> str:
-        """Its /metrics text, read within MAX_METRICS_BYTES (ValueError past it: a replica is not trusted to be
-        small)."""
-        async with self._http.stream("GET", f"{r.url}/metrics") as resp:
+        return await self._read(r, "/metrics", MAX_METRICS_BYTES)
+
+    async def _read(self, r: Replica, path: str, limit: int, headers: dict | None = None) -> str:
+        """A replica's answer at `path`, read within `limit` bytes (ValueError past it: a replica is not trusted
+        to be small)."""
+        async with self._http.stream("GET", f"{r.url}{path}", headers=headers) as resp:
             resp.raise_for_status()
             if resp.headers.get("content-encoding", "identity") != "identity":  # asked for none: not inflated here
-                raise ValueError("its /metrics came compressed")
+                raise ValueError(f"its {path} came compressed")
             body = bytearray()
             async for chunk in resp.aiter_raw():
                 body += chunk
-                if len(body) > MAX_METRICS_BYTES:
-                    raise ValueError(f"its /metrics is over {MAX_METRICS_BYTES} bytes")
+                if len(body) > limit:
+                    raise ValueError(f"its {path} is over {limit} bytes")
         return body.decode("utf-8", "replace")

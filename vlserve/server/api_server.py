@@ -119,8 +119,11 @@ def build_app(engine: AsyncLLM, server: ServerArgs) -> FastAPI:
 
         loras = getattr(engine, "loras", None)  # None: started without --enable-lora
         adapters = tuple(loras.adapters.values()) if loras is not None else ()
+        # `lora`: what a router needs to hash prompts as this server's caches do (vlserve.router.replicas)
         return {"object": "list", "data": [card(model_name, str(engine.cfg.model_path), None),
-                                           *(card(a.name, a.path, model_name) for a in adapters)]}
+                                           *(card(a.name, a.path, model_name) | {"lora": {"key": a.key,
+                                                                                          "towers": a.towers}}
+                                             for a in adapters)]}
 
     # Always routed: without --enable-lora / --allow-runtime-lora they answer 400 naming the flag to start with.
     @app.post("/v1/load_lora_adapter", openapi_extra=_body_schema(LoadLoRAAdapterRequest))

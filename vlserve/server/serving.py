@@ -123,7 +123,7 @@ class OpenAIServing:
         """The LoRA adapter a request's `model` names; None for the base model (or no name). 404 otherwise."""
         if name is None or name == self.model_name:
             return None
-        loras = getattr(self.engine, "loras", None)  # none on a router (no engine here)
+        loras = getattr(self.engine, "loras", None)  # the engine's catalogue, or a router's view of its replicas'
         adapters = loras.adapters if loras is not None else {}
         ref = adapters.get(name)
         if ref is not None:
