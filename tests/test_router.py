@@ -1,7 +1,7 @@
 """`vlserve router` in front of two `vlserve serve --registry` replicas (embedded bootstrap registry, KV events on):
 a conversation with a picture keeps landing on the replica that cached it (its prefix-cache hits grow, the other
-one's queries do not), the answers equal a replica's asked directly, streaming passes through, and a killed
-replica is avoided while every request is still answered."""
+one's queries do not), the answers equal a replica's asked directly, a LoRA adapter's requests go to the replica
+serving it, streaming passes through, and a killed replica is avoided while every request is still answered."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from tests.conftest import noise_image
+from tests.lora_utils import make_peft_adapter
 from tests.server_utils import RoleProcess, free_port, scrape
 from tests.test_disagg import data_url
 
@@ -24,7 +25,8 @@ def _prefix(metrics: dict[str, float], name: str) -> float:
 
 
 class Deployment:
-    def __init__(self, ckpt):
+    def __init__(self, ckpt, adapter=None):
+        """`adapter`: a LoRA adapter folder replica r1 serves as "docs" (r0 serves none)."""
         bport = free_port()
         self.registry = f"http://127.0.0.1:{bport}"
         common = ["--heartbeat-interval", "0.3"]
@@ -37,7 +39,8 @@ class Deployment:
             self.urls[name] = f"http://127.0.0.1:{port}"
             self.replicas[name] = RoleProcess(name, [
                 "serve", "--model", str(ckpt), "--port", str(port), "--registry", self.registry,
-                "--kv-events-endpoint", f"tcp://127.0.0.1:{free_port()}", "--max-model-len", "1024", *common],
+                "--kv-events-endpoint", f"tcp://127.0.0.1:{free_port()}", "--max-model-len", "1024", *common,
+                *(["--enable-lora", "--lora-modules", f"docs={adapter}"] if adapter and name == "r1" else [])],
                 f"{self.urls[name]}/health")
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
@@ -73,8 +76,9 @@ class Deployment:
 
 
 @pytest.fixture(scope="module")
-def deployment(tiny_ckpt):
-    d = Deployment(tiny_ckpt("qwen2_vl"))
+def deployment(tiny_ckpt, tmp_path_factory):
+    ckpt = tiny_ckpt("qwen2_vl")
+    d = Deployment(ckpt, make_peft_adapter(ckpt, tmp_path_factory.mktemp("lora") / "docs", targets="both"))
     yield d
     d.close()
 
@@ -120,6 +124,29 @@ def test_a_conversation_with_a_picture_stays_on_the_replica_that_cached_it(deplo
     other = next(n for n in d.urls if n != landed[0])
     via_router = ask(client, messages).choices[0].message.content
     assert via_router == ask(d.client(d.urls[other]), messages).choices[0].message.content
+
+
+def test_a_lora_adapter_goes_only_to_the_replica_serving_it(deployment):
+    """r1 serves adapter "docs": the router lists it, sends its requests to r1 only (whose answers they are), and
+    answers 404 for a name no replica serves."""
+    router = deployment.client()
+    deadline = time.monotonic() + 10
+    while "docs" not in [m.id for m in router.models.list().data]:  # listed once the router scraped r1
+        assert time.monotonic() < deadline, "the router never listed r1's adapter"
+        time.sleep(0.2)
+    before = {name: _prefix(scrape(f"{url}/metrics"), "vlserve:prompt_tokens_total")
+              for name, url in deployment.urls.items()}
+    direct = deployment.client(deployment.urls["r1"])
+    for seed in range(4):
+        turn = picture_turn(40 + seed, "What is in it?")
+        want = direct.chat.completions.create(model="docs", messages=turn, max_tokens=N_TOKENS, temperature=0)
+        got = router.chat.completions.create(model="docs", messages=turn, max_tokens=N_TOKENS, temperature=0)
+        assert got.model == "docs" and got.choices[0].message.content == want.choices[0].message.content
+    after = {name: _prefix(scrape(f"{url}/metrics"), "vlserve:prompt_tokens_total")
+             for name, url in deployment.urls.items()}
+    assert after["r0"] == before["r0"] and after["r1"] > before["r1"]
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        router.chat.completions.create(model="nobody", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
 
 
 def test_streaming_passes_through(deployment):
