@@ -22,6 +22,7 @@ naming itself and why: the language server tries another encoder.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 from concurrent.futures import ThreadPoolExecutor
@@ -98,6 +99,10 @@ class EncodeService(SenderService):
                     TransferMetrics(self.registry, None, "encode"), d.transfer_timeout, d.transfer_failure_prob)
         self.address = f"{advertised_host(d, server.host)}:{self.data_port}"  # how refusals name this encoder
         self.lora = getattr(self.tower, "lora", None)  # tower adapter slots (--enable-lora); the vision thread's
+        # adapter key -> requests using it now: host memory keeps those adapters
+        self.adapters_in_flight: collections.Counter[str] = collections.Counter()
+        if self.lora is not None:
+            self.lora.in_use = lambda: set(self.adapters_in_flight)
         self.registry.register(_EncoderStats(self))
         self.encoder_latency = Histogram(PREFIX + "encoder_latency_seconds", "Media encoder time per tower call, "
                                          "by tower (vision, audio).", ["tower"], registry=self.registry,
@@ -140,6 +145,7 @@ class EncodeService(SenderService):
                 raise InvalidInputError("this is an encoder, not a prefill instance: check the roles' registry")
             self.check_kinds(req)
             if req.lora is not None:
+                self.adapters_in_flight[req.lora.key] += 1
                 await self._take_adapter(req.lora)
             prompt = self.start_request(req)
             processed = (await self.prompts.encode(prompt, req.mm_processor_kwargs, req.request_id)).prompt
@@ -161,6 +167,10 @@ class EncodeService(SenderService):
             await self.request_failed(key, e)
         finally:
             self.in_flight -= 1
+            if req.lora is not None:
+                self.adapters_in_flight[req.lora.key] -= 1
+                if not self.adapters_in_flight[req.lora.key]:
+                    del self.adapters_in_flight[req.lora.key]
 
     async def _take_adapter(self, ref: AdapterRef) -> None:
         """Reads a request's tower adapter into host memory (on the vision thread, which alone uses the slots).
