@@ -122,6 +122,12 @@ def _embedding(t: dict) -> dict:
     return t | {"base_model.model.model.embed_tokens.lora_embedding_A": torch.zeros(8, 10)}
 
 
+def _two_adapters(t: dict) -> dict:
+    """PEFT's in-memory names of two adapters in one file: A of one must never pair with B of the other."""
+    return {k.replace(".weight", ".first.weight" if i % 2 else ".second.weight"): v
+            for i, (k, v) in enumerate(sorted(t.items()))}
+
+
 @pytest.mark.parametrize("change, words", [
     ({"use_dora": True}, "use_dora"),
     ({"bias": "all"}, "bias"),
@@ -132,7 +138,11 @@ def _embedding(t: dict) -> dict:
     (_one_half, "not its pair"),
     (_wrong_shape, "do not fit"),
     (_embedding, "not a LoRA A/B weight"),
-], ids=["dora", "bias", "modules_to_save", "fan_in_fan_out", "lm_head", "rank", "half", "shape", "embedding"])
+    (_two_adapters, "several adapters"),
+    ({"alpha_pattern": {"q_proj": "x"}}, "must be a number"),
+    ({"alpha_pattern": {f"m{i}": 1 for i in range(1025)}}, "at most 1024"),
+], ids=["dora", "bias", "modules_to_save", "fan_in_fan_out", "lm_head", "rank", "half", "shape", "embedding",
+        "two-adapters", "alpha-pattern-value", "alpha-pattern-size"])
 def test_an_adapter_that_cannot_be_served_exactly_is_refused_naming_why(llm, adapters, tmp_path, change, words):
     edited = _edited(adapters["lm"], tmp_path / "bad", **({"config": change} if isinstance(change, dict)
                                                           else {"tensors": change}))
@@ -168,6 +178,18 @@ def test_an_adapter_file_changed_after_it_was_checked_refuses_the_request_not_th
     assert_pool_full(llm)
     llm.engine.loras.unload("moving")
     assert tokens(llm, "hello", req) != want  # loaded again: its new weights
+
+
+def test_the_same_weights_with_another_alpha_are_another_adapter(llm, adapters, tmp_path):
+    """An adapter is its config and its weights: reloading a name with only lora_alpha changed must not meet the
+    old one's host copy, slot, prefix-cache blocks or tower outputs."""
+    doubled = _edited(adapters["both"], tmp_path / "alpha", config={"lora_alpha": 64})
+    first = LoRARequest("same-name", 1, str(adapters["both"]))
+    again = LoRARequest("same-name", 2, str(doubled))
+    keys = [llm.engine.loras.for_request(r).key for r in (first, again)]
+    assert keys[0] != keys[1] and all(k.startswith("same-name@") for k in keys)
+    assert tokens(llm, picture(12), first) != tokens(llm, picture(12), again)
+    assert_pool_full(llm)
 
 
 # ---- slots, host memory, caches ---------------------------------------------------------------------------------

@@ -29,7 +29,9 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 MAX_CONFIG_BYTES = 1 << 20
 # `<module>.lora_A.weight`, PEFT's saved name, or `<module>.lora_A.<adapter>.weight` as a model in memory names it
-KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[\w-]+)?\.weight$")
+KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.(?P<sub>[\w-]+))?\.weight$")
+MAX_PATTERNS = 1024  # alpha_pattern entries, each a module name (or the end of one) of at most 256 characters
+PEFT_DEFAULT_ALPHA = 8  # LoraConfig's lora_alpha when a config leaves it out
 TOWER_PREFIX = {"vision": "visual.", "audio": "audio_tower."}  # each tower's modules (projector included)
 TOWER_PREFIXES = tuple(TOWER_PREFIX.values())
 LM_PREFIX = "language_model."
@@ -124,23 +126,26 @@ def _config(folder: Path) -> dict:
             raise InvalidInputError(f"LoRA adapter {folder}: {field}={cfg.get(field)!r} is not supported (plain "
                                     "LoRA on linear layers only: peft_type LORA, no DoRA, bias none, no "
                                     "modules_to_save)")
-    alpha = cfg.get("lora_alpha", cfg.get("r", 8))
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
-        raise InvalidInputError(f"LoRA adapter {folder}: lora_alpha must be a number, got {alpha!r}")
+    patterns = cfg.get("alpha_pattern") or {}
     for field in ("rank_pattern", "alpha_pattern"):
         if not isinstance(cfg.get(field) or {}, dict):
             raise InvalidInputError(f"LoRA adapter {folder}: {field} must be an object")
+    if len(patterns) > MAX_PATTERNS or any(not isinstance(k, str) or len(k) > 256 for k in patterns):
+        raise InvalidInputError(f"LoRA adapter {folder}: alpha_pattern takes at most {MAX_PATTERNS} module names "
+                                "of at most 256 characters")
+    for field, alpha in [("lora_alpha", cfg.get("lora_alpha", PEFT_DEFAULT_ALPHA)), *patterns.items()]:
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+            raise InvalidInputError(f"LoRA adapter {folder}: the alpha of {field} must be a number, got {alpha!r}")
     return cfg
 
 
 def _pattern_value(patterns: dict, module: str, default):
-    """PEFT's per-module overrides: the first key that matches the end of the module's name."""
+    """PEFT's per-module alphas: the first key that is the module's name or the end of it (`q_proj`,
+    `layers.3.self_attn.q_proj`). Keys are matched as names, not run as regular expressions (a client's
+    pattern must not cost unbounded time)."""
     for key, value in patterns.items():
-        try:
-            if re.fullmatch(rf"(.*\.)?(?:{key})", module):
-                return value
-        except re.error:
-            raise InvalidInputError(f"LoRA adapter: bad pattern {key!r} in alpha_pattern") from None
+        if module == key or module.endswith("." + key):
+            return value
     return default
 
 
@@ -166,12 +171,17 @@ def read_adapter(name: str, folder: str | Path, targets: dict[str, LinearTarget]
         raise InvalidInputError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} is not a readable safetensors file "
                                 f"({e})") from None
     pairs: dict[str, dict[str, str]] = {}
+    subs = set()
     for key in shapes:
         m = KEY.match(key)
         if m is None:
             raise InvalidInputError(f"LoRA adapter {name!r}: tensor {key!r} is not a LoRA A/B weight of a linear "
                                     "layer (embedding LoRA, DoRA magnitudes and trained biases are not supported)")
         pairs.setdefault(m["module"], {})[m["ab"]] = key
+        subs.add(m["sub"])
+    if len(subs) > 1:
+        raise InvalidInputError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} holds several adapters "
+                                f"({', '.join(sorted(map(str, subs)))}): save each in its own folder")
     if not pairs:
         raise InvalidInputError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} holds no LoRA weights")
     rslora = bool(cfg.get("use_rslora"))
@@ -198,17 +208,20 @@ def read_adapter(name: str, folder: str | Path, targets: dict[str, LinearTarget]
         if rank > max_rank:
             raise InvalidInputError(f"LoRA adapter {name!r}: rank {rank} of {module} is over max_lora_rank "
                                     f"{max_rank}")
-        alpha = _pattern_value(cfg.get("alpha_pattern") or {}, module, cfg.get("lora_alpha", rank))
+        alpha = _pattern_value(cfg.get("alpha_pattern") or {}, module, cfg.get("lora_alpha", PEFT_DEFAULT_ALPHA))
         scale = alpha / (math.sqrt(rank) if rslora else rank)
         pieces.append(AdapterPiece(ours, shard, rank, float(scale), ab["A"], ab["B"]))
-    return AdapterSpec(name, str(folder), tuple(pieces), _digest(weights))
+    return AdapterSpec(name, str(folder), tuple(pieces), _digest(folder / CONFIG_FILE, weights))
 
 
-def _digest(path: Path) -> str:
+def _digest(*paths: Path) -> str:
+    """Of the config (its alphas scale every delta) and the weights: what an adapter is, whatever its name."""
     h = blake3()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
+    for path in paths:
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+        h.update(b"\0")
     return h.hexdigest()[:16]
 
 
