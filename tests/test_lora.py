@@ -221,6 +221,10 @@ def test_the_prefix_cache_and_the_router_key_blocks_by_adapter(llm, adapters):
     chains = [prompt_block_hashes(with_adapter(base, r), 16) for r in (None, ref, other)]
     assert len(chains[0]) >= 2 and len({c[0] for c in chains}) == 3  # no block of one is another's
     assert prompt_block_hashes(with_adapter(base, ref), 16) == chains[1]  # and the same adapter, the same chain
+    # a prompt already run with it (an encoder service's) is not keyed again: a router's hashes stay the server's
+    tower = llm.engine.loras.for_request(LoRARequest("tower", 2, str(adapters["tower"])))
+    pictured = with_adapter(llm.engine.input_processor.process(picture(13)), tower)
+    assert with_adapter(pictured, tower) is pictured
 
 
 def test_a_tower_adapter_gives_pictures_their_own_encoder_cache_entries(llm, adapters):

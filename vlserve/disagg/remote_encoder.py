@@ -88,6 +88,8 @@ class RemotePromptEncoder:
                                                       prompt.get("multi_modal_uuids") or {}, mm_processor_kwargs or {},
                                                       params if prefill else None,
                                                       lora if lora is not None and lora.towers else None)
+        if lora is not None and lora.towers:
+            processed.lora = lora  # the encoder gave its items the adapter's own hashes: not salted again here
         blocks = processed.block_rows
         # Called once, by the prompt's owner (frontend.prepared_prompt): the engine is done with the rows, or
         # never got them.

@@ -82,7 +82,7 @@ def parse_lora_modules(entries) -> list[tuple[str, str]]:
 def with_adapter(prompt: ProcessedPrompt, ref: AdapterRef | None) -> ProcessedPrompt:
     """The prompt run with adapter `ref`. An adapter of the towers changes what they make of each item: its items
     get hashes of their own (new item objects: processed media may be shared with other prompts)."""
-    if ref is None:
+    if ref is None or prompt.lora == ref:  # already run with it (an encoder service salted its items' hashes)
         return prompt
     items = prompt.mm_items
     if ref.towers:
