@@ -92,11 +92,11 @@ def test_each_adapter_and_the_base_model_match_the_aggregated_engine(cluster, of
 def test_an_encoder_without_lora_refuses_tower_adapters_and_the_cluster_serves_on(cluster, offline, adapters,
                                                                                   ckpt):
     cluster.use_encoders("A", "B")  # B: no --enable-lora
-    # a tower adapter sent to B is refused there and retried on A: every answer right
+    # a tower adapter sent to B is refused there and retried on A: every answer right (which encoder a request
+    # tries first is the language server's choice, so B's refusal itself is checked below, with B alone)
     for seed in range(2, 6):
         messages = picture_chat(seed)
         assert ask(cluster, messages, "tower") == expected(offline, adapters, messages, "tower"), seed
-    assert "LoRA adapter 'tower' refused: it serves no LoRA adapters" in cluster.encoders["B"].read_log()
     cluster.use_encoders("B")
     messages = picture_chat(7)
     with pytest.raises(openai.APIStatusError) as e:
