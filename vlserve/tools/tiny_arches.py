@@ -1,4 +1,5 @@
-"""The model families `make-tiny-model --arch` writes: the one list of them.
+"""The model families `make-tiny-model --arch` writes: the one list of them (these, then what each family's
+descriptor adds: `ModelFamily.tiny_arches`, built by the family's own builder module).
 
 Light on purpose (no torch, no transformers): `vlserve --help` reads it to say which families there are, and
 tiny_model.py resolves the transformers classes named here when it runs. A test keeps this list equal to the
@@ -7,15 +8,8 @@ architectures vlserve serves (vlserve.model.registry).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-
-@dataclass(frozen=True)
-class TinyArch:
-    family: str  # the family's name as its model cards write it
-    config_class: str  # transformers class names
-    model_class: str  # also config.json's `architectures` entry
-
+from vlserve.model.families import FAMILIES
+from vlserve.model.families.base import TinyArch
 
 TINY_ARCHES: dict[str, TinyArch] = {
     "qwen2_vl": TinyArch("Qwen2-VL", "Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
@@ -28,9 +22,13 @@ TINY_ARCHES: dict[str, TinyArch] = {
     "qwen2_5_omni": TinyArch("Qwen2.5-Omni", "Qwen2_5OmniThinkerConfig", "Qwen2_5OmniThinkerForConditionalGeneration"),
     # The checkpoint as released: thinker, talker and token2wav (vlserve serves the thinker).
     "qwen2_5_omni_full": TinyArch("Qwen2.5-Omni (full)", "Qwen2_5OmniConfig", "Qwen2_5OmniForConditionalGeneration"),
-    "llava_onevision": TinyArch("LLaVA-OneVision", "LlavaOnevisionConfig", "LlavaOnevisionForConditionalGeneration"),
-    "llava_next_video": TinyArch("LLaVA-NeXT-Video", "LlavaNextVideoConfig", "LlavaNextVideoForConditionalGeneration"),
+    "llava_onevision": TinyArch("LLaVA-OneVision", "LlavaOnevisionConfig", "LlavaOnevisionForConditionalGeneration",
+                                "vlserve.tools.tiny_llava"),
+    "llava_next_video": TinyArch("LLaVA-NeXT-Video", "LlavaNextVideoConfig", "LlavaNextVideoForConditionalGeneration",
+                                 "vlserve.tools.tiny_llava"),
 }
+for _family in FAMILIES:
+    TINY_ARCHES.update(_family.tiny_arches)
 
 
 def family_names() -> str:

@@ -67,6 +67,11 @@ TOKENIZERS = {
 }
 
 
+def tokenizer_spec(arch: str) -> tuple:
+    """(special tokens, chat template, tokenizer attributes, eos token, pad token): tiny_model's builder interface."""
+    return TOKENIZERS[arch]
+
+
 def generation_ids(arch: str, ids: dict[str, int]) -> dict[str, Any]:
     """bos / eos / pad ids of the generation config."""
     if arch == LLAVA_ONEVISION:
@@ -75,7 +80,7 @@ def generation_ids(arch: str, ids: dict[str, int]) -> dict[str, Any]:
     return {"bos_token_id": ids["<s>"], "eos_token_id": [ids["</s>"]], "pad_token_id": ids["<unk>"]}
 
 
-def llava_config(arch: str, spec, vocab_size: int, ids: dict[str, int], init_range: float, config_cls) -> Any:
+def model_config(arch: str, spec, vocab_size: int, ids: dict[str, int], init_range: float, config_cls) -> Any:
     """The transformers config: the tiny size's LM (Qwen2 or Llama) and tower, LLaVA's fields as released."""
     onevision = arch == LLAVA_ONEVISION
     gen = generation_ids(arch, ids)

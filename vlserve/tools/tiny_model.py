@@ -1,6 +1,12 @@
 """Create small random checkpoints of the families listed in tiny_arches.py in the Hugging Face layout, fully
 offline.
 
+A family with its own builder (`TinyArch.builder`, a module) gives what is its own through five names:
+`tokenizer_spec(arch)` -> (special tokens, chat template, tokenizer attributes naming them, eos token, pad token);
+`model_config(arch, size_spec, vocab_size, special token ids, init_range, transformers config class)`;
+`generation_ids(arch, ids)` (generation_config.json's bos / eos / pad); `processor_files(arch)` (file name ->
+JSON contents); `PROBES` (weights whose std `initializer_range` must have set). The Qwen families are built here.
+
 The weights come from transformers' own model classes, so the folder is exactly what
 `from_pretrained` expects; the tokenizer is a freshly trained byte-level BPE (see bpe_tokenizer.py) with the
 family's special tokens and chat template. Audio families get a Whisper feature extractor's
@@ -9,6 +15,7 @@ preprocessor_config.json (Omni's also holds its image processor's fields).
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import sys
@@ -36,7 +43,7 @@ from vlserve.tools.bpe_tokenizer import (
     save_tokenizer,
     special_token_ids,
 )
-from vlserve.tools import tiny_llava, tiny_qwen3_5
+from vlserve.tools import tiny_qwen3_5
 from vlserve.tools.tiny_arches import TINY_ARCHES
 
 # arch -> (transformers config class, model class); the families themselves are listed in tiny_arches.py
@@ -51,9 +58,13 @@ OMNI = ("qwen2_5_omni", "qwen2_5_omni_full")
 AUDIO = ("qwen2_audio", *OMNI)
 # arch -> (special tokens, chat template, tokenizer attributes naming them)
 TOKENIZERS = {"qwen2_audio": (QWEN2_AUDIO_SPECIAL_TOKENS, QWEN2_AUDIO_CHAT_TEMPLATE, None)} | {
-    arch: (OMNI_SPECIAL_TOKENS, OMNI_CHAT_TEMPLATE, OMNI_TOKEN_NAMES) for arch in OMNI} | {
-    arch: spec[:3] for arch, spec in tiny_llava.TOKENIZERS.items()}
-LLAVA = tiny_llava.LLAVA
+    arch: (OMNI_SPECIAL_TOKENS, OMNI_CHAT_TEMPLATE, OMNI_TOKEN_NAMES) for arch in OMNI}
+
+
+def family_builder(arch: str):
+    """The family's own builder module (see the module docstring), None for the Qwen families built here."""
+    name = TINY_ARCHES[arch].builder
+    return importlib.import_module(name) if name else None
 
 # OpenAI CLIP normalisation, which both Qwen2-VL and Qwen2.5-VL use; Qwen3-VL uses 0.5 / 0.5.
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
@@ -328,8 +339,9 @@ def _check_saved(out_dir: Path, arch: str, init_range: float) -> None:
     probes = ("model.layers.0.self_attn.q_proj.weight",)
     probes += ("audio_tower.layers.0.self_attn.q_proj.weight",) if arch in AUDIO else ()
     probes += ("visual.blocks.0.attn.q.weight",) if arch in OMNI else ()
-    probes += ("visual.blocks.0.attn.qkv.weight",) if arch not in AUDIO + LLAVA else ()
-    probes = tiny_llava.PROBES if arch in LLAVA else tiny_qwen3_5.PROBES if arch in QWEN3_5 else probes
+    probes += ("visual.blocks.0.attn.qkv.weight",) if arch not in AUDIO else ()
+    builder = family_builder(arch)
+    probes = builder.PROBES if builder else tiny_qwen3_5.PROBES if arch in QWEN3_5 else probes
     found: dict[str, float] = {}
     for shard in sorted(out_dir.glob("*.safetensors")):
         with safe_open(str(shard), framework="pt") as f:
@@ -370,8 +382,12 @@ def make_tiny_model(
 
     with tqdm(total=4, desc=f"make-tiny-model {arch}/{size}", unit="step", leave=False) as bar:
         bar.set_postfix_str("tokenizer")
+        builder = family_builder(arch)
         special, template, names = TOKENIZERS.get(arch, (SPECIAL_TOKENS, CHAT_TEMPLATE, None))
-        eos_pad = dict(zip(("eos_token", "pad_token"), tiny_llava.TOKENIZERS[arch][3:])) if arch in LLAVA else {}
+        eos_pad = {}
+        if builder:
+            special, template, names, eos, pad = builder.tokenizer_spec(arch)
+            eos_pad = {"eos_token": eos, "pad_token": pad}
         tokenizer = build_tokenizer(spec.bpe_vocab, special_tokens=special, chat_template=template, token_names=names,
                                     **eos_pad)
         ids = special_token_ids(tokenizer, special)
@@ -380,14 +396,16 @@ def make_tiny_model(
         bar.update()
 
         bar.set_postfix_str("weights")
-        if arch in LLAVA:
-            config = tiny_llava.llava_config(arch, spec, vocab_size, ids, init_range, ARCHES[arch][0])
+        if builder:
+            config = builder.model_config(arch, spec, vocab_size, ids, init_range, ARCHES[arch][0])
         else:
             config = (_audio_model_config if arch in AUDIO else _model_config)(arch, size, vocab_size, ids,
                                                                                  init_range)
         with torch.random.fork_rng(devices=[]):  # seed our init without disturbing the caller's RNG
             torch.manual_seed(seed)
             model: PreTrainedModel = ARCHES[arch][1](config).eval()
+            if builder and hasattr(builder, "randomize"):
+                builder.randomize(model, init_range)
         if spec.dtype != torch.float32:
             model.to(spec.dtype)  # save_pretrained records the model's dtype in config.json
         n_params = sum(p.numel() for p in model.parameters())
@@ -396,14 +414,14 @@ def make_tiny_model(
         bar.set_postfix_str("save")
         model.save_pretrained(str(out), safe_serialization=True)
         # Qwen2-VL stops on <|im_end|> in chat and on <|endoftext|> for raw text.
-        generation = tiny_llava.generation_ids(arch, ids) if arch in LLAVA else {
+        generation = builder.generation_ids(arch, ids) if builder else {
             "bos_token_id": ids["<|endoftext|>"],
             "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
             "pad_token_id": ids["<|endoftext|>"],
         }
         GenerationConfig(**generation).save_pretrained(str(out))
-        if arch in LLAVA:
-            files = tiny_llava.processor_files(arch)
+        if builder:
+            files = builder.processor_files(arch)
         else:
             files = {"preprocessor_config.json": (_audio_preprocessor_config if arch in AUDIO
                                                   else _preprocessor_config)(arch, spec.max_pixels)}

@@ -29,6 +29,18 @@ def _resolve(ref: str) -> Any:
 
 
 @dataclass(frozen=True)
+class TinyArch:
+    """A small random checkpoint `make-tiny-model --arch` writes (vlserve.tools.tiny_model) for tests and demos."""
+
+    family: str  # the family's name as its model cards write it
+    config_class: str  # transformers class names
+    model_class: str  # also config.json's `architectures` entry
+    # "module" of the family's own builder (its tokenizer, config and processor files: the interface
+    # vlserve.tools.tiny_model documents); "" for the families tiny_model builds itself
+    builder: str = ""
+
+
+@dataclass(frozen=True)
 class ModelFamily:
     name: str  # "qwen", "llava": also ModelConfig.family
     architectures: tuple[str, ...]  # config.json `architectures` entries it serves
@@ -44,6 +56,7 @@ class ModelFamily:
     check_item: str
     processor: str  # "module:Class": its MultiModalProcessor
     aliases: dict[str, str] = field(default_factory=dict)  # architecture names read as another of its own
+    tiny_arches: dict[str, TinyArch] = field(default_factory=dict)  # `make-tiny-model --arch` names it adds
 
     def load(self, ref: str) -> Any:
         """One of the "module:attribute" references above, imported once."""

@@ -23,7 +23,7 @@ import blake3
 import torch
 
 from vlserve.core.errors import InvalidInputError
-from vlserve.core.prompt import ProcessedPrompt
+from vlserve.core.prompt import MultiModalItem, ProcessedPrompt
 from vlserve.media.data_url import decode_base64
 from vlserve.media.image import ImageBounds
 from vlserve.model.config_types import ModelConfig
@@ -68,6 +68,25 @@ class PromptMedia:
     mm_kwargs: dict  # mm_processor_kwargs, only names in the processor's `mm_kwargs`
     from_token_ids: bool  # the client sent token ids (a family that rewrites the prompt rewrites those)
     tokenize: Callable[[str], list[int]]  # the front end's tokenizer, with its bounds (a family that rewrites text)
+
+
+@dataclass
+class MediaItem:
+    """One processed picture, video (or part of one) before its placeholder is placed: what a family's
+    processor makes of a media source, cached as is (`MediaItemCache`) and placed at its offset per prompt."""
+
+    num_tokens: int
+    grid_thw: tuple[int, int, int]  # the family's three numbers (its checks and tower read them)
+    mm_hash: str
+    modality: str = "image"
+    pixel_values: torch.Tensor | None = None
+    embeddings: torch.Tensor | None = None
+    audio_features: torch.Tensor | None = None
+    audio_len: int = 0
+
+    def placed_at(self, offset: int) -> MultiModalItem:
+        return MultiModalItem(offset, self.num_tokens, self.pixel_values, self.grid_thw, self.mm_hash,
+                              self.embeddings, self.modality, self.audio_features, self.audio_len)
 
 
 _KEY_SLICE = 1 << 20  # characters of a data URL encoded at a time for its cache key

@@ -28,15 +28,20 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from PIL import Image
 
 from vlserve.core.errors import ModelLoadError
 from vlserve.media.image import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+from vlserve.media.pixels import (
+    BICUBIC,
+    TORCH_MODES,
+    normalize_frames,
+    pil_resize,
+    rescale_normalize,
+    torch_resize,
+)
 from vlserve.model.families.llava.anyres import best_resolution
 
-NEAREST, BILINEAR, BICUBIC = 0, 2, 3  # PIL resample numbers (what preprocessor configs hold)
-TORCH_MODES = {NEAREST: "nearest-exact", BILINEAR: "bilinear", BICUBIC: "bicubic"}  # torchvision's mapping
 ONEVISION_PINPOINTS = tuple((384 * a, 384 * b) for a in range(1, 7) for b in range(1, 7))
 NEXT_PINPOINTS = ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))
 
@@ -196,16 +201,9 @@ def frame_size(height: int, width: int, s: PixelSettings) -> tuple[int, int]:
 
 
 # ---- pictures ------------------------------------------------------------------------------------------------
-def _pil_resize(img: np.ndarray, size: tuple[int, int], resample: int) -> np.ndarray:
-    """uint8 [H, W, 3] -> [h, w, 3] with PIL (the same size: the same pixels, as PIL copies)."""
-    if img.shape[:2] == size:
-        return img
-    return np.asarray(Image.fromarray(img).resize((size[1], size[0]), resample=resample))
-
-
 def _finish_tile(tile: np.ndarray, s: PixelSettings) -> np.ndarray:
     """HF's per-tile pipeline before rescaling: resize to `size`, centre crop (numpy's arithmetic)."""
-    tile = _pil_resize(np.ascontiguousarray(tile), resized_size(*tile.shape[:2], s), s.resample)
+    tile = pil_resize(np.ascontiguousarray(tile), resized_size(*tile.shape[:2], s), s.resample)
     if s.crop is not None:
         (h, w), (ch, cw) = tile.shape[:2], s.crop
         top, left = (h - ch) // 2, (w - cw) // 2
@@ -219,27 +217,20 @@ def anyres_tiles(img: Image.Image, s: PixelSettings) -> np.ndarray:
     height, width = rgb.shape[:2]
     bh, bw = canvas_size(height, width, s)
     nh, nw = patch_output_size(height, width, (bh, bw))
-    resized = _pil_resize(rgb, (nh, nw), s.resample)
+    resized = pil_resize(rgb, (nh, nw), s.resample)
     canvas = np.zeros((bh, bw, 3), dtype=np.uint8)  # black padding, centred (the odd pixel after)
     top, left = (bh - nh) // 2, (bw - nw) // 2
     canvas[top:top + nh, left:left + nw] = resized
     t = s.tile
     tiles = [canvas[i:i + t, j:j + t] for i in range(0, bh, t) for j in range(0, bw, t)]
-    base = _pil_resize(rgb, s.base_size, s.resample)
+    base = pil_resize(rgb, s.base_size, s.resample)
     return np.stack([_finish_tile(tile, s) for tile in [base, *tiles]])
 
 
 def normalize_tiles(tiles: np.ndarray, s: PixelSettings) -> torch.Tensor:
-    """uint8 [N, H, W, 3] -> float32 [N, 3 * H * W] (C, H, W order) as the PIL backend computes: rescale in
-    float64 then float32, normalize in float32."""
-    x = tiles
-    if s.do_rescale:
-        x = (x.astype(np.float64) * s.rescale_factor).astype(np.float32)
-    x = x.astype(np.float32, copy=False)
-    if s.do_normalize:
-        x = (x - np.asarray(s.mean, dtype=np.float32)) / np.asarray(s.std, dtype=np.float32)
-    n = x.shape[0]
-    return torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2))).view(n, -1)
+    """uint8 [N, H, W, 3] -> float32 [N, 3 * H * W] (C, H, W order), as the PIL backend computes."""
+    return rescale_normalize(tiles, s.rescale_factor if s.do_rescale else None,
+                             s.mean if s.do_normalize else None, s.std)
 
 
 def anyres_pixels(img: Image.Image, s: PixelSettings) -> torch.Tensor:
@@ -248,44 +239,17 @@ def anyres_pixels(img: Image.Image, s: PixelSettings) -> torch.Tensor:
 
 
 # ---- video frames --------------------------------------------------------------------------------------------
-def _native_uint8(mode: str) -> bool:
-    """torchvision resizes uint8 frames as uint8 on CPU for bicubic, and for bilinear where the CPU has AVX2."""
-    if mode == "bilinear":
-        return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-    return True
-
-
-def _torch_resize(frames: torch.Tensor, size: tuple[int, int], resample: int) -> torch.Tensor:
-    """uint8 [T, 3, H, W] -> [T, 3, h, w] as torchvision's `resize_image` (antialias=True) on CPU."""
-    if tuple(frames.shape[-2:]) == size:
-        return frames
-    mode = TORCH_MODES[resample]
-    smooth = mode in ("bilinear", "bicubic")
-    kw = {"align_corners": False, "antialias": True} if smooth else {}
-    if _native_uint8(mode):
-        return F.interpolate(frames, size=list(size), mode=mode, **kw)
-    out = F.interpolate(frames.to(torch.float32), size=list(size), mode=mode, **kw)
-    return out.round_().to(torch.uint8)
-
-
 def video_pixels(frames: np.ndarray | list[np.ndarray], s: PixelSettings) -> torch.Tensor:
     """uint8 [T, H, W, 3] -> float32 [T, 3 * S * S]: torchvision's resize, centre crop, fused rescale+normalize.
     Frame by frame (the same numbers as HF's batched resize), so only one full-size frame is copied at a time."""
     out = []
     for frame in frames:
         x = torch.from_numpy(np.ascontiguousarray(frame)).permute(2, 0, 1).contiguous()[None]  # [1, 3, H, W]
-        x = _torch_resize(x, resized_size(x.shape[2], x.shape[3], s), s.resample)
+        x = torch_resize(x, resized_size(x.shape[2], x.shape[3], s), s.resample)
         if s.crop is not None:
             (h, w), (ch, cw) = x.shape[-2:], s.crop
             top, left = int((h - ch) / 2.0), int((w - cw) / 2.0)
             x = x[:, :, top:top + ch, left:left + cw]
         out.append(x)
-    x = torch.cat(out)
-    if s.do_normalize:
-        mean, std = torch.tensor(s.mean), torch.tensor(s.std)  # float32, as HF builds them
-        if s.do_rescale:
-            mean, std = mean * (1.0 / s.rescale_factor), std * (1.0 / s.rescale_factor)
-        x = (x.to(torch.float32) - mean.view(-1, 1, 1)) / std.view(-1, 1, 1)
-    elif s.do_rescale:
-        x = x * s.rescale_factor
-    return x.to(torch.float32).contiguous().view(x.shape[0], -1)
+    return normalize_frames(torch.cat(out), s.rescale_factor if s.do_rescale else None,
+                            s.mean if s.do_normalize else None, s.std)

@@ -23,14 +23,14 @@ pixels per frame as decoded (vlserve.media), then its token count and a frame's 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import torch
 
 from vlserve.core.errors import InvalidInputError, MediaTooLargeError, ModelLoadError
-from vlserve.core.prompt import MultiModalItem, ProcessedPrompt
+from vlserve.core.prompt import ProcessedPrompt
 from vlserve.media.hashing import hash_embeddings, hash_image, hash_user_id, hash_video
 from vlserve.media.image import load_image
 from vlserve.media.video import VideoOptions, load_video
@@ -46,6 +46,7 @@ from vlserve.model.families.llava.pixels import (
 )
 from vlserve.model.families.processor import (
     EMBED_DTYPES,
+    MediaItem,
     MediaItemCache,
     MultiModalProcessor,
     ProcessorContext,
@@ -54,20 +55,6 @@ from vlserve.model.families.processor import (
     expand_all_placeholders,
     rope_positions,
 )
-
-
-@dataclass
-class _Item:
-    num_tokens: int
-    grid_thw: tuple[int, int, int]
-    mm_hash: str
-    modality: str
-    pixel_values: torch.Tensor | None = None
-    embeddings: torch.Tensor | None = None
-
-    def placed_at(self, offset: int) -> MultiModalItem:
-        return MultiModalItem(offset, self.num_tokens, self.pixel_values, self.grid_thw, self.mm_hash,
-                              self.embeddings, self.modality)
 
 
 class LlavaProcessor(MultiModalProcessor):
@@ -121,17 +108,18 @@ class LlavaProcessor(MultiModalProcessor):
         return ProcessedPrompt(token_ids, [it.placed_at(off) for off, it in placed], positions, delta, prompt.text)
 
     # ---- pictures ----------------------------------------------------------------------------------------------
-    def _image(self, src: Any, uid: str | None, pixels: bool = True) -> _Item:
+    def _image(self, src: Any, uid: str | None, pixels: bool = True) -> MediaItem:
         if isinstance(src, dict) and "image_embeds" in src:
             return self._embeds(src)
         cache = self.processed if pixels else self.layouts
         return cache.get_or_make(MediaItemCache.key("image", src, [uid]), lambda: self._load_image(src, uid, pixels))
 
-    def _load_image(self, src: Any, uid: str | None, pixels: bool) -> _Item:
+    def _load_image(self, src: Any, uid: str | None, pixels: bool) -> MediaItem:
         img = load_image(src, self.image_bounds, lambda w, h: self._geometry(h, w))  # checked undecoded
         grid, tokens = self._geometry(img.height, img.width)
         mm_hash = hash_user_id(str(uid), self.image_params) if uid else hash_image(img, self.image_params)
-        return _Item(tokens, grid, mm_hash, "image", pixel_values=anyres_pixels(img, self.image) if pixels else None)
+        return MediaItem(tokens, grid, mm_hash, "image",
+                         pixel_values=anyres_pixels(img, self.image) if pixels else None)
 
     def _geometry(self, height: int, width: int) -> tuple[tuple[int, int, int], int]:
         """A picture's grid and token count, both bounded (its tokens, its anyres canvas): from its size alone."""
@@ -144,7 +132,7 @@ class LlavaProcessor(MultiModalProcessor):
                                      f"pixels, more than the {self.ctx.max_image_pixels} allowed (--max-image-pixels)")
         return grid, tokens
 
-    def _embeds(self, entry: dict) -> _Item:
+    def _embeds(self, entry: dict) -> MediaItem:
         """Precomputed picture embeddings: {"image_embeds": [tokens, hidden] tensor (or base64 of a safetensors
         file), "image_sizes": (height, width) of the picture}: its tile count and rows follow from the size."""
         if not self.ctx.enable_mm_embeds:
@@ -171,7 +159,7 @@ class LlavaProcessor(MultiModalProcessor):
         if not torch.isfinite(embeds).all():
             raise InvalidInputError("image_embeds holds NaN or infinite values")
         embeds = embeds.to(self.ctx.dtype).contiguous()
-        return _Item(tokens, grid, hash_embeddings(embeds, grid), "image", embeddings=embeds)
+        return MediaItem(tokens, grid, hash_embeddings(embeds, grid), "image", embeddings=embeds)
 
     # ---- videos ------------------------------------------------------------------------------------------------
     def _max_frames(self, kwargs: dict) -> int:
@@ -185,7 +173,7 @@ class LlavaProcessor(MultiModalProcessor):
             raise InvalidInputError(f"max_frames {v} exceeds the server's limit of {cap} (--max-video-frames)")
         return v
 
-    def _video(self, src: Any, uid: str | None, max_frames: int, pixels: bool = True) -> _Item:
+    def _video(self, src: Any, uid: str | None, max_frames: int, pixels: bool = True) -> MediaItem:
         if isinstance(src, dict):
             raise InvalidInputError("precomputed video embeddings are not supported for LLaVA models; send the "
                                     "video itself")
@@ -193,7 +181,7 @@ class LlavaProcessor(MultiModalProcessor):
         cache = self.processed if pixels else self.layouts
         return cache.get_or_make(key, lambda: self._load_video(src, uid, max_frames, pixels))
 
-    def _load_video(self, src: Any, uid: str | None, max_frames: int, pixels: bool) -> _Item:
+    def _load_video(self, src: Any, uid: str | None, max_frames: int, pixels: bool) -> MediaItem:
         if isinstance(src, np.ndarray):
             if src.ndim != 4:
                 raise InvalidInputError(f"a video array must be [frames, height, width, 3], got shape {src.shape}")
@@ -213,4 +201,5 @@ class LlavaProcessor(MultiModalProcessor):
         # hash also holds how many frames were taken from it
         mm_hash = (hash_user_id(str(uid), {**self.video_params, "max_frames": max_frames}) if uid
                    else hash_video(frames, self.video_params))
-        return _Item(tokens, grid, mm_hash, "video", pixel_values=video_pixels(frames, self.video) if pixels else None)
+        return MediaItem(tokens, grid, mm_hash, "video",
+                         pixel_values=video_pixels(frames, self.video) if pixels else None)

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from vlserve.core.errors import InvalidInputError, MediaTooLargeError
-from vlserve.core.prompt import MultiModalItem, ProcessedPrompt
+from vlserve.core.prompt import ProcessedPrompt
 from vlserve.media.audio import AudioLimits, AudioProcessorConfig, load_audio, load_video_audio
 from vlserve.media.audio_features import log_mel, valid_frames
 from vlserve.media.hashing import (
@@ -35,6 +35,7 @@ from vlserve.media.video import VideoOptions, load_video, preprocess_video, vide
 from vlserve.model.audio_encoder import audio_output_tokens
 from vlserve.model.families.processor import (
     EMBED_DTYPES,
+    MediaItem,
     MediaItemCache,
     MultiModalProcessor,
     ProcessorContext,
@@ -49,24 +50,11 @@ from vlserve.model.families.qwen.video_layout import VideoLayout
 
 
 @dataclass
-class _Item:
-    """One media item before expansion: what the encoder gets (pixels, audio features or embeddings) and its
-    token count."""
+class _Item(MediaItem):
+    """A media item with what Qwen's M-RoPE positions read of a video."""
 
-    num_tokens: int
-    grid_thw: tuple[int, int, int]
-    mm_hash: str
-    pixel_values: torch.Tensor | None = None
-    embeddings: torch.Tensor | None = None
     time_interval: float = 1.0  # M-RoPE temporal spacing (videos)
     seconds_per_grid: float = 1.0  # seconds one temporal patch covers (videos; Omni positions)
-    modality: str = "image"
-    audio_features: torch.Tensor | None = None
-    audio_len: int = 0
-
-    def placed_at(self, offset: int) -> MultiModalItem:
-        return MultiModalItem(offset, self.num_tokens, self.pixel_values, self.grid_thw, self.mm_hash,
-                              self.embeddings, self.modality, self.audio_features, self.audio_len)
 
 
 @dataclass
