@@ -19,9 +19,10 @@ ROOT = Path(__file__).resolve().parents[1] / "vlserve"
 # Bottom to top. A package may import its own modules and any package of a lower layer, never one above or beside.
 LAYERS = [
     {"vlserve.core"},
-    {"vlserve.tools", "vlserve.bench"},  # stand-alone tools: only core below them
+    {"vlserve.bench"},  # stand-alone benchmark clients: only core below them
     {"vlserve.media"},  # fetching and decoding pictures, video and sound; content hashes
     {"vlserve.model"},
+    {"vlserve.tools"},  # checkpoint makers: the families name their tiny-checkpoint builders (model registry)
     {"vlserve.lora"},  # LoRA adapters on the model's linears: read, checked, put in slots
     {"vlserve.engine"},
     {"vlserve.frontend"},

@@ -311,7 +311,7 @@ def test_text_logits_equal_transformers(pair, arch):
 
 
 def _tiny_llama_config() -> dict:
-    from vlserve.tools.tiny_llava import NEXT_VIDEO_PINPOINTS
+    from vlserve.model.families.llava.tiny import NEXT_VIDEO_PINPOINTS
 
     return {"text_config": {"model_type": "llama", "vocab_size": 1024, "hidden_size": 64, "intermediate_size": 96,
                             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,

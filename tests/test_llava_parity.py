@@ -28,7 +28,7 @@ MAX_NEW = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
 LOGPROB_ATOL = 1e-4
 FAMILIES = ("llava_onevision", "llava_next_video")
-# a chat turn as each family's template lays it out (tiny_llava.py)
+# a chat turn as each family's template lays it out (vlserve/model/families/llava/tiny.py)
 TURN = {"llava_onevision": "<|im_start|>user {}<|im_end|>\n<|im_start|>assistant\n",
         "llava_next_video": "USER: {} ASSISTANT:"}
 

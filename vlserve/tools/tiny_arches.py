@@ -22,10 +22,6 @@ TINY_ARCHES: dict[str, TinyArch] = {
     "qwen2_5_omni": TinyArch("Qwen2.5-Omni", "Qwen2_5OmniThinkerConfig", "Qwen2_5OmniThinkerForConditionalGeneration"),
     # The checkpoint as released: thinker, talker and token2wav (vlserve serves the thinker).
     "qwen2_5_omni_full": TinyArch("Qwen2.5-Omni (full)", "Qwen2_5OmniConfig", "Qwen2_5OmniForConditionalGeneration"),
-    "llava_onevision": TinyArch("LLaVA-OneVision", "LlavaOnevisionConfig", "LlavaOnevisionForConditionalGeneration",
-                                "vlserve.tools.tiny_llava"),
-    "llava_next_video": TinyArch("LLaVA-NeXT-Video", "LlavaNextVideoConfig", "LlavaNextVideoForConditionalGeneration",
-                                 "vlserve.tools.tiny_llava"),
 }
 for _family in FAMILIES:
     TINY_ARCHES.update(_family.tiny_arches)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from vlserve.model.families.base import ModelFamily
-from vlserve.model.families.llava.config import ARCHITECTURES, parse_llava_config
+from vlserve.model.families.base import ModelFamily, TinyArch
+from vlserve.model.families.llava.config import ARCHITECTURES, LLAVA_NEXT_VIDEO, LLAVA_ONEVISION, parse_llava_config
+
+TINY = "vlserve.model.families.llava.tiny"  # make-tiny-model's builder for both
 
 LLAVA = ModelFamily(
     name="llava",
@@ -13,4 +15,6 @@ LLAVA = ModelFamily(
     weight_names="vlserve.model.families.llava.weights:our_name",
     check_item="vlserve.model.families.llava.checks:check_item",
     processor="vlserve.model.families.llava.processor:LlavaProcessor",
+    tiny_arches={"llava_onevision": TinyArch("LLaVA-OneVision", "LlavaOnevisionConfig", LLAVA_ONEVISION, TINY),
+                 "llava_next_video": TinyArch("LLaVA-NeXT-Video", "LlavaNextVideoConfig", LLAVA_NEXT_VIDEO, TINY)},
 )

@@ -1,6 +1,6 @@
-"""The LLaVA parts of `make-tiny-model` (tiny_model.py): LLaVA-OneVision (SigLIP tower, Qwen2 LM) and
-LLaVA-NeXT-Video (CLIP tower, Llama LM) configs, their tokenizers' special tokens and chat templates (laid out as
-the llava-hf checkpoints' are), and the processor files the transformers processors read.
+"""The LLaVA parts of `make-tiny-model` (vlserve.tools.tiny_model's builder interface): LLaVA-OneVision (SigLIP
+tower, Qwen2 LM) and LLaVA-NeXT-Video (CLIP tower, Llama LM) configs, their tokenizers' special tokens and chat
+templates (laid out as the llava-hf checkpoints' are), and the processor files the transformers processors read.
 
 Tiles are 56 px (patch 14: 4 x 4 patches per tile) so tests are fast; OneVision's pinpoints reach 4 x 4 tiles, so
 big pictures take its anyres_max_9 downscale, as real ones do at 6 x 6 tiles of 384 px.
