@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from vlserve.core.errors import UnsupportedModelError
 from vlserve.model.families.base import ModelFamily
+from vlserve.model.families.internvl import INTERNVL
 from vlserve.model.families.llava import LLAVA
 from vlserve.model.families.qwen import QWEN
 
-FAMILIES: tuple[ModelFamily, ...] = (QWEN, LLAVA)
+FAMILIES: tuple[ModelFamily, ...] = (QWEN, LLAVA, INTERNVL)
 _BY_ARCHITECTURE = {arch: fam for fam in FAMILIES for arch in (*fam.architectures, *fam.aliases)}
 
 
