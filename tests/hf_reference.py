@@ -342,3 +342,76 @@ class HFLlavaReference:
         new = out.sequences[0, len(prompt_ids):].tolist()
         logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, new)]
         return prompt_ids, new, logprobs
+
+
+class _InternVLFrames:
+    """Stands in for transformers' InternVLVideoProcessor (torchvision): each video's frames as vlserve makes
+    them, [frames, 3, S, S] (torch's resize: the one torchvision runs); the processor's own `replace_video_token`
+    then lays the video out."""
+
+    def __init__(self, folder):
+        from vlserve.model.families.internvl.pixels import load_settings
+
+        self.settings = load_settings(folder, "video")
+
+    def __call__(self, videos, **kwargs):
+        import numpy as np
+        from transformers.feature_extraction_utils import BatchFeature
+
+        from vlserve.model.families.internvl.pixels import frame_pixels
+
+        videos = [videos] if isinstance(videos, np.ndarray) and videos.ndim == 4 else list(videos)
+        side = self.settings.tile
+        pixels = [frame_pixels(list(v), self.settings).view(len(v), 3, side, side) for v in videos]
+        return BatchFeature({"pixel_values_videos": torch.stack(pixels)})
+
+
+def internvl_processor(folder, tokenizer=None):
+    """transformers' InternVLProcessor over an InternVL checkpoint's files with the PIL image processor
+    (GotOcr2ImageProcessorPil); its video processor is `_InternVLFrames` (the class check that would load the
+    torchvision one is skipped while it is made)."""
+    import json
+    from pathlib import Path
+    from unittest import mock
+
+    from transformers import InternVLProcessor
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+    from transformers.processing_utils import ProcessorMixin
+
+    tokenizer = tokenizer or AutoTokenizer.from_pretrained(folder)
+    own = json.loads((Path(folder) / "processor_config.json").read_text())
+    with mock.patch.object(ProcessorMixin, "check_argument_for_proper_class", lambda self, name, arg: None):
+        proc = InternVLProcessor(image_processor=GotOcr2ImageProcessorPil.from_pretrained(folder),
+                                 tokenizer=tokenizer, video_processor=None, chat_template=tokenizer.chat_template,
+                                 image_seq_length=own["image_seq_length"])
+    proc.video_processor = _InternVLFrames(folder)
+    return proc
+
+
+class HFInternVLReference:
+    """transformers' InternVL3: its processor (`internvl_processor`) and its model's `generate`; the same calls as
+    HFLlavaReference."""
+
+    def __init__(self, path, model=None):
+        from transformers import InternVLForConditionalGeneration
+
+        self.path = path
+        self.model = model or InternVLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.processor = internvl_processor(path, self.tokenizer)
+
+    def inputs(self, text: str, images=(), videos=()) -> dict:
+        media = {"images": list(images) or None, "videos": list(videos) or None}
+        return dict(self.processor(text=[text], **media, return_tensors="pt"))
+
+    @torch.no_grad()
+    def greedy(self, text: str, max_new_tokens: int, images=(), videos=()) -> tuple[list[int], list[int], list]:
+        """(expanded prompt ids, generated ids, each generated token's log-probability); EOS is ignored."""
+        inputs = self.inputs(text, images, videos)
+        out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                                  do_sample=False, pad_token_id=self.tokenizer.pad_token_id, output_logits=True,
+                                  return_dict_in_generate=True)
+        prompt_ids = inputs["input_ids"][0].tolist()
+        new = out.sequences[0, len(prompt_ids):].tolist()
+        logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, new)]
+        return prompt_ids, new, logprobs

@@ -8,13 +8,12 @@ tensor-parallel ranks, and through `LLM.chat` with a data URL against transforme
 transformers' side: its own InternVLProcessor over the checkpoint's files with the PIL image processor
 (GotOcr2ImageProcessorPil); its video processor needs torchvision (not installed), so video frames are vlserve's
 pixel values (torch's resize, the one torchvision runs) while the processor's own `replace_video_token` lays the
-video out."""
+video out (tests/hf_reference.py `HFInternVLReference`)."""
 
 from __future__ import annotations
 
 import base64
 import io
-from unittest import mock
 
 import numpy as np
 import pytest
@@ -22,6 +21,7 @@ import torch
 
 from tests.conftest import assert_pool_full, noise_image
 from tests.engine_probes import metric_delta, record_chunks
+from tests.hf_reference import HFInternVLReference
 from vlserve import LLM, SamplingParams
 from vlserve.model.families.internvl.tiles import canvas
 
@@ -53,51 +53,11 @@ PREAMBLE = "You are a careful viewer. Look at the picture below and answer in on
 MIXED = ["tall", "text", "two", "video", "wide", "code", "both", "square", "small", "big"]
 
 
-class _Frames:
-    """Stands in for transformers' InternVLVideoProcessor (torchvision): each video's frames as vlserve makes
-    them, [frames, 3, S, S]; the processor's own `replace_video_token` then lays the video out."""
+class Reference(HFInternVLReference):
+    """transformers' reference with its answer to every prompt of PROMPTS."""
 
-    def __init__(self, folder):
-        from vlserve.model.families.internvl.pixels import load_settings
-
-        self.settings = load_settings(folder, "video")
-
-    def __call__(self, videos, **kwargs):
-        from transformers.feature_extraction_utils import BatchFeature
-
-        from vlserve.model.families.internvl.pixels import frame_pixels
-
-        videos = [videos] if isinstance(videos, np.ndarray) and videos.ndim == 4 else list(videos)
-        side = self.settings.tile
-        pixels = [frame_pixels(list(v), self.settings).view(len(v), 3, side, side) for v in videos]
-        return BatchFeature({"pixel_values_videos": torch.stack(pixels)})
-
-
-def internvl_processor(folder, tokenizer):
-    """transformers' InternVLProcessor with the PIL image processor (the class check that would load its
-    torchvision video processor is skipped while it is made)."""
-    from transformers import InternVLProcessor
-    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
-    from transformers.processing_utils import ProcessorMixin
-
-    with mock.patch.object(ProcessorMixin, "check_argument_for_proper_class", lambda self, name, arg: None):
-        proc = InternVLProcessor(image_processor=GotOcr2ImageProcessorPil.from_pretrained(folder),
-                                 tokenizer=tokenizer, video_processor=None, chat_template=tokenizer.chat_template,
-                                 image_seq_length=4)
-    proc.video_processor = _Frames(folder)
-    return proc
-
-
-class Reference:
-    """transformers' InternVL3: its processor and `generate`, answers memoized by prompt name."""
-
-    def __init__(self, path):
-        from transformers import AutoTokenizer, InternVLForConditionalGeneration
-
-        self.path = path
-        self.model = InternVLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.processor = internvl_processor(path, self.tokenizer)
+    def __init__(self, path, model=None):
+        super().__init__(path, model)
         self.expected = {n: self.greedy(*self.parts(n)) for n in PROMPTS}
 
     @staticmethod
@@ -108,17 +68,8 @@ class Reference:
         body, images, videos = PROMPTS[name]
         return self.text(body), images, videos
 
-    @torch.no_grad()
     def greedy(self, text: str, images=(), videos=()) -> tuple[list[int], list[int], list[float]]:
-        media = {"images": list(images) or None, "videos": list(videos) or None}
-        inputs = dict(self.processor(text=[text], **media, return_tensors="pt"))
-        out = self.model.generate(**inputs, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False,
-                                  pad_token_id=self.tokenizer.pad_token_id, output_logits=True,
-                                  return_dict_in_generate=True)
-        prompt_ids = inputs["input_ids"][0].tolist()
-        new = out.sequences[0, len(prompt_ids):].tolist()
-        logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, new)]
-        return prompt_ids, new, logprobs
+        return super().greedy(text, MAX_NEW, images, videos)
 
 
 @pytest.fixture(scope="module")
@@ -301,3 +252,40 @@ def test_two_ranks_match_transformers(ref):
         assert_pool_full(llm)
     finally:
         llm.shutdown()
+
+
+# ---- InternViT-6B's options ----------------------------------------------------------------------------------
+def test_a_tower_with_rms_norms_qk_norms_and_a_final_norm(ref, tmp_path):
+    """InternVL3-38B/78B's InternViT-6B: RMSNorm blocks, q/k RMSNorm, a LayerNorm after the last block (no mean
+    pooling) and no q/k/v biases; a checkpoint of the tiny one's shapes with those options, random like it."""
+    import json
+    import shutil
+
+    from transformers import InternVLConfig, InternVLForConditionalGeneration
+
+    from vlserve.model.families.internvl.tiny import randomize
+
+    raw = json.loads((ref.path / "config.json").read_text())
+    raw["vision_config"] |= {"norm_type": "rms_norm", "use_qk_norm": True, "use_mean_pooling": False,
+                             "attention_bias": False}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        model = InternVLForConditionalGeneration(InternVLConfig(**{k: v for k, v in raw.items()
+                                                                   if k != "architectures"})).eval()
+        randomize(model, 0.15)
+        for name, p in model.named_parameters():  # the norms' weights random too (transformers sets them to 1)
+            if "norm" in name and name.endswith("weight"):
+                with torch.no_grad():
+                    p.normal_(1.0, 0.15)
+    model.save_pretrained(tmp_path)
+    for f in ref.path.iterdir():
+        if f.suffix in (".json", ".jinja") and f.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy(f, tmp_path / f.name)
+    variant = Reference(tmp_path, model)
+    names = ["tall", "two", "video", "text"]
+    llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=128)
+    tower = llm.engine.core.runner.model.visual.vision_tower
+    assert tower.layernorm is not None and tower.layers[0].attn.q_norm is not None
+    _run_and_check(llm, variant, names)
+    assert variant.expected["tall"][2] != ref.expected["tall"][2]
+    assert_pool_full(llm)

@@ -15,11 +15,19 @@ import torch
 from tests.audio_samples import noise
 from tests.conftest import IMG, assert_pool_full, first_step_logprobs, noise_image
 from tests.engine_probes import metric_delta, record_chunks
-from tests.hf_reference import HFAudioReference, HFLlavaReference, HFReference, image_key, shared_reference
+from tests.hf_reference import (
+    HFAudioReference,
+    HFInternVLReference,
+    HFLlavaReference,
+    HFReference,
+    image_key,
+    shared_reference,
+)
 from tests.lora_utils import TARGETS, make_peft_adapter, merge_adapter, unmerged_lora
 from vlserve import LLM, LoRARequest, SamplingParams
 
-ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "llava_onevision", "qwen2_audio")
+ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "llava_onevision", "qwen2_audio",
+         "internvl3")
 MAX_NEW = 8
 # min_tokens: end-of-sequence masked until the last token, as transformers' min_new_tokens does
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW)
@@ -43,6 +51,8 @@ PROMPTS = {
     "llava_onevision": [(chat("<image>\nWhat is in the picture?", " "), [noise_image(100, 100, 2)]),
                         (chat("Tell me about whales.", " "), [])],
     "qwen2_audio": [(chat(f"{AUD}What is this sound?"), [noise(24000, seed=1)]), (chat("Tell me about whales."), [])],
+    "internvl3": [(chat("<IMG_CONTEXT>\nWhat is in the picture?"), [noise_image(100, 60, 3)]),
+                  (chat("Tell me about whales."), [])],
 }
 
 
@@ -113,12 +123,14 @@ def hf_reference(arch: str, path, shared: bool = False):
         return HFAudioReference(path)
     if arch == "llava_onevision":
         return HFLlavaReference(path)
+    if arch == "internvl3":
+        return HFInternVLReference(path)
     return shared_reference(arch, path) if shared else HFReference(arch, path)
 
 
 def greedy(ref, text: str, media: list) -> tuple[list[int], list[int]]:
     """(expanded prompt ids, new ids) of a reference, whatever its family's signature."""
-    if isinstance(ref, HFLlavaReference):
+    if isinstance(ref, (HFLlavaReference, HFInternVLReference)):
         return tuple(ref.greedy(text, MAX_NEW, media)[:2])
     return tuple(ref.greedy(text, media, MAX_NEW))
 

@@ -31,6 +31,7 @@ FILE_TIERS = {
     "test_image_preprocessing.py": "unit",
     "test_hostile_media.py": "unit",
     "test_llava_processor.py": "unit",
+    "test_internvl_processor.py": "unit",
     "test_kernel_build.py": "unit",
     "test_newcomer_fixes.py": "unit",
     "test_doc_snippets.py": "unit",
@@ -72,6 +73,7 @@ FILE_TIERS = {
     "test_transfer_buffers.py": "unit",
     "test_audio_parity.py": "engine",
     "test_llava_parity.py": "engine",
+    "test_internvl_parity.py": "engine",
     "test_lora_parity.py": "engine",
     "test_lora.py": "engine",
     "test_caching.py": "engine",
@@ -104,6 +106,7 @@ FILE_TIERS = {
     "test_audio_disagg.py": "multiprocess",
     "test_transcriptions.py": "multiprocess",
     "test_llava_serving.py": "multiprocess",
+    "test_internvl_serving.py": "multiprocess",
     "test_lora_server.py": "multiprocess",
     "test_lora_disagg.py": "multiprocess",
     "test_engine_process.py": "multiprocess",
@@ -146,7 +149,9 @@ TEST_TIERS = {
     "test_encode_service.py::test_two_ranks_encode_what_one_does": "multiprocess",
     "test_encode_service.py::test_a_tower_the_ranks_cannot_split_is_refused_at_start_naming_the_flags": "multiprocess",
     "test_llava_serving.py::test_int8_loads_and_generates_with_pictures_and_videos": "engine",
+    "test_internvl_serving.py::test_int8_loads_and_generates_with_pictures_and_videos": "engine",
     "test_llava_parity.py::test_two_ranks_match_transformers": "multiprocess",
+    "test_internvl_parity.py::test_two_ranks_match_transformers": "multiprocess",
 }
 
 

@@ -91,7 +91,8 @@ def load_settings(folder: str | Path, kind: str) -> PixelSettings:
             rescale=float(raw.get("rescale_factor", 1 / 255)) if raw.get("do_rescale", True) else None,
             mean=_three(raw.get("image_mean", OPENAI_CLIP_MEAN)) if raw.get("do_normalize", True) else None,
             std=_three(raw.get("image_std", OPENAI_CLIP_STD)),
-            min_tiles=int(raw.get("min_patches", 1)), max_tiles=int(raw.get("max_patches", 12)) if tiling else 1)
+            min_tiles=int(raw.get("min_patches", 1)) if tiling else 1,
+            max_tiles=int(raw.get("max_patches", 12)) if tiling else 1)
     except (TypeError, ValueError, KeyError) as e:
         raise ModelLoadError(f"{folder}: unreadable {kind} processor settings ({type(e).__name__}: {e})") from e
     if settings.mean is not None and min(settings.std) == 0 or not 1 <= settings.min_tiles <= settings.max_tiles:

@@ -152,7 +152,8 @@ class InternVLProcessor(MultiModalProcessor):
             raise InvalidInputError(f"max_patches must be an integer in 1..{MAX_TILES_KWARG}, got {v!r}")
         if self.image.max_tiles <= 1:
             raise InvalidInputError("max_patches: this checkpoint's image processor does not tile pictures")
-        return PixelSettings(**{**self.image.__dict__, "max_tiles": v, "min_tiles": min(self.image.min_tiles, v)})
+        # below the checkpoint's min_patches no arrangement fits: one tile, as transformers then makes
+        return PixelSettings(**{**self.image.__dict__, "max_tiles": v})
 
     def _image(self, src: Any, uid: str | None, s: PixelSettings, pixels: bool) -> MediaItem:
         if isinstance(src, dict) and "image_embeds" in src:
