@@ -40,7 +40,7 @@ def test_bad_messages_are_answered_and_the_engine_survives(tiny_ckpt):
             msg, tensors = prompt_to_wire("undecodable", _text_prompt([5, 6, 7]), params, 0.0)
             raw = msgspec.to_builtins(msg)
             raw["type"] = "add"
-            raw["mrope_delta"] = True
+            raw["position_delta"] = True
             client.in_sock.send_multipart([msgspec.msgpack.encode(raw)]
                                           + [memoryview(t.contiguous().view(torch.uint8).numpy()) for t in tensors])
             # 2. a decodable prompt the engine must refuse: token ids beyond the vocabulary

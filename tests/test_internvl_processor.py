@@ -159,7 +159,7 @@ def check_layout(out, cfg, proc) -> None:
         covered |= set(range(item.offset, item.end))
         check_item(item, cfg)
     assert covered == {i for i, t in enumerate(ids) if t == image}
-    assert out.mrope_positions.tolist() == [list(range(len(ids)))] * 3 and out.mrope_delta == 0
+    assert out.positions.tolist() == [list(range(len(ids)))] and out.position_delta == 0  # one row: plain RoPE
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -187,7 +187,7 @@ def test_layout_equals_process_without_pixels(tiny):
         full = runs["process"][0]
         for lay in runs["layout"]:  # the second is a cache hit for the picture
             assert lay.prompt_token_ids == full.prompt_token_ids
-            assert torch.equal(lay.mrope_positions, full.mrope_positions)
+            assert torch.equal(lay.positions, full.positions)
             assert [(it.offset, it.num_tokens, it.grid_thw, it.mm_hash, it.modality) for it in lay.mm_items] == \
                 [(it.offset, it.num_tokens, it.grid_thw, it.mm_hash, it.modality) for it in full.mm_items]
             assert all(it.pixel_values is None for it in lay.mm_items)

@@ -154,7 +154,7 @@ def test_prompt_equals_transformers_processor(arch, tiny, hf_processors):
         ref = hf_processors[arch](text=[text], images=images, return_tensors="np")
         out = proc.process(prompt(proc, text, images))
         assert out.prompt_token_ids == list(ref["input_ids"][0])
-        assert out.mrope_positions.tolist() == [list(range(len(out.prompt_token_ids)))] * 3 and out.mrope_delta == 0
+        assert out.positions.tolist() == [list(range(len(out.prompt_token_ids)))] and out.position_delta == 0
         for i, item in enumerate(out.mm_items):
             tiles = item.grid_thw[0]
             assert item.grid_thw == (tiles, *tuple(ref["image_sizes"][i]))

@@ -94,7 +94,7 @@ class Decode:
         self.buffers.write_rows(blocks, torch.arange(n), rows)
         self.blocks[rid] = blocks
         items = [MultiModalItem(it.offset, it.num_tokens, None, it.grid_thw, it.mm_hash) for it in processed.mm_items]
-        return ProcessedPrompt(processed.prompt_token_ids, items, processed.mrope_positions, processed.mrope_delta,
+        return ProcessedPrompt(processed.prompt_token_ids, items, processed.positions, processed.position_delta,
                                block_rows=blocks, kv_in_blocks=True)
 
     def add(self, rid: str, arrived: ProcessedPrompt, params: SamplingParams, handoff: Handoff) -> None:
@@ -236,7 +236,7 @@ def test_bad_handoffs_are_refused_with_nothing_kept(path, prefill):
     with pytest.raises(InvalidInputError, match="samples once"):
         decode.add("x", arrived, SamplingParams(n=2, max_tokens=4), handoff)
     with pytest.raises(InvalidInputError, match="receive blocks"):
-        decode.add("x", ProcessedPrompt(arrived.prompt_token_ids, [], arrived.mrope_positions, 0),
+        decode.add("x", ProcessedPrompt(arrived.prompt_token_ids, [], arrived.positions, 0),
                                 params, handoff)
     assert not decode.core.has_unfinished
     decode.buffers.free(decode.blocks.pop("x"))

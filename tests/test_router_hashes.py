@@ -77,7 +77,7 @@ def assert_same(proc: InputProcessor, prompt: dict) -> None:
         [(i.offset, i.num_tokens, i.grid_thw, i.mm_hash, i.modality) for i in engine.mm_items]
     assert all(i.pixel_values is None for i in router.mm_items)
     assert prompt_block_hashes(router, BLOCK) == prompt_block_hashes(engine, BLOCK)
-    assert router.mrope_positions.equal(engine.mrope_positions)
+    assert router.positions.equal(engine.positions)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

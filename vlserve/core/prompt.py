@@ -1,5 +1,5 @@
 """A prompt after input processing: token ids with every media placeholder expanded, the media items, and the
-M-RoPE positions. Produced by a prompt encoder (local or remote), consumed by the engine; not a request yet."""
+positions. Produced by a prompt encoder (local or remote), consumed by the engine; not a request yet."""
 
 from __future__ import annotations
 
@@ -59,8 +59,10 @@ class MultiModalItem:
 class ProcessedPrompt:
     prompt_token_ids: list[int]
     mm_items: list[MultiModalItem]
-    mrope_positions: torch.Tensor  # [3, len(prompt_token_ids)] int64
-    mrope_delta: int
+    # [k, len(prompt_token_ids)] int64: one row per rotary axis the decoder reads (`ModelConfig.position_rows`:
+    # 1 for plain RoPE, 3 for M-RoPE's t/h/w), made by the model's family
+    positions: torch.Tensor
+    position_delta: int  # a generated token's position is its index + this (M-RoPE compresses media positions)
     text: str | None = None  # the prompt text, when there was one (returned to users as RequestOutput.prompt)
     # Receive blocks (engine.transfer_buffers) holding rows a peer sent: media rows from an encoder service, item
     # after item (items without pixel values or embeddings read theirs from here, in place), or with

@@ -38,8 +38,8 @@ class Request:
         self.eos_token_ids = eos_token_ids
         self.mm_items = prompt.mm_items
         self.lora = prompt.lora
-        self.mrope_positions = prompt.mrope_positions
-        self.mrope_delta = prompt.mrope_delta
+        self.positions = prompt.positions
+        self.position_delta = prompt.position_delta
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0

@@ -1,7 +1,7 @@
 """Messages between the front-end and the engine-core process, and how they travel over ZeroMQ.
 
 A message is a msgspec-msgpack header (a tagged union, so the receiver knows its type) followed by one raw
-frame per tensor: pixel values and M-RoPE positions go as bytes without passing through the encoder.
+frame per tensor: pixel values and positions go as bytes without passing through the encoder.
 Nothing here is pickled, so a socket only ever yields these typed structs or a decode error.
 """
 
@@ -46,8 +46,8 @@ class AddRequest(msgspec.Struct, tag="add"):
     request_id: str
     prompt_token_ids: list[int]
     mm_items: list[WireMMItem]
-    mrope_positions: TensorRef
-    mrope_delta: int
+    positions: TensorRef
+    position_delta: int
     params: SamplingParams
     arrival_time: float
     block_rows: list[int] | None = None  # receive blocks holding the prompt's media rows, item after item
@@ -149,7 +149,8 @@ class Framer:
     def encode(self, msg, tensors: list[torch.Tensor] | None = None) -> list:
         frames = [self._encoder.encode(msg)]
         for t in tensors or []:
-            frames.append(memoryview(t.contiguous().view(torch.uint8).numpy()))
+            # flat first: a "contiguous" [n, 1] tensor may keep a long stride on its size-1 axis
+            frames.append(memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()))
         return frames
 
     def decode(self, frames: list) -> object:
@@ -196,8 +197,8 @@ def prompt_to_wire(request_id: str, prompt: ProcessedPrompt, params: SamplingPar
     items = [WireMMItem(it.offset, it.num_tokens, tuple(it.grid_thw), it.mm_hash, ref(it.pixel_values),
                         ref(it.embeddings), it.modality, ref(it.audio_features), it.audio_len)
              for it in prompt.mm_items]
-    msg = AddRequest(request_id, prompt.prompt_token_ids, items, tensor_ref(prompt.mrope_positions, tensors),
-                     prompt.mrope_delta, params, arrival_time, prompt.block_rows, handoff, prompt.lora)
+    msg = AddRequest(request_id, prompt.prompt_token_ids, items, tensor_ref(prompt.positions, tensors),
+                     prompt.position_delta, params, arrival_time, prompt.block_rows, handoff, prompt.lora)
     return msg, tensors
 
 
@@ -208,7 +209,7 @@ def prompt_from_wire(msg: AddRequest, frames: list) -> ProcessedPrompt:
     items = [MultiModalItem(it.offset, it.num_tokens, tensor(it.pixel_values), tuple(it.grid_thw), it.mm_hash,
                             tensor(it.embeddings), it.modality, tensor(it.audio_features), it.audio_len)
              for it in msg.mm_items]
-    return ProcessedPrompt(msg.prompt_token_ids, items, tensor_from(msg.mrope_positions, frames), msg.mrope_delta,
+    return ProcessedPrompt(msg.prompt_token_ids, items, tensor_from(msg.positions, frames), msg.position_delta,
                            block_rows=msg.block_rows, kv_in_blocks=msg.handoff is not None, lora=msg.lora)
 
 

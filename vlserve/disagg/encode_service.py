@@ -3,7 +3,7 @@
 A language server sends a prompt with media and the ids of its receive blocks. The service:
 - fetches the media under its own URL policy and turns the prompt into a `ProcessedPrompt` with the same
   `LocalPromptEncoder` an aggregated server uses (decoding, preprocessing, tokenizing, placeholder expansion,
-  M-RoPE positions, every size limit);
+  positions, every size limit);
 - runs its media towers with the engine's `EncoderRunner`, deciding what to run and what to keep with the
   engine's `EncoderCacheManager` (keyed by mm_hash): a picture seen before is not encoded again. The tower is
   loaded like the engine's model (`start_executor`: a `ModelShard`, or a tensor-parallel leader whose ranks

@@ -106,13 +106,13 @@ class TransferChunk(msgspec.Struct, tag="chunk"):
     start_token: int
     num_tokens: int
     total_tokens: int  # aux: the true prompt length after placeholder expansion
-    mrope_delta: int  # aux
+    position_delta: int  # aux
     items: list[ItemMeta]
     block_ids: list[int]
     segments: list[RowSegment]
     partial: bool
     fill_ids: TensorRef | None = None  # [num_tokens] int64 (set by the transport)
-    positions: TensorRef | None = None  # [num_tokens, 3] int64
+    positions: TensorRef | None = None  # [num_tokens, k] int64 (k: the model's position rows)
     rows: TensorRef | None = None  # [sum of segment rows, width]; None when the transport wrote them in place
     handoff: Handoff | None = None  # from a prefill instance, on the last chunk: its first token, random state
 

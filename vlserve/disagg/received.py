@@ -35,7 +35,7 @@ class ReceivedChunks:
             problems.append(f"a prompt of {header.total_tokens} tokens (max_model_len is {self.max_model_len})")
         if header.start_token != self.tokens or header.block_ids != run:
             problems.append("a chunk for the wrong tokens or blocks")
-        if (header.total_tokens, header.mrope_delta, header.items) != (first.total_tokens, first.mrope_delta,
+        if (header.total_tokens, header.position_delta, header.items) != (first.total_tokens, first.position_delta,
                                                                        first.items):
             problems.append("a chunk that contradicts the first one")
         if not _items_in_order(header):
@@ -86,7 +86,7 @@ class ReceivedChunks:
                                 modality=it.modality)
                  for it in self.first.items]
         return ProcessedPrompt(torch.cat(self._fill_ids).tolist(), items, torch.cat(self._positions).T.contiguous(),
-                               self.first.mrope_delta, text, block_rows=blocks, kv_in_blocks=self.every_token)
+                               self.first.position_delta, text, block_rows=blocks, kv_in_blocks=self.every_token)
 
 
 def _items_in_order(header: TransferChunk) -> bool:

@@ -122,11 +122,11 @@ class TransferSender:
         n = end - start
         segments, rows = await in_thread(transfer.rows_of, start, end)  # gathers a chunk's rows: a copy
         data = ChunkData(torch.tensor(prompt.prompt_token_ids[start:end], dtype=torch.int64),
-                         prompt.mrope_positions[:, start:end].T.contiguous(), rows)
+                         prompt.positions[:, start:end].T.clone(memory_format=torch.contiguous_format), rows)
         items = [ItemMeta(it.offset, it.num_tokens, tuple(it.grid_thw), it.mm_hash, it.modality)
                  for it in prompt.mm_items]
         peer, request_id, transfer_id = transfer.key
-        header = TransferChunk(request_id, transfer_id, start, n, total, prompt.mrope_delta, items, block_ids,
+        header = TransferChunk(request_id, transfer_id, start, n, total, prompt.position_delta, items, block_ids,
                                segments, partial=end < total, handoff=None if end < total else transfer.handoff)
         if transfer.key not in self.transfers or transfer.key in self.aborted:
             self.end(transfer.key)

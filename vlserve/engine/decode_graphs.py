@@ -54,7 +54,8 @@ class DecodeGraphs:
         hidden = model.cfg.text.hidden_size
         dtype = model.language_model.embed_tokens.weight.dtype
         self.token_ids = torch.zeros(n, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(3, n, dtype=torch.long, device=dev)
+        rows = model.cfg.position_rows  # the model's position rows (M-RoPE: 3)
+        self.positions = torch.zeros(rows, n, dtype=torch.long, device=dev)
         self.slot_mapping = torch.full((n,), scratch_block * block_size, dtype=torch.long, device=dev)
         self.block_table = torch.full((n, max_blocks), scratch_block, dtype=torch.long, device=dev)
         self.seq_lens = torch.ones(n, dtype=torch.long, device=dev)
@@ -66,7 +67,7 @@ class DecodeGraphs:
         self.hidden = torch.zeros(n, hidden, dtype=dtype, device=dev)
         # host staging: one pinned buffer per input, filled for each step and copied in one go
         self.stage_ids = accelerator.staging((n,), torch.long)
-        self.stage_pos = accelerator.staging((3, n), torch.long)
+        self.stage_pos = accelerator.staging((rows, n), torch.long)
         self.stage_slots = accelerator.staging((n,), torch.long)
         self.stage_lens = accelerator.staging((n,), torch.long)
         self.stage_table = accelerator.staging((n, max_blocks), torch.long)

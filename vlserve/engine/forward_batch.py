@@ -1,7 +1,7 @@
 """One LM forward pass as plain tensors: what the model runner decided for a step, in a form every
 tensor-parallel rank can run from (and that travels to them as a typed message).
 
-The runner on rank 0 builds it from the scheduled chunks (token ids, M-RoPE positions, KV slots, block tables,
+The runner on rank 0 builds it from the scheduled chunks (token ids, positions, KV slots, block tables,
 the media embedding rows gathered from wherever they are); each rank turns it into its own attention metadata
 (`attention_metadata`: the varlen kernel's on CUDA, the CPU path's per-sequence spans otherwise) and runs the same
 forward.
@@ -26,7 +26,7 @@ from vlserve.model.layers.linear_state import LinearStateBatch
 @dataclass
 class ForwardBatch:
     token_ids: torch.Tensor  # [T] int64, decode rows first, then prefill chunks
-    positions: torch.Tensor  # [3, T] M-RoPE positions
+    positions: torch.Tensor  # [k, T] positions (k: the model's position rows)
     slot_mapping: torch.Tensor  # [T] KV slot each new token is written to
     num_decode: int
     block_table: torch.Tensor  # [num_seqs, max_blocks] int64 block ids of every sequence (padding: 0)

@@ -1,7 +1,7 @@
 """Turns a scheduler step into tensors, runs the media towers and the LM, and samples.
 
 Per step: drop encoder outputs nobody needs → encode newly scheduled items (one call per tower and group)
-→ build the flat token batch (decode tokens first, then prefill chunks) as a `ForwardBatch`: M-RoPE positions,
+→ build the flat token batch (decode tokens first, then prefill chunks) as a `ForwardBatch`: positions,
 slots, block tables, and the media embedding rows of its placeholder tokens → the executor embeds, scatters the
 media rows (a model with DeepStack features: sets them aside for the first decoder layers), runs the LM and returns
 logits only for rows that sample → sampler.
@@ -88,27 +88,27 @@ class ModelRunner:
         return table[idx // self.block_size] * self.block_size + idx % self.block_size
 
     def _positions(self, req: Request, start: int, end: int) -> torch.Tensor:
-        """[3, end-start]: the precomputed M-RoPE table inside the prompt, index + delta after it."""
+        """[k, end-start]: the prompt's precomputed positions inside it, index + delta after it."""
         p = req.num_prompt_tokens
         parts = []
         if start < p:
-            parts.append(req.mrope_positions[:, start : min(end, p)])
+            parts.append(req.positions[:, start : min(end, p)])
         if end > p:
-            parts.append((torch.arange(max(start, p), end) + req.mrope_delta).expand(3, -1))
+            parts.append((torch.arange(max(start, p), end) + req.position_delta).expand(req.positions.shape[0], -1))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     @staticmethod
-    def _decode_positions(decode: list[ScheduledChunk]) -> torch.Tensor:
-        """[3, len(decode)] positions of one-token rows in one tensor: index + delta past the prompt, the
-        precomputed M-RoPE column inside it."""
+    def _decode_positions(decode: list[ScheduledChunk], rows: int) -> torch.Tensor:
+        """[rows, len(decode)] positions of one-token rows in one tensor: index + delta past the prompt, the
+        precomputed column inside it (`rows`: the model's position rows, which every prompt has)."""
         cols = []
         for c in decode:
             req = c.req
             if c.start >= req.num_prompt_tokens:
-                cols.append((c.start + req.mrope_delta,) * 3)
+                cols.append((c.start + req.position_delta,) * rows)
             else:
-                cols.append(tuple(req.mrope_positions[:, c.start].tolist()))
-        return torch.tensor(cols, dtype=torch.long).reshape(-1, 3).t()
+                cols.append(tuple(req.positions[:, c.start].tolist()))
+        return torch.tensor(cols, dtype=torch.long).reshape(-1, rows).t()
 
     def _prepare(self, chunks: list[ScheduledChunk], state: StateStep | None = None):
         """The step's chunks in batch order (decode rows first) and the `ForwardBatch` that runs them (with a
@@ -124,8 +124,8 @@ class ModelRunner:
             known = c.req.token_ids[c.start : c.end]
             # async scheduling: a decode row's input may still be being sampled (0 here; read on the device)
             token_ids.extend(known if len(known) == c.num_tokens else [0])
-        positions = torch.cat([self._decode_positions(decode)] + [self._positions(c.req, c.start, c.end)
-                                                                   for c in prefill], dim=1)
+        positions = torch.cat([self._decode_positions(decode, self.cfg.model.position_rows)]
+                              + [self._positions(c.req, c.start, c.end) for c in prefill], dim=1)
         bs = self.block_size
         rows = [c.req.block_ids[: -(-c.end // bs)] for c in ordered]  # the blocks each context spans
         max_blocks = max(map(len, rows))

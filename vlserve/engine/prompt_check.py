@@ -24,11 +24,12 @@ def check_prompt(prompt: ProcessedPrompt, cfg: VlserveConfig, block_capacity: tu
     if min(ids) < 0 or max(ids) >= vocab:
         raise InvalidInputError(f"the prompt holds token ids outside the vocabulary (0..{vocab - 1})")
     length = len(ids)
-    if prompt.mrope_positions.dtype != torch.int64 or tuple(prompt.mrope_positions.shape) != (3, length):
-        raise InvalidInputError(f"M-RoPE positions are {prompt.mrope_positions.dtype} of shape "
-                                f"{tuple(prompt.mrope_positions.shape)}; expected int64 of shape (3, {length})")
-    if length and int(prompt.mrope_positions.min()) < 0:
-        raise InvalidInputError("M-RoPE positions must not be negative")
+    rows, positions = cfg.model.position_rows, prompt.positions
+    if positions.dtype != torch.int64 or tuple(positions.shape) != (rows, length):
+        raise InvalidInputError(f"positions are {positions.dtype} of shape {tuple(positions.shape)}; expected int64 "
+                                f"of shape ({rows}, {length})")
+    if length and int(positions.min()) < 0:
+        raise InvalidInputError("positions must not be negative")
     if prompt.block_rows is not None:
         if block_capacity is None:
             raise InvalidInputError("this engine has no receive buffers; the prompt's rows cannot be read")

@@ -182,8 +182,8 @@ class ModelConfig:
     audio_start_token_id: int = -1  # <|audio_bos|> / Omni's audio start (-1: none)
     audio_end_token_id: int = -1
     family: str = ""  # the model family that parsed it (vlserve.model.families)
-    # How prompt positions are made: "mrope" (t/h/w positions for media), "rope" (ordinary 1-D positions, sent as
-    # three equal rows, which the M-RoPE layer turns into plain RoPE), "omni" (Qwen2.5-Omni's M-RoPE with audio).
+    # How the family makes prompt positions (its processor reads it): "mrope" (t/h/w positions for media), "rope"
+    # (ordinary 1-D positions, one row), "omni" (Qwen2.5-Omni's M-RoPE with audio).
     position_kind: str = "mrope"
     video_rules: str = ""  # how its family samples and lays out videos (its processor reads it)
     # Settings only the family's own code reads (LLaVA: grid pinpoints, feature layer, ...): sorted items, hashable,
@@ -192,6 +192,13 @@ class ModelConfig:
 
     def setting(self, name: str, default: QuantValue = None) -> QuantValue:
         return next((v for k, v in self.family_settings if k == name), default)
+
+    @property
+    def position_rows(self) -> int:
+        """Rows of a prompt's positions (`ProcessedPrompt.positions`): one per rotary axis the decoder reads, 3 for
+        M-RoPE's t/h/w, 1 when every frequency follows the first axis (plain RoPE)."""
+        section = self.text.mrope_section
+        return len(section) if any(section[1:]) else 1
 
     @property
     def is_hybrid(self) -> bool:

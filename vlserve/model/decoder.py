@@ -1,7 +1,8 @@
 """The decoder stack shared by the Qwen2 and Qwen3 language models: embeddings, pre-norm residual layers, final
 norm, M-RoPE angles computed once per step. Each family supplies its attention and MLP.
 
-Tokens arrive flattened across the batch: `[T, hidden]` with `positions` `[3, T]` (temporal, height, width).
+Tokens arrive flattened across the batch: `[T, hidden]` with `positions` `[k, T]` (M-RoPE: temporal, height,
+width; plain RoPE: one row).
 Attention is paged (see vlserve.model.layers.attention); the model itself holds no cache.
 """
 
@@ -55,7 +56,7 @@ class DecoderModel(nn.Module):
     def forward(
         self,
         inputs_embeds: torch.Tensor,  # [T, hidden]
-        positions: torch.Tensor,  # [3, T]
+        positions: torch.Tensor,  # [k, T]
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
         deepstack: DeepstackInput | None = None,

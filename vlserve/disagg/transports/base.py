@@ -31,7 +31,7 @@ class ChunkData:
     every token's KV), which fill the run's slots from the first on."""
 
     fill_ids: torch.Tensor  # [n] int64
-    positions: torch.Tensor  # [n, 3] int64
+    positions: torch.Tensor  # [n, k] int64
     rows: torch.Tensor  # [m, width], in the order of the header's segments (m may be 0)
 
     @property
@@ -44,7 +44,7 @@ class ChunkTokens:
     """What `receive` hands back besides the rows it put in the blocks: the chunk's fill ids and positions."""
 
     fill_ids: torch.Tensor  # [n] int64
-    positions: torch.Tensor  # [n, 3] int64
+    positions: torch.Tensor  # [n, k] int64
     nbytes: int  # the payload the chunk stands for (rows included, wherever they travelled)
 
 
@@ -134,21 +134,30 @@ def write_chunk(buffers: TransferBuffers, header: TransferChunk, data: ChunkData
         buffers.write_rows(header.block_ids, torch.arange(rows), data.rows)
 
 
+MAX_POSITION_ROWS = 4  # rows of positions a token may carry (the model's `position_rows`: 1 or 3 today)
+
+
+def positions_fit(positions: torch.Tensor, num_tokens: int) -> bool:
+    """[num_tokens, k] with 1 <= k <= MAX_POSITION_ROWS (the engine checks k against its model when it admits the
+    prompt)."""
+    return positions.dim() == 2 and positions.shape[0] == num_tokens and 1 <= positions.shape[1] <= MAX_POSITION_ROWS
+
+
 def chunk_tokens(header: TransferChunk, frames: list) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunk's fill ids [n] and positions [n, 3], as they came in frames, checked."""
+    """The chunk's fill ids [n] and positions [n, k], as they came in frames, checked."""
     if header.fill_ids is None or header.positions is None:
         raise ValueError("a chunk must carry its fill ids and positions as frames")
     fill_ids, positions = tensor_from(header.fill_ids, frames), tensor_from(header.positions, frames)
     if fill_ids.dtype != torch.int64 or positions.dtype != torch.int64:
         raise ValueError("fill ids and positions must be int64")
-    if tuple(fill_ids.shape) != (header.num_tokens,) or tuple(positions.shape) != (header.num_tokens, 3):
+    if tuple(fill_ids.shape) != (header.num_tokens,) or not positions_fit(positions, header.num_tokens):
         raise ValueError(f"a chunk of {header.num_tokens} tokens carries fill ids {tuple(fill_ids.shape)} and "
                          f"positions {tuple(positions.shape)}")
     return fill_ids, positions
 
 
 def check_chunk(header: TransferChunk, data: ChunkData, width: int) -> None:
-    if data.fill_ids.shape != (header.num_tokens,) or tuple(data.positions.shape) != (header.num_tokens, 3):
+    if data.fill_ids.shape != (header.num_tokens,) or not positions_fit(data.positions, header.num_tokens):
         raise ValueError(f"a chunk of {header.num_tokens} tokens carries {tuple(data.fill_ids.shape)} fill ids and "
                          f"{tuple(data.positions.shape)} positions")
     rows = chunk_num_rows(header)

@@ -241,8 +241,8 @@ def expand_all_placeholders(
 
 
 def rope_positions(length: int) -> tuple[torch.Tensor, int]:
-    """Ordinary 1-D positions, sent as three equal rows (the M-RoPE layer then computes plain RoPE); delta 0."""
-    return torch.arange(length).expand(3, -1).contiguous(), 0
+    """Ordinary 1-D positions: one row [1, length] (`ModelConfig.position_rows` of a plain-RoPE model); delta 0."""
+    return torch.arange(length)[None], 0
 
 
 def decode_embeds(value: Any) -> torch.Tensor:

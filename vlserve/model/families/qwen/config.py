@@ -65,7 +65,7 @@ def _text_config(raw: dict, architecture: str) -> TextConfig:
     heads = require(t, "num_attention_heads", "text config")
     # Qwen2-VL derives head_dim from hidden/heads (and ignores any `head_dim` key); Qwen3 states it.
     head_dim = (t.get("head_dim") or hidden // heads) if qwen3 else hidden // heads
-    if one_d:  # every frequency follows the temporal row; positions come as three equal rows: 1-D RoPE
+    if one_d:  # every frequency follows the first row: 1-D RoPE, positions as one row (ModelConfig.position_rows)
         section = (head_dim // 2, 0, 0)
     else:
         section = tuple(rope.get("mrope_section", (24, 20, 20) if qwen3 else (16, 24, 24)))

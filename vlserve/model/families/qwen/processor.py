@@ -174,7 +174,7 @@ class QwenProcessor(MultiModalProcessor):
                                self.ctx.model.vision.spatial_merge_size)
 
     def _rope(self, length: int, placed: list, groups: list) -> tuple[torch.Tensor, int]:
-        """Qwen2-Audio: one running position, sent as three equal rows."""
+        """Qwen2-Audio: one running position, one row."""
         return rope_positions(length)
 
     def _omni(self, length: int, placed: list, groups: list) -> tuple[torch.Tensor, int]:
