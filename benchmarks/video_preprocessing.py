@@ -20,8 +20,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vlserve.media.image import ImageProcessorConfig  # noqa: E402
-from vlserve.media.video import VideoOptions, load_video, preprocess_video  # noqa: E402
+from vlserve.media.video import load_video  # noqa: E402
+from vlserve.model.families.qwen.pixels import ImageProcessorConfig  # noqa: E402
+from vlserve.model.families.qwen.video_rules import QwenVideoOptions as VideoOptions  # noqa: E402
+from vlserve.model.families.qwen.video_rules import preprocess_video  # noqa: E402
 
 CFG = ImageProcessorConfig(min_pixels=128 * 28 * 28, max_pixels=768 * 28 * 28)  # Qwen2-VL's video defaults
 

@@ -33,8 +33,9 @@ def test_top_level_help_names_every_family_make_tiny_model_writes(capsys):
     assert f"Serve vision-language models ({families}) with an OpenAI-compatible API." in text
     assert "Qwen2-VL family" not in text
     line = text[text.index("make-tiny-model"):]
+    line = line[:line.index("offline)")]  # the summary's list of families
     for arch in TINY_ARCHES.values():
-        assert arch.family in line[:200], f"make-tiny-model's summary leaves out {arch.family}"
+        assert arch.family in line, f"make-tiny-model's summary leaves out {arch.family}"
 
 
 def test_make_tiny_model_help_lists_every_arch_it_accepts(capsys):

@@ -1,4 +1,5 @@
-"""vlserve.media.image against transformers' Qwen2VLImageProcessorPil and smart_resize."""
+"""vlserve.model.families.qwen.pixels (and vlserve.media.image's decoding) against transformers'
+Qwen2VLImageProcessorPil and smart_resize."""
 
 from __future__ import annotations
 
@@ -21,9 +22,9 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
 )
 
 from vlserve.core.errors import InvalidInputError
-from vlserve.media.image import (
+from vlserve.media.image import load_image
+from vlserve.model.families.qwen.pixels import (
     ImageProcessorConfig,
-    load_image,
     preprocess_image,
     smart_resize,
 )

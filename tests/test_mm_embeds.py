@@ -12,7 +12,7 @@ from safetensors.torch import save
 from tests.conftest import IMG, assert_pool_full, noise_image
 from vlserve import LLM, SamplingParams
 from vlserve.core.errors import InvalidInputError
-from vlserve.media.image import preprocess_image
+from vlserve.model.families.qwen.pixels import preprocess_image
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 PROMPT = f"<|im_start|>user\n{IMG}Describe it.<|im_end|>\n<|im_start|>assistant\n"
@@ -104,7 +104,8 @@ def _bad_entries(emb: torch.Tensor, grid: tuple[int, int, int]) -> dict:
         "not base64": {"image_embeds": "%%%", "image_grid_thw": grid},
         "base64 but not safetensors": {"image_embeds": base64.b64encode(b"\x80\x04pickle?").decode(),
                                        "image_grid_thw": grid},
-        "two tensors": {"image_embeds": base64.b64encode(save({"a": emb, "b": emb.clone()})).decode(), "image_grid_thw": grid},
+        "two tensors": {"image_embeds": base64.b64encode(save({"a": emb, "b": emb.clone()})).decode(),
+                        "image_grid_thw": grid},
         "a list": {"image_embeds": emb.tolist(), "image_grid_thw": grid},
     }
 

@@ -19,7 +19,8 @@ from tests.hf_reference import HFOmniReference
 from vlserve import LLM, SamplingParams
 from vlserve.core.errors import InvalidInputError
 from vlserve.media.audio import load_video_audio
-from vlserve.media.video import load_video, preprocess_video
+from vlserve.media.video import load_video
+from vlserve.model.families.qwen.video_rules import preprocess_video
 
 RATE = 16000
 MAX_NEW = 8

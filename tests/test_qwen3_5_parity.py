@@ -87,7 +87,8 @@ def test_preemption_recomputes_identically(setup):
 
 def test_video_matches_transformers(references):
     path, hf, _ = references("qwen3_5")
-    from vlserve.media.video import load_video, preprocess_video
+    from vlserve.media.video import load_video
+    from vlserve.model.families.qwen.video_rules import preprocess_video
 
     llm = LLM(str(path), dtype="float32", num_kv_blocks=256)
     chunked = LLM(str(path), dtype="float32", num_kv_blocks=256, max_num_batched_tokens=5)

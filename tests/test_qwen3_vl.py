@@ -190,7 +190,8 @@ def hf_video_greedy(hf: HFReference, ids: list[int], pixel_values, grids) -> lis
 def test_video_matches_transformers(references, arch):
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
 
-    from vlserve.media.video import load_video, preprocess_video
+    from vlserve.media.video import load_video
+    from vlserve.model.families.qwen.video_rules import preprocess_video
 
     path, hf, _ = references(arch)
     llm = LLM(str(path), dtype="float32", num_kv_blocks=256, limit_mm_per_prompt={"video": 2})
@@ -244,7 +245,8 @@ def test_video_placeholder_count_must_match(references):
 def test_precomputed_embeddings_carry_deepstack_rows(references):
     """image_embeds for Qwen3-VL are the encoder's full rows (embedding + DeepStack levels side by side); the
     embedding alone is refused with an error that says so."""
-    from vlserve.media.image import load_image, preprocess_image
+    from vlserve.media.image import load_image
+    from vlserve.model.families.qwen.pixels import preprocess_image
 
     path, _, expected = references("qwen3_vl")
     llm = LLM(str(path), dtype="float32", num_kv_blocks=256, enable_mm_embeds=True)

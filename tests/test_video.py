@@ -16,13 +16,9 @@ from tests.conftest import ARCHES, IMG, assert_pool_full, noise_image
 from tests.hf_reference import HFReference
 from vlserve import LLM, SamplingParams
 from vlserve.core.errors import InvalidInputError
-from vlserve.media.image import ImageProcessorConfig
-from vlserve.media.video import (
-    VideoOptions,
-    frame_indices,
-    load_video,
-    preprocess_video,
-)
+from vlserve.media.video import frame_indices, load_video
+from vlserve.model.families.qwen.pixels import ImageProcessorConfig
+from vlserve.model.families.qwen.video_rules import QwenVideoOptions, preprocess_video
 
 VID = "<|vision_start|><|video_pad|><|vision_end|>"
 MAX_NEW = 10
@@ -66,13 +62,13 @@ def test_decode_and_sample_by_fps(fmt, codec, tmp_path):
     path.write_bytes(data)
     data_url = f"data:video/{fmt};base64," + base64.b64encode(data).decode()
     for source in (data, path, str(path), f"file://{path}", data_url):
-        video = load_video(source, VideoOptions(fps=2.0))
+        video = load_video(source, QwenVideoOptions(fps=2.0))
         assert len(video.frames) == 4 and video.frames[0].shape == (56, 84, 3)  # 2 s x 2 fps
         assert video.sample_fps == pytest.approx(2.0)
 
 
 def test_frame_sampling_rules():
-    opts = VideoOptions(fps=2.0, min_frames=4, max_frames=16)
+    opts = QwenVideoOptions(fps=2.0, min_frames=4, max_frames=16)
     assert frame_indices(300, 30.0, opts) == torch.linspace(0, 299, 16).round().long().tolist()  # capped
     assert len(frame_indices(30, 30.0, opts)) == 4  # 1 s -> 2 frames, raised to min_frames
     assert len(frame_indices(3, 30.0, opts)) == 2  # never more frames than the clip has, always even
@@ -88,8 +84,8 @@ def test_temporal_patches_equal_transformers_image_path(tiny_ckpt):
 
     path = tiny_ckpt("qwen2_vl")
     cfg = ImageProcessorConfig.from_pretrained(path)
-    video = load_video(clip_frames(6, h=70, w=100), VideoOptions(fps=2.0))  # a list of frames: a clip at fps
-    out = preprocess_video(video, cfg, VideoOptions(), cfg.min_pixels, cfg.max_pixels)
+    video = load_video(clip_frames(6, h=70, w=100), QwenVideoOptions(fps=2.0))  # a list of frames: a clip at fps
+    out = preprocess_video(video, cfg, QwenVideoOptions(), cfg.min_pixels, cfg.max_pixels)
     t, gh, gw = out.grid_thw
     h, w = gh * cfg.patch_size, gw * cfg.patch_size
     hf = Qwen2VLImageProcessorPil.from_pretrained(path, size={"shortest_edge": h * w, "longest_edge": h * w})
@@ -106,12 +102,12 @@ def test_temporal_patches_equal_transformers_image_path(tiny_ckpt):
                                  "data:video/mp4,rawdata"])
 def test_bad_videos_are_clear_errors(bad):
     with pytest.raises(InvalidInputError):
-        load_video(bad, VideoOptions())
+        load_video(bad, QwenVideoOptions())
 
 
 def test_truncated_video_is_an_error_or_its_decodable_part(mp4):
     try:
-        video = load_video(mp4[: len(mp4) // 3], VideoOptions())
+        video = load_video(mp4[: len(mp4) // 3], QwenVideoOptions())
     except InvalidInputError:
         return
     assert len(video.frames) % 2 == 0 and video.frames
@@ -176,7 +172,8 @@ def test_mixed_image_and_video_prompt_matches_transformers(arch_setup, mp4):
     chunked = LLM(str(llm.config.model_path), dtype="float32", num_kv_blocks=256, max_num_batched_tokens=16,
                   limit_mm_per_prompt={"image": 2, "video": 2})
     for engine in (llm, chunked):
-        out = engine.generate({"prompt": prompt, "multi_modal_data": {"image": [image], "video": [mp4, np.stack(frames)]}},
+        out = engine.generate({"prompt": prompt,
+                               "multi_modal_data": {"image": [image], "video": [mp4, np.stack(frames)]}},
                               GREEDY, use_tqdm=False)[0]
         assert out.prompt_token_ids == expected_ids
         assert out.outputs[0].token_ids == expected

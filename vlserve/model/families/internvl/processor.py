@@ -229,8 +229,7 @@ class InternVLProcessor(MultiModalProcessor):
             if src.ndim != 4:
                 raise InvalidInputError(f"a video array must be [frames, height, width, 3], got shape {src.shape}")
             src = list(src)
-        frames = load_video(src, VideoOptions(max_frames=max_frames, min_frames=1, rules="uniform"),
-                            self.image_bounds).frames
+        frames = load_video(src, VideoOptions(max_frames=max_frames, min_frames=1), self.image_bounds).frames
         n, side = len(frames), self.video.tile
         self.ctx.check_item_tokens(n * self.rows_per_tile, f"video of {n} frames", hint="send fewer frames "
                                    "(max_frames)")

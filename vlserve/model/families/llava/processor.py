@@ -186,7 +186,7 @@ class LlavaProcessor(MultiModalProcessor):
             if src.ndim != 4:
                 raise InvalidInputError(f"a video array must be [frames, height, width, 3], got shape {src.shape}")
             src = list(src)
-        opts = VideoOptions(max_frames=max_frames, min_frames=1, rules="uniform")
+        opts = VideoOptions(max_frames=max_frames, min_frames=1)  # uniform_frame_indices: vLLM's loader
         video = load_video(src, opts, self.image_bounds)
         frames = video.frames
         (height, width), n = frames[0].shape[:2], len(frames)

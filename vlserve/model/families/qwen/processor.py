@@ -23,15 +23,8 @@ from vlserve.media.hashing import (
     hash_video_patch,
     hash_window,
 )
-from vlserve.media.image import (
-    MAX_ASPECT_RATIO,
-    ImageProcessorConfig,
-    load_image,
-    preprocess_image,
-    resolve_pixel_limits,
-    smart_resize,
-)
-from vlserve.media.video import VideoOptions, load_video, preprocess_video, video_grid
+from vlserve.media.image import load_image
+from vlserve.media.video import load_video
 from vlserve.model.audio_encoder import audio_output_tokens
 from vlserve.model.families.processor import (
     EMBED_DTYPES,
@@ -46,7 +39,15 @@ from vlserve.model.families.processor import (
 )
 from vlserve.model.families.qwen.mrope import MRopeItem, mrope_positions
 from vlserve.model.families.qwen.omni_layout import AudioVideoWindows, OmniGroup, OmniItem, omni_positions
+from vlserve.model.families.qwen.pixels import (
+    MAX_ASPECT_RATIO,
+    ImageProcessorConfig,
+    preprocess_image,
+    resolve_pixel_limits,
+    smart_resize,
+)
 from vlserve.model.families.qwen.video_layout import VideoLayout
+from vlserve.model.families.qwen.video_rules import QwenVideoOptions, preprocess_video, video_grid, video_timestamps
 
 
 @dataclass
@@ -103,7 +104,7 @@ class QwenProcessor(MultiModalProcessor):
             self.audio_limits = AudioLimits.for_model(audio_cfg, ctx.max_audio_seconds, max_bytes=ctx.max_media_bytes)
             self.video_audio_limits = AudioLimits.for_model(audio_cfg, ctx.max_audio_seconds,
                                                             max_bytes=ctx.max_video_bytes)
-        self.video_opts = VideoOptions.for_model(ctx.model_path, m.video_rules, ctx.max_video_frames) \
+        self.video_opts = QwenVideoOptions.for_model(ctx.model_path, m.video_rules, ctx.max_video_frames) \
             if m.vision is not None else None
         # Qwen3-VL: each temporal patch of a video is its own item, after a timestamp written into the prompt
         self.video_layout = (VideoLayout(ctx.tokenizer, m.vision_start_token_id, m.video_token_id,
@@ -239,7 +240,7 @@ class QwenProcessor(MultiModalProcessor):
             rows = p.pixel_values.view(t, h * w, -1)
             items = [_Item(h * w // self.image_cfg.merge_size**2, (1, h, w), hash_video_patch(mm_hash, k),
                            pixel_values=rows[k], modality="video") for k in range(t)]
-            return items, video.timestamps(self.image_cfg.temporal_patch_size)
+            return items, video_timestamps(video, self.image_cfg.temporal_patch_size)
         vision = self.ctx.model.vision
         interval = p.second_per_grid * vision.tokens_per_second if vision.time_scaled_video else 1.0
         sound = load_video_audio(src, self.video_audio_limits) if hear and not isinstance(src, np.ndarray) else None
@@ -255,7 +256,7 @@ class QwenProcessor(MultiModalProcessor):
         tp, tokens = self.image_cfg.temporal_patch_size, h * w // self.image_cfg.merge_size**2
         if self.video_layout is not None:
             return ([_Item(tokens, (1, h, w), hash_video_patch(mm_hash, k), modality="video") for k in range(t)],
-                    video.timestamps(tp))
+                    video_timestamps(video, tp))
         vision, second_per_grid = self.ctx.model.vision, tp / video.sample_fps
         interval = second_per_grid * vision.tokens_per_second if vision.time_scaled_video else 1.0
         return [_Item(t * tokens, grid_thw, mm_hash, time_interval=interval, modality="video",
