@@ -83,7 +83,7 @@ def test_qwen2_audio_config(qwen2_audio):
     tok = AutoTokenizer.from_pretrained(path)
     assert cfg.architecture == QWEN2_AUDIO
     assert cfg.vision is None and cfg.modalities == ("audio",) and cfg.position_kind == "rope"
-    assert cfg.deepstack_levels == 0 and cfg.rows_per_media_token == 1 and cfg.embedding_width == cfg.text.hidden_size
+    assert cfg.side_rows == 0 and cfg.rows_per_media_token == 1 and cfg.embedding_width == cfg.text.hidden_size
     t = cfg.text
     # 1-D RoPE: every frequency follows the first position row (the three rows are equal)
     assert t.mrope_section == (t.head_dim // 2, 0, 0) and t.rope_theta == 10000.0 and not t.tie_word_embeddings
@@ -125,7 +125,7 @@ def test_omni_thinker_config(omni):
     cfg = load_model_config(path)
     tok = AutoTokenizer.from_pretrained(path)
     assert cfg.architecture == QWEN2_5_OMNI_THINKER
-    assert cfg.modalities == ("image", "video", "audio") and cfg.position_kind == "omni" and cfg.deepstack_levels == 0
+    assert cfg.modalities == ("image", "video", "audio") and cfg.position_kind == "omni" and cfg.side_rows == 0
     hc = hf.config
     v, a = cfg.vision, cfg.audio
     assert v.window_size == 112 and v.fullatt_block_indexes == tuple(hc.vision_config.fullatt_block_indexes)

@@ -179,9 +179,9 @@ class NonsenseEncoder:
 
     KINDS = ("token ids beyond the vocabulary", "rows for text tokens", "a short rows frame", "a longer prompt")
 
-    def __init__(self, bootstrap: str, width: int, architecture: str, deepstack_levels: int = 0):
+    def __init__(self, bootstrap: str, width: int, architecture: str, side_rows: int = 0):
         self.bootstrap, self.architecture = bootstrap, architecture
-        self.hidden, self.levels, self.width = width, deepstack_levels, width * (1 + deepstack_levels)
+        self.hidden, self.levels, self.width = width, side_rows, width * (1 + side_rows)
         self.served = 0
         self.loop = asyncio.new_event_loop()
         self.ready = threading.Event()
@@ -319,7 +319,7 @@ def test_nonsense_from_an_encoder_is_retried_elsewhere(cluster, offline):
     cluster.wait_encoders("main", 1)
 
 
-@pytest.mark.parametrize("mismatch", ["hidden size", "deepstack levels"])
+@pytest.mark.parametrize("mismatch", ["hidden size", "side rows"])
 def test_an_encoder_of_another_model_is_never_paired(cluster, offline, mismatch):
     """An encoder whose rows do not fit this model (another hidden size, or DeepStack levels the language model
     does not have) is refused at pairing with a clear error, and requests keep going to the right one."""
@@ -328,7 +328,7 @@ def test_an_encoder_of_another_model_is_never_paired(cluster, offline, mismatch)
     hidden = offline.config.model.text.hidden_size
     fake = NonsenseEncoder(cluster.bootstrap_url, hidden * 2 if mismatch == "hidden size" else hidden,
                            offline.config.model.architecture,
-                           deepstack_levels=3 if mismatch == "deepstack levels" else 0)
+                           side_rows=3 if mismatch == "side rows" else 0)
     try:
         def refused() -> list[str]:  # this test's encoder, by its address
             return [x for x in cluster.languages["main"].read_log()[start:].splitlines()
@@ -336,7 +336,7 @@ def test_an_encoder_of_another_model_is_never_paired(cluster, offline, mismatch)
         wait_until(refused, "the mismatched encoder was never refused")
         assert cluster.metrics("main")["vlserve:encoders_available"] == 1
         line = refused()[0]
-        assert ("hidden size 128" if mismatch == "hidden size" else "3 deepstack levels") in line, line
+        assert ("hidden size 128" if mismatch == "hidden size" else "3 side rows per media token") in line, line
         messages = picture_chat(700)
         assert ask(cluster.client("main"), messages) == expected_text(offline, messages)
     finally:

@@ -78,7 +78,7 @@ def test_each_encoder_loads_and_announces_only_its_towers(omni_services):
         assert svc.cfg.towers == towers
         assert svc.pong(7).modalities == kinds
     # the same architecture and widths: a language server pairs with each
-    assert {(p.architecture, p.hidden_size, p.deepstack_levels) for p in
+    assert {(p.architecture, p.hidden_size, p.side_rows) for p in
             (both.pong(1), audio.pong(1), vision.pong(1))} == {(both.pong(1).architecture,
                                                                  both.pong(1).hidden_size, 0)}
 

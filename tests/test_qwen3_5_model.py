@@ -216,7 +216,7 @@ def test_config_and_state_sizes(pair):
     path, hf, ours = pair("qwen3_5_moe")
     cfg = ours.cfg
     t = cfg.text
-    assert cfg.is_hybrid and cfg.deepstack_levels == 0 and cfg.video_rules == "qwen3"
+    assert cfg.is_hybrid and cfg.side_rows == 0 and cfg.video_rules == "qwen3"
     assert t.layer_types == ("linear_attention", "full_attention") * 2
     assert [t.is_linear_layer(i) for i in range(4)] == [True, False, True, False]
     assert (t.rotary_dim, t.mrope_interleaved, t.attn_output_gate) == (8, True, True)

@@ -119,7 +119,7 @@ class EncodeService(SenderService):
 
     def pong(self, nonce: int) -> Pong:
         m = self.cfg.model
-        return Pong(nonce, self.in_flight, m.architecture, m.text.hidden_size, m.deepstack_levels,
+        return Pong(nonce, self.in_flight, m.architecture, m.text.hidden_size, m.side_rows,
                     modalities=list(self.modalities))
 
     def check_kinds(self, req: TransferRequest) -> None:

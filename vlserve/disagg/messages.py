@@ -131,7 +131,7 @@ class Pong(msgspec.Struct, tag="pong"):
     load: int
     architecture: str
     hidden_size: int
-    deepstack_levels: int  # an encoder sends hidden_size x (1 + deepstack_levels) columns per media token
+    side_rows: int  # an encoder sends hidden_size x (1 + side_rows) columns per media token
     kv_width: int = 0  # a prefill instance: the KV row width it sends per token (0: an encoder)
     state_rows: int = 0  # a prefill instance of a hybrid model: rows of linear states after the prompt's KV rows
     modalities: list[str] = []  # an encoder: the media kinds its towers encode (a prefill instance: none)

@@ -230,11 +230,11 @@ class PeerClient:
         if peer.paired:
             return
         ours = self.kind.expects(self.cfg)
-        theirs = (pong.architecture, pong.hidden_size, pong.deepstack_levels, pong.kv_width, pong.state_rows)
+        theirs = (pong.architecture, pong.hidden_size, pong.side_rows, pong.kv_width, pong.state_rows)
         if theirs != ours:
-            logger.error("%s %s serves %s (hidden size %d, %d deepstack levels, KV rows of %d, %d state rows); this "
-                         "server needs %s (hidden size %d, %d deepstack levels, KV rows of %d, %d state rows): not "
-                         "paired", self.kind.name,
+            logger.error("%s %s serves %s (hidden size %d, %d side rows per media token, KV rows of %d, %d state "
+                         "rows); this server needs %s (hidden size %d, %d side rows per media token, KV rows of %d, "
+                         "%d state rows): not paired", self.kind.name,
                          peer.info.address, theirs[0][:64], *theirs[1:], *ours)
             self._drop(peer, "its model does not match", quiet=True, for_s=300.0)
             return

@@ -49,7 +49,7 @@ class PeerKind:
     def expects(self, cfg: FrontendConfig) -> tuple:
         """What a peer's Pong must say to be paired: it produces exactly what this model needs."""
         m = cfg.model
-        return (m.architecture, m.text.hidden_size, m.deepstack_levels,
+        return (m.architecture, m.text.hidden_size, m.side_rows,
                 m.kv_row_width if self.rows_for_every_token else 0, self.tail_rows(cfg))
 
     def tail_rows(self, cfg: FrontendConfig) -> int:

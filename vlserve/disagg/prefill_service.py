@@ -64,7 +64,7 @@ class PrefillService(SenderService):
 
     def pong(self, nonce: int) -> Pong:
         m = self.engine.cfg.model
-        return Pong(nonce, self.in_flight, m.architecture, m.text.hidden_size, m.deepstack_levels,
+        return Pong(nonce, self.in_flight, m.architecture, m.text.hidden_size, m.side_rows,
                     m.kv_row_width, PREFILL_PEERS.tail_rows(self.engine.cfg))
 
     def on_request(self, peer: bytes, msg: TransferRequest) -> None:

@@ -28,7 +28,7 @@ from vlserve.engine.vision_graphs import VisionGraphs, supports_graphs
 from vlserve.engine.encoder_runner import cpu_budget, groups_of
 from vlserve.engine.state_rows import pack_state, unpack_state
 from vlserve.model.accelerator import Accelerator, to_device
-from vlserve.model.decoder import DeepstackInput
+from vlserve.model.decoder import SideRows
 from vlserve.model.layers.linear_state import LinearLayerState, copy_state_slots, new_layer_states
 from vlserve.model.layers.packed_linear import packed_linear_supported
 from vlserve.model.layers.parallel import SINGLE, TPGroup
@@ -118,7 +118,7 @@ class ModelShard:
                               torch.zeros(2, slots, attn.num_kv_heads, attn.head_dim, dtype=cfg.dtype, device=device)
                               for st in states]
             self.hidden = model.cfg.text.hidden_size
-            self.deepstack_levels = model.cfg.deepstack_levels
+            self.side_rows = model.cfg.side_rows
             if cfg.graph_sizes:
                 self.graphs = DecodeGraphs(model, self.kv_caches, self.acc, cfg.graph_sizes, cfg.block_size,
                                            -(-cfg.max_model_len // cfg.block_size), cfg.num_kv_blocks,
@@ -183,16 +183,16 @@ class ModelShard:
         if batch.pending_rows is not None:
             token_ids[to_device(batch.pending_rows, dev)] = batch.pending_tokens
         embeds = self.model.embed_tokens(token_ids)
-        deepstack = None
+        side = None
         if batch.media is not None:
             rows = to_device(batch.media_rows, dev)
             media = to_device(batch.media, dev, embeds.dtype)
             embeds[rows] = media[:, : self.hidden]
-            if self.deepstack_levels:
-                features = media[:, self.hidden :].reshape(-1, self.deepstack_levels, self.hidden).transpose(0, 1)
-                deepstack = DeepstackInput(rows, features)
+            if self.side_rows:  # the rows beside each embedding, for the decoder (Qwen3-VL's DeepStack)
+                features = media[:, self.hidden :].reshape(-1, self.side_rows, self.hidden).transpose(0, 1)
+                side = SideRows(rows, features)
         with lora_rows(batch.lora_rows):
-            hidden = self.model(embeds, to_device(batch.positions, dev), self.kv_caches, meta, deepstack)
+            hidden = self.model(embeds, to_device(batch.positions, dev), self.kv_caches, meta, side)
         return self._logits(hidden, batch)
 
     def _logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | None:

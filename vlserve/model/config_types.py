@@ -212,14 +212,15 @@ class ModelConfig:
         return (("image", "video") if self.vision is not None else ()) + (("audio",) if self.audio is not None else ())
 
     @property
-    def deepstack_levels(self) -> int:
-        """Qwen3-VL: vision feature rows per media token beside its embedding (0 for every other family)."""
+    def side_rows(self) -> int:
+        """Rows the encoder makes per media token beside its embedding, which the decoder reads on its own
+        (Qwen3-VL: one per DeepStack level; 0 for every other family)."""
         return len(self.vision.deepstack_indexes) if self.vision is not None else 0
 
     @property
     def rows_per_media_token(self) -> int:
-        """Hidden-size rows the encoder produces per media token: the embedding, then one per DeepStack level."""
-        return 1 + self.deepstack_levels
+        """Hidden-size rows the encoder produces per media token: the embedding, then its side rows."""
+        return 1 + self.side_rows
 
     @property
     def embedding_width(self) -> int:

@@ -22,12 +22,13 @@ from vlserve.model.layers.rotary import MRotaryEmbedding
 
 
 @dataclass
-class DeepstackInput:
-    """Qwen3-VL's DeepStack in one forward pass: `features[k]` ([R, hidden]) is added onto rows `rows` ([R]) of
-    the flat batch right after decoder layer k."""
+class SideRows:
+    """A media token's rows beside its embedding (`ModelConfig.side_rows` of them), for the decoder: `features[k]`
+    ([R, hidden]) goes with rows `rows` ([R]) of the flat batch. This decoder adds level k right after layer k
+    (Qwen3-VL's DeepStack)."""
 
     rows: torch.Tensor
-    features: torch.Tensor  # [levels, R, hidden]
+    features: torch.Tensor  # [side_rows, R, hidden]
 
 
 class DecoderLayer(nn.Module):
@@ -59,12 +60,12 @@ class DecoderModel(nn.Module):
         positions: torch.Tensor,  # [k, T]
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
-        deepstack: DeepstackInput | None = None,
+        side: SideRows | None = None,
     ) -> torch.Tensor:
         cos, sin = self.rotary(positions, inputs_embeds.dtype)
         h = inputs_embeds
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             h = layer(h, cos, sin, kv_cache, meta)
-            if deepstack is not None and i < deepstack.features.shape[0]:
-                h = h.index_add(0, deepstack.rows, deepstack.features[i].to(h.dtype))
+            if side is not None and i < side.features.shape[0]:
+                h = h.index_add(0, side.rows, side.features[i].to(h.dtype))
         return self.norm(h)

@@ -6,9 +6,9 @@ The runner drives the parts separately: `encode_images` / `encode_audio` for sch
 the rows that sample. Either half may be left out (`with_vision`: the towers / `with_language`) for
 disaggregated roles.
 
-Qwen3-VL's DeepStack: the vision tower returns, per media token, its embedding followed by one feature row per
-deepstack level (`ModelConfig.embedding_width` columns); the runner splits them and hands the features to
-`forward`, which adds them after the first decoder layers.
+Side rows: a tower may return, per media token, its embedding followed by rows the decoder reads on its own
+(`ModelConfig.side_rows`; `ModelConfig.embedding_width` columns in all); the runner splits them off and hands them
+to `forward` (Qwen3-VL's DeepStack: one feature row per level, added after the first decoder layers).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from vlserve.model.audio_encoder import AudioEncoder
-from vlserve.model.decoder import DeepstackInput
+from vlserve.model.decoder import SideRows
 from vlserve.model.config_types import ModelConfig
 from vlserve.model.layers.attention import AttentionMetadata
 from vlserve.model.layers.moe import Experts
@@ -67,8 +67,8 @@ class VisionLanguageModel(nn.Module):
         return self.language_model.embed_tokens(token_ids)
 
     def forward(self, inputs_embeds, positions, kv_caches: list[torch.Tensor], meta: AttentionMetadata,
-                deepstack: DeepstackInput | None = None):
-        return self.language_model(inputs_embeds, positions, kv_caches, meta, deepstack)
+                side: SideRows | None = None):
+        return self.language_model(inputs_embeds, positions, kv_caches, meta, side)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:

@@ -1,6 +1,6 @@
 """Qwen3 decoder as used by Qwen3-VL and Qwen3-VL-MoE: per-head q/k RMSNorm before RoPE, no attention bias,
 interleaved M-RoPE, a dense or sparse (MoE) MLP per layer. DeepStack (visual features from several ViT depths
-added after the first decoder layers, at visual positions only) arrives as the stack's `DeepstackInput`."""
+added after the first decoder layers, at visual positions only) arrives as the stack's `SideRows`."""
 
 from __future__ import annotations
 
