@@ -77,8 +77,8 @@ def main() -> None:
         base = best_of(lambda: bare_decode(data))
         ours = best_of(lambda: full_path(data, opts))
         out = full_path(data, opts)
-        print(f"{seconds:>5.0f}s {out.grid_thw[0] * 2:>7} {base * 1e3:>10.0f}ms {ours * 1e3:>7.0f}ms "
-              f"{ours / base:>5.2f}x {ours / seconds * 1e3:>14.0f}ms {str(out.grid_thw):>12}")
+        print(f"{seconds:>5.0f}s {out.layout[0] * 2:>7} {base * 1e3:>10.0f}ms {ours * 1e3:>7.0f}ms "
+              f"{ours / base:>5.2f}x {ours / seconds * 1e3:>14.0f}ms {str(out.layout):>12}")
 
     data = make_clip(10.0)
     print("\nscaling with the sampled frame count (10 s clip, fps high enough to reach max_frames):")

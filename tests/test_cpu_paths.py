@@ -16,7 +16,7 @@ from vlserve.model.loader import load_model
 
 
 def _item(key: str, patches: int, grid=(1, 2, 2)):
-    return SimpleNamespace(mm_hash=key, pixel_values=torch.zeros(patches, 4), grid_thw=grid)
+    return SimpleNamespace(mm_hash=key, pixel_values=torch.zeros(patches, 4), layout=grid)
 
 
 def test_batches_respect_the_patch_budget():
@@ -46,7 +46,7 @@ def test_vision_tower_in_groups_gives_each_item_its_rows(tiny_ckpt, monkeypatch,
     gen = torch.Generator().manual_seed(0)
     grids = [(1, 4, 4), (1, 6, 4), (1, 4, 8), (1, 2, 2)]
     items = [SimpleNamespace(mm_hash=f"i{n}", pixel_values=torch.randn(t * h * w, patch_dim, generator=gen),
-                             grid_thw=(t, h, w), audio_features=None) for n, (t, h, w) in enumerate(grids)]
+                             layout=(t, h, w), audio_features=None) for n, (t, h, w) in enumerate(grids)]
     together = EncoderRunner(model, torch.device("cpu"))
     monkeypatch.setattr(encoder_runner, "CPU_PATCHES_PER_CALL", 10**9)
     together.encode(items)

@@ -149,7 +149,7 @@ def test_pictures_within_the_bounds_still_decode(tiny_ckpt, tiny):
     item = proc.process({"prompt": f"{IMG}hi", "multi_modal_data": {"image": [buf.getvalue()]}}).mm_items[0]
     assert item.pixel_values is not None and item.num_tokens > 0
     llava = make_processor(tiny, OV)
-    assert llava.process(prompt(llava, "<image>", [png_of_size(3000, 1)])).mm_items[0].grid_thw[1:] == (1, 3000)
+    assert llava.process(prompt(llava, "<image>", [png_of_size(3000, 1)])).mm_items[0].layout[1:] == (1, 3000)
 
 
 def test_a_family_check_refuses_only_what_fails_both_ways_round():

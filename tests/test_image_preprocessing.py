@@ -109,7 +109,7 @@ def _reference(img: Image.Image, min_px: int = DEFAULT_MIN, max_px: int = DEFAUL
 def _assert_same(img: Image.Image, min_px: int | None = None, max_px: int | None = None) -> None:
     ref_pv, ref_grid = _reference(img, min_px or DEFAULT_MIN, max_px or DEFAULT_MAX)
     got = preprocess_image(img, ImageProcessorConfig(), min_pixels=min_px, max_pixels=max_px)
-    assert list(got.grid_thw) == ref_grid
+    assert list(got.layout) == ref_grid
     assert got.pixel_values.dtype == torch.float32
     assert got.pixel_values.shape == ref_pv.shape
     torch.testing.assert_close(got.pixel_values, ref_pv, atol=1e-5, rtol=0)
@@ -129,7 +129,7 @@ def test_preprocess_per_request_limits(min_px: int | None, max_px: int | None) -
 
 def test_preprocess_large_image_shape() -> None:
     got = preprocess_image(make_image("RGB", 1024, 1024), ImageProcessorConfig())
-    assert got.grid_thw == (1, 70, 70)
+    assert got.layout == (1, 70, 70)
     assert got.pixel_values.shape == (4900, 3 * 2 * 14 * 14)
     assert got.num_embed_tokens == 1225
 

@@ -155,7 +155,7 @@ def check_layout(out, cfg, proc) -> None:
     for item in out.mm_items:
         assert ids[item.offset:item.end] == [image] * item.num_tokens
         assert ids[item.offset - 1] == proc.start_id and ids[item.end] == proc.end_id, "not exactly one run"
-        assert item.num_tokens == item.grid_thw[0] * ROWS
+        assert item.num_tokens == item.layout[0] * ROWS
         covered |= set(range(item.offset, item.end))
         check_item(item, cfg)
     assert covered == {i for i, t in enumerate(ids) if t == image}
@@ -171,7 +171,7 @@ def test_prompt_equals_transformers_processor(name, tiny, hf):
     assert out.prompt_token_ids == ref["input_ids"][0].tolist()
     check_layout(out, cfg, proc)
     assert [it.modality for it in out.mm_items] == ["image"] * len(images) + ["video"] * sum(len(v) for v in videos)
-    assert all(it.grid_thw == (1, 0, 0) for it in out.mm_items if it.modality == "video")
+    assert all(it.layout == (1, 0, 0) for it in out.mm_items if it.modality == "video")
     got = torch.cat([it.pixel_values for it in out.mm_items])
     np.testing.assert_allclose(got.numpy(), ref["pixel_values"].reshape(len(got), -1).numpy(), atol=1e-6, rtol=0)
 
@@ -188,8 +188,8 @@ def test_layout_equals_process_without_pixels(tiny):
         for lay in runs["layout"]:  # the second is a cache hit for the picture
             assert lay.prompt_token_ids == full.prompt_token_ids
             assert torch.equal(lay.positions, full.positions)
-            assert [(it.offset, it.num_tokens, it.grid_thw, it.mm_hash, it.modality) for it in lay.mm_items] == \
-                [(it.offset, it.num_tokens, it.grid_thw, it.mm_hash, it.modality) for it in full.mm_items]
+            assert [(it.offset, it.num_tokens, it.layout, it.mm_hash, it.modality) for it in lay.mm_items] == \
+                [(it.offset, it.num_tokens, it.layout, it.mm_hash, it.modality) for it in full.mm_items]
             assert all(it.pixel_values is None for it in lay.mm_items)
         assert all(it.pixel_values is not None for it in full.mm_items)
 
@@ -211,10 +211,10 @@ def test_max_patches(tiny, hf):
                 out = getattr(proc, how)(prompt(proc, text, [data], kwargs=kwargs))
                 assert out.prompt_token_ids == ref["input_ids"][0].tolist(), (how, max_patches)
                 (item,) = out.mm_items
-                assert (item.grid_thw, item.mm_hash) == items.setdefault(max_patches, (item.grid_thw, item.mm_hash))
+                assert (item.layout, item.mm_hash) == items.setdefault(max_patches, (item.layout, item.mm_hash))
                 if how == "process":
                     np.testing.assert_allclose(item.pixel_values.numpy(), ref["pixel_values"].reshape(
-                        item.grid_thw[0], -1).numpy(), atol=1e-6, rtol=0)
+                        item.layout[0], -1).numpy(), atol=1e-6, rtol=0)
     assert {k: grid[0] for k, (grid, _) in items.items()} == {None: 7, 1: 1, 2: 3, 12: 7}
     assert len({h for _, h in items.values()}) == 4, "max_patches changes the pixels: and so the hash"
     for bad in (0, 65, -1, "3", True, 2.0):
@@ -239,7 +239,7 @@ def test_a_checkpoint_whose_min_patches_is_above_one(tiny, tmp_path):
     for kwargs in ({}, {"max_patches": 2}):
         (item,) = proc.process(prompt(proc, text, [rng_image(100, 100)], kwargs=kwargs)).mm_items
         want = hf_images.get_number_of_image_patches(100, 100, {"crop_to_patches": True, **kwargs})
-        assert item.grid_thw[0] == want == (1 if kwargs else 5), kwargs
+        assert item.layout[0] == want == (1 if kwargs else 5), kwargs
 
 
 def test_max_frames(tiny):
@@ -302,11 +302,11 @@ def test_image_embeddings(tiny):
     embeds = torch.randn(3 * ROWS, width)
     out = proc.process(prompt(proc, "look: <IMG_CONTEXT>", [{"image_embeds": embeds}]))
     (item,) = out.mm_items
-    assert (item.grid_thw, item.num_tokens, item.pixel_values) == ((3, 0, 0), 3 * ROWS, None)
+    assert (item.layout, item.num_tokens, item.pixel_values) == ((3, 0, 0), 3 * ROWS, None)
     assert torch.equal(item.embeddings, embeds)
     check_layout(out, cfg, proc)
     again = proc.process(prompt(proc, "<IMG_CONTEXT>", [{"image_embeds": embeds[None].to(torch.bfloat16)}]))
-    assert again.mm_items[0].grid_thw == (3, 0, 0) and again.mm_items[0].embeddings.dtype == torch.float32
+    assert again.mm_items[0].layout == (3, 0, 0) and again.mm_items[0].embeddings.dtype == torch.float32
     for bad, match in [(embeds[:-1], "shape"), (torch.randn(3 * ROWS, width + 1), "shape"),
                        (torch.randn(0, width), "shape"), (embeds * float("nan"), "NaN"),
                        (embeds.to(torch.int32), "dtype")]:
@@ -326,8 +326,8 @@ def test_token_id_prompts_equal_text_prompts(name, tiny):
     by_text = proc.process(prompt(proc, text, images, videos))
     by_ids = proc.process(prompt(proc, text, images, videos, ids=proc.ctx.tokenizer.encode(text)))
     assert by_ids.prompt_token_ids == by_text.prompt_token_ids and by_ids.text is None
-    assert [(it.offset, it.num_tokens, it.grid_thw, it.mm_hash) for it in by_ids.mm_items] == \
-        [(it.offset, it.num_tokens, it.grid_thw, it.mm_hash) for it in by_text.mm_items]
+    assert [(it.offset, it.num_tokens, it.layout, it.mm_hash) for it in by_ids.mm_items] == \
+        [(it.offset, it.num_tokens, it.layout, it.mm_hash) for it in by_text.mm_items]
     check_layout(by_ids, cfg, proc)
 
 
@@ -350,15 +350,15 @@ def test_check_item(tiny):
     picture, frame = proc.process(prompt(proc, text, images, videos)).mm_items[:2]
     check_item(picture, cfg)
     check_item(frame, cfg)
-    t, h, w = picture.grid_thw
+    t, h, w = picture.layout
     for bad in [dataclasses.replace(picture, num_tokens=picture.num_tokens + ROWS),
-                dataclasses.replace(picture, grid_thw=(t + 1, h, w)),
-                dataclasses.replace(picture, grid_thw=(0, h, w), num_tokens=0),
+                dataclasses.replace(picture, layout=(t + 1, h, w)),
+                dataclasses.replace(picture, layout=(0, h, w), num_tokens=0),
                 dataclasses.replace(picture, pixel_values=picture.pixel_values[:-1]),
                 dataclasses.replace(picture, pixel_values=picture.pixel_values.view(t, 3, S, S)),
                 dataclasses.replace(picture, pixel_values=picture.pixel_values[:, :-1]),
-                dataclasses.replace(frame, grid_thw=(1, 48, 64)),
-                dataclasses.replace(frame, grid_thw=(2, 0, 0), num_tokens=2 * ROWS),
+                dataclasses.replace(frame, layout=(1, 48, 64)),
+                dataclasses.replace(frame, layout=(2, 0, 0), num_tokens=2 * ROWS),
                 dataclasses.replace(frame, num_tokens=ROWS + 1),
                 dataclasses.replace(picture, modality="audio")]:
         with pytest.raises(InvalidInputError):

@@ -156,8 +156,8 @@ def test_prompt_equals_transformers_processor(arch, tiny, hf_processors):
         assert out.prompt_token_ids == list(ref["input_ids"][0])
         assert out.positions.tolist() == [list(range(len(out.prompt_token_ids)))] and out.position_delta == 0
         for i, item in enumerate(out.mm_items):
-            tiles = item.grid_thw[0]
-            assert item.grid_thw == (tiles, *tuple(ref["image_sizes"][i]))
+            tiles = item.layout[0]
+            assert item.layout == (tiles, *tuple(ref["image_sizes"][i]))
             np.testing.assert_allclose(item.pixel_values.numpy(), ref["pixel_values"][i][:tiles].reshape(tiles, -1),
                                        atol=1e-6, rtol=0)
             assert out.prompt_token_ids[item.offset:item.end] == [cfg.image_token_id] * item.num_tokens
@@ -192,7 +192,7 @@ def test_video_prompt_tokens_equal_transformers(arch, tiny, hf_processors):
     else:
         want = len(p.replace_video_token({"pixel_values_videos": [np.zeros((5, 3, side, side), np.float32)]}, 0)) // 7
     image, video = out.mm_items
-    assert (video.modality, video.grid_thw, video.num_tokens) == ("video", (5, 0, 0), want)
+    assert (video.modality, video.layout, video.num_tokens) == ("video", (5, 0, 0), want)
     assert video.pixel_values.shape == (5, 3 * side * side) and video.offset >= image.end
     expected = text.replace("<video>", "<video>" * want).replace("<image>", "<image>" * image.num_tokens)
     assert out.prompt_token_ids == tokenizer.encode(expected)
@@ -265,7 +265,7 @@ def test_video_frame_sampling(tiny):
 
     def frames_of(video, kwargs=None):
         item = proc.process(prompt(proc, "<video>", videos=[video], kwargs=kwargs)).mm_items[0]
-        return item.grid_thw[0], item
+        return item.layout[0], item
 
     n, item = frames_of(data)  # --max-video-frames=16
     assert n == 16
@@ -369,7 +369,7 @@ def test_image_embeddings(tiny):
     out = proc.process(prompt(proc, "describe <image>", [{"image_embeds": embeds, "image_sizes": (50, 100)}]))
     item = out.mm_items[0]
     assert item.num_tokens == rows and item.pixel_values is None and torch.equal(item.embeddings, embeds)
-    assert item.grid_thw == (anyres.Geometry.of(cfg).num_tiles(50, 100), 50, 100)
+    assert item.layout == (anyres.Geometry.of(cfg).num_tiles(50, 100), 50, 100)
     check_item(item, cfg)
     again = proc.process(prompt(proc, "<image>", [{"image_embeds": embeds[None], "image_sizes": torch.tensor(
         [50, 100])}])).mm_items[0]

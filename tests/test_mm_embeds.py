@@ -23,8 +23,8 @@ def vit_embeddings(llm: LLM, image) -> tuple[torch.Tensor, tuple[int, int, int]]
     p = preprocess_image(image, proc.image_cfg)
     model = llm.engine.core.runner.model
     with torch.inference_mode():  # the engine's model may sit on a GPU; the caller compares on the CPU
-        emb = model.encode_images(p.pixel_values.to(next(model.parameters()).device), [p.grid_thw])[0]
-    return emb.cpu().clone(), p.grid_thw
+        emb = model.encode_images(p.pixel_values.to(next(model.parameters()).device), [p.layout])[0]
+    return emb.cpu().clone(), p.layout
 
 
 def b64_safetensors(t: torch.Tensor, name: str = "image_embeds") -> str:

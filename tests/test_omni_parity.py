@@ -54,7 +54,7 @@ def video_inputs(llm: LLM, data: bytes) -> tuple:
     proc = llm.engine.input_processor.processor
     cfg = proc.image_cfg
     p = preprocess_video(load_video(data, proc.video_opts), cfg, proc.video_opts, cfg.min_pixels, cfg.max_pixels)
-    return p.pixel_values, p.grid_thw, p.second_per_grid, load_video_audio(data, proc.video_audio_limits).waveform
+    return p.pixel_values, p.layout, p.second_per_grid, load_video_audio(data, proc.video_audio_limits).waveform
 
 
 CLIPS = {"one": noise(int(2.3 * RATE), seed=1), "two": noise(int(1.1 * RATE), seed=2)}

@@ -93,7 +93,7 @@ class Decode:
         blocks = self.buffers.allocate(n)
         self.buffers.write_rows(blocks, torch.arange(n), rows)
         self.blocks[rid] = blocks
-        items = [MultiModalItem(it.offset, it.num_tokens, None, it.grid_thw, it.mm_hash) for it in processed.mm_items]
+        items = [MultiModalItem(it.offset, it.num_tokens, None, it.layout, it.mm_hash) for it in processed.mm_items]
         return ProcessedPrompt(processed.prompt_token_ids, items, processed.positions, processed.position_delta,
                                block_rows=blocks, kv_in_blocks=True)
 

@@ -23,7 +23,7 @@ def processor(ckpt, cap: int | None = None) -> InputProcessor:
 
 
 def resized_pixels(proc: InputProcessor, item) -> int:
-    _, h, w = item.grid_thw
+    _, h, w = item.layout
     return h * w * proc.processor.image_cfg.patch_size**2
 
 
@@ -41,10 +41,10 @@ def test_a_cap_below_the_models_max_pixels_shrinks_pictures(tiny_ckpt, arch):
         assert resized_pixels(capped, got) <= CAP
         # exactly what the model does when asked for max_pixels=CAP
         want = picture(free, noise_image(*size, 1), max_pixels=CAP)
-        assert (got.grid_thw, got.mm_hash) == (want.grid_thw, want.mm_hash)
+        assert (got.layout, got.mm_hash) == (want.layout, want.mm_hash)
         assert got.pixel_values.equal(want.pixel_values)
     small = picture(capped, noise_image(40, 40, 2))  # under the cap: as without one
-    assert small.grid_thw == picture(free, noise_image(40, 40, 2)).grid_thw
+    assert small.layout == picture(free, noise_image(40, 40, 2)).layout
 
 
 def test_what_is_over_the_cap_by_itself_is_refused(tiny_ckpt):

@@ -27,7 +27,7 @@ def same_prompt(a, b) -> None:
     assert a.prompt_token_ids == b.prompt_token_ids
     assert prompt_block_hashes(a, 4) == prompt_block_hashes(b, 4)
     for x, y in zip(a.mm_items, b.mm_items, strict=True):
-        assert (x.offset, x.num_tokens, x.grid_thw, x.mm_hash) == (y.offset, y.num_tokens, y.grid_thw, y.mm_hash)
+        assert (x.offset, x.num_tokens, x.layout, x.mm_hash) == (y.offset, y.num_tokens, y.layout, y.mm_hash)
         assert torch.equal(x.pixel_values, y.pixel_values)
 
 

@@ -97,8 +97,8 @@ def test_video_matches_transformers(references):
     p = preprocess_video(load_video(mp4, proc.video_opts), proc.image_cfg, proc.video_opts,
                          proc.image_cfg.min_pixels, proc.image_cfg.max_pixels)
     prompt = f"<|im_start|>user\nWhat happens in {VID}?<|im_end|>\n<|im_start|>assistant\n"
-    ids = laid_out_ids(hf, prompt, video_timestamps(path, [(12, 4.0)]), [p.grid_thw])
-    expected = hf_video_greedy(hf, ids, p.pixel_values, [p.grid_thw])
+    ids = laid_out_ids(hf, prompt, video_timestamps(path, [(12, 4.0)]), [p.layout])
+    expected = hf_video_greedy(hf, ids, p.pixel_values, [p.layout])
     for engine in (llm, chunked):
         out = engine.generate({"prompt": prompt, "multi_modal_data": {"video": [mp4]}}, GREEDY, use_tqdm=False)[0]
         assert out.prompt_token_ids == ids and out.outputs[0].token_ids == expected

@@ -205,9 +205,9 @@ def test_video_matches_transformers(references, arch):
     opts = proc.video_opts
     for p, (n, h0, w0) in zip(processed, [(6, 56, 84), (7, 84, 56)]):  # the resize rule is transformers' own
         h, w = smart_resize(n, h0, w0, 2, 32, opts.min_pixels, opts.total_pixels)
-        assert p.grid_thw == ((n + 1) // 2, h // 16, w // 16)
+        assert p.layout == ((n + 1) // 2, h // 16, w // 16)
     prompt = f"<|im_start|>user\nA {VID} then {VID}.<|im_end|>\n<|im_start|>assistant\n"
-    pixels, grids = torch.cat([p.pixel_values for p in processed]), [p.grid_thw for p in processed]
+    pixels, grids = torch.cat([p.pixel_values for p in processed]), [p.layout for p in processed]
     stamps = video_timestamps(path, [(12, 4.0), (7, 2.0)])
     expected_ids = laid_out_ids(hf, prompt, stamps, grids)
     expected = hf_video_greedy(hf, expected_ids, pixels, grids)
@@ -255,9 +255,9 @@ def test_precomputed_embeddings_carry_deepstack_rows(references):
     cfg = proc.image_cfg
     p = preprocess_image(load_image(images[0]), cfg, cfg.min_pixels, cfg.max_pixels)
     runner = llm.engine.core.runner
-    rows = runner.model.encode_images(p.pixel_values.to(runner.device), [p.grid_thw])[0].cpu()
+    rows = runner.model.encode_images(p.pixel_values.to(runner.device), [p.layout])[0].cpu()
     assert rows.shape[1] == 3 * 64
-    entry = {"image_embeds": rows, "image_grid_thw": list(p.grid_thw)}
+    entry = {"image_embeds": rows, "image_grid_thw": list(p.layout)}
     out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": [entry]}}, GREEDY, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == expected[1][1]
     with pytest.raises(InvalidInputError, match="DeepStack"):

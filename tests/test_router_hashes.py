@@ -73,8 +73,8 @@ def assert_same(proc: InputProcessor, prompt: dict) -> None:
     engine = proc.process(fetched(prompt))
     router = proc.layout(prompt)
     assert router.prompt_token_ids == engine.prompt_token_ids
-    assert [(i.offset, i.num_tokens, i.grid_thw, i.mm_hash, i.modality) for i in router.mm_items] == \
-        [(i.offset, i.num_tokens, i.grid_thw, i.mm_hash, i.modality) for i in engine.mm_items]
+    assert [(i.offset, i.num_tokens, i.layout, i.mm_hash, i.modality) for i in router.mm_items] == \
+        [(i.offset, i.num_tokens, i.layout, i.mm_hash, i.modality) for i in engine.mm_items]
     assert all(i.pixel_values is None for i in router.mm_items)
     assert prompt_block_hashes(router, BLOCK) == prompt_block_hashes(engine, BLOCK)
     assert router.positions.equal(engine.positions)

@@ -31,7 +31,7 @@ def test_media_chunks_end_where_the_run_is_full_of_rows():
     assert _cuts(media, 4, 30) == [(0, 7), (7, 23), (23, 30)]
     assert _cuts(media, 9, 30) == [(0, 30)]  # the whole prompt in 9 rows (it has 30 tokens)
     assert _cuts(RowMap(ITEMS, every_token=True), 16, 30) == [(0, 16), (16, 30)]
-    prompt = ProcessedPrompt(list(range(30)), [MultiModalItem(it.offset, it.num_tokens, None, it.grid_thw)
+    prompt = ProcessedPrompt(list(range(30)), [MultiModalItem(it.offset, it.num_tokens, None, it.layout)
                                                for it in ITEMS], torch.zeros(3, 30, dtype=torch.int64), 0)
     assert (prompt.media_row(0), prompt.media_row(1), prompt.rows_in_blocks) == (0, 5, 9)
 

@@ -86,7 +86,7 @@ def test_temporal_patches_equal_transformers_image_path(tiny_ckpt):
     cfg = ImageProcessorConfig.from_pretrained(path)
     video = load_video(clip_frames(6, h=70, w=100), QwenVideoOptions(fps=2.0))  # a list of frames: a clip at fps
     out = preprocess_video(video, cfg, QwenVideoOptions(), cfg.min_pixels, cfg.max_pixels)
-    t, gh, gw = out.grid_thw
+    t, gh, gw = out.layout
     h, w = gh * cfg.patch_size, gw * cfg.patch_size
     hf = Qwen2VLImageProcessorPil.from_pretrained(path, size={"shortest_edge": h * w, "longest_edge": h * w})
     per_frame = []
@@ -127,7 +127,7 @@ def hf_video_reference(hf: HFReference, llm: LLM, prompt: str, images: list, vid
         im = hf.image_processor(images=images, return_tensors="pt")
         kwargs.update(pixel_values=im["pixel_values"], image_grid_thw=im["image_grid_thw"])
     kwargs.update(pixel_values_videos=torch.cat([v.pixel_values for v in vids]),
-                  video_grid_thw=torch.tensor([v.grid_thw for v in vids]))
+                  video_grid_thw=torch.tensor([v.layout for v in vids]))
     if mcfg.vision.time_scaled_video:
         kwargs["second_per_grid_ts"] = torch.tensor([v.second_per_grid for v in vids])
     counts = {mcfg.image_token_id: iter((kwargs["image_grid_thw"].prod(-1) // 4).tolist() if images else []),

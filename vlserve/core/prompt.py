@@ -35,12 +35,14 @@ class MultiModalItem:
     offset: int  # index of the first placeholder token in the prompt
     num_tokens: int  # placeholder length = number of embeddings the encoder produces
     pixel_values: torch.Tensor | None  # [patches, patch_dim]
-    grid_thw: tuple[int, int, int]
+    # The family's three numbers for the item, opaque outside it (its processor makes them, its checks and towers
+    # read them): Qwen's patches (t, h, w), LLaVA's and InternVL's tiles or frames and the picture's size
+    layout: tuple[int, int, int]
     # Content hash (encoder-cache key, part of prefix-cache keys). Unknown content gets a unique id, so
     # items without a hash are never shared by mistake.
     mm_hash: str = field(default_factory=lambda: uuid.uuid4().hex)
     embeddings: torch.Tensor | None = None  # [num_tokens, hidden]: the encoder is skipped
-    modality: str = "image"  # "image", "video" or "audio"; an audio item's grid_thw is (1, 1, num_tokens)
+    modality: str = "image"  # "image", "video" or "audio"
     # [n_mels, frames] log-mel features the audio tower reads: the valid frames, then the feature extractor's
     # padding frames its convolution also reads (`AudioConfig.context_frames`)
     audio_features: torch.Tensor | None = None

@@ -30,7 +30,7 @@ class TensorRef(msgspec.Struct, array_like=True):
 class WireMMItem(msgspec.Struct, array_like=True):
     offset: int
     num_tokens: int
-    grid_thw: tuple[int, int, int]
+    layout: tuple[int, int, int]
     mm_hash: str
     pixel_values: TensorRef | None
     embeddings: TensorRef | None = None
@@ -194,7 +194,7 @@ def prompt_to_wire(request_id: str, prompt: ProcessedPrompt, params: SamplingPar
     def ref(t: torch.Tensor | None) -> TensorRef | None:
         return None if t is None else tensor_ref(t, tensors)
 
-    items = [WireMMItem(it.offset, it.num_tokens, tuple(it.grid_thw), it.mm_hash, ref(it.pixel_values),
+    items = [WireMMItem(it.offset, it.num_tokens, tuple(it.layout), it.mm_hash, ref(it.pixel_values),
                         ref(it.embeddings), it.modality, ref(it.audio_features), it.audio_len)
              for it in prompt.mm_items]
     msg = AddRequest(request_id, prompt.prompt_token_ids, items, tensor_ref(prompt.positions, tensors),
@@ -206,7 +206,7 @@ def prompt_from_wire(msg: AddRequest, frames: list) -> ProcessedPrompt:
     def tensor(ref: TensorRef | None) -> torch.Tensor | None:
         return None if ref is None else tensor_from(ref, frames)
 
-    items = [MultiModalItem(it.offset, it.num_tokens, tensor(it.pixel_values), tuple(it.grid_thw), it.mm_hash,
+    items = [MultiModalItem(it.offset, it.num_tokens, tensor(it.pixel_values), tuple(it.layout), it.mm_hash,
                             tensor(it.embeddings), it.modality, tensor(it.audio_features), it.audio_len)
              for it in msg.mm_items]
     return ProcessedPrompt(msg.prompt_token_ids, items, tensor_from(msg.positions, frames), msg.position_delta,

@@ -83,7 +83,7 @@ ReceiverToSender = TransferRequest | ResumeRequest | AbortTransfer | Ping
 class ItemMeta(msgspec.Struct, array_like=True):
     offset: int
     num_tokens: int
-    grid_thw: tuple[int, int, int]
+    layout: tuple[int, int, int]
     mm_hash: str
     modality: str = "image"
 

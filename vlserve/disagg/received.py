@@ -82,7 +82,7 @@ class ReceivedChunks:
 
     def prompt(self, text: str, blocks: list[int]) -> ProcessedPrompt:
         """The prompt as it arrived, its rows in `blocks` (still to be checked like anything the engine admits)."""
-        items = [MultiModalItem(it.offset, it.num_tokens, None, tuple(it.grid_thw), it.mm_hash,
+        items = [MultiModalItem(it.offset, it.num_tokens, None, tuple(it.layout), it.mm_hash,
                                 modality=it.modality)
                  for it in self.first.items]
         return ProcessedPrompt(torch.cat(self._fill_ids).tolist(), items, torch.cat(self._positions).T.contiguous(),

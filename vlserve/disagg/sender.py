@@ -123,7 +123,7 @@ class TransferSender:
         segments, rows = await in_thread(transfer.rows_of, start, end)  # gathers a chunk's rows: a copy
         data = ChunkData(torch.tensor(prompt.prompt_token_ids[start:end], dtype=torch.int64),
                          prompt.positions[:, start:end].T.clone(memory_format=torch.contiguous_format), rows)
-        items = [ItemMeta(it.offset, it.num_tokens, tuple(it.grid_thw), it.mm_hash, it.modality)
+        items = [ItemMeta(it.offset, it.num_tokens, tuple(it.layout), it.mm_hash, it.modality)
                  for it in prompt.mm_items]
         peer, request_id, transfer_id = transfer.key
         header = TransferChunk(request_id, transfer_id, start, n, total, prompt.position_delta, items, block_ids,

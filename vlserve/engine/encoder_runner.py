@@ -79,7 +79,7 @@ class EncoderRunner:
         budget = None if self.whole_step else cpu_budget(self.device)
         for group in batches(pictures, budget) if pictures else []:
             pixels = to_device(torch.cat([it.pixel_values for it in group]), self.device)
-            self._timed("vision", group, lambda: self.model.encode_images(pixels, [it.grid_thw for it in group]))
+            self._timed("vision", group, lambda: self.model.encode_images(pixels, [it.layout for it in group]))
         audio_budget = CPU_AUDIO_FRAMES_PER_CALL if self.device.type == "cpu" else None
         for group in batches(sounds, audio_budget, audio=True) if sounds else []:
             features = [to_device(it.audio_features, self.device) for it in group]

@@ -64,9 +64,9 @@ class VisionGraphs:
         self.captured: dict[tuple[int, tuple[str, ...]], _Bucket] = {}
         self.replays = 0
 
-    def __call__(self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
-        """What `tower(pixel_values, grid_thw)` returns."""
-        vp: VisionPass = self.tower.prepare(pixel_values, grid_thw)
+    def __call__(self, pixel_values: torch.Tensor, layouts: list[tuple[int, int, int]]) -> torch.Tensor:
+        """What `tower(pixel_values, layouts)` returns."""
+        vp: VisionPass = self.tower.prepare(pixel_values, layouts)
         n = vp.x.shape[0]
         size = padded_size(self.buckets, n)
         if size is None:

@@ -68,8 +68,8 @@ def hash_window(item_hash: str, start: int, end: int) -> str:
     return blake3.blake3(f"window|{item_hash}|{start}|{end}".encode()).hexdigest(length=16)
 
 
-def hash_embeddings(embeds, grid_thw: tuple[int, int, int]) -> str:
+def hash_embeddings(embeds, layout: tuple[int, int, int]) -> str:
     """Precomputed embeddings are their own content: equal tensors share encoder and prefix cache entries."""
-    h = blake3.blake3(f"embeds|{tuple(grid_thw)}|{embeds.dtype}|{tuple(embeds.shape)}|".encode())
+    h = blake3.blake3(f"embeds|{tuple(layout)}|{embeds.dtype}|{tuple(embeds.shape)}|".encode())
     h.update(memoryview(embeds.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()))
     return h.hexdigest(length=16)

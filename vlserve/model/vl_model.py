@@ -51,12 +51,12 @@ class VisionLanguageModel(nn.Module):
         if with_language and not cfg.text.tie_word_embeddings:
             self.lm_head = vocab_head(cfg.text.hidden_size, cfg.text.vocab_size, self.tp)
 
-    def encode_images(self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]],
+    def encode_images(self, pixel_values: torch.Tensor, layouts: list[tuple[int, int, int]],
                       tower: Callable | None = None) -> list[torch.Tensor]:
         """One ViT call for several items; returns each item's rows [tokens_i, embedding_width]. `tower`: what
         runs the vision tower in its place (its captured graphs), called as the tower is."""
-        merged = (tower or self.visual)(pixel_values, grid_thw)
-        return list(merged.split([self.item_tokens(grid) for grid in grid_thw]))
+        merged = (tower or self.visual)(pixel_values, layouts)
+        return list(merged.split([self.item_tokens(layout) for layout in layouts]))
 
     def encode_audio(self, features: list[torch.Tensor], lengths: list[int]) -> list[torch.Tensor]:
         """One audio-tower call for several clips (features [n_mels, frames_i], `lengths[i]` valid frames);

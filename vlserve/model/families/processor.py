@@ -76,7 +76,7 @@ class MediaItem:
     processor makes of a media source, cached as is (`MediaItemCache`) and placed at its offset per prompt."""
 
     num_tokens: int
-    grid_thw: tuple[int, int, int]  # the family's three numbers (its checks and tower read them)
+    layout: tuple[int, int, int]  # the family's three numbers (its checks and tower read them)
     mm_hash: str
     modality: str = "image"
     pixel_values: torch.Tensor | None = None
@@ -85,7 +85,7 @@ class MediaItem:
     audio_len: int = 0
 
     def placed_at(self, offset: int) -> MultiModalItem:
-        return MultiModalItem(offset, self.num_tokens, self.pixel_values, self.grid_thw, self.mm_hash,
+        return MultiModalItem(offset, self.num_tokens, self.pixel_values, self.layout, self.mm_hash,
                               self.embeddings, self.modality, self.audio_features, self.audio_len)
 
 

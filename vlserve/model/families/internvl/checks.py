@@ -26,7 +26,7 @@ def item_pixel_rows(grid: tuple[int, int, int]) -> int:
 
 
 def check_item(item: MultiModalItem, cfg: ModelConfig) -> None:
-    t, h, w = tuple(item.grid_thw)
+    t, h, w = tuple(item.layout)
     if item.modality not in ("image", "video"):
         raise InvalidInputError(f"{cfg.architecture} takes pictures and videos, not {item.modality}")
     if t <= 0 or not (0 <= h <= MAX_SIDE and 0 <= w <= MAX_SIDE) or (item.modality == "video" and (t, h, w) !=

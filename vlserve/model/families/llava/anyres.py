@@ -17,7 +17,7 @@ makes n*n + 1 rows (one newline after the base). A video frame is one S x S tile
 `video_frame_side(n)` squared rows: OneVision bilinear to ceil(n/2) with one newline row after the whole video;
 NeXT-Video average (or max) pooling by `spatial_pool_stride` (floor) and no newline.
 
-Item grids (vlserve.core.prompt.MultiModalItem.grid_thw): a picture (num_tiles, original_height,
+Item grids (vlserve.core.prompt.MultiModalItem.layout): a picture (num_tiles, original_height,
 original_width), a video (num_frames, 0, 0).
 
 Settings (ModelConfig.family_settings, written by config.py; names are the keys of `SETTINGS` below) are read

@@ -50,14 +50,14 @@ def check_grid(modality: str, grid: tuple[int, int, int], cfg: ModelConfig) -> N
 
 
 def check_item(item: MultiModalItem, cfg: ModelConfig) -> None:
-    check_grid(item.modality, tuple(item.grid_thw), cfg)
-    expected = item_tokens(cfg, item.grid_thw)
+    check_grid(item.modality, tuple(item.layout), cfg)
+    expected = item_tokens(cfg, item.layout)
     if item.num_tokens != expected:
-        raise InvalidInputError(f"a {item.modality} of grid {tuple(item.grid_thw)} takes {expected} tokens, not "
+        raise InvalidInputError(f"a {item.modality} of grid {tuple(item.layout)} takes {expected} tokens, not "
                                 f"{item.num_tokens}")
     if item.pixel_values is not None:
         size = geometry(cfg).image_size
-        shape = (item.grid_thw[0], cfg.vision.in_channels * size * size)
+        shape = (item.layout[0], cfg.vision.in_channels * size * size)
         if item.pixel_values.dim() != 2 or tuple(item.pixel_values.shape) != shape:
             raise InvalidInputError(f"pixel values of shape {tuple(item.pixel_values.shape)} do not match grid "
-                                    f"{tuple(item.grid_thw)}; expected {shape}")
+                                    f"{tuple(item.layout)}; expected {shape}")

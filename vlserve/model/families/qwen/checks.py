@@ -19,27 +19,27 @@ def item_tokens(cfg: ModelConfig, grid_thw: tuple[int, int, int]) -> int:
 def check_item(item: MultiModalItem, cfg: ModelConfig) -> None:
     _check_grid(item, cfg)
     if item.pixel_values is not None:
-        t, h, w = item.grid_thw
+        t, h, w = item.layout
         if item.modality == "audio" or tuple(item.pixel_values.shape) != (t * h * w, cfg.vision.patch_dim):
             raise InvalidInputError(f"pixel values of shape {tuple(item.pixel_values.shape)} do not match grid "
-                                    f"{item.grid_thw}")
+                                    f"{item.layout}")
     elif item.audio_features is not None:
         _check_audio_features(item, cfg)
 
 
 def _check_grid(item: MultiModalItem, cfg: ModelConfig) -> None:
     """A picture's or video's grid in patches, or an audio item's (1, 1, tokens), matches its token count."""
-    t, h, w = item.grid_thw
+    t, h, w = item.layout
     if item.modality == "audio":
         if (t, h, w) != (1, 1, item.num_tokens) or item.num_tokens <= 0:
-            raise InvalidInputError(f"an audio item of {item.num_tokens} tokens has grid {item.grid_thw}; "
+            raise InvalidInputError(f"an audio item of {item.num_tokens} tokens has grid {item.layout}; "
                                     f"expected (1, 1, {item.num_tokens})")
         return
     merge = cfg.vision.spatial_merge_size
     if min(t, h, w) <= 0 or h % merge or w % merge:
-        raise InvalidInputError(f"grid_thw {item.grid_thw} must be positive with h, w divisible by {merge}")
-    if item.num_tokens != item_tokens(cfg, item.grid_thw):
-        raise InvalidInputError(f"a media item of grid {item.grid_thw} takes {item_tokens(cfg, item.grid_thw)} "
+        raise InvalidInputError(f"grid_thw {item.layout} must be positive with h, w divisible by {merge}")
+    if item.num_tokens != item_tokens(cfg, item.layout):
+        raise InvalidInputError(f"a media item of grid {item.layout} takes {item_tokens(cfg, item.layout)} "
                                 f"tokens, not {item.num_tokens}")
 
 

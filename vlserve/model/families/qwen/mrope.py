@@ -32,13 +32,13 @@ class MRopeItem:
     """One image or video occupying a run of placeholder tokens in the expanded prompt."""
 
     offset: int  # index of the item's first placeholder token in token_ids
-    grid_thw: tuple[int, int, int]  # (t, h, w) in patches, before spatial merging
+    layout: tuple[int, int, int]  # (t, h, w) in patches, before spatial merging
     # Temporal spacing between consecutive merged frames. Images: 1.0. Qwen2.5-VL videos:
     # second_per_grid_t * tokens_per_second. Qwen2-VL videos: 1.0 (it has no time scaling).
     time_interval: float = 1.0
 
     def num_tokens(self, spatial_merge_size: int) -> int:
-        t, h, w = self.grid_thw
+        t, h, w = self.layout
         return t * (h // spatial_merge_size) * (w // spatial_merge_size)
 
 
@@ -62,7 +62,7 @@ def mrope_positions(
             positions[:, cursor : item.offset] = torch.arange(pos, pos + text_len)
             pos += text_len
             max_pos = max(max_pos, pos - 1)
-        t, h, w = item.grid_thw
+        t, h, w = item.layout
         gh, gw = h // spatial_merge_size, w // spatial_merge_size
         # Same float32 product + truncation as transformers, so fractional intervals round alike.
         t_pos = (torch.arange(t) * item.time_interval).long() + pos
@@ -79,9 +79,9 @@ def mrope_positions(
 
 
 def _check_item(item: MRopeItem, merge: int, cursor: int, seq_len: int) -> int:
-    t, h, w = item.grid_thw
+    t, h, w = item.layout
     if t <= 0 or h <= 0 or w <= 0 or h % merge or w % merge:
-        raise ValueError(f"grid_thw {item.grid_thw} must be positive with h, w divisible by {merge}")
+        raise ValueError(f"grid_thw {item.layout} must be positive with h, w divisible by {merge}")
     if item.time_interval < 0:
         raise ValueError(f"time_interval must be >= 0, got {item.time_interval}")
     n = item.num_tokens(merge)

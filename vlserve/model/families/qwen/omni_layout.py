@@ -98,7 +98,7 @@ class OmniItem:
 
     offset: int
     num_tokens: int
-    grid_thw: tuple[int, int, int] = (1, 1, 1)
+    layout: tuple[int, int, int] = (1, 1, 1)
     seconds_per_grid: float = 1.0  # videos; pictures 1 (one frame at id 0)
     audio: bool = False
 
@@ -108,12 +108,12 @@ class OmniGroup:
     """A video heard with its sound: its interleaved tokens start at `offset` (just after `<|audio_bos|>`)."""
 
     offset: int
-    grid_thw: tuple[int, int, int]
+    layout: tuple[int, int, int]
     seconds_per_grid: float
     audio_tokens: int
 
     def num_tokens(self, merge: int) -> int:
-        t, h, w = self.grid_thw
+        t, h, w = self.layout
         return t * (h // merge) * (w // merge) + self.audio_tokens
 
 
@@ -148,7 +148,7 @@ def omni_positions(seq_len: int, entries: Sequence[OmniItem | OmniGroup], merge:
             text(entry.offset - 1)
             positions[:, entry.offset - 1] = next_id - 1
             start = next_id
-            video = _vision_ids(start, entry.grid_thw, entry.seconds_per_grid, ids_per_second, merge)
+            video = _vision_ids(start, entry.layout, entry.seconds_per_grid, ids_per_second, merge)
             audio = torch.arange(entry.audio_tokens).expand(3, -1) + start
             per_window = int(ids_per_second * seconds_per_chunk)
             v_spans = window_spans((video[0] - start).tolist(), per_window)  # the model's (truncated) windows
@@ -172,9 +172,9 @@ def omni_positions(seq_len: int, entries: Sequence[OmniItem | OmniGroup], merge:
         if entry.audio:
             ids = torch.arange(entry.num_tokens).expand(3, -1) + next_id
         else:
-            ids = _vision_ids(next_id, entry.grid_thw, entry.seconds_per_grid, ids_per_second, merge)
+            ids = _vision_ids(next_id, entry.layout, entry.seconds_per_grid, ids_per_second, merge)
             if ids.shape[1] != entry.num_tokens:
-                raise InvalidInputError(f"a media item of grid {entry.grid_thw} takes {ids.shape[1]} tokens, "
+                raise InvalidInputError(f"a media item of grid {entry.layout} takes {ids.shape[1]} tokens, "
                                         f"not {entry.num_tokens}")
         positions[:, cursor:cursor + entry.num_tokens] = ids
         cursor += entry.num_tokens

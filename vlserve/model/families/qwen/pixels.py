@@ -91,13 +91,13 @@ def _three_floats(v: Any) -> tuple[float, float, float]:
 @dataclass(frozen=True)
 class ProcessedImage:
     pixel_values: torch.Tensor  # float32 [t*h*w, 3 * temporal_patch_size * patch * patch]
-    grid_thw: tuple[int, int, int]  # in patches, before merging
+    layout: tuple[int, int, int]  # in patches, before merging
     merge_size: int = 2
 
     @property
     def num_embed_tokens(self) -> int:
         """Number of `<|image_pad|>` tokens this image occupies in the prompt."""
-        t, h, w = self.grid_thw
+        t, h, w = self.layout
         return t * h * w // self.merge_size**2
 
 

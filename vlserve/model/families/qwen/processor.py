@@ -63,7 +63,7 @@ class _Heard:
     """An Omni video heard with its sound: its 2-second windows' items (frames, then audio) in prompt order."""
 
     items: list[_Item]
-    grid_thw: tuple[int, int, int]
+    layout: tuple[int, int, int]
     seconds_per_grid: float
     audio_tokens: int
 
@@ -157,7 +157,7 @@ class QwenProcessor(MultiModalProcessor):
         if hear_videos:
             for start, (items, _) in zip(offsets[mcfg.video_token_id], per_video):
                 if isinstance(items, _Heard):  # after its <|audio_bos|>
-                    groups.append((items, OmniGroup(start + 1, items.grid_thw, items.seconds_per_grid,
+                    groups.append((items, OmniGroup(start + 1, items.layout, items.seconds_per_grid,
                                                     items.audio_tokens)))
                     placed += items.placed(start + 1)
                 else:
@@ -171,7 +171,7 @@ class QwenProcessor(MultiModalProcessor):
 
 
     def _mrope(self, length: int, placed: list, groups: list) -> tuple[torch.Tensor, int]:
-        return mrope_positions(range(length), [MRopeItem(off, it.grid_thw, it.time_interval) for off, it in placed],
+        return mrope_positions(range(length), [MRopeItem(off, it.layout, it.time_interval) for off, it in placed],
                                self.ctx.model.vision.spatial_merge_size)
 
     def _rope(self, length: int, placed: list, groups: list) -> tuple[torch.Tensor, int]:
@@ -181,7 +181,7 @@ class QwenProcessor(MultiModalProcessor):
     def _omni(self, length: int, placed: list, groups: list) -> tuple[torch.Tensor, int]:
         m = self.ctx.model
         in_groups = {id(it) for heard, _ in groups for it in heard.items}
-        entries = [OmniItem(off, it.num_tokens, it.grid_thw, it.seconds_per_grid, it.modality == "audio")
+        entries = [OmniItem(off, it.num_tokens, it.layout, it.seconds_per_grid, it.modality == "audio")
                    for off, it in placed if id(it) not in in_groups] + [group for _, group in groups]
         entries.sort(key=lambda e: e.offset)
         return omni_positions(length, entries, m.vision.spatial_merge_size, m.audio.position_id_per_seconds,
@@ -210,7 +210,7 @@ class QwenProcessor(MultiModalProcessor):
         if not pixels:  # what preprocess_image's grid and token count would be
             return _Item((h // patch) * (w // patch) // merge**2, (1, h // patch, w // patch), mm_hash)
         p = preprocess_image(img, self.image_cfg, params["min_pixels"], params["max_pixels"])
-        return _Item(p.num_embed_tokens, p.grid_thw, mm_hash, pixel_values=p.pixel_values)
+        return _Item(p.num_embed_tokens, p.layout, mm_hash, pixel_values=p.pixel_values)
 
     def _video(self, src: Any, uid: str | None, kwargs: dict, pixel_params: dict,
                hear: bool = False, pixels: bool = True) -> tuple[list[_Item] | _Heard, list[float]]:
@@ -236,7 +236,7 @@ class QwenProcessor(MultiModalProcessor):
             return self._video_layout(video, (t, h, w), mm_hash)
         p = preprocess_video(video, self.image_cfg, opts, lo, hi)
         if self.video_layout is not None:
-            t, h, w = p.grid_thw
+            t, h, w = p.layout
             rows = p.pixel_values.view(t, h * w, -1)
             items = [_Item(h * w // self.image_cfg.merge_size**2, (1, h, w), hash_video_patch(mm_hash, k),
                            pixel_values=rows[k], modality="video") for k in range(t)]
@@ -246,7 +246,7 @@ class QwenProcessor(MultiModalProcessor):
         sound = load_video_audio(src, self.video_audio_limits) if hear and not isinstance(src, np.ndarray) else None
         if sound is not None:  # a silent video stays a plain one
             return self._heard_video(p, mm_hash, sound.waveform, uid), []
-        return [_Item(p.num_embed_tokens, p.grid_thw, mm_hash, pixel_values=p.pixel_values,
+        return [_Item(p.num_embed_tokens, p.layout, mm_hash, pixel_values=p.pixel_values,
                       time_interval=interval, modality="video", seconds_per_grid=p.second_per_grid)], []
 
     def _video_layout(self, video, grid_thw: tuple[int, int, int],
@@ -267,7 +267,7 @@ class QwenProcessor(MultiModalProcessor):
         m = self.ctx.model
         merge = m.vision.spatial_merge_size
         sound = self._audio_item(waveform, f"{uid}/audio" if uid else None, "the video's sound track")
-        t, h, w = p.grid_thw
+        t, h, w = p.layout
         windows = AudioVideoWindows.plan(t, p.second_per_grid, sound.num_tokens, m.audio.position_id_per_seconds,
                                          m.audio.seconds_per_chunk, h * w // merge**2)
         per_window = int(m.audio.position_id_per_seconds * m.audio.seconds_per_chunk)
@@ -292,7 +292,7 @@ class QwenProcessor(MultiModalProcessor):
             feats = sound.audio_features[:, 4 * a:None if last else 4 * b].contiguous()
             items.append(_Item(b - a, (1, 1, b - a), hash_window(sound.mm_hash, a, b), modality="audio",
                                audio_features=feats, audio_len=frames))
-        return _Heard(items, p.grid_thw, p.second_per_grid, sound.num_tokens)
+        return _Heard(items, p.layout, p.second_per_grid, sound.num_tokens)
 
     def _audio(self, src: Any, uid: str | None) -> _Item:
         clip = load_audio(src, self.audio_limits)

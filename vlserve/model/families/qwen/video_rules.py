@@ -119,13 +119,13 @@ def video_timestamps(video: SampledVideo, temporal_patch: int) -> list[float]:
 @dataclass(frozen=True)
 class ProcessedVideo:
     pixel_values: torch.Tensor  # float32 [t*h*w, 3 * temporal_patch_size * patch * patch]
-    grid_thw: tuple[int, int, int]
+    layout: tuple[int, int, int]
     second_per_grid: float  # seconds of video one temporal patch covers
     merge_size: int = 2
 
     @property
     def num_embed_tokens(self) -> int:
-        t, h, w = self.grid_thw
+        t, h, w = self.layout
         return t * h * w // self.merge_size**2
 
 
