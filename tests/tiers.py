@@ -32,6 +32,7 @@ FILE_TIERS = {
     "test_hostile_media.py": "unit",
     "test_llava_processor.py": "unit",
     "test_internvl_processor.py": "unit",
+    "test_family_neutral.py": "unit",
     "test_kernel_build.py": "unit",
     "test_newcomer_fixes.py": "unit",
     "test_doc_snippets.py": "unit",
