@@ -37,6 +37,18 @@ def greedy_new_tokens(model, tokenizer, inputs: dict, max_new_tokens: int) -> tu
     return prompt_ids, out[0, len(prompt_ids):].tolist()
 
 
+@torch.no_grad()
+def greedy_with_logprobs(model, tokenizer, inputs: dict, max_new_tokens: int) -> tuple[list[int], list[int], list]:
+    """(expanded prompt ids, generated ids, each generated token's log-probability under the model's raw logits)
+    of transformers' `generate` on a processor's inputs; EOS is ignored."""
+    out = model.generate(**inputs, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
+                         pad_token_id=tokenizer.pad_token_id, output_logits=True, return_dict_in_generate=True)
+    prompt_ids = inputs["input_ids"][0].tolist()
+    new = out.sequences[0, len(prompt_ids):].tolist()
+    logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, new)]
+    return prompt_ids, new, logprobs
+
+
 def hf_class(arch: str):
     """transformers' class for `arch`; Qwen3.5's (transformers >= 5.23) are imported when first asked for."""
     if arch not in HF_CLASSES and arch in ("qwen3_5", "qwen3_5_moe"):
@@ -334,14 +346,7 @@ class HFLlavaReference:
     def greedy(self, text: str, max_new_tokens: int, images=(), videos=()) -> tuple[list[int], list[int], list]:
         """(expanded prompt ids, generated ids, each generated token's log-probability under the model's raw
         logits); EOS is ignored."""
-        inputs = self.inputs(text, images, videos)
-        out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                                  do_sample=False, pad_token_id=self.tokenizer.pad_token_id, output_logits=True,
-                                  return_dict_in_generate=True)
-        prompt_ids = inputs["input_ids"][0].tolist()
-        new = out.sequences[0, len(prompt_ids):].tolist()
-        logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, new)]
-        return prompt_ids, new, logprobs
+        return greedy_with_logprobs(self.model, self.tokenizer, self.inputs(text, images, videos), max_new_tokens)
 
 
 class _InternVLFrames:
@@ -407,11 +412,4 @@ class HFInternVLReference:
     @torch.no_grad()
     def greedy(self, text: str, max_new_tokens: int, images=(), videos=()) -> tuple[list[int], list[int], list]:
         """(expanded prompt ids, generated ids, each generated token's log-probability); EOS is ignored."""
-        inputs = self.inputs(text, images, videos)
-        out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                                  do_sample=False, pad_token_id=self.tokenizer.pad_token_id, output_logits=True,
-                                  return_dict_in_generate=True)
-        prompt_ids = inputs["input_ids"][0].tolist()
-        new = out.sequences[0, len(prompt_ids):].tolist()
-        logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, new)]
-        return prompt_ids, new, logprobs
+        return greedy_with_logprobs(self.model, self.tokenizer, self.inputs(text, images, videos), max_new_tokens)

@@ -9,15 +9,57 @@ rescale-and-normalize.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from vlserve.core.errors import ModelLoadError
+
 NEAREST, BILINEAR, BICUBIC = 0, 2, 3  # PIL resample numbers (what preprocessor configs hold)
 TORCH_MODES = {NEAREST: "nearest-exact", BILINEAR: "bilinear", BICUBIC: "bicubic"}  # torchvision's mapping
+
+
+def _read_json(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{path}: invalid JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object")
+    return raw
+
+
+def processor_settings(folder: str | Path, kind: str) -> dict:
+    """A checkpoint's picture (`kind="image"`) or video processor settings as transformers finds them:
+    processor_config.json's `<kind>_processor` entry, then (videos) video_preprocessor_config.json, then
+    preprocessor_config.json. ModelLoadError when there are none or a file is not a JSON object."""
+    folder = Path(folder)
+    nested = (_read_json(folder / "processor_config.json") or {}).get(f"{kind}_processor")
+    raw = nested if isinstance(nested, dict) else None
+    names = ["video_preprocessor_config.json", "preprocessor_config.json"] if kind == "video" else \
+        ["preprocessor_config.json"]
+    for name in names:
+        if raw is None:
+            raw = _read_json(folder / name)
+    if raw is None:
+        raise ModelLoadError(f"{folder}: no {kind} processor settings (preprocessor_config.json)")
+    return raw
+
+
+def channel_values(v: Any) -> tuple[float, float, float]:
+    """image_mean / image_std: three numbers, or one for every channel."""
+    vals = [float(x) for x in v] if isinstance(v, (list, tuple)) else [float(v)] * 3
+    if len(vals) != 3:
+        raise ValueError(f"expected 3 channel values, got {v!r}")
+    return (vals[0], vals[1], vals[2])
 
 
 def pil_resize(img: np.ndarray, size: tuple[int, int], resample: int) -> np.ndarray:

@@ -191,6 +191,18 @@ class MultiModalProcessor(ABC):
         """Load and preprocess the media (decode, bound, resize, hash), expand placeholders, positions. Raises
         InvalidInputError (or a subclass) for anything the client can fix."""
 
+    def max_frames(self, kwargs: dict) -> int:
+        """A request's `max_frames` (mm_processor_kwargs), at most --max-video-frames; that cap when not given."""
+        cap = self.ctx.max_video_frames
+        v = kwargs.get("max_frames")
+        if v is None:
+            return cap
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise InvalidInputError(f"max_frames must be a positive integer, got {v!r}")
+        if v > cap:
+            raise InvalidInputError(f"max_frames {v} exceeds the server's limit of {cap} (--max-video-frames)")
+        return v
+
     def layout(self, prompt: PromptMedia) -> ProcessedPrompt:
         """What `process` gives less the encoder inputs: the same token ids and items (offsets, token counts,
         grids, content hashes) with no pixel values or features, so the same block hashes (a router's need).

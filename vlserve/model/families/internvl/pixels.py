@@ -14,7 +14,6 @@ file when there is none), HF's class defaults for what they leave out.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -24,7 +23,16 @@ from PIL import Image
 
 from vlserve.core.errors import ModelLoadError
 from vlserve.media.image import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
-from vlserve.media.pixels import BICUBIC, TORCH_MODES, normalize_frames, pil_resize, rescale_normalize, torch_resize
+from vlserve.media.pixels import (
+    BICUBIC,
+    TORCH_MODES,
+    channel_values,
+    normalize_frames,
+    pil_resize,
+    processor_settings,
+    rescale_normalize,
+    torch_resize,
+)
 from vlserve.model.families.internvl.tiles import canvas
 
 
@@ -43,37 +51,9 @@ class PixelSettings:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
 
 
-def _read_json(path: Path) -> dict | None:
-    if not path.is_file():
-        return None
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"{path}: invalid JSON ({e})") from e
-    if not isinstance(raw, dict):
-        raise ModelLoadError(f"{path}: expected a JSON object")
-    return raw
-
-
-def _three(v) -> tuple[float, float, float]:
-    vals = [float(x) for x in v] if isinstance(v, (list, tuple)) else [float(v)] * 3
-    if len(vals) != 3:
-        raise ValueError(f"expected 3 channel values, got {v!r}")
-    return (vals[0], vals[1], vals[2])
-
-
 def load_settings(folder: str | Path, kind: str) -> PixelSettings:
     """The checkpoint's picture (`kind="image"`) or video settings, found where transformers looks."""
-    folder = Path(folder)
-    nested = (_read_json(folder / "processor_config.json") or {}).get(f"{kind}_processor")
-    raw = nested if isinstance(nested, dict) else None
-    names = ["video_preprocessor_config.json", "preprocessor_config.json"] if kind == "video" else \
-        ["preprocessor_config.json"]
-    for name in names:
-        if raw is None:
-            raw = _read_json(folder / name)
-    if raw is None:
-        raise ModelLoadError(f"{folder}: no {kind} processor settings (preprocessor_config.json)")
+    raw = processor_settings(folder, kind)
     try:
         size = raw.get("size") or {"height": 384, "width": 384}  # GotOcr2's and InternVL's video defaults
         side = (size, size) if isinstance(size, int) else (int(size["height"]), int(size["width"]))
@@ -89,8 +69,8 @@ def load_settings(folder: str | Path, kind: str) -> PixelSettings:
         settings = PixelSettings(
             tile=side[0], resample=resample,
             rescale=float(raw.get("rescale_factor", 1 / 255)) if raw.get("do_rescale", True) else None,
-            mean=_three(raw.get("image_mean", OPENAI_CLIP_MEAN)) if raw.get("do_normalize", True) else None,
-            std=_three(raw.get("image_std", OPENAI_CLIP_STD)),
+            mean=channel_values(raw.get("image_mean", OPENAI_CLIP_MEAN)) if raw.get("do_normalize", True) else None,
+            std=channel_values(raw.get("image_std", OPENAI_CLIP_STD)),
             min_tiles=int(raw.get("min_patches", 1)) if tiling else 1,
             max_tiles=int(raw.get("max_patches", 12)) if tiling else 1)
     except (TypeError, ValueError, KeyError) as e:

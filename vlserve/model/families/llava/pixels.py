@@ -20,7 +20,6 @@ out.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,8 +34,10 @@ from vlserve.media.image import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 from vlserve.media.pixels import (
     BICUBIC,
     TORCH_MODES,
+    channel_values,
     normalize_frames,
     pil_resize,
+    processor_settings,
     rescale_normalize,
     torch_resize,
 )
@@ -90,30 +91,9 @@ class PixelSettings:
 
 
 # ---- settings ---------------------------------------------------------------------------------------------
-def _read_json(path: Path) -> dict | None:
-    if not path.is_file():
-        return None
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"{path}: invalid JSON ({e})") from e
-    if not isinstance(raw, dict):
-        raise ModelLoadError(f"{path}: expected a JSON object")
-    return raw
-
-
 def load_settings(folder: str | Path, architecture: str, kind: str) -> PixelSettings:
     """The checkpoint's image (`kind="image"`) or video processor settings, found where transformers looks."""
-    folder = Path(folder)
-    nested = (_read_json(folder / "processor_config.json") or {}).get(f"{kind}_processor")
-    raw = nested if isinstance(nested, dict) else None
-    names = ["video_preprocessor_config.json", "preprocessor_config.json"] if kind == "video" else \
-        ["preprocessor_config.json"]
-    for name in names:
-        if raw is None:
-            raw = _read_json(folder / name)
-    if raw is None:
-        raise ModelLoadError(f"{folder}: no {kind} processor settings (preprocessor_config.json)")
+    raw = processor_settings(folder, kind)
     try:
         return settings_from_dict(raw, DEFAULTS[(architecture, kind)])
     except (TypeError, ValueError, KeyError) as e:
@@ -124,13 +104,6 @@ def _side_pair(v: Any) -> tuple[int, int]:
     if isinstance(v, int):
         return (v, v)
     return (int(v["height"]), int(v["width"]))
-
-
-def _three(v: Any) -> tuple[float, float, float]:
-    vals = [float(x) for x in v] if isinstance(v, (list, tuple)) else [float(v)] * 3
-    if len(vals) != 3:
-        raise ValueError(f"expected 3 channel values, got {v!r}")
-    return (vals[0], vals[1], vals[2])
 
 
 def settings_from_dict(d: dict, defaults: dict) -> PixelSettings:
@@ -152,8 +125,8 @@ def settings_from_dict(d: dict, defaults: dict) -> PixelSettings:
                       do_rescale=bool(d.get("do_rescale", True)),
                       rescale_factor=float(d.get("rescale_factor", 1 / 255)),
                       do_normalize=bool(d.get("do_normalize", True)),
-                      mean=_three(d.get("image_mean", OPENAI_CLIP_MEAN)),
-                      std=_three(d.get("image_std", OPENAI_CLIP_STD)),
+                      mean=channel_values(d.get("image_mean", OPENAI_CLIP_MEAN)),
+                      std=channel_values(d.get("image_std", OPENAI_CLIP_STD)),
                       pinpoints=tuple((int(h), int(w)) for h, w in d.get("image_grid_pinpoints") or ()),
                       tile=crop_size[0] if crop_size else size[0] if isinstance(size, tuple) else size)
     if not s.do_resize:

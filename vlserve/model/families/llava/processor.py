@@ -96,7 +96,7 @@ class LlavaProcessor(MultiModalProcessor):
 
     def _run(self, prompt: PromptMedia, pixels: bool) -> ProcessedPrompt:
         m = self.ctx.model
-        max_frames = self._max_frames(prompt.mm_kwargs)
+        max_frames = self.max_frames(prompt.mm_kwargs)
         images = [self._image(src, uid, pixels) for src, uid in prompt.media.get("image", [])]
         videos = [self._video(src, uid, max_frames, pixels) for src, uid in prompt.media.get("video", [])]
         token_ids, offsets = expand_all_placeholders(prompt.token_ids, {
@@ -162,17 +162,6 @@ class LlavaProcessor(MultiModalProcessor):
         return MediaItem(tokens, grid, hash_embeddings(embeds, grid), "image", embeddings=embeds)
 
     # ---- videos ------------------------------------------------------------------------------------------------
-    def _max_frames(self, kwargs: dict) -> int:
-        cap = self.ctx.max_video_frames
-        v = kwargs.get("max_frames")
-        if v is None:
-            return cap
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise InvalidInputError(f"max_frames must be a positive integer, got {v!r}")
-        if v > cap:
-            raise InvalidInputError(f"max_frames {v} exceeds the server's limit of {cap} (--max-video-frames)")
-        return v
-
     def _video(self, src: Any, uid: str | None, max_frames: int, pixels: bool = True) -> MediaItem:
         if isinstance(src, dict):
             raise InvalidInputError("precomputed video embeddings are not supported for LLaVA models; send the "
