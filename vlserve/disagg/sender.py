@@ -27,15 +27,15 @@ from vlserve.core.wire import Framer
 from vlserve.disagg.auth import PeerAuth
 from vlserve.disagg.messages import (
     AbortTransfer,
-    TransferRequest,
     ItemMeta,
-    ReceiverToSender,
     Ping,
     Pong,
+    ReceiverToSender,
     ResumeRequest,
     RowSegment,
     TransferChunk,
     TransferFailed,
+    TransferRequest,
     TransferState,
     TransferTarget,
 )
@@ -122,7 +122,7 @@ class TransferSender:
         n = end - start
         segments, rows = await in_thread(transfer.rows_of, start, end)  # gathers a chunk's rows: a copy
         data = ChunkData(torch.tensor(prompt.prompt_token_ids[start:end], dtype=torch.int64),
-                         prompt.positions[:, start:end].T.clone(memory_format=torch.contiguous_format), rows)
+                         prompt.positions[:, start:end].T.contiguous(), rows)
         items = [ItemMeta(it.offset, it.num_tokens, tuple(it.layout), it.mm_hash, it.modality)
                  for it in prompt.mm_items]
         peer, request_id, transfer_id = transfer.key

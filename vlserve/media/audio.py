@@ -37,6 +37,7 @@ from vlserve.media.audio_formats import (
     wav_format_name,
 )
 from vlserve.media.data_url import decode_data_url, is_data_url
+from vlserve.media.pixels import read_json_object
 
 # Whisper's feature extractor settings (transformers' WhisperFeatureExtractor defaults, 128 mel bins as the
 # Qwen2-Audio family uses), for a checkpoint without a preprocessor_config.json.
@@ -135,16 +136,8 @@ class AudioProcessorConfig:
         none) takes the family's defaults: Whisper's, with config.json's `num_mel_bins` and a 300 s window for
         Qwen2.5-Omni (30 s otherwise)."""
         defaults = _family_defaults(Path(folder))
-        path = Path(folder) / "preprocessor_config.json"
-        if not path.is_file():
-            return defaults
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ModelLoadError(f"{path}: invalid JSON ({e})") from e
-        if not isinstance(raw, dict):
-            raise ModelLoadError(f"{path}: not a JSON object")
-        return cls.from_dict(raw, defaults)
+        raw = read_json_object(Path(folder) / "preprocessor_config.json")
+        return defaults if raw is None else cls.from_dict(raw, defaults)
 
 
 def _family_defaults(folder: Path) -> AudioProcessorConfig:

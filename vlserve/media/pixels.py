@@ -25,7 +25,8 @@ NEAREST, BILINEAR, BICUBIC = 0, 2, 3  # PIL resample numbers (what preprocessor 
 TORCH_MODES = {NEAREST: "nearest-exact", BILINEAR: "bilinear", BICUBIC: "bicubic"}  # torchvision's mapping
 
 
-def _read_json(path: Path) -> dict | None:
+def read_json_object(path: Path) -> dict | None:
+    """A settings file as a dict; None when there is none; ModelLoadError when it is not a JSON object."""
     if not path.is_file():
         return None
     try:
@@ -42,13 +43,13 @@ def processor_settings(folder: str | Path, kind: str) -> dict:
     processor_config.json's `<kind>_processor` entry, then (videos) video_preprocessor_config.json, then
     preprocessor_config.json. ModelLoadError when there are none or a file is not a JSON object."""
     folder = Path(folder)
-    nested = (_read_json(folder / "processor_config.json") or {}).get(f"{kind}_processor")
+    nested = (read_json_object(folder / "processor_config.json") or {}).get(f"{kind}_processor")
     raw = nested if isinstance(nested, dict) else None
     names = ["video_preprocessor_config.json", "preprocessor_config.json"] if kind == "video" else \
         ["preprocessor_config.json"]
     for name in names:
         if raw is None:
-            raw = _read_json(folder / name)
+            raw = read_json_object(folder / name)
     if raw is None:
         raise ModelLoadError(f"{folder}: no {kind} processor settings (preprocessor_config.json)")
     return raw

@@ -228,11 +228,12 @@ class ReplicaSet:
                 r.answering = False
                 return
             r.answering = True
-            load = parse_load(text)
+            load = await asyncio.to_thread(parse_load, text)  # up to MAX_METRICS_BYTES: off the event loop
             r.others = max(0, load["running"] + load["waiting"] - max(ours, r.in_flight))
             r.capacity_blocks = load["capacity"]
             try:
-                r.adapters = parse_adapters(await self._read(r, "/v1/models", MAX_MODELS_BYTES, self.auth))
+                models = await self._read(r, "/v1/models", MAX_MODELS_BYTES, self.auth)
+                r.adapters = await asyncio.to_thread(parse_adapters, models)
             except (httpx.HTTPError, ValueError):
                 pass  # its adapters as last read
         await asyncio.gather(*(one(r) for r in list(self.replicas.values())))

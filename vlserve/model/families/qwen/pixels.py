@@ -8,7 +8,6 @@ with each frame repeated `temporal_patch_size` times. Pixel values match it to ~
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from PIL import Image
 
 from vlserve.core.errors import InvalidInputError, ModelLoadError
 from vlserve.media.image import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, to_rgb
+from vlserve.media.pixels import channel_values, read_json_object
 
 MAX_ASPECT_RATIO = 200  # smart_resize's bound on long side / short side (transformers')
 
@@ -61,8 +61,8 @@ class ImageProcessorConfig:
             patch_size=int(d.get("patch_size", cls.patch_size)),
             temporal_patch_size=int(d.get("temporal_patch_size", cls.temporal_patch_size)),
             merge_size=int(d.get("merge_size", cls.merge_size)),
-            image_mean=_three_floats(d.get("image_mean", OPENAI_CLIP_MEAN)),
-            image_std=_three_floats(d.get("image_std", OPENAI_CLIP_STD)),
+            image_mean=channel_values(d.get("image_mean", OPENAI_CLIP_MEAN)),
+            image_std=channel_values(d.get("image_std", OPENAI_CLIP_STD)),
             rescale_factor=float(d.get("rescale_factor", cls.rescale_factor)),
         )
         if min(cfg.patch_size, cfg.temporal_patch_size, cfg.merge_size) <= 0:
@@ -71,21 +71,10 @@ class ImageProcessorConfig:
 
     @classmethod
     def from_pretrained(cls, folder: str | os.PathLike) -> "ImageProcessorConfig":
-        path = Path(folder) / "preprocessor_config.json"
-        if not path.is_file():
+        raw = read_json_object(Path(folder) / "preprocessor_config.json")
+        if raw is None:
             raise ModelLoadError(f"{folder}: no preprocessor_config.json (the image processor settings)")
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ModelLoadError(f"{path}: invalid JSON ({e})") from e
         return cls.from_dict(raw)
-
-
-def _three_floats(v: Any) -> tuple[float, float, float]:
-    vals = [float(x) for x in v] if isinstance(v, (list, tuple)) else [float(v)] * 3
-    if len(vals) != 3:
-        raise ValueError(f"expected 3 channel values, got {v!r}")
-    return (vals[0], vals[1], vals[2])
 
 
 @dataclass(frozen=True)
