@@ -337,19 +337,23 @@ def test_processor_config_from_a_checkpoint(tmp_path):
                    "sampling_rate": 16000}
     (tmp_path / "preprocessor_config.json").write_text(json.dumps(qwen2_audio))
     assert AudioProcessorConfig.from_pretrained(tmp_path) == QWEN2_AUDIO
-    # no preprocessor_config.json: the family's defaults, the mel bins from config.json
+    # no preprocessor_config.json: the family's defaults (Whisper's when it gives none; the Qwen family's own are
+    # tested in test_audio_model.py)
     omni = tmp_path / "omni"
     omni.mkdir()
-    (omni / "config.json").write_text(json.dumps({"architectures": ["Qwen2_5OmniForConditionalGeneration"],
-                                                  "thinker_config": {"audio_config": {"num_mel_bins": 80}}}))
-    cfg = AudioProcessorConfig.from_pretrained(omni)
+    assert AudioProcessorConfig.from_pretrained(omni) == QWEN2_AUDIO
+    defaults = AudioProcessorConfig(feature_size=80, chunk_length=300)
+    cfg = AudioProcessorConfig.from_pretrained(omni, defaults)
     assert (cfg.chunk_length, cfg.feature_size, cfg.n_samples) == (300, 80, 4_800_000)
+    # a file that names some fields: the defaults fill the others
+    (omni / "preprocessor_config.json").write_text(json.dumps({"padding_value": 0.5}))
+    assert AudioProcessorConfig.from_pretrained(omni, defaults) == dataclasses.replace(defaults, padding_value=0.5)
     (omni / "preprocessor_config.json").write_text("{not json")
     with pytest.raises(ModelLoadError):
-        AudioProcessorConfig.from_pretrained(omni)
+        AudioProcessorConfig.from_pretrained(omni, defaults)
     (omni / "preprocessor_config.json").write_text(json.dumps({"hop_length": 0}))
     with pytest.raises(ModelLoadError):
-        AudioProcessorConfig.from_pretrained(omni)
+        AudioProcessorConfig.from_pretrained(omni, defaults)
 
 
 def test_prompt_limits_count_audio():

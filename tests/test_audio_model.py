@@ -32,7 +32,9 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 from vlserve.core.errors import ModelLoadError
 from vlserve.model.audio_encoder import audio_output_tokens
+from vlserve.media.audio import AudioProcessorConfig
 from vlserve.model.families.qwen.config import QWEN2_5_OMNI, QWEN2_5_OMNI_THINKER, QWEN2_AUDIO
+from vlserve.model.families.qwen.processor import audio_defaults
 from vlserve.model.hf_config import ModelConfig, load_model_config, parse_model_config
 from vlserve.model.layers.attention import AttentionMetadata, build_prefill_span
 from vlserve.model.layers.parallel import TPGroup
@@ -86,7 +88,7 @@ def test_qwen2_audio_config(qwen2_audio):
     assert cfg.side_rows == 0 and cfg.rows_per_media_token == 1 and cfg.embedding_width == cfg.text.hidden_size
     t = cfg.text
     # 1-D RoPE: every frequency follows the first position row (the three rows are equal)
-    assert t.mrope_section == (t.head_dim // 2, 0, 0) and t.rope_theta == 10000.0 and not t.tie_word_embeddings
+    assert t.rotary_sections == (t.head_dim // 2, 0, 0) and t.rope_theta == 10000.0 and not t.tie_word_embeddings
     a = cfg.audio
     hc = hf.config.audio_config
     assert (a.num_mel_bins, a.d_model, a.layers, a.heads, a.ffn_dim, a.max_source_positions) == (
@@ -111,10 +113,11 @@ def test_released_qwen2_audio_config_takes_qwen2_defaults(tmp_path):
     t, a = cfg.text, cfg.audio
     assert (t.hidden_size, t.num_layers, t.num_heads, t.num_kv_heads, t.head_dim) == (4096, 32, 32, 32, 128)
     assert (t.vocab_size, t.intermediate_size, t.rms_norm_eps, t.max_position_embeddings) == (156032, 11008, 1e-5, 8192)
-    assert t.rope_theta == 10000.0 and t.mrope_section == (64, 0, 0) and t.qkv_bias and not t.tie_word_embeddings
+    assert t.rope_theta == 10000.0 and t.rotary_sections == (64, 0, 0) and t.qkv_bias and not t.tie_word_embeddings
     assert (a.num_mel_bins, a.d_model, a.layers, a.heads, a.ffn_dim) == (128, 1280, 32, 20, 5120)
     assert a.output_dim == 4096 and cfg.audio_token_id == 151646 and cfg.eos_token_ids == (151645,)
     assert cfg.checkpoint_dtype == "bfloat16" and cfg.transformers_major == 4
+    assert audio_defaults(cfg) == AudioProcessorConfig()  # no preprocessor_config.json: Whisper's, 128 bins, 30 s
     with pytest.raises(ModelLoadError, match="RoPE scaling"):
         parse_model_config({**raw, "text_config": {**raw["text_config"], "rope_scaling": {"rope_type": "yarn"}}},
                            tmp_path)
@@ -132,7 +135,7 @@ def test_omni_thinker_config(omni):
     assert v.time_scaled_video and v.tokens_per_second == hc.position_id_per_seconds
     assert a.n_window == hc.audio_config.n_window and a.context_frames == 0 and not a.learned_positions
     assert (a.position_id_per_seconds, a.seconds_per_chunk) == (hc.position_id_per_seconds, hc.seconds_per_chunk)
-    assert cfg.text.mrope_section == tuple(hc.text_config.rope_parameters["mrope_section"])
+    assert cfg.text.rotary_sections == tuple(hc.text_config.rope_parameters["mrope_section"])
     assert cfg.text.tie_word_embeddings == hc.tie_word_embeddings
     names = {"image_token_id": "<|IMAGE|>", "video_token_id": "<|VIDEO|>", "audio_token_id": "<|AUDIO|>",
              "vision_start_token_id": "<|vision_bos|>", "vision_end_token_id": "<|vision_eos|>",
@@ -150,7 +153,12 @@ def test_full_omni_checkpoint_is_read_as_its_thinker(tiny_ckpt, omni, tmp_path):
     assert full.audio_token_id == thinker.audio_token_id
     # Qwen/Qwen2.5-Omni-* name the preview's class
     raw = json.loads((tiny_ckpt("qwen2_5_omni_full") / "config.json").read_text())
-    assert parse_model_config({**raw, "architectures": ["Qwen2_5OmniModel"]}, tmp_path).architecture == QWEN2_5_OMNI
+    raw["thinker_config"]["audio_config"]["num_mel_bins"] = 80
+    preview = parse_model_config({**raw, "architectures": ["Qwen2_5OmniModel"]}, tmp_path)
+    assert preview.architecture == QWEN2_5_OMNI
+    # without a preprocessor_config.json the features take the thinker's mel bins and Omni's 300 s window
+    defaults = audio_defaults(preview)
+    assert (defaults.feature_size, defaults.chunk_length, defaults.n_samples) == (80, 300, 4_800_000)
 
 
 def test_configs_cross_processes_unchanged(qwen2_audio, omni):

@@ -21,20 +21,7 @@ CONCEPTS = re.compile(r"qwen|llava|internvl|mrope|deepstack|grid_thw|smart_resiz
 ALLOWED = {
     "core/config.py": {"omni": 1, "qwen": 1},  # a help text's "Qwen2.5-Omni)" piece
     "frontend/chat.py": {"grid_thw": 3},  # vLLM's request field `image_grid_thw` for precomputed Qwen embeddings
-    "media/audio.py": {"omni": 8, "qwen": 11},  # the audio front end's two model kinds
-    # TextConfig.mrope_section (the rotary axes' split), VisionConfig.deepstack_indexes (Qwen3-VL's tower)
-    "model/config_types.py": {"deepstack": 2, "mrope": 4, "qwen": 1},
-    "model/decoder.py": {"mrope": 2},  # the shared decoder's M-RoPE rotary
-    "model/layers/rotary.py": {"mrope": 9},
     "model/qwen2_text.py": {"qwen": 5},  # the Qwen2 decoder LLaVA and InternVL reuse
-    "model/vision_common.py": {"grid_thw": 4},  # the Qwen towers' shared pieces
-    # the Qwen families' tiny checkpoints and the demo model, still built in tools/ (LLaVA's and InternVL's
-    # builders live in their folders)
-    "tools/bpe_tokenizer.py": {"omni": 3, "qwen": 2},
-    "tools/demo_checkpoint.py": {"qwen": 2},
-    "tools/tiny_arches.py": {"omni": 7, "qwen": 35},
-    "tools/tiny_model.py": {"deepstack": 8, "mrope": 11, "omni": 19, "qwen": 46},
-    "tools/tiny_qwen3_5.py": {"mrope": 2, "qwen": 4},
 }
 
 

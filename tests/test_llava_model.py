@@ -82,8 +82,8 @@ def _picture(height: int, width: int, seed: int) -> Image.Image:
 def test_tiny_configs(tiny_ckpt):
     ov = load_model_config(tiny_ckpt("llava_onevision"))
     assert (ov.family, ov.position_kind, ov.video_rules) == ("llava", "rope", "llava_onevision")
-    assert ov.text.mrope_section == (ov.text.head_dim // 2, 0, 0) and ov.text.qkv_bias
-    assert ov.vision.deepstack_indexes == () and ov.side_rows == 0
+    assert ov.text.rotary_sections == (ov.text.head_dim // 2, 0, 0) and ov.text.qkv_bias
+    assert ov.vision.side_row_layers == () and ov.side_rows == 0
     assert ov.setting("vision_model") == "siglip" and ov.setting("vision_feature_layers") == (ov.vision.depth,)
     assert (ov.setting("max_tiles"), ov.setting("video_pool"), ov.setting("video_newline")) == (9, "bilinear", True)
     nv = load_model_config(tiny_ckpt("llava_next_video"))

@@ -219,7 +219,7 @@ def test_config_and_state_sizes(pair):
     assert cfg.is_hybrid and cfg.side_rows == 0 and cfg.video_rules == "qwen3"
     assert t.layer_types == ("linear_attention", "full_attention") * 2
     assert [t.is_linear_layer(i) for i in range(4)] == [True, False, True, False]
-    assert (t.rotary_dim, t.mrope_interleaved, t.attn_output_gate) == (8, True, True)
+    assert (t.rotary_dim, t.rotary_interleaved, t.attn_output_gate) == (8, True, True)
     la = t.linear_attention
     assert (la.conv_kernel, la.num_key_heads, la.num_value_heads, la.conv_dim) == (4, 2, 4, 128)
     assert t.moe.shared_expert_intermediate_size == t.moe.intermediate_size and t.is_sparse_layer(0)

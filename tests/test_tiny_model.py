@@ -22,8 +22,8 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
 
 from tests.hf_reference import HF_CLASSES
 from vlserve.core.errors import InvalidInputError
+from vlserve.model.families.qwen.tiny_tokens import SPECIAL_TOKENS
 from vlserve.tools import tiny_model
-from vlserve.tools.bpe_tokenizer import SPECIAL_TOKENS
 from vlserve.tools.cli import register_cli
 from vlserve.tools.tiny_model import make_tiny_model
 

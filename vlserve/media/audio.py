@@ -14,7 +14,6 @@ duration frame by frame, so a small file that claims or holds hours of sound cos
 from __future__ import annotations
 
 import io
-import json
 import math
 import os
 from dataclasses import dataclass, replace
@@ -39,16 +38,15 @@ from vlserve.media.audio_formats import (
 from vlserve.media.data_url import decode_data_url, is_data_url
 from vlserve.media.pixels import read_json_object
 
-# Whisper's feature extractor settings (transformers' WhisperFeatureExtractor defaults, 128 mel bins as the
-# Qwen2-Audio family uses), for a checkpoint without a preprocessor_config.json.
+# Whisper's feature extractor settings (transformers' WhisperFeatureExtractor defaults, with Whisper-large-v3's 128
+# mel bins, which the audio towers served here use), for a checkpoint without a preprocessor_config.json; a family
+# overrides them with its own (`AudioProcessorConfig.from_pretrained`'s `defaults`).
 WHISPER_SAMPLING_RATE = 16000
 WHISPER_HOP_LENGTH = 160
 WHISPER_N_FFT = 400
 WHISPER_MAX_FREQUENCY = 8000.0  # the mel filters' top, whatever the rate (as transformers builds them)
-QWEN_AUDIO_MEL_BINS = 128
-QWEN2_AUDIO_CHUNK_SECONDS = 30
-QWEN2_5_OMNI_CHUNK_SECONDS = 300
-OMNI_ARCHITECTURES = ("Qwen2_5OmniForConditionalGeneration", "Qwen2_5OmniThinkerForConditionalGeneration")
+WHISPER_MEL_BINS = 128
+WHISPER_CHUNK_SECONDS = 30
 
 # Server-side bounds (see `AudioLimits`; --max-audio-seconds is DEFAULT_MAX_AUDIO_SECONDS by default).
 MIN_SAMPLE_RATE = 8000  # telephone speech, the lowest rate common speech recordings use
@@ -83,11 +81,11 @@ class AudioProcessorConfig:
     (`dataclasses.replace`), which pads to the longer window exactly as transformers would with that setting.
     """
 
-    feature_size: int = QWEN_AUDIO_MEL_BINS
+    feature_size: int = WHISPER_MEL_BINS
     sampling_rate: int = WHISPER_SAMPLING_RATE
     hop_length: int = WHISPER_HOP_LENGTH
     n_fft: int = WHISPER_N_FFT
-    chunk_length: float = QWEN2_AUDIO_CHUNK_SECONDS
+    chunk_length: float = WHISPER_CHUNK_SECONDS
     padding_value: float = 0.0
     dither: float = 0.0  # read, not applied: features stay a function of the content (the caches key on it)
 
@@ -131,27 +129,13 @@ class AudioProcessorConfig:
         return cfg
 
     @classmethod
-    def from_pretrained(cls, folder: str | os.PathLike) -> "AudioProcessorConfig":
+    def from_pretrained(cls, folder: str | os.PathLike, defaults: "AudioProcessorConfig | None" = None
+                        ) -> "AudioProcessorConfig":
         """preprocessor_config.json's feature extractor fields; what it leaves out (or the whole file, if there is
-        none) takes the family's defaults: Whisper's, with config.json's `num_mel_bins` and a 300 s window for
-        Qwen2.5-Omni (30 s otherwise)."""
-        defaults = _family_defaults(Path(folder))
+        none) takes `defaults`: the model family's (its mel bins and window), Whisper's when None."""
+        defaults = defaults or cls()
         raw = read_json_object(Path(folder) / "preprocessor_config.json")
         return defaults if raw is None else cls.from_dict(raw, defaults)
-
-
-def _family_defaults(folder: Path) -> AudioProcessorConfig:
-    try:
-        raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return AudioProcessorConfig()
-    if not isinstance(raw, dict):
-        return AudioProcessorConfig()
-    omni = any(a in OMNI_ARCHITECTURES for a in raw.get("architectures") or ())
-    audio = raw.get("audio_config") or (raw.get("thinker_config") or {}).get("audio_config") or {}
-    mels = audio.get("num_mel_bins", QWEN_AUDIO_MEL_BINS) if isinstance(audio, dict) else QWEN_AUDIO_MEL_BINS
-    chunk = QWEN2_5_OMNI_CHUNK_SECONDS if omni else QWEN2_AUDIO_CHUNK_SECONDS
-    return AudioProcessorConfig(feature_size=int(mels), chunk_length=chunk)
 
 
 @dataclass(frozen=True)

@@ -67,11 +67,13 @@ class TextConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    mrope_section: tuple[int, ...]
+    # How the rotary frequencies (rotary_dim / 2) split among the rows of `[k, n]` positions: section i follows
+    # row i ((n, 0, 0): every frequency follows row 0, plain RoPE). config.json's `mrope_section` for Qwen.
+    rotary_sections: tuple[int, ...]
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool = True  # Qwen2: biased q/k/v projections; Qwen3: none
-    mrope_interleaved: bool = False  # Qwen3: frequencies cycle T, H, W instead of coming in three bands
+    rotary_interleaved: bool = False  # the sections' frequencies cycle rows 0, 1, 2 instead of coming in bands (Qwen3)
     hidden_act: str = "silu"
     moe: MoEConfig | None = None
     rope_scaling: RopeScaling | None = None  # None: plain RoPE (every Qwen model)
@@ -118,7 +120,9 @@ class VisionConfig:
     # tokens_per_second); Qwen2-VL by one position per merged frame; Qwen3-VL writes timestamps as text instead.
     time_scaled_video: bool = False
     num_position_embeddings: int = 0  # Qwen3-VL: a learned square grid of position embeddings, interpolated
-    deepstack_indexes: tuple[int, ...] = ()  # Qwen3-VL: ViT blocks whose outputs feed the LM's first layers
+    # Tower blocks whose outputs become a media token's side rows (`ModelConfig.side_rows`), in order: Qwen3-VL's
+    # DeepStack levels, which feed the LM's first layers.
+    side_row_layers: tuple[int, ...] = ()
 
     @property
     def head_dim(self) -> int:
@@ -182,9 +186,9 @@ class ModelConfig:
     audio_start_token_id: int = -1  # <|audio_bos|> / Omni's audio start (-1: none)
     audio_end_token_id: int = -1
     family: str = ""  # the model family that parsed it (vlserve.model.families)
-    # How the family makes prompt positions (its processor reads it): "mrope" (t/h/w positions for media), "rope"
-    # (ordinary 1-D positions, one row), "omni" (Qwen2.5-Omni's M-RoPE with audio).
-    position_kind: str = "mrope"
+    # How the family makes prompt positions (its processor reads it): "rope" (ordinary 1-D positions, one row) or
+    # the family's own kind (Qwen: M-RoPE's t/h/w rows for media, Omni's with audio).
+    position_kind: str = "rope"
     video_rules: str = ""  # how its family samples and lays out videos (its processor reads it)
     # Settings only the family's own code reads (LLaVA: grid pinpoints, feature layer, ...): sorted items, hashable,
     # so the config crosses processes as a typed message and comes back equal.
@@ -197,7 +201,7 @@ class ModelConfig:
     def position_rows(self) -> int:
         """Rows of a prompt's positions (`ProcessedPrompt.positions`): one per rotary axis the decoder reads, 3 for
         M-RoPE's t/h/w, 1 when every frequency follows the first axis (plain RoPE)."""
-        section = self.text.mrope_section
+        section = self.text.rotary_sections
         return len(section) if any(section[1:]) else 1
 
     @property
@@ -215,7 +219,7 @@ class ModelConfig:
     def side_rows(self) -> int:
         """Rows the encoder makes per media token beside its embedding, which the decoder reads on its own
         (Qwen3-VL: one per DeepStack level; 0 for every other family)."""
-        return len(self.vision.deepstack_indexes) if self.vision is not None else 0
+        return len(self.vision.side_row_layers) if self.vision is not None else 0
 
     @property
     def rows_per_media_token(self) -> int:
@@ -233,11 +237,6 @@ class ModelConfig:
         token)."""
         t = self.text
         return t.num_kv_layers * 2 * t.num_kv_heads * t.head_dim
-
-    @property
-    def video_timestamps(self) -> bool:
-        """Qwen3-VL: every temporal patch of a video is its own vision block after a `<t seconds>` timestamp."""
-        return self.video_rules == "qwen3"
 
 
 def require(d: dict, key: str, where: str) -> Any:

@@ -1,5 +1,6 @@
 """The decoder stack shared by the Qwen2 and Qwen3 language models: embeddings, pre-norm residual layers, final
-norm, M-RoPE angles computed once per step. Each family supplies its attention and MLP.
+norm, rotary angles (sectioned over the position rows) computed once per step. Each family supplies its attention
+and MLP.
 
 Tokens arrive flattened across the batch: `[T, hidden]` with `positions` `[k, T]` (M-RoPE: temporal, height,
 width; plain RoPE: one row).
@@ -18,7 +19,7 @@ from vlserve.model.config_types import TextConfig
 from vlserve.model.layers.attention import AttentionMetadata
 from vlserve.model.layers.norm import RMSNorm
 from vlserve.model.layers.parallel import VocabEmbedding, current_tp
-from vlserve.model.layers.rotary import MRotaryEmbedding
+from vlserve.model.layers.rotary import SectionedRotaryEmbedding
 
 
 @dataclass
@@ -51,8 +52,8 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, current_tp())
         self.layers = nn.ModuleList(make_layer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section, cfg.mrope_interleaved,
-                                     cfg.rope_scaling)
+        self.rotary = SectionedRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rotary_sections,
+                                               cfg.rotary_interleaved, cfg.rope_scaling)
 
     def forward(
         self,

@@ -53,8 +53,9 @@ class VisionRotary(nn.Module):
         self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim))
         self.merge = cfg.spatial_merge_size
 
-    def forward(self, grid_thw: list[tuple[int, int, int]], device: torch.device):
-        rows, cols = zip(*(merge_order_hw(t, h, w, self.merge) for t, h, w in grid_thw))
+    def forward(self, grids: list[tuple[int, int, int]], device: torch.device):
+        """`grids`: each item's (t, h, w) patch grid (its `layout`), in the order its patches come."""
+        rows, cols = zip(*(merge_order_hw(t, h, w, self.merge) for t, h, w in grids))
         rows, cols = torch.cat(rows), torch.cat(cols)
         freqs = to_device(torch.cat([rows[:, None] * self.inv_freq, cols[:, None] * self.inv_freq], dim=-1), device)
         emb = torch.cat([freqs, freqs], dim=-1)  # [N, head_dim], fp32
@@ -217,6 +218,6 @@ class VisionPass:
         return out if self.finish is None else self.finish(out)
 
 
-def cu_lengths(grid_thw: list[tuple[int, int, int]]) -> list[int]:
+def cu_lengths(grids: list[tuple[int, int, int]]) -> list[int]:
     """Full attention runs per frame: each (t, h, w) item contributes t sequences of h*w patches."""
-    return [h * w for t, h, w in grid_thw for _ in range(t)]
+    return [h * w for t, h, w in grids for _ in range(t)]

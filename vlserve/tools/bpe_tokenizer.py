@@ -1,5 +1,5 @@
-"""A small byte-level BPE tokenizer with a Qwen family's special tokens and chat format, trained offline
-(Qwen2-VL's, and the audio families': Qwen2-Audio, Qwen2.5-Omni).
+"""A small byte-level BPE tokenizer, trained offline, with a family's special tokens, chat template and eos / pad
+tokens (its tiny-checkpoint builder gives them: see tiny_model.py).
 
 The training text is `pydoc_data.topics`, which ships with CPython, so no download is needed.
 """
@@ -19,100 +19,6 @@ from tokenizers import (
 )
 from transformers import PreTrainedTokenizerFast
 
-# Same tokens, same order as Qwen2-VL; they get the ids right after the trained vocabulary.
-SPECIAL_TOKENS: tuple[str, ...] = (
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|object_ref_start|>",
-    "<|object_ref_end|>",
-    "<|box_start|>",
-    "<|box_end|>",
-    "<|quad_start|>",
-    "<|quad_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|vision_pad|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-)
-# Qwen2-Audio: Qwen2's three, then the audio placeholder and the tokens around it.
-QWEN2_AUDIO_SPECIAL_TOKENS: tuple[str, ...] = (
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>",
-)
-# Qwen2.5-Omni: Qwen2-VL's slots, some renamed (the audio tokens take the object/box ones; vision_bos/eos,
-# IMAGE and VIDEO are Qwen2-VL's vision_start/end, image_pad and video_pad).
-OMNI_SPECIAL_TOKENS: tuple[str, ...] = (
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>", "<|box_end|>",
-    "<|quad_start|>", "<|quad_end|>", "<|vision_bos|>", "<|vision_eos|>", "<|vision_pad|>", "<|IMAGE|>",
-    "<|VIDEO|>",
-)
-# What Omni's processor reads off its tokenizer (`tokenizer.image_token`, ...).
-OMNI_TOKEN_NAMES = {"image_token": "<|IMAGE|>", "video_token": "<|VIDEO|>", "audio_token": "<|AUDIO|>",
-                    "vision_bos_token": "<|vision_bos|>", "vision_eos_token": "<|vision_eos|>",
-                    "audio_bos_token": "<|audio_bos|>", "audio_eos_token": "<|audio_eos|>"}
-EOS_TOKEN = "<|im_end|>"
-PAD_TOKEN = "<|endoftext|>"
-DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
-
-# Renders the Qwen chat format. Every piece of output is an explicit string expression with whitespace trimmed
-# around all tags, so the template's own layout never leaks into the prompt. `media` is the Jinja branch for one
-# content part of kind `kind` (the family's placeholders); counters number the parts over the conversation.
-def _chat_template(media: str) -> str:
-    return """
-{%- set counts = namespace(image=0, video=0, audio=0) -%}
-{%- macro render_content(content) -%}
-  {%- if content is none -%}
-  {%- elif content is string -%}
-    {{- content -}}
-  {%- else -%}
-    {%- for part in content -%}
-      {%- set kind = part['type'] if part is mapping else none -%}
-      {%- if kind == 'text' -%}
-        {{- part['text'] -}}
-""" + media + """
-      {%- else -%}
-        {{- raise_exception('unsupported content part type: ' ~ kind) -}}
-      {%- endif -%}
-    {%- endfor -%}
-  {%- endif -%}
-{%- endmacro -%}
-{%- if not messages or messages[0]['role'] != 'system' -%}
-  {{- '<|im_start|>system\\n""" + DEFAULT_SYSTEM_PROMPT + """<|im_end|>\\n' -}}
-{%- endif -%}
-{%- for message in messages -%}
-  {{- '<|im_start|>' ~ message['role'] ~ '\\n' -}}
-  {{- render_content(message['content']) -}}
-  {{- '<|im_end|>\\n' -}}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-  {{- '<|im_start|>assistant\\n' -}}
-{%- endif -%}
-""".strip()
-
-
-CHAT_TEMPLATE = _chat_template("""
-      {%- elif kind in ['image', 'image_url'] -%}
-        {{- '<|vision_start|><|image_pad|><|vision_end|>' -}}
-      {%- elif kind in ['video', 'video_url'] -%}
-        {{- '<|vision_start|><|video_pad|><|vision_end|>' -}}""")
-# Qwen2-Audio-7B-Instruct's own layout: "Audio 1: <|audio_bos|><|AUDIO|><|audio_eos|>" and a newline.
-QWEN2_AUDIO_CHAT_TEMPLATE = _chat_template("""
-      {%- elif kind in ['audio', 'audio_url', 'input_audio'] -%}
-        {%- set counts.audio = counts.audio + 1 -%}
-        {{- 'Audio ' ~ counts.audio ~ ': <|audio_bos|><|AUDIO|><|audio_eos|>\\n' -}}""")
-# Qwen2.5-Omni's: bare placeholders, numbered with add_vision_id / add_audio_id.
-OMNI_CHAT_TEMPLATE = _chat_template("""
-      {%- elif kind in ['image', 'image_url'] -%}
-        {%- set counts.image = counts.image + 1 -%}
-        {{- ('Picture ' ~ counts.image ~ ': ' if add_vision_id else '') ~ '<|vision_bos|><|IMAGE|><|vision_eos|>' -}}
-      {%- elif kind in ['audio', 'audio_url', 'input_audio'] -%}
-        {%- set counts.audio = counts.audio + 1 -%}
-        {{- ('Audio ' ~ counts.audio ~ ': ' if add_audio_id else '') ~ '<|audio_bos|><|AUDIO|><|audio_eos|>' -}}
-      {%- elif kind in ['video', 'video_url'] -%}
-        {%- set counts.video = counts.video + 1 -%}
-        {{- ('Video ' ~ counts.video ~ ': ' if add_vision_id else '') ~ '<|vision_bos|><|VIDEO|><|vision_eos|>' -}}""")
-
 
 def _training_text() -> list[str]:
     from pydoc_data.topics import topics
@@ -121,8 +27,9 @@ def _training_text() -> list[str]:
     return [topics[key] for key in sorted(topics)]
 
 
-def train_bpe(vocab_size: int, special_tokens: tuple[str, ...] = SPECIAL_TOKENS) -> Tokenizer:
-    """Train a GPT-2 style byte-level BPE with `vocab_size` learned tokens, then append the special tokens."""
+def train_bpe(vocab_size: int, special_tokens: tuple[str, ...]) -> Tokenizer:
+    """Train a GPT-2 style byte-level BPE with `vocab_size` learned tokens, then append the special tokens (their
+    ids follow the trained vocabulary, in their order)."""
     if vocab_size < 257:
         raise ValueError(f"vocab_size must exceed the 256-byte alphabet, got {vocab_size}")
     tokenizer = Tokenizer(models.BPE())
@@ -141,12 +48,11 @@ def train_bpe(vocab_size: int, special_tokens: tuple[str, ...] = SPECIAL_TOKENS)
     return tokenizer
 
 
-def build_tokenizer(vocab_size: int, model_max_length: int = 32768, special_tokens: tuple[str, ...] = SPECIAL_TOKENS,
-                    chat_template: str = CHAT_TEMPLATE, token_names: dict[str, str] | None = None,
-                    eos_token: str = EOS_TOKEN, pad_token: str = PAD_TOKEN) -> PreTrainedTokenizerFast:
-    """The transformers-wrapped tokenizer, with Qwen's eos/pad tokens, a family's special tokens and chat
-    template (Qwen2-VL's by default); `token_names` become attributes (`tokenizer.audio_token`, ...); the eos and
-    pad tokens are Qwen's unless named (LLaVA-NeXT-Video's Llama: "</s>")."""
+def build_tokenizer(vocab_size: int, *, special_tokens: tuple[str, ...], chat_template: str, eos_token: str,
+                    pad_token: str, token_names: dict[str, str] | None = None,
+                    model_max_length: int = 32768) -> PreTrainedTokenizerFast:
+    """The transformers-wrapped tokenizer with a family's special tokens, chat template, eos and pad tokens;
+    `token_names` become attributes (`tokenizer.audio_token`, ...)."""
     return PreTrainedTokenizerFast(
         tokenizer_object=train_bpe(vocab_size, special_tokens),
         eos_token=eos_token,
@@ -159,8 +65,7 @@ def build_tokenizer(vocab_size: int, model_max_length: int = 32768, special_toke
     )
 
 
-def special_token_ids(tokenizer: PreTrainedTokenizerFast, special_tokens: tuple[str, ...] = SPECIAL_TOKENS
-                      ) -> dict[str, int]:
+def special_token_ids(tokenizer: PreTrainedTokenizerFast, special_tokens: tuple[str, ...]) -> dict[str, int]:
     """Map each special token to its id, failing loudly if one is missing."""
     ids: dict[str, int] = {}
     for token in special_tokens:

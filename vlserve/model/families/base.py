@@ -36,8 +36,10 @@ class TinyArch:
     config_class: str  # transformers class names
     model_class: str  # also config.json's `architectures` entry
     # "module" of the family's own builder (its tokenizer, config and processor files: the interface
-    # vlserve.tools.tiny_model documents); "" for the families tiny_model builds itself
-    builder: str = ""
+    # vlserve.tools.tiny_model documents)
+    builder: str
+    # make-tiny-model's arch when none is named, and the demo checkpoint's: one arch of all the families
+    default: bool = False
 
 
 @dataclass(frozen=True)

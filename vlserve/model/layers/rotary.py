@@ -1,5 +1,6 @@
-"""Rotary position embeddings: the rotation itself and Qwen2-VL's multimodal (M-RoPE) angles (with Llama's
-frequency scaling, for the LLaVA family's Llama LMs)."""
+"""Rotary position embeddings: the rotation itself and the angles of `[k, n]` positions, each frequency following
+one position row (Qwen2-VL's M-RoPE with k = 3; plain RoPE with one row), with Llama's frequency scaling for the
+LLaVA family's Llama LMs."""
 
 from __future__ import annotations
 
@@ -38,20 +39,20 @@ def rotate_heads_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: 
     return x
 
 
-def mrope_axes(mrope_section: tuple[int, ...], interleaved: bool) -> torch.Tensor:
-    """Which position axis (0 = t, 1 = h, 2 = w) drives each of the head_dim/2 frequencies.
+def frequency_rows(sections: tuple[int, ...], interleaved: bool) -> torch.Tensor:
+    """Which position row (M-RoPE's 0 = t, 1 = h, 2 = w) drives each of the head_dim/2 frequencies.
 
-    Qwen2-VL: three bands of `mrope_section` sizes. Qwen3-VL (interleaved): frequencies cycle t, h, w, with h
-    and w each stopping after its own section's count, the rest left to t.
+    Bands: consecutive runs of `sections` sizes (Qwen2-VL). Interleaved (Qwen3-VL): frequencies cycle rows 0, 1,
+    2, with rows 1 and 2 each stopping after its own section's count, the rest left to row 0.
     """
     cpu = torch.device("cpu")  # explicit: construction may run under a meta-device context
     if not interleaved:
-        return torch.cat([torch.full((n,), i % 3, dtype=torch.long, device=cpu) for i, n in enumerate(mrope_section)])
-    j = torch.arange(sum(mrope_section), device=cpu)
-    axis = torch.zeros_like(j)
-    axis[(j % 3 == 1) & (j < 3 * mrope_section[1])] = 1
-    axis[(j % 3 == 2) & (j < 3 * mrope_section[2])] = 2
-    return axis
+        return torch.cat([torch.full((n,), i % 3, dtype=torch.long, device=cpu) for i, n in enumerate(sections)])
+    j = torch.arange(sum(sections), device=cpu)
+    row = torch.zeros_like(j)
+    row[(j % 3 == 1) & (j < 3 * sections[1])] = 1
+    row[(j % 3 == 2) & (j < 3 * sections[2])] = 2
+    return row
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:
@@ -73,26 +74,26 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
     return torch.where(medium, smoothed, scaled)
 
 
-class MRotaryEmbedding(nn.Module):
-    """Rotary angles where each frequency follows one of the (t, h, w) position axes (see `mrope_axes`).
+class SectionedRotaryEmbedding(nn.Module):
+    """Rotary angles of `[k, T]` positions, each frequency following one position row (see `frequency_rows`).
 
-    For text all three positions are equal, which makes it plain 1D RoPE.
+    Where a token's rows are equal (text) it is plain 1D RoPE.
     """
 
-    def __init__(self, head_dim: int, theta: float, mrope_section: tuple[int, ...], interleaved: bool = False,
+    def __init__(self, head_dim: int, theta: float, sections: tuple[int, ...], interleaved: bool = False,
                  scaling: RopeScaling | None = None):
         super().__init__()
         # Plain attributes, not buffers: they must stay fp32 whatever dtype the weights are cast to, and
         # survive meta-device construction. Copied to the positions' device on first use.
         inv_freq = inverse_frequencies(head_dim, theta, scaling)
-        axis = mrope_axes(mrope_section, interleaved)
-        self._tables = {torch.device("cpu"): (inv_freq, axis)}
+        rows = frequency_rows(sections, interleaved)
+        self._tables = {torch.device("cpu"): (inv_freq, rows)}
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if positions.device not in self._tables:
             self._tables[positions.device] = tuple(t.to(positions.device) for t in self._tables[torch.device("cpu")])
-        inv_freq, axis = self._tables[positions.device]
-        freqs = positions.unsqueeze(-1).float() * inv_freq  # [3, T, head_dim/2]
-        freqs = freqs.gather(0, axis.view(1, 1, -1).expand(1, freqs.shape[1], -1)).squeeze(0)
+        inv_freq, rows = self._tables[positions.device]
+        freqs = positions.unsqueeze(-1).float() * inv_freq  # [k, T, head_dim/2]
+        freqs = freqs.gather(0, rows.view(1, 1, -1).expand(1, freqs.shape[1], -1)).squeeze(0)
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
         return emb.cos().to(dtype), emb.sin().to(dtype)

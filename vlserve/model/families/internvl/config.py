@@ -90,7 +90,7 @@ def _text(raw: dict) -> TextConfig:
         num_layers=_int(t, "num_hidden_layers", "text config"), num_heads=heads, num_kv_heads=kv_heads,
         head_dim=head_dim, rms_norm_eps=float(t["rms_norm_eps"]),
         rope_theta=float(rope.get("rope_theta", t.get("rope_theta", 1000000.0))),
-        mrope_section=(head_dim // 2, 0, 0),  # 1-D RoPE: every frequency follows the one position row
+        rotary_sections=(head_dim // 2, 0, 0),  # 1-D RoPE: every frequency follows the one position row
         max_position_embeddings=int(t["max_position_embeddings"]),
         # transformers ties InternVL's head by the top-level flag (InternVLConfig's default: tied)
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)), qkv_bias=True, hidden_act=t["hidden_act"])

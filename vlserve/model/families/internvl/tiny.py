@@ -61,7 +61,7 @@ def model_config(arch: str, spec, vocab_size: int, ids: dict[str, int], init_ran
             "rms_norm_eps": 1e-6, "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
             "initializer_range": init_range, "tie_word_embeddings": spec.tie_embeddings, **token_ids}
     vision = {"model_type": "internvl_vision", "hidden_size": spec.vit_width, "intermediate_size": 2 * spec.vit_width,
-              "num_hidden_layers": spec.vit_depth_25, "num_attention_heads": spec.vit_heads, "image_size": TILE,
+              "num_hidden_layers": spec.vit_depth, "num_attention_heads": spec.vit_heads, "image_size": TILE,
               "patch_size": PATCH, "attention_bias": True, "use_qk_norm": False, "norm_type": "layer_norm",
               "use_mean_pooling": True, "layer_scale_init_value": 1.0, "hidden_act": "gelu",
               "initializer_range": init_range}
@@ -79,7 +79,7 @@ def randomize(model, init_range: float) -> None:
         emb.position_embeddings.normal_(0.0, init_range)
 
 
-def processor_files(arch: str) -> dict[str, dict[str, Any]]:
+def processor_files(arch: str, spec) -> dict[str, dict[str, Any]]:
     common = {"do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
               "do_convert_rgb": True, "resample": 3, "size": {"height": TILE, "width": TILE},
               "image_mean": IMAGENET_MEAN, "image_std": IMAGENET_STD}

@@ -134,7 +134,7 @@ def _text_config(raw: dict, architecture: str) -> tuple[TextConfig, str, bool]:
         head_dim=head_dim,
         rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
-        mrope_section=(head_dim // 2, 0, 0),  # 1-D RoPE: every frequency follows the one position row
+        rotary_sections=(head_dim // 2, 0, 0),  # 1-D RoPE: every frequency follows the one position row
         max_position_embeddings=t.get("max_position_embeddings", 32768),
         tie_word_embeddings=tie,
         qkv_bias=attention_bias,  # Qwen2: q/k/v only; Llama's attention_bias: o_proj's too

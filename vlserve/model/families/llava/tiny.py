@@ -94,7 +94,7 @@ def model_config(arch: str, spec, vocab_size: int, ids: dict[str, int], init_ran
             "initializer_range": init_range, "tie_word_embeddings": spec.tie_embeddings, **token_ids}
     vision = {"model_type": "siglip_vision_model" if onevision else "clip_vision_model",
               "hidden_size": spec.vit_width, "intermediate_size": 2 * spec.vit_width,
-              "num_hidden_layers": spec.vit_depth_25, "num_attention_heads": spec.vit_heads, "image_size": TILE,
+              "num_hidden_layers": spec.vit_depth, "num_attention_heads": spec.vit_heads, "image_size": TILE,
               "patch_size": PATCH, "initializer_range": init_range}
     if onevision:
         vision |= {"vision_use_head": False}
@@ -112,8 +112,9 @@ def model_config(arch: str, spec, vocab_size: int, ids: dict[str, int], init_ran
                       initializer_range=init_range, **media, **token_ids)
 
 
-def processor_files(arch: str) -> dict[str, dict[str, Any]]:
-    """file name -> contents: the image processor's, the video processor's and the processor's own settings."""
+def processor_files(arch: str, spec) -> dict[str, dict[str, Any]]:
+    """file name -> contents: the image processor's, the video processor's and the processor's own settings (the
+    same at every size)."""
     common = {"do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
               "do_convert_rgb": True, "resample": 3}
     if arch == LLAVA_ONEVISION:

@@ -88,11 +88,11 @@ def _text_config(raw: dict, architecture: str) -> TextConfig:
         head_dim=head_dim,
         rms_norm_eps=t.get("rms_norm_eps", 1e-6),
         rope_theta=float(theta),
-        mrope_section=section,
+        rotary_sections=section,  # config.json's mrope_section
         max_position_embeddings=t.get("max_position_embeddings", 32768),
         tie_word_embeddings=bool(tie),
         qkv_bias=not qwen3 or bool(t.get("attention_bias", False)),
-        mrope_interleaved=qwen3,  # transformers interleaves for Qwen3-VL whatever the config's flag says
+        rotary_interleaved=qwen3,  # transformers interleaves for Qwen3-VL whatever the config's flag says
         hidden_act=t.get("hidden_act", "silu"),
         moe=moe,
     )
@@ -168,11 +168,11 @@ def _qwen3_5_text_config(raw: dict, architecture: str) -> TextConfig:
         head_dim=head_dim,
         rms_norm_eps=t.get("rms_norm_eps", 1e-6),
         rope_theta=float(rope.get("rope_theta", t.get("rope_theta", 10000.0))),
-        mrope_section=section,
+        rotary_sections=section,  # config.json's mrope_section
         max_position_embeddings=t.get("max_position_embeddings", 32768),
         tie_word_embeddings=bool(tie),
         qkv_bias=bool(t.get("attention_bias", False)),
-        mrope_interleaved=True,  # transformers interleaves for Qwen3.5 whatever the config's flag says
+        rotary_interleaved=True,  # transformers interleaves for Qwen3.5 whatever the config's flag says
         moe=_moe_config(t, shared=True) if architecture == QWEN3_5_MOE else None,
         layer_types=tuple(types),
         linear_attention=linear,
@@ -226,7 +226,7 @@ def _vision_config(raw: dict, architecture: str, text: TextConfig) -> VisionConf
         tokens_per_second=float(raw.get("position_id_per_seconds", 25) if omni else v.get("tokens_per_second", 2)),
         time_scaled_video=windowed,
         num_position_embeddings=grid,
-        deepstack_indexes=deepstack,
+        side_row_layers=deepstack,
     )
 
 

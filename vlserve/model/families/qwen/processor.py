@@ -12,7 +12,13 @@ import torch
 
 from vlserve.core.errors import InvalidInputError, MediaTooLargeError
 from vlserve.core.prompt import ProcessedPrompt
-from vlserve.media.audio import AudioLimits, AudioProcessorConfig, load_audio, load_video_audio
+from vlserve.media.audio import (
+    WHISPER_CHUNK_SECONDS,
+    AudioLimits,
+    AudioProcessorConfig,
+    load_audio,
+    load_video_audio,
+)
 from vlserve.media.audio_features import log_mel, valid_frames
 from vlserve.media.hashing import (
     hash_audio,
@@ -26,6 +32,7 @@ from vlserve.media.hashing import (
 from vlserve.media.image import load_image
 from vlserve.media.video import load_video
 from vlserve.model.audio_encoder import audio_output_tokens
+from vlserve.model.config_types import ModelConfig
 from vlserve.model.families.processor import (
     EMBED_DTYPES,
     MediaItem,
@@ -37,6 +44,7 @@ from vlserve.model.families.processor import (
     expand_all_placeholders,
     rope_positions,
 )
+from vlserve.model.families.qwen.config import OMNI_FAMILY
 from vlserve.model.families.qwen.mrope import MRopeItem, mrope_positions
 from vlserve.model.families.qwen.omni_layout import AudioVideoWindows, OmniGroup, OmniItem, omni_positions
 from vlserve.model.families.qwen.pixels import (
@@ -48,6 +56,15 @@ from vlserve.model.families.qwen.pixels import (
 )
 from vlserve.model.families.qwen.video_layout import VideoLayout
 from vlserve.model.families.qwen.video_rules import QwenVideoOptions, preprocess_video, video_grid, video_timestamps
+
+OMNI_AUDIO_WINDOW_SECONDS = 300  # Qwen2.5-Omni's feature extractor window (Qwen2-Audio keeps Whisper's 30 s)
+
+
+def audio_defaults(m: ModelConfig) -> AudioProcessorConfig:
+    """The feature settings a checkpoint's preprocessor_config.json leaves out (or all, without one): Whisper's,
+    with config.json's mel bins and Omni's longer window."""
+    window = OMNI_AUDIO_WINDOW_SECONDS if m.architecture in OMNI_FAMILY else WHISPER_CHUNK_SECONDS
+    return AudioProcessorConfig(feature_size=int(m.audio.num_mel_bins), chunk_length=window)
 
 
 @dataclass
@@ -98,7 +115,7 @@ class QwenProcessor(MultiModalProcessor):
         if image_cfg is None and m.vision is not None:
             image_cfg = ImageProcessorConfig.from_pretrained(ctx.model_path)
         if audio_cfg is None and m.audio is not None:
-            audio_cfg = AudioProcessorConfig.from_pretrained(ctx.model_path)
+            audio_cfg = AudioProcessorConfig.from_pretrained(ctx.model_path, audio_defaults(m))
         self.image_cfg, self.audio_cfg = image_cfg, audio_cfg
         if audio_cfg is not None:
             self.audio_limits = AudioLimits.for_model(audio_cfg, ctx.max_audio_seconds, max_bytes=ctx.max_media_bytes)
@@ -108,7 +125,7 @@ class QwenProcessor(MultiModalProcessor):
             if m.vision is not None else None
         # Qwen3-VL: each temporal patch of a video is its own item, after a timestamp written into the prompt
         self.video_layout = (VideoLayout(ctx.tokenizer, m.vision_start_token_id, m.video_token_id,
-                                         m.vision_end_token_id) if m.video_timestamps else None)
+                                         m.vision_end_token_id) if m.video_rules == "qwen3" else None)
 
     def process(self, prompt: PromptMedia) -> ProcessedPrompt:
         return self._run(prompt, pixels=True)
@@ -350,7 +367,7 @@ class QwenProcessor(MultiModalProcessor):
         tokens = grid[0] * grid[1] * grid[2] // merge**2
         expected = (tokens, self.ctx.model.embedding_width)
         if tuple(embeds.shape) != expected:
-            levels = len(self.ctx.model.vision.deepstack_indexes)
+            levels = self.ctx.model.side_rows
             layout = f" (the embedding, then {levels} DeepStack feature rows, side by side)" if levels else ""
             raise InvalidInputError(f"image_embeds has shape {tuple(embeds.shape)}; image_grid_thw {tuple(grid)} on "
                                     f"this model needs {expected}{layout}")

@@ -22,7 +22,7 @@ from vlserve.model.layers.mlp import GatedMLP
 from vlserve.model.layers.moe import SparseMoE
 from vlserve.model.layers.norm import GatedRMSNorm, ZeroCenteredRMSNorm
 from vlserve.model.layers.parallel import column_linear, current_tp, head_split, row_linear
-from vlserve.model.layers.rotary import MRotaryEmbedding, rotate_heads_
+from vlserve.model.layers.rotary import SectionedRotaryEmbedding, rotate_heads_
 
 
 class GatedAttention(nn.Module):
@@ -155,4 +155,5 @@ class Qwen3_5TextModel(DecoderModel):
                                      "tensor_parallel_size 1")
         super().__init__(cfg, HybridLayer)
         self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = MRotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.mrope_section, cfg.mrope_interleaved)
+        self.rotary = SectionedRotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.rotary_sections,
+                                               cfg.rotary_interleaved)

@@ -97,7 +97,7 @@ class Qwen3VLVisionTransformer(nn.Module):
         self.blocks = nn.ModuleList(Qwen2VLVisionBlock(cfg, Qwen3VisionMLP(cfg)) for _ in range(cfg.depth))
         self.merger = Qwen3PatchMerger(cfg, norm_after_concat=False)
         self.deepstack_merger_list = nn.ModuleList(
-            Qwen3PatchMerger(cfg, norm_after_concat=True) for _ in cfg.deepstack_indexes)
+            Qwen3PatchMerger(cfg, norm_after_concat=True) for _ in cfg.side_row_layers)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
         """pixel_values: [num_patches, patch_dim] -> [num_patches / merge^2, out_dim * (1 + deepstack levels)]."""
@@ -115,6 +115,6 @@ class Qwen3VLVisionTransformer(nn.Module):
         deepstack = []  # in block order, each from the merger listed at its index's position
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, plans["full"])
-            if i in self.cfg.deepstack_indexes:
-                deepstack.append(self.deepstack_merger_list[self.cfg.deepstack_indexes.index(i)](x))
+            if i in self.cfg.side_row_layers:
+                deepstack.append(self.deepstack_merger_list[self.cfg.side_row_layers.index(i)](x))
         return torch.cat([self.merger(x), *deepstack], dim=-1)

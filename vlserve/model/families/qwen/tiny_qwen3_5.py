@@ -1,4 +1,4 @@
-"""The Qwen3.5 parts of `make-tiny-model` (tiny_model.py): the hybrid decoder's text config. The vision tower,
+"""The Qwen3.5 part of `make-tiny-model` (qwen/tiny.py): the hybrid decoder's text config. The vision tower,
 tokenizer, chat template and processor files are Qwen3-VL's (Qwen3.5 has no DeepStack).
 
 Layers alternate Gated DeltaNet and full attention (full_attention_interval 2), so a 4-layer model has two of each;
@@ -21,7 +21,7 @@ PROBES = ("model.layers.0.linear_attn.in_proj_qkv.weight", "model.layers.1.self_
 
 
 def text_config(arch: str, size: str, base: dict[str, Any], experts: tuple[int, int, int]) -> dict[str, Any]:
-    """`base`: the keys every tiny LM shares (sizes, token ids, init range)."""
+    """`base`: the keys every tiny LM shares (sizes, token ids, init range); `size`: make-tiny-model's size name."""
     layers, head_dim, section, (kh, vh, kd, vd) = SHAPES[size]
     text = dict(base, num_hidden_layers=layers, head_dim=head_dim, full_attention_interval=2,
                 linear_num_key_heads=kh, linear_num_value_heads=vh, linear_key_head_dim=kd, linear_value_head_dim=vd,
