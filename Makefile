@@ -11,6 +11,10 @@ STAMP := $(VENV)/.installed
 # compiles at start.
 install: $(STAMP)
 	@$(PY) -m vlserve.model.kernels.cpu_kernels || echo "vlserve CPU kernels not built: torch fallbacks are used"
+	@# Bytecode for our own sources, written here even where PYTHONDONTWRITEBYTECODE is set (as on our machines):
+	@# without it every vlserve process (a server, its engine, each role) compiles them again (~0.3 CPU-s each).
+	@# Only changed files are compiled again; a stale .pyc is never used (its source's mtime is checked).
+	@$(PY) -m compileall -q -j 0 vlserve tests >/dev/null
 
 # torch is pinned and installed first on its own: `pip install torch==2.13.0` takes the CPU wheel on
 # CPU-only machines (local wheel cache) and the CUDA build from the index on GPU machines. Installing it
@@ -59,11 +63,15 @@ $(STAMP): pyproject.toml
 # Tests run on TEST_WORKERS pytest-xdist workers (2: most multi-process tests wait on their servers half the time),
 # a file at a time per worker, so a module's shared cluster starts once; TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= 2
+# PYTHONDONTWRITEBYTECODE is cleared for the tests (it is set on our machines): with it pytest rewrites the
+# asserts of every test module again in each worker (~7 CPU-s a worker), and the processes the tests start
+# compile what changed since `make install` again each time. __pycache__ is ignored by git.
+TEST_ENV := PYTHONDONTWRITEBYTECODE=
 test: install
-	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile $(ARGS)
+	$(TEST_ENV) $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 test-fast: install
-	$(PY) -m pytest tests -m "unit or engine" -x --timeout 120 -n $(TEST_WORKERS) --dist loadfile $(ARGS)
+	$(TEST_ENV) $(PY) -m pytest tests -m "unit or engine" -x --timeout 120 -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 # Extra flags go through ARGS, e.g. make serve ARGS="--model Qwen/Qwen2-VL-2B-Instruct --dtype bfloat16".
 # The address: make serve PORT=8001 HOST=0.0.0.0, or the same flags in ARGS (ARGS="--port 8001"); each flag is

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from tests.server_utils import free_port, wait_healthy
+from tests.server_utils import HTTP, free_port, wait_healthy
 from vlserve.disagg.bootstrap import (
     Backoff,
     BootstrapClient,
@@ -349,10 +349,10 @@ def test_real_bootstrap_process():
     try:
         base = f"http://127.0.0.1:{port}"
         wait_healthy(proc, f"{base}/health", 20, "registry", lambda: proc.stdout.read().decode())
-        r = httpx.post(f"{base}/register", json=_reg("real-1", role="language", address="127.0.0.1:9000"))
+        r = HTTP.post(f"{base}/register", json=_reg("real-1", role="language", address="127.0.0.1:9000"))
         assert r.status_code == 200 and r.json()["heartbeat_interval"] == 1.0
-        assert _ids(httpx.get(f"{base}/instances", params={"role": "language"})) == ["real-1"]
-        assert httpx.post(f"{base}/heartbeat", json={"instance_id": "real-1", "load": 2}).status_code == 200
+        assert _ids(HTTP.get(f"{base}/instances", params={"role": "language"})) == ["real-1"]
+        assert HTTP.post(f"{base}/heartbeat", json={"instance_id": "real-1", "load": 2}).status_code == 200
     finally:
         proc.terminate()
         try:

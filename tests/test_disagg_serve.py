@@ -23,7 +23,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from tests.server_utils import free_port, log_file, scrape, start_vlserve, stop, wait_healthy
+from tests.server_utils import HTTP, free_port, log_file, scrape, start_vlserve, stop, wait_healthy
 from tests.test_disagg import (
     SECRET,
     Cluster,
@@ -107,7 +107,7 @@ def test_disaggregated_server_enforces_the_aggregated_limits(deployment, offline
     before = scrape(url + "/metrics")
     for name, (messages, status) in LIMITS.items():
         extra = {"mm_processor_kwargs": {"max_pixels": 2_000_000}} if name.startswith("upscaling") else {}
-        r = httpx.post(url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 2, **extra}, timeout=60)
+        r = HTTP.post(url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 2, **extra}, timeout=60)
         assert r.status_code == status, (name, r.text)
         assert ask(client, picture_chat(5)) == expected_text(offline, picture_chat(5))  # still serving
     after = scrape(url + "/metrics")
@@ -271,7 +271,7 @@ def test_a_language_server_whose_engine_dies_is_restarted(deployment, offline):
     while True:
         restarted = "restarting language" in _log_since(log, start)
         try:
-            ready = restarted and httpx.get(url + "/ready", timeout=2).status_code == 200
+            ready = restarted and HTTP.get(url + "/ready", timeout=2).status_code == 200
         except httpx.HTTPError:
             ready = False
         if ready:
@@ -279,7 +279,7 @@ def test_a_language_server_whose_engine_dies_is_restarted(deployment, offline):
         assert time.monotonic() < deadline, "the language server was not restarted"
         time.sleep(0.2)
     assert language not in _children(proc.pid)
-    assert httpx.get(url + "/ready").json() == {"status": "ready", "degraded": []}
+    assert HTTP.get(url + "/ready").json() == {"status": "ready", "degraded": []}
     assert ask(client, [{"role": "user", "content": "text only"}]) == expected_text(
         offline, [{"role": "user", "content": "text only"}])
     # The deployment whole again for the next test: the new language server paired with both encoders.

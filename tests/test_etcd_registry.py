@@ -9,10 +9,10 @@ import shutil
 import subprocess
 import time
 
-import httpx
 import pytest
 
 from tests.etcd_server import EtcdServer, etcd, needs_etcd  # noqa: F401 (etcd is a fixture)
+from tests.server_utils import HTTP
 from vlserve.core.config import DisaggArgs
 from vlserve.core.errors import ConfigurationError, InvalidInputError
 from vlserve.disagg.bootstrap import BootstrapClient
@@ -251,7 +251,7 @@ def _enable_auth(endpoint: str, password: str) -> None:
     for path, body in [("/v3/auth/user/add", {"name": "root", "password": password}),
                        ("/v3/auth/user/grant", {"user": "root", "role": "root"}),
                        ("/v3/auth/enable", {})]:
-        resp = httpx.post(f"{endpoint}{path}", json=body, timeout=5)
+        resp = HTTP.post(f"{endpoint}{path}", json=body, timeout=5)
         assert resp.status_code == 200, resp.text
 
 

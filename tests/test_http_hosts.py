@@ -16,7 +16,6 @@ import socket
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace as NS
 
-import httpx
 import pytest
 from fastapi.testclient import TestClient
 
@@ -28,6 +27,7 @@ from vlserve.router.app import build_router_app, run_router
 from vlserve.router.replicas import ReplicaSet
 from vlserve.server.api_server import build_app, serve
 from vlserve.server.hosts import HostCheck, HostPolicy, host_name
+from tests.server_utils import HTTP
 
 KEY = "the-key"
 MACHINE = socket.gethostname().lower()
@@ -187,15 +187,15 @@ def test_served_processes_check_the_host_and_redirect_relatively(tiny_ckpt):
         router.wait_healthy()
         server.wait_healthy()
         for url in (server.url, f"http://127.0.0.1:{port}"):
-            assert httpx.get(f"{url}/health", headers={"host": "evil.example"}).status_code == 400, url
-            assert httpx.get(f"{url}/", headers={"host": "localhost:1234"}).status_code == 200, url
-            redirect = httpx.get(f"{url}/playground/", headers={"host": "localhost"})
+            assert HTTP.get(f"{url}/health", headers={"host": "evil.example"}).status_code == 400, url
+            assert HTTP.get(f"{url}/", headers={"host": "localhost:1234"}).status_code == 200, url
+            redirect = HTTP.get(f"{url}/playground/", headers={"host": "localhost"})
             assert redirect.status_code == 307 and redirect.headers["location"] == "/playground", url
-            assert httpx.get(f"{url}/metrics").status_code == 200, url
-            assert httpx.get(f"{url}/v1/models").status_code == 401, url
+            assert HTTP.get(f"{url}/metrics").status_code == 200, url
+            assert HTTP.get(f"{url}/v1/models").status_code == 401, url
         # the router was told one more name
-        assert httpx.get(f"http://127.0.0.1:{port}/health", headers={"host": "api.example.com"}).status_code == 200
-        assert httpx.get(f"{server.url}/health", headers={"host": "api.example.com"}).status_code == 400
+        assert HTTP.get(f"http://127.0.0.1:{port}/health", headers={"host": "api.example.com"}).status_code == 200
+        assert HTTP.get(f"{server.url}/health", headers={"host": "api.example.com"}).status_code == 400
     finally:
         server.close()
         router.close()

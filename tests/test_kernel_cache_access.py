@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server_utils import free_port, stop
+from tests.server_utils import HTTP, free_port, stop
 from vlserve.core.processes import die_with_parent
 from vlserve.model.kernels import cpu_kernels
 
@@ -167,7 +167,7 @@ def _start_and_stop(user: ImageUser, model: Path, cache: Path, log: Path) -> str
         deadline = time.monotonic() + 180
         while proc.poll() is None and time.monotonic() < deadline:
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                if HTTP.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
@@ -175,7 +175,7 @@ def _start_and_stop(user: ImageUser, model: Path, cache: Path, log: Path) -> str
         else:
             raise AssertionError(f"the start command did not become healthy (exit {proc.returncode}):\n"
                                  f"{log.read_text()[-4000:]}")
-        assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).status_code == 200
+        assert HTTP.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).status_code == 200
         uid = next(int(line.split()[1]) for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines()
                    if line.startswith("Uid:"))
         assert uid == user.uid != 0, "the start command ran as root"

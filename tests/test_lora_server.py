@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import noise_image
 from tests.lora_utils import make_peft_adapter
-from tests.server_utils import RemoteServer
+from tests.server_utils import HTTP, RemoteServer
 from tests.test_server_api import data_url, image_part, user
 from vlserve import LLM, LoRARequest, SamplingParams
 from vlserve.core.config import ServerArgs
@@ -134,7 +134,7 @@ def test_unknown_model_is_404_naming_the_served_ones(client):
 
 
 def test_models_lists_the_base_model_and_its_adapters(server, adapters):
-    cards = {c["id"]: c for c in httpx.get(server.url + "/v1/models", timeout=10).json()["data"]}
+    cards = {c["id"]: c for c in HTTP.get(server.url + "/v1/models", timeout=10).json()["data"]}
     assert cards[BASE]["parent"] is None
     for name in ("lm", "both"):
         lora = cards[name].pop("lora")  # what a router needs to hash prompts as this server does
@@ -150,7 +150,7 @@ def test_runtime_load_use_unload(server, client, offline, adapters):
     assert r.status_code == 200 and r.text == "Success: LoRA adapter 'late' added successfully."
     again = post(server, "/v1/load_lora_adapter", {"lora_name": "late", "lora_path": str(adapters["late"])})
     assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
-    assert "late" in {c["id"] for c in httpx.get(server.url + "/v1/models", timeout=10).json()["data"]}
+    assert "late" in {c["id"] for c in HTTP.get(server.url + "/v1/models", timeout=10).json()["data"]}
     text = client.completions.create(prompt=prompt, **greedy("late")).choices[0].text
     assert text == offline_answer(offline, adapters, prompt, "late")
     assert text != client.completions.create(prompt=prompt, **greedy("lm")).choices[0].text
@@ -175,7 +175,7 @@ def test_runtime_load_use_unload(server, client, offline, adapters):
         client.completions.create(prompt=prompt, **greedy("late"))
     r = post(server, "/v1/unload_lora_adapter", {"lora_name": "late"})
     assert r.status_code == 404 and "'late' is not loaded" in r.json()["error"]["message"]
-    assert "late" not in {c["id"] for c in httpx.get(server.url + "/v1/models", timeout=10).json()["data"]}
+    assert "late" not in {c["id"] for c in HTTP.get(server.url + "/v1/models", timeout=10).json()["data"]}
 
 
 @pytest.mark.parametrize("body,expected", [
@@ -192,7 +192,7 @@ def test_a_bad_load_is_400_and_the_server_serves_on(server, client, adapters, bo
     r = post(server, "/v1/load_lora_adapter", body)
     assert r.status_code == 400, r.text
     assert expected in r.json()["error"]["message"]
-    assert {c["id"] for c in httpx.get(server.url + "/v1/models", timeout=10).json()["data"]} == {BASE, "lm", "both"}
+    assert {c["id"] for c in HTTP.get(server.url + "/v1/models", timeout=10).json()["data"]} == {BASE, "lm", "both"}
     assert client.completions.create(prompt="hi", **greedy("lm")).choices[0].text
 
 

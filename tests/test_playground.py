@@ -18,12 +18,11 @@ from html.parser import HTMLParser
 from pathlib import Path
 from types import SimpleNamespace
 
-import httpx
 import pytest
 
 from tests.browser import chromium_or_skip, console_errors
 from tests.conftest import noise_image
-from tests.server_utils import RemoteServer
+from tests.server_utils import HTTP, RemoteServer
 from vlserve.server.playground.routes import ASSETS, PAGE_DIR
 
 KEY = "pg-secret-key-123"
@@ -187,8 +186,8 @@ def test_stop_cancels_the_request_on_the_server(servers, browser):
 
 def test_api_key_is_asked_for_and_kept_out_of_the_url(servers, browser, picture, tmp_path):
     server = servers["keyed"]
-    assert httpx.get(server.url + "/playground").status_code == 200  # the page needs no key...
-    assert httpx.get(server.url + "/v1/models").status_code == 401  # ...its data does
+    assert HTTP.get(server.url + "/playground").status_code == 200  # the page needs no key...
+    assert HTTP.get(server.url + "/v1/models").status_code == 401  # ...its data does
     open_page(browser, server.url + "/playground")
     assert browser.execute_script("return document.getElementById('key-dialog').open")
     fill(browser, "key-input", "wrong-key")
@@ -252,17 +251,17 @@ class _Inline(HTMLParser):
 def test_headers_csp_and_inline_free_page(servers):
     plain = servers["plain"]
     for path in ("/", "/playground", "/playground/app.js", "/playground/style.css", "/playground/config.json"):
-        r = httpx.get(plain.url + path)
+        r = HTTP.get(plain.url + path)
         assert r.status_code == 200, path
         assert set(map(str.strip, r.headers["content-security-policy"].split(";"))) >= EXPECTED_CSP, path
         assert r.headers["x-content-type-options"] == "nosniff"
-    page = httpx.get(plain.url + "/").text
+    page = HTTP.get(plain.url + "/").text
     parsed = _Inline()
     parsed.feed(page)
     assert parsed.scripts == ["playground/app.js"] and parsed.problems == []
-    assert httpx.get(plain.url + "/playground/app.js").headers["content-type"].startswith("text/javascript")
-    assert httpx.get(plain.url + "/playground/routes.py").status_code == 404  # only the page's own files
-    assert httpx.get(plain.url + "/playground/config.json").json() == {
+    assert HTTP.get(plain.url + "/playground/app.js").headers["content-type"].startswith("text/javascript")
+    assert HTTP.get(plain.url + "/playground/routes.py").status_code == 404  # only the page's own files
+    assert HTTP.get(plain.url + "/playground/config.json").json() == {
         "auth_required": False, "limits": {"max_media_bytes": 20 * 2**20, "max_video_bytes": 200 * 2**20,
                                            "max_request_bytes": 64 * 2**20,
                                            "mm_per_prompt": {"image": 8, "video": 1, "audio": 4}}}

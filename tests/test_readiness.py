@@ -9,10 +9,9 @@ import threading
 import time
 from types import SimpleNamespace
 
-import httpx
 import pytest
 
-from tests.server_utils import RoleProcess, free_port
+from tests.server_utils import HTTP, RoleProcess, free_port
 from tests.test_disagg import HB, SECRET, picture_chat
 from vlserve.disagg.peer_client import PeerClient
 
@@ -30,23 +29,23 @@ def test_a_language_server_is_ready_once_an_encoder_pairs_and_a_request_waits_fo
         procs.append(RoleProcess("language", ["language", *common, "--port", str(lang_port), "--max-model-len", "1024",
                                               "--peer-wait-timeout", "60"], lang_url + "/health",
                                  env=env).wait_healthy())
-        assert httpx.get(lang_url + "/health").status_code == 200  # alive ...
-        not_ready = httpx.get(lang_url + "/ready")
+        assert HTTP.get(lang_url + "/health").status_code == 200  # alive ...
+        not_ready = HTTP.get(lang_url + "/ready")
         assert not_ready.status_code == 503  # ... but nothing to encode its pictures yet
         assert "no encoder is paired" in not_ready.json()["error"]["message"]
 
         result = {}
         body = {"messages": picture_chat(1), "max_tokens": 3}
         asking = threading.Thread(target=lambda: result.setdefault(
-            "r", httpx.post(lang_url + "/v1/chat/completions", json=body, timeout=120)))
+            "r", HTTP.post(lang_url + "/v1/chat/completions", json=body, timeout=120)))
         asking.start()
         time.sleep(0.5)  # the request is in before any encoder exists
         procs.append(RoleProcess("encoder", ["encode", *common, "--port", str(enc_port), "--data-port",
                                              str(free_port())], f"http://127.0.0.1:{enc_port}/health", env=env))
         asking.join(120)
         assert result["r"].status_code == 200, result["r"].text  # it waited for the encoder, no 503
-        assert httpx.get(lang_url + "/ready").status_code == 200
-        assert httpx.get(f"http://127.0.0.1:{enc_port}/ready").status_code == 200
+        assert HTTP.get(lang_url + "/ready").status_code == 200
+        assert HTTP.get(f"http://127.0.0.1:{enc_port}/ready").status_code == 200
     finally:
         for p in reversed(procs):
             p.close()

@@ -8,12 +8,11 @@ from __future__ import annotations
 import json
 import re
 
-import httpx
 import openai
 import pytest
 
 from tests.conftest import noise_image
-from tests.server_utils import RemoteServer
+from tests.server_utils import HTTP, RemoteServer
 from tests.test_server_api import data_url, image_part
 from tests.test_tool_calls import TOOLS
 from vlserve.core.errors import InvalidInputError
@@ -170,13 +169,13 @@ def test_a_tool_round_trip_in_the_input_answers_as_chat_does(client, model):
     ({"input": ""}, "input"),
 ])
 def test_what_cannot_be_honoured_is_a_clear_400(server, extra, needle):
-    r = httpx.post(server.url + "/v1/responses", json={"input": "hi", **extra}, timeout=60)
+    r = HTTP.post(server.url + "/v1/responses", json={"input": "hi", **extra}, timeout=60)
     assert r.status_code == 400, r.text
     assert re.search(needle, r.json()["error"]["message"]), r.text
 
 
 def test_unknown_model_is_404_and_the_server_keeps_serving(server, client, model):
-    r = httpx.post(server.url + "/v1/responses", json={"model": "other", "input": "hi"}, timeout=60)
+    r = HTTP.post(server.url + "/v1/responses", json={"model": "other", "input": "hi"}, timeout=60)
     assert r.status_code == 404
     assert _respond(client, model, input="still here", max_output_tokens=2).usage.output_tokens >= 1
     metrics = server.metrics()

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import time
 
-import httpx
 import openai
 import pytest
 
 from tests.conftest import noise_image
 from tests.lora_utils import make_peft_adapter
-from tests.server_utils import RoleProcess, free_port, scrape
+from tests.server_utils import HTTP, RoleProcess, free_port, scrape
 from tests.test_disagg import data_url
 
 N_TOKENS = 6
@@ -166,14 +165,14 @@ def test_streaming_passes_through(deployment):
                                  max_output_tokens=N_TOKENS, extra_body={"min_tokens": N_TOKENS}) as stream:
         deltas = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
     assert deltas == whole
-    r = httpx.get(f"{deployment.url}/v1/models", timeout=10)
+    r = HTTP.get(f"{deployment.url}/v1/models", timeout=10)
     assert r.status_code == 200 and r.json()["data"]
-    bad = httpx.post(f"{deployment.url}/v1/chat/completions", content=b"{not json", timeout=10,
-                     headers={"content-type": "application/json"})
+    bad = HTTP.post(f"{deployment.url}/v1/chat/completions", content=b"{not json", timeout=10,
+                    headers={"content-type": "application/json"})
     assert bad.status_code == 400 and "error" in bad.json()
-    page = httpx.get(f"{deployment.url}/", timeout=10)  # the playground, talking to the router's own /v1
+    page = HTTP.get(f"{deployment.url}/", timeout=10)  # the playground, talking to the router's own /v1
     assert page.status_code == 200 and "script-src 'self'" in page.headers["content-security-policy"]
-    config = httpx.get(f"{deployment.url}/playground/config.json", timeout=10).json()
+    config = HTTP.get(f"{deployment.url}/playground/config.json", timeout=10).json()
     assert config["limits"]["mm_per_prompt"]["image"] >= 1
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.conftest import noise_image
-from tests.server_utils import RemoteServer
+from tests.server_utils import HTTP, RemoteServer
 from vlserve import LLM, SamplingParams
 
 KEY = "test-key"
@@ -170,7 +170,7 @@ def test_completions_models_version(server, client, offline):
                                               stream=True, extra_body={"min_tokens": 6}))
     assert "".join(c.choices[0].text for c in streamed if c.choices) == resp.choices[0].text
     assert [m.id for m in client.models.list().data] == ["tiny"]
-    assert httpx.get(server.url + "/version").json()["version"]
+    assert HTTP.get(server.url + "/version").json()["version"]
 
 
 def test_logprobs_in_chat(client):
@@ -319,7 +319,7 @@ def test_seed_at_int64_max_with_n_2_wraps(client):
 
 def test_api_docs_are_off_by_default(server):
     for path in ("/docs", "/redoc", "/openapi.json"):
-        assert httpx.get(server.url + path, headers=server.headers()).status_code == 404
+        assert HTTP.get(server.url + path, headers=server.headers()).status_code == 404
 
 
 def test_sse_escapes_line_separators():
@@ -361,11 +361,11 @@ def test_stream_with_stop_strings_spanning_tokens_equals_final_text(client, offl
 
 
 def test_api_key_is_required_on_v1_routes(server):
-    assert httpx.post(server.url + "/v1/chat/completions", json=_chat()).status_code == 401
-    r = httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer wrong"})
+    assert HTTP.post(server.url + "/v1/chat/completions", json=_chat()).status_code == 401
+    r = HTTP.get(server.url + "/v1/models", headers={"Authorization": "Bearer wrong"})
     assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
-    assert httpx.get(server.url + "/health").status_code == 200
-    assert httpx.get(server.url + "/ready").status_code == 200  # probes need no key; aggregated: ready when alive
+    assert HTTP.get(server.url + "/health").status_code == 200
+    assert HTTP.get(server.url + "/ready").status_code == 200  # probes need no key; aggregated: ready when alive
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
 
@@ -408,8 +408,8 @@ def _long_completion(stream: bool = True) -> dict:
 
 def test_disconnected_stream_is_aborted_and_frees_blocks(server):
     before = server.metrics()
-    with httpx.stream("POST", server.url + "/v1/completions", json=_long_completion(), headers=server.headers(),
-                      timeout=30) as r:
+    with HTTP.stream("POST", server.url + "/v1/completions", json=_long_completion(), headers=server.headers(),
+                     timeout=30) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
         for _ in range(3):

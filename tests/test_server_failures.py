@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.conftest import noise_image
-from tests.server_utils import RemoteServer
+from tests.server_utils import HTTP, RemoteServer
 from tests.test_server_api import data_url, image_part, user
 
 
@@ -46,7 +46,7 @@ def test_dead_engine_gives_503_not_a_hang(server):
 
     def long_stream():
         body = {"prompt": "go", "max_tokens": 1000, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+        with HTTP.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
             for line in r.iter_lines():
                 if line:
                     in_flight["lines"].append(line)
@@ -65,7 +65,7 @@ def test_dead_engine_gives_503_not_a_hang(server):
     log = server.read_log()
     assert "stopping this server with exit code 1" in log and "Traceback" not in log
     with pytest.raises(httpx.ConnectError):  # nothing answers 503 for ever on that port
-        httpx.get(server.url + "/health", timeout=5)
+        HTTP.get(server.url + "/health", timeout=5)
 
 
 def test_frozen_engine_is_noticed_and_taken_back(tiny_ckpt):
@@ -85,7 +85,7 @@ def test_frozen_engine_is_noticed_and_taken_back(tiny_ckpt):
             t0 = time.monotonic()
             t.start()
             deadline = time.monotonic() + 15
-            while httpx.get(srv.url + "/health", timeout=5).status_code != 503:
+            while HTTP.get(srv.url + "/health", timeout=5).status_code != 503:
                 assert time.monotonic() < deadline, "a frozen engine was not noticed"
                 time.sleep(0.2)
             t.join(15)
@@ -95,7 +95,7 @@ def test_frozen_engine_is_noticed_and_taken_back(tiny_ckpt):
         finally:
             os.kill(engine, signal.SIGCONT)
         deadline = time.monotonic() + 15
-        while httpx.get(srv.url + "/health", timeout=5).status_code != 200:
+        while HTTP.get(srv.url + "/health", timeout=5).status_code != 200:
             assert time.monotonic() < deadline, "the engine was not taken back after SIGCONT"
             time.sleep(0.2)
         r = srv.post("/v1/completions", json={"prompt": "again", "max_tokens": 3})

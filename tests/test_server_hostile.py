@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import noise_image
-from tests.server_utils import RemoteServer
+from tests.server_utils import HTTP, RemoteServer
 from tests.test_server_api import data_url, image_part, user
 
 # A request whose cost grows with its size, run on the event loop, holds /health for seconds; a 2-core machine
@@ -59,8 +59,8 @@ class HealthProbe:
 
 def _post(server, path: str, body, timeout: float = 120) -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return httpx.post(server.url + path, content=content, headers={"content-type": "application/json"},
-                      timeout=timeout)
+    return HTTP.post(server.url + path, content=content, headers={"content-type": "application/json"},
+                     timeout=timeout)
 
 
 NESTED_LOOPS = "{% for i in range(3000) %}{% for j in range(1000) %}x{% endfor %}{% endfor %}"
@@ -206,7 +206,7 @@ def test_generated_requests_never_get_a_5xx(server, chat, completion):
 
 
 def test_after_all_that_the_server_is_healthy_and_the_pool_full(server):
-    assert httpx.get(server.url + "/health").status_code == 200
+    assert HTTP.get(server.url + "/health").status_code == 200
     deadline = time.monotonic() + 20
     while True:
         m = server.metrics()

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.conftest import noise_image
-from tests.server_utils import RemoteServer
+from tests.server_utils import HTTP, RemoteServer
 from tests.test_server_api import data_url, image_part, user
 from tests.test_structured_limits import FAILS_MID_ANSWER, words
 
@@ -51,7 +51,7 @@ def body(model: str, constraint: dict | None = None, **kw) -> dict:
 def post_in_thread(server, payload: dict, timeout: float, results: list) -> threading.Thread:
     def run():
         try:
-            results.append(httpx.post(server.url + ROUTE, json=payload, timeout=timeout).status_code)
+            results.append(HTTP.post(server.url + ROUTE, json=payload, timeout=timeout).status_code)
         except httpx.TimeoutException:
             results.append("left")
 
@@ -60,25 +60,28 @@ def post_in_thread(server, payload: dict, timeout: float, results: list) -> thre
     return thread
 
 
+def still_compiling(threads: list[threading.Thread]) -> bool:
+    return any(t.is_alive() for t in threads)
+
+
 def test_slow_grammars_hold_up_neither_health_nor_pictures_and_the_rest_get_503(server, model):
+    """Each answer below comes while the slow grammars are still compiling: none of them waited for a compile (no
+    wall-clock bound: a busy machine stretches every step alike)."""
     results: list = []
     slow = [post_in_thread(server, body(model, slow_grammar(seed)), 120, results) for seed in range(2)]
-    time.sleep(1.0)  # both in: one compiles, one waits
-    started = time.monotonic()
-    refused = server.post(ROUTE, json=body(model, slow_grammar(2)))
-    assert refused.status_code == 503 and "--structured-outputs-max-queued" in refused.text, refused.text
-    assert time.monotonic() - started < 1.0
-    for _ in range(5):
-        started = time.monotonic()
-        assert httpx.get(server.url + "/health", timeout=5).status_code == 200
-        assert time.monotonic() - started < 1.0
-    started = time.monotonic()
-    picture = server.post(ROUTE, json=body(model, messages=user(image_part(data_url(noise_image(64, 48, 1))), "hi")))
-    assert picture.status_code == 200, picture.text
-    assert time.monotonic() - started < 5.0
-    assert any(t.is_alive() for t in slow), "the grammars were all compiled already: the test shows nothing"
-    for t in slow:
-        t.join(120)
+    try:
+        time.sleep(1.0)  # both in: one compiles, one waits
+        refused = server.post(ROUTE, json=body(model, slow_grammar(2)))
+        assert refused.status_code == 503 and "--structured-outputs-max-queued" in refused.text, refused.text
+        for _ in range(5):
+            assert HTTP.get(server.url + "/health", timeout=5).status_code == 200
+        picture = server.post(ROUTE, json=body(model, messages=user(image_part(data_url(noise_image(64, 48, 1))),
+                                                                     "hi")))
+        assert picture.status_code == 200, picture.text
+        assert still_compiling(slow), "the grammars were all compiled already: the test shows nothing"
+    finally:  # a failure above must not leave compiles running into the next test
+        for t in slow:
+            t.join(120)
     assert results == [200, 200]
 
 
@@ -89,20 +92,17 @@ def test_a_client_that_leaves_frees_its_place(server, model):
         t.join()
     assert results == ["left"] * 2
     time.sleep(1.0)  # the server notices within its disconnect poll (0.5 s): the queued compile is dropped
-    started = time.monotonic()
     ok = server.post(ROUTE, json=body(model, {"choice": ["ok-after"]}, max_tokens=5))
     assert ok.status_code == 200, ok.text  # 503 if the abandoned compiles still held the queue
     assert ok.json()["choices"][0]["message"]["content"] == "ok-after"
-    assert time.monotonic() - started < 30
 
 
 def test_a_huge_choice_list_is_refused_at_once(server, model):
-    started = time.monotonic()
+    """Refused by its count, before anything is compiled (the message names the count check)."""
     resp = server.post(ROUTE, json=body(model, {"choice": words(200_000, k=3)}))
     assert resp.status_code == 400
     assert resp.json()["error"]["message"].startswith("structured_outputs.choice has 200000 strings, over the "
                                                       "limit of 16384 (--structured-outputs-max-choices)")
-    assert time.monotonic() - started < 5.0
 
 
 def test_a_grammar_that_can_never_finish_is_a_400(server, model):
@@ -118,7 +118,7 @@ def test_a_grammar_failing_mid_answer_is_an_error_with_the_reason(server, model)
     assert resp.status_code == 500, resp.text
     message = resp.json()["error"]["message"]
     assert message.startswith("structured_outputs.grammar failed after 1 token(s) of output, in the grammar engine: ")
-    with httpx.stream("POST", server.url + ROUTE, json=body(model, {"grammar": FAILS_MID_ANSWER}, max_tokens=20,
+    with HTTP.stream("POST", server.url + ROUTE, json=body(model, {"grammar": FAILS_MID_ANSWER}, max_tokens=20,
                                                            stream=True), timeout=60) as stream:
         assert stream.status_code == 200
         events = [line[6:] for line in stream.iter_lines() if line.startswith("data: ")]

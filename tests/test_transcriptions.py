@@ -6,14 +6,13 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import httpx
 import openai
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from tests.audio_samples import encode_audio, noise
-from tests.server_utils import RemoteServer
+from tests.server_utils import HTTP, RemoteServer
 from tests.test_audio_server import audio_ckpt, audio_part  # noqa: F401 - audio_ckpt is a fixture
 from vlserve.core.config import ServerArgs
 from vlserve.server.errors import install_error_handlers
@@ -139,4 +138,4 @@ def test_a_malformed_form_is_a_400(server):
     bad = server.post("/v1/audio/transcriptions", content=b"--b\r\nContent-Disposition: form-data; name=\"file\"",
                       headers={"Content-Type": "multipart/form-data; boundary=b"})
     assert bad.status_code == 400 and "multipart body" in bad.text
-    assert httpx.get(server.url + "/health").status_code == 200
+    assert HTTP.get(server.url + "/health").status_code == 200

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import gc
 import logging
 import os
 import random
@@ -41,6 +42,13 @@ def log_format() -> str:
     """Every vlserve process logs with this format; under `serve --disagg` each line says which role wrote it."""
     tag = os.environ.get(LOG_TAG_ENV, "").replace("%", "%%")
     return "%(asctime)s %(levelname)s " + (f"[{tag}] " if tag else "") + "%(name)s: %(message)s"
+
+
+def freeze_startup_heap() -> None:
+    """Once a process has started (imports, model, tokenizer): the objects alive now leave the garbage
+    collector's view. Later collections scan only what requests create (shorter pauses between steps), and the
+    exit skips a full collection of the start-up heap (about half a second a process)."""
+    gc.freeze()
 
 
 def die_with_parent() -> None:

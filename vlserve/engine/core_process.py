@@ -21,7 +21,7 @@ import zmq
 
 from vlserve.core.config import decode_args
 from vlserve.core.errors import ConfigurationError, InvalidInputError, VlserveError
-from vlserve.core.processes import die_with_parent, log_format
+from vlserve.core.processes import die_with_parent, freeze_startup_heap, log_format
 from vlserve.core.wire import (
     AddRequest,
     EngineFailed,
@@ -204,6 +204,7 @@ def run_engine_core(args_json: bytes, facts_json: bytes, addresses: dict[str, st
             exit_code = 1
             return
         outputs.send_multipart(framer.encode(EngineReady(core.cfg.num_kv_blocks, core.cfg.max_model_len)))
+        freeze_startup_heap()
         try:
             EngineCoreLoop(core, inputs, outputs, progress, parent_pid).run()
         except Exception as e:  # noqa: BLE001 - report, then exit: the front-end fails pending requests with 503
@@ -214,9 +215,9 @@ def run_engine_core(args_json: bytes, facts_json: bytes, addresses: dict[str, st
             core.shutdown()
     finally:
         stop.set()
-        heartbeats.join(timeout=1)
         inputs.close(linger=0)
         outputs.close(linger=1000)  # the last message (outputs or the failure) still reaches the front-end
-        ctx.term()
+        ctx.term()  # also wakes the heartbeat thread from its poll (ETERM): it closes its socket and ends
+        heartbeats.join(timeout=1)
         if exit_code:
             sys.exit(exit_code)

@@ -1,26 +1,15 @@
-"""Tokenizer and chat template loading (transformers' fast tokenizers; templates from the checkpoint)."""
+"""Chat templates: --chat-template loading, rendering in the sandbox (the tokenizer: model/tokenizer_files.py)."""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
 
-from vlserve.core.errors import InvalidInputError, ModelLoadError
+from vlserve.core.errors import InvalidInputError
 from vlserve.frontend import template_sandbox
 from vlserve.frontend.tool_prompt import hermes_messages, template_knows_tools
 
 logger = logging.getLogger(__name__)
-
-
-def load_tokenizer(folder: Path):
-    from transformers import AutoTokenizer
-
-    if not any((folder / f).is_file() for f in ("tokenizer.json", "vocab.json", "tokenizer_config.json")):
-        raise ModelLoadError(f"{folder}: no tokenizer files (tokenizer.json / vocab.json + merges.txt)")
-    try:
-        return AutoTokenizer.from_pretrained(str(folder))
-    except Exception as e:  # transformers raises many types here; the user needs to know which folder failed
-        raise ModelLoadError(f"{folder}: could not load the tokenizer ({type(e).__name__}: {e})") from e
 
 
 def load_chat_template(value: str) -> str:

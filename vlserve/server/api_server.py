@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 import vlserve
 from vlserve.core.config import DISAGG_ROLES, KV_ROLES, SERVE, Options, ServerArgs
 from vlserve.core.cpu_budget import size_default_executor
-from vlserve.core.processes import SigtermStop, finish, read_degraded
+from vlserve.core.processes import SigtermStop, finish, freeze_startup_heap, read_degraded
 from vlserve.core.prompt import MEDIA_KINDS
 from vlserve.frontend.async_llm import AsyncLLM
 from vlserve.media.fetch import MediaFetcher, MediaPolicy
@@ -188,6 +188,7 @@ async def serve(opts: Options, log_level: str = "INFO", role: str = SERVE, sock:
                                         access_log=False, timeout_graceful_shutdown=5, log_config=None,
                                         http=header_timeout_protocol(server.header_read_timeout))
                 http = uvicorn.Server(config)
+                freeze_startup_heap()
                 sigterm.serving()
                 watch = asyncio.create_task(stop_when_engine_dies(engine, http))
                 try:

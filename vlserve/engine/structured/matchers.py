@@ -170,9 +170,10 @@ class GrammarMatchers:
         with self._tokenizer_lock:  # built once by the first build thread; the first request pays ~1 s
             if self._tokenizer is None:
                 import llguidance.hf
-                from transformers import AutoTokenizer
 
-                hf = AutoTokenizer.from_pretrained(str(self.tokenizer_path))
+                from vlserve.model.tokenizer_files import load_tokenizer
+
+                hf = load_tokenizer(self.tokenizer_path)
                 self._tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size,
                                                                eos_token=self.eos_token_ids)
             return self._tokenizer
