@@ -38,7 +38,8 @@ def start_vlserve(args: list[str], **popen_kwargs) -> subprocess.Popen:
     run is killed outright (no fixture teardown then): nothing a test starts outlives it.
 
     With $VLSERVE_TEST_PROCESS_LOG set, each start appends a line (the test, the command) to that file: where the
-    suite's time goes is mostly process starts (~8 CPU-seconds each: torch, transformers, the engine process)."""
+    suite's time goes is mostly process starts (~4 CPU-seconds a server: torch and transformers, torch again in
+    its engine process)."""
     if os.environ.get("VLSERVE_TEST_PROCESS_LOG"):
         with open(os.environ["VLSERVE_TEST_PROCESS_LOG"], "a") as f:
             f.write(f"{os.environ.get('PYTEST_CURRENT_TEST', '?')}\t{' '.join(args)[:160]}\n")
