@@ -14,7 +14,7 @@ install: $(STAMP)
 	@# Bytecode for our own sources, written here even where PYTHONDONTWRITEBYTECODE is set (as on our machines):
 	@# without it every vlserve process (a server, its engine, each role) compiles them again (~0.3 CPU-s each).
 	@# Only changed files are compiled again; a stale .pyc is never used (its source's mtime is checked).
-	@$(PY) -m compileall -q -j 0 vlserve tests >/dev/null
+	@$(PY) -m compileall -q -j 0 vlserve tests  # -q: prints only errors (a syntax error names its file)
 
 # torch is pinned and installed first on its own: `pip install torch==2.13.0` takes the CPU wheel on
 # CPU-only machines (local wheel cache) and the CUDA build from the index on GPU machines. Installing it

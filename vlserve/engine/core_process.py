@@ -145,10 +145,11 @@ class EngineCoreLoop:
 
 
 def _answer_heartbeats(ctx: zmq.Context, address: str, progress: Progress, stop: threading.Event) -> None:
-    sock = ctx.socket(zmq.PAIR)
-    sock.connect(address)
     framer = Framer(Heartbeat)
-    try:
+    sock = None
+    try:  # the context may be terminated at any point, even before the socket exists (a start failing at once)
+        sock = ctx.socket(zmq.PAIR)
+        sock.connect(address)
         while not stop.is_set():
             if sock.poll(200):
                 ping = framer.decode(sock.recv_multipart())
@@ -156,7 +157,8 @@ def _answer_heartbeats(ctx: zmq.Context, address: str, progress: Progress, stop:
     except zmq.ZMQError:
         pass  # context terminated: the process is exiting
     finally:
-        sock.close(linger=0)
+        if sock is not None:
+            sock.close(linger=0)
 
 
 def run_engine_core(args_json: bytes, facts_json: bytes, addresses: dict[str, str], log_level: str = "INFO",
