@@ -15,10 +15,10 @@ from vlserve.core.config import DEFAULT_MAX_AUDIO_SECONDS, DEFAULT_MAX_PIXELS_DE
 from vlserve.core.errors import InvalidInputError
 from vlserve.core.prompt import ProcessedPrompt
 from vlserve.frontend.config import FrontendConfig
-from vlserve.model.tokenizer_files import load_tokenizer
 from vlserve.media.audio import audio_items
 from vlserve.model.families import family_of
 from vlserve.model.families.processor import MultiModalProcessor, ProcessorContext, PromptMedia
+from vlserve.model.tokenizer_files import load_tokenizer
 
 
 def as_list(value: Any) -> list:
