@@ -100,6 +100,7 @@ class Cluster:
         lang = RoleProcess(f"{role}-{name}", [role, *self.common, "--port", str(port), "--max-model-len", "2048",
                                               "--heartbeat-failure-threshold", THRESHOLD, *args],
                            f"http://127.0.0.1:{port}/health", env=self.env)
+        lang.role = role
         self.languages[name] = lang
         self.procs.append(lang)
         return lang.wait_healthy() if wait else lang
@@ -153,9 +154,8 @@ class Cluster:
     def wait_paired_encoders(self, n: int, timeout: float = 20) -> None:
         """Every running language server and prefill instance pairs with exactly n encoders."""
         urls = [p.health_url.replace("/health", "/metrics") for p in self.prefills.values() if p.proc.poll() is None]
-        if self.role == "language":
-            urls += [p.health_url.replace("/health", "/metrics") for p in self.languages.values()
-                     if p.proc.poll() is None]
+        urls += [p.health_url.replace("/health", "/metrics") for p in self.languages.values()
+                 if p.role == "language" and p.proc.poll() is None]
         for url in urls:
             wait_until(lambda url=url: scrape(url)["vlserve:encoders_available"] == n,
                        f"{url} never saw {n} encoders", timeout)

@@ -1,14 +1,12 @@
-"""LoRA adapters in E->PD: a language server and encoders, each its own process. A chat with a picture by adapter
-name (an adapter of the vision tower, of the language model, of both) and the base model each give the
-aggregated offline engine's greedy fp32 answer: the encoder runs the tower adapter, the language server the LM
-one. An encoder started without --enable-lora refuses a tower adapter with a 503 naming itself and why: the
+"""LoRA adapters in E->PD and E->P->D, each role its own process. A chat with a picture by adapter name (an adapter
+of the vision tower, of the language model, of both) and the base model each give the aggregated offline engine's
+greedy fp32 answer: the encoder runs the tower adapter, the language server (or the prefill and decode instances)
+the LM one. An encoder started without --enable-lora refuses a tower adapter with a 503 naming itself and why: the
 language server tries another encoder, or answers that 503 when none can; adapters of the LM alone never need
-the encoder's support, and nothing leaks."""
+the encoder's support. A prefill instance without --enable-lora refuses every adapter the same way, and the decode
+instance tries another. Nothing leaks."""
 
 from __future__ import annotations
-
-import subprocess
-import sys
 
 import openai
 import pytest
@@ -18,7 +16,6 @@ from tests.server_utils import scrape
 from tests.test_disagg import Cluster, picture_chat, wait_encoder_idle, wait_language_blocks_free, wait_until
 from tests.test_lora_server import chat_prompt
 from vlserve import LLM, LoRARequest, SamplingParams
-from vlserve.core.errors import EXIT_CONFIG
 
 N_TOKENS = 8
 MAX_RANK = 8
@@ -39,9 +36,12 @@ def adapters(ckpt, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(ckpt, adapters):
-    """Bootstrap, encoder "A" (--enable-lora) and language server "main" serving the three adapters."""
-    modules = [f"{name}={path}" for name, path in adapters.items()]
-    c = Cluster(ckpt, {"main": [*LORA, "--max-loras", "2", "--lora-modules", *modules]}, encoders={"A": LORA})
+    """Bootstrap, encoder "A" (--enable-lora), language server "main" serving the three adapters (E->PD), and
+    decode instance "decode" serving them too with prefill instances "P" (--enable-lora) and "Q" (without it)
+    (E->P->D, the same encoders)."""
+    serving = [*LORA, "--max-loras", "2", "--lora-modules", *(f"{name}={path}" for name, path in adapters.items())]
+    c = Cluster(ckpt, {"main": serving, "decode": serving}, encoders={"A": LORA}, prefills={"P": LORA, "Q": []},
+                roles={"main": "language"})
     yield c
     c.close_quickly()
 
@@ -54,8 +54,8 @@ def offline(ckpt):
     llm.shutdown()
 
 
-def ask(cluster: Cluster, messages, model: str) -> str:
-    resp = cluster.client("main").chat.completions.create(
+def ask(cluster: Cluster, messages, model: str, server: str = "main") -> str:
+    resp = cluster.client(server).chat.completions.create(
         model=model, messages=messages, max_tokens=N_TOKENS, temperature=0, extra_body={"min_tokens": N_TOKENS})
     assert resp.model == model
     return resp.choices[0].message.content
@@ -73,6 +73,16 @@ def assert_nothing_held(cluster: Cluster) -> None:
     for name in cluster.live_encoders():
         wait_encoder_idle(cluster.encoders[name].metrics_url)
 
+    def decode_free():
+        m = cluster.metrics("decode")
+        return m['vlserve:kv_buffer_free_blocks{role="decode"}'] == m['vlserve:kv_buffer_total_blocks{role="decode"}']
+    wait_until(decode_free, "decode receive blocks leaked")
+    for name, pre in cluster.prefills.items():
+        if pre.proc.poll() is None:
+            wait_until(lambda pre=pre: scrape(pre.metrics_url)["vlserve:prefill_transfers_held"] == 0
+                       and scrape(pre.metrics_url)["vlserve:prefill_requests_in_flight"] == 0,
+                       f"prefill {name} still holds transfers")
+
 
 def test_each_adapter_and_the_base_model_match_the_aggregated_engine(cluster, offline, adapters, ckpt):
     messages = picture_chat(1)
@@ -86,6 +96,46 @@ def test_each_adapter_and_the_base_model_match_the_aggregated_engine(cluster, of
     for name in reversed(ADAPTERS):
         assert ask(cluster, messages, name) == expected(offline, adapters, messages, name), name
     assert ask(cluster, messages, str(ckpt)) == base
+    assert_nothing_held(cluster)
+
+
+def test_e_p_d_each_adapter_and_the_base_model_match_the_aggregated_engine(cluster, offline, adapters, ckpt):
+    """The decode instance sends each request's adapter to a prefill instance: Q refuses (no --enable-lora) and
+    the request goes to P, so every answer is the adapter's whichever instance the decode instance tried first."""
+    cluster.use_encoders("A")
+    cluster.wait_prefills("decode", 2)
+    chats = [picture_chat(11), picture_chat(12, 13, text="Compare."),
+             [{"role": "user", "content": "Just text, no pictures."}]]
+    for messages in chats:
+        base = expected(offline, adapters, messages, None)
+        assert ask(cluster, messages, str(ckpt), "decode") == base
+        for name in ADAPTERS:
+            want = expected(offline, adapters, messages, name)
+            # each adapter changes the answer, a tower adapter through the pictures only: the check means something
+            assert (want != base) == (name != "tower" or messages is not chats[-1]), name
+            assert ask(cluster, messages, name, "decode") == want, name
+    # the prefix caches keep adapters apart: the same prompts again, adapters in another order
+    messages = chats[0]
+    for name in reversed(ADAPTERS):
+        assert ask(cluster, messages, name, "decode") == expected(offline, adapters, messages, name), name
+    assert ask(cluster, messages, str(ckpt), "decode") == expected(offline, adapters, messages, None)
+    assert_nothing_held(cluster)
+
+
+def test_a_prefill_instance_without_lora_refuses_adapters_with_a_503_naming_itself(cluster, offline, adapters,
+                                                                                    ckpt):
+    """Stops P (no later test uses the prefill instances)."""
+    cluster.use_encoders("A")
+    cluster.prefills["P"].close()
+    cluster.wait_prefills("decode", 1)
+    messages = picture_chat(14)
+    for name in ("lm", "tower"):
+        with pytest.raises(openai.APIStatusError) as e:
+            ask(cluster, messages, name, "decode")
+        message = e.value.response.json()["error"]["message"]
+        assert e.value.status_code == 503, message
+        assert f"cannot apply LoRA adapter {name!r}" in message and "--enable-lora" in message, message
+    assert ask(cluster, messages, str(ckpt), "decode") == expected(offline, adapters, messages, None)
     assert_nothing_held(cluster)
 
 
@@ -114,26 +164,23 @@ def test_an_encoder_without_lora_refuses_tower_adapters_and_the_cluster_serves_o
 
 
 # ---- options --------------------------------------------------------------------------------------------------
-def test_serve_disagg_passes_the_lora_options_to_encoders_and_the_language_server(ckpt):
+def test_serve_disagg_passes_the_lora_options_to_every_role_that_applies_them(ckpt):
     from tests.test_cli import _flags, _subparser
     from vlserve.core.config import Options
     from vlserve.disagg.launcher import plan_children
 
-    for role in ("prefill", "decode"):  # E->P->D: the KV handoff does not carry adapters yet
-        assert not {"--enable-lora", "--lora-modules", "--max-loras"} & _flags(_subparser(role)), role
-    opts = Options()
-    opts.engine.model, opts.engine.enable_lora, opts.engine.max_lora_rank = "/m", True, 32
-    opts.engine.lora_modules, opts.server.allow_runtime_lora = ("a=/adapters/a",), True
-    argv = {c.name: c.argv for c in plan_children(opts, "INFO")}
-    for name in ("encoder-0", "language"):
-        assert "--enable-lora" in argv[name] and argv[name][argv[name].index("--max-lora-rank") + 1] == "32"
-    assert "--lora-modules" in argv["language"] and "--allow-runtime-lora" in argv["language"]
-    assert "--lora-modules" not in argv["encoder-0"] and "--allow-runtime-lora" not in argv["encoder-0"]
-
-
-def test_serve_disagg_with_prefill_and_decode_refuses_lora(ckpt):
-    out = subprocess.run([sys.executable, "-m", "vlserve", "serve", "--model", str(ckpt), "--port", "0", "--disagg",
-                          "--num-prefill", "1", "--num-decode", "1", "--enable-lora"],
-                         capture_output=True, text=True, timeout=120, check=False)
-    assert out.returncode == EXIT_CONFIG, out.stderr[-3000:]
-    assert "--enable-lora is not supported by prefill and decode instances" in out.stderr, out.stderr[-3000:]
+    for role in ("prefill", "decode"):
+        assert {"--enable-lora", "--max-loras", "--max-lora-rank"} <= _flags(_subparser(role)), role
+    assert "--lora-modules" in _flags(_subparser("decode")) and "--lora-modules" not in _flags(_subparser("prefill"))
+    for num_prefill, api in ((0, "language"), (1, "decode-0")):  # E->PD, E->P->D
+        opts = Options()
+        opts.engine.model, opts.engine.enable_lora, opts.engine.max_lora_rank = "/m", True, 32
+        opts.engine.lora_modules, opts.server.allow_runtime_lora = ("a=/adapters/a",), True
+        opts.disagg.num_prefill = opts.disagg.num_decode = num_prefill
+        argv = {c.name: c.argv for c in plan_children(opts, "INFO")}
+        appliers = ["encoder-0", api] + (["prefill-0"] if num_prefill else [])
+        for name in appliers:
+            assert "--enable-lora" in argv[name] and argv[name][argv[name].index("--max-lora-rank") + 1] == "32", name
+        assert "--lora-modules" in argv[api] and "--allow-runtime-lora" in argv[api]
+        for name in set(appliers) - {api}:
+            assert "--lora-modules" not in argv[name] and "--allow-runtime-lora" not in argv[name], name

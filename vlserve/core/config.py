@@ -31,9 +31,10 @@ REGISTRY_ROLES = DISAGG_ROLES | {ROUTER}  # roles that read the registry (a rout
 MODEL_ROLES = frozenset({SERVE, DEMO}) | DISAGG_ROLES  # roles that load (part of) the model
 MEDIA_ROLES = frozenset({SERVE, ENCODE, ROUTER})  # roles that fetch and decode media (a router: to hash it)
 KV_ROLES = frozenset({PREFILL, DECODE})  # roles whose engine moves KV between instances (a KV connector)
-# roles that apply LoRA adapters: not yet prefill and decode instances (E->P->D); those naming them: API servers
-LORA_ROLES = frozenset({SERVE, DEMO, LANGUAGE, ENCODE})
-LORA_API_ROLES = frozenset({SERVE, LANGUAGE})
+# roles that apply LoRA adapters (an encoder the towers' part, the others the language model's); those naming them:
+# the API servers
+LORA_ROLES = frozenset({SERVE, DEMO, LANGUAGE, ENCODE, PREFILL, DECODE})
+LORA_API_ROLES = frozenset({SERVE, LANGUAGE, DECODE})
 # Kinds a user does not name keep these. Audio: 4 clips of at most --max-audio-seconds (30 s) each, 3000 audio
 # tokens at 25 a second, less than one large picture may take.
 DEFAULT_MM_LIMITS = {"image": 8, "video": 1, "audio": 4}

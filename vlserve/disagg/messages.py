@@ -56,7 +56,9 @@ class TransferRequest(msgspec.Struct, tag="transfer"):
     block_tokens: int  # rows per block
     target: TransferTarget | None = None  # None: the data travels as frames (zmq)
     params: SamplingParams | None = None  # to a prefill instance: how to sample the first token
-    lora: AdapterRef | None = None  # to an encoder: the tower adapter to run the media with (None: the base towers)
+    # the LoRA adapter: to an encoder, one of the towers to run the media with; to a prefill instance, the
+    # request's (None: the base model)
+    lora: AdapterRef | None = None
 
 
 class ResumeRequest(msgspec.Struct, tag="resume"):

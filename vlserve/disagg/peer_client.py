@@ -260,8 +260,8 @@ class PeerClient:
                           params: SamplingParams | None = None, lora: AdapterRef | None = None
                           ) -> tuple[ProcessedPrompt, Handoff | None]:
         """The processed prompt, its rows in receive blocks (`block_rows`) the caller must free; from a prefill
-        instance (`params` given) also its first token and random state. `lora`: a tower adapter the encoder
-        runs the media with."""
+        instance (`params` given) also its first token and random state. `lora`: to an encoder, a tower adapter it
+        runs the media with; to a prefill instance, the adapter it computes the prompt with."""
         if self.kind.key_is_costly(media):
             key = await in_thread(self.kind.affinity_key, prompt, media, uuids)
         else:

@@ -7,6 +7,12 @@ token as the whole request would, and writes every prompt token's KV row (engine
 instance's blocks over the transport (a hybrid model's linear states follow as rows, engine.state_rows); the last
 chunk carries the first token and the random state. It speaks the
 peers' protocol (disagg.messages) as the sender, with the same resume, abort and expiry (disagg.sender).
+
+A request may carry the LoRA adapter the decode instance accepted it with (`--enable-lora` on both): the prompt is
+computed with it (its encoders run the towers' part) and its items keep the adapter's own hashes, so the KV the
+decode instance receives is the adapter's, keyed as its prefix cache keys it. An instance that cannot apply the
+adapter (no --enable-lora, other files at the path here) refuses with a 503 naming itself: the decode instance
+tries another.
 """
 
 from __future__ import annotations
@@ -20,7 +26,8 @@ from fastapi.responses import Response
 
 from vlserve.core.config import PREFILL, Options
 from vlserve.core.cpu_budget import size_default_executor
-from vlserve.core.errors import InvalidInputError
+from vlserve.core.errors import InvalidInputError, ServiceUnavailableError
+from vlserve.core.lora import AdapterRef
 from vlserve.core.processes import SigtermStop, finish
 from vlserve.disagg.auth import PeerAuth, require_secret_off_loopback
 from vlserve.disagg.messages import (
@@ -36,8 +43,10 @@ from vlserve.disagg.transports import TRANSPORTS
 from vlserve.disagg.registry import advertised_host
 from vlserve.frontend.async_llm import AsyncLLM
 from vlserve.frontend.metrics import CONTENT_TYPE
+from vlserve.lora.catalog import with_adapter
 
 logger = logging.getLogger("vlserve.prefill")
+ADAPTERS_REMEMBERED = 256  # LoRA adapters (by key) known to apply here: a request for one of them is not checked
 
 
 class PrefillService(SenderService):
@@ -57,6 +66,8 @@ class PrefillService(SenderService):
              "KV transfers being sent or waiting for a decode instance to resume them.")]))
         self.working: dict[tuple, asyncio.Task] = {}  # transfers being prefilled: an abort cancels them
         self._ids = itertools.count()
+        self._adapters_checked: dict[str, None] = {}  # keys of LoRA adapters found applicable here, oldest first
+        self.address = f"{advertised_host(d, host)}:{self.data_port}"  # how refusals name this instance
 
     @property
     def in_flight(self) -> int:
@@ -83,14 +94,18 @@ class PrefillService(SenderService):
         try:
             if req.params is None:
                 raise InvalidInputError("this is a prefill instance: a request needs its sampling parameters")
+            if req.lora is not None:
+                await self._check_adapter(req.lora)
             prompt = self.start_request(req)
             engine_id = f"p{next(self._ids)}-{req.request_id[:128]}"
-            with await self.engine.prepare(prompt, req.mm_processor_kwargs, request_id=engine_id) as prepared:
-                handoff, rows = await self.engine.prefill(prepared, req.params, engine_id)  # takes it over
-            n, tail = prepared.prompt.num_tokens, PREFILL_PEERS.tail_rows(self.engine.cfg)
+            with await self.engine.prepare(prompt, req.mm_processor_kwargs, request_id=engine_id,
+                                           adapter=req.lora) as prepared:
+                computed = with_adapter(prepared.prompt, req.lora)  # the item hashes the decode side keys by
+                handoff, rows = await self.engine.prefill(prepared, req.params, engine_id, req.lora)  # takes it over
+            n, tail = computed.num_tokens, PREFILL_PEERS.tail_rows(self.engine.cfg)
             if rows.shape[0] != n + tail:
                 raise RuntimeError(f"the engine handed {rows.shape[0]} rows for {n} tokens and {tail} state rows")
-            transfer = OutgoingTransfer(key, prepared.prompt, req.block_tokens, every_token=True, tail_rows=tail,
+            transfer = OutgoingTransfer(key, computed, req.block_tokens, every_token=True, tail_rows=tail,
                                         rows_of=every_token_rows(rows, n), target=req.target, handoff=handoff)
             if self.sender.hold(transfer):
                 await self.sender.send_chunk(transfer, 0, req.block_ids)
@@ -98,6 +113,28 @@ class PrefillService(SenderService):
             raise
         except Exception as e:  # noqa: BLE001 - every failure must reach the receiver, which frees its blocks
             await self.request_failed(key, e)
+
+    async def _check_adapter(self, ref: AdapterRef) -> None:
+        """The request's LoRA adapter is one this instance can apply: served (--enable-lora), and the same files
+        on this machine (checked once per adapter, on the thread pool: it digests them). What keeps it from
+        applying one is its own limit, not the request's fault: a 503, so the decode instance tries another
+        prefill instance."""
+        why = None
+        if self.engine.loras is None:
+            why = "it serves no LoRA adapters (start it with --enable-lora)"
+        elif ref.key not in self._adapters_checked:
+            try:
+                await asyncio.get_running_loop().run_in_executor(self.engine.executor, self.engine.loras.check, ref)
+            except (InvalidInputError, OSError) as e:
+                why = str(e)
+            else:
+                self._adapters_checked[ref.key] = None
+                while len(self._adapters_checked) > ADAPTERS_REMEMBERED:
+                    self._adapters_checked.pop(next(iter(self._adapters_checked)))
+        if why is not None:
+            logger.warning("LoRA adapter %r refused: %s", ref.name, why)
+            raise ServiceUnavailableError(f"prefill instance {self.address} cannot apply LoRA adapter {ref.name!r}: "
+                                          f"{why}")
 
     def http_app(self) -> FastAPI:
         app = FastAPI(title="vlserve prefill", docs_url=None, redoc_url=None, openapi_url=None)

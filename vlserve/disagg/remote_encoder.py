@@ -84,12 +84,14 @@ class RemotePromptEncoder:
                 raise InvalidInputError("image embeddings input is disabled; start with --enable-mm-embeds")
         if "prompt" not in prompt:
             raise InvalidInputError("a prompt with media needs its text (token ids cannot carry placeholders here)")
+        # A prefill instance runs the whole prompt with the adapter (its encoders the towers' part); an encoder
+        # only needs an adapter of the towers.
+        sent = lora if lora is not None and (prefill or lora.towers) else None
         processed, handoff = await self.client.send_prompt(request_id or "prompt", prompt["prompt"], media,
                                                       prompt.get("multi_modal_uuids") or {}, mm_processor_kwargs or {},
-                                                      params if prefill else None,
-                                                      lora if lora is not None and lora.towers else None)
-        if lora is not None and lora.towers:
-            processed.lora = lora  # the encoder gave its items the adapter's own hashes: not salted again here
+                                                      params if prefill else None, sent)
+        if sent is not None:
+            processed.lora = lora  # the peer gave its items the adapter's own hashes: not salted again here
         blocks = processed.block_rows
         # Called once, by the prompt's owner (frontend.prepared_prompt): the engine is done with the rows, or
         # never got them.

@@ -254,21 +254,23 @@ class AsyncLLM:
         self._send(msg, tensors, request_id, release)
         return RequestHandle(self, request_id, stream)
 
-    async def prefill(self, prepared: PreparedPrompt, params: SamplingParams,
-                      request_id: str) -> tuple[Handoff, torch.Tensor]:
-        """Prefill instance: takes the prompt over, computes it and samples its first token as the whole request
-        would (`params.for_prefill()`); returns that output with the random state, and the prompt's KV rows
-        ([tokens, width], see engine.kv_handoff). Cancelling aborts it in the engine."""
+    async def prefill(self, prepared: PreparedPrompt, params: SamplingParams, request_id: str,
+                      adapter: AdapterRef | None = None) -> tuple[Handoff, torch.Tensor]:
+        """Prefill instance: takes the prompt over, computes it (with LoRA adapter `adapter`, if any) and samples
+        its first token as the whole request would (`params.for_prefill()`); returns that output with the random
+        state, and the prompt's KV rows ([tokens, width], see engine.kv_handoff). Cancelling aborts it in the
+        engine."""
         release = prepared.hand_over()
         try:
             self.check_accepting()
             self._check_id_free(request_id)
-            msg, tensors = prompt_to_wire(request_id, prepared.prompt, params.for_prefill(), prepared.arrival)
+            prompt = with_adapter(prepared.prompt, adapter)
+            msg, tensors = prompt_to_wire(request_id, prompt, params.for_prefill(), prepared.arrival)
         except BaseException:
             if release is not None:
                 release()
             raise
-        self.metrics.count_items(prepared.prompt.mm_items)
+        self.metrics.count_items(prompt.mm_items)
         waiting = _Prefill(asyncio.get_running_loop().create_future())
         self.prefills[request_id] = waiting
         self._send(msg, tensors, request_id, release)

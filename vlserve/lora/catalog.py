@@ -50,6 +50,15 @@ class LoRACatalog:
             self.adapters[name] = ref
             return ref
 
+    def check(self, ref: AdapterRef) -> None:
+        """An adapter another process checked (a decode instance's, sent with a request): the same files are at
+        its path here, and they fit this model and this server's limits; raises otherwise."""
+        with self._lock:
+            spec = read_adapter(ref.name, ref.path, self.targets(), self._our_name, self.max_rank, self._max_bytes)
+        if spec.key != ref.key:
+            raise InvalidInputError(f"LoRA adapter {ref.name!r}: {ref.path} holds other files on this machine than "
+                                    "where the request was accepted")
+
     def unload(self, name: str) -> None:
         with self._lock:
             if self.adapters.pop(name, None) is None:

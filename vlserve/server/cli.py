@@ -61,11 +61,6 @@ def run_serve(ns: argparse.Namespace) -> int:
     if opts.disagg.disagg and opts.disagg.num_decode and opts.engine.tensor_parallel_size > 1:
         sock.close()
         raise InvalidInputError("--tensor-parallel-size is not supported by prefill and decode instances (E->P->D)")
-    if opts.disagg.disagg and (opts.disagg.num_prefill or opts.disagg.num_decode) and opts.engine.enable_lora:
-        sock.close()  # E->PD passes the LoRA options on to its encoders and language server
-        raise InvalidInputError("--enable-lora is not supported by prefill and decode instances (E->P->D) yet: "
-                                "serve adapters with E->PD (--disagg without --num-prefill/--num-decode) or the "
-                                "aggregated server")
     if opts.disagg.disagg:
         from vlserve.disagg.launcher import run_roles
 
