@@ -21,6 +21,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 PEFT_PREFIX = "base_model.model."
+# where PEFT saves the pair of each MoE expert weight of a module (`target_parameters`): one wrapper per weight,
+# nested in the order the module holds them (the first innermost)
+EXPERT_NESTING = {"gate_up_proj": ".base_layer", "down_proj": ""}
+EXPERT_PIECE = re.compile(r"\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 TARGETS = ("lm", "tower", "both")
 # media towers and their projectors, in each layout the tiny checkpoints use (Qwen2/2.5-VL `visual.`, Qwen3-VL
 # `model.visual.`, LLaVA `vision_tower.` + projector, Qwen2-Audio `audio_tower.` + `multi_modal_projector.linear`)
@@ -74,12 +78,35 @@ def lora_scale(config: dict) -> float:
     return config["lora_alpha"] / (math.sqrt(r) if config.get("use_rslora") else r)
 
 
+def expert_weights(ckpt: Path) -> dict[str, tuple[int, int, int]]:
+    """The checkpoint's 3-D MoE expert weights as transformers 5 holds them, `<experts>.gate_up_proj` and
+    `<experts>.down_proj` -> (E, out, in), whether the checkpoint stores them so or one expert at a time
+    (`<experts>.<e>.gate_proj.weight` ..., Qwen3.5-MoE)."""
+    found: dict[str, tuple[int, int, int]] = {}
+    per_expert: dict[str, dict[int, dict[str, list[int]]]] = {}
+    for name, shape in checkpoint_shapes(ckpt).items():
+        if name.endswith((".experts.gate_up_proj", ".experts.down_proj")) and len(shape) == 3:
+            found[name] = tuple(shape)
+        elif m := EXPERT_PIECE.search(name):
+            per_expert.setdefault(name[: m.start()] + ".experts", {}).setdefault(int(m[1]), {})[m[2]] = shape
+    for module, experts in per_expert.items():
+        (gate_out, n_in), (n_hidden, n_inter) = experts[0]["gate"], experts[0]["down"]
+        found[f"{module}.gate_up_proj"] = (len(experts), 2 * gate_out, n_in)
+        found[f"{module}.down_proj"] = (len(experts), n_hidden, n_inter)
+    return dict(sorted(found.items()))
+
+
 def make_peft_adapter(ckpt: Path, out: Path, targets: str = "lm", rank: int = 8, alpha: float = 16, seed: int = 0,
-                      std: float = 0.1, rslora: bool = False) -> Path:
+                      std: float = 0.1, rslora: bool = False, experts: bool = False) -> Path:
     """A PEFT LoRA adapter folder for `ckpt`: adapter_config.json and adapter_model.safetensors, A [r, in] and
     B [out, r] drawn N(0, std). The tiny weights are N(0, 0.15): with the default alpha / r = 2 the delta moves
     each linear's output by about a third of its size, enough to change the greedy tokens, not enough to make them
-    all one token. Each module draws from its own seed, so "both" is the union of "lm" and "tower" of one seed."""
+    all one token. Each module draws from its own seed, so "both" is the union of "lm" and "tower" of one seed.
+
+    `experts`: also the MoE expert weights, as PEFT's `target_parameters` saves them (checked once against peft
+    0.21 on these tiny checkpoints): per weight A [E*r, in] (expert-major rows) and B [out, r*E] (expert-minor
+    columns), one wrapper per weight of a module nested in the order the module holds them, so `gate_up_proj`'s
+    pair is under `experts.base_layer.lora_*` and `down_proj`'s under `experts.lora_*`."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     weights = target_weights(ckpt, targets)
@@ -89,9 +116,20 @@ def make_peft_adapter(ckpt: Path, out: Path, targets: str = "lm", rank: int = 8,
         gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
         tensors[f"{module}.lora_A.weight"] = torch.randn(rank, n_in, generator=gen) * std
         tensors[f"{module}.lora_B.weight"] = torch.randn(n_out, rank, generator=gen) * std
+    parameters = set()
+    for name, (n_experts, n_out, n_in) in (expert_weights(ckpt) if experts else {}).items():
+        module, _, weight = name.rpartition(".")
+        wrapper = PEFT_PREFIX + module + EXPERT_NESTING[weight]
+        gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+        tensors[f"{wrapper}.lora_A.weight"] = torch.randn(n_experts * rank, n_in, generator=gen) * std
+        tensors[f"{wrapper}.lora_B.weight"] = torch.randn(n_out, rank * n_experts, generator=gen) * std
+        parameters.add(f"mlp.experts.{weight}")
+    if experts and not parameters:
+        raise ValueError(f"{ckpt}: no MoE expert weights")
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     modules = sorted({short_name(n.removesuffix(".weight")) for n in weights})
     config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": modules,
+              "target_parameters": sorted(parameters) or None,
               "use_rslora": rslora, "use_dora": False, "bias": "none", "modules_to_save": None,
               "fan_in_fan_out": False, "lora_dropout": 0.0, "task_type": "CAUSAL_LM",
               "base_model_name_or_path": str(ckpt), "rank_pattern": {}, "alpha_pattern": {}, "inference_mode": True}
@@ -99,34 +137,60 @@ def make_peft_adapter(ckpt: Path, out: Path, targets: str = "lm", rank: int = 8,
     return out
 
 
-def read_adapter(adapter: Path) -> tuple[float, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-    """(scale, checkpoint weight name -> (A, B)) of a PEFT adapter folder this module wrote."""
+def read_adapter(adapter: Path, ckpt: Path | None = None) -> tuple[float, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """(scale, checkpoint weight name -> (A, B)) of a PEFT adapter folder this module wrote; an expert weight's
+    pair (`<experts>.gate_up_proj`, needs `ckpt`) as A [E, r, in], B [E, out, r]."""
     adapter = Path(adapter)
     config = json.loads((adapter / "adapter_config.json").read_text())
     if config.get("rank_pattern") or config.get("alpha_pattern") or config.get("use_dora"):
         raise ValueError("per-module ranks / alphas and DoRA are not handled here")
     tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    nested = {suffix: weight for weight, suffix in EXPERT_NESTING.items()}
+    n_experts = {n: shape[0] for n, shape in expert_weights(ckpt).items()} if config.get("target_parameters") else {}
     pairs = {}
     for key, a in tensors.items():
-        if key.endswith(".lora_A.weight"):
-            module = key.removesuffix(".lora_A.weight")
-            pairs[module.removeprefix(PEFT_PREFIX) + ".weight"] = (a, tensors[module + ".lora_B.weight"])
+        if not key.endswith(".lora_A.weight"):
+            continue
+        module = key.removesuffix(".lora_A.weight")
+        b = tensors[module + ".lora_B.weight"]
+        name = module.removeprefix(PEFT_PREFIX)
+        weight = next((w for suffix, w in nested.items() if name.endswith(".experts" + suffix)), None)
+        if weight is None:
+            pairs[name + ".weight"] = (a, b)
+            continue
+        name = name.removesuffix(EXPERT_NESTING[weight]) + "." + weight
+        e = n_experts[name]
+        pairs[name] = (a.reshape(e, -1, a.shape[-1]), b.reshape(b.shape[0], -1, e).permute(2, 0, 1))
     return lora_scale(config), pairs
 
 
 def merge_adapter(ckpt: Path, adapter: Path, out: Path) -> Path:
     """A copy of `ckpt` (config, tokenizer, processor files) whose weights are W + scale * B @ A (float32 math)
-    for every module of `adapter`: the merged model transformers' reference runs."""
+    for every module of `adapter`, each expert's matrix of an expert weight W_e + scale * B_e @ A_e (in either
+    storage, expert_weights): the merged model transformers' reference runs."""
     out = Path(out)
     shutil.copytree(ckpt, out)
-    scale, pairs = read_adapter(adapter)
-    left = set(pairs)
+    scale, pairs = read_adapter(adapter, ckpt)
+    stored = checkpoint_shapes(ckpt)
+    deltas = {}
+    for name, (a, b) in pairs.items():
+        delta = scale * (b.float() @ a.float())
+        if name in stored:
+            deltas[name] = delta
+            continue
+        experts, _, weight = name.rpartition(".")  # stored one expert at a time
+        for e in range(delta.shape[0]):
+            if weight == "down_proj":
+                deltas[f"{experts}.{e}.down_proj.weight"] = delta[e]
+            else:
+                gate, up = delta[e].chunk(2)
+                deltas.update({f"{experts}.{e}.gate_proj.weight": gate, f"{experts}.{e}.up_proj.weight": up})
+    left = set(deltas)
     for f in sorted(out.glob("*.safetensors")):
         tensors = load_file(str(f))
         for name in left & set(tensors):
-            a, b = pairs[name]
             w = tensors[name]
-            tensors[name] = (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
+            tensors[name] = (w.float() + deltas[name]).to(w.dtype)
         left -= set(tensors)
         save_file(tensors, str(f), metadata={"format": "pt"})
     if left:

@@ -1,6 +1,7 @@
 """LoRA adapters in PEFT's format give, through the engine, the greedy tokens (fp32, token for token) and expanded
 prompt ids of transformers running the merged checkpoint (W + scale * B @ A, tests/lora_utils.py): on every tiny
-checkpoint family, for adapters of the language model, of the media tower and projector, and of both; several
+checkpoint family, for adapters of the language model (MoE expert weights included), of the media tower and
+projector, and of both; several
 adapters and the base model in one batch; with pictures split across prefill steps; and without an adapter ever
 reusing another's (or the base model's) prefix-cache blocks or tower outputs.
 
@@ -9,8 +10,11 @@ transformers' own model), so the reference does not rest on our naming of the ch
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from tests.audio_samples import noise
 from tests.conftest import IMG, assert_pool_full, first_step_logprobs, noise_image
@@ -25,6 +29,7 @@ from tests.hf_reference import (
 )
 from tests.lora_utils import TARGETS, make_peft_adapter, merge_adapter, unmerged_lora
 from vlserve import LLM, LoRARequest, SamplingParams
+from vlserve.core.errors import InvalidInputError
 
 ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "llava_onevision", "qwen2_audio",
          "internvl3")
@@ -36,8 +41,11 @@ AUD = "<|audio_bos|><|AUDIO|><|audio_eos|>"
 PREAMBLE = "You are a careful viewer. Look at the picture below and answer in one short sentence: "
 PICTURE, TEXT = 0, 1  # indices into each family's prompts
 # adapter name -> make_peft_adapter's arguments; "both" of a seed is the union of its "lm" and "tower"
+# "experts": "lm" plus the MoE expert weights (PEFT's target_parameters), so the two differ by the experts' deltas
 ADAPTERS = {**{kind: {"targets": kind} for kind in TARGETS}, "tower2": {"targets": "tower", "seed": 1},
-            "rslora": {"targets": "both", "seed": 2, "rank": 16, "alpha": 4, "rslora": True}}
+            "rslora": {"targets": "both", "seed": 2, "rank": 16, "alpha": 4, "rslora": True},
+            "experts": {"targets": "lm", "experts": True}}
+EXPERT_ARCHS = ("qwen3_vl_moe", "qwen3_5_moe")
 
 
 def chat(text: str, sep: str = "\n") -> str:
@@ -47,7 +55,7 @@ def chat(text: str, sep: str = "\n") -> str:
 # family -> [(prompt with one picture / clip, its media), (text-only prompt, [])]
 PROMPTS = {
     **{arch: [(f"Describe this picture: {IMG}", [noise_image(120, 90, 1)]), ("Hello, how are you?", [])]
-       for arch in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5")},
+       for arch in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")},
     "llava_onevision": [(chat("<image>\nWhat is in the picture?", " "), [noise_image(100, 100, 2)]),
                         (chat("Tell me about whales.", " "), [])],
     "qwen2_audio": [(chat(f"{AUD}What is this sound?"), [noise(24000, seed=1)]), (chat("Tell me about whales."), [])],
@@ -224,6 +232,48 @@ def test_mixed_batch_of_adapters_and_the_base_model(families):
     for item, out in zip(items, batched):
         (alone,) = run(fam, [item])
         assert alone.outputs[0].token_ids == out.outputs[0].token_ids, f"{item}: alone differs from batched"
+    assert_pool_full(fam.llm)
+
+
+@pytest.mark.parametrize("arch", EXPERT_ARCHS)
+def test_moe_expert_adapters_equal_the_merged_checkpoint(families, arch):
+    """Adapters of the MoE experts' 3-D weights (with the decoder linears), in PEFT's target_parameters layout:
+    a picture prompt and a text prompt under it, batched with the base model and the same adapter without its
+    expert part, each equal their own merged model's answers (Qwen3.5-MoE's merged checkpoint stores its experts
+    one at a time: the merge adds each expert's delta to its own matrices). The expert part matters: the answers
+    (or else the first step's log-probabilities) differ from the adapter without it."""
+    fam = families(arch)
+    items = [(PICTURE, "experts"), (TEXT, "experts"), (PICTURE, None), (TEXT, "lm"), (PICTURE, "lm")]
+    run_and_check(fam, items)
+    run_and_check(fam, items[::-1])
+    for i in (PICTURE, TEXT):
+        if fam.expected("experts", *fam.prompt(i))[1] == fam.expected("lm", *fam.prompt(i))[1]:
+            req = request(fam.arch, *fam.prompt(i))
+            assert (first_step_logprobs(fam.llm, req, lora_request=fam.lora("experts"))
+                    != first_step_logprobs(fam.llm, req, lora_request=fam.lora("lm"))), \
+                f"prompt {i}: the expert weights' deltas change nothing"
+    assert_pool_full(fam.llm)
+
+
+def _edit_expert_pairs(adapter, out, edit):
+    shutil.copytree(adapter, out)
+    tensors = load_file(out / "adapter_model.safetensors")
+    module = next(k.removesuffix(".lora_A.weight") for k in tensors if k.endswith("experts.base_layer.lora_A.weight"))
+    save_file({k: v.clone().contiguous() for k, v in edit(tensors, module).items()}, out / "adapter_model.safetensors")
+    return out
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda t, m: t | {f"{m}.lora_A.weight": t[f"{m}.lora_A.weight"][:-1]}, "of each of 4 experts"),
+    (lambda t, m: t | {f"{m}.base_layer.lora_A.weight": t[f"{m}.lora_A.weight"],
+                       f"{m}.base_layer.lora_B.weight": t[f"{m}.lora_B.weight"]}, "two pairs"),
+    (lambda t, m: t | {f"{m}.lora_A.weight": t[f"{m}.lora_A.weight"][:, :-1]}, "not a linear layer"),
+], ids=["rank-not-per-expert", "one-weight-twice", "fits-no-weight"])
+def test_expert_pairs_that_do_not_fit_are_refused_naming_why(families, tmp_path, edit, words):
+    fam = families("qwen3_vl_moe")
+    bad = _edit_expert_pairs(fam.adapter("experts"), tmp_path / "bad", edit)
+    with pytest.raises(InvalidInputError, match=words):
+        fam.llm.generate("hello", GREEDY, use_tqdm=False, lora_request=LoRARequest("bad-experts", 99, str(bad)))
     assert_pool_full(fam.llm)
 
 

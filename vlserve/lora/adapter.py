@@ -4,9 +4,17 @@ An adapter folder holds `adapter_config.json` and `adapter_model.safetensors`, w
 `base_model.model.<checkpoint module>.lora_A.weight` ([rank, in]) and `...lora_B.weight` ([out, rank]). The
 checkpoint module goes through the family's own checkpoint-name mapping (the one the loader uses), so an adapter
 trained on either transformers layout lands on our modules, a q/k/v or gate/up piece on its rows of our fused
-linear. Everything is checked from the file's header before any tensor is read: what cannot be served exactly
-(DoRA, trained biases, extra saved modules, embeddings, convolutions, MoE experts, a rank over the limit, shapes
-that do not fit) is refused naming the field or tensor, so nothing is ever half-loaded.
+linear.
+
+MoE experts' 3-D weights (`experts.gate_up_proj [E, out, in]`, `experts.down_proj`) take PEFT's
+`target_parameters` adapters: one pair per weight, A [E*r, in] (expert e's rows e*r .. e*r+r-1) and B [out, r*E]
+(expert e's columns e, e+E, ...), so expert e's delta is B_e A_e. PEFT nests one wrapper per weight of a module,
+saving the pairs under `experts.lora_A` and `experts.base_layer.lora_A`; which weight a pair adapts is read from
+its shapes (the two weights' (in, out) always differ).
+
+Everything is checked from the file's header before any tensor is read: what cannot be served exactly (DoRA,
+trained biases, extra saved modules, embeddings, convolutions, a rank over the limit, shapes that do not fit) is
+refused naming the field or tensor, so nothing is ever half-loaded.
 """
 
 from __future__ import annotations
@@ -36,29 +44,38 @@ TOWER_PREFIX = {"vision": "visual.", "audio": "audio_tower."}  # each tower's mo
 TOWER_PREFIXES = tuple(TOWER_PREFIX.values())
 LM_PREFIX = "language_model."
 TARGET_PREFIXES = (LM_PREFIX + "layers.",) + TOWER_PREFIXES
+PEFT_WRAPPERS = re.compile(r"(\.base_layer)+$")  # PEFT's nesting of one wrapper per adapted weight of a module
 NOT_TARGETS = ("patch_embed.proj",)  # a convolution stored as a linear: PEFT's conv LoRA has another shape
 
 
 @dataclass(frozen=True)
 class LinearTarget:
-    """A linear an adapter may adapt: its shape, and the rows each checkpoint piece fills (None: all)."""
+    """A linear an adapter may adapt: its shape, and the rows each checkpoint piece fills (None: all). With
+    `experts` > 0, a 3-D MoE expert weight: that many linears of this shape, each with its own delta."""
 
     in_features: int
     out_features: int
     pieces: dict[str | None, tuple[int, int]]
+    experts: int = 0
 
     def rows(self, shard: str | None) -> tuple[int, int]:
         return self.pieces[shard]
 
 
 def lora_targets(model: nn.Module) -> dict[str, LinearTarget]:
-    """Every linear of the decoder layers and the media towers (projectors included), by module name. The LM
-    head, embeddings and MoE experts are not linears here, so never targets."""
+    """Every linear of the decoder layers and the media towers (projectors included), by module name, and every
+    3-D MoE expert weight of the decoder layers (`<experts module>.<weight>`). The LM head and embeddings are not
+    linears here, so never targets."""
     from vlserve.model.loader import shard_rows  # not at import: a front end checks adapters without the loader
 
     targets = {}
     for name, module in model.named_modules():
         if not name.startswith(TARGET_PREFIXES) or name.endswith(NOT_TARGETS):
+            continue
+        expert_shapes = getattr(module, "lora_shapes", None)  # vlserve.model.layers.moe.Experts
+        if expert_shapes is not None:
+            for weight, (n_in, n_out) in expert_shapes.items():
+                targets[f"{name}.{weight}"] = LinearTarget(n_in, n_out, {None: (0, n_out)}, module.num_experts)
             continue
         n_in, n_out = getattr(module, "in_features", None), getattr(module, "out_features", None)
         if not isinstance(n_in, int) or not isinstance(n_out, int) or hasattr(module, "num_embeddings"):
@@ -189,22 +206,25 @@ def read_adapter(name: str, folder: str | Path, targets: dict[str, LinearTarget]
     for module, ab in pairs.items():
         if set(ab) != {"A", "B"}:
             raise InvalidInputError(f"LoRA adapter {name!r}: {module} has lora_{next(iter(ab))} but not its pair")
-        mapped = our_name(f"{module}.weight")
-        ours, shard = mapped if mapped is not None else (None, None)
-        ours = ours[: -len(".weight")] if ours and ours.endswith(".weight") else None
+        a, b = shapes[ab["A"]], shapes[ab["B"]]
+        ours, shard = _our_module(module, our_name)
         if ours and ours.startswith(elsewhere):
             continue
         target = targets.get(ours) if ours else None
+        if target is None:
+            ours, module = _expert_weight(name, module, a, b, targets, our_name, pieces)
+            target = targets.get(ours) if ours else None
         if target is None or shard not in target.pieces:
             raise InvalidInputError(f"LoRA adapter {name!r}: target module {module!r} is not a linear layer this "
-                                    "model can adapt (decoder-layer and media-tower linears only; not the LM "
-                                    "head, embeddings, convolutions or MoE experts)")
-        a, b = shapes[ab["A"]], shapes[ab["B"]]
-        rank = a[0] if len(a) == 2 else 0
+                                    "model can adapt (decoder-layer and media-tower linears and MoE expert weights "
+                                    "only; not the LM head, embeddings or convolutions)")
+        ranks = max(target.experts, 1)  # an expert weight's pair holds every expert's ranks side by side
+        rank = a[0] // ranks if len(a) == 2 and a[0] % ranks == 0 else 0
         rows = target.rows(shard)[1]
-        if len(a) != 2 or len(b) != 2 or a[1] != target.in_features or b != (rows, rank) or rank < 1:
+        if len(a) != 2 or len(b) != 2 or a[1] != target.in_features or b != (rows, rank * ranks) or rank < 1:
+            what = f" of each of {target.experts} experts" if target.experts else ""
             raise InvalidInputError(f"LoRA adapter {name!r}: {module}: lora_A {list(a)} / lora_B {list(b)} do not "
-                                    f"fit a linear of {target.in_features} -> {rows} features")
+                                    f"fit a linear of {target.in_features} -> {rows} features{what}")
         if rank > max_rank:
             raise InvalidInputError(f"LoRA adapter {name!r}: rank {rank} of {module} is over max_lora_rank "
                                     f"{max_rank}")
@@ -212,6 +232,33 @@ def read_adapter(name: str, folder: str | Path, targets: dict[str, LinearTarget]
         scale = alpha / (math.sqrt(rank) if rslora else rank)
         pieces.append(AdapterPiece(ours, shard, rank, float(scale), ab["A"], ab["B"]))
     return AdapterSpec(name, str(folder), tuple(pieces), _digest(folder / CONFIG_FILE, weights))
+
+
+def _our_module(module: str, our_name) -> tuple[str | None, str | None]:
+    """(our module name, the fused piece) of a checkpoint module, through the family's name mapping."""
+    mapped = our_name(f"{module}.weight")
+    ours, shard = mapped if mapped is not None else (None, None)
+    return (ours[: -len(".weight")] if ours and ours.endswith(".weight") else None), shard
+
+
+def _expert_weight(name: str, module: str, a: tuple, b: tuple, targets: dict[str, LinearTarget], our_name,
+                   pieces: list[AdapterPiece]) -> tuple[str | None, str]:
+    """A pair PEFT saved for a 3-D MoE expert weight (under `<experts>.lora_A` or `<experts>.base_layer...`): our
+    weight's name (None: no expert weight of that module fits its shapes) and the weight's checkpoint name (for
+    messages and alpha_pattern). The weight is the one of the module whose (in, out) the pair's shapes fit."""
+    unwrapped = PEFT_WRAPPERS.sub("", module)
+    ours, _ = _our_module(unwrapped, our_name)
+    if ours is None or len(a) != 2 or len(b) != 2:
+        return None, module
+    fits = [w for w, t in targets.items() if t.experts and w.rpartition(".")[0] == ours
+            and (t.in_features, t.out_features) == (a[1], b[0])]
+    if len(fits) != 1:
+        return None, module
+    weight = fits[0]
+    if any(p.module == weight for p in pieces):
+        raise InvalidInputError(f"LoRA adapter {name!r}: two pairs of {unwrapped!r} adapt its "
+                                f"{weight.rpartition('.')[2]}")
+    return weight, f"{unwrapped}.{weight.rpartition('.')[2]}"
 
 
 def _digest(*paths: Path) -> str:
@@ -228,7 +275,8 @@ def _digest(*paths: Path) -> str:
 def adapter_weights(spec: AdapterSpec, targets: dict[str, LinearTarget], dtype: torch.dtype,
                     device: torch.device) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Per adapted linear: (A [R, in], B [out, R]) with every piece's ranks side by side, B scaled and zero
-    outside each piece's rows, so one pair of products gives the whole linear's delta."""
+    outside each piece's rows, so one pair of products gives the whole linear's delta. Per adapted MoE expert
+    weight: (A [E, r, in], B [E, out, r]), B scaled: expert e's delta is B[e] A[e]."""
     by_module: dict[str, list[AdapterPiece]] = {}
     for piece in spec.pieces:
         by_module.setdefault(piece.module, []).append(piece)
@@ -236,6 +284,13 @@ def adapter_weights(spec: AdapterSpec, targets: dict[str, LinearTarget], dtype: 
     with safe_open(str(Path(spec.path) / WEIGHTS_FILE), framework="pt") as f:
         for module, pieces in by_module.items():
             target = targets[module]
+            if target.experts:  # one piece: the whole 3-D weight (read_adapter refuses a second)
+                p, n = pieces[0], target.experts
+                a = f.get_tensor(p.a_key).float().reshape(n, p.rank, target.in_features)
+                b = f.get_tensor(p.b_key).float().reshape(target.out_features, p.rank, n).permute(2, 0, 1) * p.scale
+                _check_finite(spec, module, a, b)
+                out[module] = (a.to(device=device, dtype=dtype), b.contiguous().to(device=device, dtype=dtype))
+                continue
             total = sum(p.rank for p in pieces)
             a = torch.empty(total, target.in_features, dtype=torch.float32)
             b = torch.zeros(target.out_features, total, dtype=torch.float32)
@@ -245,7 +300,11 @@ def adapter_weights(spec: AdapterSpec, targets: dict[str, LinearTarget], dtype: 
                 a[col : col + p.rank] = f.get_tensor(p.a_key).float()
                 b[first : first + rows, col : col + p.rank] = f.get_tensor(p.b_key).float() * p.scale
                 col += p.rank
-            if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-                raise InvalidInputError(f"LoRA adapter {spec.name!r}: {module} has non-finite weights")
+            _check_finite(spec, module, a, b)
             out[module] = (a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype))
     return out
+
+
+def _check_finite(spec: AdapterSpec, module: str, a: torch.Tensor, b: torch.Tensor) -> None:
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        raise InvalidInputError(f"LoRA adapter {spec.name!r}: {module} has non-finite weights")

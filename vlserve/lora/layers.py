@@ -1,4 +1,5 @@
-"""Linears that add LoRA deltas: y = base(x) + sum over adapter groups of (x_rows A^T) B^T.
+"""Linears that add LoRA deltas: y = base(x) + sum over adapter groups of (x_rows A^T) B^T; and the slots of
+MoE expert weights, whose deltas the experts module adds.
 
 The base linear is whatever the model runs (plain, oneDNN-packed, int8, int4): it computes the batch once, and
 each adapter in the pass adds its low-rank product on its own rows (vlserve.model.layers.lora_rows), so requests
@@ -49,12 +50,25 @@ class LoRALinear(nn.Module):
         return f"slots={len(self.adapters)}"
 
 
-def wrap_linears(model: nn.Module, names, slots: int) -> dict[str, LoRALinear]:
-    """Puts a LoRALinear around each named linear, in place; returns them by name."""
+class ExpertWeightLoRA:
+    """The adapter slots of one 3-D MoE expert weight, (A [E, r, in], B [E, out, r]) each: the experts module
+    adds their deltas itself (vlserve.model.layers.moe), as it runs each expert on its own tokens."""
+
+    def __init__(self, experts: nn.Module, weight: str, slots: int):
+        self.adapters: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * slots
+        experts.lora[weight] = self.adapters
+
+
+def wrap_targets(model: nn.Module, targets: dict, slots: int) -> dict[str, LoRALinear | ExpertWeightLoRA]:
+    """Adapter slots on each target (vlserve.lora.adapter.lora_targets), in place: a LoRALinear around each
+    linear, slots on each expert weight; returns them by name."""
     wrapped = {}
-    for name in names:
+    for name, target in targets.items():
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)
+        if target.experts:
+            wrapped[name] = ExpertWeightLoRA(parent, attr, slots)
+            continue
         wrapped[name] = LoRALinear(getattr(parent, attr), slots)
         setattr(parent, attr, wrapped[name])
     return wrapped

@@ -12,7 +12,7 @@ import torch
 from vlserve.core.errors import InvalidInputError
 from vlserve.core.lora import AdapterRef
 from vlserve.lora.adapter import adapter_weights, lora_targets, read_adapter
-from vlserve.lora.layers import LoRALinear, wrap_linears
+from vlserve.lora.layers import ExpertWeightLoRA, LoRALinear, wrap_targets
 
 logger = logging.getLogger("vlserve.lora")
 Weights = dict[str, tuple[torch.Tensor, torch.Tensor]]
@@ -24,7 +24,7 @@ class LoRASlots:
         """`elsewhere`: prefixes of the modules this shard does not hold (an encoder's LM, a language server's
         towers): an adapter's pieces there are another process's to apply."""
         self.targets = lora_targets(model)
-        self.layers: dict[str, LoRALinear] = wrap_linears(model, self.targets, max_loras)
+        self.layers: dict[str, LoRALinear | ExpertWeightLoRA] = wrap_targets(model, self.targets, max_loras)
         self.our_name, self.max_rank, self.max_bytes, self.elsewhere = our_name, max_rank, max_bytes, elsewhere
         self.dtype, self.device = dtype, device
         self.max_cpu_loras = max_cpu_loras

@@ -1,10 +1,10 @@
 """Which rows of the current forward pass take which LoRA adapter slot (vlserve.lora puts the adapters there).
 
 The engine sets this around a forward pass (the language model's tokens, or one tower call whose items share an
-adapter); every `LoRALinear` reads it. A group is (slot, rows): rows a tuple of row ranges (slices) of the pass,
-or None for all of them. The runner orders a step's rows by adapter, so an adapter's rows are one or two ranges
-and each linear adds its delta range by range, in place. One thread runs the model: a module-level value is
-enough."""
+adapter); every `LoRALinear`, and every MoE experts module with adapters, reads it. A group is (slot, rows): rows
+a tuple of row ranges (slices) of the pass, or None for all of them. The runner orders a step's rows by adapter,
+so an adapter's rows are one or two ranges and each linear adds its delta range by range, in place. One thread
+runs the model: a module-level value is enough."""
 
 from __future__ import annotations
 

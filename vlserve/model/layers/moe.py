@@ -4,7 +4,9 @@ Qwen3.5 adds a shared expert (a gated MLP every token runs) scaled by sigmoid(sh
 Experts are stored as two 3-D weights in the linear layout, `gate_up_proj [E, 2I, H]` and
 `down_proj [E, H, I]`. Tokens are grouped by expert with one sort, then each expert that got tokens runs one
 GEMM over all of them: a Python loop over experts, never over tokens. Contributions are summed in expert order,
-as the reference does. A pass captured as a graph (`static_shapes`) cannot read the counts: it runs each
+as the reference does. LoRA adapters of the expert weights (PEFT's `target_parameters`) add each token's adapter's
+low-rank delta of the expert it runs: one pair of GEMMs per (expert, adapter) over that expert's tokens of that
+adapter. A pass captured as a graph (`static_shapes`) cannot read the counts: it runs each
 (token, expert) pair on its expert's gathered weights when that gathers no more than every expert once, else every
 expert on every token with zero weight where it was not chosen; both add a token's experts in ascending order, as
 the reference does. On CPU, `pack` swaps each expert's two matrices for oneDNN-prepacked copies (see
@@ -18,6 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from vlserve.model.layers.lora_rows import active_rows
 from vlserve.model.layers.mlp import GatedMLP, get_activation
 from vlserve.model.layers.parallel import Column, Row, current_tp, even_split
 from vlserve.model.layers.static_shapes import active as static_shapes_active
@@ -57,6 +60,10 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * cols.size, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, cols.size))
         self.tp_rules = {"gate_up_proj": Column({"gate": cols, "up": cols}, dim=1), "down_proj": Row(cols, dim=2)}
+        # (in, out) features of each expert's matrix of the two 3-D weights: what a LoRA adapter of them fits
+        self.lora_shapes = {"gate_up_proj": (hidden, 2 * cols.size), "down_proj": (cols.size, hidden)}
+        # 3-D weight name -> per LoRA slot (A [E, r, in], B [E, out, r]) or None (vlserve.lora fills them)
+        self.lora: dict[str, list[tuple[torch.Tensor, torch.Tensor] | None]] = {}
         self.act = get_activation(act)
         self.packed: list[tuple[nn.Module, nn.Module]] | None = None
 
@@ -69,17 +76,53 @@ class Experts(nn.Module):
         del self.gate_up_proj, self.down_proj
         return 2 * self.num_experts
 
-    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            gate_up, down = self.packed[e]
-            gate, up = gate_up(x).chunk(2, dim=-1)
-            return down(self.act(gate) * up)
-        gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
-        return F.linear(self.act(gate) * up, self.down_proj[e])
+    def _expert(self, e: int, x: torch.Tensor, token_slots: torch.Tensor | None = None) -> torch.Tensor:
+        """`token_slots`: each row's LoRA slot (-1: none), when adapters of these weights run in this pass."""
+        gate_up = self.packed[e][0](x) if self.packed is not None else F.linear(x, self.gate_up_proj[e])
+        if token_slots is not None:
+            self._add_lora("gate_up_proj", e, x, gate_up, token_slots)
+        gate, up = gate_up.chunk(2, dim=-1)
+        h = self.act(gate) * up
+        y = self.packed[e][1](h) if self.packed is not None else F.linear(h, self.down_proj[e])
+        if token_slots is not None:
+            self._add_lora("down_proj", e, h, y, token_slots)
+        return y
+
+    def _add_lora(self, weight: str, e: int, x: torch.Tensor, out: torch.Tensor, token_slots: torch.Tensor) -> None:
+        """Adds, in place, each row's adapter's delta of expert `e`'s matrix of `weight`: (x A_e^T) B_e^T."""
+        adapters = self.lora.get(weight)
+        if adapters is None:
+            return
+        slots = torch.unique(token_slots).tolist()
+        for slot in slots:
+            pair = adapters[slot] if slot >= 0 else None
+            if pair is None:
+                continue
+            a, b = pair[0][e], pair[1][e]
+            if len(slots) == 1:  # every row takes this adapter
+                out.addmm_(x @ a.t(), b.t())
+            else:
+                rows = (token_slots == slot).nonzero().squeeze(1)
+                out.index_add_(0, rows, (x[rows] @ a.t()) @ b.t())
+
+    def _token_slots(self, n: int, device: torch.device) -> torch.Tensor | None:
+        """Each of the pass's n rows' LoRA slot (-1: none), or None when no adapter of these weights runs."""
+        groups = [(slot, rows) for slot, rows in active_rows()
+                  if any(adapters[slot] is not None for adapters in self.lora.values())]
+        if not groups:
+            return None
+        slots = torch.full((n,), -1, dtype=torch.long, device=device)
+        for slot, rows in groups:
+            for part in (slice(0, n),) if rows is None else rows:
+                slots[part] = slot
+        return slots
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """experts, weights: [T, k] -> sum over k of weight * expert(x)."""
+        token_slots = self._token_slots(x.shape[0], x.device) if self.lora else None
         if static_shapes_active():
+            if token_slots is not None:  # graphs are off with LoRA (vlserve.engine.config): never reached
+                raise RuntimeError("LoRA adapters of MoE experts cannot run in a captured graph")
             if experts.numel() <= self.num_experts and self.packed is None:
                 return self._gathered(x, experts, weights)
             return self._every_expert(x, experts, weights)
@@ -96,7 +139,7 @@ class Experts(nn.Module):
             slots = order[start : start + n]
             rows = tokens[start : start + n]
             start += n
-            y = self._expert(e, x[rows])
+            y = self._expert(e, x[rows], None if token_slots is None else token_slots[rows])
             out.index_add_(0, rows, y * weights.reshape(-1)[slots, None])
         return out
 
