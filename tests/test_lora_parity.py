@@ -255,6 +255,26 @@ def test_moe_expert_adapters_equal_the_merged_checkpoint(families, arch):
     assert_pool_full(fam.llm)
 
 
+@pytest.mark.parametrize("arch, mode", [("qwen2_vl", "weights"), ("qwen3_vl_moe", "weights"), ("qwen3_vl", "data")])
+def test_two_ranks_serve_adapters_like_the_merged_checkpoints(families, arch, mode):
+    """Tensor parallelism over two ranks: each holds its part of every adapter, cut as its weights are (B's rows
+    of column-parallel linears and of the experts' gate_up, A's columns of row-parallel ones; each rank's partial
+    delta summed by the layer's all-reduce), filled as rank 0 assigns slots. A batch of adapters of the LM, the
+    experts, the tower (split over the ranks, or whole on each with the data-parallel encoder) and the base model
+    equals the merged checkpoints' answers."""
+    fam = families(arch)
+    llm = LLM(str(fam.path), dtype="float32", num_kv_blocks=256, enable_lora=True, max_loras=4, max_lora_rank=16,
+              tensor_parallel_size=2, mm_encoder_tp_mode=mode)
+    try:
+        items = [(PICTURE, "both"), (TEXT, "lm"), (PICTURE, None), (PICTURE, "tower"), (TEXT, "both")]
+        if arch in EXPERT_ARCHS:
+            items += [(PICTURE, "experts"), (TEXT, "experts")]
+        run_and_check(fam, items, llm)
+        assert_pool_full(llm)
+    finally:
+        llm.shutdown()
+
+
 def _edit_expert_pairs(adapter, out, edit):
     shutil.copytree(adapter, out)
     tensors = load_file(out / "adapter_model.safetensors")

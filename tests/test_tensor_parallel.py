@@ -261,10 +261,11 @@ def test_two_gpus_match_one(tiny_ckpt):
 
 # ---- a rank that dies ---------------------------------------------------------------------------------------
 def _collective_files() -> list[str]:
+    """The same-machine collectives' files of engines this process ran (tests in other workers run their own)."""
     from vlserve.engine.transfer_buffers import shm_dir
 
     folder = shm_dir()
-    return sorted(f for f in os.listdir(folder) if f.startswith("vlserve-tp-")) if folder else []
+    return sorted(f for f in os.listdir(folder) if f.startswith(f"vlserve-tp-{os.getpid()}-")) if folder else []
 
 
 def test_a_dead_rank_stops_the_engine_with_a_clear_error(tiny_ckpt):

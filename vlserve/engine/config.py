@@ -199,14 +199,11 @@ def resolve_config(args: EngineArgs, facts: ModelFacts | None = None, announce: 
 def lora_config(args: EngineArgs) -> LoRAConfig | None:
     if not args.enable_lora:
         return None
-    if args.tensor_parallel_size > 1:
-        raise InvalidInputError("LoRA adapters run on one rank for now: use tensor_parallel_size 1 with "
-                                "enable_lora")
     if not (args.load_language or args.load_vision):
         raise InvalidInputError("enable_lora needs the language model or a media tower loaded")
     # A part of the model (an encoder's towers, a language server's LM) adapts its own linears only: the slots
-    # leave the adapter's other modules to the process that holds them. (Prefill and decode instances have no
-    # LoRA options: their KV handoff does not carry the adapter yet.)
+    # leave the adapter's other modules to the process that holds them. With tensor parallelism each rank holds
+    # its part of every adapter, cut as its weights are (vlserve.lora.adapter).
     return LoRAConfig(args.max_loras, max(args.max_cpu_loras or args.max_loras, args.max_loras), args.max_lora_rank)
 
 

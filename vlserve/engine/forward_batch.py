@@ -44,7 +44,8 @@ class ForwardBatch:
     # device (one process only: never on the wire).
     pending_rows: torch.Tensor | None = None  # [P] int64 rows of token_ids
     pending_tokens: torch.Tensor | None = None  # [P] int64, on the model's device
-    # LoRA: (adapter slot, rows) groups of vlserve.model.layers.lora_rows (one process only: adapters run on one rank)
+    # LoRA: (adapter slot, rows) groups of vlserve.model.layers.lora_rows (not on the wire: tensor-parallel ranks
+    # get them, with the slots' adapters, in the step's message)
     lora_rows: tuple = ()
 
 

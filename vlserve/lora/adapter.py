@@ -24,6 +24,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -31,6 +32,7 @@ from blake3 import blake3
 from safetensors import SafetensorError, safe_open
 
 from vlserve.core.errors import InvalidInputError
+from vlserve.model.layers.parallel import Column, Row, rule_for
 from vlserve.model.weight_names import FUSED_SHARDS
 
 CONFIG_FILE = "adapter_config.json"
@@ -50,13 +52,16 @@ NOT_TARGETS = ("patch_embed.proj",)  # a convolution stored as a linear: PEFT's 
 
 @dataclass(frozen=True)
 class LinearTarget:
-    """A linear an adapter may adapt: its shape, and the rows each checkpoint piece fills (None: all). With
-    `experts` > 0, a 3-D MoE expert weight: that many linears of this shape, each with its own delta."""
+    """A linear an adapter may adapt: its whole shape (before tensor parallelism splits it), and the rows each
+    checkpoint piece fills (None: all). With `experts` > 0, a 3-D MoE expert weight: that many linears of this
+    shape, each with its own delta. `cut`: the weight's tensor-parallel rule (vlserve.model.layers.parallel), which
+    cuts this rank's part of an adapter's pairs as it cut the weight."""
 
     in_features: int
     out_features: int
     pieces: dict[str | None, tuple[int, int]]
     experts: int = 0
+    cut: Any = None
 
     def rows(self, shard: str | None) -> tuple[int, int]:
         return self.pieces[shard]
@@ -75,16 +80,36 @@ def lora_targets(model: nn.Module) -> dict[str, LinearTarget]:
         expert_shapes = getattr(module, "lora_shapes", None)  # vlserve.model.layers.moe.Experts
         if expert_shapes is not None:
             for weight, (n_in, n_out) in expert_shapes.items():
-                targets[f"{name}.{weight}"] = LinearTarget(n_in, n_out, {None: (0, n_out)}, module.num_experts)
+                cut = rule_for(model, f"{name}.{weight}")
+                _, n_out, n_in = _whole(cut, (module.num_experts, n_out, n_in))
+                targets[f"{name}.{weight}"] = LinearTarget(n_in, n_out, {None: (0, n_out)}, module.num_experts, cut)
             continue
         n_in, n_out = getattr(module, "in_features", None), getattr(module, "out_features", None)
         if not isinstance(n_in, int) or not isinstance(n_out, int) or hasattr(module, "num_embeddings"):
             continue
+        cut = rule_for(model, f"{name}.weight")
+        n_out, n_in = _whole(cut, (n_out, n_in))
         pieces: dict[str | None, tuple[int, int]] = {None: (0, n_out)}
         for shard in FUSED_SHARDS.get(name.rsplit(".", 1)[-1], ()):
-            pieces[shard] = shard_rows(model, f"{name}.weight", n_out, shard)
-        targets[name] = LinearTarget(n_in, n_out, pieces)
+            pieces[shard] = (_whole_piece_rows(cut, shard) if isinstance(cut, Column) and len(cut.pieces) > 1
+                             else shard_rows(model, f"{name}.weight", n_out, shard))
+        targets[name] = LinearTarget(n_in, n_out, pieces, cut=cut)
     return targets
+
+
+def _whole(cut, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A weight's shape before tensor parallelism split it (its own at one rank)."""
+    return tuple(cut.full_shape(torch.Size(shape))) if isinstance(cut, (Column, Row)) else shape
+
+
+def _whole_piece_rows(cut: Column, shard: str) -> tuple[int, int]:
+    """(first row, rows) of piece `shard` in the whole fused weight: the pieces one after another."""
+    first = 0
+    for piece, split in cut.pieces.items():
+        if piece == shard:
+            return first, split.full
+        first += split.full
+    raise KeyError(shard)
 
 
 @dataclass(frozen=True)
@@ -289,7 +314,8 @@ def adapter_weights(spec: AdapterSpec, targets: dict[str, LinearTarget], dtype: 
                 a = f.get_tensor(p.a_key).float().reshape(n, p.rank, target.in_features)
                 b = f.get_tensor(p.b_key).float().reshape(target.out_features, p.rank, n).permute(2, 0, 1) * p.scale
                 _check_finite(spec, module, a, b)
-                out[module] = (a.to(device=device, dtype=dtype), b.contiguous().to(device=device, dtype=dtype))
+                a, b = _this_ranks_part(target.cut, a, b)
+                out[module] = (a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype))
                 continue
             total = sum(p.rank for p in pieces)
             a = torch.empty(total, target.in_features, dtype=torch.float32)
@@ -301,8 +327,20 @@ def adapter_weights(spec: AdapterSpec, targets: dict[str, LinearTarget], dtype: 
                 b[first : first + rows, col : col + p.rank] = f.get_tensor(p.b_key).float() * p.scale
                 col += p.rank
             _check_finite(spec, module, a, b)
+            a, b = _this_ranks_part(target.cut, a, b)
             out[module] = (a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype))
     return out
+
+
+def _this_ranks_part(cut, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A whole pair cut as its weight was: a column-parallel weight keeps its output rows (B's rows, each fused
+    piece on its own), a row-parallel one its input features (A's columns; each rank's partial delta is summed
+    with its partial output by the layer's all-reduce). Contiguous copies: the slots keep them."""
+    if isinstance(cut, Column):
+        b = cut.local(b, None)
+    elif isinstance(cut, Row):
+        a = cut.local(a, None)
+    return a.contiguous(), b.contiguous()
 
 
 def _check_finite(spec: AdapterSpec, module: str, a: torch.Tensor, b: torch.Tensor) -> None:

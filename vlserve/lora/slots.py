@@ -30,6 +30,7 @@ class LoRASlots:
         self.max_cpu_loras = max_cpu_loras
         self.host: OrderedDict[str, Weights] = OrderedDict()  # adapter key -> weights on the CPU
         self.slot_keys: list[str | None] = [None] * max_loras
+        self.slot_refs: list[AdapterRef | None] = [None] * max_loras  # what each slot holds (other ranks fill alike)
         self.last_used = [0] * max_loras
         self._tick = 0
         self.loads = 0  # adapters put into a slot (each a copy of its weights to the device)
@@ -60,12 +61,19 @@ class LoRASlots:
             slots[ref.key] = slot
         return slots
 
+    def hold(self, refs: list[AdapterRef | None]) -> None:
+        """Another rank's slots (tensor parallelism: rank 0 assigns them, `slot_refs`): each slot holds the same
+        adapter, this rank's part of it."""
+        for slot, ref in enumerate(refs):
+            if ref is not None and self.slot_keys[slot] != ref.key:
+                self._fill(slot, ref)
+
     def _fill(self, slot: int, ref: AdapterRef) -> None:
         weights = self._host_weights(ref)
         for name, layer in self.layers.items():
             pair = weights.get(name)
             layer.adapters[slot] = None if pair is None else (pair[0].to(self.device), pair[1].to(self.device))
-        self.slot_keys[slot] = ref.key
+        self.slot_keys[slot], self.slot_refs[slot] = ref.key, ref
         self.loads += 1
 
     def _host_weights(self, ref: AdapterRef) -> Weights:

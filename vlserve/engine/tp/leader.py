@@ -31,7 +31,18 @@ from vlserve.core.wire import Framer, tensor_ref
 from vlserve.engine.config import DATA, VlserveConfig
 from vlserve.engine.forward_batch import ForwardBatch, batch_to_wire
 from vlserve.engine.model_shard import ModelShard, load_shard
-from vlserve.engine.tp.messages import Failed, FollowerMessage, Hello, LeaderMessage, Ready, RunEncode, RunForward, Stop
+from vlserve.engine.tp.messages import (
+    Failed,
+    FollowerMessage,
+    Hello,
+    LeaderMessage,
+    LoRAStep,
+    Ready,
+    RunEncode,
+    RunForward,
+    Stop,
+    lora_step,
+)
 from vlserve.engine.tp.placement import (
     Placement,
     collectives_file,
@@ -43,6 +54,7 @@ from vlserve.engine.tp.placement import (
     torchrun_placement,
 )
 from vlserve.model.facts import encode_facts
+from vlserve.model.layers.lora_rows import active_rows
 
 logger = logging.getLogger("vlserve.tp")
 START_TIMEOUT_S = 600.0  # every rank loads the checkpoint before it answers
@@ -184,6 +196,15 @@ class TPLeader:
     def encoder_mode(self) -> str:
         return self.shard.encoder_mode
 
+    @property
+    def lora(self):
+        """Rank 0's adapter slots: the model runner assigns them; every step tells the other ranks (`_lora`)."""
+        return self.shard.lora
+
+    def _lora(self, groups) -> LoRAStep | None:
+        """What the other ranks need to apply a pass's adapters (None: none run in it)."""
+        return lora_step(self.shard.lora.slot_refs, groups) if groups and self.shard.lora is not None else None
+
     def encode_images(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> list[torch.Tensor]:
         grids = [tuple(g) for g in grids]
         data = self.encoder_mode == DATA
@@ -199,11 +220,12 @@ class TPLeader:
 
     def _encode_frames(self, grids: list[tuple[int, int, int]], pixels: torch.Tensor) -> list:
         tensors: list[torch.Tensor] = []
-        return self._out.encode(RunEncode(grids, tensor_ref(pixels, tensors)), tensors)
+        # a tower adapter runs around this call (vlserve.engine.encoder_runner): the other ranks apply it too
+        return self._out.encode(RunEncode(grids, tensor_ref(pixels, tensors), self._lora(active_rows())), tensors)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor | None:
         tensors: list[torch.Tensor] = []
-        msg = RunForward(batch_to_wire(batch, tensors))
+        msg = RunForward(batch_to_wire(batch, tensors), self._lora(batch.lora_rows))
         frames = self._out.encode(msg, tensors)
         for rank in range(1, self.place.size):
             self._send_frames(rank, frames)

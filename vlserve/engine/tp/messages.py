@@ -10,18 +10,29 @@ from __future__ import annotations
 
 import msgspec
 
+from vlserve.core.lora import AdapterRef
 from vlserve.core.wire import TensorRef
 from vlserve.engine.forward_batch import WireForwardBatch
 
 
 # ---- rank 0 -> the others -------------------------------------------------------------------------------------
+class LoRAStep(msgspec.Struct, array_like=True):
+    """The LoRA adapters of a step: what each slot holds (rank 0 assigned them) and which rows take which slot
+    (vlserve.model.layers.lora_rows groups: rows as (start, stop) ranges, None for all)."""
+
+    slots: list[AdapterRef | None]
+    rows: list[tuple[int, list[tuple[int, int]] | None]]
+
+
 class RunForward(msgspec.Struct, tag="forward"):
     batch: WireForwardBatch
+    lora: LoRAStep | None = None
 
 
 class RunEncode(msgspec.Struct, tag="encode"):
     grids: list[tuple[int, int, int]]
     pixels: TensorRef  # every item's patches, or (data-parallel encoder) this rank's share
+    lora: LoRAStep | None = None
 
 
 class Stop(msgspec.Struct, tag="stop"):
@@ -46,3 +57,14 @@ class Failed(msgspec.Struct, tag="failed"):
 
 
 FollowerMessage = Hello | Ready | Failed
+
+
+def lora_step(slots: list[AdapterRef | None], groups) -> LoRAStep:
+    """A step's adapters for the wire: `groups` as vlserve.model.layers.lora_rows holds them."""
+    return LoRAStep(list(slots), [(slot, None if rows is None else [(r.start, r.stop) for r in rows])
+                                  for slot, rows in groups])
+
+
+def lora_groups(step: LoRAStep) -> tuple:
+    """The groups back as lora_rows takes them."""
+    return tuple((slot, None if rows is None else tuple(slice(a, b) for a, b in rows)) for slot, rows in step.rows)

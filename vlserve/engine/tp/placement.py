@@ -95,7 +95,7 @@ def collectives_file(place: Placement, device: torch.device) -> str | None:
         logger.warning("no room for %d MiB in /dev/shm: the ranks' collectives go through gloo (slower)",
                        size // 2**20)
         return None
-    fd, path = tempfile.mkstemp(prefix="vlserve-tp-", dir=folder)
+    fd, path = tempfile.mkstemp(prefix=f"vlserve-tp-{os.getpid()}-", dir=folder)  # named by its engine's process
     try:
         os.ftruncate(fd, size)
     finally:

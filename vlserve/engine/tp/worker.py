@@ -25,9 +25,20 @@ from vlserve.engine.config import resolve_config
 from vlserve.engine.forward_batch import batch_from_wire
 from vlserve.engine.model_shard import load_shard
 from vlserve.engine.tp.leader import COLLECTIVE_TIMEOUT_S, SPEC_ENV, identity, share_address
-from vlserve.engine.tp.messages import Failed, FollowerMessage, Hello, LeaderMessage, Ready, RunEncode, RunForward, Stop
+from vlserve.engine.tp.messages import (
+    Failed,
+    FollowerMessage,
+    Hello,
+    LeaderMessage,
+    Ready,
+    RunEncode,
+    RunForward,
+    Stop,
+    lora_groups,
+)
 from vlserve.engine.tp.placement import Placement, device_for, join_group, leave_group, pin_cores, torchrun_placement
 from vlserve.model.facts import ModelFacts, decode_facts
+from vlserve.model.layers.lora_rows import lora_rows
 from vlserve.model.layers.shm_collectives import ShmCollectives
 
 logger = logging.getLogger("vlserve.tp")
@@ -80,9 +91,16 @@ def run_rank(place: Placement, args: EngineArgs, facts: ModelFacts | None = None
             frames = sock.recv_multipart()
             msg = inp.decode(frames)
             if isinstance(msg, RunForward):
-                shard.forward(batch_from_wire(msg.batch, frames))
+                batch = batch_from_wire(msg.batch, frames)
+                if msg.lora is not None:
+                    shard.lora.hold(msg.lora.slots)
+                    batch.lora_rows = lora_groups(msg.lora)
+                shard.forward(batch)
             elif isinstance(msg, RunEncode):
-                shard.encode_images(tensor_from(msg.pixels, frames), [tuple(g) for g in msg.grids])
+                if msg.lora is not None:
+                    shard.lora.hold(msg.lora.slots)
+                with lora_rows(() if msg.lora is None else lora_groups(msg.lora)):
+                    shard.encode_images(tensor_from(msg.pixels, frames), [tuple(g) for g in msg.grids])
             elif isinstance(msg, Stop):
                 return 0
     except (Exception, msgspec.DecodeError) as e:  # noqa: BLE001 - every failure goes to rank 0, then we exit

@@ -51,6 +51,9 @@ def pack_linears(model: nn.Module) -> int:
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if type(child) is nn.Linear:
-                setattr(module, name, PackedLinear(child.weight, child.bias))
+                packed = PackedLinear(child.weight, child.bias)
+                if hasattr(child, "tp_rules"):  # how the layer is split stays known (LoRA cuts its adapters by it)
+                    packed.tp_rules = child.tp_rules
+                setattr(module, name, packed)
                 swapped += 1
     return swapped

@@ -86,6 +86,8 @@ class Int8Linear(nn.Module):
         module.scale.copy_(scale)
         if linear.bias is not None:
             module.bias.data.copy_(linear.bias.detach())
+        if hasattr(linear, "tp_rules"):  # how the layer is split stays known (LoRA cuts its adapters by it)
+            module.tp_rules = linear.tp_rules
         return module
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
