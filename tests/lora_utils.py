@@ -46,9 +46,10 @@ def checkpoint_shapes(ckpt: Path) -> dict[str, list[int]]:
 
 def _is_tower_linear(name: str, shape: list[int]) -> bool:
     """A 2-D weight of a tower or projector that is not an embedding (patch embeddings are convolutions, but
-    position tables are 2-D too: `pos_embed`, `position_embedding`, `embed_positions`)."""
+    position tables are 2-D too: `pos_embed`, `position_embedding`, `embed_positions`, and so is Qwen2.5-Omni's
+    `audio_bos_eos_token`)."""
     return (name.startswith(TOWER_PREFIXES) and name.endswith(".weight") and len(shape) == 2
-            and "embed" not in name)
+            and "embed" not in name and "bos_eos_token" not in name)  # (Qwen2.5-Omni's audio markers: an embedding)
 
 
 def target_weights(ckpt: Path, targets: str = "lm") -> dict[str, list[int]]:

@@ -23,6 +23,7 @@ from tests.hf_reference import (
     HFAudioReference,
     HFInternVLReference,
     HFLlavaReference,
+    HFOmniReference,
     HFReference,
     image_key,
     shared_reference,
@@ -31,8 +32,8 @@ from tests.lora_utils import TARGETS, make_peft_adapter, merge_adapter, unmerged
 from vlserve import LLM, LoRARequest, SamplingParams
 from vlserve.core.errors import InvalidInputError
 
-ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "llava_onevision", "qwen2_audio",
-         "internvl3")
+ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "llava_onevision", "llava_next_video",
+         "qwen2_audio", "qwen2_5_omni", "internvl3")
 MAX_NEW = 8
 # min_tokens: end-of-sequence masked until the last token, as transformers' min_new_tokens does
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW)
@@ -58,6 +59,11 @@ PROMPTS = {
        for arch in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")},
     "llava_onevision": [(chat("<image>\nWhat is in the picture?", " "), [noise_image(100, 100, 2)]),
                         (chat("Tell me about whales.", " "), [])],
+    "llava_next_video": [("USER: <image>\nWhat is in the picture? ASSISTANT:", [noise_image(100, 80, 4)]),
+                         ("USER: Tell me about whales. ASSISTANT:", [])],
+    # a clip and a picture: the adapters of both towers (and of the projectors) run
+    "qwen2_5_omni": [(chat(f"{AUD}<|vision_bos|><|IMAGE|><|vision_eos|>What are these?"),
+                      [noise(20000, seed=5), noise_image(90, 60, 5)]), (chat("Tell me about whales."), [])],
     "qwen2_audio": [(chat(f"{AUD}What is this sound?"), [noise(24000, seed=1)]), (chat("Tell me about whales."), [])],
     "internvl3": [(chat("<IMG_CONTEXT>\nWhat is in the picture?"), [noise_image(100, 60, 3)]),
                   (chat("Tell me about whales."), [])],
@@ -65,11 +71,15 @@ PROMPTS = {
 
 
 def request(arch: str, text: str, media: list):
-    """vlserve's prompt: text alone, or with its pictures / (clip, rate) pairs."""
+    """vlserve's prompt: text alone, or with its pictures and (clip, rate) pairs."""
     if not media:
         return text
-    key, items = ("audio", [(c, RATE) for c in media]) if arch == "qwen2_audio" else ("image", media)
-    return {"prompt": text, "multi_modal_data": {key: items}}
+    data = {"image": [m for m in media if _is_picture(m)], "audio": [(m, RATE) for m in media if not _is_picture(m)]}
+    return {"prompt": text, "multi_modal_data": {k: v for k, v in data.items() if v}}
+
+
+def _is_picture(item) -> bool:
+    return hasattr(item, "getpalette")
 
 
 class Family:
@@ -123,23 +133,36 @@ class Family:
 
 def media_key(item) -> tuple:
     """What tells two pictures or two clips apart."""
-    return image_key(item) if hasattr(item, "getpalette") else (item.shape, item.tobytes())
+    return image_key(item) if _is_picture(item) else (item.shape, item.tobytes())
 
 
 def hf_reference(arch: str, path, shared: bool = False):
     if arch == "qwen2_audio":
         return HFAudioReference(path)
-    if arch == "llava_onevision":
+    if arch == "qwen2_5_omni":
+        return HFOmniReference(path)
+    if arch in ("llava_onevision", "llava_next_video"):
         return HFLlavaReference(path)
     if arch == "internvl3":
         return HFInternVLReference(path)
     return shared_reference(arch, path) if shared else HFReference(arch, path)
 
 
+def _omni_media(media: list) -> dict:
+    return {"audio": [m for m in media if not _is_picture(m)], "images": [m for m in media if _is_picture(m)]}
+
+
+def hf_inputs(ref, text: str, media: list) -> dict:
+    """A reference's model inputs, whatever its family's signature."""
+    return ref.inputs(text, **_omni_media(media)) if isinstance(ref, HFOmniReference) else ref.inputs(text, media)
+
+
 def greedy(ref, text: str, media: list) -> tuple[list[int], list[int]]:
     """(expanded prompt ids, new ids) of a reference, whatever its family's signature."""
     if isinstance(ref, (HFLlavaReference, HFInternVLReference)):
         return tuple(ref.greedy(text, MAX_NEW, media)[:2])
+    if isinstance(ref, HFOmniReference):
+        return tuple(ref.greedy(text, MAX_NEW, **_omni_media(media)))
     return tuple(ref.greedy(text, media, MAX_NEW))
 
 
@@ -190,7 +213,7 @@ def test_merged_checkpoint_equals_unmerged_lora_in_transformers(fam, kind):
     base, merged = fam.reference(None), fam.reference(kind)
     adapter = fam.adapter(kind)
     for i in (PICTURE, TEXT):
-        inputs = base.inputs(*fam.prompt(i))
+        inputs = hf_inputs(base, *fam.prompt(i))
         with torch.no_grad():
             plain = base.model(**inputs).logits
             with unmerged_lora(base.model, fam.path, adapter):
