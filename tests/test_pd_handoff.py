@@ -57,8 +57,8 @@ def _cfg(path, **kw):
 class Prefill:
     """A prefill engine, as a prefill instance's engine process has it: every request's KV is exported."""
 
-    def __init__(self, path):
-        cfg = _cfg(path, num_kv_blocks=256)
+    def __init__(self, path, **kw):
+        cfg = _cfg(path, num_kv_blocks=256, **kw)
         self.core = EngineCore(cfg, connector=make_connector("prefill", cfg))
         self.input_processor = InputProcessor.for_model(cfg)
 
@@ -80,8 +80,8 @@ def whole(path):  # one engine doing all of it: the reference
 class Decode:
     """A decode engine with receive blocks, as a decode instance's engine process has them."""
 
-    def __init__(self, path, num_kv_blocks: int = 256, max_num_seqs: int = 128):
-        cfg = _cfg(path, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs)
+    def __init__(self, path, num_kv_blocks: int = 256, max_num_seqs: int = 128, **kw):
+        cfg = _cfg(path, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs, **kw)
         self.buffers = TransferBuffers.create(64, 16, cfg.model.kv_row_width, cfg.dtype, shared=False)
         self.core = EngineCore(cfg, report_released=True, transfer=self.buffers, connector=DecodeConnector(cfg))
         self.blocks: dict[str, list[int]] = {}
@@ -299,10 +299,50 @@ def test_an_engine_without_a_connector_refuses_handed_over_kv(path, prefill):
     assert make_connector("serve", None) is None and make_connector(None, None) is None
 
 
-def test_connectors_refuse_tensor_parallelism_at_start():
+def test_connectors_refuse_tensor_parallelism_for_hybrid_models_at_start():
     for connector in (PrefillConnector, DecodeConnector):
-        with pytest.raises(ConfigurationError, match="tensor parallelism"):
-            connector(SimpleNamespace(tensor_parallel_size=2))
+        with pytest.raises(ConfigurationError, match="linear states .* tensor parallelism"):
+            connector(SimpleNamespace(tensor_parallel_size=2, model=SimpleNamespace(is_hybrid=True)))
+
+
+def test_gathered_heads_put_every_ranks_heads_in_model_order_and_drop_copies():
+    from vlserve.engine.model_shard import gathered_heads, kv_heads_of
+
+    assert [kv_heads_of(4, 8, r, 2) for r in range(2)] == [(0, 2), (2, 2)]
+    assert gathered_heads(4, 8, 2).tolist() == [0, 1, 2, 3]
+    # two heads over four ranks: ranks 0-1 copy head 0, ranks 2-3 head 1; the gathered order is r0 r1 r2 r3
+    assert [kv_heads_of(2, 8, r, 4) for r in range(4)] == [(0, 1), (0, 1), (1, 1), (1, 1)]
+    assert gathered_heads(2, 8, 4).tolist() == [0, 2]
+
+
+@pytest.mark.parametrize("prefill_ranks, decode_ranks", [(2, 1), (1, 2), (2, 2)])
+def test_tensor_parallel_instances_hand_over_exactly(path, prefill, whole, prefill_ranks, decode_ranks):
+    """The rows hold every key/value head whatever the ranks: a prefill engine at two ranks gathers its ranks'
+    heads into them (the same rows as one rank's, up to the order of fp32 sums), a decode engine at two ranks
+    writes each rank's own heads; a picture prompt greedy and a text prompt seeded go on as one engine. (One
+    process holds one tensor-parallel engine at a time: everything is prefilled before the decode engine starts,
+    as two instances would have it.)"""
+    cases = [(PICTURE, CASES["greedy"]), (PROMPTS[1], CASES["seeded"])]
+    pre = Prefill(path, tensor_parallel_size=2) if prefill_ranks == 2 else prefill
+    try:
+        handed = [prefilled(pre, prompt, params, f"t{i}") for i, (prompt, params) in enumerate(cases)]
+        assert_pool_full(pre)
+    finally:
+        if pre is not prefill:
+            pre.core.shutdown()
+    if pre is not prefill:
+        for i, (prompt, params) in enumerate(cases):
+            torch.testing.assert_close(handed[i][2], prefilled(prefill, prompt, params, f"one{i}")[2], rtol=0,
+                                       atol=1e-4)
+    decode = Decode(path, tensor_parallel_size=decode_ranks)
+    try:
+        for i, ((prompt, params), (processed, handoff, rows)) in enumerate(zip(cases, handed)):
+            decode.add(f"t{i}", decode.receive(f"t{i}", processed, rows), params, handoff)
+            assert run(decode, [f"t{i}"])[f"t{i}"] == _whole(whole, prompt, params), prompt
+        assert not decode.blocks
+        assert decode.core.scheduler.kv.pool.num_free == decode.core.scheduler.kv.pool.num_blocks
+    finally:
+        decode.core.shutdown()
 
 
 def test_prefill_holds_never_leak(prefill, path):

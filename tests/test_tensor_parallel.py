@@ -380,20 +380,9 @@ def test_server_with_two_ranks_answers_then_reports_a_dead_rank(tiny_ckpt):
             raise AssertionError("the engine process did not exit")
 
 
-@pytest.mark.parametrize("flags, match", [
-    (["--disagg", "--num-prefill", "1", "--num-decode", "1", "--tensor-parallel-size", "2"],
-     "not supported by prefill and decode instances"),
-])
-def test_serve_refuses_what_disaggregated_roles_would_ignore(tiny_ckpt, flags, match):
-    from tests.server_utils import free_port
-
-    bad = subprocess.run([sys.executable, "-m", "vlserve", "serve", *flags, "--model", str(tiny_ckpt("qwen2_vl")),
-                          "--port", str(free_port())], capture_output=True, text=True, timeout=60)
-    assert bad.returncode != 0 and match in bad.stderr, bad.stderr[-1000:]
-
-
-def test_serve_disagg_hands_the_tensor_parallel_flags_to_encoders_and_language_server():
-    """The encode role honours them too (its tower loads like the engine's model): none is dropped."""
+def test_serve_disagg_hands_the_tensor_parallel_flags_to_every_model_role():
+    """The encode role honours them too (its tower loads like the engine's model), and so do prefill and decode
+    instances (their KV rows hold every head, tests/test_pd_handoff.py): none is dropped."""
     from vlserve.core.config import Options
     from vlserve.disagg.launcher import plan_children
 
@@ -403,6 +392,10 @@ def test_serve_disagg_hands_the_tensor_parallel_flags_to_encoders_and_language_s
     assert "--mm-encoder-tp-mode" in argv["encoder-0"] and "--mm-encoder-tp-mode" not in argv["language"]
     for role in ("encoder-0", "language"):
         assert argv[role][argv[role].index("--tensor-parallel-size") + 1] == "2"
+    opts.disagg.num_prefill = opts.disagg.num_decode = 1
+    argv = {c.name: c.argv for c in plan_children(opts, "INFO")}
+    for role in ("encoder-0", "prefill-0", "decode-0"):
+        assert argv[role][argv[role].index("--tensor-parallel-size") + 1] == "2", role
 
 
 def test_language_server_with_two_ranks_takes_pictures_from_an_encoder(tiny_ckpt):

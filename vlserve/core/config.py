@@ -164,7 +164,7 @@ class EngineArgs:
     tensor_parallel_size: int = option(
         1, "split the language model (and, with --mm-encoder-tp-mode weights, the vision tower) over this many "
         "ranks: one process each, cores split between them on CPU; several machines: start every rank with "
-        "torchrun", {SERVE, LANGUAGE, ENCODE, DEMO}, bounds=COUNT)
+        "torchrun", {SERVE, LANGUAGE, ENCODE, PREFILL, DECODE, DEMO}, bounds=COUNT)
     cpu_threads: int | None = option(
         None, "CPU threads of this process's model work: torch's threads (a tensor-parallel rank gets its share) and "
         "the most media threads by default; overrides OMP_NUM_THREADS (default: the CPUs this process may use, the "

@@ -31,7 +31,7 @@ from vlserve.model.accelerator import Accelerator, to_device
 from vlserve.model.decoder import SideRows
 from vlserve.model.layers.linear_state import LinearLayerState, copy_state_slots, new_layer_states
 from vlserve.model.layers.packed_linear import packed_linear_supported
-from vlserve.model.layers.parallel import SINGLE, TPGroup
+from vlserve.model.layers.parallel import SINGLE, TPGroup, head_split
 from vlserve.model.loader import load_model, weight_files
 from vlserve.model.layers.lora_rows import lora_rows
 from vlserve.lora.adapter import LM_PREFIX, TOWER_PREFIX
@@ -208,12 +208,22 @@ class ModelShard:
 
     # ---- KV cache contents (handed between instances) ---------------------------------------------------------
     def read_kv(self, slots: torch.Tensor) -> torch.Tensor:
-        """[layers, 2, len(slots), kv_heads, head_dim]: the KV cache at these slots, on the CPU."""
+        """[layers, 2, len(slots), kv_heads, head_dim]: the KV cache at these slots, every key/value head of the
+        model (tensor parallelism: every rank calls it, and the ranks' heads are gathered), on the CPU."""
         index = slots.to(self.device)
-        return torch.stack([self.kv_caches[i].index_select(1, index) for i in self.kv_layers]).cpu()
+        kv = torch.stack([self.kv_caches[i].index_select(1, index) for i in self.kv_layers])
+        if self.tp.size > 1:
+            text = self.model.cfg.text
+            order = gathered_heads(text.num_kv_heads, text.head_dim, self.tp.size).to(kv.device)
+            kv = self.tp.all_gather(kv.contiguous(), dim=3).index_select(3, order)
+        return kv.cpu()
 
     def write_kv(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
-        """`kv` as `read_kv` gives it: one entry per layer with a KV cache."""
+        """`kv` as `read_kv` gives it: one entry per layer with a KV cache, every head (tensor parallelism: each
+        rank writes its own heads)."""
+        if self.tp.size > 1:
+            text = self.model.cfg.text
+            kv = kv.narrow(3, *kv_heads_of(text.num_kv_heads, text.head_dim, self.tp.rank, self.tp.size))
         index = slots.to(self.device)
         for i, layer in zip(self.kv_layers, kv):
             cache = self.kv_caches[i]
@@ -225,3 +235,21 @@ class ModelShard:
 
     def write_state_rows(self, slot: int, rows: torch.Tensor) -> None:
         unpack_state(rows, self.layer_states, slot)
+
+
+def kv_heads_of(num_kv_heads: int, head_dim: int, rank: int, ranks: int) -> tuple[int, int]:
+    """(first, count) of a model's key/value heads that `rank` of `ranks` caches (a copy of one when heads are
+    fewer than ranks), as the attention layers split them."""
+    split = head_split(num_kv_heads, head_dim, TPGroup(rank, ranks), "key/value heads", copies=True)
+    return split.start // head_dim, split.size // head_dim
+
+
+def gathered_heads(num_kv_heads: int, head_dim: int, ranks: int) -> torch.Tensor:
+    """For each of a model's key/value heads, its place among every rank's heads gathered in rank order (the
+    first rank that caches it: copies are dropped)."""
+    where: dict[int, int] = {}
+    for rank in range(ranks):
+        first, count = kv_heads_of(num_kv_heads, head_dim, rank, ranks)
+        for h in range(count):
+            where.setdefault(first + h, rank * count + h)
+    return torch.tensor([where[h] for h in range(num_kv_heads)])

@@ -58,9 +58,6 @@ def run_serve(ns: argparse.Namespace) -> int:
         sock.close()
         raise InvalidInputError("--num-prefill/--num-decode start an E->P->D deployment: add --disagg")
     # (--registry without --disagg registers this server as a replica for `vlserve router`: server/announce.py)
-    if opts.disagg.disagg and opts.disagg.num_decode and opts.engine.tensor_parallel_size > 1:
-        sock.close()
-        raise InvalidInputError("--tensor-parallel-size is not supported by prefill and decode instances (E->P->D)")
     if opts.disagg.disagg:
         from vlserve.disagg.launcher import run_roles
 

@@ -37,10 +37,12 @@ from vlserve.engine.tp.messages import (
     Hello,
     LeaderMessage,
     LoRAStep,
+    ReadKV,
     Ready,
     RunEncode,
     RunForward,
     Stop,
+    WriteKV,
     lora_step,
 )
 from vlserve.engine.tp.placement import (
@@ -232,9 +234,26 @@ class TPLeader:
         return self._collective(lambda: self.shard.forward(batch))
 
     def read_kv(self, slots: torch.Tensor) -> torch.Tensor:
-        raise InvalidInputError("KV handed between instances is not supported with tensor parallelism")
+        """Every key/value head at these slots: each rank's own, gathered (ModelShard.read_kv)."""
+        tensors: list[torch.Tensor] = []
+        frames = self._out.encode(ReadKV(tensor_ref(slots, tensors)), tensors)
+        for rank in range(1, self.place.size):
+            self._send_frames(rank, frames)
+        return self._collective(lambda: self.shard.read_kv(slots))
 
-    write_kv = read_state_rows = write_state_rows = read_kv
+    def write_kv(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        """Each rank writes its own heads of `kv` (every head) at these slots, before its next step."""
+        tensors: list[torch.Tensor] = []
+        frames = self._out.encode(WriteKV(tensor_ref(slots, tensors), tensor_ref(kv.contiguous(), tensors)), tensors)
+        for rank in range(1, self.place.size):
+            self._send_frames(rank, frames)
+        self.shard.write_kv(slots, kv)
+
+    def read_state_rows(self, slot: int, width: int) -> torch.Tensor:
+        raise InvalidInputError("a hybrid model's linear states are not handed between instances with tensor "
+                                "parallelism")
+
+    write_state_rows = read_state_rows
 
     # ---- failures ------------------------------------------------------------------------------------------------
     def check_alive(self) -> None:

@@ -35,11 +35,25 @@ class RunEncode(msgspec.Struct, tag="encode"):
     lora: LoRAStep | None = None
 
 
+class ReadKV(msgspec.Struct, tag="read_kv"):
+    """Every rank gathers the KV at these cache slots (a prefill instance hands it over)."""
+
+    slots: TensorRef
+
+
+class WriteKV(msgspec.Struct, tag="write_kv"):
+    """Every rank writes its key/value heads of `kv` (all of them, as ModelShard.read_kv gives them) at these
+    slots (a decode instance takes a handed-over prompt's KV)."""
+
+    slots: TensorRef
+    kv: TensorRef
+
+
 class Stop(msgspec.Struct, tag="stop"):
     pass
 
 
-LeaderMessage = RunForward | RunEncode | Stop
+LeaderMessage = RunForward | RunEncode | ReadKV | WriteKV | Stop
 
 
 # ---- the others -> rank 0 -------------------------------------------------------------------------------------

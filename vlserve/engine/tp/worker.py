@@ -30,10 +30,12 @@ from vlserve.engine.tp.messages import (
     FollowerMessage,
     Hello,
     LeaderMessage,
+    ReadKV,
     Ready,
     RunEncode,
     RunForward,
     Stop,
+    WriteKV,
     lora_groups,
 )
 from vlserve.engine.tp.placement import Placement, device_for, join_group, leave_group, pin_cores, torchrun_placement
@@ -101,6 +103,10 @@ def run_rank(place: Placement, args: EngineArgs, facts: ModelFacts | None = None
                     shard.lora.hold(msg.lora.slots)
                 with lora_rows(() if msg.lora is None else lora_groups(msg.lora)):
                     shard.encode_images(tensor_from(msg.pixels, frames), [tuple(g) for g in msg.grids])
+            elif isinstance(msg, ReadKV):
+                shard.read_kv(tensor_from(msg.slots, frames))  # this rank's heads join rank 0's gather
+            elif isinstance(msg, WriteKV):
+                shard.write_kv(tensor_from(msg.slots, frames), tensor_from(msg.kv, frames))
             elif isinstance(msg, Stop):
                 return 0
     except (Exception, msgspec.DecodeError) as e:  # noqa: BLE001 - every failure goes to rank 0, then we exit
