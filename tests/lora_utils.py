@@ -20,11 +20,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from vlserve.model.weight_names import EXPERT_PIECE
+
 PEFT_PREFIX = "base_model.model."
 # where PEFT saves the pair of each MoE expert weight of a module (`target_parameters`): one wrapper per weight,
 # nested in the order the module holds them (the first innermost)
 EXPERT_NESTING = {"gate_up_proj": ".base_layer", "down_proj": ""}
-EXPERT_PIECE = re.compile(r"\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 TARGETS = ("lm", "tower", "both")
 # media towers and their projectors, in each layout the tiny checkpoints use (Qwen2/2.5-VL `visual.`, Qwen3-VL
 # `model.visual.`, LLaVA `vision_tower.` + projector, Qwen2-Audio `audio_tower.` + `multi_modal_projector.linear`)

@@ -31,6 +31,7 @@ from tests.hf_reference import (
 from tests.lora_utils import TARGETS, make_peft_adapter, merge_adapter, unmerged_lora
 from vlserve import LLM, LoRARequest, SamplingParams
 from vlserve.core.errors import InvalidInputError
+from vlserve.lora.catalog import with_adapter
 
 ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "llava_onevision", "llava_next_video",
          "qwen2_audio", "qwen2_5_omni", "internvl3")
@@ -293,6 +294,31 @@ def test_two_ranks_serve_adapters_like_the_merged_checkpoints(families, arch, mo
         if arch in EXPERT_ARCHS:
             items += [(PICTURE, "experts"), (TEXT, "experts")]
         run_and_check(fam, items, llm)
+        assert_pool_full(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_other_ranks_take_adapters_from_rank_0_never_from_disk(families, tmp_path):
+    """Rank 0 reads a request's adapter when the request arrives; the other ranks get its weights from rank 0
+    when it goes into a slot. So a folder gone after the request was admitted (an adapter unloaded and deleted
+    while its requests run) costs nothing: with one slot, two adapters take turns in it, and both answers are
+    their merged models'."""
+    fam = families("qwen2_vl")
+    llm = LLM(str(fam.path), dtype="float32", num_kv_blocks=256, enable_lora=True, max_loras=1, max_lora_rank=16,
+              tensor_parallel_size=2)
+    try:
+        core, text = llm.engine.core, fam.prompt(TEXT)[0]
+        for name in ("lm", "both"):
+            copy = shutil.copytree(fam.adapter(name), tmp_path / name)
+            ref = llm.engine.loras.for_request(LoRARequest(f"{name}-copy", 1, str(copy)))
+            core.add_request(name, with_adapter(llm.engine.input_processor.process(text), ref), GREEDY)
+            shutil.rmtree(copy)  # read by rank 0 already; the other rank has not seen it
+        tokens = {"lm": [], "both": []}
+        while core.has_unfinished:
+            for out in core.step():
+                tokens[out.request_id] += out.new_token_ids
+        assert tokens == {name: fam.expected(name, text, [])[1] for name in tokens}
         assert_pool_full(llm)
     finally:
         llm.shutdown()

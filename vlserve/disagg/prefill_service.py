@@ -46,7 +46,7 @@ from vlserve.frontend.metrics import CONTENT_TYPE
 from vlserve.lora.catalog import with_adapter
 
 logger = logging.getLogger("vlserve.prefill")
-ADAPTERS_REMEMBERED = 256  # LoRA adapters (by key) known to apply here: a request for one of them is not checked
+ADAPTERS_REMEMBERED = 256  # LoRA adapters (by key and path) known to apply here: a request for one is not checked
 
 
 class PrefillService(SenderService):
@@ -66,7 +66,8 @@ class PrefillService(SenderService):
              "KV transfers being sent or waiting for a decode instance to resume them.")]))
         self.working: dict[tuple, asyncio.Task] = {}  # transfers being prefilled: an abort cancels them
         self._ids = itertools.count()
-        self._adapters_checked: dict[str, None] = {}  # keys of LoRA adapters found applicable here, oldest first
+        # (key, path) of LoRA adapters found applicable here, oldest first
+        self._adapters_checked: dict[tuple[str, str], None] = {}
         self.address = f"{advertised_host(d, host)}:{self.data_port}"  # how refusals name this instance
 
     @property
@@ -122,13 +123,13 @@ class PrefillService(SenderService):
         why = None
         if self.engine.loras is None:
             why = "it serves no LoRA adapters (start it with --enable-lora)"
-        elif ref.key not in self._adapters_checked:
+        elif (ref.key, ref.path) not in self._adapters_checked:
             try:
                 await asyncio.get_running_loop().run_in_executor(self.engine.executor, self.engine.loras.check, ref)
             except (InvalidInputError, OSError) as e:
                 why = str(e)
             else:
-                self._adapters_checked[ref.key] = None
+                self._adapters_checked[(ref.key, ref.path)] = None
                 while len(self._adapters_checked) > ADAPTERS_REMEMBERED:
                     self._adapters_checked.pop(next(iter(self._adapters_checked)))
         if why is not None:

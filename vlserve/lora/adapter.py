@@ -301,7 +301,8 @@ def adapter_weights(spec: AdapterSpec, targets: dict[str, LinearTarget], dtype: 
                     device: torch.device) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Per adapted linear: (A [R, in], B [out, R]) with every piece's ranks side by side, B scaled and zero
     outside each piece's rows, so one pair of products gives the whole linear's delta. Per adapted MoE expert
-    weight: (A [E, r, in], B [E, out, r]), B scaled: expert e's delta is B[e] A[e]."""
+    weight: (A [E, r, in], B [E, out, r]), B scaled: expert e's delta is B[e] A[e]. Whole pairs, before tensor
+    parallelism cuts them (`this_ranks_part`)."""
     by_module: dict[str, list[AdapterPiece]] = {}
     for piece in spec.pieces:
         by_module.setdefault(piece.module, []).append(piece)
@@ -314,8 +315,7 @@ def adapter_weights(spec: AdapterSpec, targets: dict[str, LinearTarget], dtype: 
                 a = f.get_tensor(p.a_key).float().reshape(n, p.rank, target.in_features)
                 b = f.get_tensor(p.b_key).float().reshape(target.out_features, p.rank, n).permute(2, 0, 1) * p.scale
                 _check_finite(spec, module, a, b)
-                a, b = _this_ranks_part(target.cut, a, b)
-                out[module] = (a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype))
+                out[module] = (a.to(device=device, dtype=dtype), b.contiguous().to(device=device, dtype=dtype))
                 continue
             total = sum(p.rank for p in pieces)
             a = torch.empty(total, target.in_features, dtype=torch.float32)
@@ -327,15 +327,14 @@ def adapter_weights(spec: AdapterSpec, targets: dict[str, LinearTarget], dtype: 
                 b[first : first + rows, col : col + p.rank] = f.get_tensor(p.b_key).float() * p.scale
                 col += p.rank
             _check_finite(spec, module, a, b)
-            a, b = _this_ranks_part(target.cut, a, b)
             out[module] = (a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype))
     return out
 
 
-def _this_ranks_part(cut, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A whole pair cut as its weight was: a column-parallel weight keeps its output rows (B's rows, each fused
-    piece on its own), a row-parallel one its input features (A's columns; each rank's partial delta is summed
-    with its partial output by the layer's all-reduce). Contiguous copies: the slots keep them."""
+def this_ranks_part(cut, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A whole pair cut as its weight was (`cut`: the target's rule): a column-parallel weight keeps its output
+    rows (B's rows, each fused piece on its own), a row-parallel one its input features (A's columns; each rank's
+    partial delta is summed with its partial output by the layer's all-reduce). Contiguous: the slots keep them."""
     if isinstance(cut, Column):
         b = cut.local(b, None)
     elif isinstance(cut, Row):

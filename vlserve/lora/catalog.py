@@ -55,7 +55,7 @@ class LoRACatalog:
         its path here, and they fit this model and this server's limits; raises otherwise."""
         with self._lock:
             spec = read_adapter(ref.name, ref.path, self.targets(), self._our_name, self.max_rank, self._max_bytes)
-        if spec.key != ref.key:
+        if spec.key != ref.key or spec.towers != ref.towers:
             raise InvalidInputError(f"LoRA adapter {ref.name!r}: {ref.path} holds other files on this machine than "
                                     "where the request was accepted")
 

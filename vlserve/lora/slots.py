@@ -11,7 +11,7 @@ import torch
 
 from vlserve.core.errors import InvalidInputError
 from vlserve.core.lora import AdapterRef
-from vlserve.lora.adapter import adapter_weights, lora_targets, read_adapter
+from vlserve.lora.adapter import adapter_weights, lora_targets, read_adapter, this_ranks_part
 from vlserve.lora.layers import ExpertWeightLoRA, LoRALinear, wrap_targets
 
 logger = logging.getLogger("vlserve.lora")
@@ -28,7 +28,7 @@ class LoRASlots:
         self.our_name, self.max_rank, self.max_bytes, self.elsewhere = our_name, max_rank, max_bytes, elsewhere
         self.dtype, self.device = dtype, device
         self.max_cpu_loras = max_cpu_loras
-        self.host: OrderedDict[str, Weights] = OrderedDict()  # adapter key -> weights on the CPU
+        self.host: OrderedDict[str, Weights] = OrderedDict()  # adapter key -> its whole pairs on the CPU
         self.slot_keys: list[str | None] = [None] * max_loras
         self.slot_refs: list[AdapterRef | None] = [None] * max_loras  # what each slot holds (other ranks fill alike)
         self.last_used = [0] * max_loras
@@ -61,18 +61,27 @@ class LoRASlots:
             slots[ref.key] = slot
         return slots
 
-    def hold(self, refs: list[AdapterRef | None]) -> None:
-        """Another rank's slots (tensor parallelism: rank 0 assigns them, `slot_refs`): each slot holds the same
-        adapter, this rank's part of it."""
+    def whole_weights(self, ref: AdapterRef) -> Weights:
+        """An adapter's whole pairs (host memory), which rank 0 of a tensor-parallel engine hands the other
+        ranks when it puts the adapter in a slot: they never read adapter files themselves."""
+        return self._host_weights(ref)
+
+    def hold(self, refs: list[AdapterRef | None], given: dict[int, Weights]) -> None:
+        """Rank 0's slots on another rank (`slot_refs`, and the whole pairs of the adapters it put in a slot since
+        it last said): each slot holds the same adapter, this rank's part of it."""
         for slot, ref in enumerate(refs):
             if ref is not None and self.slot_keys[slot] != ref.key:
-                self._fill(slot, ref)
+                if slot not in given:
+                    raise RuntimeError(f"rank 0 put LoRA adapter {ref.name!r} in slot {slot} without its weights")
+                self._fill(slot, ref, given[slot])
 
-    def _fill(self, slot: int, ref: AdapterRef) -> None:
-        weights = self._host_weights(ref)
+    def _fill(self, slot: int, ref: AdapterRef, weights: Weights | None = None) -> None:
+        weights = self._host_weights(ref) if weights is None else weights
         for name, layer in self.layers.items():
             pair = weights.get(name)
-            layer.adapters[slot] = None if pair is None else (pair[0].to(self.device), pair[1].to(self.device))
+            if pair is not None:
+                pair = tuple(t.to(self.device) for t in this_ranks_part(self.targets[name].cut, *pair))
+            layer.adapters[slot] = pair
         self.slot_keys[slot], self.slot_refs[slot] = ref.key, ref
         self.loads += 1
 

@@ -92,6 +92,7 @@ class TPLeader:
         self._finalizer: weakref.finalize | None = None
         self._out = Framer(LeaderMessage)
         self._in = Framer(FollowerMessage)
+        self._held: dict[int, str] = {}  # LoRA slot -> key of the adapter the other ranks hold there
 
     # ---- start -------------------------------------------------------------------------------------------------
     @classmethod
@@ -203,9 +204,20 @@ class TPLeader:
         """Rank 0's adapter slots: the model runner assigns them; every step tells the other ranks (`_lora`)."""
         return self.shard.lora
 
-    def _lora(self, groups) -> LoRAStep | None:
-        """What the other ranks need to apply a pass's adapters (None: none run in it)."""
-        return lora_step(self.shard.lora.slot_refs, groups) if groups and self.shard.lora is not None else None
+    def _lora(self, groups, tensors: list) -> LoRAStep | None:
+        """What the other ranks need to apply a pass's adapters (None: none run in it): the slots, and the whole
+        pairs of adapters put in a slot since the ranks were last told (`_told`, once the message is sent)."""
+        lora = self.shard.lora
+        if not groups or lora is None:
+            return None
+        loads = {slot: lora.whole_weights(ref) for slot, ref in enumerate(lora.slot_refs)
+                 if ref is not None and self._held.get(slot) != ref.key}
+        return lora_step(lora.slot_refs, groups, loads, tensors)
+
+    def _told(self, step: LoRAStep | None) -> None:
+        """Every other rank has been sent `step`: they hold its slots' adapters now."""
+        if step is not None:
+            self._held = {slot: ref.key for slot, ref in enumerate(step.slots) if ref is not None}
 
     def encode_images(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> list[torch.Tensor]:
         grids = [tuple(g) for g in grids]
@@ -214,6 +226,8 @@ class TPLeader:
         for rank in range(1, self.place.size):
             self._send_frames(rank, self._encode_frames(grids, self.shard.share_of(rank, pixels, grids)) if data
                               else frames)
+        if self.shard.lora is not None and active_rows():
+            self._told(LoRAStep(self.shard.lora.slot_refs, []))
         mine = self.shard.share_of(0, pixels, grids) if data else pixels
         return self._collective(lambda: self.shard.encode_images(mine, grids))
 
@@ -223,14 +237,16 @@ class TPLeader:
     def _encode_frames(self, grids: list[tuple[int, int, int]], pixels: torch.Tensor) -> list:
         tensors: list[torch.Tensor] = []
         # a tower adapter runs around this call (vlserve.engine.encoder_runner): the other ranks apply it too
-        return self._out.encode(RunEncode(grids, tensor_ref(pixels, tensors), self._lora(active_rows())), tensors)
+        step = self._lora(active_rows(), tensors)
+        return self._out.encode(RunEncode(grids, tensor_ref(pixels, tensors), step), tensors)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor | None:
         tensors: list[torch.Tensor] = []
-        msg = RunForward(batch_to_wire(batch, tensors), self._lora(batch.lora_rows))
+        msg = RunForward(batch_to_wire(batch, tensors), self._lora(batch.lora_rows, tensors))
         frames = self._out.encode(msg, tensors)
         for rank in range(1, self.place.size):
             self._send_frames(rank, frames)
+        self._told(msg.lora)
         return self._collective(lambda: self.shard.forward(batch))
 
     def read_kv(self, slots: torch.Tensor) -> torch.Tensor:

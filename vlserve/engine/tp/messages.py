@@ -11,17 +11,26 @@ from __future__ import annotations
 import msgspec
 
 from vlserve.core.lora import AdapterRef
-from vlserve.core.wire import TensorRef
+from vlserve.core.wire import TensorRef, tensor_from, tensor_ref
 from vlserve.engine.forward_batch import WireForwardBatch
 
 
 # ---- rank 0 -> the others -------------------------------------------------------------------------------------
+class SlotLoad(msgspec.Struct, array_like=True):
+    """An adapter rank 0 put in `slot`: its whole pairs by target name (each rank cuts its part), in the frames."""
+
+    slot: int
+    pairs: dict[str, tuple[TensorRef, TensorRef]]
+
+
 class LoRAStep(msgspec.Struct, array_like=True):
-    """The LoRA adapters of a step: what each slot holds (rank 0 assigned them) and which rows take which slot
+    """The LoRA adapters of a step: what each slot holds (rank 0 assigned them), the weights of those the other
+    ranks do not hold yet (they never read adapter files), and which rows take which slot
     (vlserve.model.layers.lora_rows groups: rows as (start, stop) ranges, None for all)."""
 
     slots: list[AdapterRef | None]
     rows: list[tuple[int, list[tuple[int, int]] | None]]
+    loads: list[SlotLoad] = []
 
 
 class RunForward(msgspec.Struct, tag="forward"):
@@ -73,12 +82,21 @@ class Failed(msgspec.Struct, tag="failed"):
 FollowerMessage = Hello | Ready | Failed
 
 
-def lora_step(slots: list[AdapterRef | None], groups) -> LoRAStep:
-    """A step's adapters for the wire: `groups` as vlserve.model.layers.lora_rows holds them."""
+def lora_step(slots: list[AdapterRef | None], groups, loads: dict[int, dict], tensors: list) -> LoRAStep:
+    """A step's adapters for the wire: `groups` as vlserve.model.layers.lora_rows holds them, `loads` slot ->
+    whole pairs by target name (their tensors join `tensors`, the message's frames)."""
     return LoRAStep(list(slots), [(slot, None if rows is None else [(r.start, r.stop) for r in rows])
-                                  for slot, rows in groups])
+                                  for slot, rows in groups],
+                    [SlotLoad(slot, {name: (tensor_ref(a, tensors), tensor_ref(b, tensors))
+                                     for name, (a, b) in pairs.items()}) for slot, pairs in loads.items()])
 
 
 def lora_groups(step: LoRAStep) -> tuple:
     """The groups back as lora_rows takes them."""
     return tuple((slot, None if rows is None else tuple(slice(a, b) for a, b in rows)) for slot, rows in step.rows)
+
+
+def lora_loads(step: LoRAStep, frames: list) -> dict[int, dict]:
+    """The loads back: slot -> whole pairs by target name."""
+    return {load.slot: {name: (tensor_from(a, frames), tensor_from(b, frames)) for name, (a, b) in load.pairs.items()}
+            for load in step.loads}

@@ -37,6 +37,7 @@ from vlserve.engine.tp.messages import (
     Stop,
     WriteKV,
     lora_groups,
+    lora_loads,
 )
 from vlserve.engine.tp.placement import Placement, device_for, join_group, leave_group, pin_cores, torchrun_placement
 from vlserve.model.facts import ModelFacts, decode_facts
@@ -95,12 +96,12 @@ def run_rank(place: Placement, args: EngineArgs, facts: ModelFacts | None = None
             if isinstance(msg, RunForward):
                 batch = batch_from_wire(msg.batch, frames)
                 if msg.lora is not None:
-                    shard.lora.hold(msg.lora.slots)
+                    shard.lora.hold(msg.lora.slots, lora_loads(msg.lora, frames))
                     batch.lora_rows = lora_groups(msg.lora)
                 shard.forward(batch)
             elif isinstance(msg, RunEncode):
                 if msg.lora is not None:
-                    shard.lora.hold(msg.lora.slots)
+                    shard.lora.hold(msg.lora.slots, lora_loads(msg.lora, frames))
                 with lora_rows(() if msg.lora is None else lora_groups(msg.lora)):
                     shard.encode_images(tensor_from(msg.pixels, frames), [tuple(g) for g in msg.grids])
             elif isinstance(msg, ReadKV):

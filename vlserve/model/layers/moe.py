@@ -76,34 +76,28 @@ class Experts(nn.Module):
         del self.gate_up_proj, self.down_proj
         return 2 * self.num_experts
 
-    def _expert(self, e: int, x: torch.Tensor, token_slots: torch.Tensor | None = None) -> torch.Tensor:
-        """`token_slots`: each row's LoRA slot (-1: none), when adapters of these weights run in this pass."""
+    def _expert(self, e: int, x: torch.Tensor, spans: list[tuple[int, int, int]] | None = None) -> torch.Tensor:
+        """`spans`: (LoRA slot, first row, end row) of the rows whose adapter adapts these weights."""
         gate_up = self.packed[e][0](x) if self.packed is not None else F.linear(x, self.gate_up_proj[e])
-        if token_slots is not None:
-            self._add_lora("gate_up_proj", e, x, gate_up, token_slots)
+        if spans:
+            self._add_lora("gate_up_proj", e, x, gate_up, spans)
         gate, up = gate_up.chunk(2, dim=-1)
         h = self.act(gate) * up
         y = self.packed[e][1](h) if self.packed is not None else F.linear(h, self.down_proj[e])
-        if token_slots is not None:
-            self._add_lora("down_proj", e, h, y, token_slots)
+        if spans:
+            self._add_lora("down_proj", e, h, y, spans)
         return y
 
-    def _add_lora(self, weight: str, e: int, x: torch.Tensor, out: torch.Tensor, token_slots: torch.Tensor) -> None:
-        """Adds, in place, each row's adapter's delta of expert `e`'s matrix of `weight`: (x A_e^T) B_e^T."""
+    def _add_lora(self, weight: str, e: int, x: torch.Tensor, out: torch.Tensor,
+                  spans: list[tuple[int, int, int]]) -> None:
+        """Adds, in place, each span's adapter's delta of expert `e`'s matrix of `weight`: (x A_e^T) B_e^T."""
         adapters = self.lora.get(weight)
         if adapters is None:
             return
-        slots = torch.unique(token_slots).tolist()
-        for slot in slots:
-            pair = adapters[slot] if slot >= 0 else None
-            if pair is None:
-                continue
-            a, b = pair[0][e], pair[1][e]
-            if len(slots) == 1:  # every row takes this adapter
-                out.addmm_(x @ a.t(), b.t())
-            else:
-                rows = (token_slots == slot).nonzero().squeeze(1)
-                out.index_add_(0, rows, (x[rows] @ a.t()) @ b.t())
+        for slot, first, end in spans:
+            pair = adapters[slot]
+            if pair is not None:
+                out[first:end].addmm_(x[first:end] @ pair[0][e].t(), pair[1][e].t())
 
     def _token_slots(self, n: int, device: torch.device) -> torch.Tensor | None:
         """Each of the pass's n rows' LoRA slot (-1: none), or None when no adapter of these weights runs."""
@@ -128,18 +122,29 @@ class Experts(nn.Module):
             return self._every_expert(x, experts, weights)
         k = experts.shape[1]
         flat = experts.reshape(-1)  # [T*k], token t's slots at t*k .. t*k+k-1
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        # With adapters: sorted by (expert, LoRA slot), so each expert's rows of one adapter are one span, all
+        # counted with one host sync (never one per expert).
+        kinds = 1 if token_slots is None else len(next(iter(self.lora.values()))) + 1  # no adapter, slot 0, ...
+        key = flat if token_slots is None else flat * kinds + (token_slots + 1).repeat_interleave(k)
+        order = torch.argsort(key, stable=True)
+        counts = torch.bincount(key, minlength=self.num_experts * kinds).tolist()
         tokens = order // k
         out = torch.zeros_like(x)
         start = 0
-        for e, n in enumerate(counts):  # experts in ascending order, like the reference's accumulation
+        for e in range(self.num_experts):  # experts in ascending order, like the reference's accumulation
+            per_slot = counts[e * kinds : (e + 1) * kinds]
+            n = sum(per_slot)
             if n == 0:
                 continue
             slots = order[start : start + n]
             rows = tokens[start : start + n]
             start += n
-            y = self._expert(e, x[rows], None if token_slots is None else token_slots[rows])
+            spans, first = [], 0
+            for kind, count in enumerate(per_slot):
+                if kind and count:
+                    spans.append((kind - 1, first, first + count))
+                first += count
+            y = self._expert(e, x[rows], spans)
             out.index_add_(0, rows, y * weights.reshape(-1)[slots, None])
         return out
 
