@@ -100,8 +100,9 @@ def test_each_adapter_and_the_base_model_match_the_aggregated_engine(cluster, of
 
 
 def test_e_p_d_each_adapter_and_the_base_model_match_the_aggregated_engine(cluster, offline, adapters, ckpt):
-    """The decode instance sends each request's adapter to a prefill instance: Q refuses (no --enable-lora) and
-    the request goes to P, so every answer is the adapter's whichever instance the decode instance tried first."""
+    """The decode instance sends each request's adapter to a prefill instance: every answer is the adapter's
+    whichever instance it tries first (Q, without --enable-lora, refuses and the request is retried on P; that
+    Q refuses is shown by the next test, with Q alone)."""
     cluster.use_encoders("A")
     cluster.wait_prefills("decode", 2)
     chats = [picture_chat(11), picture_chat(12, 13, text="Compare."),
