@@ -284,9 +284,27 @@ def test_default_layer_pattern_from_the_interval(pair, tmp_path):
     assert t.layer_types == ("linear_attention",) * 3 + ("full_attention",)
 
 
-def test_tensor_parallel_is_refused(pair):
-    with pytest.raises(ConfigurationError, match="single rank"):
-        load_model(pair("qwen3_5")[0], dtype=torch.float32, tp=TPGroup(rank=0, size=2))
+def test_tensor_parallel_splits_the_linear_attention_by_heads(pair):
+    """Rank 1 of 2 holds the second half of the key heads and of the value heads: their rows of in_proj_qkv and
+    of the conv (q, k, v each split on its own), of in_proj_z/b/a, dt_bias and A_log; out_proj's columns.
+    (Token parity at two ranks: tests/test_tensor_parallel.py.)"""
+    path = pair("qwen3_5")[0]
+    whole = load_model(path, dtype=torch.float32).language_model
+    half = load_model(path, dtype=torch.float32, tp=TPGroup(rank=1, size=2)).language_model
+    i = next(i for i, layer in enumerate(whole.layers) if layer.is_linear)
+    w, h = whole.layers[i].linear_attn, half.layers[i].linear_attn
+
+    def second_halves(t: torch.Tensor, sizes: list[int], dim: int = 0) -> torch.Tensor:
+        return torch.cat([p.chunk(2, dim)[1] for p in t.split(sizes, dim)], dim)
+
+    qkv = [w.key_size, w.key_size, w.value_size]
+    assert torch.equal(h.in_proj_qkv.weight, second_halves(w.in_proj_qkv.weight, qkv))
+    assert torch.equal(h.conv1d.weight, second_halves(w.conv1d.weight, qkv))
+    for name in ("in_proj_z", "in_proj_b", "in_proj_a"):
+        assert torch.equal(getattr(h, name).weight, getattr(w, name).weight.chunk(2)[1]), name
+    assert torch.equal(h.dt_bias, w.dt_bias.chunk(2)[1]) and torch.equal(h.A_log, w.A_log.chunk(2)[1])
+    assert torch.equal(h.out_proj.weight, w.out_proj.weight.chunk(2, 1)[1])
+    assert (h.num_key_heads, h.num_value_heads) == (w.num_key_heads // 2, w.num_value_heads // 2)
 
 
 def test_missing_expert_is_reported(pair, tmp_path):

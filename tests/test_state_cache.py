@@ -308,10 +308,10 @@ def test_state_pool_comes_out_of_the_kv_memory_budget(base_cfg, monkeypatch):
         resolve_config(args, facts)
 
 
-def test_tensor_parallel_refuses_hybrid_models_and_kv_moving_roles_take_them(base_cfg):
-    facts = msgspec.structs.replace(base_cfg.facts, model=hybrid(base_cfg.model))
-    with pytest.raises(InvalidInputError, match="tensor_parallel_size 1"):
-        resolve_config(EngineArgs(model=str(base_cfg.model_path), device="cpu", tensor_parallel_size=2), facts)
+def test_tensor_parallel_needs_evenly_split_linear_heads_and_kv_moving_roles_take_hybrids(base_cfg):
+    facts = msgspec.structs.replace(base_cfg.facts, model=hybrid(base_cfg.model))  # 2 key heads, 4 value heads
+    with pytest.raises(InvalidInputError, match=r"linear-attention heads \(2 key, 4 value\) .* 4"):
+        resolve_config(EngineArgs(model=str(base_cfg.model_path), device="cpu", tensor_parallel_size=4), facts)
     cfg = _cfg(base_cfg)
     for role in ("prefill", "decode"):  # their states travel with the KV (tests/test_qwen3_5_disagg.py)
         assert make_connector(role, cfg) is not None

@@ -121,9 +121,10 @@ def check_tensor_parallel(args: EngineArgs, model: ModelConfig, quantization: Qu
         raise InvalidInputError(f"mm_encoder_tp_mode must be '{WEIGHTS}' or '{DATA}', got {args.mm_encoder_tp_mode!r}")
     if tp == 1:
         return
-    if model.is_hybrid and args.load_language:
-        raise InvalidInputError(f"{model.architecture} has linear-attention layers, whose per-sequence states are not "
-                                "split over tensor-parallel ranks yet: use tensor_parallel_size 1")
+    la = model.text.linear_attention if args.load_language else None
+    if la is not None and (la.num_key_heads % tp or la.num_value_heads % tp):
+        raise InvalidInputError(f"tensor parallelism: the linear-attention heads ({la.num_key_heads} key, "
+                                f"{la.num_value_heads} value) are not divisible by tensor_parallel_size {tp}")
     if device.type == "cuda":
         if device.index is not None:
             raise InvalidInputError("with tensor_parallel_size > 1 rank r runs on cuda:r (of CUDA_VISIBLE_DEVICES); "

@@ -18,7 +18,7 @@ import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from vlserve.core.errors import ConfigurationError, ModelLoadError
+from vlserve.core.errors import ModelLoadError
 from vlserve.model.families import family_of
 from vlserve.model.hardware import resolve_dtype
 from vlserve.model.kernels import cpu_kernels
@@ -212,9 +212,6 @@ def load_model(
     `tp`: this rank's share of a tensor-parallel model (`vision_tp`: the vision tower's, when it differs).
     `towers`: the media towers to build ("vision", "audio"; None: all the model has); others' tensors are skipped."""
     cfg = cfg or load_model_config(folder)
-    if cfg.is_hybrid and tp.size > 1 and with_language:
-        raise ConfigurationError(f"{cfg.architecture} (hybrid linear attention) runs on a single rank for now: "
-                                 f"tensor_parallel_size {tp.size} is not supported")
     if quantization is None and cfg.quantization:  # a 4-bit checkpoint loads as one whatever the caller passed
         quantization = resolve_quantization(None, cfg.quantization)
     device = torch.device(device)

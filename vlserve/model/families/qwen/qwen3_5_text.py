@@ -12,7 +12,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vlserve.core.errors import ConfigurationError
 from vlserve.model.config_types import TextConfig
 from vlserve.model.decoder import DecoderModel
 from vlserve.model.layers.attention import AttentionMetadata, paged_attention
@@ -21,7 +20,7 @@ from vlserve.model.layers.linear_state import LinearLayerState
 from vlserve.model.layers.mlp import GatedMLP
 from vlserve.model.layers.moe import SparseMoE
 from vlserve.model.layers.norm import GatedRMSNorm, ZeroCenteredRMSNorm
-from vlserve.model.layers.parallel import column_linear, current_tp, head_split, row_linear
+from vlserve.model.layers.parallel import Column, column_linear, current_tp, even_split, head_split, row_linear
 from vlserve.model.layers.rotary import SectionedRotaryEmbedding, rotate_heads_
 
 
@@ -65,23 +64,34 @@ class GatedDeltaNet(nn.Module):
     def __init__(self, cfg: TextConfig):
         super().__init__()
         la = cfg.linear_attention
-        self.la = la
-        self.key_size, self.value_size = la.num_key_heads * la.key_head_dim, la.num_value_heads * la.value_head_dim
-        self.in_proj_qkv = nn.Linear(cfg.hidden_size, la.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(cfg.hidden_size, self.value_size, bias=False)
-        self.in_proj_b = nn.Linear(cfg.hidden_size, la.num_value_heads, bias=False)
-        self.in_proj_a = nn.Linear(cfg.hidden_size, la.num_value_heads, bias=False)
-        self.conv1d = nn.Conv1d(la.conv_dim, la.conv_dim, la.conv_kernel, groups=la.conv_dim, bias=False)
-        self.dt_bias = nn.Parameter(torch.ones(la.num_value_heads))
-        self.A_log = nn.Parameter(torch.zeros(la.num_value_heads))
+        self.la, self.tp = la, (tp := current_tp())
+        # Tensor parallel: each rank keeps whole key heads and the value heads that use them (value head j reads
+        # key head j // (value heads per key head), so even splits of both stay together); out_proj's partial sums
+        # are all-reduced. At one rank every split is whole.
+        keys = head_split(la.num_key_heads, la.key_head_dim, tp, "linear-attention key heads")
+        values = head_split(la.num_value_heads, la.value_head_dim, tp, "linear-attention value heads")
+        heads = even_split(la.num_value_heads, tp, "linear-attention value heads")
+        self.num_key_heads, self.num_value_heads = keys.size // la.key_head_dim, heads.size
+        self.key_size, self.value_size = keys.size, values.size
+        conv = {"q": keys, "k": keys, "v": values}  # the conv channels are in_proj_qkv's outputs, split alike
+        self.in_proj_qkv = column_linear(cfg.hidden_size, conv, bias=False)
+        self.in_proj_z = column_linear(cfg.hidden_size, {"": values}, bias=False)
+        self.in_proj_b = column_linear(cfg.hidden_size, {"": heads}, bias=False)
+        self.in_proj_a = column_linear(cfg.hidden_size, {"": heads}, bias=False)
+        conv_dim = 2 * keys.size + values.size
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, la.conv_kernel, groups=conv_dim, bias=False)
+        self.conv1d.tp_rules = {"weight": Column(conv)}
+        self.dt_bias = nn.Parameter(torch.ones(heads.size))
+        self.A_log = nn.Parameter(torch.zeros(heads.size))
+        self.tp_rules = {"dt_bias": Column({"": heads}), "A_log": Column({"": heads})}
         self.norm = GatedRMSNorm(la.value_head_dim, cfg.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_size, cfg.hidden_size, bias=False)
+        self.out_proj = row_linear(values, cfg.hidden_size, False, tp)
 
     def _heads(self, mixed: torch.Tensor):
         la, n = self.la, mixed.shape[0]
         q, k, v = mixed.split([self.key_size, self.key_size, self.value_size], dim=-1)
-        return (q.view(n, la.num_key_heads, la.key_head_dim), k.view(n, la.num_key_heads, la.key_head_dim),
-                v.view(n, la.num_value_heads, la.value_head_dim))
+        return (q.view(n, self.num_key_heads, la.key_head_dim), k.view(n, self.num_key_heads, la.key_head_dim),
+                v.view(n, self.num_value_heads, la.value_head_dim))
 
     def forward(self, x, cos, sin, state: LinearLayerState, meta: AttentionMetadata) -> torch.Tensor:
         lin = meta.linear
@@ -93,7 +103,7 @@ class GatedDeltaNet(nn.Module):
         beta = self.in_proj_b(x).sigmoid()
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
         weight = self.conv1d.weight.squeeze(1)  # [conv_dim, kernel]
-        core = x.new_zeros(T, la.num_value_heads, la.value_head_dim)
+        core = x.new_zeros(T, self.num_value_heads, la.value_head_dim)
         nd = meta.num_decode_tokens
         if nd:
             slots, fresh = lin.slots[:nd], lin.fresh[:nd]
@@ -117,7 +127,7 @@ class GatedDeltaNet(nn.Module):
                 state.conv[dst].copy_(window[:, n : n + width])
                 state.recurrent[dst].copy_(snapshot)
         out = self.norm(core.view(-1, la.value_head_dim), z.view(-1, la.value_head_dim))
-        return self.out_proj(out.view(T, self.value_size))
+        return self.tp.all_reduce(self.out_proj(out.view(T, self.value_size)))
 
 
 class HybridLayer(nn.Module):
@@ -150,9 +160,6 @@ class Qwen3_5TextModel(DecoderModel):
     norm and rotary angles for the rotated part of each head only."""
 
     def __init__(self, cfg: TextConfig):
-        if current_tp().size > 1:
-            raise ConfigurationError("Qwen3.5 (hybrid linear attention) runs on a single rank for now: use "
-                                     "tensor_parallel_size 1")
         super().__init__(cfg, HybridLayer)
         self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = SectionedRotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.rotary_sections,
