@@ -13,7 +13,6 @@ import ast
 import re
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -22,12 +21,12 @@ import torch
 from tests.conftest import IMG, assert_pool_full, noise_image
 from vlserve import LLM, SamplingParams
 from vlserve.core.config import EngineArgs
-from vlserve.core.errors import ConfigurationError, InvalidInputError
+from vlserve.core.errors import InvalidInputError
 from vlserve.core.messages import EngineCoreOutput, Handoff, TokenLogprobs
 from vlserve.core.prompt import MultiModalItem, ProcessedPrompt
 from vlserve.engine.config import resolve_config
 from vlserve.engine.core import EngineCore
-from vlserve.engine.kv_connector import DecodeConnector, PrefillConnector, make_connector
+from vlserve.engine.kv_connector import DecodeConnector, make_connector
 from vlserve.engine.kv_handoff import kv_to_rows, rows_to_kv
 from vlserve.engine.transfer_buffers import TransferBuffers
 from vlserve.frontend.input_processor import InputProcessor
@@ -299,12 +298,6 @@ def test_an_engine_without_a_connector_refuses_handed_over_kv(path, prefill):
     assert make_connector("serve", None) is None and make_connector(None, None) is None
 
 
-def test_connectors_refuse_tensor_parallelism_for_hybrid_models_at_start():
-    for connector in (PrefillConnector, DecodeConnector):
-        with pytest.raises(ConfigurationError, match="linear states .* tensor parallelism"):
-            connector(SimpleNamespace(tensor_parallel_size=2, model=SimpleNamespace(is_hybrid=True)))
-
-
 def test_gathered_heads_put_every_ranks_heads_in_model_order_and_drop_copies():
     from vlserve.engine.model_shard import gathered_heads, kv_heads_of
 
@@ -315,13 +308,30 @@ def test_gathered_heads_put_every_ranks_heads_in_model_order_and_drop_copies():
     assert gathered_heads(2, 8, 4).tolist() == [0, 2]
 
 
+@pytest.fixture(scope="module")
+def engines(path, prefill, whole, tiny_ckpt):
+    """arch -> (checkpoint, a one-rank prefill engine, the one-engine reference): Qwen2-VL's, and a hybrid
+    model's (Qwen3.5: its linear states follow the KV rows)."""
+    made = {"qwen2_vl": (path, prefill, whole)}
+
+    def get(arch: str):
+        if arch not in made:
+            ckpt = tiny_ckpt(arch)
+            made[arch] = (ckpt, Prefill(ckpt), LLM(ckpt, dtype="float32", num_kv_blocks=256, block_size=8))
+        return made[arch]
+
+    return get
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen3_5"])
 @pytest.mark.parametrize("prefill_ranks, decode_ranks", [(2, 1), (1, 2), (2, 2)])
-def test_tensor_parallel_instances_hand_over_exactly(path, prefill, whole, prefill_ranks, decode_ranks):
-    """The rows hold every key/value head whatever the ranks: a prefill engine at two ranks gathers its ranks'
-    heads into them (the same rows as one rank's, up to the order of fp32 sums), a decode engine at two ranks
-    writes each rank's own heads; a picture prompt greedy and a text prompt seeded go on as one engine. (One
-    process holds one tensor-parallel engine at a time: everything is prefilled before the decode engine starts,
-    as two instances would have it.)"""
+def test_tensor_parallel_instances_hand_over_exactly(engines, arch, prefill_ranks, decode_ranks):
+    """The rows hold the whole model's KV (every key/value head) and linear states (every head, in the one-rank
+    layout) whatever the ranks: a prefill engine at two ranks gathers its ranks' parts into them (the same rows as
+    one rank's, up to the order of fp32 sums), a decode engine at two ranks writes each rank's own; a picture
+    prompt greedy and a text prompt seeded go on as one engine. (One process holds one tensor-parallel engine at
+    a time: everything is prefilled before the decode engine starts, as two instances would have it.)"""
+    path, prefill, whole = engines(arch)
     cases = [(PICTURE, CASES["greedy"]), (PROMPTS[1], CASES["seeded"])]
     pre = Prefill(path, tensor_parallel_size=2) if prefill_ranks == 2 else prefill
     try:

@@ -26,7 +26,7 @@ from vlserve.engine.decode_graphs import DecodeGraphs
 from vlserve.engine.forward_batch import ForwardBatch, attention_metadata
 from vlserve.engine.vision_graphs import VisionGraphs, supports_graphs
 from vlserve.engine.encoder_runner import cpu_budget, groups_of
-from vlserve.engine.state_rows import pack_state, unpack_state
+from vlserve.engine.state_rows import pack_parts, state_parts, unpack_parts, unpack_state
 from vlserve.model.accelerator import Accelerator, to_device
 from vlserve.model.decoder import SideRows
 from vlserve.model.layers.linear_state import LinearLayerState, copy_state_slots, new_layer_states
@@ -230,11 +230,46 @@ class ModelShard:
             cache.index_copy_(1, index, layer.to(self.device, cache.dtype))
 
     def read_state_rows(self, slot: int, width: int) -> torch.Tensor:
-        """A hybrid model's linear states in `slot` as handoff rows (engine.state_rows), on the CPU."""
-        return pack_state(self.layer_states, slot, width, self.kv_caches[self.kv_layers[0]].dtype)
+        """A hybrid model's linear states in `slot` as handoff rows (engine.state_rows), on the CPU: the whole
+        model's (tensor parallelism: every rank calls it, and the ranks' heads are gathered)."""
+        parts = state_parts(self.layer_states, slot)
+        if self.tp.size > 1:
+            parts = [self._whole_state(p, conv=i % 2 == 0) for i, p in enumerate(parts)]
+        return pack_parts(parts, width, self.kv_caches[self.kv_layers[0]].dtype)
 
     def write_state_rows(self, slot: int, rows: torch.Tensor) -> None:
-        unpack_state(rows, self.layer_states, slot)
+        """Rows as `read_state_rows` gives them (tensor parallelism: each rank writes its own heads' part)."""
+        if self.tp.size == 1:
+            return unpack_state(rows, self.layer_states, slot)
+        parts, n = state_parts(self.layer_states, slot), self.tp.size
+        layout = [(torch.Size([p.shape[0] * n, *p.shape[1:]]), p.dtype) for p in parts]
+        for i, (p, whole) in enumerate(zip(parts, unpack_parts(rows, layout))):
+            p.copy_(self._rank_state(whole, conv=i % 2 == 0).to(p.device))
+
+    def _conv_sizes(self) -> list[int]:
+        """This rank's conv channels of the linear attention: its q, k and v parts (heads x head size)."""
+        la, n = self.model.cfg.text.linear_attention, self.tp.size
+        keys = la.num_key_heads // n * la.key_head_dim
+        return [keys, keys, la.num_value_heads // n * la.value_head_dim]
+
+    def _whole_state(self, part: torch.Tensor, conv: bool) -> torch.Tensor:
+        """One layer's conv or recurrent state of every rank, in the one-rank layout: recurrent states are the
+        value heads in rank order; conv channels are q, k, v, each of them in rank order."""
+        gathered = self.tp.all_gather(part.contiguous(), dim=0)
+        if not conv:
+            return gathered
+        per_rank = [r.split(self._conv_sizes()) for r in gathered.chunk(self.tp.size)]
+        return torch.cat([pieces[i] for i in range(3) for pieces in per_rank])
+
+    def _rank_state(self, whole: torch.Tensor, conv: bool) -> torch.Tensor:
+        """This rank's part of a one-rank layout state (the inverse of `_whole_state`)."""
+        r, n = self.tp.rank, self.tp.size
+        if not conv:
+            size = whole.shape[0] // n
+            return whole[r * size : (r + 1) * size]
+        sizes = self._conv_sizes()
+        return torch.cat([full[r * size : (r + 1) * size]
+                          for full, size in zip(whole.split([x * n for x in sizes]), sizes)])
 
 
 def kv_heads_of(num_kv_heads: int, head_dim: int, rank: int, ranks: int) -> tuple[int, int]:

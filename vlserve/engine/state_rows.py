@@ -29,13 +29,20 @@ def state_row_count(model: ModelConfig, dtype: torch.dtype) -> int:
     return -(-nbytes // row_bytes)
 
 
-def _parts(states: list[LinearLayerState | None], slot: int) -> list[torch.Tensor]:
+def state_parts(states: list[LinearLayerState | None], slot: int) -> list[torch.Tensor]:
+    """The tensors one slot's state is made of: every linear layer's conv state then recurrent state."""
     return [t[slot] for st in states if st is not None for t in (st.conv, st.recurrent)]
 
 
 def pack_state(states: list[LinearLayerState | None], slot: int, width: int, dtype: torch.dtype) -> torch.Tensor:
     """The state in `slot` of every linear layer as [count, width] rows of `dtype`, on the CPU."""
-    data = torch.cat([p.detach().cpu().contiguous().view(-1).view(torch.uint8) for p in _parts(states, slot)])
+    return pack_parts(state_parts(states, slot), width, dtype)
+
+
+def pack_parts(parts: list[torch.Tensor], width: int, dtype: torch.dtype) -> torch.Tensor:
+    """`parts` (state_parts, or whole-model ones gathered from tensor-parallel ranks) as rows, their bytes back to
+    back."""
+    data = torch.cat([p.detach().cpu().contiguous().view(-1).view(torch.uint8) for p in parts])
     row_bytes = width * torch.empty((), dtype=dtype).element_size()
     padded = torch.zeros(-(-data.numel() // row_bytes) * row_bytes, dtype=torch.uint8)
     padded[: data.numel()] = data
@@ -45,18 +52,24 @@ def pack_state(states: list[LinearLayerState | None], slot: int, width: int, dty
 def unpack_state(rows: torch.Tensor, states: list[LinearLayerState | None], slot: int) -> None:
     """Writes rows made by `pack_state` into `slot` of every linear layer. Refuses (InvalidInputError) rows too
     short for this model's states or a state that is not finite (a peer's NaN would decode garbage)."""
+    parts = state_parts(states, slot)
+    for p, v in zip(parts, unpack_parts(rows, [(p.shape, p.dtype) for p in parts])):
+        p.copy_(v.to(p.device))
+
+
+def unpack_parts(rows: torch.Tensor, layout: list[tuple[torch.Size, torch.dtype]]) -> list[torch.Tensor]:
+    """The tensors of shapes and dtypes `layout` that rows made by `pack_parts` hold (checked as unpack_state
+    says), on the rows' device."""
     data = rows.contiguous().view(-1).view(torch.uint8)
-    parts = _parts(states, slot)
-    need = sum(p.numel() * p.element_size() for p in parts)
+    need = sum(shape.numel() * torch.empty((), dtype=dtype).element_size() for shape, dtype in layout)
     if data.numel() < need:
         raise InvalidInputError(f"the handed-over linear-attention state has {data.numel()} bytes; this model's "
                                 f"takes {need}")
     values, offset = [], 0
-    for p in parts:
-        n = p.numel() * p.element_size()
-        values.append(data[offset : offset + n].view(p.dtype).view(p.shape))
+    for shape, dtype in layout:
+        n = shape.numel() * torch.empty((), dtype=dtype).element_size()
+        values.append(data[offset : offset + n].view(dtype).view(shape))
         offset += n
     if not all(bool(torch.isfinite(v).all()) for v in values):
         raise InvalidInputError("the handed-over linear-attention state holds NaN or infinite values")
-    for p, v in zip(parts, values):
-        p.copy_(v.to(p.device))
+    return values

@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from vlserve.core.errors import ConfigurationError, InvalidInputError
+from vlserve.core.errors import InvalidInputError
 from vlserve.core.messages import EngineCoreOutput
 from vlserve.core.prompt import ProcessedPrompt
 from vlserve.core.request import Request, RequestStatus
@@ -26,9 +26,6 @@ logger = logging.getLogger(__name__)
 
 class DecodeConnector(KVConnector):
     def __init__(self, cfg):
-        if cfg.tensor_parallel_size > 1 and cfg.model.is_hybrid:
-            raise ConfigurationError("a hybrid model's linear states are not handed between instances with "
-                                     "tensor parallelism: run the decode role with --tensor-parallel-size 1")
         self.cfg = cfg
         self.state_rows = state_row_count(cfg.model, cfg.dtype)  # after each prompt's KV rows (hybrid models)
         self._pending: dict[str, PendingKV] = {}  # KV to write when the request is (re)admitted

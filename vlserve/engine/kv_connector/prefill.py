@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from vlserve.core.errors import ConfigurationError, InvalidInputError
+from vlserve.core.errors import InvalidInputError
 from vlserve.core.messages import EngineCoreOutput
 from vlserve.core.prompt import ProcessedPrompt
 from vlserve.core.request import Request, RequestStatus
@@ -24,9 +24,6 @@ HELD_KV_TTL_S = 120.0  # a finished prefill's blocks are kept this long at most
 
 class PrefillConnector(KVConnector):
     def __init__(self, cfg, ttl: float = HELD_KV_TTL_S):
-        if cfg.tensor_parallel_size > 1 and cfg.model.is_hybrid:
-            raise ConfigurationError("a hybrid model's linear states are not handed between instances with "
-                                     "tensor parallelism: run the prefill role with --tensor-parallel-size 1")
         self.ttl = ttl
         # Finished, blocks kept until exported: (request, since, a hybrid model's state rows read at its finish).
         self.held: dict[str, tuple[Request, float, torch.Tensor | None]] = {}

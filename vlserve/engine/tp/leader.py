@@ -38,11 +38,13 @@ from vlserve.engine.tp.messages import (
     LeaderMessage,
     LoRAStep,
     ReadKV,
+    ReadState,
     Ready,
     RunEncode,
     RunForward,
     Stop,
     WriteKV,
+    WriteState,
     lora_step,
 )
 from vlserve.engine.tp.placement import (
@@ -266,10 +268,19 @@ class TPLeader:
         self.shard.write_kv(slots, kv)
 
     def read_state_rows(self, slot: int, width: int) -> torch.Tensor:
-        raise InvalidInputError("a hybrid model's linear states are not handed between instances with tensor "
-                                "parallelism")
+        """A hybrid model's linear states in `slot`, every rank's heads gathered (ModelShard.read_state_rows)."""
+        frames = self._out.encode(ReadState(slot, width), [])
+        for rank in range(1, self.place.size):
+            self._send_frames(rank, frames)
+        return self._collective(lambda: self.shard.read_state_rows(slot, width))
 
-    write_state_rows = read_state_rows
+    def write_state_rows(self, slot: int, rows: torch.Tensor) -> None:
+        """Each rank writes its heads' part of `rows` into `slot`, before its next step."""
+        tensors: list[torch.Tensor] = []
+        frames = self._out.encode(WriteState(slot, tensor_ref(rows.contiguous(), tensors)), tensors)
+        for rank in range(1, self.place.size):
+            self._send_frames(rank, frames)
+        self.shard.write_state_rows(slot, rows)
 
     # ---- failures ------------------------------------------------------------------------------------------------
     def check_alive(self) -> None:

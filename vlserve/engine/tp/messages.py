@@ -58,11 +58,25 @@ class WriteKV(msgspec.Struct, tag="write_kv"):
     kv: TensorRef
 
 
+class ReadState(msgspec.Struct, tag="read_state"):
+    """Every rank gathers a hybrid model's linear states in `slot` into handoff rows of `width`."""
+
+    slot: int
+    width: int
+
+
+class WriteState(msgspec.Struct, tag="write_state"):
+    """Every rank writes its heads' part of the handed-over linear states (all of them, as rows) into `slot`."""
+
+    slot: int
+    rows: TensorRef
+
+
 class Stop(msgspec.Struct, tag="stop"):
     pass
 
 
-LeaderMessage = RunForward | RunEncode | ReadKV | WriteKV | Stop
+LeaderMessage = RunForward | RunEncode | ReadKV | WriteKV | ReadState | WriteState | Stop
 
 
 # ---- the others -> rank 0 -------------------------------------------------------------------------------------

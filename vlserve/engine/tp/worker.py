@@ -31,11 +31,13 @@ from vlserve.engine.tp.messages import (
     Hello,
     LeaderMessage,
     ReadKV,
+    ReadState,
     Ready,
     RunEncode,
     RunForward,
     Stop,
     WriteKV,
+    WriteState,
     lora_groups,
     lora_loads,
 )
@@ -108,6 +110,10 @@ def run_rank(place: Placement, args: EngineArgs, facts: ModelFacts | None = None
                 shard.read_kv(tensor_from(msg.slots, frames))  # this rank's heads join rank 0's gather
             elif isinstance(msg, WriteKV):
                 shard.write_kv(tensor_from(msg.slots, frames), tensor_from(msg.kv, frames))
+            elif isinstance(msg, ReadState):
+                shard.read_state_rows(msg.slot, msg.width)  # this rank's heads join rank 0's gather
+            elif isinstance(msg, WriteState):
+                shard.write_state_rows(msg.slot, tensor_from(msg.rows, frames))
             elif isinstance(msg, Stop):
                 return 0
     except (Exception, msgspec.DecodeError) as e:  # noqa: BLE001 - every failure goes to rank 0, then we exit
