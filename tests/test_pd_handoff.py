@@ -324,27 +324,24 @@ def engines(path, prefill, whole, tiny_ckpt):
 
 
 @pytest.mark.parametrize("arch", ["qwen2_vl", "qwen3_5"])
-@pytest.mark.parametrize("prefill_ranks, decode_ranks", [(2, 1), (1, 2), (2, 2)])
-def test_tensor_parallel_instances_hand_over_exactly(engines, arch, prefill_ranks, decode_ranks):
+def test_tensor_parallel_instances_hand_over_exactly(engines, arch):
     """The rows hold the whole model's KV (every key/value head) and linear states (every head, in the one-rank
     layout) whatever the ranks: a prefill engine at two ranks gathers its ranks' parts into them (the same rows as
-    one rank's, up to the order of fp32 sums), a decode engine at two ranks writes each rank's own; a picture
-    prompt greedy and a text prompt seeded go on as one engine. (One process holds one tensor-parallel engine at
-    a time: everything is prefilled before the decode engine starts, as two instances would have it.)"""
+    one rank's, up to the order of fp32 sums: so they also go to a one-rank decode engine, which every other test
+    here shows), a decode engine at two ranks writes each rank's own; a picture prompt greedy and a text prompt
+    seeded go on as one engine. (One process holds one tensor-parallel engine at a time: everything is prefilled
+    before the decode engine starts, as two instances would have it.)"""
     path, prefill, whole = engines(arch)
     cases = [(PICTURE, CASES["greedy"]), (PROMPTS[1], CASES["seeded"])]
-    pre = Prefill(path, tensor_parallel_size=2) if prefill_ranks == 2 else prefill
+    pre = Prefill(path, tensor_parallel_size=2)
     try:
         handed = [prefilled(pre, prompt, params, f"t{i}") for i, (prompt, params) in enumerate(cases)]
         assert_pool_full(pre)
     finally:
-        if pre is not prefill:
-            pre.core.shutdown()
-    if pre is not prefill:
-        for i, (prompt, params) in enumerate(cases):
-            torch.testing.assert_close(handed[i][2], prefilled(prefill, prompt, params, f"one{i}")[2], rtol=0,
-                                       atol=1e-4)
-    decode = Decode(path, tensor_parallel_size=decode_ranks)
+        pre.core.shutdown()
+    for i, (prompt, params) in enumerate(cases):
+        torch.testing.assert_close(handed[i][2], prefilled(prefill, prompt, params, f"one{i}")[2], rtol=0, atol=1e-4)
+    decode = Decode(path, tensor_parallel_size=2)
     try:
         for i, ((prompt, params), (processed, handoff, rows)) in enumerate(zip(cases, handed)):
             decode.add(f"t{i}", decode.receive(f"t{i}", processed, rows), params, handoff)

@@ -226,12 +226,12 @@ def test_two_ranks_match_transformers_batched_chunked_and_preempted(tiny_ckpt, e
         llm.shutdown()
 
 
-@pytest.mark.parametrize("arch, mode", [("qwen3_vl", "data"), ("qwen3_vl_moe", "weights"),
-                                        ("qwen3_5_moe", "weights")])
+@pytest.mark.parametrize("arch, mode", [("qwen3_vl", "data"), ("qwen3_5_moe", "weights")])
 def test_two_ranks_match_one_for_qwen3(tiny_ckpt, arch, mode):
-    """DeepStack features, MoE experts and (Qwen3.5-MoE) the linear attention's heads, states and conv channels
-    split over ranks give the single-device tokens (which test_qwen3_vl / test_qwen3_5_parity check against
-    transformers)."""
+    """DeepStack features, and (Qwen3.5-MoE) MoE experts with a shared expert and the linear attention's heads,
+    states and conv channels, split over ranks give the single-device tokens (which test_qwen3_vl /
+    test_qwen3_5_parity check against transformers). Qwen3-VL-MoE at two ranks: test_lora_parity's
+    two-rank test (its base-model rows included)."""
     path = str(tiny_ckpt(arch))
     one = LLM(path, dtype="float32", num_kv_blocks=256)
     want = [o.outputs[0].token_ids for o in one.generate(_requests(_prompts()), GREEDY, use_tqdm=False)]
