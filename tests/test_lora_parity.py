@@ -280,12 +280,16 @@ def test_moe_expert_adapters_equal_the_merged_checkpoint(families, arch):
 
 
 @pytest.mark.parametrize("arch, mode", [("qwen2_vl", "weights"), ("qwen3_vl_moe", "weights"), ("qwen3_vl", "data")])
-def test_two_ranks_serve_adapters_like_the_merged_checkpoints(families, arch, mode):
+def test_two_ranks_serve_adapters_like_the_merged_checkpoints(families, arch, mode, tmp_path):
     """Tensor parallelism over two ranks: each holds its part of every adapter, cut as its weights are (B's rows
     of column-parallel linears and of the experts' gate_up, A's columns of row-parallel ones; each rank's partial
     delta summed by the layer's all-reduce), filled as rank 0 assigns slots. A batch of adapters of the LM, the
     experts, the tower (split over the ranks, or whole on each with the data-parallel encoder) and the base model
-    equals the merged checkpoints' answers."""
+    equals the merged checkpoints' answers.
+
+    Qwen2-VL also shows that only rank 0 reads adapter files (when a request arrives); the other ranks get the
+    weights from it when the adapter goes into a slot. So folders gone after their requests were admitted (an
+    adapter unloaded and deleted while its requests run) cost nothing."""
     fam = families(arch)
     llm = LLM(str(fam.path), dtype="float32", num_kv_blocks=256, enable_lora=True, max_loras=4, max_lora_rank=16,
               tensor_parallel_size=2, mm_encoder_tp_mode=mode)
@@ -294,31 +298,18 @@ def test_two_ranks_serve_adapters_like_the_merged_checkpoints(families, arch, mo
         if arch in EXPERT_ARCHS:
             items += [(PICTURE, "experts"), (TEXT, "experts")]
         run_and_check(fam, items, llm)
-        assert_pool_full(llm)
-    finally:
-        llm.shutdown()
-
-
-def test_other_ranks_take_adapters_from_rank_0_never_from_disk(families, tmp_path):
-    """Rank 0 reads a request's adapter when the request arrives; the other ranks get its weights from rank 0
-    when it goes into a slot. So a folder gone after the request was admitted (an adapter unloaded and deleted
-    while its requests run) costs nothing: with one slot, two adapters take turns in it, and both answers are
-    their merged models'."""
-    fam = families("qwen2_vl")
-    llm = LLM(str(fam.path), dtype="float32", num_kv_blocks=256, enable_lora=True, max_loras=1, max_lora_rank=16,
-              tensor_parallel_size=2)
-    try:
-        core, text = llm.engine.core, fam.prompt(TEXT)[0]
-        for name in ("lm", "both"):
-            copy = shutil.copytree(fam.adapter(name), tmp_path / name)
-            ref = llm.engine.loras.for_request(LoRARequest(f"{name}-copy", 1, str(copy)))
-            core.add_request(name, with_adapter(llm.engine.input_processor.process(text), ref), GREEDY)
-            shutil.rmtree(copy)  # read by rank 0 already; the other rank has not seen it
-        tokens = {"lm": [], "both": []}
-        while core.has_unfinished:
-            for out in core.step():
-                tokens[out.request_id] += out.new_token_ids
-        assert tokens == {name: fam.expected(name, text, [])[1] for name in tokens}
+        if arch == "qwen2_vl":
+            core, text = llm.engine.core, fam.prompt(TEXT)[0]
+            for name in ("lm", "both"):  # copies under new names: new adapters for every rank
+                copy = shutil.copytree(fam.adapter(name), tmp_path / name)
+                ref = llm.engine.loras.for_request(LoRARequest(f"{name}-copy", 1, str(copy)))
+                core.add_request(name, with_adapter(llm.engine.input_processor.process(text), ref), GREEDY)
+                shutil.rmtree(copy)  # read by rank 0 already; the other rank has not seen it
+            tokens = {"lm": [], "both": []}
+            while core.has_unfinished:
+                for out in core.step():
+                    tokens[out.request_id] += out.new_token_ids
+            assert tokens == {name: fam.expected(name, text, [])[1] for name in tokens}
         assert_pool_full(llm)
     finally:
         llm.shutdown()
