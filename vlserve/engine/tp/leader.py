@@ -216,10 +216,15 @@ class TPLeader:
                  if ref is not None and self._held.get(slot) != ref.key}
         return lora_step(lora.slot_refs, groups, loads, tensors)
 
-    def _told(self, step: LoRAStep | None) -> None:
-        """Every other rank has been sent `step`: they hold its slots' adapters now."""
-        if step is not None:
-            self._held = {slot: ref.key for slot, ref in enumerate(step.slots) if ref is not None}
+    def _told(self, slots: list) -> None:
+        """Every other rank has been sent these slots (with any weights they lacked): they hold them now."""
+        self._held = {slot: ref.key for slot, ref in enumerate(slots) if ref is not None}
+
+    def _tell_others(self, msg, tensors: list[torch.Tensor] | None = None) -> None:
+        """The same message to every other rank (they run it in the order sent)."""
+        frames = self._out.encode(msg, tensors or [])
+        for rank in range(1, self.place.size):
+            self._send_frames(rank, frames)
 
     def encode_images(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> list[torch.Tensor]:
         grids = [tuple(g) for g in grids]
@@ -229,7 +234,7 @@ class TPLeader:
             self._send_frames(rank, self._encode_frames(grids, self.shard.share_of(rank, pixels, grids)) if data
                               else frames)
         if self.shard.lora is not None and active_rows():
-            self._told(LoRAStep(self.shard.lora.slot_refs, []))
+            self._told(self.shard.lora.slot_refs)
         mine = self.shard.share_of(0, pixels, grids) if data else pixels
         return self._collective(lambda: self.shard.encode_images(mine, grids))
 
@@ -245,41 +250,32 @@ class TPLeader:
     def forward(self, batch: ForwardBatch) -> torch.Tensor | None:
         tensors: list[torch.Tensor] = []
         msg = RunForward(batch_to_wire(batch, tensors), self._lora(batch.lora_rows, tensors))
-        frames = self._out.encode(msg, tensors)
-        for rank in range(1, self.place.size):
-            self._send_frames(rank, frames)
-        self._told(msg.lora)
+        self._tell_others(msg, tensors)
+        if msg.lora is not None:
+            self._told(msg.lora.slots)
         return self._collective(lambda: self.shard.forward(batch))
 
     def read_kv(self, slots: torch.Tensor) -> torch.Tensor:
         """Every key/value head at these slots: each rank's own, gathered (ModelShard.read_kv)."""
         tensors: list[torch.Tensor] = []
-        frames = self._out.encode(ReadKV(tensor_ref(slots, tensors)), tensors)
-        for rank in range(1, self.place.size):
-            self._send_frames(rank, frames)
+        self._tell_others(ReadKV(tensor_ref(slots, tensors)), tensors)
         return self._collective(lambda: self.shard.read_kv(slots))
 
     def write_kv(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
         """Each rank writes its own heads of `kv` (every head) at these slots, before its next step."""
         tensors: list[torch.Tensor] = []
-        frames = self._out.encode(WriteKV(tensor_ref(slots, tensors), tensor_ref(kv.contiguous(), tensors)), tensors)
-        for rank in range(1, self.place.size):
-            self._send_frames(rank, frames)
+        self._tell_others(WriteKV(tensor_ref(slots, tensors), tensor_ref(kv.contiguous(), tensors)), tensors)
         self.shard.write_kv(slots, kv)
 
     def read_state_rows(self, slot: int, width: int) -> torch.Tensor:
         """A hybrid model's linear states in `slot`, every rank's heads gathered (ModelShard.read_state_rows)."""
-        frames = self._out.encode(ReadState(slot, width), [])
-        for rank in range(1, self.place.size):
-            self._send_frames(rank, frames)
+        self._tell_others(ReadState(slot, width))
         return self._collective(lambda: self.shard.read_state_rows(slot, width))
 
     def write_state_rows(self, slot: int, rows: torch.Tensor) -> None:
         """Each rank writes its heads' part of `rows` into `slot`, before its next step."""
         tensors: list[torch.Tensor] = []
-        frames = self._out.encode(WriteState(slot, tensor_ref(rows.contiguous(), tensors)), tensors)
-        for rank in range(1, self.place.size):
-            self._send_frames(rank, frames)
+        self._tell_others(WriteState(slot, tensor_ref(rows.contiguous(), tensors)), tensors)
         self.shard.write_state_rows(slot, rows)
 
     # ---- failures ------------------------------------------------------------------------------------------------
