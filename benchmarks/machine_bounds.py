@@ -10,8 +10,15 @@ import torch
 from vlserve.model.hf_config import load_model_config
 
 # Bytes one quantized weight occupies in vlserve: int8 one byte (+ an fp32 scale per row, negligible); int4 half a
-# byte plus an fp32 scale and zero per group of 128. The LM head stays in the compute dtype.
+# byte plus an fp32 scale and zero per group of 128. int8 quantizes the LM head too; int4 checkpoints keep theirs
+# in the compute dtype.
 QUANTIZED_WEIGHT_BYTES = {"int8": 1.0, "awq": 0.5 + 8 / 128, "gptq": 0.5 + 8 / 128}
+QUANTIZED_HEAD = ("int8",)
+
+
+def head_bytes(method: str | None, compute_bytes: float) -> float:
+    """Bytes of one LM-head weight under a quantization method (None: unquantized)."""
+    return QUANTIZED_WEIGHT_BYTES[method] if method in QUANTIZED_HEAD else compute_bytes
 
 
 def _rate(fn, seconds: float) -> float:

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from machine_bounds import QUANTIZED_WEIGHT_BYTES, decode_bytes_per_token, read_bandwidth  # noqa: E402
+from machine_bounds import QUANTIZED_WEIGHT_BYTES, decode_bytes_per_token, head_bytes, read_bandwidth  # noqa: E402
 from picture_workload import run_phases  # noqa: E402
 
 from vlserve import LLM, SamplingParams  # noqa: E402
@@ -96,7 +96,7 @@ def main() -> None:
         del llm
         gc.collect()
         logits = teacher_forced_logits(folders[m], None if m == "none" else m, dtype_name, sequences)
-        bound = bandwidth / decode_bytes_per_token(args.model, QUANTIZED_WEIGHT_BYTES.get(m, elt), elt)
+        bound = bandwidth / decode_bytes_per_token(args.model, QUANTIZED_WEIGHT_BYTES.get(m, elt), head_bytes(m, elt))
         results[m] = (speed, bound, logits)
         gc.collect()
     base_speed, _, base_logits = results["none"]

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from machine_bounds import QUANTIZED_WEIGHT_BYTES, decode_bytes_per_token, read_bandwidth  # noqa: E402
+from machine_bounds import QUANTIZED_WEIGHT_BYTES, decode_bytes_per_token, head_bytes, read_bandwidth  # noqa: E402
 from vs_vllm_client import Load, checkpoint, measure, print_rows  # noqa: E402
 
 from tests.server_utils import free_port  # noqa: E402
@@ -94,7 +94,7 @@ def main() -> None:
     ours = measure("vlserve", [sys.executable, "-m", "vlserve", "serve", "--model", model, "--dtype", "float32",
                                "--quantization", "int8", "--port", str(port), "--max-model-len", "4096",
                                "--disable-log-requests"], None, port, args.vllm_venv, model, loads)
-    bound = read_bandwidth() / decode_bytes_per_token(model, QUANTIZED_WEIGHT_BYTES["int8"], 4)
+    bound = read_bandwidth() / decode_bytes_per_token(model, QUANTIZED_WEIGHT_BYTES["int8"], head_bytes("int8", 4))
     print(f"\n{Path(model).name} Qwen2-VL, 8-bit weights (Q8_0 / int8), fp32 activations; batch-1 decode bound "
           f"{bound:.0f} tok/s from memory bandwidth")
     for load, a, b in zip(loads, ours, peer):

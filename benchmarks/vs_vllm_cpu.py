@@ -31,6 +31,7 @@ from machine_bounds import (  # noqa: E402
     active_lm_params,
     decode_bytes_per_token,
     gemm_flops,
+    head_bytes,
     read_bandwidth,
     vision_flops_per_patch,
 )
@@ -143,7 +144,7 @@ def main() -> None:
             tokens_per_out = (r["offline_output_tokens"] + r["offline_prompt_tokens"]) / r["offline_output_tokens"]
             offline_bound = flops[dtype] / (2 * active_lm_params(args.model) * tokens_per_out)
         wb = QUANTIZED_WEIGHT_BYTES.get(quant) or elt
-        r["decode_bound"] = bandwidth / decode_bytes_per_token(args.model, wb, elt)
+        r["decode_bound"] = bandwidth / decode_bytes_per_token(args.model, wb, head_bytes(quant, elt))
         decode_bound = decode_bound or r["decode_bound"]
         patches = (448 // cfg.vision.patch_size) ** 2
         lm_tokens = patches // cfg.vision.spatial_merge_size**2 + 20

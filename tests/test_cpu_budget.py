@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from vlserve.core.cpu_budget import CpuBudget, cpu_budget, media_pool_size, plan_threads, sleep_waiting_threads
+from vlserve.core.cpu_budget import CpuBudget, cpu_budget, media_pool_size, plan_threads, short_spin_waits
 
 V2_MOUNT = "29 23 0:26 / /sys/fs/cgroup rw,nosuid,nodev,noexec,relatime shared:4 - cgroup2 cgroup2 rw,nsdelegate"
 V1_MOUNT = "32 31 0:29 / /sys/fs/cgroup/cpu,cpuacct rw,nosuid,relatime shared:9 - cgroup cgroup rw,cpu,cpuacct"
@@ -140,16 +140,16 @@ def test_the_log_line(tmp_path):
     assert plan_threads(None, budget=budget, env={}).describe(2) == (
         "CPU budget: 2 threads (cgroup v2 cpu.max 200000/100000 on 64 cores in affinity); torch 2 threads, "
         "media pool 2")
-    assert plan_threads(None, budget=budget, env={"OMP_WAIT_POLICY": "PASSIVE"}).describe().endswith(
-        "torch 2 threads; OMP_WAIT_POLICY=PASSIVE")
+    assert plan_threads(None, budget=budget, env={"GOMP_SPINCOUNT": "10000", "KMP_BLOCKTIME": "1"}).describe().endswith(
+        "torch 2 threads; OpenMP waits: GOMP_SPINCOUNT=10000, KMP_BLOCKTIME=1")
 
 
-def test_waiting_threads_sleep_unless_the_user_chose_how_they_wait():
+def test_waiting_threads_spin_briefly_unless_the_user_chose_how_they_wait():
     env: dict[str, str] = {}
-    assert sleep_waiting_threads(env) and env == {"OMP_WAIT_POLICY": "PASSIVE"}
-    for name, value in (("OMP_WAIT_POLICY", "ACTIVE"), ("GOMP_SPINCOUNT", "10000"), ("KMP_BLOCKTIME", "0")):
+    assert short_spin_waits(env) and env == {"GOMP_SPINCOUNT": "10000", "KMP_BLOCKTIME": "1"}
+    for name, value in (("OMP_WAIT_POLICY", "PASSIVE"), ("GOMP_SPINCOUNT", "300000"), ("KMP_BLOCKTIME", "0")):
         chosen = {name: value}
-        assert not sleep_waiting_threads(chosen) and chosen == {name: value}
+        assert not short_spin_waits(chosen) and chosen == {name: value}
 
 
 def test_the_cli_sets_it_before_torch_loads_and_children_inherit_it():
@@ -158,10 +158,10 @@ def test_the_cli_sets_it_before_torch_loads_and_children_inherit_it():
     code = ("import os, sys; from vlserve.cli import main; "
             "sys.argv = ['vlserve', 'make-tiny-model', '--help']\n"
             "try: main()\nexcept SystemExit: pass\n"
-            "print(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)")
+            "print(os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules)")
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert out.stdout.split()[-2:] == ["PASSIVE", "False"], out.stdout + out.stderr
+    assert out.stdout.split()[-2:] == ["10000", "False"], out.stdout + out.stderr
 
 
 def test_the_engine_thread_setup_applies_the_plan(monkeypatch, caplog):

@@ -84,6 +84,19 @@ def test_quantized_linears_agree_across_the_kernel_and_dense_paths(dtype):
     _close(few, many, dtype)
 
 
+def test_int8_dense_path_expands_a_large_head_in_pieces(monkeypatch):
+    """Past the kernel's rows, a weight with more outputs than one piece is expanded piece by piece (an LM head's
+    vocabulary): the same result as the whole weight."""
+    from vlserve.model.layers import quantized_linear
+
+    monkeypatch.setattr(quantized_linear, "DENSE_CHUNK_ROWS", 24)
+    torch.manual_seed(0)
+    q = Int8Linear.from_linear(torch.nn.Linear(64, 100, bias=True))
+    x = torch.randn(KERNEL_MAX_ROWS + 8, 64)
+    with torch.inference_mode():
+        torch.testing.assert_close(q(x), x @ q.dequantized_weight().t() + q.bias, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("heads, d", [(6, 32), (10, 64), (2, 16)])  # GQA groups of 3, 5 (4 + 1), 1

@@ -119,6 +119,9 @@ def _dense_copy(model: torch.nn.Module, src, dst):
     for name, module in model.named_modules():
         if not isinstance(module, (Int4Linear, Int8Linear)):
             continue
+        if name == "lm_head":
+            tensors["lm_head.weight"] = module.dequantized_weight().contiguous()
+            continue
         layer, ours = name.split(".")[2], name.rsplit(".", 1)[1]
         pieces = OURS[ours]
         weight = module.dequantized_weight()
@@ -142,6 +145,8 @@ def test_quantized_engine_matches_its_dequantized_weights(tiny_ckpt, int4_ckpt, 
     model = llm.engine.core.runner.model
     kinds = {type(m) for m in model.language_model.layers.modules()}
     assert (Int8Linear if method == "int8" else Int4Linear) in kinds and torch.nn.Linear not in kinds
+    # int8 quantizes the LM head too (made at load time); int4 checkpoints keep theirs as stored
+    assert isinstance(model.lm_head, Int8Linear) == (method == "int8")
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert_pool_full(llm)
     reference = LLM(str(_dense_copy(model, src, tmp_path / "dense")), dtype="float32", num_kv_blocks=64)
@@ -172,6 +177,31 @@ def test_int8_stays_close_to_the_full_precision_model(tiny_ckpt):
         if isinstance(m, Int8Linear):
             w = dense.get_submodule(name).weight
             assert (m.dequantized_weight() - w).abs().max() <= w.abs().amax(1).max() / 254 + 1e-6
+    assert isinstance(quant.lm_head, Int8Linear)
+
+
+def test_int8_lm_head_computes_the_logits_tied_or_not(tiny_ckpt):
+    """The LM head goes int8 (a tied one as its own copy: the embedding table stays in full precision), and the
+    logits are the hidden states times the dequantized head, on the kernel's rows and past them."""
+    from vlserve.model.quantization import quantize_int8
+
+    path = tiny_ckpt("qwen2_vl")
+    for tied in (False, True):
+        model = load_model(path, dtype="float32")
+        embed = model.language_model.embed_tokens.weight.clone()
+        head = embed if tied else model.lm_head.weight.detach().clone()
+        if tied:
+            model.lm_head = None  # what a checkpoint with tie_word_embeddings loads as
+        assert quantize_int8(model) == 4 * len(model.language_model.layers) + 1
+        assert isinstance(model.lm_head, Int8Linear)
+        assert torch.equal(model.language_model.embed_tokens.weight, embed)
+        w = model.lm_head.dequantized_weight()
+        assert (w - head).abs().max() <= head.abs().amax(1).max() / 254 + 1e-6
+        torch.manual_seed(0)
+        for rows in (1, 40):  # the kernel, then the dense path
+            hidden = torch.randn(rows, w.shape[1])
+            with torch.inference_mode():
+                torch.testing.assert_close(model.compute_logits(hidden), hidden @ w.t(), rtol=1e-4, atol=1e-4)
 
 
 # ---- failure paths -------------------------------------------------------------------------------------------

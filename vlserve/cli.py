@@ -9,7 +9,7 @@ import sys
 import textwrap
 
 from vlserve.bench import cli as bench_cli
-from vlserve.core.cpu_budget import sleep_waiting_threads
+from vlserve.core.cpu_budget import short_spin_waits
 from vlserve.core.errors import VlserveError, exit_code
 from vlserve.core.processes import log_format
 from vlserve.disagg import cli as disagg_cli
@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    sleep_waiting_threads()  # before any command imports torch
+    short_spin_waits()  # before any command imports torch
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format=log_format())
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per registry call or media fetch is noise

@@ -22,6 +22,9 @@ from pathlib import Path
 
 OMP_ENV = "OMP_NUM_THREADS"
 WAIT_POLICY_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")  # a user's choice of how threads wait
+# How long an OpenMP thread waiting at a barrier spins before it sleeps (see short_spin_waits): GNU OpenMP (torch's
+# wheels) in spins, Intel's (when preloaded) in milliseconds.
+SHORT_SPIN = {"GOMP_SPINCOUNT": "10000", "KMP_BLOCKTIME": "1"}
 MEDIA_POOL_MAX = 4  # media threads when not set: what the pool had before, fewer under a smaller budget
 V2_DEFAULT_MOUNT, V1_DEFAULT_MOUNT = "/sys/fs/cgroup", "/sys/fs/cgroup/cpu"
 
@@ -76,7 +79,7 @@ class ThreadPlan:
     ranks: int
     cpu_threads: int | None  # --cpu-threads as given
     omp: int | None  # OMP_NUM_THREADS when it set torch_threads
-    wait_policy: str | None = None  # OMP_WAIT_POLICY (sleep_waiting_threads sets PASSIVE unless the user chose)
+    waits: str = ""  # how OpenMP threads wait, as set in the environment (short_spin_waits, or the user)
 
     def describe(self, media_pool: int | None = None) -> str:
         why = self.budget.reason()
@@ -88,7 +91,7 @@ class ThreadPlan:
         if self.omp is not None:
             torch += f" ({OMP_ENV}={self.omp} in the environment wins over the budget)"
         pool = "" if media_pool is None else f", media pool {media_pool}"
-        waits = "" if self.wait_policy is None else f"; OMP_WAIT_POLICY={self.wait_policy}"
+        waits = f"; OpenMP waits: {self.waits}" if self.waits else ""
         return f"CPU budget: {self.total} threads ({why}); {torch}{pool}{waits}"
 
 
@@ -102,22 +105,24 @@ def plan_threads(cpu_threads: int | None = None, ranks: int = 1, budget: CpuBudg
     total = cpu_threads if cpu_threads is not None else budget.cpus
     omp = None if cpu_threads is not None else omp_threads(env)
     threads = omp if omp is not None else max(1, total // ranks)
-    return ThreadPlan(budget, total, threads, ranks, cpu_threads, omp, env.get("OMP_WAIT_POLICY"))
+    waits = ", ".join(f"{name}={env[name]}" for name in WAIT_POLICY_ENV if name in env)
+    return ThreadPlan(budget, total, threads, ranks, cpu_threads, omp, waits)
 
 
-def sleep_waiting_threads(env: MutableMapping[str, str] | None = None) -> bool:
-    """OpenMP threads that wait at a barrier sleep instead of spinning (OMP_WAIT_POLICY=PASSIVE), unless the user
-    chose a wait policy (OMP_WAIT_POLICY, GOMP_SPINCOUNT or KMP_BLOCKTIME set). GNU OpenMP spins ~300,000 times
-    before it sleeps: on cores something else also wants (other processes, the front end beside the engine, a
-    CFS quota) the spinning thread burns the time slice the thread it waits for needs, and every one of a step's
-    parallel regions pays for it (small model, 2 cores, two busy processes beside the server: 208 ms a token
-    spinning, 19 ms sleeping; the same on a quiet machine). Set before torch is imported (OpenMP reads it when it
-    loads): the CLI does it first, and the engine process, tensor-parallel ranks and roles inherit it. Returns
-    whether it set the policy."""
+def short_spin_waits(env: MutableMapping[str, str] | None = None) -> bool:
+    """OpenMP threads that wait at a barrier spin briefly, then sleep (GOMP_SPINCOUNT=10000; KMP_BLOCKTIME=1 for
+    Intel's runtime), unless the user chose how they wait (OMP_WAIT_POLICY, GOMP_SPINCOUNT or KMP_BLOCKTIME set).
+    Both ends cost: GNU OpenMP's default ~300,000 spins burn, on cores something else also wants (other
+    processes, the front end beside the engine, a CFS quota), the time slice of the thread they wait for, once per
+    parallel region (small model, 2 busy processes beside the server: TPOT 208 ms spinning, 19 ms sleeping); not
+    spinning at all (OMP_WAIT_POLICY=PASSIVE) puts a futex wake-up, tens of microseconds on a VM, on each of a
+    decode step's ~60 regions (medium model int8, quiet 2-core Intel: TPOT 24 ms passive, 15 ms with the short
+    spin; busy, 44 and 32). Set before torch is imported (OpenMP reads it when it loads): the CLI does it first,
+    and the engine process, tensor-parallel ranks and roles inherit it. Returns whether it set anything."""
     env = os.environ if env is None else env
     if any(name in env for name in WAIT_POLICY_ENV):
         return False
-    env["OMP_WAIT_POLICY"] = "PASSIVE"
+    env.update(SHORT_SPIN)
     return True
 
 

@@ -179,7 +179,9 @@ def quantized_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def quantize_int8(model: nn.Module) -> int:
     """After loading: the decoder layers' linears become Int8Linear (not MoE routers, whose few outputs decide
-    which experts run, nor odd shapes the kernel cannot tile, which no released model has); returns how many.
+    which experts run, nor odd shapes the kernel cannot tile, which no released model has), and so does the LM
+    head (as llama.cpp's Q8_0 does: a small model's vocabulary projection is a large share of each decode step's
+    bytes; a tied head gets its own int8 copy, the embedding table stays as it is); returns how many.
     MoE experts stay in the compute dtype."""
     lm = getattr(model, "language_model", None)
     if lm is None:
@@ -192,4 +194,11 @@ def quantize_int8(model: nn.Module) -> int:
             if type(child) is nn.Linear and Int8Linear.supports(child):
                 setattr(module, name, Int8Linear.from_linear(child))
                 swapped += 1
+    head = getattr(model, "lm_head", False)
+    if type(head) is nn.Linear and Int8Linear.supports(head):
+        model.lm_head = Int8Linear.from_linear(head)
+        swapped += 1
+    elif head is None and Int8Linear.fits(lm.embed_tokens.weight):  # tied to the embedding table
+        model.lm_head = Int8Linear.from_weight(lm.embed_tokens.weight)
+        swapped += 1
     return swapped

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from vlserve.model.kernels import cpu_kernels
 
 KERNEL_MAX_ROWS = 32  # up to this many rows the kernel beats expanding the weight for a dense GEMM
+DENSE_CHUNK_ROWS = 8192  # past the kernel's rows, a weight is expanded this many output rows at a time
 
 
 def interleave4(t: torch.Tensor) -> torch.Tensor:
@@ -72,22 +73,33 @@ class Int8Linear(nn.Module):
 
     @staticmethod
     def supports(linear: nn.Linear) -> bool:
-        return linear.out_features % 4 == 0 and linear.in_features % 16 == 0
+        return Int8Linear.fits(linear.weight)
+
+    @staticmethod
+    def fits(weight: torch.Tensor) -> bool:
+        """The kernel tiles 4 output rows by 16 input channels."""
+        return weight.dim() == 2 and weight.shape[0] % 4 == 0 and weight.shape[1] % 16 == 0
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8Linear:
         if not cls.supports(linear):
             raise ValueError(f"int8 linear needs out_features % 4 == 0 and in_features % 16 == 0, got {linear}")
-        w = linear.weight.detach().float()
-        scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
-        module = cls(linear.in_features, linear.out_features, linear.bias is not None, linear.weight.dtype,
-                     linear.weight.device)
-        module.qweight.copy_(interleave4(torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)))
-        module.scale.copy_(scale)
-        if linear.bias is not None:
-            module.bias.data.copy_(linear.bias.detach())
+        module = cls.from_weight(linear.weight, linear.bias)
         if hasattr(linear, "tp_rules"):  # how the layer is split stays known (LoRA cuts its adapters by it)
             module.tp_rules = linear.tp_rules
+        return module
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
+        """The int8 copy of a [out, in] weight (e.g. a tied LM head's embedding table, which stays as it is)."""
+        out_features, in_features = weight.shape
+        w = weight.detach().float()
+        scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+        module = cls(in_features, out_features, bias is not None, weight.dtype, weight.device)
+        module.qweight.copy_(interleave4(torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)))
+        module.scale.copy_(scale)
+        if bias is not None:
+            module.bias.data.copy_(bias.detach())
         return module
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -97,8 +109,11 @@ class Int8Linear(nn.Module):
         kernels = _kernel_for(x)
         if kernels is not None:
             y = kernels.int8_linear(x.contiguous(), self.qweight, self.scale, cpu_kernels.isa_cap())
-        else:  # per-channel scale applied to the output: the GEMM sees exact integers
+        elif self.out_features <= DENSE_CHUNK_ROWS:  # per-channel scale on the output: the GEMM sees exact integers
             y = F.linear(x, deinterleave4(self.qweight).to(x.dtype)) * self.scale.to(x.dtype)
+        else:  # an LM head: expanding a 150k-word vocabulary at once would be a GB-sized temporary
+            y = torch.cat([F.linear(x, deinterleave4(q).to(x.dtype)) * s.to(x.dtype) for q, s in
+                           zip(self.qweight.split(DENSE_CHUNK_ROWS), self.scale.split(DENSE_CHUNK_ROWS))], dim=-1)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

@@ -13,6 +13,12 @@ static inline vf vloadT(const uint16_t* p) { return vload_bf16(p); }
 // tile(n) + (b / 16) * 64 + j * 16 + b % 16, with tile(n) = base + n * row_bytes.
 static inline long il(long b, long j) { return (b >> 4) * 64 + j * 16 + (b & 15); }
 
+// A decode step streams each weight once from memory. The hardware prefetchers alone leave the loads waiting
+// (measured: ~11 GB/s of a 2-core machine's 17-24), so the weight loops ask for the line this far ahead of the
+// one they read (~1.3x faster from memory; it runs into the next tile, which is read next).
+constexpr long PREFETCH_AHEAD = 2048;
+static inline void prefetch_ahead(const void* p) { __builtin_prefetch(static_cast<const char*>(p) + PREFETCH_AHEAD); }
+
 // ---- weight-only int8: y[m, n] = scale[n] * sum_k x[m, k] * q[n, k] ----------------------------------------
 template <int MB, int NB>
 static inline void i8_tile(const float* x, long K, const int8_t* tile, int j0, const float* scale, float* y, long N,
@@ -22,6 +28,7 @@ static inline void i8_tile(const float* x, long K, const int8_t* tile, int j0, c
         for (int j = 0; j < NB; j++) acc[i][j] = vzero();
     for (long k = 0; k < K; k += W) {
         vf w[NB];
+        prefetch_ahead(tile + il(k, 0));
         for (int j = 0; j < NB; j++) w[j] = vload_i8(tile + il(k, j0 + j));
         for (int i = 0; i < MB; i++) {
             vf xv = vload(x + (m + i) * K + k);
@@ -64,6 +71,7 @@ static inline void i4_tile(const float* x, const float* xsum, long K, const uint
         for (long kb = g * group; kb < (g + 1) * group; kb += 32) {
             for (long h = 0; h < 16; h += W) {
                 vf lo[NB], hi[NB];
+                prefetch_ahead(tile + il(kb / 2 + h, 0));
                 for (int j = 0; j < NB; j++) vload_u4(tile + il(kb / 2 + h, j0 + j), lo[j], hi[j]);
                 for (int i = 0; i < MB; i++) {
                     vf xl = vload(x + (m + i) * K + kb + h), xh = vload(x + (m + i) * K + kb + 16 + h);
