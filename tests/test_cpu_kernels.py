@@ -84,12 +84,28 @@ def test_quantized_linears_agree_across_the_kernel_and_dense_paths(dtype):
     _close(few, many, dtype)
 
 
-def test_int8_dense_path_expands_a_large_head_in_pieces(monkeypatch):
-    """Past the kernel's rows, a weight with more outputs than one piece is expanded piece by piece (an LM head's
-    vocabulary): the same result as the whole weight."""
+@pytest.mark.parametrize("isa", ISAS)
+def test_int8_expand(isa):
+    """Rows [n0, n1) of an interleaved int8 weight, scaled, as fp32: exactly the dequantized weight's rows."""
+    torch.manual_seed(0)
+    q = Int8Linear.from_linear(torch.nn.Linear(48, 20))
+    want = q.dequantized_weight()
+    for n0, n1 in ((0, 20), (4, 12), (16, 16)):
+        assert torch.equal(kernels.int8_expand(q.qweight, q.scale, n0, n1, isa), want[n0:n1])
+    with pytest.raises(RuntimeError, match="rows"):
+        kernels.int8_expand(q.qweight, q.scale, 2, 8, isa)
+
+
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_int8_dense_path_expands_a_large_weight_in_pieces(monkeypatch, path):
+    """Past the kernel's rows a weight is expanded piece by piece (a cache-sized piece with the kernels, pieces of
+    an LM head's vocabulary without them): the same result as the whole dequantized weight."""
     from vlserve.model.layers import quantized_linear
 
+    monkeypatch.setattr(quantized_linear, "EXPAND_BYTES", 8 * 64 * 4)  # 8 rows of 64 inputs
     monkeypatch.setattr(quantized_linear, "DENSE_CHUNK_ROWS", 24)
+    if path == "torch":
+        monkeypatch.setattr(quantized_linear.cpu_kernels, "for_tensor", lambda x, dtypes=None: None)
     torch.manual_seed(0)
     q = Int8Linear.from_linear(torch.nn.Linear(64, 100, bias=True))
     x = torch.randn(KERNEL_MAX_ROWS + 8, 64)

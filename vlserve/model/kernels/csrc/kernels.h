@@ -11,6 +11,7 @@ constexpr long VLS_ATT_KEYS = 64;  // and keys per block (key/value heads are pa
     namespace NS {                                                                                                 \
     void int8_rows(const float* x, long M, long K, const int8_t* q, const float* scale, float* y, long N,          \
                    long n0, long n1);                                                                              \
+    void int8_expand(const int8_t* q, const float* scale, long K, long n0, long n1, float* out);                   \
     void int4_rows(const float* x, const float* xsum, long M, long K, const uint8_t* packed, const float* scales,  \
                    const float* zeros, long group, float* y, long N, long n0, long n1);                            \
     void scores_f32(const float* q, const float* k, long stride, const int64_t* blocks, long ctx, long bs,        \

@@ -52,6 +52,19 @@ void int8_rows(const float* x, long M, long K, const int8_t* q, const float* sca
     }
 }
 
+// rows n0..n1 (multiples of 4) of an interleaved int8 weight, each times its scale, as fp32 rows out[n - n0] (the
+// weight of a dense GEMM when a call has too many rows for int8_rows)
+void int8_expand(const int8_t* q, const float* scale, long K, long n0, long n1, float* out) {
+    for (long n = n0; n < n1; n += 4) {
+        const int8_t* tile = q + n * K;
+        for (int j = 0; j < 4; j++) {
+            const vf s = vset1(scale[n + j]);
+            float* row = out + (n - n0 + j) * K;
+            for (long k = 0; k < K; k += W) vstore(row + k, vmul(vload_i8(tile + il(k, j)), s));
+        }
+    }
+}
+
 // ---- weight-only int4 with groups: y[m, n] = sum_g scales[n, g] * sum_{k in g} x[m, k] * (q[n, k] - zeros[n, g])
 // Per 32 values of k a row has 16 bytes: byte i holds k = i (low nibble) and k = 16 + i (high nibble); rows are
 // interleaved by 4 as above. The zero is taken out per group as zeros * sum_k x (xsum, precomputed), so the inner

@@ -60,6 +60,25 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const 
     return y.to(x.scalar_type()).view(sizes);
 }
 
+// q [N, K] int8 interleaved by 4 rows, scale [N] fp32 -> rows [n0, n1) of q * scale as fp32 [n1 - n0, K]
+// (n0, n1 multiples of 4)
+torch::Tensor int8_expand(const torch::Tensor& q, const torch::Tensor& scale, int64_t n0, int64_t n1, int64_t cap) {
+    check_2d(q, "q");
+    TORCH_CHECK(q.scalar_type() == torch::kChar && scale.scalar_type() == torch::kFloat && scale.is_contiguous() &&
+                    scale.device().is_cpu() && scale.numel() == q.size(0), "int8_expand: int8 q, one fp32 scale a row");
+    const long N = q.size(0), K = q.size(1);
+    TORCH_CHECK(0 <= n0 && n0 <= n1 && n1 <= N && n0 % 4 == 0 && n1 % 4 == 0 && K % 16 == 0, "int8_expand: rows");
+    auto out = torch::empty({n1 - n0, K}, scale.options());
+    const int isa = pick(cap);
+    const int8_t* qp = q.data_ptr<int8_t>();
+    const float* sp = scale.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    at::parallel_for(n0 / 4, n1 / 4, 4, [&](int64_t b, int64_t e) {
+        VLS_DISPATCH(isa, int8_expand, qp, sp, K, b * 4, e * 4, op + (b * 4 - n0) * K);
+    });
+    return out;
+}
+
 // x [M, K], packed [N, K/2] uint8 interleaved by 4 rows (kernels_impl.h), scales / zeros [N, K/group] fp32 ->
 // [M, N] in x's dtype (N a multiple of 4)
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
@@ -330,6 +349,7 @@ torch::Tensor gated_delta_step(torch::Tensor& pool, const torch::Tensor& slots, 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("cpu_isa", &cpu_isa, "best kernel ISA this CPU runs: 0 generic, 1 AVX2, 2 AVX-512, 3 AVX-512-BF16");
     m.def("int8_linear", &int8_linear);
+    m.def("int8_expand", &int8_expand);
     m.def("int4_linear", &int4_linear);
     m.def("paged_decode_attention", &paged_decode_attention);
     m.def("rms_norm", &rms_norm);
