@@ -47,6 +47,13 @@ def start_vlserve(args: list[str], **popen_kwargs) -> subprocess.Popen:
                             preexec_fn=die_with_parent, **popen_kwargs)
 
 
+def descendants(pid: int) -> set[int]:
+    """Every process below `pid` (children, theirs, ...), as `ps` sees them now."""
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    kids = {int(p) for p in out.split()}
+    return kids | {g for k in kids for g in descendants(k)}
+
+
 def stop(proc: subprocess.Popen) -> None:
     """Ctrl-C first (the process shuts its children down in order), then kill; then whatever is left of its
     process group (start_vlserve) goes too."""

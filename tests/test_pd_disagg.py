@@ -8,6 +8,8 @@ prefill side; no receive block leaks anywhere. `serve --disagg --num-prefill 1 -
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -19,7 +21,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_utils import free_port, log_file, scrape, start_vlserve, stop, wait_healthy
+from tests.server_utils import descendants, free_port, log_file, scrape, start_vlserve, stop, wait_healthy
 from tests.test_disagg import (
     BACKENDS,
     CASES,
@@ -230,9 +232,25 @@ def test_serve_disagg_runs_e_p_d_in_one_command(tiny_ckpt, offline):
         client.served_model = str(tiny_ckpt("qwen2_vl"))
         for messages in (CASES["one image"], CASES["text only"]):
             assert ask(client, messages) == expected_text(offline, messages)
+        # SIGTERM (what Kubernetes and systemd send; Ctrl-C's SIGINT takes the same path in the launcher): every
+        # role and engine process stops, quietly, and the port is free again
+        family = descendants(proc.pid)
+        assert len(family) >= 6  # bootstrap, encoder, prefill and decode, their engine processes
+        said = len(Path(log.name).read_text())
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, Path(log.name).read_text()[-3000:]
     finally:
         stop(proc)
         log.close()
+    alive = [p for p in family if os.path.exists(f"/proc/{p}") and "zombie" not in
+             open(f"/proc/{p}/status").read().lower()]
+    assert not alive, f"roles still running after SIGTERM: {alive}"
+    at_stop = Path(log.name).read_text()[said:]
+    assert " WARNING " not in at_stop and " ERROR " not in at_stop and "Traceback" not in at_stop, at_stop[-3000:]
+    with socket.socket() as s:  # nobody listens (the answered connections may leave TIME_WAIT entries behind)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+        s.listen()
     bad = subprocess.run([sys.executable, "-m", "vlserve", "serve", "--disagg", "--num-prefill", "1", "--model",
                           str(tiny_ckpt("qwen2_vl")), "--port", str(free_port())], capture_output=True, text=True,
                          timeout=60)

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.server_utils import free_port, start_vlserve, wait_healthy
+from tests.server_utils import descendants, free_port, start_vlserve
 from vlserve.core.errors import EXIT_CONFIG
 
 START_FAILURE_TRIES = 2  # the note reports 10; two keep the suite fast and still catch a hang that comes and goes
@@ -56,41 +56,11 @@ def test_taken_port_is_reported_before_the_model_loads(tiny_ckpt):
     assert "engine" not in out.lower().replace("vlserve.engine", "")  # nothing was started: reported at once
 
 
-def _children(pid: int) -> set[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    kids = {int(p) for p in out.split()}
-    return kids | {g for k in kids for g in _children(k)}
-
-
-def test_disagg_stops_every_role_quietly(tiny_ckpt):
-    """SIGTERM (what Kubernetes and systemd send; Ctrl-C's SIGINT goes to the same handler in the launcher)."""
-    sig = signal.SIGTERM
-    port = free_port()
-    proc = _vlserve("serve", "--model", str(tiny_ckpt("qwen2_vl")), "--disagg", "--port", str(port), "--dtype",
-                    "float32", "--max-model-len", "512", "--heartbeat-interval", "0.3")
-    try:
-        wait_healthy(proc, f"http://127.0.0.1:{port}/health", 120, "serve --disagg", lambda: "")
-        family = _children(proc.pid)
-        assert len(family) >= 4  # bootstrap, encoder, language and its engine process
-        proc.send_signal(sig)
-        out, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, out
-    alive = [p for p in family if os.path.exists(f"/proc/{p}") and "zombie" not in
-             open(f"/proc/{p}/status").read().lower()]
-    assert not alive, f"roles still running after {sig.name}: {alive}"
-    assert " WARNING " not in out and " ERROR " not in out and "Traceback" not in out, out[-3000:]
-    with socket.socket() as s:  # the port is free again
-        s.bind(("127.0.0.1", port))
-
-
 def _engine_child(pid: int, timeout: float = 60) -> int:
     """The engine-core process of the server `pid` as soon as it exists (it is then still importing)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for child in _children(pid):
+        for child in descendants(pid):
             try:
                 if "spawn_main" in open(f"/proc/{child}/cmdline").read():
                     return child
