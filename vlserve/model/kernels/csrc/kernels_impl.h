@@ -26,13 +26,15 @@ static inline void i8_tile(const float* x, long K, const int8_t* tile, int j0, c
     vf acc[MB][NB];
     for (int i = 0; i < MB; i++)
         for (int j = 0; j < NB; j++) acc[i][j] = vzero();
-    for (long k = 0; k < K; k += W) {
-        vf w[NB];
-        prefetch_ahead(tile + il(k, 0));
-        for (int j = 0; j < NB; j++) w[j] = vload_i8(tile + il(k, j0 + j));
-        for (int i = 0; i < MB; i++) {
-            vf xv = vload(x + (m + i) * K + k);
-            for (int j = 0; j < NB; j++) acc[i][j] = vfma(xv, w[j], acc[i][j]);
+    for (long k0 = 0; k0 < K; k0 += 16) {  // one 64-byte line of the 4-row tile: one prefetch
+        prefetch_ahead(tile + il(k0, 0));
+        for (long k = k0; k < k0 + 16; k += W) {
+            vf w[NB];
+            for (int j = 0; j < NB; j++) w[j] = vload_i8(tile + il(k, j0 + j));
+            for (int i = 0; i < MB; i++) {
+                vf xv = vload(x + (m + i) * K + k);
+                for (int j = 0; j < NB; j++) acc[i][j] = vfma(xv, w[j], acc[i][j]);
+            }
         }
     }
     for (int i = 0; i < MB; i++)
@@ -82,9 +84,9 @@ static inline void i4_tile(const float* x, const float* xsum, long K, const uint
         for (int i = 0; i < MB; i++)
             for (int j = 0; j < NB; j++) acc[i][j] = vzero();
         for (long kb = g * group; kb < (g + 1) * group; kb += 32) {
+            prefetch_ahead(tile + il(kb / 2, 0));  // the 64-byte line of these 32 values of the 4 rows
             for (long h = 0; h < 16; h += W) {
                 vf lo[NB], hi[NB];
-                prefetch_ahead(tile + il(kb / 2 + h, 0));
                 for (int j = 0; j < NB; j++) vload_u4(tile + il(kb / 2 + h, j0 + j), lo[j], hi[j]);
                 for (int i = 0; i < MB; i++) {
                     vf xl = vload(x + (m + i) * K + kb + h), xh = vload(x + (m + i) * K + kb + 16 + h);
