@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import ctypes
 import gc
 import logging
@@ -72,22 +73,29 @@ def _ephemeral_ports() -> range:
         return range(32768, 61000)  # Linux's default
 
 
+_HANDED_OUT: collections.deque[int] = collections.deque(maxlen=1024)  # free_port's recent answers, in order
+
+
 def free_port() -> int:
     """A TCP port free on loopback right now, for a process that binds it soon after. Picked at random outside
     the kernel's ephemeral range: a port the kernel picked would go back to its pool once this check closes it, and
     any bind to port 0 or outgoing connection meanwhile (a transport library's listener, a gloo rank) may be handed
-    the same number before its owner binds it."""
+    the same number before its owner binds it. Never one of its last 1,024 answers: several ports asked for
+    one after another (a role's HTTP and data ports) are all still free until their process starts."""
     ephemeral, rng = _ephemeral_ports(), random.SystemRandom()
     below = range(max(1024, ephemeral.start - 12000), ephemeral.start)
     above = range(ephemeral.stop, 65536)
     pool = below if len(below) >= len(above) else above
     for _ in range(64 if len(pool) > 100 else 0):
         port = rng.choice(pool)
+        if port in _HANDED_OUT:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+            _HANDED_OUT.append(port)
             return port
     with socket.socket() as s:  # no room outside the ephemeral range: any free port
         s.bind(("127.0.0.1", 0))
