@@ -22,6 +22,7 @@ from tests.conftest import noise_image
 from tests.server_utils import RoleProcess, free_port, scrape
 from vlserve import LLM, SamplingParams
 from vlserve.disagg.transports import TRANSPORTS, unavailable_reason
+from vlserve.disagg.transports.base import QUARANTINE_ENV
 
 HB = "0.3"  # heartbeat interval; with a threshold of 10 a dead encoder is noticed within ~3 s
 THRESHOLD = "10"  # tolerant enough that a loaded 2-core machine never drops a live encoder
@@ -50,8 +51,10 @@ class Cluster:
                  limits: str = "image=4", backend: str = "zmq", prefills: dict[str, list[str]] | None = None,
                  extra: tuple[str, ...] = (), encoders: dict[str, tuple[str, ...]] | None = None,
                  roles: dict[str, str] | None = None, registry: str | None = None):
-        self.ckpt, self.encoder_env = ckpt, {"VLSERVE_DISAGG_SECRET": SECRET, **(encoder_env or {})}
-        self.env = {"VLSERVE_DISAGG_SECRET": SECRET}
+        # A failed in-place transfer's blocks are held 6 s rather than 15 (a killed writer's test waits them out;
+        # NIXL writes then give up after 4 s, far above what one takes here).
+        self.env = {"VLSERVE_DISAGG_SECRET": SECRET, QUARANTINE_ENV: "6"}
+        self.ckpt, self.encoder_env = ckpt, {**self.env, **(encoder_env or {})}
         self.backend = backend
         port = free_port()
         self.bootstrap_url = None if registry else f"127.0.0.1:{port}"

@@ -13,7 +13,14 @@ import torch
 
 from tests.test_disagg import BACKENDS
 from vlserve.disagg.messages import TransferTarget
-from vlserve.disagg.transports.base import write_chunk
+from vlserve.core.errors import ConfigurationError
+from vlserve.disagg.transports.base import (
+    DEFAULT_QUARANTINE_S,
+    QUARANTINE_ENV,
+    quarantine_s,
+    write_chunk,
+    write_timeout_s,
+)
 from vlserve.disagg.transports.loopback import Loopback, media_chunk
 from vlserve.disagg.transports.remote_write import runs
 from vlserve.engine.transfer_buffers import TRANSFER_FILE_PREFIX, TransferBuffers
@@ -222,3 +229,14 @@ def test_a_cancelled_copy_is_waited_for_before_the_caller_goes_on():
 
     asyncio.run(go())
     assert log == ["copied", "caller done"]
+
+
+def test_the_quarantine_is_configurable_and_writes_give_up_before_it(monkeypatch):
+    monkeypatch.delenv(QUARANTINE_ENV, raising=False)
+    assert quarantine_s() == DEFAULT_QUARANTINE_S and write_timeout_s() < quarantine_s()
+    monkeypatch.setenv(QUARANTINE_ENV, "6")
+    assert quarantine_s() == 6.0 and write_timeout_s() == 4.0
+    for bad in ("0.5", "soon", "nan", "inf", "-3"):
+        monkeypatch.setenv(QUARANTINE_ENV, bad)
+        with pytest.raises(ConfigurationError, match=QUARANTINE_ENV):
+            quarantine_s()

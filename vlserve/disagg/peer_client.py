@@ -48,14 +48,11 @@ from vlserve.disagg.metrics import TransferMetrics
 from vlserve.disagg.peer_kinds import ENCODER_PEERS, PeerKind, rendezvous_score
 from vlserve.disagg.transports import TRANSPORTS
 from vlserve.disagg.received import ReceivedChunks
-from vlserve.disagg.transports.base import in_thread
+from vlserve.disagg.transports.base import in_thread, quarantine_s
 from vlserve.frontend.config import FrontendConfig
 from vlserve.engine.prompt_check import check_prompt
 from vlserve.engine.transfer_buffers import TransferBuffers
 
-# After a failed transfer over a transport that writes in place, its blocks wait this long at most for the
-# sender's word that nothing more is written (its writes time out sooner: see transports/).
-QUARANTINE_S = 15.0
 logger = logging.getLogger("vlserve.disagg")
 INLINE_CHECK_VALUES = 1 << 16  # a finiteness check of more values than this runs off the event loop
 
@@ -96,6 +93,9 @@ class PeerClient:
                                       load_fn=lambda: sum(e.in_flight for e in self.conns.values()), auth=self.auth)
         self._ids = itertools.count()
         self.quarantined: dict[tuple[str, int], tuple[list[int], float]] = {}  # blocks a peer may still write
+        # After a failed transfer over a transport that writes in place, its blocks wait this long at most for the
+        # sender's word that nothing more is written (its writes time out sooner: transports.base).
+        self.quarantine_s = quarantine_s()
         self._tasks: list[asyncio.Task] = []
         self._block_freed = asyncio.Event()
         self._peer_paired = asyncio.Event()
@@ -393,7 +393,7 @@ class PeerClient:
                 # It may be writing into them right now: they wait for its word (or the deadline, longer than its
                 # writes may take). Also when it was dropped (missed heartbeats): a write it started may still
                 # land. Quarantined before the abort is sent, so a send that fails cannot free them.
-                self.quarantined[(request_id, tid)] = (blocks, time.monotonic() + QUARANTINE_S)
+                self.quarantined[(request_id, tid)] = (blocks, time.monotonic() + self.quarantine_s)
                 blocks = []
             if peer.alive:  # let the peer drop what it holds for us
                 try:

@@ -13,12 +13,15 @@ description to the sender (an encoder or a prefill instance).
 from __future__ import annotations
 
 import asyncio
+import math
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
 import zmq.asyncio
 
+from vlserve.core.errors import ConfigurationError
 from vlserve.core.processes import finish
 from vlserve.core.wire import Framer, tensor_from, tensor_ref
 from vlserve.disagg.messages import SenderToReceiver, TransferChunk, TransferTarget
@@ -49,6 +52,30 @@ class ChunkTokens:
 
 
 ABORT_ACK_STATUS = 499  # a sender's TransferFailed answering AbortTransfer: nothing more is written
+QUARANTINE_ENV = "VLSERVE_TRANSFER_QUARANTINE_S"
+DEFAULT_QUARANTINE_S = 15.0
+
+
+def quarantine_s() -> float:
+    """How long a receiver holds the blocks of a failed in-place transfer waiting for the sender's word that
+    nothing more is written ($VLSERVE_TRANSFER_QUARANTINE_S, default 15 s). A sender's own writes give up at two
+    thirds of it (`write_timeout_s`), so set it alike on every role."""
+    text = os.environ.get(QUARANTINE_ENV)
+    if text is None:
+        return DEFAULT_QUARANTINE_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 1.0 <= value <= 3600.0:
+        raise ConfigurationError(f"{QUARANTINE_ENV}={text!r}: give seconds between 1 and 3600")
+    return value
+
+
+def write_timeout_s() -> float:
+    """How long a sender's write into the receiver's memory may take before it gives up: below the receiver's
+    quarantine, so a write never lands in blocks already given to another request."""
+    return quarantine_s() * 2 / 3
 
 
 class Transport(ABC):

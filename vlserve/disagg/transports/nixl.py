@@ -12,11 +12,10 @@ import uuid
 import torch
 
 from vlserve.disagg.messages import TransferChunk, TransferTarget
-from vlserve.disagg.transports.base import ChunkData, InPlaceTransport, in_thread
+from vlserve.disagg.transports.base import ChunkData, InPlaceTransport, in_thread, write_timeout_s
 from vlserve.disagg.transports.remote_write import StagedWrites
 from vlserve.engine.transfer_buffers import TransferBuffers
 
-WRITE_TIMEOUT_S = 10.0  # below the receiver's quarantine of a failed transfer's blocks
 PUMP_PERIOD_S = 0.0005
 
 
@@ -37,6 +36,7 @@ class NixlTransport(InPlaceTransport):
 
     def __init__(self, host: str = "127.0.0.1"):
         super().__init__(host)
+        self.write_timeout = write_timeout_s()  # below the receiver's quarantine of a failed transfer's blocks
         api = nixl_api()
         self.agent_name = f"vlserve-{uuid.uuid4().hex}"
         # NIXL's own progress thread spins a whole core even when idle; a sender progresses its transfer while it
@@ -87,10 +87,10 @@ class NixlTransport(InPlaceTransport):
             remote = self.agent.get_xfer_descs([(d, n, 0) for d, n in zip(dst, lengths)], "DRAM")
             handle = self.agent.initialize_xfer("WRITE", local, remote, peer)
             try:
-                state, deadline = self.agent.transfer(handle), time.monotonic() + WRITE_TIMEOUT_S
+                state, deadline = self.agent.transfer(handle), time.monotonic() + self.write_timeout
                 while state not in ("DONE", "ERR"):
                     if time.monotonic() > deadline:
-                        raise RuntimeError(f"a NIXL write to {target.session} took over {WRITE_TIMEOUT_S} s")
+                        raise RuntimeError(f"a NIXL write to {target.session} took over {self.write_timeout:.1f} s")
                     time.sleep(0.0001)
                     state = self.agent.check_xfer_state(handle)
                 if state == "ERR":
