@@ -40,12 +40,15 @@ from vlserve.disagg.transports.zmq import ZmqTransport  # noqa: E402
 from vlserve.engine.transfer_buffers import TransferBuffers  # noqa: E402
 
 
-def run_setup(name: str, model: str, extra: list[str], encoders: int, bench: list[str], prefills: int = 0) -> dict:
+def run_setup(name: str, model: str, extra: list[str], encoders: int, bench: list[str], prefills: int = 0,
+              tree: Path = ROOT) -> dict:
+    """`tree`: the checkout whose vlserve serves (another one: the code before a change, in the same run)."""
     port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(tree)}
     cmd = [sys.executable, "-m", "vlserve", "serve", "--model", model, "--dtype", "auto", "--port", str(port),
            "--max-model-len", "4096", "--disable-log-requests", *extra]
     log = tempfile.NamedTemporaryFile("w+", prefix=f"disagg-{name}-", suffix=".log", delete=False)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=tree, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, url + "/health", 300, name, lambda: Path(log.name).read_text()[-3000:])
@@ -62,6 +65,8 @@ def run_setup(name: str, model: str, extra: list[str], encoders: int, bench: lis
         m = scrape(url + "/metrics")
         out["transfer_bytes"] = m.get('vlserve:embedding_transfer_bytes_total{role="language"}', 0.0)
         out["kv_bytes"] = m.get('vlserve:kv_transfer_bytes_total{role="decode"}', 0.0)
+        out["kv_transfer_s"] = m.get('vlserve:kv_transfer_latency_seconds_sum{role="decode"}', 0.0)
+        out["kv_transfers"] = m.get('vlserve:kv_transfer_latency_seconds_count{role="decode"}', 0.0)
         out["resumes"] = m.get('vlserve:embedding_transfer_resumes_total{role="language"}', 0.0) + \
             m.get('vlserve:kv_transfer_resumes_total{role="decode"}', 0.0)
         return out
@@ -119,6 +124,8 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=24)
     ap.add_argument("--max-concurrency", type=int, default=8)
     ap.add_argument("--setups", help="comma-separated subset, e.g. aggregated,1E+1L,1E+1P+1D")
+    ap.add_argument("--before", type=Path, help="another checkout (e.g. `git worktree add /tmp/before HEAD~3`): its "
+                    "E->P->D setups run too, as the 'before' of a change, in the same run")
     args = ap.parse_args()
     model = args.model
     if model is None:
@@ -130,27 +137,40 @@ def main() -> None:
     setups = [("aggregated", [], 0, 0), ("1E+1L", ["--disagg", "--num-encoders", "1"], 1, 0),
               ("2E+1L", ["--disagg", "--num-encoders", "2"], 2, 0),
               ("1E+1L resume", ["--disagg", "--num-encoders", "1", "--media-allocate-rows", "16"], 1, 0),
-              ("1E+1P+1D", ["--disagg", "--num-encoders", "1", "--num-prefill", "1", "--num-decode", "1"], 1, 1)]
+              ("1E+1P+1D", ["--disagg", "--num-encoders", "1", "--num-prefill", "1", "--num-decode", "1"], 1, 1),
+              ("1E+1P+1D shm", ["--disagg", "--num-encoders", "1", "--num-prefill", "1", "--num-decode", "1",
+                                "--transfer-backend", "shm"], 1, 1)]
     if args.setups:
         setups = [s for s in setups if s[0] in args.setups.split(",")]
+    runs = [(name, extra, encoders, prefills, ROOT) for name, extra, encoders, prefills in setups]
+    if args.before:  # the E->P->D setups again, served by the other checkout
+        runs += [(f"{name} before", extra, encoders, prefills, args.before.resolve())
+                 for name, extra, encoders, prefills in setups if prefills]
     results = {}
-    for name, extra, encoders, prefills in setups:
+    for name, extra, encoders, prefills, tree in runs:
         print(f"[{name}] running", flush=True)
-        results[name] = run_setup(name, model, extra, encoders, bench, prefills)
+        results[name] = run_setup(name, model, extra, encoders, bench, prefills, tree)
     base = results.get("aggregated") or next(iter(results.values()))
-    print(f"\n{'setup':<14}{'req/s':>8}{'out tok/s':>11}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}"
+    print(f"\n{'setup':<21}{'req/s':>8}{'out tok/s':>11}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}"
           f"{'vs aggr.':>10}{'emb MB':>8}{'KV MB':>8}{'resumes':>9}")
     for name, r in results.items():
-        print(f"{name:<14}{r['request_throughput']:>8.2f}{r['output_throughput']:>11.1f}{r['median_ttft_ms']:>8.0f}ms"
+        print(f"{name:<21}{r['request_throughput']:>8.2f}{r['output_throughput']:>11.1f}{r['median_ttft_ms']:>8.0f}ms"
               f"{r['p99_ttft_ms']:>8.0f}ms{r['median_tpot_ms']:>8.1f}ms"
               f"{r['request_throughput'] / base['request_throughput']:>9.2f}x"
               f"{r['transfer_bytes'] / 1e6:>8.1f}{r['kv_bytes'] / 1e6:>8.1f}{r['resumes']:>9.0f}")
+    n = args.num_prompts
+    copy_gbps = memory_copy_bandwidth()
+    for name, r in results.items():
+        if r["kv_transfers"]:  # E->P->D: what the handoff itself costs, against a memory copy of its bytes
+            per = r["kv_bytes"] / r["kv_transfers"]
+            took = r["kv_transfer_s"] / r["kv_transfers"]
+            print(f"{name}: {per / 1e6:.2f} MB of KV per prompt, {took * 1e3:.1f} ms from request to last chunk "
+                  f"(prefill included); a memory copy of it: {per / copy_gbps / 1e6:.2f} ms at {copy_gbps:.1f} GB/s")
     if "1E+1L" not in results:
         return
-    n = args.num_prompts
     print(f"\nbytes moved per picture request: {results['1E+1L']['transfer_bytes'] / n / 1e6:.2f} MB "
           "(embedding rows of media tokens only, plus 32 bytes of fill id and positions per token)")
-    zmq_gbps, copy_gbps = asyncio.run(transport_bandwidth()), memory_copy_bandwidth()
+    zmq_gbps = asyncio.run(transport_bandwidth())
     print(f"ZeroMQ loopback, one picture's rows (512 tokens x 1024 bf16) into receive blocks: {zmq_gbps:.2f} GB/s; "
           f"this machine's memory copy: {copy_gbps:.1f} GB/s ({zmq_gbps / copy_gbps:.0%} of it)")
 

@@ -94,7 +94,8 @@ def wait_nothing_held(pd: Cluster) -> None:
             return (m['vlserve:embedding_buffer_free_blocks{role="prefill"}']
                     == m['vlserve:embedding_buffer_total_blocks{role="prefill"}']
                     and m['vlserve:kv_cache_usage_perc{model_name="%s"}' % pd.ckpt] == 0
-                    and m["vlserve:prefill_transfers_held"] == 0 and m["vlserve:prefill_requests_in_flight"] == 0)
+                    and m["vlserve:prefill_transfers_held"] == 0 and m["vlserve:prefill_requests_in_flight"] == 0
+                    and m["vlserve:prefill_kv_rows_kept"] == 0)
         wait_until(prefill_idle, f"prefill {name} still holds something: {scrape(pre.metrics_url)}")
 
 

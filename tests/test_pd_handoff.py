@@ -1,10 +1,10 @@
 """The engine half of E→P→D, through the KV connectors: a prefill engine (`PrefillConnector`) exports a finished
-request's KV as one row per token (`take_exported`), the rows land in receive blocks (what the transports write),
-and a decode engine (`DecodeConnector`) takes the request through the one admission path, `add_request(...,
-kv_transfer=Handoff)`. Its first output is the prefill's token, then decoding goes on token for token as one
-engine would: greedy, seeded, penalties, grammars, pictures. Handed-over requests that must be preempted swap
-their KV out to host memory (their pictures are not here to recompute from); the receive blocks are released
-once the KV is copied in, and also when a request still waiting for room is aborted; every pool ends full. An
+request's KV as one row per token (`connector.take_exported`), the rows land in receive blocks (what the
+transports write), and a decode engine (`DecodeConnector`) takes the request through the one admission path,
+`add_request(..., kv_transfer=Handoff)`. Its first output is the prefill's token, then decoding goes on token for
+token as one engine would: greedy, seeded, penalties, grammars, pictures. Handed-over requests that must be
+preempted swap their KV out to host memory (their pictures are not here to recompute from); the receive blocks
+are released once the KV is copied in, and also when a request still waiting for room is aborted; every pool ends full. An
 engine without a connector (aggregated) holds no role code and refuses handed-over KV."""
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def prefilled(prefill: Prefill, prompt, params: SamplingParams, rid: str):
     outs, exported = [], []
     while core.has_unfinished:
         outs += core.step()
-        exported += core.take_exported()
+        exported += core.connector.take_exported()
     (kv,) = exported
     assert kv.request_id == rid and not core.connector.held
     return processed, Handoff(outs[-1], kv.generator_state), kv.rows
@@ -275,7 +275,8 @@ def test_a_handed_token_its_grammar_refuses_is_a_clean_400(path, prefill):
 
 
 def test_the_engine_core_holds_no_role_code():
-    """Roles live in their KV connectors: engine/core.py names none of them, nor what they do with KV."""
+    """Roles live in their KV connectors: engine/core.py names none of them, nor what they do with KV (no export
+    or write bookkeeping: the engine process takes those from the connector)."""
     tree = ast.parse((Path(__file__).parents[1] / "vlserve" / "engine" / "core.py").read_text())
     for node in ast.walk(tree):  # docstrings may explain what plugs in; the code may not know it
         body = getattr(node, "body", None)
@@ -283,7 +284,8 @@ def test_the_engine_core_holds_no_role_code():
                                                                                              ast.Constant):
             body[0] = ast.Pass()
     code = ast.unparse(tree)  # comments gone too
-    found = re.findall(r"handoff|handed|hold_kv|held|swap|prefill|decode|pending_kv|Handoff|Prefill|Decode", code)
+    found = re.findall(r"handoff|handed|hold_kv|held|swap|prefill|decode|pending_kv|export|Handoff|Prefill|Decode"
+                       r"|ExportedKV|kept|written", code)
     assert not found, f"role-specific names in engine/core.py: {sorted(set(found))}"
 
 
@@ -366,7 +368,7 @@ def test_prefill_holds_never_leak(prefill, path):
             core.step()
         assert connector.owns(rid)
 
-    connector.after_step = lambda outputs: []  # keep the holds: nobody exports them in this test
+    connector.after_step = lambda outputs: None  # keep the holds: nobody exports them in this test
     try:
         run_until_held("a")
         with pytest.raises(InvalidInputError, match="already in use"):
@@ -446,7 +448,7 @@ def test_a_failed_kv_export_fails_that_request_and_the_engine_goes_on(path, pref
     exported, failed = [], []
     while core.has_unfinished:
         core.step()
-        exported += core.take_exported()
+        exported += core.connector.take_exported()
         failed += core.take_failed()
     assert len(calls) == 3
     ((rid, why, status),) = failed

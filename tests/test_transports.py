@@ -100,9 +100,12 @@ def test_remote_writes_stay_inside_the_receivers_blocks():
     for bad in ([10**9], [-5], [3, 64]):
         header, data = media_chunk(bad, BLOCK_TOKENS, 4, (0, 2), WIDTH)
         with pytest.raises(ValueError, match="outside the receiver"):
-            staged.plan(header, data, target)
+            staged.plan(header.block_ids, data.rows, target)
+    header, data = media_chunk([3], BLOCK_TOKENS, 40, (0, 40), WIDTH)
+    with pytest.raises(ValueError, match="do not fit"):  # more rows than the run's slots
+        staged.plan(header.block_ids, data.rows, target)
     header, data = media_chunk([63, 0], BLOCK_TOKENS, 20, (0, 20), WIDTH)
-    src, dst, lengths = staged.plan(header, data, target)
+    src, dst, lengths = staged.plan(header.block_ids, data.rows, target)
     assert all(target.base_address <= d and d + n <= target.base_address + buffers.layout.nbytes
                for d, n in zip(dst, lengths))
     buffers.unlink()

@@ -62,11 +62,24 @@ class FinishRequests(msgspec.Struct, tag="finish"):
     reason: str = "abort"  # "abort" | "stop"
 
 
+class WriteKV(msgspec.Struct, tag="write_kv"):
+    """Prefill instance: rows [start, end) of a finished request's exported KV rows (one per prompt token; an
+    `end` at its last token takes the rows after it too: a hybrid model's states) go to `destination` through the
+    engine's row writer. The destination is opaque here (the disaggregation layer's encoding of where: the
+    receiver's buffers and blocks); the answer is a `KVWritten` with the same ids."""
+
+    request_id: str
+    write_id: int
+    start: int
+    end: int
+    destination: bytes
+
+
 class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-EngineInput = AddRequest | FinishRequests | Shutdown
+EngineInput = AddRequest | FinishRequests | WriteKV | Shutdown
 
 
 # ---- engine core -> front-end ---------------------------------------------------------------------------
@@ -88,6 +101,7 @@ class EngineStats(msgspec.Struct):
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     encoder_seconds: list[tuple[str, float]] = []  # (tower, seconds) of tower calls since the last message
+    kv_rows_kept: int = 0  # prefill engine with a row writer: requests whose KV rows it keeps to write
 
 
 class RequestRejected(msgspec.Struct, array_like=True):
@@ -100,11 +114,20 @@ class RequestRejected(msgspec.Struct, array_like=True):
 
 class HandedKV(msgspec.Struct, array_like=True):
     """A finished request's prompt KV exported by a prefill engine, one row per token (see engine.kv_handoff), as a
-    tensor frame."""
+    tensor frame; None when the engine keeps the rows and writes them to the receiver itself (`WriteKV`)."""
 
     request_id: str
-    rows: TensorRef
+    rows: TensorRef | None
     generator_state: bytes | None = None
+
+
+class KVWritten(msgspec.Struct, array_like=True):
+    """The answer to a `WriteKV`: the bytes written, or why nothing was."""
+
+    request_id: str
+    write_id: int
+    nbytes: int = 0
+    error: str | None = None
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs"):
@@ -113,6 +136,7 @@ class EngineOutputs(msgspec.Struct, tag="outputs"):
     stats: EngineStats
     released: list[str] = []  # requests whose prompt buffers the engine no longer reads: they may be freed
     handed: list[HandedKV] = []  # prefill instance: KV of requests that finished (its KV connector's exports)
+    written: list[KVWritten] = []  # prefill instance: the row writes that ended since the last message
 
 
 class EngineReady(msgspec.Struct, tag="ready"):

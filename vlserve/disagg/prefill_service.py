@@ -18,6 +18,7 @@ tries another.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 
@@ -40,6 +41,7 @@ from vlserve.disagg.peer_kinds import PREFILL_PEERS
 from vlserve.disagg.remote_encoder import remote_prompt_encoder
 from vlserve.disagg.sender import OutgoingTransfer, SenderService, every_token_rows
 from vlserve.disagg.transports import TRANSPORTS
+from vlserve.disagg.transports.row_writer import encode_destination, row_writer_maker
 from vlserve.disagg.registry import advertised_host
 from vlserve.frontend.async_llm import AsyncLLM
 from vlserve.frontend.metrics import CONTENT_TYPE
@@ -63,7 +65,10 @@ class PrefillService(SenderService):
         engine.metrics.registry.register(ScrapeTimeGauges(lambda: [
             ("prefill_requests_in_flight", self.in_flight, "Prefills being computed for decode instances."),
             ("prefill_transfers_held", len(self.sender.transfers) if self.sender else 0,
-             "KV transfers being sent or waiting for a decode instance to resume them.")]))
+             "KV transfers being sent or waiting for a decode instance to resume them."),
+            ("prefill_kv_rows_kept", engine.metrics.stats.kv_rows_kept,
+             "Prefills whose KV rows the engine keeps to write into decode instances itself (shm, Mooncake, "
+             "NIXL).")]))
         self.working: dict[tuple, asyncio.Task] = {}  # transfers being prefilled: an abort cancels them
         self._ids = itertools.count()
         # (key, path) of LoRA adapters found applicable here, oldest first
@@ -104,16 +109,28 @@ class PrefillService(SenderService):
                 computed = with_adapter(prepared.prompt, req.lora)  # the item hashes the decode side keys by
                 handoff, rows = await self.engine.prefill(prepared, req.params, engine_id, req.lora)  # takes it over
             n, tail = computed.num_tokens, PREFILL_PEERS.tail_rows(self.engine.cfg)
-            if rows.shape[0] != n + tail:
-                raise RuntimeError(f"the engine handed {rows.shape[0]} rows for {n} tokens and {tail} state rows")
             transfer = OutgoingTransfer(key, computed, req.block_tokens, every_token=True, tail_rows=tail,
-                                        rows_of=every_token_rows(rows, n), target=req.target, handoff=handoff)
+                                        target=req.target, handoff=handoff)
+            if rows is None:  # kept by the engine, which writes each chunk itself: dropped when the transfer ends
+                release = self.engine.kv_writes.release
+                transfer.on_end = lambda: release(engine_id)
+                transfer.write_rows = functools.partial(self._write_rows, engine_id, req.target)
+            elif rows.shape[0] != n + tail:
+                raise RuntimeError(f"the engine handed {rows.shape[0]} rows for {n} tokens and {tail} state rows")
+            else:
+                transfer.rows_of = every_token_rows(rows, n)
             if self.sender.hold(transfer):
                 await self.sender.send_chunk(transfer, 0, req.block_ids)
+            elif transfer.on_end is not None:
+                transfer.on_end()  # aborted while it was prefilled
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - every failure must reach the receiver, which frees its blocks
             await self.request_failed(key, e)
+
+    async def _write_rows(self, engine_id: str, target, start: int, end: int, block_ids: list[int]) -> int:
+        destination = encode_destination(target, block_ids, self.transport.name)
+        return await self.engine.kv_writes.write(engine_id, start, end, destination)
 
     async def _check_adapter(self, ref: AdapterRef) -> None:
         """The request's LoRA adapter is one this instance can apply: served (--enable-lora), and the same files
@@ -172,7 +189,7 @@ async def run_prefill(opts: Options, log_level: str) -> int:
         engine = AsyncLLM(opts.engine, opts.engine.model, media_threads=opts.server.media_threads,
                           log_requests=False, log_level=log_level,
                           heartbeat_timeout=opts.server.engine_heartbeat_timeout, prompt_encoder=encoder,
-                          kv_role=PREFILL)
+                          kv_role=PREFILL, kv_writer=row_writer_maker(opts.disagg.transfer_backend, public))
         service = PrefillService(engine, opts)
         try:
             service.bind()

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +58,9 @@ class OutgoingTransfer:
     tail_rows: int = 0  # rows after the last token's: a hybrid model's linear states (disagg.row_map)
     # (start, end) -> the row segments of tokens start..end and their rows, in segment order
     rows_of: Callable[[int, int], tuple[list[RowSegment], torch.Tensor]] | None = None  # set before sending
+    # Or, for KV kept by a prefill engine that writes it itself: (start, end, block ids) -> bytes written, once
+    # the rows of tokens start..end (and the tail rows with the last token's) are in the receiver's blocks.
+    write_rows: Callable[[int, int, list[int]], Awaitable[int]] | None = None
     target: TransferTarget | None = None  # where the receiver's blocks are, for transports that write them
     handoff: Handoff | None = None  # a prefill's first token and random state: sent with the last chunk
     on_end: Callable[[], None] | None = None  # releases what the transfer holds (e.g. encoder-cache entries)
@@ -78,13 +81,18 @@ def media_rows(prompt: ProcessedPrompt, item_rows: list[torch.Tensor], width: in
     return rows_of
 
 
+def every_token_segments(start: int, end: int, num_tokens: int, tail_rows: int) -> list[RowSegment]:
+    """KV rows: one per prompt token, then any rows after them (a hybrid model's states) with the last token's."""
+    if end < num_tokens or not tail_rows:
+        return [RowSegment(start, end - start)]
+    return [RowSegment(start, end - start), RowSegment(num_tokens, tail_rows)]
+
+
 def every_token_rows(rows: torch.Tensor, num_tokens: int):
-    """`rows_of` for KV rows: one row per prompt token, then any rows after them (a hybrid model's states) with
-    the last token's."""
+    """`rows_of` for KV rows in this process (`every_token_segments`)."""
     def rows_of(start: int, end: int) -> tuple[list[RowSegment], torch.Tensor]:
-        if end < num_tokens or rows.shape[0] == num_tokens:
-            return [RowSegment(start, end - start)], rows[start:end]
-        return [RowSegment(start, end - start), RowSegment(num_tokens, rows.shape[0] - num_tokens)], rows[start:]
+        segments = every_token_segments(start, end, num_tokens, rows.shape[0] - num_tokens)
+        return segments, rows[start:end] if len(segments) == 1 else rows[start:]
     return rows_of
 
 
@@ -120,7 +128,10 @@ class TransferSender:
         row_map = RowMap(prompt.mm_items, transfer.every_token, transfer.tail_rows)
         end = row_map.chunk_end(start, len(block_ids) * transfer.block_tokens, total)
         n = end - start
-        segments, rows = await in_thread(transfer.rows_of, start, end)  # gathers a chunk's rows: a copy
+        if transfer.write_rows is not None:  # the rows are written by the engine process
+            segments, rows = every_token_segments(start, end, total, transfer.tail_rows), torch.empty(0, 0)
+        else:
+            segments, rows = await in_thread(transfer.rows_of, start, end)  # gathers a chunk's rows: a copy
         data = ChunkData(torch.tensor(prompt.prompt_token_ids[start:end], dtype=torch.int64),
                          prompt.positions[:, start:end].T.contiguous(), rows)
         items = [ItemMeta(it.offset, it.num_tokens, tuple(it.layout), it.mm_hash, it.modality)
@@ -134,7 +145,12 @@ class TransferSender:
         self.metrics.state(TransferState.TRANSFERRING)
         transfer.sending = asyncio.get_running_loop().create_future()
         try:
-            self.metrics.bytes(await self.transport.send(self.sock, peer, header, data, transfer.target))
+            if transfer.write_rows is None:
+                self.metrics.bytes(await self.transport.send(self.sock, peer, header, data, transfer.target))
+            else:
+                written = await transfer.write_rows(start, end, block_ids)
+                await self.transport.send_header(self.sock, peer, header, data)
+                self.metrics.bytes(written + data.nbytes)
         finally:
             transfer.sending.set_result(None)
         if header.partial:

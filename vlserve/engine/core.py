@@ -19,7 +19,7 @@ from vlserve.core.request import Request, RequestStatus
 from vlserve.core.sampling_params import SamplingParams, fan_out
 from vlserve.core.structured_outputs import GrammarLimits
 from vlserve.engine.config import VlserveConfig
-from vlserve.engine.kv_connector import ExportedKV, KVConnector, KVTransfer
+from vlserve.engine.kv_connector import KVConnector, KVTransfer
 from vlserve.engine.kv_events import KVEventPublisher
 from vlserve.engine.model_runner import LaunchedStep, ModelRunner
 from vlserve.engine.executor import start_executor
@@ -75,7 +75,6 @@ class EngineCore:
         self._arrived_with: dict[str, EngineCoreOutput] = {}
         self._ready_arrived: list[EngineCoreOutput] = []
         self._released_early: set[str] = set()  # prompts released once their KV was loaded, before they left
-        self._exported: list[ExportedKV] = []
         # Async scheduling (not with a KV connector: its moves need each step's results first): the step launched
         # and not finished yet, as (schedule, launch).
         self.async_scheduling = cfg.async_scheduling and connector is None
@@ -155,11 +154,6 @@ class EngineCore:
                 self._released_early.add(parent)
                 if self.report_released:
                     self._released.append(parent)
-
-    def take_exported(self) -> list[ExportedKV]:
-        """KV the connector exported since the last call (requests whose KV leaves this instance)."""
-        exported, self._exported = self._exported, []
-        return exported
 
     @property
     def has_released(self) -> bool:
@@ -283,7 +277,7 @@ class EngineCore:
         self._fail_broken_grammars()
         self.generation_tokens_total += len(outputs)
         if self.connector is not None:  # before `_left`, which forgets whose samples these are
-            self._exported += self.connector.after_step(outputs)
+            self.connector.after_step(outputs)
             for rid, why in self.connector.take_failed():  # that request fails, the engine goes on
                 self._failed.append((self._parent_of.get(rid, rid), why, 500))
         self._left(o.request_id for o in outputs if o.finish_reason is not None)

@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 
 import msgspec
 import zmq
@@ -36,6 +37,7 @@ from vlserve.core.wire import (
     Heartbeat,
     RequestRejected,
     Shutdown,
+    WriteKV,
     prompt_from_wire,
     request_id_of,
     tensor_ref,
@@ -43,13 +45,14 @@ from vlserve.core.wire import (
 from vlserve.engine.config import resolve_config
 from vlserve.engine.core import EngineCore
 from vlserve.engine.cpu_threads import apply_cpu_threads
-from vlserve.engine.kv_connector import make_connector
+from vlserve.engine.kv_connector import RowWriter, make_connector
 from vlserve.engine.transfer_buffers import BufferLayout, TransferBuffers
 from vlserve.model.facts import decode_facts
 from vlserve.model.hardware import log_once
 
 logger = logging.getLogger("vlserve.engine")
 IDLE_POLL_MS = 1000
+WRITE_POLL_MS = 1  # while KV rows are being written for the front end: their end is reported within this
 
 
 class Progress:
@@ -72,13 +75,16 @@ class EngineCoreLoop:
         self.rejected: list[RequestRejected] = []
         self.parent_pid = parent_pid
         self.running = True
+        self.connector = core.connector  # its own messages (a prefill engine's row writes) pass it by
+        self.kept_reported = 0
 
     def run(self) -> None:
         while self.running:
             self.core.check_alive()
             busy = self.core.has_unfinished
             self.progress.busy = busy
-            if self.inputs.poll(0 if busy else IDLE_POLL_MS):
+            writing = self.connector is not None and self.connector.writes_in_flight
+            if self.inputs.poll(0 if busy else WRITE_POLL_MS if writing else IDLE_POLL_MS):
                 self._drain_inputs()
             elif not busy and os.getppid() != self.parent_pid:
                 logger.warning("front-end process is gone; engine core exits")
@@ -88,8 +94,13 @@ class EngineCoreLoop:
                 self.core.publish_kv_events()  # keepalive of an idle engine (a busy one publishes each step)
             self.rejected += [RequestRejected(rid, why, status) for rid, why, status in self.core.take_failed()]
             self.progress.steps += 1
-            if outputs or self.rejected or busy or self.core.has_released:
-                self._send(outputs, self.core.take_exported())
+            handed, written, kept = [], [], 0
+            if self.connector is not None:
+                handed, written = self.connector.take_exported(), self.connector.take_written()
+                kept = self.connector.num_kept
+            if outputs or self.rejected or busy or self.core.has_released or written or kept != self.kept_reported:
+                self.kept_reported = kept  # the stats say it (a release alone would otherwise go unreported)
+                self._send(outputs, handed, written)
 
     def _drain_inputs(self) -> None:
         while True:
@@ -130,16 +141,23 @@ class EngineCoreLoop:
                 self.core.stop_requests(msg.request_ids)
             else:
                 self.core.abort_requests(msg.request_ids)
+        elif isinstance(msg, WriteKV):
+            if self.connector is None:
+                logger.error("dropped a KV write for %r: this engine has no KV connector", msg.request_id[:128])
+            else:
+                self.connector.write(msg)
         elif isinstance(msg, Shutdown):
             self.running = False
 
-    def _send(self, outputs, handed=()) -> None:
+    def _send(self, outputs, handed=(), written=()) -> None:
         metrics = self.core.get_metrics()
         stats = EngineStats(**{k: v for k, v in metrics.items() if k in EngineStats.__struct_fields__},
-                            encoder_seconds=self.core.take_encoder_seconds())
+                            encoder_seconds=self.core.take_encoder_seconds(),
+                            kv_rows_kept=self.kept_reported)
         tensors: list = []
-        kv = [HandedKV(e.request_id, tensor_ref(e.rows, tensors), e.generator_state) for e in handed]
-        msg = EngineOutputs(outputs, self.rejected, stats, self.core.take_released(), kv)
+        kv = [HandedKV(e.request_id, None if e.rows is None else tensor_ref(e.rows, tensors), e.generator_state)
+              for e in handed]
+        msg = EngineOutputs(outputs, self.rejected, stats, self.core.take_released(), kv, list(written))
         self.outputs.send_multipart(self.out_framer.encode(msg, tensors), copy=False)
         self.rejected = []
 
@@ -163,14 +181,16 @@ def _answer_heartbeats(ctx: zmq.Context, address: str, progress: Progress, stop:
 
 def run_engine_core(args_json: bytes, facts_json: bytes, addresses: dict[str, str], log_level: str = "INFO",
                     transfer_layout: bytes | None = None, parent_pid: int | None = None,
-                    kv_role: str | None = None, media_pool: int | None = None) -> None:
+                    kv_role: str | None = None, media_pool: int | None = None,
+                    kv_writer: Callable[[], RowWriter] | None = None) -> None:
     """Entry point of the spawned process. Exits non-zero when the engine cannot start.
 
     `facts_json`: the model facts the front end resolved (`ModelFacts`): used as they are, never resolved again.
     `transfer_layout`: receive buffers (msgspec-encoded `BufferLayout`) to map, on a disaggregated server.
     `parent_pid`: the front-end's (this process outlives it by no more than a poll). `kv_role`: the role whose
     KV connector the engine plugs in (kv_connector.KV_CONNECTORS), None for an engine that computes all its KV.
-    `media_pool`: the front end's media threads, for the `CPU budget:` line."""
+    `media_pool`: the front end's media threads, for the `CPU budget:` line. `kv_writer`: makes (in this process)
+    what a prefill engine writes its KV rows into receivers with (kv_connector.RowWriter)."""
     logging.basicConfig(level=log_level, format=log_format())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the front-end, which shuts us down in order
     die_with_parent()
@@ -197,7 +217,8 @@ def run_engine_core(args_json: bytes, facts_json: bytes, addresses: dict[str, st
             if transfer_layout is not None:
                 transfer = TransferBuffers.attach(msgspec.msgpack.decode(transfer_layout, type=BufferLayout))
             cfg = resolve_config(args, decode_facts(facts_json))
-            core = EngineCore(cfg, report_released=True, transfer=transfer, connector=make_connector(kv_role, cfg))
+            connector = make_connector(kv_role, cfg, None if kv_writer is None else kv_writer())
+            core = EngineCore(cfg, report_released=True, transfer=transfer, connector=connector)
         except Exception as e:  # noqa: BLE001 - any start-up failure must reach the front-end as a message
             if not isinstance(e, VlserveError):  # ours have clear messages; anything else needs its traceback
                 logger.exception("engine core failed to start")
@@ -214,7 +235,11 @@ def run_engine_core(args_json: bytes, facts_json: bytes, addresses: dict[str, st
             outputs.send_multipart(framer.encode(EngineFailed(f"engine core crashed: {type(e).__name__}: {e}")))
             exit_code = 1
         finally:
-            core.shutdown()
+            try:
+                core.shutdown()
+            finally:
+                if core.connector is not None:
+                    core.connector.close()
     finally:
         stop.set()
         inputs.close(linger=0)

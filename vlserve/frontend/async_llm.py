@@ -33,6 +33,7 @@ from vlserve.engine.core_client import EngineCoreClient
 from vlserve.frontend.config import FrontendConfig
 from vlserve.frontend.grammar_compiler import GrammarCompiler
 from vlserve.frontend.input_processor import InputProcessor
+from vlserve.frontend.kv_writes import KVWrites
 from vlserve.media.fetch import MediaFetcher, MediaPolicy
 from vlserve.frontend.metrics import ServerMetrics
 from vlserve.frontend.output_processor import OutputProcessor
@@ -92,6 +93,13 @@ class _Prefill:
             self.future.set_exception(err)
 
 
+def _kept_but_not_taken(future: asyncio.Future) -> bool:
+    """A prefill's result that its caller, cancelled, never took, whose KV rows the engine keeps."""
+    if not future.done() or future.cancelled() or future.exception() is not None:
+        return False
+    return asyncio.current_task().cancelling() > 0 and future.result()[1] is None
+
+
 class RequestHandle:
     """Async iterator over one request's outputs; `close()` aborts the request unless it finished."""
 
@@ -126,8 +134,11 @@ class AsyncLLM:
     def __init__(self, args: EngineArgs, model_name: str, max_waiting_requests: int | None = None,
                  media_threads: int | None = None, log_requests: bool = True, log_level: str = "INFO",
                  media_bounds: dict | None = None, heartbeat_timeout: float = 10.0,
-                 prompt_encoder: Callable[["AsyncLLM"], PromptEncoder] | None = None, kv_role: str | None = None):
+                 prompt_encoder: Callable[["AsyncLLM"], PromptEncoder] | None = None, kv_role: str | None = None,
+                 kv_writer: Callable | None = None):
         """`kv_role`: the role (prefill, decode) whose KV connector the engine process plugs in, if any.
+        `kv_writer`: a prefill engine writes its KV rows into receivers itself with what this makes (a picklable
+        maker of a kv_connector.RowWriter, run in the engine process); `kv_writes` asks for each chunk.
         `media_bounds`: `ServerArgs.media_bounds()` (default: every option's default). `media_threads`: the media
         pool's size (default: from the CPU budget, see core/cpu_budget.py)."""
         # Config files only (the weights load in the engine process), resolved here once: the engine gets them.
@@ -161,7 +172,8 @@ class AsyncLLM:
         self.core = EngineCoreClient(args, self.facts, log_level, heartbeat_timeout, on_outputs=self._handle,
                                      on_failure=self._fail_all,
                                      transfer_layout=None if buffers is None else buffers.layout, kv_role=kv_role,
-                                     media_pool=media_pool)
+                                     media_pool=media_pool, kv_writer=kv_writer)
+        self.kv_writes = KVWrites(self.core.send)
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -255,10 +267,11 @@ class AsyncLLM:
         return RequestHandle(self, request_id, stream)
 
     async def prefill(self, prepared: PreparedPrompt, params: SamplingParams, request_id: str,
-                      adapter: AdapterRef | None = None) -> tuple[Handoff, torch.Tensor]:
+                      adapter: AdapterRef | None = None) -> tuple[Handoff, torch.Tensor | None]:
         """Prefill instance: takes the prompt over, computes it (with LoRA adapter `adapter`, if any) and samples
         its first token as the whole request would (`params.for_prefill()`); returns that output with the random
-        state, and the prompt's KV rows ([tokens, width], see engine.kv_handoff). Cancelling aborts it in the
+        state, and the prompt's KV rows ([tokens, width], see engine.kv_handoff), or None when the engine keeps
+        them to write them itself (`kv_writes`; released with `kv_writes.release`). Cancelling aborts it in the
         engine."""
         release = prepared.hand_over()
         try:
@@ -279,6 +292,8 @@ class AsyncLLM:
         finally:
             if self.prefills.pop(request_id, None) is not None and self.core.dead_reason is None:
                 self.core.send(FinishRequests([request_id], "abort"))  # cancelled: nobody takes its KV
+            elif _kept_but_not_taken(waiting.future):  # cancelled as it settled: the engine drops what it kept
+                self.kv_writes.release(request_id)
 
     # ---- LoRA adapters -------------------------------------------------------------------------------------
     async def load_lora(self, name: str, path: str, replace: bool = False) -> AdapterRef:
@@ -343,6 +358,8 @@ class AsyncLLM:
             logger.exception("the engine's stats could not be recorded")
         if self.prefills:
             msg.outputs = self._take_prefills(msg, frames)
+        if msg.written:
+            self.kv_writes.settle(msg.written)
         for rej in msg.rejected:
             try:
                 self._reject(rej.request_id, rej.message, rej.status)
@@ -418,7 +435,7 @@ class AsyncLLM:
             waiting = self.prefills.pop(handed.request_id, None)
             if waiting is not None and waiting.first is not None and not waiting.future.done():
                 try:
-                    rows = tensor_from(handed.rows, frames)
+                    rows = None if handed.rows is None else tensor_from(handed.rows, frames)
                 except Exception as e:  # noqa: BLE001 - that prefill fails, the others are settled
                     logger.error("request %s: its KV rows could not be read", handed.request_id, exc_info=e)
                     waiting.fail(f"internal error reading this request's KV: {type(e).__name__}", 500)
@@ -464,6 +481,7 @@ class AsyncLLM:
         for waiting in self.prefills.values():
             if not waiting.future.done():
                 waiting.future.set_exception(EngineDeadError(f"the engine stopped: {reason}"))
+        self.kv_writes.fail_all(reason)
         if self.core.dead_reason is not None or not log:
             for rid in list(self.releases):  # a dead engine reads nothing any more
                 self._release(rid)

@@ -120,16 +120,22 @@ class InPlaceTransport(Transport):
         target = check_target(target, self.name)
         check_chunk(header, data, target.layout.width)
         if data.rows.numel():
-            await self.write(header, data, target)
+            await in_thread(self.write_rows, target, header.block_ids, data.rows)
+        await self.send_header(sock, peer, header, data)
+        return data.nbytes
+
+    async def send_header(self, sock: zmq.asyncio.Socket, peer: bytes, header: TransferChunk,
+                          data: ChunkData) -> None:
+        """The header and the chunk's tokens, once its rows are in the receiver's blocks (written by `send`, or
+        by another process of this instance: a prefill engine writes its KV itself)."""
         tensors: list[torch.Tensor] = []
         header.fill_ids, header.positions = tensor_ref(data.fill_ids, tensors), tensor_ref(data.positions, tensors)
         await sock.send_multipart([peer, *self.framer.encode(header, tensors)], copy=False)
-        return data.nbytes
 
     @abstractmethod
-    async def write(self, header: TransferChunk, data: ChunkData, target: TransferTarget) -> None:
-        """Puts the chunk's rows into the receiver's blocks (off the event loop: `in_thread`); done when it
-        returns."""
+    def write_rows(self, target: TransferTarget, block_ids: list[int], rows: torch.Tensor) -> int:
+        """Puts `rows` [m, width] into the receiver's run `block_ids` from its first slot, blocking until they
+        have landed (callers run it off the event loop); returns the bytes written."""
 
     async def receive(self, header: TransferChunk, frames: list, buffers: TransferBuffers) -> ChunkTokens:
         if header.rows is not None or len(frames) > 3:
@@ -156,9 +162,19 @@ def check_target(target: TransferTarget | None, backend: str) -> TransferTarget:
 def write_chunk(buffers: TransferBuffers, header: TransferChunk, data: ChunkData) -> None:
     """The chunk's rows into the receiver's run, from its first slot (shared by every transport that copies)."""
     check_chunk(header, data, buffers.layout.width)
-    rows = chunk_num_rows(header)
-    if rows:
-        buffers.write_rows(header.block_ids, torch.arange(rows), data.rows)
+    if chunk_num_rows(header):
+        write_run(buffers, header.block_ids, data.rows)
+
+
+def write_run(buffers: TransferBuffers, block_ids: list[int], rows: torch.Tensor) -> int:
+    """`rows` into the run `block_ids` of `buffers` from its first slot, checked to fit; returns the bytes."""
+    layout = buffers.layout
+    if not block_ids or any(not 0 <= b < layout.num_blocks for b in block_ids):
+        raise ValueError(f"block ids outside the receiver's {layout.num_blocks} blocks")
+    if rows.dim() != 2 or rows.shape[0] > len(block_ids) * layout.block_tokens:
+        raise ValueError(f"{tuple(rows.shape)} rows do not fit a run of {len(block_ids)} blocks")
+    buffers.write_rows(block_ids, torch.arange(rows.shape[0]), rows)
+    return rows.shape[0] * layout.width * buffers.rows.element_size()
 
 
 MAX_POSITION_ROWS = 4  # rows of positions a token may carry (the model's `position_rows`: 1 or 3 today)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from vlserve.disagg.messages import TransferChunk, TransferTarget
-from vlserve.disagg.transports.base import ChunkData, InPlaceTransport, in_thread
+from vlserve.disagg.messages import TransferTarget
+from vlserve.disagg.transports.base import InPlaceTransport
 from vlserve.disagg.transports.remote_write import StagedWrites
 from vlserve.engine.transfer_buffers import TransferBuffers
 
@@ -56,14 +56,14 @@ class MooncakeTransport(InPlaceTransport):
         return TransferTarget(self.name, buffers.layout, self.session, buffers.storage.data_ptr())
 
     # ---- sender ----------------------------------------------------------------------------------------------
-    async def write(self, header: TransferChunk, data: ChunkData, target: TransferTarget) -> None:
-        await in_thread(self._write, header, data, target)
-
-    def _write(self, header: TransferChunk, data: ChunkData, target: TransferTarget) -> None:
+    def write_rows(self, target: TransferTarget, block_ids: list[int], rows: torch.Tensor) -> int:
         with self.staged.lock:
-            src, dst, lengths = self.staged.plan(header, data, target)
+            src, dst, lengths = self.staged.plan(block_ids, rows, target)
+            if not lengths:
+                return 0
             if self.engine.batch_transfer_sync_write(target.session, src, dst, lengths) != 0:
                 raise RuntimeError(f"the Mooncake write to {target.session} failed")
+            return sum(lengths)
 
     def close(self) -> None:
         for region in self._registered:

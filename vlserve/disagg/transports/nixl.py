@@ -11,8 +11,8 @@ import uuid
 
 import torch
 
-from vlserve.disagg.messages import TransferChunk, TransferTarget
-from vlserve.disagg.transports.base import ChunkData, InPlaceTransport, in_thread, write_timeout_s
+from vlserve.disagg.messages import TransferTarget
+from vlserve.disagg.transports.base import InPlaceTransport, write_timeout_s
 from vlserve.disagg.transports.remote_write import StagedWrites
 from vlserve.engine.transfer_buffers import TransferBuffers
 
@@ -74,12 +74,11 @@ class NixlTransport(InPlaceTransport):
             self.agent.get_new_notifs()
             time.sleep(PUMP_PERIOD_S)
 
-    async def write(self, header: TransferChunk, data: ChunkData, target: TransferTarget) -> None:
-        await in_thread(self._write, header, data, target)
-
-    def _write(self, header: TransferChunk, data: ChunkData, target: TransferTarget) -> None:
+    def write_rows(self, target: TransferTarget, block_ids: list[int], rows: torch.Tensor) -> int:
         with self.staged.lock:
-            src, dst, lengths = self.staged.plan(header, data, target)
+            src, dst, lengths = self.staged.plan(block_ids, rows, target)
+            if not lengths:
+                return 0
             peer = self._peers.get(target.session)
             if peer is None:
                 peer = self._peers[target.session] = self.agent.add_remote_agent(target.agent_metadata)
@@ -97,6 +96,7 @@ class NixlTransport(InPlaceTransport):
                     raise RuntimeError(f"the NIXL write to {target.session} failed")
             finally:
                 self.agent.release_xfer_handle(handle)
+            return sum(lengths)
 
     def close(self) -> None:
         self._pumping.clear()

@@ -9,8 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from vlserve.disagg.messages import TransferChunk, TransferTarget
-from vlserve.disagg.transports.base import ChunkData, chunk_num_rows
+from vlserve.disagg.messages import TransferTarget
 from vlserve.engine.transfer_buffers import DTYPES
 
 STAGING_BYTES = 64 * 2**20  # registered once; a bigger chunk gets a bigger staging buffer
@@ -33,17 +32,18 @@ class StagedWrites:
             self._register(self._staging)
         return self._staging
 
-    def plan(self, header: TransferChunk, data: ChunkData,
+    def plan(self, block_ids: list[int], rows: torch.Tensor,
              target: TransferTarget) -> tuple[list[int], list[int], list[int]]:
-        """(source addresses, destination addresses, lengths) that put the chunk's rows into `header.block_ids`
-        of the receiver's buffers at `target.base_address`, from the run's first slot."""
+        """(source addresses, destination addresses, lengths) that put `rows` into the run `block_ids` of the
+        receiver's buffers at `target.base_address`, from the run's first slot."""
         layout = target.layout
-        rows = data.rows.to(DTYPES[layout.dtype]).contiguous()
-        if not header.block_ids or any(not 0 <= b < layout.num_blocks for b in header.block_ids):
+        rows = rows.to(DTYPES[layout.dtype]).contiguous()
+        if not block_ids or any(not 0 <= b < layout.num_blocks for b in block_ids):
             raise ValueError(f"block ids outside the receiver's {layout.num_blocks} blocks")
-        count, span = chunk_num_rows(header), len(header.block_ids) * layout.block_tokens
-        if count > span or rows.shape[0] != count:
-            raise ValueError(f"the chunk's {count} rows do not fit the {span} slots of its blocks")
+        count, span = rows.shape[0], len(block_ids) * layout.block_tokens
+        if rows.dim() != 2 or rows.shape[1] != layout.width or count > span:
+            raise ValueError(f"{tuple(rows.shape)} rows do not fit the {span} slots of width {layout.width} "
+                             "of their blocks")
         if not count:
             return [], [], []
         flat = rows.view(torch.uint8).view(count, -1)
@@ -51,7 +51,7 @@ class StagedWrites:
         staging = self._staging_for(flat.numel())
         staging[: flat.numel()].view(-1, row_bytes).copy_(flat)
         index = torch.arange(count)
-        table = torch.tensor(header.block_ids, dtype=torch.int64)
+        table = torch.tensor(block_ids, dtype=torch.int64)
         slots = table[index // layout.block_tokens] * layout.block_tokens + index % layout.block_tokens
         base = target.base_address + layout.offsets()["rows"]
         src, dst, lengths = [], [], []

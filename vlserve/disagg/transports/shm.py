@@ -16,13 +16,15 @@ import io
 import os
 import stat
 import tempfile
+import threading
 from dataclasses import dataclass
 
 import msgspec
+import torch
 
 from vlserve.core.errors import VlserveError
-from vlserve.disagg.messages import TransferChunk, TransferTarget
-from vlserve.disagg.transports.base import ChunkData, InPlaceTransport, in_thread, write_chunk
+from vlserve.disagg.messages import TransferTarget
+from vlserve.disagg.transports.base import InPlaceTransport, write_run
 from vlserve.engine.transfer_buffers import TRANSFER_FILE_PREFIX, TransferBuffers, shm_dir
 
 MAX_MAPPED = 16  # receivers whose buffers stay mapped (one per receiving server on this host)
@@ -38,12 +40,12 @@ class _Mapped:
     buffers: TransferBuffers
     file: io.FileIO  # the very file mapped, open for fstat; closed when the last user lets go of this entry
 
-    def write(self, header: TransferChunk, data: ChunkData) -> None:
+    def write(self, block_ids: list[int], rows: torch.Tensor) -> int:
         size, want = os.fstat(self.file.fileno()).st_size, self.buffers.layout.nbytes
         if size != want:
             raise FileResized(f"the receiver's buffer file {self.buffers.layout.path} now has {size} bytes, its "
                               f"layout says {want} (truncated or resized by someone else): nothing written")
-        write_chunk(self.buffers, header, data)
+        return write_run(self.buffers, block_ids, rows)
 
 
 class ShmTransport(InPlaceTransport):
@@ -53,6 +55,7 @@ class ShmTransport(InPlaceTransport):
     def __init__(self, host: str = "127.0.0.1"):
         super().__init__(host)
         self._mapped: dict[str, _Mapped] = {}
+        self._lock = threading.Lock()
 
     def target(self, buffers: TransferBuffers) -> TransferTarget:
         if not buffers.layout.path:
@@ -96,11 +99,13 @@ class ShmTransport(InPlaceTransport):
         mapped = self._mapped[layout.path] = _Mapped(buffers, file)
         return mapped
 
-    async def write(self, header: TransferChunk, data: ChunkData, target: TransferTarget) -> None:
-        mapped = self._buffers(target)
+    def write_rows(self, target: TransferTarget, block_ids: list[int], rows: torch.Tensor) -> int:
+        with self._lock:  # the map of receivers is shared by the threads that write
+            mapped = self._buffers(target)
         try:
-            await in_thread(mapped.write, header, data)
+            return mapped.write(block_ids, rows)
         except FileResized:
-            if self._mapped.get(target.layout.path) is mapped:
-                del self._mapped[target.layout.path]  # mapped afresh (and checked) next time
+            with self._lock:
+                if self._mapped.get(target.layout.path) is mapped:
+                    del self._mapped[target.layout.path]  # mapped afresh (and checked) next time
             raise

@@ -6,21 +6,24 @@ that moves KV between instances plugs one in (our own take on vLLM v1's KV conne
   computed (`pending_kv`); when it preempts one, whether its KV must be kept because it cannot be recomputed here
   (`keeps_kv_on_preempt`); and when one finishes, whether the connector keeps its blocks (`request_finished`);
 - the engine core lets it check and prepare a request as it arrives (`check_request`, `admit`), move KV around a
-  step's forward pass (`move_kv`), and take what it exports after the step (`after_step`).
+  step's forward pass (`move_kv`), and export KV after the step (`after_step`); the engine process takes the
+  exports (`take_exported`) and passes the connector its own messages (`write`, `take_written`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from vlserve.core.errors import InvalidInputError
 from vlserve.core.messages import EngineCoreOutput, Handoff
 from vlserve.core.prompt import ProcessedPrompt
 from vlserve.core.request import Request, RequestStatus
 from vlserve.core.sampling_params import SamplingParams
+from vlserve.core.wire import KVWritten, WriteKV
 
 if TYPE_CHECKING:
     from vlserve.engine.scheduler_output import SchedulerOutput
@@ -44,11 +47,23 @@ class PendingKV:
 @dataclass
 class ExportedKV:
     """A finished request's prompt KV, one row per token (see kv_handoff.kv_to_rows), then a hybrid model's
-    linear states as rows (engine.state_rows), and its random state."""
+    linear states as rows (engine.state_rows), and its random state. `rows` is None when they stay in the engine
+    process, which writes them to the receiver itself (a connector with a `RowWriter`)."""
 
     request_id: str
-    rows: torch.Tensor
+    rows: torch.Tensor | None
     generator_state: bytes | None
+
+
+class RowWriter(Protocol):
+    """Puts rows into another instance's memory from the engine process (a transport that writes in place). Made
+    by the disaggregation layer, which alone knows what `destination` encodes; called from a writer thread."""
+
+    def write(self, destination: bytes, rows: torch.Tensor) -> int:
+        """Blocks until `rows` [m, width] are at `destination`; returns the bytes written."""
+
+    def close(self) -> None:
+        """Lets go of what it registered or mapped."""
 
 
 @dataclass
@@ -104,12 +119,37 @@ class KVConnector:
         admitted with pending KV (`sched.kv_in`)."""
         return MovedKV([], [])
 
-    def after_step(self, outputs: list[EngineCoreOutput]) -> list[ExportedKV]:
-        """After the step: the KV of requests that finished and whose KV leaves this instance. A request whose KV
-        cannot be exported is left out (its blocks freed) and reported by `take_failed`: one request's failure
-        must never end the engine."""
+    def after_step(self, outputs: list[EngineCoreOutput]) -> None:
+        """After the step: exports the KV of requests that finished and whose KV leaves this instance (taken by
+        `take_exported`). A request whose KV cannot be exported is left out (its blocks freed) and reported by
+        `take_failed`: one request's failure must never end the engine."""
+
+    def take_exported(self) -> list[ExportedKV]:
+        """What `after_step` exported since the last call (the engine process sends it to the front end)."""
         return []
 
     def take_failed(self) -> list[tuple[str, str]]:
         """(request id, why) of requests the connector failed since the last call (after_step): they fail (500)."""
         return []
+
+    # ---- the engine process's own messages (engine.core_process) ---------------------------------------------
+    def write(self, msg: WriteKV) -> None:
+        """Starts writing exported rows where `msg` says (a connector with a row writer); answered by
+        `take_written`."""
+        raise InvalidInputError("this engine writes no KV rows to other instances")
+
+    def take_written(self) -> list[KVWritten]:
+        """Writes that ended since the last call."""
+        return []
+
+    @property
+    def writes_in_flight(self) -> bool:
+        return False
+
+    @property
+    def num_kept(self) -> int:
+        """Requests whose exported KV rows wait here to be written."""
+        return 0
+
+    def close(self) -> None:
+        """The engine stops: waits for writes under way, lets go of the writer."""

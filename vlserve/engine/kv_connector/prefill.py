@@ -1,12 +1,19 @@
 """The prefill role's connector: every request computes its prompt and samples its first token; when it finishes
-its blocks are kept, read out as KV rows after the step (sent back to the front end, which hands them to a decode
-instance) and freed. A hybrid model's linear states follow its KV rows as rows too (read as it finishes, before
-its state slot is freed). A hold nobody takes (the step's outputs were lost) expires."""
+its blocks are kept, read out as KV rows after the step and freed. A hybrid model's linear states follow its KV
+rows as rows too (read as it finishes, before its state slot is freed). A hold nobody takes (the step's outputs
+were lost) expires.
+
+Where the rows go: with a row writer (a transport that writes the receiver's memory: shm, Mooncake, NIXL) they
+stay in this process, and the front end, which runs the transfer's protocol, asks for each chunk to be written
+into the decode instance's blocks (`write`): the writes run on a thread of their own while the engine steps on,
+and end in `take_written`; the rows are dropped when the front end says the transfer is over (`forget`) or after
+the same expiry. Without one (ZeroMQ frames) the rows go to the front end with the first token."""
 
 from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -15,7 +22,8 @@ from vlserve.core.messages import EngineCoreOutput
 from vlserve.core.prompt import ProcessedPrompt
 from vlserve.core.request import Request, RequestStatus
 from vlserve.core.sampling_params import SamplingParams
-from vlserve.engine.kv_connector.base import ExportedKV, KVConnector, KVTransfer
+from vlserve.core.wire import KVWritten, WriteKV
+from vlserve.engine.kv_connector.base import ExportedKV, KVConnector, KVTransfer, RowWriter
 from vlserve.engine.kv_handoff import kv_to_rows
 
 logger = logging.getLogger(__name__)
@@ -23,11 +31,18 @@ HELD_KV_TTL_S = 120.0  # a finished prefill's blocks are kept this long at most
 
 
 class PrefillConnector(KVConnector):
-    def __init__(self, cfg, ttl: float = HELD_KV_TTL_S):
-        self.ttl = ttl
+    def __init__(self, cfg, ttl: float = HELD_KV_TTL_S, writer: RowWriter | None = None):
+        self.ttl, self.writer = ttl, writer
         # Finished, blocks kept until exported: (request, since, a hybrid model's state rows read at its finish).
         self.held: dict[str, tuple[Request, float, torch.Tensor | None]] = {}
         self._failed: list[tuple[str, str]] = []  # (request id, why) whose export failed, for take_failed
+        self._exported: list[ExportedKV] = []  # since the last take_exported
+        # With a writer: exported rows kept for it, (rows, prompt tokens, last used).
+        self.kept: dict[str, tuple[torch.Tensor, int, float]] = {}
+        self._writes: list[tuple[WriteKV, Future]] = []  # under way, oldest first
+        self._written: list[KVWritten] = []  # refused before they started
+        # One thread: a transfer's chunks land in order, and a write never competes with the next for memory.
+        self._pool = None if writer is None else ThreadPoolExecutor(1, thread_name_prefix="vlserve-kv-write")
 
     def check_request(self, prompt: ProcessedPrompt, params: SamplingParams, kv_transfer: KVTransfer | None) -> None:
         if kv_transfer is not None:
@@ -36,11 +51,12 @@ class PrefillConnector(KVConnector):
             raise InvalidInputError("a request whose KV is handed over samples once (n = 1)")
 
     def owns(self, request_id: str) -> bool:
-        return request_id in self.held
+        return request_id in self.held or request_id in self.kept
 
     def forget(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self._release(rid)
+            self.kept.pop(rid, None)  # a write under way keeps its own reference to the rows it writes
 
     def request_finished(self, req: Request, status: RequestStatus) -> bool:
         if status == RequestStatus.FINISHED_ABORTED or not req.block_ids:
@@ -56,23 +72,74 @@ class PrefillConnector(KVConnector):
         for rid in [rid for rid, (_, since, _) in self.held.items() if now - since > self.ttl]:
             logger.warning("request %s: its prefilled KV was not taken within %.0f s; released", rid, self.ttl)
             self._release(rid)
+        for rid in [rid for rid, (_, _, since) in self.kept.items() if now - since > self.ttl]:
+            logger.warning("request %s: its KV rows were not all written within %.0f s; dropped", rid, self.ttl)
+            del self.kept[rid]
 
-    def after_step(self, outputs: list[EngineCoreOutput]) -> list[ExportedKV]:
-        exported = []
+    def after_step(self, outputs: list[EngineCoreOutput]) -> None:
+        exported = self._exported
         for out in outputs:
             if out.finish_reason is None or out.request_id not in self.held:
                 continue
             try:
-                exported.append(self.export(out.request_id))
+                num_tokens = self.held[out.request_id][0].num_prompt_tokens
+                kv = self.export(out.request_id)
+                if self.writer is not None:  # written from here, chunk by chunk, when the front end asks
+                    self.kept[kv.request_id] = (kv.rows, num_tokens, time.monotonic())
+                    kv.rows = None
+                exported.append(kv)
             except Exception as e:  # noqa: BLE001 - e.g. out of memory copying a long prompt's KV: that request
                 # fails (export has freed its blocks), the engine and the step's other requests go on
                 logger.exception("request %s: its KV could not be exported", out.request_id)
                 self._failed.append((out.request_id, f"its KV could not be exported: {type(e).__name__}"))
+
+    def take_exported(self) -> list[ExportedKV]:
+        exported, self._exported = self._exported, []
         return exported
 
     def take_failed(self) -> list[tuple[str, str]]:
         failed, self._failed = self._failed, []
         return failed
+
+    def write(self, msg: WriteKV) -> None:
+        kept = self.kept.get(msg.request_id)
+        if self._pool is None or kept is None:
+            why = "this engine writes no KV rows" if self._pool is None else "no KV rows kept (expired or released)"
+            self._written.append(KVWritten(msg.request_id, msg.write_id, error=why))
+            return
+        rows, num_tokens, _ = kept
+        if not 0 <= msg.start < msg.end <= num_tokens:
+            self._written.append(KVWritten(msg.request_id, msg.write_id,
+                                           error=f"tokens {msg.start}..{msg.end} of a {num_tokens}-token prompt"))
+            return
+        self.kept[msg.request_id] = (rows, num_tokens, time.monotonic())
+        part = rows[msg.start:msg.end] if msg.end < num_tokens else rows[msg.start:]  # the last takes the states
+        self._writes.append((msg, self._pool.submit(self.writer.write, msg.destination, part)))
+
+    def take_written(self) -> list[KVWritten]:
+        done, self._written = self._written, []
+        while self._writes and self._writes[0][1].done():  # in order: the pool runs them one after another
+            msg, future = self._writes.pop(0)
+            error = future.exception()
+            if error is None:
+                done.append(KVWritten(msg.request_id, msg.write_id, future.result()))
+            else:  # that transfer fails (the front end tells the receiver), the engine goes on
+                logger.warning("request %s: a KV write failed: %s", msg.request_id, error)
+                done.append(KVWritten(msg.request_id, msg.write_id, error=f"{type(error).__name__}: {error}"))
+        return done
+
+    @property
+    def writes_in_flight(self) -> bool:
+        return bool(self._writes)
+
+    @property
+    def num_kept(self) -> int:
+        return len(self.kept)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self.writer.close()
 
     def export(self, request_id: str) -> ExportedKV:
         """A held request's prompt KV as rows, with its random state; its blocks are freed."""

@@ -1,0 +1,168 @@
+"""A prefill engine that writes its KV rows into a decode instance's blocks itself (#47: no KV byte through the
+front end): with an in-place transport (here shared memory, the same writer the prefill instance's engine process
+makes) the exported rows stay in the engine, each chunk the front end asks for lands in the receiver's run, and
+the decode engine goes on token for token as one engine would. Bad ranges, bad blocks and writes after a release
+are answered with an error for that write only; the rows are dropped on release or expiry."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.conftest import IMG, assert_pool_full, noise_image
+from tests.test_pd_handoff import Decode, _cfg, _whole
+from vlserve import LLM, SamplingParams
+from vlserve.core.errors import ConfigurationError
+from vlserve.core.messages import Handoff
+from vlserve.core.prompt import MultiModalItem, ProcessedPrompt
+from vlserve.core.wire import KVWritten, WriteKV
+from vlserve.disagg.transports.row_writer import encode_destination, row_writer_maker
+from vlserve.disagg.transports.shm import ShmTransport
+from vlserve.engine.core import EngineCore
+from vlserve.engine.kv_connector import DecodeConnector, make_connector
+from vlserve.engine.transfer_buffers import TransferBuffers
+from vlserve.frontend.input_processor import InputProcessor
+
+BLOCK_ROWS = 16
+PICTURE = {"prompt": f"{IMG} Describe it in detail, please.", "multi_modal_data": {"image": noise_image(72, 56, 9)}}
+
+
+class WritingPrefill:
+    """A prefill engine with the shm row writer, as `vlserve prefill --transfer-backend shm` makes it."""
+
+    def __init__(self, path):
+        cfg = _cfg(path, num_kv_blocks=256)
+        self.writer = row_writer_maker("shm", "127.0.0.1")()
+        self.core = EngineCore(cfg, connector=make_connector("prefill", cfg, self.writer))
+        self.connector = self.core.connector
+        self.input_processor = InputProcessor.for_model(cfg)
+
+    @property
+    def engine(self):  # what assert_pool_full looks at
+        return self
+
+    def written(self, count: int) -> list[KVWritten]:
+        """The next `count` answers (the writes run on the connector's thread)."""
+        got: list[KVWritten] = []
+        deadline = time.monotonic() + 30
+        while len(got) < count and time.monotonic() < deadline:
+            got += self.connector.take_written()
+            time.sleep(0.001)
+        assert len(got) == count, got
+        return got
+
+
+class SharedDecode(Decode):
+    """A decode engine whose receive blocks are in a shared-memory file, as a decode instance has them."""
+
+    def __init__(self, path):
+        cfg = _cfg(path, num_kv_blocks=256, max_num_seqs=128)
+        self.buffers = TransferBuffers.create(64, BLOCK_ROWS, cfg.model.kv_row_width, cfg.dtype, shared=True)
+        self.core = EngineCore(cfg, report_released=True, transfer=self.buffers, connector=DecodeConnector(cfg))
+        self.blocks: dict[str, list[int]] = {}
+        self.receiver = ShmTransport()
+        self.target = self.receiver.target(self.buffers)
+
+
+@pytest.fixture(scope="module")
+def path(tiny_ckpt):
+    return tiny_ckpt("qwen2_vl")
+
+
+@pytest.fixture(scope="module")
+def whole(path):  # one engine doing all of it: the reference
+    return LLM(path, dtype="float32", num_kv_blocks=256, block_size=8)
+
+
+@pytest.fixture(scope="module")
+def prefill(path):
+    p = WritingPrefill(path)
+    yield p
+    p.connector.close()
+
+
+@pytest.fixture(scope="module")
+def decode(path):
+    d = SharedDecode(path)
+    yield d
+    d.buffers.unlink()
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                                    SamplingParams(temperature=1.0, seed=11, max_tokens=10, ignore_eos=True)],
+                         ids=["greedy", "seeded"])
+def test_kept_rows_written_in_two_chunks_decode_as_one_engine(prefill, decode, whole, params):
+    processed = prefill.input_processor.process(PICTURE)
+    n = len(processed.prompt_token_ids)
+    assert n > BLOCK_ROWS
+    prefill.core.add_request("r", processed, params.for_prefill())
+    outs, exported = [], []
+    while prefill.core.has_unfinished:
+        outs += prefill.core.step()
+        exported += prefill.connector.take_exported()
+    (kv,) = exported
+    assert kv.rows is None and prefill.connector.num_kept == 1  # the rows stayed in the engine
+    blocks = decode.buffers.allocate(n)
+    first_run, rest = blocks[:1], blocks[1:]  # a chunk fills its run; the resume's run holds the rest
+    prefill.connector.write(WriteKV("r", 0, 0, BLOCK_ROWS, encode_destination(decode.target, first_run, "shm")))
+    prefill.connector.write(WriteKV("r", 1, BLOCK_ROWS, n, encode_destination(decode.target, rest, "shm")))
+    row_bytes = decode.buffers.layout.width * 4
+    assert prefill.written(2) == [KVWritten("r", 0, BLOCK_ROWS * row_bytes),
+                                  KVWritten("r", 1, (n - BLOCK_ROWS) * row_bytes)]
+    prefill.core.abort_requests(["r"])  # the transfer is over: the rows are dropped
+    assert prefill.connector.num_kept == 0 and not prefill.connector.owns("r")
+
+    items = [MultiModalItem(it.offset, it.num_tokens, None, it.layout, it.mm_hash) for it in processed.mm_items]
+    arrived = ProcessedPrompt(processed.prompt_token_ids, items, processed.positions, processed.position_delta,
+                              block_rows=blocks, kv_in_blocks=True)
+    decode.blocks["r"] = blocks
+    decode.add("r", arrived, params, Handoff(outs[-1], kv.generator_state))
+    tokens = []
+    while decode.core.has_unfinished:
+        tokens += [t for out in decode.step() if out.request_id == "r" for t in out.new_token_ids]
+    assert tokens == list(_whole(whole, PICTURE, params))
+    assert decode.buffers.num_free == decode.buffers.num_blocks
+    assert_pool_full(prefill)
+
+
+def test_bad_writes_fail_alone_and_released_rows_are_gone(prefill, decode):
+    processed = prefill.input_processor.process({"prompt": "Hello, how are you?"})
+    n = len(processed.prompt_token_ids)
+    prefill.core.add_request("b", processed, SamplingParams(temperature=0, max_tokens=4).for_prefill())
+    while prefill.core.has_unfinished:
+        prefill.core.step()
+    prefill.connector.take_exported()
+    blocks = decode.buffers.allocate(n)
+    try:
+        good = encode_destination(decode.target, blocks, "shm")
+        prefill.connector.write(WriteKV("b", 0, 0, n + 1, good))  # past the prompt
+        prefill.connector.write(WriteKV("b", 1, 0, n, encode_destination(decode.target, [10**6], "shm")))
+        prefill.connector.write(WriteKV("b", 2, 0, n, good))
+        answers = {w.write_id: w for w in prefill.written(3)}
+        assert "tokens 0..%d" % (n + 1) in answers[0].error
+        assert "outside the receiver" in answers[1].error
+        assert answers[2].error is None and answers[2].nbytes == n * decode.buffers.layout.width * 4
+        with pytest.raises(ValueError, match="backend"):  # a receiver of another backend is refused up front
+            encode_destination(None, blocks, "shm")
+        prefill.connector.ttl = -1.0  # nobody asked for more: the rows expire
+        prefill.connector.start_step()
+        assert prefill.connector.num_kept == 0
+        prefill.connector.write(WriteKV("b", 3, 0, n, good))
+        (gone,) = prefill.written(1)
+        assert "no KV rows kept" in gone.error
+    finally:
+        prefill.connector.ttl = 120.0
+        decode.buffers.free(blocks)
+    assert_pool_full(prefill)
+
+
+def test_only_a_prefill_engine_takes_a_writer_and_zmq_has_none(path):
+    assert row_writer_maker("zmq", "127.0.0.1") is None  # frames: the rows go out through the front end
+    cfg = _cfg(path, num_kv_blocks=64)
+    writer = row_writer_maker("shm", "127.0.0.1")()
+    try:
+        with pytest.raises(ConfigurationError, match="only a prefill engine"):
+            make_connector("decode", cfg, writer)
+    finally:
+        writer.close()
