@@ -4,8 +4,8 @@ transports write), and a decode engine (`DecodeConnector`) takes the request thr
 `add_request(..., kv_transfer=Handoff)`. Its first output is the prefill's token, then decoding goes on token for
 token as one engine would: greedy, seeded, penalties, grammars, pictures. Handed-over requests that must be
 preempted swap their KV out to host memory (their pictures are not here to recompute from); the receive blocks
-are released once the KV is copied in, and also when a request still waiting for room is aborted; every pool ends full. An
-engine without a connector (aggregated) holds no role code and refuses handed-over KV."""
+are released once the KV is copied in, and also when a request still waiting for room is aborted; every pool
+ends full. An engine without a connector (aggregated) holds no role code and refuses handed-over KV."""
 
 from __future__ import annotations
 
