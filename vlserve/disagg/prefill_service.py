@@ -41,6 +41,7 @@ from vlserve.disagg.peer_kinds import PREFILL_PEERS
 from vlserve.disagg.remote_encoder import remote_prompt_encoder
 from vlserve.disagg.sender import OutgoingTransfer, SenderService, every_token_rows
 from vlserve.disagg.transports import TRANSPORTS
+from vlserve.disagg.transports.base import HeadersOnly
 from vlserve.disagg.transports.row_writer import encode_destination, row_writer_maker
 from vlserve.disagg.registry import advertised_host
 from vlserve.frontend.async_llm import AsyncLLM
@@ -56,9 +57,13 @@ class PrefillService(SenderService):
         self.engine, d, host = engine, opts.disagg, opts.server.host
         auth = PeerAuth(d.disagg_secret)
         require_secret_off_loopback(auth, host, "this prefill instance")
-        # Its own sender, beside the receiver the engine's peer client (toward encoders) has: a NIXL agent is not
-        # safe to drive from a sending thread while the receiving side pumps it.
-        transport = TRANSPORTS[d.transfer_backend](advertised_host(d, host))
+        # With a backend that writes in place the engine process writes the KV rows with its own transport
+        # (run_prefill gives it a row writer): this process sends headers only. Over zmq it sends the rows as
+        # frames, with a sender of its own (not the peer client's receiver toward encoders).
+        public = advertised_host(d, host)
+        writes_in_place = TRANSPORTS[d.transfer_backend].writes_in_place
+        transport = HeadersOnly(d.transfer_backend, public) if writes_in_place else \
+            TRANSPORTS[d.transfer_backend](public)
         self._setup(host, d.data_port or opts.server.port + 1, auth, transport,
                     TransferMetrics(engine.metrics.registry, None, PREFILL, "kv"), d.transfer_timeout,
                     d.transfer_failure_prob)

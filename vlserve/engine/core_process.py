@@ -35,6 +35,7 @@ from vlserve.core.wire import (
     Framer,
     HandedKV,
     Heartbeat,
+    KVWritten,
     RequestRejected,
     Shutdown,
     WriteKV,
@@ -77,6 +78,7 @@ class EngineCoreLoop:
         self.running = True
         self.connector = core.connector  # its own messages (a prefill engine's row writes) pass it by
         self.kept_reported = 0
+        self.refused_writes: list[KVWritten] = []  # row writes answered as they came (they could not start)
 
     def run(self) -> None:
         while self.running:
@@ -94,9 +96,10 @@ class EngineCoreLoop:
                 self.core.publish_kv_events()  # keepalive of an idle engine (a busy one publishes each step)
             self.rejected += [RequestRejected(rid, why, status) for rid, why, status in self.core.take_failed()]
             self.progress.steps += 1
-            handed, written, kept = [], [], 0
+            handed, written, kept = [], self.refused_writes, 0
+            self.refused_writes = []
             if self.connector is not None:
-                handed, written = self.connector.take_exported(), self.connector.take_written()
+                handed, written = self.connector.take_exported(), written + self.connector.take_written()
                 kept = self.connector.num_kept
             if outputs or self.rejected or busy or self.core.has_released or written or kept != self.kept_reported:
                 self.kept_reported = kept  # the stats say it (a release alone would otherwise go unreported)
@@ -143,9 +146,10 @@ class EngineCoreLoop:
                 self.core.abort_requests(msg.request_ids)
         elif isinstance(msg, WriteKV):
             if self.connector is None:
-                logger.error("dropped a KV write for %r: this engine has no KV connector", msg.request_id[:128])
-            else:
-                self.connector.write(msg)
+                self.refused_writes.append(KVWritten(msg.request_id, msg.write_id,
+                                                     error="this engine has no KV connector"))
+            elif (refused := self.connector.write(msg)) is not None:
+                self.refused_writes.append(refused)
         elif isinstance(msg, Shutdown):
             self.running = False
 

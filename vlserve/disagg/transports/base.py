@@ -144,6 +144,19 @@ class InPlaceTransport(Transport):
         return ChunkTokens(fill_ids, positions, header_nbytes(header, buffers.layout))
 
 
+class HeadersOnly(InPlaceTransport):
+    """The sending front end of a prefill instance whose engine process writes the KV rows itself
+    (transports.row_writer): it sends the chunks' headers under the backend's name and never touches a row, so it
+    needs none of the backend's own machinery (no Mooncake engine, no NIXL agent) in this process."""
+
+    def __init__(self, name: str, host: str = "127.0.0.1"):
+        super().__init__(host)
+        self.name = name
+
+    def write_rows(self, target: TransferTarget, block_ids: list[int], rows: torch.Tensor) -> int:
+        raise RuntimeError(f"the {self.name} rows of this instance are written by its engine process")
+
+
 async def in_thread(fn, *args):
     """`fn(*args)` on a worker thread, so a copy that grows with a request never holds up the event loop. A
     caller cancelled meanwhile still returns only once `fn` has ended, then raises CancelledError: a write into

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from vlserve.core.errors import InvalidInputError
 from vlserve.core.messages import EngineCoreOutput, Handoff
 from vlserve.core.prompt import ProcessedPrompt
 from vlserve.core.request import Request, RequestStatus
@@ -133,10 +132,10 @@ class KVConnector:
         return []
 
     # ---- the engine process's own messages (engine.core_process) ---------------------------------------------
-    def write(self, msg: WriteKV) -> None:
-        """Starts writing exported rows where `msg` says (a connector with a row writer); answered by
-        `take_written`."""
-        raise InvalidInputError("this engine writes no KV rows to other instances")
+    def write(self, msg: WriteKV) -> KVWritten | None:
+        """Starts writing exported rows where `msg` says (a connector with a row writer): None, and `take_written`
+        answers once it has ended; or the answer now, when it cannot start."""
+        return KVWritten(msg.request_id, msg.write_id, error="this engine writes no KV rows to other instances")
 
     def take_written(self) -> list[KVWritten]:
         """Writes that ended since the last call."""

@@ -40,7 +40,6 @@ class PrefillConnector(KVConnector):
         # With a writer: exported rows kept for it, (rows, prompt tokens, last used).
         self.kept: dict[str, tuple[torch.Tensor, int, float]] = {}
         self._writes: list[tuple[WriteKV, Future]] = []  # under way, oldest first
-        self._written: list[KVWritten] = []  # refused before they started
         # One thread: a transfer's chunks land in order, and a write never competes with the next for memory.
         self._pool = None if writer is None else ThreadPoolExecutor(1, thread_name_prefix="vlserve-kv-write")
 
@@ -101,23 +100,22 @@ class PrefillConnector(KVConnector):
         failed, self._failed = self._failed, []
         return failed
 
-    def write(self, msg: WriteKV) -> None:
+    def write(self, msg: WriteKV) -> KVWritten | None:
         kept = self.kept.get(msg.request_id)
         if self._pool is None or kept is None:
             why = "this engine writes no KV rows" if self._pool is None else "no KV rows kept (expired or released)"
-            self._written.append(KVWritten(msg.request_id, msg.write_id, error=why))
-            return
+            return KVWritten(msg.request_id, msg.write_id, error=why)
         rows, num_tokens, _ = kept
         if not 0 <= msg.start < msg.end <= num_tokens:
-            self._written.append(KVWritten(msg.request_id, msg.write_id,
-                                           error=f"tokens {msg.start}..{msg.end} of a {num_tokens}-token prompt"))
-            return
+            return KVWritten(msg.request_id, msg.write_id,
+                             error=f"tokens {msg.start}..{msg.end} of a {num_tokens}-token prompt")
         self.kept[msg.request_id] = (rows, num_tokens, time.monotonic())
         part = rows[msg.start:msg.end] if msg.end < num_tokens else rows[msg.start:]  # the last takes the states
         self._writes.append((msg, self._pool.submit(self.writer.write, msg.destination, part)))
+        return None
 
     def take_written(self) -> list[KVWritten]:
-        done, self._written = self._written, []
+        done = []
         while self._writes and self._writes[0][1].done():  # in order: the pool runs them one after another
             msg, future = self._writes.pop(0)
             error = future.exception()
