@@ -61,7 +61,7 @@ def main() -> None:
         blocks = buffers.allocate(args.tokens)
         target = ShmTransport().target(buffers)
         destination = encode_destination(target, blocks, "shm")
-        writer = row_writer_maker("shm", "127.0.0.1")()
+        writer = row_writer_maker("shm", "127.0.0.1", 120.0)()
 
         def timed(fn) -> list[float]:
             fn()  # warm: the file mapped, pages touched
@@ -83,7 +83,7 @@ def main() -> None:
         sender = multiprocessing.get_context("spawn").Process(target=_engine_side,
                                                               args=(address, nbytes, args.rounds + 1))
         sender.start()
-        front_end = row_writer_maker("shm", "127.0.0.1")()
+        front_end = row_writer_maker("shm", "127.0.0.1", 120.0)()
 
         def receive_and_write() -> None:
             frame = pull.recv(copy=False)

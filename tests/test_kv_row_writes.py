@@ -6,17 +6,25 @@ are answered with an error for that write only; the rows are dropped on release 
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 
 import pytest
+import torch
+from prometheus_client import CollectorRegistry
 
 from tests.conftest import IMG, assert_pool_full, noise_image
 from tests.test_pd_handoff import Decode, _cfg, _whole
 from vlserve import LLM, SamplingParams
-from vlserve.core.errors import ConfigurationError
+from vlserve.core.errors import ConfigurationError, EngineDeadError
 from vlserve.core.messages import Handoff
 from vlserve.core.prompt import MultiModalItem, ProcessedPrompt
 from vlserve.core.wire import KVWritten, WriteKV
+from vlserve.disagg.messages import AbortTransfer
+from vlserve.disagg.metrics import TransferMetrics
+from vlserve.disagg.sender import TransferSender
+from vlserve.disagg.transports.base import HeadersOnly
 from vlserve.disagg.transports.row_writer import encode_destination, row_writer_maker
 from vlserve.disagg.transports.shm import ShmTransport
 from vlserve.engine.core import EngineCore
@@ -24,6 +32,7 @@ from vlserve.engine.kv_connector import DecodeConnector, make_connector
 from vlserve.engine.state_rows import state_row_count
 from vlserve.engine.transfer_buffers import TransferBuffers
 from vlserve.frontend.input_processor import InputProcessor
+from vlserve.frontend.kv_writes import KVWrites, KVWriteUnsettled
 
 BLOCK_ROWS = 16
 PICTURE = {"prompt": f"{IMG} Describe it in detail, please.", "multi_modal_data": {"image": noise_image(72, 56, 9)}}
@@ -34,7 +43,7 @@ class WritingPrefill:
 
     def __init__(self, path):
         cfg = _cfg(path, num_kv_blocks=256)
-        self.writer = row_writer_maker("shm", "127.0.0.1")()
+        self.writer = row_writer_maker("shm", "127.0.0.1", 120.0)()
         self.core = EngineCore(cfg, connector=make_connector("prefill", cfg, self.writer))
         self.connector = self.core.connector
         self.input_processor = InputProcessor.for_model(cfg)
@@ -153,22 +162,100 @@ def test_bad_writes_fail_alone_and_released_rows_are_gone(prefill, decode):
         assert answers[2].error is None and answers[2].nbytes == (n + tail) * decode.buffers.layout.width * 4
         with pytest.raises(ValueError, match="backend"):  # a receiver of another backend is refused up front
             encode_destination(None, blocks, "shm")
-        prefill.connector.ttl = -1.0  # nobody asked for more: the rows expire
+        prefill.connector.keep_s = -1.0  # nobody asks for more: the rows expire
         prefill.connector.start_step()
         assert prefill.connector.num_kept == 0
         assert "no KV rows kept" in prefill.connector.write(WriteKV("b", 3, 0, n, good)).error
     finally:
-        prefill.connector.ttl = 120.0
+        prefill.connector.keep_s = prefill.writer.keep_s
         decode.buffers.free(blocks)
     assert_pool_full(prefill)
 
 
 def test_only_a_prefill_engine_takes_a_writer_and_zmq_has_none(path):
-    assert row_writer_maker("zmq", "127.0.0.1") is None  # frames: the rows go out through the front end
+    assert row_writer_maker("zmq", "127.0.0.1", 120.0) is None  # frames: the rows go out through the front end
     cfg = _cfg(path, num_kv_blocks=64)
-    writer = row_writer_maker("shm", "127.0.0.1")()
+    writer = row_writer_maker("shm", "127.0.0.1", 120.0)()
     try:
         with pytest.raises(ConfigurationError, match="only a prefill engine"):
             make_connector("decode", cfg, writer)
     finally:
         writer.close()
+
+
+class SlowWriter:
+    """A row writer whose writes wait for `go`: what a slow transport looks like to the connector."""
+
+    keep_s = 120.0
+
+    def __init__(self):
+        self.go, self.written = threading.Event(), []
+
+    def write(self, destination: bytes, rows) -> int:
+        assert self.go.wait(30)
+        self.written.append(destination)
+        return rows.numel()
+
+    def close(self) -> None:
+        self.go.set()
+
+
+def test_a_released_requests_queued_writes_never_start_and_late_ones_are_refused(path):
+    cfg = _cfg(path, num_kv_blocks=64)
+    writer = SlowWriter()
+    connector = make_connector("prefill", cfg, writer)
+    rows = torch.zeros(8, cfg.model.kv_row_width)
+    connector.kept.update({"a": (rows, 8, time.monotonic()), "b": (rows, 8, time.monotonic())})
+    try:
+        assert connector.write(WriteKV("a", 0, 0, 4, b"first")) is None  # starts, waits for `go`
+        assert connector.write(WriteKV("a", 1, 4, 8, b"queued")) is None
+        assert connector.write(WriteKV("b", 2, 0, 8, b"late", not_after=time.time() - 1)) is None
+        connector.forget(["a"])  # the transfer ended: what has not started never will
+        writer.go.set()
+        deadline = time.monotonic() + 30
+        answers: dict[int, KVWritten] = {}
+        while len(answers) < 3 and time.monotonic() < deadline:
+            answers.update({w.write_id: w for w in connector.take_written()})
+            time.sleep(0.001)
+        assert answers[0].error is None  # under way when released: it ends (the front end waits for it)
+        assert "released before it started" in answers[1].error
+        assert "too long ago" in answers[2].error
+        assert writer.written == [b"first"] and not connector.writes_in_flight
+    finally:
+        connector.close()
+    connector.close()  # once is enough: a second close does nothing
+
+
+def test_writes_of_an_engine_that_stopped_answering_stay_unsettled():
+    """The front end's side: a write the engine may still do fails as unsettled, and the sender then never
+    tells the receiver its blocks are free (its quarantine does); a dead engine is sent nothing."""
+    sent_to_engine, alive = [], [True]
+    writes = KVWrites(sent_to_engine.append, lambda: alive[0])
+
+    async def go():
+        pending = asyncio.ensure_future(writes.write("r", 0, 4, b"where", time.time() + 5))
+        await asyncio.sleep(0)
+        writes.fail_all("stuck in a step")
+        with pytest.raises(KVWriteUnsettled):
+            await pending
+        alive[0] = False
+        with pytest.raises(EngineDeadError):
+            await writes.write("r", 4, 8, b"where", time.time() + 5)
+        writes.release("r")
+
+    asyncio.run(go())
+    assert [type(m).__name__ for m in sent_to_engine] == ["WriteKV"]
+
+    replies = []
+
+    class Socket:
+        async def send_multipart(self, frames, **kw):
+            replies.append(frames)
+
+    sender = TransferSender(Socket(), HeadersOnly("shm"), TransferMetrics(CollectorRegistry(), None, "prefill", "kv"),
+                            8.0)
+    asyncio.run(sender.abort(b"peer", AbortTransfer("settled", 1)))
+    assert len(replies) == 1  # acknowledged: nothing more is written
+    sender.unsettle((b"peer", "unsettled", 1))
+    asyncio.run(sender.abort(b"peer", AbortTransfer("unsettled", 1)))
+    assert len(replies) == 1

@@ -65,14 +65,18 @@ class FinishRequests(msgspec.Struct, tag="finish"):
 class WriteKV(msgspec.Struct, tag="write_kv"):
     """Prefill instance: rows [start, end) of a finished request's exported KV rows (one per prompt token; an
     `end` at its last token takes the rows after it too: a hybrid model's states) go to `destination` through the
-    engine's row writer. The destination is opaque here (the disaggregation layer's encoding of where: the
-    receiver's buffers and blocks); the answer is a `KVWritten` with the same ids."""
+    engine's row writer, unless it is past `not_after` by then. The destination is opaque here (the
+    disaggregation layer's encoding of where: the receiver's buffers and blocks); the answer is a `KVWritten`
+    with the same ids."""
 
     request_id: str
     write_id: int
     start: int
     end: int
     destination: bytes
+    # time.time() after which the write must not start: the front end (same host) may have given up on it and
+    # let the receiver reuse its blocks once its quarantine is over (see disagg.transports.base)
+    not_after: float = float("inf")
 
 
 class Shutdown(msgspec.Struct, tag="shutdown"):

@@ -42,9 +42,10 @@ from vlserve.disagg.remote_encoder import remote_prompt_encoder
 from vlserve.disagg.sender import OutgoingTransfer, SenderService, every_token_rows
 from vlserve.disagg.transports import TRANSPORTS
 from vlserve.disagg.transports.base import HeadersOnly
-from vlserve.disagg.transports.row_writer import encode_destination, row_writer_maker
+from vlserve.disagg.transports.row_writer import encode_destination, row_writer_maker, write_deadline
 from vlserve.disagg.registry import advertised_host
 from vlserve.frontend.async_llm import AsyncLLM
+from vlserve.frontend.kv_writes import KVWriteUnsettled
 from vlserve.frontend.metrics import CONTENT_TYPE
 from vlserve.lora.catalog import with_adapter
 
@@ -119,7 +120,7 @@ class PrefillService(SenderService):
             if rows is None:  # kept by the engine, which writes each chunk itself: dropped when the transfer ends
                 release = self.engine.kv_writes.release
                 transfer.on_end = lambda: release(engine_id)
-                transfer.write_rows = functools.partial(self._write_rows, engine_id, req.target)
+                transfer.write_rows = functools.partial(self._write_rows, key, engine_id, req.target)
             elif rows.shape[0] != n + tail:
                 raise RuntimeError(f"the engine handed {rows.shape[0]} rows for {n} tokens and {tail} state rows")
             else:
@@ -133,9 +134,13 @@ class PrefillService(SenderService):
         except Exception as e:  # noqa: BLE001 - every failure must reach the receiver, which frees its blocks
             await self.request_failed(key, e)
 
-    async def _write_rows(self, engine_id: str, target, start: int, end: int, block_ids: list[int]) -> int:
+    async def _write_rows(self, key, engine_id: str, target, start: int, end: int, block_ids: list[int]) -> int:
         destination = encode_destination(target, block_ids, self.transport.name)
-        return await self.engine.kv_writes.write(engine_id, start, end, destination)
+        try:
+            return await self.engine.kv_writes.write(engine_id, start, end, destination, write_deadline())
+        except KVWriteUnsettled:
+            self.sender.unsettle(key)  # the receiver must not hear its blocks are free
+            raise
 
     async def _check_adapter(self, ref: AdapterRef) -> None:
         """The request's LoRA adapter is one this instance can apply: served (--enable-lora), and the same files
@@ -191,10 +196,11 @@ async def run_prefill(opts: Options, log_level: str) -> int:
         public = advertised_host(opts.disagg, host)
         encoder = remote_prompt_encoder(opts.disagg, f"{public}:{port}", opts.engine.model, PREFILL,
                                         data_address=f"{public}:{data_port}")
+        writer = row_writer_maker(opts.disagg.transfer_backend, public, opts.disagg.transfer_timeout)
         engine = AsyncLLM(opts.engine, opts.engine.model, media_threads=opts.server.media_threads,
                           log_requests=False, log_level=log_level,
                           heartbeat_timeout=opts.server.engine_heartbeat_timeout, prompt_encoder=encoder,
-                          kv_role=PREFILL, kv_writer=row_writer_maker(opts.disagg.transfer_backend, public))
+                          kv_role=PREFILL, kv_writer=writer)
         service = PrefillService(engine, opts)
         try:
             service.bind()

@@ -42,7 +42,7 @@ from vlserve.disagg.messages import (
 from vlserve.disagg.metrics import TransferMetrics
 from vlserve.disagg.row_map import RowMap
 from vlserve.disagg.transports import ChunkData, Transport
-from vlserve.disagg.transports.base import ABORT_ACK_STATUS, in_thread
+from vlserve.disagg.transports.base import ABORT_ACK_STATUS, in_thread, quarantine_s
 
 logger = logging.getLogger("vlserve.disagg")
 Key = tuple[bytes, str, int]  # (peer, request id, transfer id)
@@ -102,6 +102,9 @@ class TransferSender:
         self.replies = Framer(TransferFailed | Pong)
         self.transfers: dict[Key, OutgoingTransfer] = {}
         self.aborted: dict[Key, float] = {}  # aborted before (or while) we held them: until when
+        # A write into the receiver's blocks may still land (its writer stopped answering): an abort is not
+        # acknowledged, the receiver's quarantine frees the blocks. Until when.
+        self.unsettled: dict[Key, float] = {}
 
     async def reply(self, peer: bytes, msg) -> None:
         await self.sock.send_multipart([peer, *self.replies.encode(msg)])
@@ -181,8 +184,16 @@ class TransferSender:
         self.end(key)
         if transfer is not None and transfer.sending is not None:
             await asyncio.shield(transfer.sending)
+        if key in self.unsettled:
+            logger.warning("transfer %s: a write into the receiver's blocks may still land; its abort is not "
+                           "acknowledged (the receiver's quarantine frees them)", key[1][:64])
+            return
         if self.transport.writes_in_place:
             await self.reply(peer, TransferFailed(msg.request_id, msg.transfer_id, "aborted", ABORT_ACK_STATUS))
+
+    def unsettle(self, key: Key) -> None:
+        """A write for this transfer may still land in the receiver's blocks (see `unsettled`)."""
+        self.unsettled[key] = time.monotonic() + quarantine_s()
 
     def end(self, key: Key) -> None:
         """The transfer is over (sent, failed, aborted or expired): what it holds is released."""
@@ -195,6 +206,7 @@ class TransferSender:
             await asyncio.sleep(1.0)
             now = time.monotonic()
             self.aborted = {k: until for k, until in self.aborted.items() if until > now}
+            self.unsettled = {k: until for k, until in self.unsettled.items() if until > now}
             for key in [k for k, t in self.transfers.items() if now - t.touched > self.timeout]:
                 logger.warning("transfer %s expired before the receiver resumed it", key[1][:64])
                 self.metrics.state(TransferState.FAILED)

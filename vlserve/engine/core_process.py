@@ -94,6 +94,8 @@ class EngineCoreLoop:
             outputs = self.core.step() if self.core.has_unfinished else []
             if not busy:
                 self.core.publish_kv_events()  # keepalive of an idle engine (a busy one publishes each step)
+                if self.connector is not None:
+                    self.connector.start_step()  # its expiries, which a busy engine runs each step
             self.rejected += [RequestRejected(rid, why, status) for rid, why, status in self.core.take_failed()]
             self.progress.steps += 1
             handed, written, kept = [], self.refused_writes, 0
@@ -236,6 +238,8 @@ def run_engine_core(args_json: bytes, facts_json: bytes, addresses: dict[str, st
             EngineCoreLoop(core, inputs, outputs, progress, parent_pid).run()
         except Exception as e:  # noqa: BLE001 - report, then exit: the front-end fails pending requests with 503
             logger.exception("engine core crashed")
+            if core.connector is not None:  # no row write may land after the front end hears of the failure
+                core.connector.close()
             outputs.send_multipart(framer.encode(EngineFailed(f"engine core crashed: {type(e).__name__}: {e}")))
             exit_code = 1
         finally:

@@ -173,7 +173,7 @@ class AsyncLLM:
                                      on_failure=self._fail_all,
                                      transfer_layout=None if buffers is None else buffers.layout, kv_role=kv_role,
                                      media_pool=media_pool, kv_writer=kv_writer)
-        self.kv_writes = KVWrites(self.core.send)
+        self.kv_writes = KVWrites(self.core.send, lambda: self.core.dead_reason is None)
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     async def start(self) -> None:

@@ -17,27 +17,37 @@ class KVWriteFailed(VlserveError):
     """The engine could not write a chunk's rows (the receiver gone, a bad address, ...): that transfer fails."""
 
 
+class KVWriteUnsettled(VlserveError):
+    """The engine stopped answering while a write was asked of it: the write may still start (until its
+    `not_after`) and land, so that transfer fails without telling the receiver its blocks are free (its
+    quarantine frees them)."""
+
+
 class KVWrites:
-    def __init__(self, send: Callable[[object], None]):
+    def __init__(self, send: Callable[[object], None], alive: Callable[[], bool]):
         self._send = send  # to the engine process
+        self._alive = alive  # its process is there (a send to a dead one would block for ever)
         self._ids = itertools.count()
         self._waiting: dict[tuple[str, int], asyncio.Future] = {}
 
-    async def write(self, request_id: str, start: int, end: int, destination: bytes) -> int:
+    async def write(self, request_id: str, start: int, end: int, destination: bytes, not_after: float) -> int:
         """Rows of tokens [start, end) of the engine's kept request `request_id` (its states too when `end` is its
-        last token) written to `destination`; returns the bytes written. Cancelling waits for nothing: the engine
-        finishes the write (who cancels must still wait for it before reusing the blocks: see the sender)."""
+        last token) written to `destination`, if the engine starts before `not_after` (time.time()); returns the
+        bytes written. Cancelling waits for nothing: the engine may still write (see the sender's abort)."""
+        if not self._alive():
+            raise EngineDeadError("the engine is gone: nothing can be written")
         write_id = next(self._ids)
         future = self._waiting[(request_id, write_id)] = asyncio.get_running_loop().create_future()
         try:
-            self._send(WriteKV(request_id, write_id, start, end, destination))
+            self._send(WriteKV(request_id, write_id, start, end, destination, not_after))
             return await future
         finally:
             self._waiting.pop((request_id, write_id), None)
 
     def release(self, request_id: str) -> None:
-        """The transfer is over: the engine drops the request's kept rows."""
-        self._send(FinishRequests([request_id], "abort"))
+        """The transfer is over: the engine drops the request's kept rows (a dead one has nothing to drop)."""
+        if self._alive():
+            self._send(FinishRequests([request_id], "abort"))
 
     def settle(self, written: list[KVWritten]) -> None:
         for w in written:
@@ -50,7 +60,8 @@ class KVWrites:
                 future.set_exception(KVWriteFailed(f"the KV rows could not be written: {w.error}"))
 
     def fail_all(self, reason: str) -> None:
+        """The engine died or stopped answering: no write's end will be reported."""
         for future in self._waiting.values():
             if not future.done():
-                future.set_exception(EngineDeadError(f"the engine stopped: {reason}"))
+                future.set_exception(KVWriteUnsettled(f"the engine stopped ({reason}) while writing KV rows"))
         self._waiting.clear()

@@ -6,6 +6,7 @@ bytes it does not read: encoded here, decoded here."""
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 
 import msgspec
@@ -13,7 +14,7 @@ import torch
 
 from vlserve.disagg.messages import TransferTarget
 from vlserve.disagg.transports import TRANSPORTS
-from vlserve.disagg.transports.base import check_target
+from vlserve.disagg.transports.base import check_target, quarantine_s, write_timeout_s
 
 
 class KVDestination(msgspec.Struct, array_like=True):
@@ -29,8 +30,8 @@ def encode_destination(target: TransferTarget | None, block_ids: list[int], back
 class TransportRowWriter:
     """Made in the engine process (by the maker `row_writer_maker` returns): its own transport instance."""
 
-    def __init__(self, backend: str, host: str):
-        self.backend = backend
+    def __init__(self, backend: str, host: str, keep_s: float):
+        self.backend, self.keep_s = backend, keep_s
         self.transport = TRANSPORTS[backend](host)
         self._decoder = msgspec.msgpack.Decoder(KVDestination)
 
@@ -42,9 +43,18 @@ class TransportRowWriter:
         self.transport.close()
 
 
-def row_writer_maker(backend: str, host: str) -> Callable[[], TransportRowWriter] | None:
+def row_writer_maker(backend: str, host: str, transfer_timeout: float) -> Callable[[], TransportRowWriter] | None:
     """What the engine process makes its writer with (picklable), or None when the backend sends frames (zmq):
-    then the rows go out through the front end. `host`: this instance's address as peers reach it."""
+    then the rows go out through the front end. `host`: this instance's address as peers reach it;
+    `transfer_timeout`: how long the front end keeps a transfer nobody resumes (rows are kept twice that at
+    most, a backstop for a release that never came)."""
     if not TRANSPORTS[backend].writes_in_place:
         return None
-    return functools.partial(TransportRowWriter, backend, host)
+    return functools.partial(TransportRowWriter, backend, host, 2 * transfer_timeout + 10.0)
+
+
+def write_deadline() -> float:
+    """The `WriteKV.not_after` of a write asked for now. A write starts by then or never, and the slowest one
+    (a NIXL write, `write_timeout_s`) lands within the receiver's quarantine of its blocks counted from now: the
+    receiver, which can only fail the transfer after this, keeps them at least that long."""
+    return time.time() + quarantine_s() - write_timeout_s()

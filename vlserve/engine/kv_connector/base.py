@@ -58,6 +58,8 @@ class RowWriter(Protocol):
     """Puts rows into another instance's memory from the engine process (a transport that writes in place). Made
     by the disaggregation layer, which alone knows what `destination` encodes; called from a writer thread."""
 
+    keep_s: float  # how long rows nobody asks for are kept (a backstop: the front end releases them)
+
     def write(self, destination: bytes, rows: torch.Tensor) -> int:
         """Blocks until `rows` [m, width] are at `destination`; returns the bytes written."""
 

@@ -33,6 +33,7 @@ HELD_KV_TTL_S = 120.0  # a finished prefill's blocks are kept this long at most
 class PrefillConnector(KVConnector):
     def __init__(self, cfg, ttl: float = HELD_KV_TTL_S, writer: RowWriter | None = None):
         self.ttl, self.writer = ttl, writer
+        self.keep_s = HELD_KV_TTL_S if writer is None else writer.keep_s
         # Finished, blocks kept until exported: (request, since, a hybrid model's state rows read at its finish).
         self.held: dict[str, tuple[Request, float, torch.Tensor | None]] = {}
         self._failed: list[tuple[str, str]] = []  # (request id, why) whose export failed, for take_failed
@@ -53,9 +54,13 @@ class PrefillConnector(KVConnector):
         return request_id in self.held or request_id in self.kept
 
     def forget(self, request_ids: list[str]) -> None:
+        gone = set(request_ids)
         for rid in request_ids:
             self._release(rid)
             self.kept.pop(rid, None)  # a write under way keeps its own reference to the rows it writes
+        for msg, future in self._writes:
+            if msg.request_id in gone:
+                future.cancel()  # not started yet: it never will (answered as released)
 
     def request_finished(self, req: Request, status: RequestStatus) -> bool:
         if status == RequestStatus.FINISHED_ABORTED or not req.block_ids:
@@ -71,8 +76,8 @@ class PrefillConnector(KVConnector):
         for rid in [rid for rid, (_, since, _) in self.held.items() if now - since > self.ttl]:
             logger.warning("request %s: its prefilled KV was not taken within %.0f s; released", rid, self.ttl)
             self._release(rid)
-        for rid in [rid for rid, (_, _, since) in self.kept.items() if now - since > self.ttl]:
-            logger.warning("request %s: its KV rows were not all written within %.0f s; dropped", rid, self.ttl)
+        for rid in [rid for rid, (_, _, since) in self.kept.items() if now - since > self.keep_s]:
+            logger.warning("request %s: nobody asked for its KV rows for %.0f s; dropped", rid, self.keep_s)
             del self.kept[rid]
 
     def after_step(self, outputs: list[EngineCoreOutput]) -> None:
@@ -111,14 +116,19 @@ class PrefillConnector(KVConnector):
                              error=f"tokens {msg.start}..{msg.end} of a {num_tokens}-token prompt")
         self.kept[msg.request_id] = (rows, num_tokens, time.monotonic())
         part = rows[msg.start:msg.end] if msg.end < num_tokens else rows[msg.start:]  # the last takes the states
-        self._writes.append((msg, self._pool.submit(self.writer.write, msg.destination, part)))
+        self._writes.append((msg, self._pool.submit(self._write, msg, part)))
         return None
+
+    def _write(self, msg: WriteKV, rows: torch.Tensor) -> int:
+        if time.time() > msg.not_after:  # queued too long (a slow or stuck engine): its front end gave up on it
+            raise TimeoutError("the write was asked for too long ago; not started")
+        return self.writer.write(msg.destination, rows)
 
     def take_written(self) -> list[KVWritten]:
         done = []
         while self._writes and self._writes[0][1].done():  # in order: the pool runs them one after another
             msg, future = self._writes.pop(0)
-            error = future.exception()
+            error = RuntimeError("released before it started") if future.cancelled() else future.exception()
             if error is None:
                 done.append(KVWritten(msg.request_id, msg.write_id, future.result()))
             else:  # that transfer fails (the front end tells the receiver), the engine goes on
@@ -135,8 +145,11 @@ class PrefillConnector(KVConnector):
         return len(self.kept)
 
     def close(self) -> None:
+        """Writes not started never will be; the one under way ends first (its receiver may not reuse those
+        blocks before it has)."""
         if self._pool is not None:
-            self._pool.shutdown(wait=True)
+            pool, self._pool = self._pool, None  # closed once (the crash path closes before the engine's end)
+            pool.shutdown(wait=True, cancel_futures=True)
             self.writer.close()
 
     def export(self, request_id: str) -> ExportedKV:
