@@ -118,8 +118,7 @@ class PrefillService(SenderService):
             transfer = OutgoingTransfer(key, computed, req.block_tokens, every_token=True, tail_rows=tail,
                                         target=req.target, handoff=handoff)
             if rows is None:  # kept by the engine, which writes each chunk itself: dropped when the transfer ends
-                release = self.engine.kv_writes.release
-                transfer.on_end = lambda: release(engine_id)
+                transfer.on_end = functools.partial(self.engine.kv_writes.release, engine_id)
                 transfer.write_rows = functools.partial(self._write_rows, key, engine_id, req.target)
             elif rows.shape[0] != n + tail:
                 raise RuntimeError(f"the engine handed {rows.shape[0]} rows for {n} tokens and {tail} state rows")

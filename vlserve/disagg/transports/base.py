@@ -179,13 +179,21 @@ def write_chunk(buffers: TransferBuffers, header: TransferChunk, data: ChunkData
         write_run(buffers, header.block_ids, data.rows)
 
 
+def check_run(layout, block_ids: list[int], rows: torch.Tensor) -> None:
+    """`rows` [m, width] fit the receiver's run `block_ids` from its first slot (every transport that writes a
+    receiver's memory checks this first: nothing outside its blocks is ever touched)."""
+    if not block_ids or any(not 0 <= b < layout.num_blocks for b in block_ids):
+        raise ValueError(f"block ids outside the receiver's {layout.num_blocks} blocks")
+    span = len(block_ids) * layout.block_tokens
+    if rows.dim() != 2 or rows.shape[1] != layout.width or rows.shape[0] > span:
+        raise ValueError(f"{tuple(rows.shape)} rows do not fit the {span} slots of width {layout.width} of "
+                         "their blocks")
+
+
 def write_run(buffers: TransferBuffers, block_ids: list[int], rows: torch.Tensor) -> int:
     """`rows` into the run `block_ids` of `buffers` from its first slot, checked to fit; returns the bytes."""
     layout = buffers.layout
-    if not block_ids or any(not 0 <= b < layout.num_blocks for b in block_ids):
-        raise ValueError(f"block ids outside the receiver's {layout.num_blocks} blocks")
-    if rows.dim() != 2 or rows.shape[0] > len(block_ids) * layout.block_tokens:
-        raise ValueError(f"{tuple(rows.shape)} rows do not fit a run of {len(block_ids)} blocks")
+    check_run(layout, block_ids, rows)
     buffers.write_rows(block_ids, torch.arange(rows.shape[0]), rows)
     return rows.shape[0] * layout.width * buffers.rows.element_size()
 

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 
 from vlserve.disagg.messages import TransferTarget
+from vlserve.disagg.transports.base import check_run
 from vlserve.engine.transfer_buffers import DTYPES
 
 STAGING_BYTES = 64 * 2**20  # registered once; a bigger chunk gets a bigger staging buffer
@@ -37,13 +38,9 @@ class StagedWrites:
         """(source addresses, destination addresses, lengths) that put `rows` into the run `block_ids` of the
         receiver's buffers at `target.base_address`, from the run's first slot."""
         layout = target.layout
+        check_run(layout, block_ids, rows)
         rows = rows.to(DTYPES[layout.dtype]).contiguous()
-        if not block_ids or any(not 0 <= b < layout.num_blocks for b in block_ids):
-            raise ValueError(f"block ids outside the receiver's {layout.num_blocks} blocks")
-        count, span = rows.shape[0], len(block_ids) * layout.block_tokens
-        if rows.dim() != 2 or rows.shape[1] != layout.width or count > span:
-            raise ValueError(f"{tuple(rows.shape)} rows do not fit the {span} slots of width {layout.width} "
-                             "of their blocks")
+        count = rows.shape[0]
         if not count:
             return [], [], []
         flat = rows.view(torch.uint8).view(count, -1)
