@@ -1,14 +1,21 @@
-"""What a prefill instance's KV handoff costs on one host, beside a plain memory copy of the same bytes (#47).
+"""What a prompt's KV handoff from a prefill instance to a decode instance costs on one host, beside a plain
+memory copy of the same bytes (#47), in three generations, timed on the same rows in the same run:
 
-Before: the engine process sent a prompt's KV rows to its front end as a ZeroMQ frame, and the front end wrote them
-into the decode instance's receive blocks (shm). After: the engine process writes them into those blocks itself
-(transports.row_writer), and the front end passes only where. Both are timed here on the same rows, same run:
-"before" as a second process sending the rows over ipc:// and this one writing them, "after" as the shm writer
-alone. The bound is one memory copy of the rows.
+1. first: the prefill engine process sent the rows to its front end as a ZeroMQ frame, the front end wrote them
+   into the decode instance's receive blocks (shm), and the decode engine copied them into its KV cache when it
+   admitted the request;
+2. then: the prefill engine process writes them into the receive blocks itself (transports.row_writer), the
+   decode engine still copies them in at admission;
+3. now: the prefill engine process writes them straight into the blocks the decode engine reserved in its KV
+   cache, which lives in a shared file (engine.config.kv_cache_shared): nothing is copied at admission.
 
-    .venv/bin/python benchmarks/kv_transfer.py [--tokens 2000] [--row-width 14336] [--dtype bfloat16]
+"first" has a second process send the rows over ipc:// to this one; the admission copy is the decode connector's
+(gather the rows, lay them out by layer, copy into each layer's cache). The bound is one memory copy of the rows.
 
-The default row is Qwen2-VL-2B's (28 layers x K,V x 2 KV heads x 128); 2,000 tokens are 57 MB in bf16.
+    .venv/bin/python benchmarks/kv_transfer.py [--tokens 2000] [--kv-heads 2] [--head-dim 128] [--layers 28]
+
+The default is Qwen2-VL-2B's KV (28 layers x K,V x 2 KV heads x 128 = 14,336 values a token); 2,000 tokens are
+57 MB in bf16.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from vlserve.disagg.transports.row_writer import encode_destination, row_writer_maker  # noqa: E402
 from vlserve.disagg.transports.shm import ShmTransport  # noqa: E402
+from vlserve.engine.kv_handoff import rows_to_kv  # noqa: E402
 from vlserve.engine.transfer_buffers import TransferBuffers  # noqa: E402
 
 BLOCK_ROWS = 16
@@ -49,19 +57,33 @@ def _engine_side(address: str, nbytes: int, rounds: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=2000)
-    ap.add_argument("--row-width", type=int, default=14336)
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
-    rows = torch.randn(args.tokens, args.row_width).to(dtype)
+    layers, heads, dim = args.layers, args.kv_heads, args.head_dim
+    args.row_width = width = layers * 2 * heads * dim
+    rows = torch.randn(args.tokens, width).to(dtype)
     nbytes = rows.numel() * rows.element_size()
-    buffers = TransferBuffers.create(-(-args.tokens // BLOCK_ROWS), BLOCK_ROWS, args.row_width, dtype)
+    num_blocks = -(-args.tokens // BLOCK_ROWS)
+    buffers = TransferBuffers.create(num_blocks, BLOCK_ROWS, width, dtype)  # receive blocks
+    kv_file = TransferBuffers.create(num_blocks, BLOCK_ROWS, width, dtype, parts=layers * 2)  # a KV cache
+    private_cache = torch.zeros(layers, 2, num_blocks * BLOCK_ROWS, heads, dim, dtype=dtype)
     try:
         blocks = buffers.allocate(args.tokens)
         target = ShmTransport().target(buffers)
         destination = encode_destination(target, blocks, "shm")
+        in_place = encode_destination(ShmTransport().target(kv_file), blocks, "shm")
         writer = row_writer_maker("shm", "127.0.0.1", 120.0)()
+        slots = torch.arange(args.tokens)  # the request's KV slots (its blocks are the run's, in order)
+
+        def admission_copy() -> None:  # what the decode connector did with rows in receive blocks
+            kv = rows_to_kv(buffers.read_rows(blocks, 0, args.tokens), layers, heads, dim)
+            for cache, layer in zip(private_cache, kv):
+                cache.index_copy_(1, slots, layer)
 
         def timed(fn) -> list[float]:
             fn()  # warm: the file mapped, pages touched
@@ -74,7 +96,12 @@ def main() -> None:
 
         copy_target = torch.empty_like(rows)
         bound = timed(lambda: copy_target.copy_(rows))
-        after = timed(lambda: writer.write(destination, rows))
+        then_write = timed(lambda: writer.write(destination, rows))
+        then_admit = timed(admission_copy)
+        now = timed(lambda: writer.write(in_place, rows))
+        written = kv_file.planes.view(layers, 2, -1, heads, dim)[:, :, : args.tokens]
+        if not torch.equal(written, private_cache[:, :, : args.tokens]):  # the same KV, wherever it went
+            raise SystemExit("the KV written in place differs from the KV copied in at admission")
 
         # Before: the rows arrive from another process over ipc://, then the front end writes them.
         address = f"ipc://{tempfile.mkdtemp()}/kv"
@@ -90,24 +117,29 @@ def main() -> None:
             got = torch.frombuffer(frame.buffer, dtype=torch.uint8).view(dtype).view(args.tokens, args.row_width)
             front_end.write(destination, got)
 
-        before = timed(receive_and_write)
+        first_write = timed(receive_and_write)
         sender.join()
         pull.close(0)
         for w in (writer, front_end):
             w.close()
     finally:
         buffers.unlink()
+        kv_file.unlink()
 
-    def ms(times: list[float]) -> str:
-        return f"{statistics.median(times) * 1e3:8.2f} ms  ({min(times) * 1e3:.2f}-{max(times) * 1e3:.2f})"
+    med = statistics.median
+    copy = med(bound)
 
-    print(f"{args.tokens} tokens x {args.row_width} {args.dtype}: {nbytes / 1e6:.1f} MB of KV rows, "
-          f"median of {args.rounds} (min-max)")
-    print(f"memory copy (bound)          {ms(bound)}  {nbytes / statistics.median(bound) / 1e9:5.1f} GB/s")
-    print(f"before: engine -> front end -> shm  {ms(before)}  "
-          f"{statistics.median(before) / statistics.median(bound):4.1f}x the bound")
-    print(f"after:  engine -> shm               {ms(after)}  "
-          f"{statistics.median(after) / statistics.median(bound):4.1f}x the bound")
+    def line(name: str, parts: list[list[float]]) -> None:
+        total = sum(med(t) for t in parts)
+        each = " + ".join(f"{med(t) * 1e3:.2f}" for t in parts)
+        print(f"{name:<58} {total * 1e3:8.2f} ms  ({each})  {total / copy:5.1f}x the bound")
+
+    print(f"{args.tokens} tokens x {width} {args.dtype} ({layers} layers x K,V x {heads} heads x {dim}): "
+          f"{nbytes / 1e6:.1f} MB of KV, medians of {args.rounds}")
+    print(f"{'memory copy (bound)':<58} {copy * 1e3:8.2f} ms  {nbytes / copy / 1e9:5.1f} GB/s")
+    line("first: engine -> front end -> receive blocks; admission copy", [first_write, then_admit])
+    line("then:  engine -> receive blocks; admission copy", [then_write, then_admit])
+    line("now:   engine -> the decode engine's KV blocks", [now])
 
 
 if __name__ == "__main__":

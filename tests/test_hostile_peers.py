@@ -322,7 +322,7 @@ def test_the_receiver_restores_a_truncated_shm_file_and_fails_only_what_it_lost(
         with pytest.raises(ServiceUnavailableError, match="resized by someone else"):  # during one: it is lost
             await client.send_prompt("truncate-1", "p", media, {}, {})
         assert buffers.restored == 2
-        for blocks, _ in client.quarantined.values():  # (the encoder would confirm its abort)
+        for _, blocks, _ in client.quarantined.values():  # (the encoder would confirm its abort)
             client.free(blocks)
         got, _ = await client.send_prompt("ok-3", "p", media, {}, {})  # and the next one is fine
         client.free(got.block_rows)
@@ -420,10 +420,10 @@ def test_a_failed_transfers_blocks_wait_in_quarantine_whatever_becomes_of_the_pe
     try:
         held = asyncio.run(go())
         assert held > 0
-        [(key, (blocks, _))] = client.quarantined.items()
+        [(key, (_, blocks, _))] = client.quarantined.items()
         assert key[0] == "r1" and len(blocks) == held and _blocks_in_use(client) == held, \
             "a failed transfer's blocks were freed while its peer may still write into them"
-        client.free(client.quarantined.pop(key)[0])  # what its deadline (or the peer's word) does
+        client.free(client.quarantined.pop(key)[1])  # what its deadline (or the peer's word) does
         assert client.buffers.num_free == client.buffers.num_blocks
     finally:
         client.transport.close()

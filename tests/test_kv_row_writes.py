@@ -20,7 +20,7 @@ from vlserve import LLM, SamplingParams
 from vlserve.core.errors import ConfigurationError, EngineDeadError
 from vlserve.core.messages import Handoff
 from vlserve.core.prompt import MultiModalItem, ProcessedPrompt
-from vlserve.core.wire import KVWritten, WriteKV
+from vlserve.core.wire import KVWritten, ReleaseKV, ReserveKV, WriteKV
 from vlserve.disagg.messages import AbortTransfer
 from vlserve.disagg.metrics import TransferMetrics
 from vlserve.disagg.sender import TransferSender
@@ -28,9 +28,8 @@ from vlserve.disagg.transports.base import HeadersOnly
 from vlserve.disagg.transports.row_writer import encode_destination, row_writer_maker
 from vlserve.disagg.transports.shm import ShmTransport
 from vlserve.engine.core import EngineCore
-from vlserve.engine.kv_connector import DecodeConnector, make_connector
+from vlserve.engine.kv_connector import make_connector
 from vlserve.engine.state_rows import state_row_count
-from vlserve.engine.transfer_buffers import TransferBuffers
 from vlserve.frontend.input_processor import InputProcessor
 from vlserve.frontend.kv_writes import KVWrites, KVWriteUnsettled
 
@@ -64,15 +63,16 @@ class WritingPrefill:
 
 
 class SharedDecode(Decode):
-    """A decode engine whose receive blocks are in a shared-memory file, as a decode instance has them."""
+    """A decode engine as a decode instance has it at one rank on the CPU: its KV cache in a shared-memory file,
+    which the prefill engine's shm writer writes into, in blocks the engine reserved for the transfer."""
 
     def __init__(self, path):
-        cfg = _cfg(path, num_kv_blocks=256, max_num_seqs=128)
-        self.buffers = TransferBuffers.create(64, BLOCK_ROWS, cfg.model.kv_row_width, cfg.dtype, shared=True)
-        self.core = EngineCore(cfg, report_released=True, transfer=self.buffers, connector=DecodeConnector(cfg))
-        self.blocks: dict[str, list[int]] = {}
-        self.receiver = ShmTransport()
-        self.target = self.receiver.target(self.buffers)
+        super().__init__(path, in_place=True)
+        self.kv_file = self.core.runner.kv_buffers
+        self.target = ShmTransport().target(self.kv_file)
+
+    def reserve(self, holder: str, rows: int) -> list[int]:
+        return self.core.connector.reserve(ReserveKV(holder, 0, rows)).block_ids
 
     @property
     def engine(self):  # what assert_pool_full looks at
@@ -100,7 +100,7 @@ def prefill(path):
 def decode(path):
     d = SharedDecode(path)
     yield d
-    d.buffers.unlink()
+    d.core.shutdown()
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
@@ -117,12 +117,13 @@ def test_kept_rows_written_in_two_chunks_decode_as_one_engine(prefill, decode, w
         exported += prefill.connector.take_exported()
     (kv,) = exported
     assert kv.rows is None and prefill.connector.num_kept == 1  # the rows stayed in the engine
-    blocks = decode.buffers.allocate(n + tail)
-    first_run, rest = blocks[:1], blocks[1:]  # a chunk fills its run; the resume's run holds the rest
+    blocks = decode.reserve("r", n + tail)
+    split = BLOCK_ROWS // decode.kv_file.block_tokens  # a chunk fills its run; the resume's run holds the rest
+    first_run, rest = blocks[:split], blocks[split:]
     for write_id, (start, end, run) in enumerate([(0, BLOCK_ROWS, first_run), (BLOCK_ROWS, n, rest)]):
         assert prefill.connector.write(WriteKV("r", write_id, start, end, encode_destination(decode.target, run,
                                                                                               "shm"))) is None
-    row_bytes = decode.buffers.layout.width * 4
+    row_bytes = decode.kv_file.layout.width * 4
     assert prefill.written(2) == [KVWritten("r", 0, BLOCK_ROWS * row_bytes),
                                   KVWritten("r", 1, (n + tail - BLOCK_ROWS) * row_bytes)]
     prefill.core.abort_requests(["r"])  # the transfer is over: the rows are dropped
@@ -137,7 +138,7 @@ def test_kept_rows_written_in_two_chunks_decode_as_one_engine(prefill, decode, w
     while decode.core.has_unfinished:
         tokens += [t for out in decode.step() if out.request_id == "r" for t in out.new_token_ids]
     assert tokens == list(_whole(whole, PICTURE, params))
-    assert decode.buffers.num_free == decode.buffers.num_blocks
+    assert decode.nothing_held()
     assert_pool_full(prefill)
     assert_pool_full(decode)
 
@@ -149,7 +150,7 @@ def test_bad_writes_fail_alone_and_released_rows_are_gone(prefill, decode):
     while prefill.core.has_unfinished:
         prefill.core.step()
     prefill.connector.take_exported()
-    blocks = decode.buffers.allocate(n + tail)
+    blocks = decode.reserve("b", n + tail)
     try:
         good = encode_destination(decode.target, blocks, "shm")
         past = prefill.connector.write(WriteKV("b", 0, 0, n + 1, good))  # past the prompt: answered at once
@@ -159,7 +160,7 @@ def test_bad_writes_fail_alone_and_released_rows_are_gone(prefill, decode):
         assert prefill.connector.write(WriteKV("b", 2, 0, n, good)) is None
         answers = {w.write_id: w for w in prefill.written(2)}
         assert "outside the receiver" in answers[1].error
-        assert answers[2].error is None and answers[2].nbytes == (n + tail) * decode.buffers.layout.width * 4
+        assert answers[2].error is None and answers[2].nbytes == (n + tail) * decode.kv_file.layout.width * 4
         with pytest.raises(ValueError, match="backend"):  # a receiver of another backend is refused up front
             encode_destination(None, blocks, "shm")
         prefill.connector.keep_s = -1.0  # nobody asks for more: the rows expire
@@ -168,7 +169,8 @@ def test_bad_writes_fail_alone_and_released_rows_are_gone(prefill, decode):
         assert "no KV rows kept" in prefill.connector.write(WriteKV("b", 3, 0, n, good)).error
     finally:
         prefill.connector.keep_s = prefill.writer.keep_s
-        decode.buffers.free(blocks)
+        decode.core.connector.release(ReleaseKV("b"))
+    assert decode.nothing_held()
     assert_pool_full(prefill)
 
 
@@ -259,3 +261,53 @@ def test_writes_of_an_engine_that_stopped_answering_stay_unsettled():
     sender.unsettle((b"peer", "unsettled", 1))
     asyncio.run(sender.abort(b"peer", AbortTransfer("unsettled", 1)))
     assert len(replies) == 1
+
+
+def test_kv_reservations_answer_their_askers_and_give_back_what_nobody_takes():
+    """The decode front end's side of reserving KV blocks: an answer goes to its asker; a reservation whose asker
+    was cancelled, or that the engine answers only after it stopped answering, is released by exactly the blocks
+    it got (the holder's other blocks may still be written by its peer); an engine that refuses says why."""
+    from vlserve.core.errors import ServiceUnavailableError
+    from vlserve.core.wire import KVReserved
+    from vlserve.frontend.kv_reservations import KVReservations
+
+    sent, alive = [], [True]
+    res = KVReservations(sent.append, lambda: alive[0])
+
+    async def go():
+        ask = asyncio.create_task(res.reserve("h1", 40))
+        await asyncio.sleep(0)
+        (msg,) = sent
+        assert (msg.holder, msg.num_rows) == ("h1", 40)
+        res.settle([KVReserved(msg.reserve_id, [3, 4, 5])])
+        assert await ask == [3, 4, 5]
+        short = asyncio.create_task(res.reserve("h1", 8))
+        await asyncio.sleep(0)
+        res.settle([KVReserved(sent[-1].reserve_id)])
+        assert await short is None  # not now
+        never = asyncio.create_task(res.reserve("h2", 10**6))
+        await asyncio.sleep(0)
+        res.settle([KVReserved(sent[-1].reserve_id, error="it never fits")])
+        with pytest.raises(ServiceUnavailableError, match="never fits"):
+            await never
+        sent.clear()
+        gone = asyncio.create_task(res.reserve("h1", 8))
+        await asyncio.sleep(0)
+        gone.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        res.settle([KVReserved(sent[0].reserve_id, [9])])  # it came after all: those blocks only go back
+        assert [(m.holder, m.block_ids) for m in sent[1:]] == [("h1", [9])]
+        sent.clear()
+        late = asyncio.create_task(res.reserve("h3", 8))
+        await asyncio.sleep(0)
+        res.fail_all("not answering")
+        with pytest.raises(EngineDeadError):
+            await late
+        res.settle([KVReserved(sent[0].reserve_id, [11, 12])])
+        assert [(m.holder, m.block_ids) for m in sent[1:]] == [("h3", [11, 12])]
+        alive[0] = False
+        with pytest.raises(EngineDeadError):
+            await res.reserve("h4", 8)
+
+    asyncio.run(go())

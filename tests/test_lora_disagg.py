@@ -15,6 +15,7 @@ from tests.lora_utils import make_peft_adapter
 from tests.server_utils import scrape
 from tests.test_disagg import Cluster, picture_chat, wait_encoder_idle, wait_language_blocks_free, wait_until
 from tests.test_lora_server import chat_prompt
+from tests.test_pd_disagg import decode_holds_nothing
 from vlserve import LLM, LoRARequest, SamplingParams
 
 N_TOKENS = 8
@@ -73,10 +74,7 @@ def assert_nothing_held(cluster: Cluster) -> None:
     for name in cluster.live_encoders():
         wait_encoder_idle(cluster.encoders[name].metrics_url)
 
-    def decode_free():
-        m = cluster.metrics("decode")
-        return m['vlserve:kv_buffer_free_blocks{role="decode"}'] == m['vlserve:kv_buffer_total_blocks{role="decode"}']
-    wait_until(decode_free, "decode receive blocks leaked")
+    wait_until(lambda: decode_holds_nothing(cluster.metrics("decode"), cluster.ckpt), "decode KV blocks leaked")
     for name, pre in cluster.prefills.items():
         if pre.proc.poll() is None:
             wait_until(lambda pre=pre: scrape(pre.metrics_url)["vlserve:prefill_transfers_held"] == 0

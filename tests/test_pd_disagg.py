@@ -79,12 +79,18 @@ def whole(pd: Cluster) -> Cluster:
 EVERY_PD_BACKEND = pytest.mark.parametrize("pd", BACKENDS, indirect=True)
 
 
+def decode_holds_nothing(m: dict, model: str) -> bool:
+    """A decode instance's metrics: no KV block reserved for a transfer, none in use (its KV cache is where
+    prefill instances write)."""
+    usage = m['vlserve:kv_cache_usage_perc{model_name="%s"}' % model]
+    return m["vlserve:decode_kv_blocks_reserved"] == 0 and usage == 0
+
+
 def wait_nothing_held(pd: Cluster) -> None:
-    """Every receive block back on the decode and prefill instances, no KV or transfer kept by a prefill."""
-    def decode_free():
-        m = pd.metrics("main")
-        return m['vlserve:kv_buffer_free_blocks{role="decode"}'] == m['vlserve:kv_buffer_total_blocks{role="decode"}']
-    wait_until(decode_free, f"decode receive blocks leaked: {pd.metrics('main')}")
+    """Every KV block back on the decode instance, every receive block on the prefill instances, no KV or
+    transfer kept by a prefill."""
+    wait_until(lambda: decode_holds_nothing(pd.metrics("main"), pd.ckpt),
+               f"decode KV blocks leaked: {pd.metrics('main')}")
     for name, pre in pd.prefills.items():
         if pre.proc.poll() is not None:
             continue

@@ -10,6 +10,7 @@ ends full. An engine without a connector (aggregated) holds no role code and ref
 from __future__ import annotations
 
 import ast
+import dataclasses
 import re
 import time
 from pathlib import Path
@@ -20,11 +21,12 @@ import torch
 
 from tests.conftest import IMG, assert_pool_full, noise_image
 from vlserve import LLM, SamplingParams
-from vlserve.core.config import EngineArgs
+from vlserve.core.config import DECODE, EngineArgs
 from vlserve.core.errors import InvalidInputError
 from vlserve.core.messages import EngineCoreOutput, Handoff, TokenLogprobs
 from vlserve.core.prompt import MultiModalItem, ProcessedPrompt
-from vlserve.engine.config import resolve_config
+from vlserve.core.wire import ReleaseKV, ReserveKV
+from vlserve.engine.config import kv_cache_shared, resolve_config
 from vlserve.engine.core import EngineCore
 from vlserve.engine.kv_connector import DecodeConnector, make_connector
 from vlserve.engine.kv_handoff import kv_to_rows, rows_to_kv
@@ -77,20 +79,32 @@ def whole(path):  # one engine doing all of it: the reference
 
 
 class Decode:
-    """A decode engine with receive blocks, as a decode instance's engine process has them."""
+    """A decode engine as a decode instance's engine process has it: at one rank on the CPU its KV cache is in a
+    shared file and peers write into blocks it reserves (`in_place`); else with receive blocks, copied from."""
 
-    def __init__(self, path, num_kv_blocks: int = 256, max_num_seqs: int = 128, **kw):
+    def __init__(self, path, num_kv_blocks: int = 256, max_num_seqs: int = 128, in_place: bool | None = None, **kw):
         cfg = _cfg(path, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs, **kw)
-        self.buffers = TransferBuffers.create(64, 16, cfg.model.kv_row_width, cfg.dtype, shared=False)
-        self.core = EngineCore(cfg, report_released=True, transfer=self.buffers, connector=DecodeConnector(cfg))
+        if in_place is None:
+            in_place = kv_cache_shared(DECODE, cfg.tensor_parallel_size, cfg.device)
+        self.in_place, self.buffers = in_place, None
+        if in_place:
+            cfg = dataclasses.replace(cfg, kv_cache_file=True)
+            self.core = EngineCore(cfg, report_released=True, connector=DecodeConnector(cfg))
+        else:
+            self.buffers = TransferBuffers.create(64, 16, cfg.model.kv_row_width, cfg.dtype, shared=False)
+            self.core = EngineCore(cfg, report_released=True, transfer=self.buffers, connector=DecodeConnector(cfg))
         self.blocks: dict[str, list[int]] = {}
 
     def receive(self, rid: str, processed: ProcessedPrompt, rows: torch.Tensor) -> ProcessedPrompt:
         """What a transport does: a KV row per token (then a hybrid model's state rows) into a run of blocks
         (token ids and positions travel beside); the prompt as it arrives."""
         n = rows.shape[0]
-        blocks = self.buffers.allocate(n)
-        self.buffers.write_rows(blocks, torch.arange(n), rows)
+        if self.in_place:  # blocks of the KV cache itself, reserved for this transfer
+            blocks = self.core.connector.reserve(ReserveKV(rid, 0, n)).block_ids
+            self.core.runner.kv_buffers.write_rows(blocks, torch.arange(n), rows)
+        else:
+            blocks = self.buffers.allocate(n)
+            self.buffers.write_rows(blocks, torch.arange(n), rows)
         self.blocks[rid] = blocks
         items = [MultiModalItem(it.offset, it.num_tokens, None, it.layout, it.mm_hash) for it in processed.mm_items]
         return ProcessedPrompt(processed.prompt_token_ids, items, processed.positions, processed.position_delta,
@@ -102,8 +116,24 @@ class Decode:
     def step(self) -> list:
         outs = self.core.step()
         for rid in self.core.take_released():
-            self.buffers.free(self.blocks.pop(rid))
+            self.free(rid)
         return outs
+
+    def free(self, rid: str) -> None:
+        """What the front end does once the engine is done with a prompt's rows (or never took them)."""
+        blocks = self.blocks.pop(rid)
+        if self.in_place:
+            self.core.connector.release(ReleaseKV(rid))  # what the request took is its own
+        else:
+            self.buffers.free(blocks)
+
+    def nothing_held(self) -> bool:
+        """No receive block or reservation left, every KV block back in the pool."""
+        pool = self.core.scheduler.kv.pool
+        pool.check_integrity()
+        received = self.core.connector.num_reserved_blocks if self.in_place else \
+            self.buffers.num_blocks - self.buffers.num_free
+        return not self.blocks and received == 0 and pool.num_free == pool.num_blocks
 
 
 def prefilled(prefill: Prefill, prompt, params: SamplingParams, rid: str):
@@ -159,10 +189,20 @@ def test_handoff_through_receive_blocks_equals_one_engine(path, prefill, whole, 
     processed, handoff, rows = prefilled(prefill, prompt, params, "r")
     decode.add("r", decode.receive("r", processed, rows), params, handoff)
     assert run(decode, ["r"])["r"] == _whole(whole, prompt, params)
-    assert not decode.blocks and decode.buffers.num_free == decode.buffers.num_blocks
+    assert decode.nothing_held()
     assert_pool_full(prefill)
-    decode.core.scheduler.kv.pool.check_integrity()
-    assert decode.core.scheduler.kv.pool.num_free == decode.core.scheduler.kv.pool.num_blocks
+
+
+@pytest.mark.parametrize("prompt", [PROMPTS[0], PICTURE], ids=["text", "picture"])
+def test_handoff_through_receive_blocks_copied_in_equals_one_engine(path, prefill, whole, prompt):
+    """The other path (a decode engine with tensor parallelism or on a GPU): KV rows in receive blocks, copied into
+    the KV cache at admission."""
+    params = CASES["seeded"]
+    decode = Decode(path, in_place=False)
+    processed, handoff, rows = prefilled(prefill, prompt, params, "r")
+    decode.add("r", decode.receive("r", processed, rows), params, handoff)
+    assert run(decode, ["r"])["r"] == _whole(whole, prompt, params)
+    assert decode.nothing_held()
 
 
 def test_a_request_that_ends_at_its_first_token_is_answered_without_admission(path, prefill):
@@ -191,9 +231,7 @@ def test_preempted_handoffs_swap_their_kv_and_stay_exact(path, prefill, whole):
     assert got == {rid: _whole(whole, p, params) for rid, p in zip(rids, prompts)}
     assert decode.core.get_metrics()["num_preemptions_total"] > 0, "the pool was meant to force preemptions"
     assert sum(o for o, _ in swaps) > 0 and sum(o for o, _ in swaps) == sum(i for _, i in swaps)
-    assert not decode.blocks
-    decode.core.scheduler.kv.pool.check_integrity()
-    assert decode.core.scheduler.kv.pool.num_free == decode.core.scheduler.kv.pool.num_blocks
+    assert decode.nothing_held()
 
 
 def test_handoffs_wait_for_room_and_an_abort_releases_their_blocks(path, prefill, whole):
@@ -205,7 +243,7 @@ def test_handoffs_wait_for_room_and_an_abort_releases_their_blocks(path, prefill
     assert [r.request_id for r in decode.core.scheduler.waiting] == ["a", "b", "c"]  # they queue like any request
     with pytest.raises(InvalidInputError, match="already in use"):
         decode.add("c", decode.receive("c2", processed, rows), params, handoff)
-    decode.buffers.free(decode.blocks.pop("c2"))
+    decode.free("c2")
     decode.core.abort_requests(["b"])
     assert [r.request_id for r in decode.core.scheduler.waiting] == ["a", "c"]
     early = decode.step()
@@ -215,7 +253,7 @@ def test_handoffs_wait_for_room_and_an_abort_releases_their_blocks(path, prefill
         got[out.request_id][:0] = out.new_token_ids
     assert got["a"] == _whole(whole, PROMPTS[0], params) and got["c"] == _whole(whole, PROMPTS[2], params)
     assert got["b"] == []  # aborted before its first token was reported
-    assert not decode.blocks and decode.buffers.num_free == decode.buffers.num_blocks
+    assert decode.nothing_held()
 
 
 def test_bad_handoffs_are_refused_with_nothing_kept(path, prefill):
@@ -234,11 +272,12 @@ def test_bad_handoffs_are_refused_with_nothing_kept(path, prefill):
         decode.add("x", arrived, seeded, Handoff(first, None))
     with pytest.raises(InvalidInputError, match="samples once"):
         decode.add("x", arrived, SamplingParams(n=2, max_tokens=4), handoff)
-    with pytest.raises(InvalidInputError, match="receive blocks"):
+    with pytest.raises(InvalidInputError, match="KV rows in this engine's blocks"):
         decode.add("x", ProcessedPrompt(arrived.prompt_token_ids, [], arrived.positions, 0),
                                 params, handoff)
     assert not decode.core.has_unfinished
-    decode.buffers.free(decode.blocks.pop("x"))
+    decode.free("x")
+    assert decode.nothing_held()
 
 
 def test_a_decode_engine_shares_its_cached_prefix_and_stays_exact(path, prefill, whole):
@@ -252,8 +291,7 @@ def test_a_decode_engine_shares_its_cached_prefix_and_stays_exact(path, prefill,
         assert run(decode, [rid])[rid] == _whole(whole, PICTURE, params)
     hits = decode.core.get_metrics()["prefix_cache_hits_total"]
     assert hits >= (len(processed.prompt_token_ids) // 8 - 1) * 8 > 0
-    decode.core.scheduler.kv.pool.check_integrity()
-    assert not decode.blocks
+    assert decode.nothing_held()
 
 
 def test_a_handed_token_its_grammar_refuses_is_a_clean_400(path, prefill):
@@ -271,7 +309,7 @@ def test_a_handed_token_its_grammar_refuses_is_a_clean_400(path, prefill):
     assert not decode.core.has_unfinished and outs == []
     (rid, why, status), = decode.core.take_failed()
     assert (rid, status) == ("g", 400) and why
-    assert not decode.blocks  # released once
+    assert decode.nothing_held()  # released once
 
 
 def test_the_engine_core_holds_no_role_code():
@@ -348,10 +386,14 @@ def test_tensor_parallel_instances_hand_over_exactly(engines, arch):
         for i, ((prompt, params), (processed, handoff, rows)) in enumerate(zip(cases, handed)):
             decode.add(f"t{i}", decode.receive(f"t{i}", processed, rows), params, handoff)
             assert run(decode, [f"t{i}"])[f"t{i}"] == _whole(whole, prompt, params), prompt
-        assert not decode.blocks
-        assert decode.core.scheduler.kv.pool.num_free == decode.core.scheduler.kv.pool.num_blocks
+        assert decode.nothing_held()
     finally:
         decode.core.shutdown()
+    one = Decode(path)  # one rank: the rows written in place into its KV cache (and state rows after them)
+    for i, ((prompt, params), (processed, handoff, rows)) in enumerate(zip(cases, handed)):
+        one.add(f"t{i}", one.receive(f"t{i}", processed, rows), params, handoff)
+        assert run(one, [f"t{i}"])[f"t{i}"] == _whole(whole, prompt, params), prompt
+    assert one.nothing_held()
 
 
 def test_prefill_holds_never_leak(prefill, path):
@@ -404,12 +446,11 @@ def test_a_handoff_that_cannot_go_on_is_refused_with_nothing_kept(path, prefill)
     assert not decode.core.connector.owns("c") and not decode.core.has_unfinished
     decode.add("c", arrived, msgspec.structs.replace(params, max_tokens=1), handoff)  # ends at its first token
     assert [o.finish_reason for o in decode.step()] == ["length"]
-    assert not decode.core.connector.owns("c") and not decode.blocks
-    assert decode.core.scheduler.kv.pool.num_free == decode.core.scheduler.kv.pool.num_blocks
+    assert not decode.core.connector.owns("c") and decode.nothing_held()
 
 
 def test_a_failed_kv_write_fails_that_request_and_leaves_nothing(path, prefill, monkeypatch):
-    decode = Decode(path)
+    decode = Decode(path, in_place=False)  # (in place nothing is written at admission)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     processed, handoff, rows = prefilled(prefill, PROMPTS[1], params, "w")
 
@@ -425,8 +466,7 @@ def test_a_failed_kv_write_fails_that_request_and_leaves_nothing(path, prefill, 
     (rid, why, status), = decode.core.take_failed()
     assert (rid, status) == ("w", 500) and "could not be written" in why
     assert "w" not in decode.core.scheduler.requests and not decode.core.connector.owns("w")
-    assert not decode.blocks
-    assert decode.core.scheduler.kv.pool.num_free == decode.core.scheduler.kv.pool.num_blocks
+    assert decode.nothing_held()
 
 
 def test_a_failed_kv_export_fails_that_request_and_the_engine_goes_on(path, prefill, monkeypatch):
@@ -459,3 +499,57 @@ def test_a_failed_kv_export_fails_that_request_and_the_engine_goes_on(path, pref
     processed, _, rows = prefilled(prefill, PROMPTS[0], params, "after")  # it goes on
     assert rows.shape[0] == len(processed.prompt_token_ids)
     assert_pool_full(prefill)
+
+
+def test_reserved_kv_blocks_are_their_transfers_until_a_request_takes_them(path, prefill, whole):
+    """In place: the front end reserves KV blocks per transfer (a holder); what no request took goes back with
+    the holder's release; a request arriving with blocks not reserved, of two holders, or claimed by another
+    request already is refused; the one that takes them decodes exactly and frees them when it ends."""
+    decode = Decode(path, num_kv_blocks=32, max_num_seqs=4)
+    connector = decode.core.connector
+    assert "the KV cache has 32" in connector.reserve(ReserveKV("big", 1, 33 * 8)).error  # never fits
+    run_a = connector.reserve(ReserveKV("a", 2, 30 * 8)).block_ids
+    assert len(run_a) == 30 and connector.num_reserved_blocks == 30
+    assert connector.reserve(ReserveKV("b", 3, 3 * 8)).block_ids is None  # not now: ask again later
+    connector.release(ReleaseKV("a", run_a[20:]))
+    assert connector.num_reserved_blocks == 20
+    connector.release(ReleaseKV("a"))
+    connector.release(ReleaseKV("a"))  # twice, or a holder never seen: nothing happens
+    assert decode.nothing_held()
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    processed, handoff, rows = prefilled(prefill, PROMPTS[0], params, "x")
+    arrived = decode.receive("x", processed, rows)
+    other = connector.reserve(ReserveKV("other", 4, 8)).block_ids
+    for blocks in ([b for b in range(32) if b not in arrived.block_rows + other][:len(arrived.block_rows)],
+                   arrived.block_rows[:-1] + other, arrived.block_rows[:1]):
+        with pytest.raises(InvalidInputError, match="not reserved for it|do not hold"):
+            decode.add("y", dataclasses.replace(arrived, block_rows=blocks), params, handoff)
+    decode.add("x", arrived, params, handoff)
+    with pytest.raises(InvalidInputError, match="not reserved for it"):  # x claimed them
+        decode.add("x2", arrived, params, handoff)
+    assert run(decode, ["x"])["x"] == _whole(whole, PROMPTS[0], params)
+    connector.release(ReleaseKV("other"))
+    assert decode.nothing_held()
+
+
+def test_an_automatic_kv_cache_in_shared_memory_fits_the_room_there(path, monkeypatch):
+    """A decode engine's KV cache goes into /dev/shm: sized automatically, it takes at most 90 % of the free space
+    there (a container's /dev/shm is often far smaller than its memory); a size the user set is kept (too big, it
+    is refused at start: test_transfer_buffers); no room at all is a clear error."""
+    import os
+    from types import SimpleNamespace
+
+    from vlserve.core.errors import ConfigurationError
+    from vlserve.engine.config import fit_kv_in_shared_memory
+
+    auto = dataclasses.replace(_cfg(path, kv_cache_memory_gb=None), kv_cache_file=True)
+    per_block = auto.kv_bytes_per_token * auto.block_size
+    room = [per_block * 50]
+    monkeypatch.setattr(os, "statvfs", lambda folder: SimpleNamespace(f_bavail=room[0], f_frsize=1))
+    assert auto.num_kv_blocks > 44
+    assert fit_kv_in_shared_memory(auto).num_kv_blocks == 44  # 90 % of 50 blocks, less the scratch block
+    fixed = dataclasses.replace(_cfg(path, num_kv_blocks=200), kv_cache_file=True)
+    assert fit_kv_in_shared_memory(fixed).num_kv_blocks == 200
+    room[0] = per_block
+    with pytest.raises(ConfigurationError, match="--shm-size"):
+        fit_kv_in_shared_memory(auto)

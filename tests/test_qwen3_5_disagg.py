@@ -127,7 +127,7 @@ def test_handoff_carries_the_states_and_equals_one_engine(path, prefill, whole, 
     assert rows.shape[0] == n + state_row_count(prefill.core.cfg.model, prefill.core.cfg.dtype)
     decode.add("r", decode.receive("r", processed, rows), params, handoff)
     assert run(decode, ["r"])["r"] == _whole(whole, prompt, params)
-    assert not decode.blocks and decode.buffers.num_free == decode.buffers.num_blocks
+    assert decode.nothing_held()
     assert_pool_full(prefill)
     state = decode.core.scheduler.state
     state.check_integrity()
@@ -177,8 +177,7 @@ def test_a_nan_state_fails_its_request_only(path, prefill, whole):
     assert got["good"] == _whole(whole, TEXT, GREEDY)
     failed = decode.core.take_failed()
     assert [rid for rid, *_ in failed] == ["bad"] and "NaN" in failed[0][1]
-    assert not decode.core.has_unfinished and not decode.blocks
-    assert decode.buffers.num_free == decode.buffers.num_blocks
+    assert not decode.core.has_unfinished and decode.nothing_held()
     kv = decode.core.scheduler.kv.pool
     kv.check_integrity()
     assert kv.num_free == kv.num_blocks  # the refused request's KV was written, then freed with it

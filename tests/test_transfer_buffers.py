@@ -39,8 +39,9 @@ def test_allocation_is_all_or_nothing_and_checked():
     assert buf.num_free == 4
 
 
-def test_rows_round_trip_over_scattered_runs():
-    buf = TransferBuffers.create(8, 4, WIDTH, torch.bfloat16, shared=False)
+@pytest.mark.parametrize("parts", [1, 2])
+def test_rows_round_trip_over_scattered_runs(parts):
+    buf = TransferBuffers.create(8, 4, WIDTH, torch.bfloat16, shared=False, parts=parts)
     ids = _scattered(buf, 10)
     where = torch.tensor([3, 4, 5, 8])
     rows = torch.randn(4, WIDTH)
@@ -90,3 +91,25 @@ def test_another_process_maps_the_same_memory_even_after_unlink():
         buf.unlink()
     assert not os.path.exists(buf.layout.path)
     assert buf.read_rows(ids, 0, 1).tolist() == [[1.0] * WIDTH]  # the mapping outlives the name
+
+
+def test_a_reserved_buffer_too_big_for_its_folder_is_a_clear_error(monkeypatch):
+    """A KV cache in shared memory takes its pages at start: a folder too small (a container's 64 MiB /dev/shm)
+    is refused then, with what to do, and leaves no file behind (not a SIGBUS mid-request)."""
+    import os
+
+    import vlserve.engine.transfer_buffers as tb
+    from vlserve.core.errors import ConfigurationError
+
+    def no_room(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_room)
+    folder = tb.shm_dir() or __import__("tempfile").gettempdir()
+    ours = f"{tb.TRANSFER_FILE_PREFIX}{os.getpid()}-"  # (other test workers make files there too)
+    before = {n for n in os.listdir(folder) if n.startswith(ours)}
+    with pytest.raises(ConfigurationError, match="--shm-size"):
+        TransferBuffers.create(8, 4, WIDTH, torch.float32, parts=2, reserve=True)
+    assert {n for n in os.listdir(folder) if n.startswith(ours)} == before
+    buf = TransferBuffers.create(8, 4, WIDTH, torch.float32, parts=2)  # not reserved: pages come when touched
+    buf.unlink()

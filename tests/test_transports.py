@@ -22,20 +22,20 @@ from vlserve.disagg.transports.base import (
     write_timeout_s,
 )
 from vlserve.disagg.transports.loopback import Loopback, media_chunk
-from vlserve.disagg.transports.remote_write import runs
-from vlserve.engine.transfer_buffers import TRANSFER_FILE_PREFIX, TransferBuffers
+from vlserve.engine.transfer_buffers import TRANSFER_FILE_PREFIX, TransferBuffers, slot_runs
 
 WIDTH, BLOCK_TOKENS = 48, 16
 
 
-def _buffers(dtype=torch.float32) -> TransferBuffers:
-    return TransferBuffers.create(64, BLOCK_TOKENS, WIDTH, dtype)
+def _buffers(dtype=torch.float32, parts: int = 1) -> TransferBuffers:
+    return TransferBuffers.create(64, BLOCK_TOKENS, WIDTH, dtype, parts=parts)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_chunk_lands_where_the_reference_puts_it(backend, dtype):
-    got, want = _buffers(dtype), TransferBuffers.create(64, BLOCK_TOKENS, WIDTH, dtype, shared=False)
+@pytest.mark.parametrize("dtype,parts", [(torch.float32, 1), (torch.bfloat16, 1), (torch.bfloat16, 6)])
+def test_a_chunk_lands_where_the_reference_puts_it(backend, dtype, parts):
+    """`parts` 6: rows stored plane by plane, as in a decode engine's KV cache."""
+    got, want = _buffers(dtype, parts), TransferBuffers.create(64, BLOCK_TOKENS, WIDTH, dtype, shared=False)
     link = Loopback(backend, got)
 
     async def go():
@@ -54,8 +54,12 @@ def test_a_chunk_lands_where_the_reference_puts_it(backend, dtype):
     finally:
         link.close()
         got.unlink()
-    assert torch.equal(got.rows, want.rows)
+    everything, slots = list(range(64)), 64 * BLOCK_TOKENS
+    assert torch.equal(got.read_rows(everything, 0, slots), want.read_rows(everything, 0, slots))
     assert torch.equal(got.read_rows([1, 2], 0, 1), want.read_rows([1, 2], 0, 1))  # the one row of token 19
+    if parts > 1:  # each piece of a row in its own plane, at the row's slot
+        row = want.read_rows([7], 0, 1).view(parts, -1)
+        assert torch.equal(got.planes[:, 7 * BLOCK_TOKENS], row)
 
 
 def test_shm_maps_only_vlserve_buffer_files(tmp_path):
@@ -91,10 +95,11 @@ def test_shm_maps_only_vlserve_buffer_files(tmp_path):
         buffers.unlink()
 
 
-def test_remote_writes_stay_inside_the_receivers_blocks():
+@pytest.mark.parametrize("parts", [1, 4])
+def test_remote_writes_stay_inside_the_receivers_blocks(parts):
     from vlserve.disagg.transports.remote_write import StagedWrites
 
-    buffers = _buffers()
+    buffers = _buffers(parts=parts)
     target = TransferTarget("mooncake", buffers.layout, "peer", 1 << 40)
     staged = StagedWrites(lambda region: None, lambda region: None)
     for bad in ([10**9], [-5], [3, 64]):
@@ -167,7 +172,8 @@ def test_stale_buffer_files_are_swept_and_live_ones_kept(tmp_path):
 
 
 def test_remote_writes_coalesce_consecutive_slots():
-    assert list(runs(torch.tensor([4, 5, 6, 20, 21, 3]))) == [((0, 4), 3), ((3, 20), 2), ((5, 3), 1)]
+    assert slot_runs(torch.tensor([4, 5, 6, 20, 21, 3])) == [(0, 4, 3), (3, 20, 2), (5, 3, 1)]
+    assert slot_runs(torch.tensor([], dtype=torch.int64)) == []
 
 
 def msgspec_replace(layout, **changes):

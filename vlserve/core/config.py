@@ -376,11 +376,13 @@ class DisaggArgs:
         8192, "media receive rows pre-allocated per request (a bigger picture resumes into more; what a request "
         "does not fill is freed when its transfer ends) (--embedding-default-allocate-tokens: deprecated alias)",
         {SERVE, LANGUAGE, PREFILL}, aliases=("--embedding-default-allocate-tokens",))
-    kv_buffer_blocks: int = option(1024, "blocks in the KV receive buffer pool of a decode instance: every prompt "
-                                   "token's KV row, held only until copied into the KV cache", {SERVE, DECODE})
+    kv_buffer_blocks: int = option(1024, "blocks in the KV receive buffer pool of a decode instance at several ranks "
+                                   "or on a GPU: every prompt token's KV row, held only until copied into the KV "
+                                   "cache (at one rank on the CPU peers write into the KV cache itself)",
+                                   {SERVE, DECODE})
     kv_allocate_tokens: int = option(
-        2048, "KV receive rows (prompt tokens) pre-allocated per request on a decode instance (a longer prompt "
-        "resumes into more; the rest is freed when its transfer ends)", {SERVE, DECODE})
+        2048, "KV rows (prompt tokens) reserved per request on a decode instance before its prefill says how many "
+        "(a longer prompt resumes into more; the rest is freed when its transfer ends)", {SERVE, DECODE})
     receive_block_rows: int = option(16, "rows per receive buffer block (media and KV) (--embedding-block-tokens: "
                                      "deprecated alias)", {SERVE, LANGUAGE, PREFILL, DECODE},
                                      aliases=("--embedding-block-tokens",), bounds=COUNT)

@@ -79,11 +79,29 @@ class WriteKV(msgspec.Struct, tag="write_kv"):
     not_after: float = float("inf")
 
 
+class ReserveKV(msgspec.Struct, tag="reserve_kv"):
+    """Decode instance: KV blocks for `num_rows` rows of a prompt a peer computes (its KV, then a hybrid model's
+    state rows), held under `holder` (one transfer) until a request arriving with them takes them
+    (`AddRequest.block_rows`) or `ReleaseKV` lets them go. Answered by a `KVReserved` with the same id."""
+
+    holder: str
+    reserve_id: int
+    num_rows: int
+
+
+class ReleaseKV(msgspec.Struct, tag="release_kv"):
+    """Decode instance: `holder`'s reserved blocks go back to the pool (`block_ids`: those of them; None: all).
+    Blocks a request has taken are its own by then and stay."""
+
+    holder: str
+    block_ids: list[int] | None = None
+
+
 class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-EngineInput = AddRequest | FinishRequests | WriteKV | Shutdown
+EngineInput = AddRequest | FinishRequests | WriteKV | ReserveKV | ReleaseKV | Shutdown
 
 
 # ---- engine core -> front-end ---------------------------------------------------------------------------
@@ -106,6 +124,7 @@ class EngineStats(msgspec.Struct):
     generation_tokens_total: int = 0
     encoder_seconds: list[tuple[str, float]] = []  # (tower, seconds) of tower calls since the last message
     kv_rows_kept: int = 0  # prefill engine with a row writer: requests whose KV rows it keeps to write
+    kv_blocks_reserved: int = 0  # decode engine: KV blocks reserved for peers' writes that no request took yet
 
 
 class RequestRejected(msgspec.Struct, array_like=True):
@@ -134,6 +153,15 @@ class KVWritten(msgspec.Struct, array_like=True):
     error: str | None = None
 
 
+class KVReserved(msgspec.Struct, array_like=True):
+    """The answer to a `ReserveKV`: the blocks, in row order; None while the pool is short (ask again later), with
+    `error` when it never could be (more than the whole pool, an engine that reserves nothing)."""
+
+    reserve_id: int
+    block_ids: list[int] | None = None
+    error: str | None = None
+
+
 class EngineOutputs(msgspec.Struct, tag="outputs"):
     outputs: list[EngineCoreOutput]
     rejected: list[RequestRejected]
@@ -141,11 +169,18 @@ class EngineOutputs(msgspec.Struct, tag="outputs"):
     released: list[str] = []  # requests whose prompt buffers the engine no longer reads: they may be freed
     handed: list[HandedKV] = []  # prefill instance: KV of requests that finished (its KV connector's exports)
     written: list[KVWritten] = []  # prefill instance: the row writes that ended since the last message
+    reserved: list[KVReserved] = []  # decode instance: answers to `ReserveKV`
 
 
 class EngineReady(msgspec.Struct, tag="ready"):
     num_kv_blocks: int
     max_model_len: int
+    # A decode engine's KV cache in a shared file (msgspec-encoded engine.transfer_buffers.BufferLayout): the front
+    # end maps it, and peers write prompts' KV into its blocks.
+    kv_layout: bytes | None = None
+    # and how peers write into it, when the engine process registered it with its own transport (the disagg
+    # layer's encoding of a TransferTarget)
+    kv_target: bytes | None = None
 
 
 class EngineFailed(msgspec.Struct, tag="failed"):

@@ -16,6 +16,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -43,12 +44,14 @@ from vlserve.disagg.messages import (
     TransferChunk,
     TransferFailed,
     TransferState,
+    TransferTarget,
 )
 from vlserve.disagg.metrics import TransferMetrics
 from vlserve.disagg.peer_kinds import ENCODER_PEERS, PeerKind, rendezvous_score
 from vlserve.disagg.transports import TRANSPORTS
 from vlserve.disagg.received import ReceivedChunks
-from vlserve.disagg.transports.base import in_thread, quarantine_s
+from vlserve.disagg.receive_pool import EngineKVBlocks, LocalBlocks
+from vlserve.disagg.transports.base import HeadersOnly, Transport, in_thread, quarantine_s
 from vlserve.frontend.config import FrontendConfig
 from vlserve.engine.prompt_check import check_prompt
 from vlserve.engine.transfer_buffers import TransferBuffers
@@ -76,13 +79,23 @@ class PeerConn:
 
 class PeerClient:
     def __init__(self, cfg: FrontendConfig, buffers: TransferBuffers, metrics: TransferMetrics, opts: DisaggArgs,
-                 self_info: InstanceInfo, kind: PeerKind = ENCODER_PEERS, model: str = ""):
-        """`self_info`: how this server registers, its addresses already the ones peers reach it by; `model`: the
-        model as the roles name it (the registry's default namespace)."""
+                 self_info: InstanceInfo, kind: PeerKind = ENCODER_PEERS, model: str = "",
+                 pool: LocalBlocks | EngineKVBlocks | None = None, target: TransferTarget | None = None):
+        """`buffers`: where peers write (receive buffers, or a decode engine's KV cache); `pool`: who gives out
+        their blocks (default: this process, from `buffers`); `target`: how peers write into them when another
+        process registered them (a decode engine its KV cache): this one then only checks headers. `self_info`:
+        how this server registers, its addresses already the ones peers reach it by; `model`: the model as the
+        roles name it (the registry's default namespace)."""
         self.cfg, self.buffers, self.metrics, self.opts, self.kind = cfg, buffers, metrics, opts, kind
-        self.transport = TRANSPORTS[opts.transfer_backend](
-            reachable_host(self_info.http_address.rsplit(":", 1)[0], toward=registry_target(opts).host))
-        self.target = self.transport.target(buffers)  # how peers reach our receive buffers, sent with each request
+        self.pool = pool or LocalBlocks(buffers)
+        self._releases: dict[int, Callable[[], None]] = {}  # id of a handed-over prompt -> what frees its blocks
+        host = reachable_host(self_info.http_address.rsplit(":", 1)[0], toward=registry_target(opts).host)
+        if target is not None:
+            self.transport: Transport = HeadersOnly(opts.transfer_backend, host)
+            self.target = target
+        else:
+            self.transport = TRANSPORTS[opts.transfer_backend](host)
+            self.target = self.transport.target(buffers)  # how peers reach our buffers, sent with each request
         self.requests, self.replies = Framer(ReceiverToSender), Framer(SenderToReceiver)
         self.ctx = zmq.asyncio.Context.instance()
         self.conns: dict[str, PeerConn] = {}
@@ -92,12 +105,12 @@ class PeerClient:
         self.registry = open_registry(opts, self_info, model,
                                       load_fn=lambda: sum(e.in_flight for e in self.conns.values()), auth=self.auth)
         self._ids = itertools.count()
-        self.quarantined: dict[tuple[str, int], tuple[list[int], float]] = {}  # blocks a peer may still write
+        # blocks a peer may still write: (holder, blocks, until when)
+        self.quarantined: dict[tuple[str, int], tuple[str, list[int], float]] = {}
         # After a failed transfer over a transport that writes in place, its blocks wait this long at most for the
         # sender's word that nothing more is written (its writes time out sooner: transports.base).
         self.quarantine_s = quarantine_s()
         self._tasks: list[asyncio.Task] = []
-        self._block_freed = asyncio.Event()
         self._peer_paired = asyncio.Event()
 
     async def start(self) -> None:
@@ -124,8 +137,8 @@ class PeerClient:
             # A registry with a watch (etcd) wakes this at once on a join; the bootstrap one after the interval.
             await self.registry.wait_for_change(self.opts.heartbeat_interval)
             now = time.monotonic()
-            for key in [k for k, (_, until) in self.quarantined.items() if until < now]:
-                self.free(self.quarantined.pop(key)[0])  # no word from the peer: gone, or its writes timed out
+            for key in [k for k, (_, _, until) in self.quarantined.items() if until < now]:
+                self._free(*self.quarantined.pop(key)[:2])  # no word from the peer: gone, or its writes timed out
             try:
                 await self._refresh()
             except Exception as e:  # noqa: BLE001 - the registry may be restarting; keep the peers we know
@@ -220,7 +233,7 @@ class PeerClient:
             return
         key = (msg.request_id, msg.transfer_id)
         if isinstance(msg, TransferFailed) and key in self.quarantined:
-            self.free(self.quarantined.pop(key)[0])  # the peer will not write into them any more
+            self._free(*self.quarantined.pop(key)[:2])  # the peer will not write into them any more
             return
         q = peer.transfers.get(key)
         if q is not None:
@@ -303,27 +316,20 @@ class PeerClient:
                 return None
         return peer
 
-    async def _allocate(self, rows: int) -> list[int]:
-        deadline = time.monotonic() + self.opts.transfer_timeout
-        while True:
-            try:
-                blocks = self.buffers.allocate(rows)
-            except ValueError as e:  # more than the whole pool: it never fits
-                raise ServiceUnavailableError(f"the prompt does not fit this server's receive buffer: {e}") from None
-            if blocks is not None:
-                return blocks
-            if time.monotonic() > deadline:
-                raise ServiceUnavailableError("the receive buffer stayed full; retry later")
-            self._block_freed.clear()
-            try:
-                await asyncio.wait_for(self._block_freed.wait(), timeout=1.0)
-            except asyncio.TimeoutError:
-                pass
+    async def _allocate(self, holder: str, rows: int) -> list[int]:
+        return await self.pool.allocate(holder, rows, self.opts.transfer_timeout)
+
+    def _free(self, holder: str, blocks: list[int]) -> None:
+        self.pool.free(holder, blocks)
 
     def free(self, blocks: list[int]) -> None:
-        if blocks:
-            self.buffers.free(blocks)
-            self._block_freed.set()
+        """Receive blocks of this process's own pool (see `take_release` for a handed-over prompt's)."""
+        self.pool.free("", blocks)
+
+    def take_release(self, processed: ProcessedPrompt) -> Callable[[], None]:
+        """What gives back the blocks of a prompt `send_prompt` returned, once the engine is done with its rows (or
+        never got them); called once."""
+        return self._releases.pop(id(processed))
 
     async def _transfer(self, peer: PeerConn, request_id: str, prompt: str, media: dict, uuids: dict,
                         mm_kwargs: dict, params: SamplingParams | None, lora: AdapterRef | None = None
@@ -331,6 +337,7 @@ class PeerClient:
         self.buffers.restore_file()
         restored = self.buffers.restored  # a restore later on means this transfer's rows were lost
         tid = next(self._ids)
+        holder = f"{tid}:{request_id}"  # what this transfer's blocks are held under
         queue: asyncio.Queue = asyncio.Queue()
         peer.transfers[(request_id, tid)] = queue
         peer.in_flight += 1
@@ -342,7 +349,7 @@ class PeerClient:
         try:
             pool_rows = self.buffers.num_blocks * self.buffers.block_tokens  # a smaller pool: all of it at most
             tail = self.kind.tail_rows(self.cfg)
-            run = await self._allocate(min(self.kind.allocate_rows(self.opts) + tail, pool_rows))
+            run = await self._allocate(holder, min(self.kind.allocate_rows(self.opts) + tail, pool_rows))
             blocks += run
             await peer.sock.send_multipart(self.requests.encode(TransferRequest(
                 request_id, tid, prompt, media, uuids, mm_kwargs or {}, run, self.buffers.block_tokens, self.target,
@@ -369,12 +376,12 @@ class PeerClient:
                 if not header.partial:
                     break
                 self.metrics.resume()
-                run = await self._allocate(received.rows_left)
+                run = await self._allocate(holder, received.rows_left)
                 blocks += run
                 await peer.sock.send_multipart(self.requests.encode(ResumeRequest(request_id, tid, received.tokens,
                                                                                  run)))
             keep = self.buffers.blocks_for(received.rows)  # the rest of the run was never written
-            self.free(blocks[keep:])
+            self._free(holder, blocks[keep:])
             blocks = blocks[:keep]
             processed = self._assemble(received.prompt(prompt, blocks))
             if (header.handoff is not None) != (params is not None):
@@ -383,6 +390,7 @@ class PeerClient:
             enter(TransferState.SUCCESS)
             self.metrics.transfer_latency.observe(time.perf_counter() - t0)
             succeeded = True
+            self._releases[id(processed)] = self.pool.handed(holder, blocks)
             return processed, header.handoff
         except InvalidInputError:
             enter(TransferState.REJECTED)
@@ -393,7 +401,7 @@ class PeerClient:
                 # It may be writing into them right now: they wait for its word (or the deadline, longer than its
                 # writes may take). Also when it was dropped (missed heartbeats): a write it started may still
                 # land. Quarantined before the abort is sent, so a send that fails cannot free them.
-                self.quarantined[(request_id, tid)] = (blocks, time.monotonic() + self.quarantine_s)
+                self.quarantined[(request_id, tid)] = (holder, blocks, time.monotonic() + self.quarantine_s)
                 blocks = []
             if peer.alive:  # let the peer drop what it holds for us
                 try:
@@ -404,7 +412,7 @@ class PeerClient:
             raise
         finally:
             if not succeeded:
-                self.free(blocks)
+                self._free(holder, blocks)
             peer.in_flight -= 1
             peer.transfers.pop((request_id, tid), None)
 

@@ -12,13 +12,16 @@ own media policy), and its verdict comes back with the same status.
 
 from __future__ import annotations
 
-from vlserve.core.config import DisaggArgs
-from vlserve.core.errors import InvalidInputError
+from vlserve.core.config import DECODE, DisaggArgs
+from vlserve.core.errors import ConfigurationError, InvalidInputError
 from vlserve.core.lora import AdapterRef
 from vlserve.disagg.registry import InstanceInfo, new_instance_id
 from vlserve.disagg.peer_client import PeerClient
 from vlserve.disagg.peer_kinds import ENCODER_PEERS, PREFILL_PEERS, PeerKind
-from vlserve.disagg.metrics import TransferMetrics
+from vlserve.disagg.metrics import ScrapeTimeGauges, TransferMetrics
+from vlserve.disagg.receive_pool import EngineKVBlocks
+from vlserve.disagg.transports.row_writer import decode_target
+from vlserve.engine.config import kv_cache_shared
 from vlserve.engine.transfer_buffers import TransferBuffers
 from vlserve.frontend.prompt_encoder import EncodedPrompt, LocalPromptEncoder
 
@@ -32,21 +35,40 @@ class RemotePromptEncoder:
                  model: str = ""):
         """`info`: how this server registers (its role and the address peers reach it by); `model`: the model as
         the roles name it (the registry's default namespace)."""
-        self.cfg, self.kind = engine.cfg, kind
+        self.cfg, self.kind, self.engine, self.opts, self.info, self.model = engine.cfg, kind, engine, opts, info, model
         self.local = LocalPromptEncoder(engine.input_processor, {}, engine.executor)  # text and embeddings
-        width = self.cfg.model.kv_row_width if kind.rows_for_every_token else self.cfg.model.embedding_width
-        self.transfer_buffers = TransferBuffers.create(kind.buffer_blocks(opts), opts.receive_block_rows, width,
-                                                       self.cfg.dtype)
+        # A decode engine on one CPU keeps its KV cache in a shared file: peers write into it, no receive blocks.
+        self.kv_in_place = kind.rows_for_every_token and kv_cache_shared(
+            DECODE, engine.args.tensor_parallel_size, engine.facts.torch_device)
+        self.transfer_buffers: TransferBuffers | None = None  # receive blocks the engine reads rows from
+        if not self.kv_in_place:
+            width = self.cfg.model.kv_row_width if kind.rows_for_every_token else self.cfg.model.embedding_width
+            self.transfer_buffers = TransferBuffers.create(kind.buffer_blocks(opts), opts.receive_block_rows, width,
+                                                           self.cfg.dtype)
         payload = "kv" if kind.rows_for_every_token else "embedding"  # (metric names kept as they were)
-        metrics = TransferMetrics(engine.metrics.registry, self.transfer_buffers, info.role, payload)
-        self.client = PeerClient(self.cfg, self.transfer_buffers, metrics, opts, info, kind, model=model)
-        engine.metrics.registry.register(_PeerGauge(self.client))
+        self.metrics = TransferMetrics(engine.metrics.registry, self.transfer_buffers, info.role, payload)
+        self.client: PeerClient | None = None
+        if not self.kv_in_place:
+            self.client = PeerClient(self.cfg, self.transfer_buffers, self.metrics, opts, info, kind, model=model)
+        engine.metrics.registry.register(_PeerGauge(self))
+        if self.kv_in_place:
+            engine.metrics.registry.register(ScrapeTimeGauges(lambda: [(
+                "decode_kv_blocks_reserved", engine.metrics.stats.kv_blocks_reserved,
+                "KV blocks the engine holds for prefill instances' writes that no request took yet.")]))
         self.started = False
 
     async def start(self) -> None:
         # The engine process has mapped the buffers by now: the name can go (no file outlives a crash), unless
         # encoders on this host map it by name (shm); then a crashed server's file is swept by the next start.
-        if not self.client.transport.maps_receiver_file:
+        if self.kv_in_place:  # the engine made its KV cache by now: peers write there, blocks reserved by it
+            if self.engine.kv_layout is None:
+                raise ConfigurationError("the decode engine did not report its KV cache's shared file")
+            # zmq: frames this process copies into the KV blocks; else the engine registered them for peers
+            target = None if self.engine.kv_target is None else decode_target(self.engine.kv_target)
+            self.client = PeerClient(self.cfg, TransferBuffers.attach(self.engine.kv_layout), self.metrics,
+                                     self.opts, self.info, self.kind, model=self.model,
+                                     pool=EngineKVBlocks(self.engine.kv_reservations), target=target)
+        elif not self.client.transport.maps_receiver_file:
             self.transfer_buffers.unlink()
         await self.client.start()
         self.started = True
@@ -54,13 +76,14 @@ class RemotePromptEncoder:
     def not_ready_reason(self) -> str | None:
         if not self.started:
             return "starting"
-        if not self.client.num_available:
+        if self.client is None or not self.client.num_available:
             return f"no {self.kind.name} is paired yet"
         return None
 
     async def stop(self) -> None:
         """Also right after a failed start-up (the engine never came up): then only the file goes."""
-        self.transfer_buffers.unlink()
+        if self.transfer_buffers is not None:
+            self.transfer_buffers.unlink()
         if self.started:
             await self.client.stop()
 
@@ -92,10 +115,9 @@ class RemotePromptEncoder:
                                                       params if prefill else None, sent)
         if sent is not None:
             processed.lora = lora  # the peer gave its items the adapter's own hashes: not salted again here
-        blocks = processed.block_rows
         # Called once, by the prompt's owner (frontend.prepared_prompt): the engine is done with the rows, or
         # never got them.
-        return EncodedPrompt(processed, lambda: self.client.free(blocks), handoff)
+        return EncodedPrompt(processed, self.client.take_release(processed), handoff)
 
 
 def remote_prompt_encoder(opts: DisaggArgs, http_address: str, model: str, role: str = "language",
@@ -109,14 +131,14 @@ def remote_prompt_encoder(opts: DisaggArgs, http_address: str, model: str, role:
 
 
 class _PeerGauge:
-    def __init__(self, client: PeerClient):
-        self.client = client
+    def __init__(self, encoder: RemotePromptEncoder):
+        self.encoder = encoder
 
     def collect(self):
         from prometheus_client.core import GaugeMetricFamily
 
-        name = {"encode": "encoders_available", "prefill": "prefill_instances_available"}[self.client.kind.role]
-        g = GaugeMetricFamily(f"vlserve:{name}", f"{self.client.kind.name.capitalize()}s this server can send "
-                              "work to.")
-        g.add_metric([], float(self.client.num_available))
+        kind, client = self.encoder.kind, self.encoder.client
+        name = {"encode": "encoders_available", "prefill": "prefill_instances_available"}[kind.role]
+        g = GaugeMetricFamily(f"vlserve:{name}", f"{kind.name.capitalize()}s this server can send work to.")
+        g.add_metric([], float(client.num_available if client is not None else 0))
         yield g

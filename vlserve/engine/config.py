@@ -3,16 +3,19 @@ vlserve.model.facts) as the front end resolved them, cache sizes final."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from vlserve.core.config import TOWERS, EngineArgs
+from vlserve.core.config import DECODE, TOWERS, EngineArgs
 from vlserve.core.errors import ConfigurationError, InvalidInputError
 from vlserve.engine.decode_graphs import default_sizes
+from vlserve.engine.transfer_buffers import shm_dir
 from vlserve.model.facts import ModelFacts, resolve_model_facts
 from vlserve.model.hardware import memory_available_bytes
 from vlserve.model.config_types import ModelConfig
@@ -72,6 +75,8 @@ class VlserveConfig:
     enforce_eager: bool = False  # no graphs at all (decode, vision tower)
     async_scheduling: bool = False  # the next step is scheduled while the device runs this one (engine.core)
     lora: LoRAConfig | None = None  # serving LoRA adapters (vlserve.lora); None: off
+    # A decode engine's KV cache in a shared file its peers write prompts' KV into (see `kv_cache_shared`).
+    kv_cache_file: bool = False
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -165,6 +170,39 @@ def loaded_towers(args: EngineArgs, model: ModelConfig) -> tuple[str, ...]:
     if lacking:
         raise InvalidInputError(f"this model has no {' or '.join(lacking)} tower (it has: {', '.join(has) or 'none'})")
     return tuple(t for t in TOWERS if t in args.towers)
+
+
+def kv_cache_shared(role: str | None, tensor_parallel_size: int, device: torch.device) -> bool:
+    """Whether a decode engine keeps its KV cache in a shared file that peers (prefill instances) write the KV they
+    computed straight into: one rank on the CPU. Otherwise (tensor parallelism, a GPU) the KV lands in the front
+    end's receive blocks and is copied into the cache when the request is admitted."""
+    return role == DECODE and tensor_parallel_size == 1 and device.type == "cpu"
+
+
+SHARED_KV_SHARE = 0.9  # of the shared-memory folder's free space an automatic KV cache there may take
+
+
+def fit_kv_in_shared_memory(cfg: VlserveConfig) -> VlserveConfig:
+    """A KV cache sized automatically (no --num-kv-blocks, no --kv-cache-memory-gb) that goes into a shared file
+    gets no more than `SHARED_KV_SHARE` of the free space where that file goes (a container's /dev/shm may be far
+    smaller than its memory). A size the user set is left as it is: too big, it stops the start with a clear
+    error (TransferBuffers.create)."""
+    args = cfg.args
+    if args is None or args.num_kv_blocks is not None or args.kv_cache_memory_gb is not None:
+        return cfg
+    stat = os.statvfs(shm_dir() or tempfile.gettempdir())
+    free = stat.f_bavail * stat.f_frsize
+    per_block = cfg.kv_bytes_per_token * cfg.block_size
+    most = int(free * SHARED_KV_SHARE) // per_block - 1  # - 1: the scratch block
+    if most >= cfg.num_kv_blocks:
+        return cfg
+    if most < 2:
+        raise ConfigurationError(f"the shared-memory folder has no room for a KV cache ({free / 2**20:.0f} MiB "
+                                 "free); give it more (a container's --shm-size)")
+    logger.warning("the KV cache goes into shared memory, which has room for %d of the %d blocks it would have "
+                   "had: %d blocks (give /dev/shm more room, e.g. a container's --shm-size, for more)", most,
+                   cfg.num_kv_blocks, most)
+    return dataclasses.replace(cfg, num_kv_blocks=most)
 
 
 def resolve_config(args: EngineArgs, facts: ModelFacts | None = None, announce: bool = True) -> VlserveConfig:

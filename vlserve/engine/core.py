@@ -94,7 +94,8 @@ class EngineCore:
             raise InvalidInputError("this engine computes its own KV: it takes none from other instances")
         if self.connector is not None:
             self.connector.check_request(prompt, params, kv_transfer)
-        capacity = None if self.transfer is None else (self.transfer.num_blocks, self.transfer.block_tokens)
+        rows_in = self.transfer or self.runner.kv_buffers  # where its rows are: receive blocks or the KV cache
+        capacity = None if rows_in is None else (rows_in.num_blocks, rows_in.block_tokens)
         check_prompt(prompt, self.cfg, capacity)
         if prompt.lora is not None:
             if self.lora is None:

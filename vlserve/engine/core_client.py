@@ -65,14 +65,15 @@ class EngineCoreClient:
                  on_failure: Callable[[str], None] | None = None,
                  on_recovery: Callable[[], None] | None = None, transfer_layout: BufferLayout | None = None,
                  kv_role: str | None = None, media_pool: int | None = None,
-                 kv_writer: Callable[[], RowWriter] | None = None):
+                 kv_writer: Callable[[], RowWriter] | None = None, kv_receiver: Callable | None = None):
         """`facts`: resolved by the front end, shipped to the engine process, which uses them as they are.
         `transfer_layout`: receive buffers the engine process maps (a disaggregated language server's).
         `kv_role`: the role whose KV connector the engine plugs in (prefill, decode), if any. `media_pool`: the
         front end's media threads (the engine logs them beside its own). `kv_writer`: a picklable maker of the
-        row writer a prefill engine writes its KV into receivers with (run_engine_core)."""
+        row writer a prefill engine writes its KV into receivers with (run_engine_core); `kv_receiver`: a
+        picklable maker of what registers a decode engine's KV cache for peers' writes."""
         self.args, self.facts, self.log_level, self.kv_role = args, facts, log_level, kv_role
-        self.kv_writer = kv_writer
+        self.kv_writer, self.kv_receiver = kv_writer, kv_receiver
         self.media_pool = media_pool
         self.transfer_layout = transfer_layout
         self.heartbeat_timeout = heartbeat_timeout
@@ -115,7 +116,7 @@ class EngineCoreClient:
             target=_engine_process,
             args=(encode_args(self.args), encode_facts(self.facts), addresses, self.log_level,
                   None if self.transfer_layout is None else msgspec.msgpack.encode(self.transfer_layout), os.getpid(),
-                  self.kv_role, self.media_pool, self.kv_writer),
+                  self.kv_role, self.media_pool, self.kv_writer, self.kv_receiver),
             name="vlserve-engine-core", daemon=True)
         self.proc.start()
         try:

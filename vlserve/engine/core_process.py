@@ -10,6 +10,7 @@ holding the GIL) is noticed within seconds, and a main loop stuck inside one ste
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -35,15 +36,18 @@ from vlserve.core.wire import (
     Framer,
     HandedKV,
     Heartbeat,
+    KVReserved,
     KVWritten,
+    ReleaseKV,
     RequestRejected,
+    ReserveKV,
     Shutdown,
     WriteKV,
     prompt_from_wire,
     request_id_of,
     tensor_ref,
 )
-from vlserve.engine.config import resolve_config
+from vlserve.engine.config import fit_kv_in_shared_memory, kv_cache_shared, resolve_config
 from vlserve.engine.core import EngineCore
 from vlserve.engine.cpu_threads import apply_cpu_threads
 from vlserve.engine.kv_connector import RowWriter, make_connector
@@ -77,8 +81,9 @@ class EngineCoreLoop:
         self.parent_pid = parent_pid
         self.running = True
         self.connector = core.connector  # its own messages (a prefill engine's row writes) pass it by
-        self.kept_reported = 0
+        self.held_reported = (0, 0)  # (requests whose KV rows are kept, KV blocks reserved), as last reported
         self.refused_writes: list[KVWritten] = []  # row writes answered as they came (they could not start)
+        self.reserved: list[KVReserved] = []  # answers to the front end's KV block reservations
 
     def run(self) -> None:
         while self.running:
@@ -98,13 +103,14 @@ class EngineCoreLoop:
                     self.connector.start_step()  # its expiries, which a busy engine runs each step
             self.rejected += [RequestRejected(rid, why, status) for rid, why, status in self.core.take_failed()]
             self.progress.steps += 1
-            handed, written, kept = [], self.refused_writes, 0
+            handed, written, held = [], self.refused_writes, (0, 0)
             self.refused_writes = []
             if self.connector is not None:
                 handed, written = self.connector.take_exported(), written + self.connector.take_written()
-                kept = self.connector.num_kept
-            if outputs or self.rejected or busy or self.core.has_released or written or kept != self.kept_reported:
-                self.kept_reported = kept  # the stats say it (a release alone would otherwise go unreported)
+                held = (self.connector.num_kept, self.connector.num_reserved_blocks)
+            if outputs or self.rejected or busy or self.core.has_released or written or self.reserved \
+                    or held != self.held_reported:
+                self.held_reported = held  # the stats say it (a release alone would otherwise go unreported)
                 self._send(outputs, handed, written)
 
     def _drain_inputs(self) -> None:
@@ -152,6 +158,12 @@ class EngineCoreLoop:
                                                      error="this engine has no KV connector"))
             elif (refused := self.connector.write(msg)) is not None:
                 self.refused_writes.append(refused)
+        elif isinstance(msg, ReserveKV):
+            self.reserved.append(self.connector.reserve(msg) if self.connector is not None else
+                                 KVReserved(msg.reserve_id, error="this engine has no KV connector"))
+        elif isinstance(msg, ReleaseKV):
+            if self.connector is not None:
+                self.connector.release(msg)
         elif isinstance(msg, Shutdown):
             self.running = False
 
@@ -159,13 +171,14 @@ class EngineCoreLoop:
         metrics = self.core.get_metrics()
         stats = EngineStats(**{k: v for k, v in metrics.items() if k in EngineStats.__struct_fields__},
                             encoder_seconds=self.core.take_encoder_seconds(),
-                            kv_rows_kept=self.kept_reported)
+                            kv_rows_kept=self.held_reported[0], kv_blocks_reserved=self.held_reported[1])
         tensors: list = []
         kv = [HandedKV(e.request_id, None if e.rows is None else tensor_ref(e.rows, tensors), e.generator_state)
               for e in handed]
-        msg = EngineOutputs(outputs, self.rejected, stats, self.core.take_released(), kv, list(written))
+        msg = EngineOutputs(outputs, self.rejected, stats, self.core.take_released(), kv, list(written),
+                            self.reserved)
         self.outputs.send_multipart(self.out_framer.encode(msg, tensors), copy=False)
-        self.rejected = []
+        self.rejected, self.reserved = [], []
 
 
 def _answer_heartbeats(ctx: zmq.Context, address: str, progress: Progress, stop: threading.Event) -> None:
@@ -188,7 +201,8 @@ def _answer_heartbeats(ctx: zmq.Context, address: str, progress: Progress, stop:
 def run_engine_core(args_json: bytes, facts_json: bytes, addresses: dict[str, str], log_level: str = "INFO",
                     transfer_layout: bytes | None = None, parent_pid: int | None = None,
                     kv_role: str | None = None, media_pool: int | None = None,
-                    kv_writer: Callable[[], RowWriter] | None = None) -> None:
+                    kv_writer: Callable[[], RowWriter] | None = None,
+                    kv_receiver: Callable | None = None) -> None:
     """Entry point of the spawned process. Exits non-zero when the engine cannot start.
 
     `facts_json`: the model facts the front end resolved (`ModelFacts`): used as they are, never resolved again.
@@ -196,7 +210,9 @@ def run_engine_core(args_json: bytes, facts_json: bytes, addresses: dict[str, st
     `parent_pid`: the front-end's (this process outlives it by no more than a poll). `kv_role`: the role whose
     KV connector the engine plugs in (kv_connector.KV_CONNECTORS), None for an engine that computes all its KV.
     `media_pool`: the front end's media threads, for the `CPU budget:` line. `kv_writer`: makes (in this process)
-    what a prefill engine writes its KV rows into receivers with (kv_connector.RowWriter)."""
+    what a prefill engine writes its KV rows into receivers with (kv_connector.RowWriter). `kv_receiver`: called
+    with a decode engine's KV cache in a shared file, registers it for peers' writes (its `target` goes to the
+    front end; closed when the engine stops)."""
     logging.basicConfig(level=log_level, format=log_format())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the front-end, which shuts us down in order
     die_with_parent()
@@ -214,6 +230,7 @@ def run_engine_core(args_json: bytes, facts_json: bytes, addresses: dict[str, st
     heartbeats.start()
     framer = Framer(EngineMessage)
     exit_code = 0
+    receiver = None
     try:
         try:
             log_once()
@@ -223,8 +240,12 @@ def run_engine_core(args_json: bytes, facts_json: bytes, addresses: dict[str, st
             if transfer_layout is not None:
                 transfer = TransferBuffers.attach(msgspec.msgpack.decode(transfer_layout, type=BufferLayout))
             cfg = resolve_config(args, decode_facts(facts_json))
+            if kv_cache_shared(kv_role, cfg.tensor_parallel_size, cfg.device):
+                cfg = fit_kv_in_shared_memory(dataclasses.replace(cfg, kv_cache_file=True))
             connector = make_connector(kv_role, cfg, None if kv_writer is None else kv_writer())
             core = EngineCore(cfg, report_released=True, transfer=transfer, connector=connector)
+            if kv_receiver is not None and core.runner.kv_buffers is not None:
+                receiver = kv_receiver(core.runner.kv_buffers)
         except Exception as e:  # noqa: BLE001 - any start-up failure must reach the front-end as a message
             if not isinstance(e, VlserveError):  # ours have clear messages; anything else needs its traceback
                 logger.exception("engine core failed to start")
@@ -232,7 +253,10 @@ def run_engine_core(args_json: bytes, facts_json: bytes, addresses: dict[str, st
             outputs.send_multipart(framer.encode(EngineFailed(f"{type(e).__name__}: {e}", config_error)))
             exit_code = 1
             return
-        outputs.send_multipart(framer.encode(EngineReady(core.cfg.num_kv_blocks, core.cfg.max_model_len)))
+        kv = core.runner.kv_buffers
+        outputs.send_multipart(framer.encode(EngineReady(core.cfg.num_kv_blocks, core.cfg.max_model_len,
+                                                         None if kv is None else msgspec.msgpack.encode(kv.layout),
+                                                         None if receiver is None else receiver.target)))
         freeze_startup_heap()
         try:
             EngineCoreLoop(core, inputs, outputs, progress, parent_pid).run()
@@ -249,6 +273,8 @@ def run_engine_core(args_json: bytes, facts_json: bytes, addresses: dict[str, st
                 if core.connector is not None:
                     core.connector.close()
     finally:
+        if receiver is not None:
+            receiver.close()
         stop.set()
         inputs.close(linger=0)
         outputs.close(linger=1000)  # the last message (outputs or the failure) still reaches the front-end

@@ -54,6 +54,18 @@ class KVCacheManager:
             req.block_ids.extend(self.pool.allocate(need))
         return True
 
+    def share_cached_prefix(self, req: Request) -> int:
+        """A request that arrived holding its blocks, written elsewhere: its leading full blocks already cached
+        here are swapped for the cached ones (same content) and its own copies freed. Returns the tokens shared."""
+        hits = self.find_cached_prefix(req)
+        for i, b in enumerate(hits):
+            if req.block_ids[i] != b:
+                self.pool.touch([b])
+                self.pool.free([req.block_ids[i]])
+                req.block_ids[i] = b
+        req.num_cached_blocks = len(hits)
+        return len(hits) * self.block_size
+
     def record_lookup(self, req: Request, num_hit_tokens: int) -> None:
         if self.enable_prefix_caching:
             self.prefix_queries += req.num_tokens

@@ -54,6 +54,11 @@ class ModelRunner:
     def kv_caches(self) -> list[torch.Tensor]:
         return self.executor.kv_caches
 
+    @property
+    def kv_buffers(self) -> TransferBuffers | None:
+        """The KV cache as rows in a shared file (a decode engine's, `VlserveConfig.kv_cache_file`), else None."""
+        return getattr(self.executor, "kv_buffers", None)
+
     # ---- KV handed between instances ------------------------------------------------------------------------------
     def token_slots(self, req: Request, num_tokens: int) -> torch.Tensor:
         return self._slots(req, 0, num_tokens)

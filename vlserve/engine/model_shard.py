@@ -21,11 +21,13 @@ import logging
 
 import torch
 
+from vlserve.core.errors import ConfigurationError
 from vlserve.engine.config import DATA, VlserveConfig
 from vlserve.engine.decode_graphs import DecodeGraphs
 from vlserve.engine.forward_batch import ForwardBatch, attention_metadata
 from vlserve.engine.vision_graphs import VisionGraphs, supports_graphs
 from vlserve.engine.encoder_runner import cpu_budget, groups_of
+from vlserve.engine.transfer_buffers import TransferBuffers
 from vlserve.engine.state_rows import pack_parts, state_parts, unpack_parts, unpack_state
 from vlserve.model.accelerator import Accelerator, to_device
 from vlserve.model.decoder import SideRows
@@ -101,6 +103,7 @@ class ModelShard:
             if not cfg.enforce_eager and supports_graphs(visual, self.acc) else None
         language = getattr(model, "language_model", None)
         self.kv_caches: list[torch.Tensor | LinearLayerState] = []
+        self.kv_buffers: TransferBuffers | None = None  # the KV cache as rows peers write into (kv_cache_file)
         self.kv_layers: list[int] = []  # layers with a KV cache (all but a hybrid model's linear ones)
         self.layer_states: list[LinearLayerState | None] = []  # per layer: None unless linear attention
         if language is not None:
@@ -114,9 +117,13 @@ class ModelShard:
             slots = (cfg.num_kv_blocks + 1) * cfg.block_size  # + 1: the scratch block of padded graph rows
             # Zeroed, not empty: the CPU path's padded decode rows read block 0 (masked), and 0-weight x NaN
             # garbage would still be NaN.
-            self.kv_caches = [st if st is not None else
-                              torch.zeros(2, slots, attn.num_kv_heads, attn.head_dim, dtype=cfg.dtype, device=device)
-                              for st in states]
+            if cfg.kv_cache_file:
+                kv = self._kv_in_shared_file(cfg, len(self.kv_layers), attn.num_kv_heads, attn.head_dim)
+                caches = iter(kv.unbind(0))
+            else:
+                caches = (torch.zeros(2, slots, attn.num_kv_heads, attn.head_dim, dtype=cfg.dtype, device=device)
+                          for _ in self.kv_layers)
+            self.kv_caches = [st if st is not None else next(caches) for st in states]
             self.hidden = model.cfg.text.hidden_size
             self.side_rows = model.cfg.side_rows
             if cfg.graph_sizes:
@@ -124,6 +131,15 @@ class ModelShard:
                                            -(-cfg.max_model_len // cfg.block_size), cfg.num_kv_blocks,
                                            cfg.num_state_slots if cfg.model.is_hybrid else None)
                 self.graphs.capture()
+
+    def _kv_in_shared_file(self, cfg: VlserveConfig, layers: int, heads: int, head_dim: int) -> torch.Tensor:
+        """[layers, 2, slots, heads, head_dim], zeroed, in a shared file (`kv_buffers`): a token's keys and values
+        of every layer make one row of those buffers, so peers write prompts' KV into its blocks like any rows."""
+        if self.device.type != "cpu":
+            raise ConfigurationError("a KV cache in a shared file is for an engine on the CPU")
+        self.kv_buffers = TransferBuffers.create(cfg.num_kv_blocks + 1, cfg.block_size, layers * 2 * heads * head_dim,
+                                                 cfg.dtype, parts=layers * 2, reserve=True)
+        return self.kv_buffers.planes.view(layers, 2, -1, heads, head_dim)
 
     # ---- vision tower ------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -204,7 +220,8 @@ class ModelShard:
         """Raises when the model can no longer run (a lost rank, under tensor parallelism); never here."""
 
     def shutdown(self) -> None:
-        pass
+        if self.kv_buffers is not None:
+            self.kv_buffers.unlink()  # mapped where it is in use; the name goes
 
     # ---- KV cache contents (handed between instances) ---------------------------------------------------------
     def read_kv(self, slots: torch.Tensor) -> torch.Tensor:

@@ -134,6 +134,14 @@ class Scheduler:
                 not_ready.append(self.waiting.popleft())
                 continue
             pending = None if self.connector is None else self.connector.pending_kv(req)
+            if pending is not None and pending.take_blocks is not None:  # its KV is in blocks of its own already
+                req.block_ids = pending.take_blocks()
+                hit = self.kv.share_cached_prefix(req)
+                self._admit_computed(req, pending.num_tokens)  # its blocks are there: it fits
+                self.kv.record_lookup(req, hit)
+                self.waiting.popleft()
+                out.kv_in.append((req, hit))
+                continue
             if pending is not None:  # its KV is written, not computed
                 cached = self.kv.find_cached_prefix(req) if pending.from_peer else []
                 if not self._admit_computed(req, pending.num_tokens, cached):

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import msgspec
 import torch
 
 from vlserve.core.config import EngineArgs
@@ -30,9 +31,11 @@ from vlserve.core.sampling_params import SamplingParams, fan_out
 from vlserve.core.structured_outputs import GrammarLimits
 from vlserve.core.wire import EngineOutputs, FinishRequests, prompt_to_wire, tensor_from
 from vlserve.engine.core_client import EngineCoreClient
+from vlserve.engine.transfer_buffers import BufferLayout
 from vlserve.frontend.config import FrontendConfig
 from vlserve.frontend.grammar_compiler import GrammarCompiler
 from vlserve.frontend.input_processor import InputProcessor
+from vlserve.frontend.kv_reservations import KVReservations
 from vlserve.frontend.kv_writes import KVWrites
 from vlserve.media.fetch import MediaFetcher, MediaPolicy
 from vlserve.frontend.metrics import ServerMetrics
@@ -135,15 +138,18 @@ class AsyncLLM:
                  media_threads: int | None = None, log_requests: bool = True, log_level: str = "INFO",
                  media_bounds: dict | None = None, heartbeat_timeout: float = 10.0,
                  prompt_encoder: Callable[["AsyncLLM"], PromptEncoder] | None = None, kv_role: str | None = None,
-                 kv_writer: Callable | None = None):
+                 kv_writer: Callable | None = None, kv_receiver: Callable | None = None):
         """`kv_role`: the role (prefill, decode) whose KV connector the engine process plugs in, if any.
         `kv_writer`: a prefill engine writes its KV rows into receivers itself with what this makes (a picklable
         maker of a kv_connector.RowWriter, run in the engine process); `kv_writes` asks for each chunk.
+        `kv_receiver`: a decode engine registers its KV cache (in a shared file) for peers' writes with what this
+        makes (picklable, run in the engine process); `kv_reservations` reserves its blocks per transfer.
         `media_bounds`: `ServerArgs.media_bounds()` (default: every option's default). `media_threads`: the media
         pool's size (default: from the CPU budget, see core/cpu_budget.py)."""
         # Config files only (the weights load in the engine process), resolved here once: the engine gets them.
         self.facts = resolve_model_facts(args)
         self.cfg = FrontendConfig.of(self.facts, args)
+        self.args, self.kv_role = args, kv_role
         self.model_name = model_name
         self.input_processor = InputProcessor.for_model(self.cfg, **(media_bounds or {}))
         self.tokenizer = self.input_processor.tokenizer
@@ -172,8 +178,11 @@ class AsyncLLM:
         self.core = EngineCoreClient(args, self.facts, log_level, heartbeat_timeout, on_outputs=self._handle,
                                      on_failure=self._fail_all,
                                      transfer_layout=None if buffers is None else buffers.layout, kv_role=kv_role,
-                                     media_pool=media_pool, kv_writer=kv_writer)
+                                     media_pool=media_pool, kv_writer=kv_writer, kv_receiver=kv_receiver)
         self.kv_writes = KVWrites(self.core.send, lambda: self.core.dead_reason is None)
+        self.kv_reservations = KVReservations(self.core.send, lambda: self.core.dead_reason is None)
+        self.kv_layout: BufferLayout | None = None  # a decode engine's KV cache in a shared file (from its start)
+        self.kv_target: bytes | None = None  # and how peers write into it (its engine process registered it)
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -184,6 +193,9 @@ class AsyncLLM:
             raise
         logger.info("engine core ready (pid %d): %d KV blocks, max_model_len %d", self.core.proc.pid,
                     ready.num_kv_blocks, ready.max_model_len)
+        if ready.kv_layout is not None:
+            self.kv_layout = msgspec.msgpack.decode(ready.kv_layout, type=BufferLayout)
+        self.kv_target = ready.kv_target
         try:
             await self.prompt_encoder.start()
         except BaseException:
@@ -360,6 +372,8 @@ class AsyncLLM:
             msg.outputs = self._take_prefills(msg, frames)
         if msg.written:
             self.kv_writes.settle(msg.written)
+        if msg.reserved:
+            self.kv_reservations.settle(msg.reserved)
         for rej in msg.rejected:
             try:
                 self._reject(rej.request_id, rej.message, rej.status)
@@ -482,6 +496,7 @@ class AsyncLLM:
             if not waiting.future.done():
                 waiting.future.set_exception(EngineDeadError(f"the engine stopped: {reason}"))
         self.kv_writes.fail_all(reason)
+        self.kv_reservations.fail_all(reason)
         if self.core.dead_reason is not None or not log:
             for rid in list(self.releases):  # a dead engine reads nothing any more
                 self._release(rid)

@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import vlserve
-from vlserve.core.config import DISAGG_ROLES, KV_ROLES, SERVE, Options, ServerArgs
+from vlserve.core.config import DECODE, DISAGG_ROLES, KV_ROLES, SERVE, Options, ServerArgs
 from vlserve.core.cpu_budget import size_default_executor
 from vlserve.core.processes import SigtermStop, finish, freeze_startup_heap, read_degraded
 from vlserve.core.prompt import MEDIA_KINDS
@@ -50,6 +50,16 @@ def local_prompt_encoder(server: ServerArgs):
     return build
 
 
+def decode_kv_receiver(opts, host: str):
+    """What a decode engine registers its KV cache for peers' writes with (engine process; None for zmq), at the
+    address peers reach this instance by."""
+    from vlserve.disagg.registry import advertised_host, reachable_host, registry_target
+    from vlserve.disagg.transports.row_writer import kv_receiver_maker
+
+    return kv_receiver_maker(opts.transfer_backend,
+                             reachable_host(advertised_host(opts, host), toward=registry_target(opts).host))
+
+
 def make_engine(opts: Options, log_level: str = "INFO", role: str = SERVE) -> AsyncLLM:
     """Resolves the config and loads the tokenizer (clear errors here, before the engine process starts).
     `role`: "serve" (media handled here), or "language" / "decode", whose prompts are worked on by peers."""
@@ -69,7 +79,8 @@ def make_engine(opts: Options, log_level: str = "INFO", role: str = SERVE) -> As
                       max_waiting_requests=server.max_waiting_requests, media_threads=server.media_threads,
                       log_requests=not server.disable_log_requests, log_level=log_level,
                       media_bounds=server.media_bounds(), heartbeat_timeout=server.engine_heartbeat_timeout,
-                      prompt_encoder=encoder, kv_role=role if role in KV_ROLES else None)
+                      prompt_encoder=encoder, kv_role=role if role in KV_ROLES else None,
+                      kv_receiver=decode_kv_receiver(opts.disagg, server.host) if role == DECODE else None)
     if template is not None:
         engine.tokenizer.chat_template = template
     return engine

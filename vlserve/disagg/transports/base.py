@@ -195,7 +195,7 @@ def write_run(buffers: TransferBuffers, block_ids: list[int], rows: torch.Tensor
     layout = buffers.layout
     check_run(layout, block_ids, rows)
     buffers.write_rows(block_ids, torch.arange(rows.shape[0]), rows)
-    return rows.shape[0] * layout.width * buffers.rows.element_size()
+    return rows.shape[0] * layout.width * buffers.element_size
 
 
 MAX_POSITION_ROWS = 4  # rows of positions a token may carry (the model's `position_rows`: 1 or 3 today)

@@ -11,7 +11,7 @@ import torch
 
 from vlserve.disagg.messages import TransferTarget
 from vlserve.disagg.transports.base import check_run
-from vlserve.engine.transfer_buffers import DTYPES
+from vlserve.engine.transfer_buffers import DTYPES, slot_runs
 
 STAGING_BYTES = 64 * 2**20  # registered once; a bigger chunk gets a bigger staging buffer
 
@@ -39,31 +39,24 @@ class StagedWrites:
         receiver's buffers at `target.base_address`, from the run's first slot."""
         layout = target.layout
         check_run(layout, block_ids, rows)
-        rows = rows.to(DTYPES[layout.dtype]).contiguous()
         count = rows.shape[0]
         if not count:
             return [], [], []
-        flat = rows.view(torch.uint8).view(count, -1)
-        row_bytes = flat.shape[1]
+        # Staged plane by plane ([parts, m, part width]): each run of slots is then one contiguous source too.
+        pieces = rows.to(DTYPES[layout.dtype]).reshape(count, layout.parts, -1).transpose(0, 1).contiguous()
+        flat = pieces.view(torch.uint8).view(layout.parts, count, -1)
+        piece_bytes = flat.shape[2]
         staging = self._staging_for(flat.numel())
-        staging[: flat.numel()].view(-1, row_bytes).copy_(flat)
+        staging[: flat.numel()].view(layout.parts, count, piece_bytes).copy_(flat)
         index = torch.arange(count)
         table = torch.tensor(block_ids, dtype=torch.int64)
         slots = table[index // layout.block_tokens] * layout.block_tokens + index % layout.block_tokens
         base = target.base_address + layout.offsets()["rows"]
+        plane_slots = layout.num_blocks * layout.block_tokens
         src, dst, lengths = [], [], []
-        for (first, slot), n in runs(slots):
-            src.append(staging.data_ptr() + first * row_bytes)
-            dst.append(base + slot * row_bytes)
-            lengths.append(n * row_bytes)
+        for first, slot, n in slot_runs(slots):
+            for part in range(layout.parts):
+                src.append(staging.data_ptr() + (part * count + first) * piece_bytes)
+                dst.append(base + (part * plane_slots + slot) * piece_bytes)
+                lengths.append(n * piece_bytes)
         return src, dst, lengths
-
-
-def runs(slots: torch.Tensor):
-    """((index in the chunk, first slot), length) of each run of consecutive slots."""
-    values = slots.tolist()
-    start = 0
-    for i in range(1, len(values) + 1):
-        if i == len(values) or values[i] != values[i - 1] + 1:
-            yield (start, values[start]), i - start
-            start = i

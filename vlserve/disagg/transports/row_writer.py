@@ -1,7 +1,9 @@
-"""A prefill engine's own way into decode instances' blocks: with a transport that writes the receiver's memory
-(shm, Mooncake, NIXL) the engine process writes its KV rows itself (kv_connector.RowWriter), so the front end,
-which runs the transfer's protocol, passes only where to write. The destination travels to the engine process as
-bytes it does not read: encoded here, decoded here."""
+"""The engine processes' own ends of the transports that write the receiver's memory (shm, Mooncake, NIXL), so
+that no KV byte passes through a front end, which runs the transfer's protocol and passes only where:
+- a prefill engine writes its KV rows into decode instances' blocks itself (kv_connector.RowWriter); the
+  destination travels to the engine process as bytes it does not read: encoded here, decoded here;
+- a decode engine registers its KV cache (in a shared file) with its own transport instance, so the writes land
+  there (`TransportKVReceiver`)."""
 
 from __future__ import annotations
 
@@ -58,3 +60,30 @@ def write_deadline() -> float:
     (a NIXL write, `write_timeout_s`) lands within the receiver's quarantine of its blocks counted from now: the
     receiver, which can only fail the transfer after this, keeps them at least that long."""
     return time.time() + quarantine_s() - write_timeout_s()
+
+
+class TransportKVReceiver:
+    """A decode engine's side of the in-place backends, made in its engine process (by the maker
+    `kv_receiver_maker` returns) once its KV cache exists: its own transport instance registers the KV cache's
+    memory (Mooncake, NIXL; shm needs nothing but the file) so that peers' writes land there, never passing
+    through the front end. `target` is how peers reach it, encoded for the front end, which sends it with every
+    request."""
+
+    def __init__(self, backend: str, host: str, kv_buffers):
+        self.transport = TRANSPORTS[backend](host)
+        self.target = msgspec.msgpack.encode(self.transport.target(kv_buffers))
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+def kv_receiver_maker(backend: str, host: str) -> Callable | None:
+    """What a decode engine process registers its KV cache with (picklable; called with the engine's KV
+    buffers), or None when the backend sends frames (zmq): then the front end copies them into the KV blocks."""
+    if not TRANSPORTS[backend].writes_in_place:
+        return None
+    return functools.partial(TransportKVReceiver, backend, host)
+
+
+def decode_target(encoded: bytes) -> TransferTarget:
+    return msgspec.msgpack.decode(encoded, type=TransferTarget)

@@ -7,7 +7,8 @@ that moves KV between instances plugs one in (our own take on vLLM v1's KV conne
   (`keeps_kv_on_preempt`); and when one finishes, whether the connector keeps its blocks (`request_finished`);
 - the engine core lets it check and prepare a request as it arrives (`check_request`, `admit`), move KV around a
   step's forward pass (`move_kv`), and export KV after the step (`after_step`); the engine process takes the
-  exports (`take_exported`) and passes the connector its own messages (`write`, `take_written`).
+  exports (`take_exported`) and passes the connector its own messages (`write`, `take_written`, `reserve`,
+  `release`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from vlserve.core.messages import EngineCoreOutput, Handoff
 from vlserve.core.prompt import ProcessedPrompt
 from vlserve.core.request import Request, RequestStatus
 from vlserve.core.sampling_params import SamplingParams
-from vlserve.core.wire import KVWritten, WriteKV
+from vlserve.core.wire import KVReserved, KVWritten, ReleaseKV, ReserveKV, WriteKV
 
 if TYPE_CHECKING:
     from vlserve.engine.scheduler_output import SchedulerOutput
@@ -41,6 +42,9 @@ class PendingKV:
     from_peer: bool = False
     # A hybrid model: its linear states after those tokens, as rows (engine.state_rows), written into its slot.
     state_rows: Callable[[], torch.Tensor] | None = None
+    # Written in place: the peer wrote the KV straight into KV blocks reserved for it, which the request takes
+    # (this returns them, in token order) instead of blocks to write into. `read` is not called then.
+    take_blocks: Callable[[], list[int]] | None = None
 
 
 @dataclass
@@ -146,6 +150,18 @@ class KVConnector:
     @property
     def writes_in_flight(self) -> bool:
         return False
+
+    def reserve(self, msg: ReserveKV) -> KVReserved:
+        """KV blocks a peer writes a prompt's KV into (a decode engine whose KV cache is in a shared file)."""
+        return KVReserved(msg.reserve_id, error="this engine reserves no KV blocks for peers")
+
+    def release(self, msg: ReleaseKV) -> None:
+        """Reserved blocks no request took go back to the pool."""
+
+    @property
+    def num_reserved_blocks(self) -> int:
+        """KV blocks reserved for peers' writes that no request took yet."""
+        return 0
 
     @property
     def num_kept(self) -> int:

@@ -1,10 +1,16 @@
-"""The decode role's connector: a request arrives prefilled by another instance, its KV as one row per token in
-this engine's receive blocks (`prompt.block_rows`) and its first token (with the random state) in a `Handoff`.
-It waits in the queue like any request; when the scheduler admits it, its KV is written into its blocks (a prefix
-already cached here is shared) and the receive blocks are released at once. Its pictures are not here to
-recompute it from, so a preemption swaps its KV out to host memory and back in at readmission. A hybrid model's
-linear states arrive as rows after the prompt's KV rows and go into the request's state slot with its KV; a
-preemption swaps them out and back in with it."""
+"""The decode role's connector: a request arrives prefilled by another instance, its KV as one row per token and
+its first token (with the random state) in a `Handoff`. Where the KV is:
+- in place (a KV cache in a shared file, `VlserveConfig.kv_cache_file`): the front end reserved KV blocks for the
+  transfer (`reserve`, under a holder name: one transfer) and the peer wrote the rows straight into them
+  (`prompt.block_rows`). The request waits in the queue like any request and takes those blocks when the scheduler
+  admits it: nothing is copied (a prefix already cached here is shared and its copy freed). Blocks no request took
+  go back with `release`;
+- else in this engine's receive blocks (tensor parallelism, a GPU): when the scheduler admits it, its KV is
+  written into its blocks (a prefix already cached here is shared) and the receive blocks are released at once.
+Its pictures are not here to recompute it from, so a preemption swaps its KV out to host memory and back in at
+readmission. A hybrid model's linear states arrive as rows after the prompt's KV rows (in place: in the slots
+after its prompt's, read out before its first step writes there) and go into the request's state slot; a
+preemption swaps them out and back in with its KV."""
 
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ from vlserve.core.messages import EngineCoreOutput
 from vlserve.core.prompt import ProcessedPrompt
 from vlserve.core.request import Request, RequestStatus
 from vlserve.core.sampling_params import SamplingParams
+from vlserve.core.wire import KVReserved, ReleaseKV, ReserveKV
 from vlserve.engine.kv_connector.base import KVConnector, KVTransfer, MovedKV, PendingKV
 from vlserve.engine.kv_handoff import check_handed_first, rows_to_kv
 from vlserve.engine.state_rows import state_row_count
@@ -30,14 +37,23 @@ class DecodeConnector(KVConnector):
         self.state_rows = state_row_count(cfg.model, cfg.dtype)  # after each prompt's KV rows (hybrid models)
         self._pending: dict[str, PendingKV] = {}  # KV to write when the request is (re)admitted
         self._not_recomputable: set[str] = set()  # handed-over requests: preempting one swaps its KV out
+        self._reserved: dict[str, list[int]] = {}  # holder (one transfer) -> KV blocks reserved for it
+        self._holder_of: dict[int, str] = {}  # reserved block -> its holder
+        self._claims: dict[str, list[int]] = {}  # queued request -> the reserved blocks it will take
+
+    @property
+    def in_place(self) -> bool:
+        return self.runner.kv_buffers is not None
 
     def check_request(self, prompt: ProcessedPrompt, params: SamplingParams, kv_transfer: KVTransfer | None) -> None:
         if kv_transfer is None:
             return  # computed here like on any engine
         if params.n != 1:
             raise InvalidInputError("a handed-over request samples once (n = 1)")
-        if self.transfer is None or prompt.block_rows is None:
-            raise InvalidInputError("a handed-over request needs its KV rows in this engine's receive blocks")
+        if prompt.block_rows is None or (self.transfer is None and not self.in_place):
+            raise InvalidInputError("a handed-over request needs its KV rows in this engine's blocks")
+        if self.in_place:
+            self._holder_of_run(prompt.block_rows, prompt.num_tokens + self.state_rows)
         check_handed_first(kv_transfer.first, params, self.cfg.model.text.vocab_size,
                            kv_transfer.generator_state is not None)
 
@@ -56,6 +72,18 @@ class DecodeConnector(KVConnector):
         req.num_cached_tokens = first.num_cached_tokens  # what the prefill saved: reported in usage
         t, blocks, n = self.cfg.model.text, req.prompt.block_rows, req.num_prompt_tokens
         transfer, state_rows = self.transfer, self.state_rows
+        if self.in_place:
+            holder, kv = self._holder_of_run(blocks, n + state_rows), self.runner.kv_buffers
+
+            def read_state_in_place() -> torch.Tensor:  # from the request's own blocks, after its prompt's rows
+                return kv.read_rows(req.block_ids, n, state_rows)
+
+            self._claims[req.request_id] = blocks
+            self._pending[req.request_id] = PendingKV(
+                n, _never_read, from_peer=True, state_rows=read_state_in_place if state_rows else None,
+                take_blocks=lambda: self._take(req.request_id, holder, blocks))
+            self._not_recomputable.add(req.request_id)
+            return self._first_output(req, first)
 
         def read(start: int) -> torch.Tensor:
             return rows_to_kv(transfer.read_rows(blocks, start, n - start), t.num_kv_layers, t.num_kv_heads,
@@ -67,14 +95,76 @@ class DecodeConnector(KVConnector):
         self._pending[req.request_id] = PendingKV(n, read, from_peer=True,
                                                   state_rows=read_state if state_rows else None)
         self._not_recomputable.add(req.request_id)
+        return self._first_output(req, first)
+
+    @staticmethod
+    def _first_output(req: Request, first: EngineCoreOutput) -> EngineCoreOutput:
         return EngineCoreOutput(req.request_id, list(first.new_token_ids), first.new_logprobs,
                                 num_cached_tokens=first.num_cached_tokens)
+
+    # ---- blocks reserved for peers' writes (in place) ------------------------------------------------------------
+    def reserve(self, msg: ReserveKV) -> KVReserved:
+        if not self.in_place:
+            return KVReserved(msg.reserve_id, error="this engine's KV cache is not in a shared file: its KV arrives "
+                                                    "in receive blocks")
+        kv = self.scheduler.kv
+        need = kv.blocks_needed(max(msg.num_rows, 1))
+        if need > kv.pool.num_blocks:
+            return KVReserved(msg.reserve_id, error=f"{msg.num_rows} rows need {need} KV blocks; the KV cache has "
+                                                    f"{kv.pool.num_blocks}")
+        # A block for each running request's next token stays free: reserving must not preempt them.
+        if need + len(self.scheduler.running) > kv.pool.num_free:
+            return KVReserved(msg.reserve_id)
+        blocks = kv.pool.allocate(need)
+        self._reserved.setdefault(msg.holder, []).extend(blocks)
+        self._holder_of.update((b, msg.holder) for b in blocks)
+        return KVReserved(msg.reserve_id, blocks)
+
+    def release(self, msg: ReleaseKV) -> None:
+        held = self._reserved.get(msg.holder)
+        if held is None:
+            return  # taken by its request, released already, or never reserved here (an engine restarted)
+        gone = set(held if msg.block_ids is None else msg.block_ids) & set(held)
+        blocks = [b for b in held if b in gone]
+        self._give_up(msg.holder, blocks)
+        self.scheduler.kv.pool.free(blocks)
+
+    def _give_up(self, holder: str, blocks: list[int]) -> None:
+        """`blocks` stop being `holder`'s (taken by a request, or freed by the caller)."""
+        left = [b for b in self._reserved[holder] if b not in set(blocks)]
+        for b in blocks:
+            del self._holder_of[b]
+        if left:
+            self._reserved[holder] = left
+        else:
+            del self._reserved[holder]
+
+    def _take(self, request_id: str, holder: str, blocks: list[int]) -> list[int]:
+        """The request takes its run: from here its blocks are freed with it."""
+        del self._claims[request_id]
+        self._give_up(holder, blocks)
+        return list(blocks)
+
+    def _holder_of_run(self, blocks: list[int], rows: int) -> str:
+        """The one transfer that reserved every block of `blocks`, which hold `rows` rows."""
+        holders = {self._holder_of.get(b) for b in blocks}
+        claimed = any(b in run for run in self._claims.values() for b in blocks)
+        if not blocks or None in holders or len(holders) != 1 or len(set(blocks)) != len(blocks) or claimed:
+            raise InvalidInputError("a handed-over request's KV blocks were not reserved for it here")
+        if len(blocks) * self.cfg.block_size < rows:
+            raise InvalidInputError(f"the handed-over KV blocks do not hold the request's {rows} rows")
+        return holders.pop()
+
+    @property
+    def num_reserved_blocks(self) -> int:
+        return len(self._holder_of)
 
     def owns(self, request_id: str) -> bool:
         return request_id in self._pending or request_id in self._not_recomputable
 
     def forget(self, request_ids: list[str]) -> None:
         for rid in request_ids:
+            self._claims.pop(rid, None)  # its blocks stay their holder's, whose release frees them
             self._pending.pop(rid, None)
             self._not_recomputable.discard(rid)
 
@@ -99,7 +189,8 @@ class DecodeConnector(KVConnector):
         for req, start in sched.kv_in:
             pending = self._pending.pop(req.request_id)
             try:
-                runner.write_kv(runner.token_slots(req, pending.num_tokens)[start:], pending.read(start))
+                if pending.take_blocks is None:  # in place, the KV is in the request's blocks already
+                    runner.write_kv(runner.token_slots(req, pending.num_tokens)[start:], pending.read(start))
                 if pending.state_rows is not None:
                     runner.write_state_rows(self.scheduler.state.slot(req), pending.state_rows())
             except InvalidInputError as e:  # e.g. a peer's state holding NaN: that request fails, the engine goes on
@@ -111,6 +202,10 @@ class DecodeConnector(KVConnector):
                 moved.failed.append((req.request_id, f"its KV could not be written: {type(e).__name__}"))
                 continue
             self.scheduler.kv.cache_full_blocks(req)
-            if pending.from_peer:
+            if pending.from_peer and pending.take_blocks is None:  # its receive blocks may go
                 moved.loaded.append(req.request_id)
         return moved
+
+
+def _never_read(start: int) -> torch.Tensor:
+    raise RuntimeError("KV written in place is not read back")

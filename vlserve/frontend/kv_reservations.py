@@ -1,0 +1,68 @@
+"""A decode instance's KV blocks for peers' writes, seen from its front end: when the engine keeps its KV cache in
+a shared file (engine.config.kv_cache_shared), a prefill instance writes a prompt's KV straight into KV blocks
+the engine reserved for that transfer. The front end, which runs the transfer's protocol, reserves runs here and
+lets go of what no request took; the blocks themselves are the engine's (its KV cache manager's pool)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Callable
+
+from vlserve.core.errors import EngineDeadError, ServiceUnavailableError
+from vlserve.core.wire import KVReserved, ReleaseKV, ReserveKV
+
+
+class KVReservations:
+    def __init__(self, send: Callable[[object], None], alive: Callable[[], bool]):
+        self._send = send  # to the engine process
+        self._alive = alive  # its process is there (a send to a dead one would block for ever)
+        self._ids = itertools.count()
+        self._waiting: dict[int, tuple[str, asyncio.Future]] = {}
+        self._unwanted: dict[int, str] = {}  # reservations whose asker is gone: released when their answer comes
+
+    async def reserve(self, holder: str, num_rows: int) -> list[int] | None:
+        """Blocks for `num_rows` rows under `holder` (one transfer), or None while the KV cache is short (ask again
+        later). ServiceUnavailableError: it never could be."""
+        if not self._alive():
+            raise EngineDeadError("the engine is gone: no KV blocks can be reserved")
+        reserve_id = next(self._ids)
+        future = asyncio.get_running_loop().create_future()
+        self._waiting[reserve_id] = (holder, future)
+        try:
+            self._send(ReserveKV(holder, reserve_id, num_rows))
+            answer: KVReserved = await future
+        except asyncio.CancelledError:
+            if self._waiting.pop(reserve_id, None) is not None:
+                self._unwanted[reserve_id] = holder  # only what this answer gives goes back: the holder's other
+            raise  # blocks may still be written by its peer
+        finally:
+            self._waiting.pop(reserve_id, None)
+        if answer.error is not None:
+            raise ServiceUnavailableError(f"the prompt does not fit this server's KV cache: {answer.error}")
+        return answer.block_ids
+
+    def release(self, holder: str, block_ids: list[int] | None = None) -> None:
+        """`holder`'s reserved blocks (those of `block_ids`; None: all) go back; blocks a request took stay its."""
+        if self._alive():
+            self._send(ReleaseKV(holder, block_ids))
+
+    def settle(self, answers: list[KVReserved]) -> None:
+        for a in answers:
+            holder = self._unwanted.pop(a.reserve_id, None)
+            if holder is not None:
+                if a.block_ids:
+                    self.release(holder, a.block_ids)
+                continue
+            holder, future = self._waiting.pop(a.reserve_id, (None, None))
+            if future is not None and not future.done():
+                future.set_result(a)
+
+    def fail_all(self, reason: str) -> None:
+        """The engine died or stopped answering: its askers fail now; an answer that still comes (an engine
+        that answers again) is released."""
+        for reserve_id, (holder, future) in self._waiting.items():
+            self._unwanted[reserve_id] = holder
+            if not future.done():
+                future.set_exception(EngineDeadError(f"the engine stopped ({reason}) while reserving KV blocks"))
+        self._waiting.clear()
