@@ -7,7 +7,7 @@ memory copy of the same bytes (#47), in three generations, timed on the same row
 2. then: the prefill engine process writes them into the receive blocks itself (transports.row_writer), the
    decode engine still copies them in at admission;
 3. now: the prefill engine process writes them straight into the blocks the decode engine reserved in its KV
-   cache, which lives in a shared file (engine.config.kv_cache_shared): nothing is copied at admission.
+   cache, which lives in a shared file (core.config.kv_cache_shared): nothing is copied at admission.
 
 "first" has a second process send the rows over ipc:// to this one; the admission copy is the decode connector's
 (gather the rows, lay them out by layer, copy into each layer's cache). The bound is one memory copy of the rows.

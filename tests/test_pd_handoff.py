@@ -21,12 +21,12 @@ import torch
 
 from tests.conftest import IMG, assert_pool_full, noise_image
 from vlserve import LLM, SamplingParams
-from vlserve.core.config import DECODE, EngineArgs
+from vlserve.core.config import DECODE, EngineArgs, kv_cache_shared
 from vlserve.core.errors import InvalidInputError
 from vlserve.core.messages import EngineCoreOutput, Handoff, TokenLogprobs
 from vlserve.core.prompt import MultiModalItem, ProcessedPrompt
 from vlserve.core.wire import ReleaseKV, ReserveKV
-from vlserve.engine.config import kv_cache_shared, resolve_config
+from vlserve.engine.config import resolve_config
 from vlserve.engine.core import EngineCore
 from vlserve.engine.kv_connector import DecodeConnector, make_connector
 from vlserve.engine.kv_handoff import kv_to_rows, rows_to_kv
@@ -85,7 +85,7 @@ class Decode:
     def __init__(self, path, num_kv_blocks: int = 256, max_num_seqs: int = 128, in_place: bool | None = None, **kw):
         cfg = _cfg(path, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs, **kw)
         if in_place is None:
-            in_place = kv_cache_shared(DECODE, cfg.tensor_parallel_size, cfg.device)
+            in_place = kv_cache_shared(DECODE, cfg.tensor_parallel_size, cfg.device.type)
         self.in_place, self.buffers = in_place, None
         if in_place:
             cfg = dataclasses.replace(cfg, kv_cache_file=True)
@@ -121,7 +121,9 @@ class Decode:
 
     def free(self, rid: str) -> None:
         """What the front end does once the engine is done with a prompt's rows (or never took them)."""
-        blocks = self.blocks.pop(rid)
+        blocks = self.blocks.pop(rid, None)
+        if blocks is None:  # computed here: it had nothing to release
+            return
         if self.in_place:
             self.core.connector.release(ReleaseKV(rid))  # what the request took is its own
         else:
@@ -159,12 +161,15 @@ def hand_over(prefill: Prefill, decode: Decode, prompts: list, params: SamplingP
     return rids
 
 
-def run(decode: Decode, rids: list[str]) -> dict[str, list[int]]:
+def run(decode: Decode, rids: list[str], max_steps: int = 2000) -> dict[str, list[int]]:
     tokens: dict[str, list[int]] = {rid: [] for rid in rids}
-    while decode.core.has_unfinished:
+    for _ in range(max_steps):  # (a queue that never moves fails here rather than hanging)
+        if not decode.core.has_unfinished:
+            return tokens
         for out in decode.step():
             tokens[out.request_id] += out.new_token_ids
-    return tokens
+    waiting = [r.request_id for r in decode.core.scheduler.waiting]
+    raise AssertionError(f"still unfinished after {max_steps} steps: {waiting} waiting")
 
 
 def _whole(llm, prompt, params):
@@ -553,3 +558,51 @@ def test_an_automatic_kv_cache_in_shared_memory_fits_the_room_there(path, monkey
     room[0] = per_block
     with pytest.raises(ConfigurationError, match="--shm-size"):
         fit_kv_in_shared_memory(auto)
+
+
+def test_a_request_waiting_for_blocks_never_holds_back_one_that_holds_its_own(path, prefill, whole):
+    """In place, a handed-over request holds its KV blocks while it waits. Ahead of it in the queue, a request that
+    needs new blocks (computed here) and cannot get them while that one holds its blocks: the holder goes first,
+    ends, and frees what the other needs (before, the queue's head waited for ever). Reservations leave that
+    head its room meanwhile."""
+    decode = Decode(path, num_kv_blocks=12, max_num_seqs=4)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    processed, handoff, rows = prefilled(prefill, PROMPTS[0], params, "x")
+    reserved = decode.core.connector.reserve(ReserveKV("x", 0, 16)).block_ids  # two blocks: 10 free
+    decode.core.runner.kv_buffers.write_rows(reserved, torch.arange(rows.shape[0]), rows)
+    decode.blocks["x"] = reserved
+    local = {"prompt_token_ids": list(range(5, 93))}  # 88 tokens: 11 blocks
+    decode.core.add_request("local", prefill.input_processor.process(local), params)
+    items = [MultiModalItem(it.offset, it.num_tokens, None, it.layout, it.mm_hash) for it in processed.mm_items]
+    decode.add("x", ProcessedPrompt(processed.prompt_token_ids, items, processed.positions, processed.position_delta,
+                                    block_rows=reserved, kv_in_blocks=True), params, handoff)
+    assert decode.core.connector.reserve(ReserveKV("y", 1, 8)).block_ids is None  # the head's room is kept
+    got = run(decode, ["local", "x"])
+    assert got["x"] == _whole(whole, PROMPTS[0], params)
+    assert got["local"] == _whole(whole, local, params)
+    assert decode.nothing_held()
+
+
+def test_reserved_blocks_claimed_by_a_queued_request_stay_with_it():
+    """A holder's release gives back only what no queued request claimed: a release that comes early (a confused
+    front end) cannot free blocks a request is about to take; a claim gone (the request left) frees with the
+    holder again."""
+    from vlserve.engine.block_pool import BlockPool
+    from vlserve.engine.kv_connector.reserved_blocks import ReservedBlocks
+
+    pool = BlockPool(8)
+    reserved = ReservedBlocks(pool, block_size=4)
+    run_a = reserved.reserve("a", 3)
+    reserved.claim("r1", run_a[:2], rows=7)
+    reserved.release("a")
+    assert reserved.num_blocks == 2 and pool.num_free == 6  # the unclaimed third block went back
+    assert reserved.take("r1") == run_a[:2] and reserved.num_blocks == 0
+    pool.free(run_a[:2])  # (what the request's end does)
+    run_b = reserved.reserve("b", 2)
+    reserved.claim("r2", run_b, rows=8)
+    with pytest.raises(InvalidInputError, match="not reserved for it"):
+        reserved.claim("r3", run_b, rows=8)  # claimed already
+    reserved.unclaim("r2")
+    reserved.release("b")
+    assert reserved.num_blocks == 0 and pool.num_free == 8
+    pool.check_integrity()

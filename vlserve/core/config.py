@@ -459,3 +459,10 @@ class Options:
 
     def parts(self) -> dict[type, Any]:
         return {EngineArgs: self.engine, ServerArgs: self.server, DisaggArgs: self.disagg}
+
+
+def kv_cache_shared(role: str | None, tensor_parallel_size: int, device_type: str) -> bool:
+    """Whether a decode engine keeps its KV cache in a shared file that peers (prefill instances) write the KV they
+    computed straight into: one rank on the CPU. Otherwise (tensor parallelism, a GPU) the KV lands in the front
+    end's receive blocks and is copied into the cache when the request is admitted."""
+    return role == DECODE and tensor_parallel_size == 1 and device_type == "cpu"

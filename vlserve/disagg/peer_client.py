@@ -347,7 +347,7 @@ class PeerClient:
         blocks: list[int] = []  # every block this transfer holds, in row order
         succeeded = False
         try:
-            pool_rows = self.buffers.num_blocks * self.buffers.block_tokens  # a smaller pool: all of it at most
+            pool_rows = self.pool.capacity_rows  # a smaller pool: all of it at most
             tail = self.kind.tail_rows(self.cfg)
             run = await self._allocate(holder, min(self.kind.allocate_rows(self.opts) + tail, pool_rows))
             blocks += run

@@ -23,6 +23,10 @@ class LocalBlocks:
         self.buffers = buffers
         self._freed = asyncio.Event()
 
+    @property
+    def capacity_rows(self) -> int:
+        return self.buffers.num_blocks * self.buffers.block_tokens
+
     async def allocate(self, holder: str, rows: int, timeout: float) -> list[int]:
         deadline = time.monotonic() + timeout
         while True:
@@ -51,8 +55,9 @@ class LocalBlocks:
 
 
 class EngineKVBlocks:
-    def __init__(self, reservations):
+    def __init__(self, reservations, capacity_rows: int):
         self.reservations = reservations  # frontend.kv_reservations.KVReservations
+        self.capacity_rows = capacity_rows  # the engine's KV pool (its file has a scratch block more)
 
     async def allocate(self, holder: str, rows: int, timeout: float) -> list[int]:
         deadline = time.monotonic() + timeout

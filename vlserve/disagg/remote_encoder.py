@@ -12,7 +12,7 @@ own media policy), and its verdict comes back with the same status.
 
 from __future__ import annotations
 
-from vlserve.core.config import DECODE, DisaggArgs
+from vlserve.core.config import DECODE, DisaggArgs, kv_cache_shared
 from vlserve.core.errors import ConfigurationError, InvalidInputError
 from vlserve.core.lora import AdapterRef
 from vlserve.disagg.registry import InstanceInfo, new_instance_id
@@ -20,9 +20,9 @@ from vlserve.disagg.peer_client import PeerClient
 from vlserve.disagg.peer_kinds import ENCODER_PEERS, PREFILL_PEERS, PeerKind
 from vlserve.disagg.metrics import ScrapeTimeGauges, TransferMetrics
 from vlserve.disagg.receive_pool import EngineKVBlocks
+from vlserve.disagg.transports import TRANSPORTS
 from vlserve.disagg.transports.row_writer import decode_target
-from vlserve.engine.config import kv_cache_shared
-from vlserve.engine.transfer_buffers import TransferBuffers
+from vlserve.engine.transfer_buffers import TransferBuffers, unlink_name
 from vlserve.frontend.prompt_encoder import EncodedPrompt, LocalPromptEncoder
 
 
@@ -39,7 +39,7 @@ class RemotePromptEncoder:
         self.local = LocalPromptEncoder(engine.input_processor, {}, engine.executor)  # text and embeddings
         # A decode engine on one CPU keeps its KV cache in a shared file: peers write into it, no receive blocks.
         self.kv_in_place = kind.rows_for_every_token and kv_cache_shared(
-            DECODE, engine.args.tensor_parallel_size, engine.facts.torch_device)
+            DECODE, engine.args.tensor_parallel_size, engine.facts.torch_device.type)
         self.transfer_buffers: TransferBuffers | None = None  # receive blocks the engine reads rows from
         if not self.kv_in_place:
             width = self.cfg.model.kv_row_width if kind.rows_for_every_token else self.cfg.model.embedding_width
@@ -65,9 +65,12 @@ class RemotePromptEncoder:
                 raise ConfigurationError("the decode engine did not report its KV cache's shared file")
             # zmq: frames this process copies into the KV blocks; else the engine registered them for peers
             target = None if self.engine.kv_target is None else decode_target(self.engine.kv_target)
-            self.client = PeerClient(self.cfg, TransferBuffers.attach(self.engine.kv_layout), self.metrics,
-                                     self.opts, self.info, self.kind, model=self.model,
-                                     pool=EngineKVBlocks(self.engine.kv_reservations), target=target)
+            layout = self.engine.kv_layout
+            pool = EngineKVBlocks(self.engine.kv_reservations, self.engine.num_kv_blocks * layout.block_tokens)
+            self.client = PeerClient(self.cfg, TransferBuffers.attach(layout), self.metrics, self.opts, self.info,
+                                     self.kind, model=self.model, pool=pool, target=target)
+            if not TRANSPORTS[self.opts.transfer_backend].maps_receiver_file:
+                unlink_name(layout.path)  # mapped by both processes now: a crash leaves no file behind
         elif not self.client.transport.maps_receiver_file:
             self.transfer_buffers.unlink()
         await self.client.start()

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import torch
 
-from vlserve.core.config import DECODE, TOWERS, EngineArgs
+from vlserve.core.config import TOWERS, EngineArgs
 from vlserve.core.errors import ConfigurationError, InvalidInputError
 from vlserve.engine.decode_graphs import default_sizes
-from vlserve.engine.transfer_buffers import shm_dir
+from vlserve.engine.transfer_buffers import shm_dir, sweep_stale_files
 from vlserve.model.facts import ModelFacts, resolve_model_facts
 from vlserve.model.hardware import memory_available_bytes
 from vlserve.model.config_types import ModelConfig
@@ -172,13 +172,6 @@ def loaded_towers(args: EngineArgs, model: ModelConfig) -> tuple[str, ...]:
     return tuple(t for t in TOWERS if t in args.towers)
 
 
-def kv_cache_shared(role: str | None, tensor_parallel_size: int, device: torch.device) -> bool:
-    """Whether a decode engine keeps its KV cache in a shared file that peers (prefill instances) write the KV they
-    computed straight into: one rank on the CPU. Otherwise (tensor parallelism, a GPU) the KV lands in the front
-    end's receive blocks and is copied into the cache when the request is admitted."""
-    return role == DECODE and tensor_parallel_size == 1 and device.type == "cpu"
-
-
 SHARED_KV_SHARE = 0.9  # of the shared-memory folder's free space an automatic KV cache there may take
 
 
@@ -190,7 +183,9 @@ def fit_kv_in_shared_memory(cfg: VlserveConfig) -> VlserveConfig:
     args = cfg.args
     if args is None or args.num_kv_blocks is not None or args.kv_cache_memory_gb is not None:
         return cfg
-    stat = os.statvfs(shm_dir() or tempfile.gettempdir())
+    folder = shm_dir() or tempfile.gettempdir()
+    sweep_stale_files(folder)  # a crashed engine's KV file is no room taken
+    stat = os.statvfs(folder)
     free = stat.f_bavail * stat.f_frsize
     per_block = cfg.kv_bytes_per_token * cfg.block_size
     most = int(free * SHARED_KV_SHARE) // per_block - 1  # - 1: the scratch block

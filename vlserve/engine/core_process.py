@@ -21,7 +21,7 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from vlserve.core.config import decode_args
+from vlserve.core.config import decode_args, kv_cache_shared
 from vlserve.core.errors import ConfigurationError, InvalidInputError, VlserveError
 from vlserve.core.processes import die_with_parent, freeze_startup_heap, log_format
 from vlserve.core.wire import (
@@ -47,7 +47,7 @@ from vlserve.core.wire import (
     request_id_of,
     tensor_ref,
 )
-from vlserve.engine.config import fit_kv_in_shared_memory, kv_cache_shared, resolve_config
+from vlserve.engine.config import fit_kv_in_shared_memory, resolve_config
 from vlserve.engine.core import EngineCore
 from vlserve.engine.cpu_threads import apply_cpu_threads
 from vlserve.engine.kv_connector import RowWriter, make_connector
@@ -158,14 +158,24 @@ class EngineCoreLoop:
                                                      error="this engine has no KV connector"))
             elif (refused := self.connector.write(msg)) is not None:
                 self.refused_writes.append(refused)
-        elif isinstance(msg, ReserveKV):
-            self.reserved.append(self.connector.reserve(msg) if self.connector is not None else
-                                 KVReserved(msg.reserve_id, error="this engine has no KV connector"))
-        elif isinstance(msg, ReleaseKV):
-            if self.connector is not None:
-                self.connector.release(msg)
+        elif isinstance(msg, (ReserveKV, ReleaseKV)):
+            self._reserve_or_release(msg)
         elif isinstance(msg, Shutdown):
             self.running = False
+
+    def _reserve_or_release(self, msg: ReserveKV | ReleaseKV) -> None:
+        """A decode front end's KV blocks for peers' writes; a bug here fails that reservation, not the engine."""
+        try:
+            if self.connector is None:
+                raise VlserveError("this engine has no KV connector")
+            if isinstance(msg, ReleaseKV):
+                return self.connector.release(msg)
+            self.reserved.append(self.connector.reserve(msg))
+        except Exception as e:  # noqa: BLE001
+            logger.exception("KV blocks of %r could not be %s", msg.holder[:128],
+                             "released" if isinstance(msg, ReleaseKV) else "reserved")
+            if isinstance(msg, ReserveKV):
+                self.reserved.append(KVReserved(msg.reserve_id, error=f"{type(e).__name__}: {e}"))
 
     def _send(self, outputs, handed=(), written=()) -> None:
         metrics = self.core.get_metrics()
@@ -240,7 +250,7 @@ def run_engine_core(args_json: bytes, facts_json: bytes, addresses: dict[str, st
             if transfer_layout is not None:
                 transfer = TransferBuffers.attach(msgspec.msgpack.decode(transfer_layout, type=BufferLayout))
             cfg = resolve_config(args, decode_facts(facts_json))
-            if kv_cache_shared(kv_role, cfg.tensor_parallel_size, cfg.device):
+            if kv_cache_shared(kv_role, cfg.tensor_parallel_size, cfg.device.type):
                 cfg = fit_kv_in_shared_memory(dataclasses.replace(cfg, kv_cache_file=True))
             connector = make_connector(kv_role, cfg, None if kv_writer is None else kv_writer())
             core = EngineCore(cfg, report_released=True, transfer=transfer, connector=connector)

@@ -124,6 +124,8 @@ class Scheduler:
         # Admit waiting requests only when nothing was preempted: if blocks were short just now, they still are.
         # A request whose grammar is still being built is passed over (it keeps its place in the queue); one whose
         # grammar failed waits for the engine core to refuse it.
+        if self.connector is not None and not out.preempted:
+            self._admit_holding_blocks(out)
         not_ready: list[Request] = []
         while self.waiting and token_budget > 0 and not out.preempted and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[0]
@@ -134,13 +136,8 @@ class Scheduler:
                 not_ready.append(self.waiting.popleft())
                 continue
             pending = None if self.connector is None else self.connector.pending_kv(req)
-            if pending is not None and pending.take_blocks is not None:  # its KV is in blocks of its own already
-                req.block_ids = pending.take_blocks()
-                hit = self.kv.share_cached_prefix(req)
-                self._admit_computed(req, pending.num_tokens)  # its blocks are there: it fits
-                self.kv.record_lookup(req, hit)
-                self.waiting.popleft()
-                out.kv_in.append((req, hit))
+            if pending is not None and pending.take_blocks is not None:  # admitted above, once there is a seat
+                not_ready.append(self.waiting.popleft())
                 continue
             if pending is not None:  # its KV is written, not computed
                 cached = self.kv.find_cached_prefix(req) if pending.from_peer else []
@@ -175,6 +172,27 @@ class Scheduler:
             encoder_budget -= sum(req.mm_items[k].num_tokens for k in encode)
         self.waiting.extendleft(reversed(not_ready))
         return out
+
+    def _admit_holding_blocks(self, out: SchedulerOutput) -> None:
+        """Waiting requests whose KV a peer wrote into blocks they already hold (`PendingKV.take_blocks`) take
+        no new block: they go first, so a request ahead of them that waits for blocks cannot hold theirs back
+        (those would never come free). A prefix already cached here is shared and the request's copy freed."""
+        for req in list(self.waiting):
+            if len(self.running) >= self.cfg.max_num_seqs:
+                return
+            pending = self.connector.pending_kv(req)
+            if pending is None or pending.take_blocks is None:
+                continue
+            if req.grammar is not None and (not req.grammar.ready or req.grammar.error is not None):
+                continue
+            if req.lora is not None and not self._adapter_fits(req):
+                continue
+            self.waiting.remove(req)
+            req.block_ids = pending.take_blocks()
+            hit = self.kv.share_cached_prefix(req)
+            self._admit_computed(req, pending.num_tokens)  # its blocks are there: it fits
+            self.kv.record_lookup(req, hit)
+            out.kv_in.append((req, hit))
 
     def _adapter_fits(self, req: Request) -> bool:
         """Running requests use at most max_loras different adapters (the device's slots)."""

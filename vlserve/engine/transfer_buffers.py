@@ -149,10 +149,7 @@ class TransferBuffers:
         if getattr(self, "_at_exit", None) is not None:
             self._at_exit.detach()
         if self.layout.path:
-            try:
-                os.unlink(self.layout.path)
-            except FileNotFoundError:
-                pass
+            unlink_name(self.layout.path)
         if self.lock_fd is not None:
             os.close(self.lock_fd)  # the name is gone: no sweep can find the file any more
             self.lock_fd = None
@@ -230,7 +227,7 @@ class TransferBuffers:
         """Rows [m, width] at run row indices `index` [m] (the transports that copy)."""
         if rows.dim() != 2 or rows.shape != (index.shape[0], self.layout.width):
             raise ValueError(f"rows must be [{index.shape[0]}, {self.layout.width}], got {tuple(rows.shape)}")
-        pieces = rows.to(self.planes.dtype).view(rows.shape[0], self.layout.parts, -1).transpose(0, 1)
+        pieces = rows.to(self.planes.dtype).reshape(rows.shape[0], self.layout.parts, -1).transpose(0, 1)
         # A slice copy per run of consecutive slots: near a plain memory copy, where one index_copy over the
         # planes' stride is ~3x slower (measured on 57 MB of bf16 KV rows)
         for at, first, n in slot_runs(self.slots(block_ids, index)):
@@ -271,9 +268,14 @@ def _reserve(fd: int, path: str, nbytes: int) -> None:
             "--kv-cache-memory-gb)") from None
 
 
+def unlink_name(path: str) -> None:
+    """The file's name goes (the processes that mapped it keep their mappings); gone already is fine."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 def _unlink_if_ours(path: str, pid: int) -> None:
     if os.getpid() == pid:  # not in a forked child that inherited the finalizer
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+        unlink_name(path)

@@ -183,6 +183,7 @@ class AsyncLLM:
         self.kv_reservations = KVReservations(self.core.send, lambda: self.core.dead_reason is None)
         self.kv_layout: BufferLayout | None = None  # a decode engine's KV cache in a shared file (from its start)
         self.kv_target: bytes | None = None  # and how peers write into it (its engine process registered it)
+        self.num_kv_blocks = 0  # the engine's KV pool (from its start)
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -196,6 +197,7 @@ class AsyncLLM:
         if ready.kv_layout is not None:
             self.kv_layout = msgspec.msgpack.decode(ready.kv_layout, type=BufferLayout)
         self.kv_target = ready.kv_target
+        self.num_kv_blocks = ready.num_kv_blocks
         try:
             await self.prompt_encoder.start()
         except BaseException:

@@ -1,5 +1,5 @@
 """A decode instance's KV blocks for peers' writes, seen from its front end: when the engine keeps its KV cache in
-a shared file (engine.config.kv_cache_shared), a prefill instance writes a prompt's KV straight into KV blocks
+a shared file (core.config.kv_cache_shared), a prefill instance writes a prompt's KV straight into KV blocks
 the engine reserved for that transfer. The front end, which runs the transfer's protocol, reserves runs here and
 lets go of what no request took; the blocks themselves are the engine's (its KV cache manager's pool)."""
 
@@ -33,9 +33,12 @@ class KVReservations:
             self._send(ReserveKV(holder, reserve_id, num_rows))
             answer: KVReserved = await future
         except asyncio.CancelledError:
+            # Only what this answer gives goes back: the holder's other blocks may still be written by its peer.
             if self._waiting.pop(reserve_id, None) is not None:
-                self._unwanted[reserve_id] = holder  # only what this answer gives goes back: the holder's other
-            raise  # blocks may still be written by its peer
+                self._unwanted[reserve_id] = holder  # it has not come yet
+            elif future.done() and not future.cancelled() and future.result().block_ids:
+                self.release(holder, future.result().block_ids)  # it came just before the cancel
+            raise
         finally:
             self._waiting.pop(reserve_id, None)
         if answer.error is not None:

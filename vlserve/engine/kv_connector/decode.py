@@ -25,6 +25,7 @@ from vlserve.core.request import Request, RequestStatus
 from vlserve.core.sampling_params import SamplingParams
 from vlserve.core.wire import KVReserved, ReleaseKV, ReserveKV
 from vlserve.engine.kv_connector.base import KVConnector, KVTransfer, MovedKV, PendingKV
+from vlserve.engine.kv_connector.reserved_blocks import ReservedBlocks
 from vlserve.engine.kv_handoff import check_handed_first, rows_to_kv
 from vlserve.engine.state_rows import state_row_count
 
@@ -37,13 +38,16 @@ class DecodeConnector(KVConnector):
         self.state_rows = state_row_count(cfg.model, cfg.dtype)  # after each prompt's KV rows (hybrid models)
         self._pending: dict[str, PendingKV] = {}  # KV to write when the request is (re)admitted
         self._not_recomputable: set[str] = set()  # handed-over requests: preempting one swaps its KV out
-        self._reserved: dict[str, list[int]] = {}  # holder (one transfer) -> KV blocks reserved for it
-        self._holder_of: dict[int, str] = {}  # reserved block -> its holder
-        self._claims: dict[str, list[int]] = {}  # queued request -> the reserved blocks it will take
+        self._reserved: ReservedBlocks | None = None  # in place: blocks reserved for peers' writes (bind)
+
+    def bind(self, scheduler, runner, transfer) -> None:
+        super().bind(scheduler, runner, transfer)
+        if runner.kv_buffers is not None:
+            self._reserved = ReservedBlocks(scheduler.kv.pool, self.cfg.block_size)
 
     @property
     def in_place(self) -> bool:
-        return self.runner.kv_buffers is not None
+        return self._reserved is not None
 
     def check_request(self, prompt: ProcessedPrompt, params: SamplingParams, kv_transfer: KVTransfer | None) -> None:
         if kv_transfer is None:
@@ -53,7 +57,7 @@ class DecodeConnector(KVConnector):
         if prompt.block_rows is None or (self.transfer is None and not self.in_place):
             raise InvalidInputError("a handed-over request needs its KV rows in this engine's blocks")
         if self.in_place:
-            self._holder_of_run(prompt.block_rows, prompt.num_tokens + self.state_rows)
+            self._reserved.check(prompt.block_rows, prompt.num_tokens + self.state_rows)
         check_handed_first(kv_transfer.first, params, self.cfg.model.text.vocab_size,
                            kv_transfer.generator_state is not None)
 
@@ -73,15 +77,15 @@ class DecodeConnector(KVConnector):
         t, blocks, n = self.cfg.model.text, req.prompt.block_rows, req.num_prompt_tokens
         transfer, state_rows = self.transfer, self.state_rows
         if self.in_place:
-            holder, kv = self._holder_of_run(blocks, n + state_rows), self.runner.kv_buffers
+            kv, reserved = self.runner.kv_buffers, self._reserved
+            reserved.claim(req.request_id, blocks, n + state_rows)
 
             def read_state_in_place() -> torch.Tensor:  # from the request's own blocks, after its prompt's rows
                 return kv.read_rows(req.block_ids, n, state_rows)
 
-            self._claims[req.request_id] = blocks
             self._pending[req.request_id] = PendingKV(
                 n, _never_read, from_peer=True, state_rows=read_state_in_place if state_rows else None,
-                take_blocks=lambda: self._take(req.request_id, holder, blocks))
+                take_blocks=lambda: reserved.take(req.request_id))
             self._not_recomputable.add(req.request_id)
             return self._first_output(req, first)
 
@@ -112,59 +116,34 @@ class DecodeConnector(KVConnector):
         if need > kv.pool.num_blocks:
             return KVReserved(msg.reserve_id, error=f"{msg.num_rows} rows need {need} KV blocks; the KV cache has "
                                                     f"{kv.pool.num_blocks}")
-        # A block for each running request's next token stays free: reserving must not preempt them.
-        if need + len(self.scheduler.running) > kv.pool.num_free:
+        # Reserving must not starve what runs or waits here: a block stays free for each running request's next
+        # token, and room for the first waiting request that needs blocks (preempted, or computed here).
+        if need + len(self.scheduler.running) + self._wanted_by_waiting() > kv.pool.num_free:
             return KVReserved(msg.reserve_id)
-        blocks = kv.pool.allocate(need)
-        self._reserved.setdefault(msg.holder, []).extend(blocks)
-        self._holder_of.update((b, msg.holder) for b in blocks)
-        return KVReserved(msg.reserve_id, blocks)
+        return KVReserved(msg.reserve_id, self._reserved.reserve(msg.holder, need))
+
+    def _wanted_by_waiting(self) -> int:
+        for req in self.scheduler.waiting:
+            pending = self._pending.get(req.request_id)
+            if pending is None or pending.take_blocks is None:
+                return self.scheduler.kv.blocks_needed(req.num_tokens + 1)
+        return 0
 
     def release(self, msg: ReleaseKV) -> None:
-        held = self._reserved.get(msg.holder)
-        if held is None:
-            return  # taken by its request, released already, or never reserved here (an engine restarted)
-        gone = set(held if msg.block_ids is None else msg.block_ids) & set(held)
-        blocks = [b for b in held if b in gone]
-        self._give_up(msg.holder, blocks)
-        self.scheduler.kv.pool.free(blocks)
-
-    def _give_up(self, holder: str, blocks: list[int]) -> None:
-        """`blocks` stop being `holder`'s (taken by a request, or freed by the caller)."""
-        left = [b for b in self._reserved[holder] if b not in set(blocks)]
-        for b in blocks:
-            del self._holder_of[b]
-        if left:
-            self._reserved[holder] = left
-        else:
-            del self._reserved[holder]
-
-    def _take(self, request_id: str, holder: str, blocks: list[int]) -> list[int]:
-        """The request takes its run: from here its blocks are freed with it."""
-        del self._claims[request_id]
-        self._give_up(holder, blocks)
-        return list(blocks)
-
-    def _holder_of_run(self, blocks: list[int], rows: int) -> str:
-        """The one transfer that reserved every block of `blocks`, which hold `rows` rows."""
-        holders = {self._holder_of.get(b) for b in blocks}
-        claimed = any(b in run for run in self._claims.values() for b in blocks)
-        if not blocks or None in holders or len(holders) != 1 or len(set(blocks)) != len(blocks) or claimed:
-            raise InvalidInputError("a handed-over request's KV blocks were not reserved for it here")
-        if len(blocks) * self.cfg.block_size < rows:
-            raise InvalidInputError(f"the handed-over KV blocks do not hold the request's {rows} rows")
-        return holders.pop()
+        if self.in_place:
+            self._reserved.release(msg.holder, msg.block_ids)
 
     @property
     def num_reserved_blocks(self) -> int:
-        return len(self._holder_of)
+        return self._reserved.num_blocks if self.in_place else 0
 
     def owns(self, request_id: str) -> bool:
         return request_id in self._pending or request_id in self._not_recomputable
 
     def forget(self, request_ids: list[str]) -> None:
         for rid in request_ids:
-            self._claims.pop(rid, None)  # its blocks stay their holder's, whose release frees them
+            if self.in_place:
+                self._reserved.unclaim(rid)  # its blocks stay their holder's, whose release frees them
             self._pending.pop(rid, None)
             self._not_recomputable.discard(rid)
 
