@@ -11,6 +11,10 @@ memory copy of the same bytes (#47), in three generations, timed on the same row
 
 "first" has a second process send the rows over ipc:// to this one; the admission copy is the decode connector's
 (gather the rows, lay them out by layer, copy into each layer's cache). The bound is one memory copy of the rows.
+Also timed: what the prefill engine's own thread spends exporting a finished prompt (its KV read out of its
+blocks into rows, `PrefillConnector.export`) before any of the above, while its other requests wait: before as a
+gather then a permute (`kv_to_rows(read_kv(...))`), now a slice copy per run straight into the rows
+(`ModelShard.read_kv_rows`, called here on a stand-in shard holding the same caches).
 
     .venv/bin/python benchmarks/kv_transfer.py [--tokens 2000] [--kv-heads 2] [--head-dim 128] [--layers 28]
 
@@ -27,6 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import zmq
@@ -36,7 +41,8 @@ sys.path.insert(0, str(ROOT))
 
 from vlserve.disagg.transports.row_writer import encode_destination, row_writer_maker  # noqa: E402
 from vlserve.disagg.transports.shm import ShmTransport  # noqa: E402
-from vlserve.engine.kv_handoff import rows_to_kv  # noqa: E402
+from vlserve.engine.kv_handoff import kv_to_rows, rows_to_kv  # noqa: E402
+from vlserve.engine.model_shard import ModelShard  # noqa: E402
 from vlserve.engine.transfer_buffers import TransferBuffers  # noqa: E402
 
 BLOCK_ROWS = 16
@@ -99,6 +105,14 @@ def main() -> None:
         then_write = timed(lambda: writer.write(destination, rows))
         then_admit = timed(admission_copy)
         now = timed(lambda: writer.write(in_place, rows))
+        prefill_caches = [torch.randn(2, num_blocks * BLOCK_ROWS, heads, dim).to(dtype) for _ in range(layers)]
+        export_before = timed(lambda: kv_to_rows(torch.stack([c.index_select(1, slots) for c in prefill_caches])))
+        shard = SimpleNamespace(tp=SimpleNamespace(size=1), device=torch.device("cpu"), kv_caches=prefill_caches,
+                                kv_layers=list(range(layers)))
+        export_now = timed(lambda: ModelShard.read_kv_rows(shard, slots))
+        if not torch.equal(ModelShard.read_kv_rows(shard, slots),
+                           kv_to_rows(torch.stack([c.index_select(1, slots) for c in prefill_caches]))):
+            raise SystemExit("the rows read straight differ from the gathered ones")
         written = kv_file.planes.view(layers, 2, -1, heads, dim)[:, :, : args.tokens]
         if not torch.equal(written, private_cache[:, :, : args.tokens]):  # the same KV, wherever it went
             raise SystemExit("the KV written in place differs from the KV copied in at admission")
@@ -140,6 +154,8 @@ def main() -> None:
     line("first: engine -> front end -> receive blocks; admission copy", [first_write, then_admit])
     line("then:  engine -> receive blocks; admission copy", [then_write, then_admit])
     line("now:   engine -> the decode engine's KV blocks", [now])
+    line("prefill engine thread, export before: gather + permute", [export_before])
+    line("prefill engine thread, export now: straight into rows", [export_now])
 
 
 if __name__ == "__main__":

@@ -479,15 +479,15 @@ def test_a_failed_kv_export_fails_that_request_and_the_engine_goes_on(path, pref
     ended the prefill engine. Now that request fails (500) with its blocks freed; the others are exported."""
     core, connector = prefill.core, prefill.core.connector
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True).for_prefill()
-    real, calls = connector.runner.read_kv, []
+    real, calls = connector.runner.read_kv_rows, []
 
-    def read_kv(slots):
+    def read_kv_rows(slots):
         calls.append(len(slots))
         if len(calls) == 1:
             raise torch.OutOfMemoryError("CUDA out of memory copying the KV")
         return real(slots)
 
-    monkeypatch.setattr(connector.runner, "read_kv", read_kv)
+    monkeypatch.setattr(connector.runner, "read_kv_rows", read_kv_rows)
     for i, prompt in enumerate(PROMPTS):
         core.add_request(f"x{i}", prefill.input_processor.process(prompt), params)
     exported, failed = [], []
@@ -606,3 +606,14 @@ def test_reserved_blocks_claimed_by_a_queued_request_stay_with_it():
     reserved.release("b")
     assert reserved.num_blocks == 0 and pool.num_free == 8
     pool.check_integrity()
+
+
+def test_kv_read_straight_into_rows_equals_the_gathered_kv(prefill):
+    """A one-rank CPU engine reads KV into handoff rows with a slice copy per run of slots and layer: the same
+    rows as gathering the KV and laying it out (`kv_to_rows(read_kv)`), over runs that break mid-way."""
+    runner = prefill.core.runner
+    for cache in runner.kv_caches:  # what a few requests left there
+        cache.copy_(torch.randn(cache.shape))
+    slots = torch.tensor([5, 6, 7, 40, 41, 3, 100, 101, 102, 103, 8])
+    assert torch.equal(runner.read_kv_rows(slots), kv_to_rows(runner.read_kv(slots)))
+    assert runner.read_kv_rows(torch.arange(0)).shape == (0, prefill.core.cfg.model.kv_row_width)

@@ -16,6 +16,7 @@ from vlserve.core.request import Request
 from vlserve.engine.config import VlserveConfig
 from vlserve.engine.executor import encodes_whole_step
 from vlserve.engine.forward_batch import ForwardBatch
+from vlserve.engine.kv_handoff import kv_to_rows
 from vlserve.engine.sampler import Sampler, SamplerOutput, SamplingMetadata, TokenBitmask
 from vlserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from vlserve.engine.state_cache import StateStep
@@ -71,6 +72,11 @@ class ModelRunner:
     def read_kv(self, slots: torch.Tensor) -> torch.Tensor:
         """[layers, 2, len(slots), kv_heads, head_dim]: the KV cache at these slots, on the CPU."""
         return self.executor.read_kv(slots)
+
+    def read_kv_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """The KV cache at these slots as handoff rows (kv_handoff.kv_to_rows), on the CPU."""
+        direct = getattr(self.executor, "read_kv_rows", None)  # a shard's own (not the tensor-parallel leader)
+        return direct(slots) if direct is not None else kv_to_rows(self.read_kv(slots))
 
     def write_kv(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
         self.executor.write_kv(slots, kv)

@@ -24,7 +24,7 @@ from vlserve.core.request import Request, RequestStatus
 from vlserve.core.sampling_params import SamplingParams
 from vlserve.core.wire import KVWritten, WriteKV
 from vlserve.engine.kv_connector.base import ExportedKV, KVConnector, KVTransfer, RowWriter
-from vlserve.engine.kv_handoff import kv_to_rows
+
 
 logger = logging.getLogger(__name__)
 HELD_KV_TTL_S = 120.0  # a finished prefill's blocks are kept this long at most
@@ -158,7 +158,7 @@ class PrefillConnector(KVConnector):
             raise InvalidInputError(f"nothing held for request {request_id!r}")
         req, _, state_rows = self.held[request_id]
         try:
-            rows = kv_to_rows(self.runner.read_kv(self.runner.token_slots(req, req.num_prompt_tokens)))
+            rows = self.runner.read_kv_rows(self.runner.token_slots(req, req.num_prompt_tokens))
             if state_rows is not None:
                 rows = torch.cat([rows, state_rows])  # both in the KV cache's dtype (the states as bytes)
             state = None if req.generator is None else req.generator.get_state().numpy().tobytes()
