@@ -311,3 +311,29 @@ def test_kv_reservations_answer_their_askers_and_give_back_what_nobody_takes():
             await res.reserve("h4", 8)
 
     asyncio.run(go())
+
+
+def test_a_transfer_waiting_for_kv_blocks_asks_ever_less_often_and_gives_up_with_a_503(monkeypatch):
+    """A decode engine short of KV blocks is asked again after 20 ms, then twice as long each time up to 0.5 s
+    (many waiting transfers must not flood its loop); past the transfer timeout, a clear 503."""
+    from vlserve.core.errors import ServiceUnavailableError
+    from vlserve.disagg import receive_pool
+
+    class Short:
+        def __init__(self, nones: int):
+            self.nones, self.asked = nones, 0
+
+        async def reserve(self, holder, rows):
+            self.asked += 1
+            return None if self.asked <= self.nones else [7]
+
+    pauses = []
+
+    async def sleep(s):
+        pauses.append(s)
+
+    monkeypatch.setattr(receive_pool.asyncio, "sleep", sleep)
+    assert asyncio.run(receive_pool.EngineKVBlocks(Short(7), 64).allocate("h", 8, 60.0)) == [7]
+    assert pauses == [0.02, 0.04, 0.08, 0.16, 0.32, 0.5, 0.5]
+    with pytest.raises(ServiceUnavailableError, match="stayed full"):
+        asyncio.run(receive_pool.EngineKVBlocks(Short(10**9), 64).allocate("h", 8, -1.0))

@@ -97,6 +97,7 @@ def test_a_reserved_buffer_too_big_for_its_folder_is_a_clear_error(monkeypatch):
     """A KV cache in shared memory takes its pages at start: a folder too small (a container's 64 MiB /dev/shm)
     is refused then, with what to do, and leaves no file behind (not a SIGBUS mid-request)."""
     import os
+    import tempfile
 
     import vlserve.engine.transfer_buffers as tb
     from vlserve.core.errors import ConfigurationError
@@ -105,7 +106,7 @@ def test_a_reserved_buffer_too_big_for_its_folder_is_a_clear_error(monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "posix_fallocate", no_room)
-    folder = tb.shm_dir() or __import__("tempfile").gettempdir()
+    folder = tb.shm_dir() or tempfile.gettempdir()
     ours = f"{tb.TRANSFER_FILE_PREFIX}{os.getpid()}-"  # (other test workers make files there too)
     before = {n for n in os.listdir(folder) if n.startswith(ours)}
     with pytest.raises(ConfigurationError, match="--shm-size"):

@@ -15,7 +15,9 @@ from collections.abc import Callable
 from vlserve.core.errors import ServiceUnavailableError
 from vlserve.engine.transfer_buffers import TransferBuffers
 
-ENGINE_RETRY_S = 0.02  # a decode engine short of KV blocks is asked again this often (its requests free them)
+# A decode engine short of KV blocks is asked again after this, then twice as long each time up to the most (its
+# requests free them; many waiting transfers must not flood its loop with asks).
+ENGINE_RETRY_S, ENGINE_RETRY_MAX_S = 0.02, 0.5
 
 
 class LocalBlocks:
@@ -60,11 +62,12 @@ class EngineKVBlocks:
         self.capacity_rows = capacity_rows  # the engine's KV pool (its file has a scratch block more)
 
     async def allocate(self, holder: str, rows: int, timeout: float) -> list[int]:
-        deadline = time.monotonic() + timeout
+        deadline, pause = time.monotonic() + timeout, ENGINE_RETRY_S
         while (blocks := await self.reservations.reserve(holder, rows)) is None:
             if time.monotonic() > deadline:
                 raise ServiceUnavailableError("this server's KV cache stayed full; retry later")
-            await asyncio.sleep(ENGINE_RETRY_S)
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, ENGINE_RETRY_MAX_S)
         return blocks
 
     def free(self, holder: str, blocks: list[int]) -> None:

@@ -36,14 +36,15 @@ class PendingKV:
     """KV a waiting request has written into its blocks when the scheduler (re)admits it, instead of computing it."""
 
     num_tokens: int  # tokens 0..num_tokens
-    read: Callable[[int], torch.Tensor]  # start -> [layers, 2, num_tokens - start, kv_heads, head_dim]
+    # start -> [layers, 2, num_tokens - start, kv_heads, head_dim]; None for KV written in place (`take_blocks`)
+    read: Callable[[int], torch.Tensor] | None
     # From another instance: a prefix already cached here is shared rather than written, and the prompt's receive
     # blocks are released once it is written. (KV swapped out at a preemption is neither.)
     from_peer: bool = False
     # A hybrid model: its linear states after those tokens, as rows (engine.state_rows), written into its slot.
     state_rows: Callable[[], torch.Tensor] | None = None
     # Written in place: the peer wrote the KV straight into KV blocks reserved for it, which the request takes
-    # (this returns them, in token order) instead of blocks to write into. `read` is not called then.
+    # (this returns them, in token order) instead of blocks to write into.
     take_blocks: Callable[[], list[int]] | None = None
 
 

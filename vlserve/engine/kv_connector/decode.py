@@ -56,8 +56,7 @@ class DecodeConnector(KVConnector):
             raise InvalidInputError("a handed-over request samples once (n = 1)")
         if prompt.block_rows is None or (self.transfer is None and not self.in_place):
             raise InvalidInputError("a handed-over request needs its KV rows in this engine's blocks")
-        if self.in_place:
-            self._reserved.check(prompt.block_rows, prompt.num_tokens + self.state_rows)
+        # (in place, `admit` checks its blocks as it claims them)
         check_handed_first(kv_transfer.first, params, self.cfg.model.text.vocab_size,
                            kv_transfer.generator_state is not None)
 
@@ -84,7 +83,7 @@ class DecodeConnector(KVConnector):
                 return kv.read_rows(req.block_ids, n, state_rows)
 
             self._pending[req.request_id] = PendingKV(
-                n, _never_read, from_peer=True, state_rows=read_state_in_place if state_rows else None,
+                n, None, from_peer=True, state_rows=read_state_in_place if state_rows else None,
                 take_blocks=lambda: reserved.take(req.request_id))
             self._not_recomputable.add(req.request_id)
             return self._first_output(req, first)
@@ -184,7 +183,3 @@ class DecodeConnector(KVConnector):
             if pending.from_peer and pending.take_blocks is None:  # its receive blocks may go
                 moved.loaded.append(req.request_id)
         return moved
-
-
-def _never_read(start: int) -> torch.Tensor:
-    raise RuntimeError("KV written in place is not read back")

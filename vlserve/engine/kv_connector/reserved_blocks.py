@@ -37,11 +37,11 @@ class ReservedBlocks:
     def claim(self, request_id: str, blocks: list[int], rows: int) -> None:
         """A queued request arrived with `blocks` holding `rows` rows: refused unless one holder reserved them all
         and no other request claimed any."""
-        self.check(blocks, rows)
+        self._check(blocks, rows)
         self._claims[request_id] = (self._holder_of[blocks[0]], blocks)
         self._claimed.update(blocks)
 
-    def check(self, blocks: list[int], rows: int) -> None:
+    def _check(self, blocks: list[int], rows: int) -> None:
         holders = {self._holder_of.get(b) for b in blocks}
         if not blocks or None in holders or len(holders) != 1 or len(set(blocks)) != len(blocks) \
                 or not self._claimed.isdisjoint(blocks):
