@@ -15,7 +15,6 @@ numbers show its overhead (transfers, extra processes), not its scaling.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import signal
@@ -26,16 +25,11 @@ import time
 from pathlib import Path
 
 import torch
-import zmq
-import zmq.asyncio
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tests.server_utils import free_port, scrape, wait_healthy  # noqa: E402
-from vlserve.core.wire import Framer  # noqa: E402
-from vlserve.disagg.messages import SenderToReceiver, ItemMeta, RowSegment, TransferChunk  # noqa: E402
-from vlserve.disagg.transports import ChunkData  # noqa: E402
 from vlserve.disagg.transports.zmq import ZmqTransport  # noqa: E402
 from vlserve.engine.transfer_buffers import TransferBuffers  # noqa: E402
 
@@ -78,33 +72,22 @@ def run_setup(name: str, model: str, extra: list[str], encoders: int, bench: lis
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-async def transport_bandwidth(tokens: int = 512, hidden: int = 1024, rounds: int = 64) -> float:
-    """GB/s of one picture's rows over loopback TCP through ZmqTransport, written into the receiver's blocks."""
-    ctx = zmq.asyncio.Context()
-    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
-    port = free_port()
-    router.bind(f"tcp://127.0.0.1:{port}")
-    dealer.connect(f"tcp://127.0.0.1:{port}")
-    await dealer.send(b"hello")
-    peer, _ = await router.recv_multipart()
-    transport, framer = ZmqTransport(), Framer(SenderToReceiver)
+def transport_bandwidth(tokens: int = 512, hidden: int = 1024, rounds: int = 64) -> float:
+    """GB/s of one picture's rows over loopback TCP through ZmqTransport's row socket, written into the receiver's
+    blocks (each write answered once the rows are there)."""
+    receiver, sender = ZmqTransport(), ZmqTransport()
     buffers = TransferBuffers.create(4 * tokens // 16, 16, hidden, torch.bfloat16)
     buffers.unlink()
-    data = ChunkData(torch.arange(tokens), torch.zeros(tokens, 3, dtype=torch.long), torch.randn(tokens, hidden).bfloat16())
+    target = receiver.target(buffers)
+    rows = torch.randn(tokens, hidden).bfloat16()
     blocks = buffers.allocate(tokens)
-    t0 = time.perf_counter()
-    sent = 0
-    for _ in range(rounds):
-        header = TransferChunk("r", 0, 0, tokens, tokens, 0, [ItemMeta(0, tokens, (1, 2, 2 * tokens), "h")], blocks,
-                               [RowSegment(0, tokens)], partial=False)
-        sent += await transport.send(router, peer, header, data, None)
-        frames = await dealer.recv_multipart()
-        await transport.receive(framer.decode(frames), frames, buffers)
-    dt = time.perf_counter() - t0
-    router.close(0)
-    dealer.close(0)
-    ctx.term()
-    return sent / dt / 1e9
+    try:
+        t0 = time.perf_counter()
+        sent = sum(sender.write_rows(target, blocks, rows) for _ in range(rounds))
+        return sent / (time.perf_counter() - t0) / 1e9
+    finally:
+        sender.close()
+        receiver.close()
 
 
 def memory_copy_bandwidth(nbytes: int = 256 * 2**20) -> float:
@@ -170,7 +153,7 @@ def main() -> None:
         return
     print(f"\nbytes moved per picture request: {results['1E+1L']['transfer_bytes'] / n / 1e6:.2f} MB "
           "(embedding rows of media tokens only, plus 32 bytes of fill id and positions per token)")
-    zmq_gbps = asyncio.run(transport_bandwidth())
+    zmq_gbps = transport_bandwidth()
     print(f"ZeroMQ loopback, one picture's rows (512 tokens x 1024 bf16) into receive blocks: {zmq_gbps:.2f} GB/s; "
           f"this machine's memory copy: {copy_gbps:.1f} GB/s ({zmq_gbps / copy_gbps:.0%} of it)")
 

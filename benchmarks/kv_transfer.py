@@ -9,6 +9,12 @@ memory copy of the same bytes (#47), in three generations, timed on the same row
 3. now: the prefill engine process writes them straight into the blocks the decode engine reserved in its KV
    cache, which lives in a shared file (core.config.kv_cache_shared): nothing is copied at admission.
 
+Over zmq (the default backend), timed the same way into the same KV file:
+- before: the rows went engine -> prefill front end (ipc://) -> decode front end (tcp://) as frames, and the
+  decode front end copied them into the KV blocks;
+- now: the prefill engine's writer sends them over tcp:// to the row socket the decode engine process serves
+  (transports.zmq), whose thread copies them into its KV blocks and answers; no front end in between.
+
 "first" has a second process send the rows over ipc:// to this one; the admission copy is the decode connector's
 (gather the rows, lay them out by layer, copy into each layer's cache). The bound is one memory copy of the rows.
 Also timed: what the prefill engine's own thread spends exporting a finished prompt (its KV read out of its
@@ -33,13 +39,14 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import msgspec
 import torch
 import zmq
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from vlserve.disagg.transports.row_writer import encode_destination, row_writer_maker  # noqa: E402
+from vlserve.disagg.transports.row_writer import decode_target, encode_destination, row_writer_maker  # noqa: E402
 from vlserve.disagg.transports.shm import ShmTransport  # noqa: E402
 from vlserve.engine.kv_handoff import kv_to_rows, rows_to_kv  # noqa: E402
 from vlserve.engine.model_shard import ModelShard  # noqa: E402
@@ -58,6 +65,18 @@ def _engine_side(address: str, nbytes: int, rounds: int) -> None:
         sock.send(rows.numpy(), copy=False)  # as the engine sent its tensor frames
     sock.close(linger=-1)
     ctx.term()  # every frame sent before `rows` goes
+
+
+def _decode_engine_side(layout: bytes, conn) -> None:
+    """A decode engine process over zmq: maps the KV file, serves its row socket until told to stop."""
+    from vlserve.disagg.transports.row_writer import kv_receiver_maker
+    from vlserve.engine.transfer_buffers import BufferLayout
+
+    buffers = TransferBuffers.attach(msgspec.msgpack.decode(layout, type=BufferLayout))
+    receiver = kv_receiver_maker("zmq", "127.0.0.1")(buffers)
+    conn.send(receiver.target)
+    conn.recv()
+    receiver.close()
 
 
 def main() -> None:
@@ -133,8 +152,40 @@ def main() -> None:
 
         first_write = timed(receive_and_write)
         sender.join()
-        pull.close(0)
-        for w in (writer, front_end):
+
+        # zmq before: the same ipc:// frames, then front end to front end over tcp://, copied into the KV blocks.
+        sender = multiprocessing.get_context("spawn").Process(target=_engine_side,
+                                                              args=(address, nbytes, args.rounds + 1))
+        sender.start()
+        tcp_out, tcp_in = zmq.Context.instance().socket(zmq.PUSH), zmq.Context.instance().socket(zmq.PULL)
+        port = tcp_in.bind_to_random_port("tcp://127.0.0.1")
+        tcp_out.connect(f"tcp://127.0.0.1:{port}")
+        plane_index = torch.arange(args.tokens)
+
+        def frames_through_front_ends() -> None:
+            tcp_out.send(pull.recv(copy=False), copy=False)
+            frame = tcp_in.recv(copy=False)
+            got = torch.frombuffer(frame.buffer, dtype=torch.uint8).view(dtype).view(args.tokens, args.row_width)
+            kv_file.write_rows(blocks, plane_index, got)
+
+        zmq_before = timed(frames_through_front_ends)
+        sender.join()
+        for sock in (pull, tcp_out, tcp_in):
+            sock.close(0)
+
+        # zmq now: the prefill engine's writer -> the decode engine process's row socket -> its KV blocks.
+        ours, theirs = multiprocessing.get_context("spawn").Pipe()
+        decode = multiprocessing.get_context("spawn").Process(target=_decode_engine_side,
+                                                              args=(msgspec.msgpack.encode(kv_file.layout), theirs))
+        decode.start()
+        zmq_writer = row_writer_maker("zmq", "127.0.0.1", 120.0)()
+        to_decode = encode_destination(decode_target(ours.recv()), blocks, "zmq")
+        zmq_now = timed(lambda: zmq_writer.write(to_decode, rows))
+        if not torch.equal(kv_file.planes.view(layers, 2, -1, heads, dim)[:, :, : args.tokens], written):
+            raise SystemExit("the KV written over zmq differs")
+        ours.send("stop")
+        decode.join()
+        for w in (writer, front_end, zmq_writer):
             w.close()
     finally:
         buffers.unlink()
@@ -154,6 +205,8 @@ def main() -> None:
     line("first: engine -> front end -> receive blocks; admission copy", [first_write, then_admit])
     line("then:  engine -> receive blocks; admission copy", [then_write, then_admit])
     line("now:   engine -> the decode engine's KV blocks", [now])
+    line("zmq before: engine -> 2 front ends -> KV blocks (frames)", [zmq_before])
+    line("zmq now: engine -> decode engine's row socket -> KV blocks", [zmq_now])
     line("prefill engine thread, export before: gather + permute", [export_before])
     line("prefill engine thread, export now: straight into rows", [export_now])
 

@@ -25,7 +25,7 @@ from vlserve.disagg.messages import AbortTransfer
 from vlserve.disagg.metrics import TransferMetrics
 from vlserve.disagg.sender import TransferSender
 from vlserve.disagg.transports.base import HeadersOnly
-from vlserve.disagg.transports.row_writer import encode_destination, row_writer_maker
+from vlserve.disagg.transports.row_writer import decode_target, encode_destination, kv_receiver_maker, row_writer_maker
 from vlserve.disagg.transports.shm import ShmTransport
 from vlserve.engine.core import EngineCore
 from vlserve.engine.kv_connector import make_connector
@@ -107,6 +107,28 @@ def decode(path):
                                     SamplingParams(temperature=1.0, seed=11, max_tokens=10, ignore_eos=True)],
                          ids=["greedy", "seeded"])
 def test_kept_rows_written_in_two_chunks_decode_as_one_engine(prefill, decode, whole, params):
+    _write_and_decode(prefill, decode, whole, params, decode.target, "shm")
+
+
+def test_over_zmq_the_rows_land_through_the_decode_engines_row_socket(prefill, decode, whole):
+    """--transfer-backend zmq: the prefill engine's writer sends each chunk to the row socket the decode engine
+    process serves (`TransportKVReceiver`, a thread copying into its KV cache): no front end in between."""
+    receiver = kv_receiver_maker("zmq", "127.0.0.1")(decode.kv_file)
+    shm_writer, prefill.connector.writer = prefill.connector.writer, row_writer_maker("zmq", "127.0.0.1", 120.0)()
+    try:
+        target = decode_target(receiver.target)
+        assert target.backend == "zmq" and target.session.startswith("tcp://127.0.0.1:")
+        _write_and_decode(prefill, decode, whole, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                          target, "zmq")
+    finally:
+        prefill.connector.writer.close()
+        prefill.connector.writer = shm_writer
+        receiver.close()
+
+
+def _write_and_decode(prefill, decode, whole, params, target, backend: str) -> None:
+    """The prompt prefilled, its kept rows written in two chunks into blocks the decode engine reserved, then
+    decoded there: token for token what one engine generates."""
     processed = prefill.input_processor.process(PICTURE)
     n, tail = len(processed.prompt_token_ids), state_row_count(prefill.core.cfg.model, prefill.core.cfg.dtype)
     assert n > BLOCK_ROWS
@@ -121,8 +143,8 @@ def test_kept_rows_written_in_two_chunks_decode_as_one_engine(prefill, decode, w
     split = BLOCK_ROWS // decode.kv_file.block_tokens  # a chunk fills its run; the resume's run holds the rest
     first_run, rest = blocks[:split], blocks[split:]
     for write_id, (start, end, run) in enumerate([(0, BLOCK_ROWS, first_run), (BLOCK_ROWS, n, rest)]):
-        assert prefill.connector.write(WriteKV("r", write_id, start, end, encode_destination(decode.target, run,
-                                                                                              "shm"))) is None
+        assert prefill.connector.write(WriteKV("r", write_id, start, end,
+                                               encode_destination(target, run, backend))) is None
     row_bytes = decode.kv_file.layout.width * 4
     assert prefill.written(2) == [KVWritten("r", 0, BLOCK_ROWS * row_bytes),
                                   KVWritten("r", 1, (n + tail - BLOCK_ROWS) * row_bytes)]
@@ -174,8 +196,7 @@ def test_bad_writes_fail_alone_and_released_rows_are_gone(prefill, decode):
     assert_pool_full(prefill)
 
 
-def test_only_a_prefill_engine_takes_a_writer_and_zmq_has_none(path):
-    assert row_writer_maker("zmq", "127.0.0.1", 120.0) is None  # frames: the rows go out through the front end
+def test_only_a_prefill_engine_takes_a_writer(path):
     cfg = _cfg(path, num_kv_blocks=64)
     writer = row_writer_maker("shm", "127.0.0.1", 120.0)()
     try:

@@ -47,9 +47,10 @@ def offline(tiny_ckpt):
 # none waits for it; every other one waits for its prefill instance to be paired before it asks.
 DECODE_ARGS = ["--kv-allocate-tokens", "32", "--peer-wait-timeout", "1"]
 # Tensor parallelism between real instances, over both transports the issue names: over ZeroMQ a prefill instance at
-# two ranks (its ranks' heads gathered into the rows) hands over to a decode instance at one (the rows copied into
-# its KV cache by its front end as they arrive); over shm a prefill instance at one rank to a decode instance at two
-# (receive blocks, each rank taking its own heads at admission). The other backends: one rank each, written in place.
+# two ranks (its ranks' heads gathered into the rows) hands over to a decode instance at one (the rows written into
+# its KV cache through the row socket its engine process serves); over shm a prefill instance at one rank to a
+# decode instance at two (receive blocks its engine process registered, each rank taking its own heads at
+# admission). The other backends: one rank each, written in place.
 TP2 = ["--tensor-parallel-size", "2"]
 PREFILL_ARGS = {"zmq": TP2}
 DECODE_TP = {"shm": TP2}

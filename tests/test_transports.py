@@ -18,13 +18,19 @@ from vlserve.disagg.transports.base import (
     DEFAULT_QUARANTINE_S,
     QUARANTINE_ENV,
     quarantine_s,
-    write_chunk,
+    write_run,
     write_timeout_s,
 )
 from vlserve.disagg.transports.loopback import Loopback, media_chunk
 from vlserve.engine.transfer_buffers import TRANSFER_FILE_PREFIX, TransferBuffers, slot_runs
 
 WIDTH, BLOCK_TOKENS = 48, 16
+
+
+def write_chunk(buffers: TransferBuffers, header, data) -> None:
+    """The copying reference: the chunk's rows into the run, from its first slot."""
+    if data.rows.numel():
+        write_run(buffers, header.block_ids, data.rows)
 
 
 def _buffers(dtype=torch.float32, parts: int = 1) -> TransferBuffers:
@@ -249,3 +255,98 @@ def test_the_quarantine_is_configurable_and_writes_give_up_before_it(monkeypatch
         monkeypatch.setenv(QUARANTINE_ENV, bad)
         with pytest.raises(ConfigurationError, match=QUARANTINE_ENV):
             quarantine_s()
+
+
+# ---- ZeroMQ's row socket -------------------------------------------------------------------------------------
+def _zmq_pair(monkeypatch, receiver_secret=None, sender_secret=None):
+    from vlserve.disagg.transports.zmq import ZmqTransport
+
+    monkeypatch.setenv(QUARANTINE_ENV, "1.5")  # writes give up after 1 s
+    buffers = _buffers()
+    receiver, sender = ZmqTransport(secret=receiver_secret), ZmqTransport(secret=sender_secret)
+    return buffers, receiver, sender, receiver.target(buffers)
+
+
+def _raw_write(address: str, frames: list) -> bytes:
+    """What the row socket answers a hand-made message (None: no answer within 2 s)."""
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(address)
+    try:
+        sock.send_multipart(frames)
+        return sock.recv() if sock.poll(2000) else None
+    finally:
+        sock.close(0)
+
+
+def test_zmq_rows_land_through_the_row_socket_and_bad_writes_are_refused(monkeypatch):
+    """A write lands (answered once it has), with the secret over CurveZMQ; a write outside the blocks, of the
+    wrong size, malformed or arriving after its sender gave up is refused with nothing written, and the socket
+    keeps serving."""
+    import msgspec
+
+    from vlserve.disagg.transports.zmq import RowWrite, RowWritten
+
+    buffers, receiver, sender, target = _zmq_pair(monkeypatch, "s3cret", "s3cret")
+    rows = torch.randn(20, WIDTH)
+    try:
+        assert target.backend == "zmq" and target.session.startswith("tcp://127.0.0.1:")
+        assert sender.write_rows(target, [5, 2], rows) == rows.numel() * 4
+        assert torch.equal(buffers.read_rows([5, 2], 0, 20), rows)
+        with pytest.raises(ValueError, match="outside the receiver's 64 blocks"):
+            sender.write_rows(msgspec.structs.replace(target, layout=msgspec.structs.replace(
+                target.layout, num_blocks=1000)), [999], rows[:4])
+        before = buffers.read_rows(list(range(64)), 0, 64 * BLOCK_TOKENS).clone()
+        assert _raw_write(target.session, [b"x", b"y"]) is None  # no secret: no handshake, no answer
+        late = RowWrite(7, [9], 4, not_after=0.0)
+        short = RowWrite(8, [9], 4, not_after=1e12)
+        for header, data, why in [(late, rows[:4], "after its sender stopped waiting"),
+                                  (short, rows[:3], "need 768 bytes, the write has 576")]:
+            answer = _secure_write(target.session, [msgspec.msgpack.encode(header), rows_bytes(data)])
+            reply = msgspec.msgpack.decode(answer, type=RowWritten)
+            assert reply.write_id == header.write_id and why in reply.error
+        garbage = msgspec.msgpack.decode(_secure_write(target.session, [b"\xc1junk", b""]), type=RowWritten)
+        assert garbage.error
+        assert torch.equal(buffers.read_rows(list(range(64)), 0, 64 * BLOCK_TOKENS), before)  # nothing written
+        assert sender.write_rows(target, [9], rows[:4]) > 0  # and it still serves
+        assert torch.equal(buffers.read_rows([9], 0, 4), rows[:4])
+    finally:
+        sender.close()
+        receiver.close()
+        buffers.unlink()
+
+
+def rows_bytes(rows: torch.Tensor) -> bytes:
+    return rows.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _secure_write(address: str, frames: list) -> bytes:
+    """A hand-made message over CurveZMQ with the test's secret."""
+    import zmq
+
+    from vlserve.disagg.auth import PeerAuth
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.linger = 0
+    PeerAuth("s3cret").secure_client(sock)
+    sock.connect(address)
+    try:
+        sock.send_multipart(frames)
+        assert sock.poll(5000), "the row socket did not answer"
+        return sock.recv()
+    finally:
+        sock.close(0)
+
+
+def test_zmq_a_sender_without_the_secret_writes_nothing(monkeypatch):
+    buffers, receiver, sender, target = _zmq_pair(monkeypatch, "s3cret", "another")
+    try:
+        with pytest.raises(TimeoutError, match="did not take the rows"):
+            sender.write_rows(target, [3], torch.ones(4, WIDTH))
+        assert not buffers.read_rows([3], 0, 4).any()
+    finally:
+        sender.close()
+        receiver.close()
+        buffers.unlink()

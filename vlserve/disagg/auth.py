@@ -130,9 +130,13 @@ class PeerAuth:
         if self.secret is None:
             return
         if self._authenticator is None:
+            import zmq.asyncio
             from zmq.auth.asyncio import AsyncioAuthenticator
+            from zmq.auth.thread import ThreadAuthenticator
 
-            self._authenticator = AsyncioAuthenticator(sock.context, log=logging.getLogger("vlserve.disagg.zap"))
+            # a socket served by a thread of its own (a transport's row socket) has a plain context
+            kind = AsyncioAuthenticator if isinstance(sock.context, zmq.asyncio.Context) else ThreadAuthenticator
+            self._authenticator = kind(sock.context, log=logging.getLogger("vlserve.disagg.zap"))
             self._authenticator.start()
             self._authenticator.configure_curve_callback("*", credentials_provider=self)
         sock.curve_server = True

@@ -86,7 +86,7 @@ class EncodeService(SenderService):
         self.executor = ThreadPoolExecutor(max_workers=media_pool, thread_name_prefix="vlserve-media")
         fetchers = {kind: MediaFetcher(MediaPolicy.from_args(server, kind)) for kind in MEDIA_KINDS}
         self.prompts = LocalPromptEncoder(processor, fetchers, self.executor)
-        transport = TRANSPORTS[d.transfer_backend](advertised_host(d, server.host))
+        transport = TRANSPORTS[d.transfer_backend](advertised_host(d, server.host), d.disagg_secret)
         # Loaded like the engine's model: one device, or tensor-parallel ranks (stopped with this service).
         self.tower = start_executor(self.cfg)
         self.encoders = EncoderRunner(self.tower, self.cfg.device, encodes_whole_step(self.tower))

@@ -94,7 +94,7 @@ class PeerClient:
             self.transport: Transport = HeadersOnly(opts.transfer_backend, host)
             self.target = target
         else:
-            self.transport = TRANSPORTS[opts.transfer_backend](host)
+            self.transport = TRANSPORTS[opts.transfer_backend](host, opts.disagg_secret)
             self.target = self.transport.target(buffers)  # how peers reach our buffers, sent with each request
         self.requests, self.replies = Framer(ReceiverToSender), Framer(SenderToReceiver)
         self.ctx = zmq.asyncio.Context.instance()
@@ -397,7 +397,7 @@ class PeerClient:
             raise
         except BaseException:
             enter(TransferState.FAILED)
-            if self.transport.writes_in_place and blocks:
+            if blocks:
                 # It may be writing into them right now: they wait for its word (or the deadline, longer than its
                 # writes may take). Also when it was dropped (missed heartbeats): a write it started may still
                 # land. Quarantined before the abort is sent, so a send that fails cannot free them.

@@ -39,8 +39,7 @@ from vlserve.disagg.messages import (
 from vlserve.disagg.metrics import ScrapeTimeGauges, TransferMetrics
 from vlserve.disagg.peer_kinds import PREFILL_PEERS
 from vlserve.disagg.remote_encoder import remote_prompt_encoder
-from vlserve.disagg.sender import OutgoingTransfer, SenderService, every_token_rows
-from vlserve.disagg.transports import TRANSPORTS
+from vlserve.disagg.sender import OutgoingTransfer, SenderService
 from vlserve.disagg.transports.base import HeadersOnly
 from vlserve.disagg.transports.row_writer import encode_destination, row_writer_maker, write_deadline
 from vlserve.disagg.registry import advertised_host
@@ -58,14 +57,10 @@ class PrefillService(SenderService):
         self.engine, d, host = engine, opts.disagg, opts.server.host
         auth = PeerAuth(d.disagg_secret)
         require_secret_off_loopback(auth, host, "this prefill instance")
-        # With a backend that writes in place the engine process writes the KV rows with its own transport
-        # (run_prefill gives it a row writer): this process sends headers only. Over zmq it sends the rows as
-        # frames, with a sender of its own (not the peer client's receiver toward encoders).
+        # The engine process writes the KV rows with its own transport (run_prefill gives it a row writer): this
+        # process sends headers only.
         public = advertised_host(d, host)
-        writes_in_place = TRANSPORTS[d.transfer_backend].writes_in_place
-        transport = HeadersOnly(d.transfer_backend, public) if writes_in_place else \
-            TRANSPORTS[d.transfer_backend](public)
-        self._setup(host, d.data_port or opts.server.port + 1, auth, transport,
+        self._setup(host, d.data_port or opts.server.port + 1, auth, HeadersOnly(d.transfer_backend, public),
                     TransferMetrics(engine.metrics.registry, None, PREFILL, "kv"), d.transfer_timeout,
                     d.transfer_failure_prob)
         engine.metrics.registry.register(ScrapeTimeGauges(lambda: [
@@ -73,8 +68,7 @@ class PrefillService(SenderService):
             ("prefill_transfers_held", len(self.sender.transfers) if self.sender else 0,
              "KV transfers being sent or waiting for a decode instance to resume them."),
             ("prefill_kv_rows_kept", engine.metrics.stats.kv_rows_kept,
-             "Prefills whose KV rows the engine keeps to write into decode instances itself (shm, Mooncake, "
-             "NIXL).")]))
+             "Prefills whose KV rows the engine keeps to write into decode instances itself.")]))
         self.working: dict[tuple, asyncio.Task] = {}  # transfers being prefilled: an abort cancels them
         self._ids = itertools.count()
         # (key, path) of LoRA adapters found applicable here, oldest first
@@ -114,16 +108,14 @@ class PrefillService(SenderService):
                                            adapter=req.lora) as prepared:
                 computed = with_adapter(prepared.prompt, req.lora)  # the item hashes the decode side keys by
                 handoff, rows = await self.engine.prefill(prepared, req.params, engine_id, req.lora)  # takes it over
-            n, tail = computed.num_tokens, PREFILL_PEERS.tail_rows(self.engine.cfg)
-            transfer = OutgoingTransfer(key, computed, req.block_tokens, every_token=True, tail_rows=tail,
-                                        target=req.target, handoff=handoff)
-            if rows is None:  # kept by the engine, which writes each chunk itself: dropped when the transfer ends
-                transfer.on_end = functools.partial(self.engine.kv_writes.release, engine_id)
-                transfer.write_rows = functools.partial(self._write_rows, key, engine_id, req.target)
-            elif rows.shape[0] != n + tail:
-                raise RuntimeError(f"the engine handed {rows.shape[0]} rows for {n} tokens and {tail} state rows")
-            else:
-                transfer.rows_of = every_token_rows(rows, n)
+            if rows is not None:
+                raise RuntimeError("the engine handed its KV rows over instead of writing them itself")
+            transfer = OutgoingTransfer(key, computed, req.block_tokens, every_token=True,
+                                        tail_rows=PREFILL_PEERS.tail_rows(self.engine.cfg), target=req.target,
+                                        handoff=handoff)
+            # Kept by the engine, which writes each chunk itself: dropped when the transfer ends.
+            transfer.on_end = functools.partial(self.engine.kv_writes.release, engine_id)
+            transfer.write_rows = functools.partial(self._write_rows, key, engine_id, req.target)
             if self.sender.hold(transfer):
                 await self.sender.send_chunk(transfer, 0, req.block_ids)
             elif transfer.on_end is not None:
@@ -195,7 +187,8 @@ async def run_prefill(opts: Options, log_level: str) -> int:
         public = advertised_host(opts.disagg, host)
         encoder = remote_prompt_encoder(opts.disagg, f"{public}:{port}", opts.engine.model, PREFILL,
                                         data_address=f"{public}:{data_port}")
-        writer = row_writer_maker(opts.disagg.transfer_backend, public, opts.disagg.transfer_timeout)
+        writer = row_writer_maker(opts.disagg.transfer_backend, public, opts.disagg.transfer_timeout,
+                                  opts.disagg.disagg_secret)
         engine = AsyncLLM(opts.engine, opts.engine.model, media_threads=opts.server.media_threads,
                           log_requests=False, log_level=log_level,
                           heartbeat_timeout=opts.server.engine_heartbeat_timeout, prompt_encoder=encoder,

@@ -47,8 +47,8 @@ class RemotePromptEncoder:
                                                            self.cfg.dtype)
         payload = "kv" if kind.rows_for_every_token else "embedding"  # (metric names kept as they were)
         self.metrics = TransferMetrics(engine.metrics.registry, self.transfer_buffers, info.role, payload)
-        self.client: PeerClient | None = None
-        if not self.kv_in_place:
+        self.client: PeerClient | None = None  # a decode instance's once its engine registered where KV lands
+        if not kind.rows_for_every_token:
             self.client = PeerClient(self.cfg, self.transfer_buffers, self.metrics, opts, info, kind, model=model)
         engine.metrics.registry.register(_PeerGauge(self))
         if self.kv_in_place:
@@ -58,21 +58,27 @@ class RemotePromptEncoder:
         self.started = False
 
     async def start(self) -> None:
+        if self.kind.rows_for_every_token:
+            # A decode engine has registered where prompts' KV lands with its own transport (its KV cache in a
+            # shared file, blocks reserved by it; or, at several ranks, the receive blocks): peers write there,
+            # this process only checks headers.
+            if self.engine.kv_target is None or (self.kv_in_place and self.engine.kv_layout is None):
+                raise ConfigurationError("the decode engine did not register where prompts' KV lands")
+            buffers, pool = self.transfer_buffers, None
+            if self.kv_in_place:
+                layout = self.engine.kv_layout
+                buffers = TransferBuffers.attach(layout)
+                pool = EngineKVBlocks(self.engine.kv_reservations, self.engine.num_kv_blocks * layout.block_tokens)
+            self.client = PeerClient(self.cfg, buffers, self.metrics, self.opts, self.info, self.kind,
+                                     model=self.model, pool=pool, target=decode_target(self.engine.kv_target))
         # The engine process has mapped the buffers by now: the name can go (no file outlives a crash), unless
-        # encoders on this host map it by name (shm); then a crashed server's file is swept by the next start.
-        if self.kv_in_place:  # the engine made its KV cache by now: peers write there, blocks reserved by it
-            if self.engine.kv_layout is None:
-                raise ConfigurationError("the decode engine did not report its KV cache's shared file")
-            # zmq: frames this process copies into the KV blocks; else the engine registered them for peers
-            target = None if self.engine.kv_target is None else decode_target(self.engine.kv_target)
-            layout = self.engine.kv_layout
-            pool = EngineKVBlocks(self.engine.kv_reservations, self.engine.num_kv_blocks * layout.block_tokens)
-            self.client = PeerClient(self.cfg, TransferBuffers.attach(layout), self.metrics, self.opts, self.info,
-                                     self.kind, model=self.model, pool=pool, target=target)
-            if not TRANSPORTS[self.opts.transfer_backend].maps_receiver_file:
-                unlink_name(layout.path)  # mapped by both processes now: a crash leaves no file behind
-        elif not self.client.transport.maps_receiver_file:
-            self.transfer_buffers.unlink()
+        # encoders or prefill instances on this host map it by name (shm); then a crashed server's file is swept by
+        # the next start.
+        if not TRANSPORTS[self.opts.transfer_backend].maps_receiver_file:
+            if self.kv_in_place:
+                unlink_name(self.engine.kv_layout.path)
+            else:
+                self.transfer_buffers.unlink()
         await self.client.start()
         self.started = True
 

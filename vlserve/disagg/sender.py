@@ -188,8 +188,7 @@ class TransferSender:
             logger.warning("transfer %s: a write into the receiver's blocks may still land; its abort is not "
                            "acknowledged (the receiver's quarantine frees them)", key[1][:64])
             return
-        if self.transport.writes_in_place:
-            await self.reply(peer, TransferFailed(msg.request_id, msg.transfer_id, "aborted", ABORT_ACK_STATUS))
+        await self.reply(peer, TransferFailed(msg.request_id, msg.transfer_id, "aborted", ABORT_ACK_STATUS))
 
     def unsettle(self, key: Key) -> None:
         """A write for this transfer may still land in the receiver's blocks (see `unsettled`)."""

@@ -221,8 +221,8 @@ def run_engine_core(args_json: bytes, facts_json: bytes, addresses: dict[str, st
     KV connector the engine plugs in (kv_connector.KV_CONNECTORS), None for an engine that computes all its KV.
     `media_pool`: the front end's media threads, for the `CPU budget:` line. `kv_writer`: makes (in this process)
     what a prefill engine writes its KV rows into receivers with (kv_connector.RowWriter). `kv_receiver`: called
-    with a decode engine's KV cache in a shared file, registers it for peers' writes (its `target` goes to the
-    front end; closed when the engine stops)."""
+    with where a decode engine's prompts' KV lands (its KV cache in a shared file, or at several ranks the receive
+    buffers), registers it for peers' writes (its `target` goes to the front end; closed when the engine stops)."""
     logging.basicConfig(level=log_level, format=log_format())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the front-end, which shuts us down in order
     die_with_parent()
@@ -254,8 +254,10 @@ def run_engine_core(args_json: bytes, facts_json: bytes, addresses: dict[str, st
                 cfg = fit_kv_in_shared_memory(dataclasses.replace(cfg, kv_cache_file=True))
             connector = make_connector(kv_role, cfg, None if kv_writer is None else kv_writer())
             core = EngineCore(cfg, report_released=True, transfer=transfer, connector=connector)
-            if kv_receiver is not None and core.runner.kv_buffers is not None:
-                receiver = kv_receiver(core.runner.kv_buffers)
+            if kv_receiver is not None:  # where peers write prompts' KV: the KV cache, or the receive blocks
+                registered = core.runner.kv_buffers if core.runner.kv_buffers is not None else transfer
+                if registered is not None:
+                    receiver = kv_receiver(registered)
         except Exception as e:  # noqa: BLE001 - any start-up failure must reach the front-end as a message
             if not isinstance(e, VlserveError):  # ours have clear messages; anything else needs its traceback
                 logger.exception("engine core failed to start")

@@ -142,8 +142,9 @@ class AsyncLLM:
         """`kv_role`: the role (prefill, decode) whose KV connector the engine process plugs in, if any.
         `kv_writer`: a prefill engine writes its KV rows into receivers itself with what this makes (a picklable
         maker of a kv_connector.RowWriter, run in the engine process); `kv_writes` asks for each chunk.
-        `kv_receiver`: a decode engine registers its KV cache (in a shared file) for peers' writes with what this
-        makes (picklable, run in the engine process); `kv_reservations` reserves its blocks per transfer.
+        `kv_receiver`: a decode engine registers where prompts' KV lands (its KV cache in a shared file, whose
+        blocks `kv_reservations` reserves per transfer; else the receive buffers) for peers' writes with what this
+        makes (picklable, run in the engine process).
         `media_bounds`: `ServerArgs.media_bounds()` (default: every option's default). `media_threads`: the media
         pool's size (default: from the CPU budget, see core/cpu_budget.py)."""
         # Config files only (the weights load in the engine process), resolved here once: the engine gets them.
@@ -182,7 +183,7 @@ class AsyncLLM:
         self.kv_writes = KVWrites(self.core.send, lambda: self.core.dead_reason is None)
         self.kv_reservations = KVReservations(self.core.send, lambda: self.core.dead_reason is None)
         self.kv_layout: BufferLayout | None = None  # a decode engine's KV cache in a shared file (from its start)
-        self.kv_target: bytes | None = None  # and how peers write into it (its engine process registered it)
+        self.kv_target: bytes | None = None  # how peers write a decode engine's prompts' KV (it registered it)
         self.num_kv_blocks = 0  # the engine's KV pool (from its start)
 
     # ---- lifecycle ---------------------------------------------------------------------------------------

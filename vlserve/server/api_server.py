@@ -51,13 +51,14 @@ def local_prompt_encoder(server: ServerArgs):
 
 
 def decode_kv_receiver(opts, host: str):
-    """What a decode engine registers its KV cache for peers' writes with (engine process; None for zmq), at the
-    address peers reach this instance by."""
+    """What a decode engine registers its KV cache for peers' writes with (engine process), at the address peers
+    reach this instance by."""
     from vlserve.disagg.registry import advertised_host, reachable_host, registry_target
     from vlserve.disagg.transports.row_writer import kv_receiver_maker
 
     return kv_receiver_maker(opts.transfer_backend,
-                             reachable_host(advertised_host(opts, host), toward=registry_target(opts).host))
+                             reachable_host(advertised_host(opts, host), toward=registry_target(opts).host),
+                             opts.disagg_secret)
 
 
 def make_engine(opts: Options, log_level: str = "INFO", role: str = SERVE) -> AsyncLLM:

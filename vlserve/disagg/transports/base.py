@@ -3,11 +3,11 @@ receiver makes sure they are in those blocks when the header is handled. The chu
 (small integers) always travel as frames beside the header, whatever the transport, and come back from
 `receive`: they never take room in the blocks.
 
-ZeroMQ carries the rows as frames too and the receiver copies them into its blocks. A transport with direct
-access to the receiver's memory (shared memory on one host, Mooncake, NIXL) writes the rows straight into the
-blocks named by the header; `receive` then only checks it. The block layout (engine.transfer_buffers) is the
-contract both sides share; the receiver describes its buffers once (`target`), and every request carries that
-description to the sender (an encoder or a prefill instance).
+Every transport writes the rows into the blocks named by the header before the header goes: shared memory on one
+host, Mooncake and NIXL straight into the receiver's memory, ZeroMQ over the receiver's row socket (a thread of the
+process that holds the blocks copies them in); `receive` then only checks the header. The block layout
+(engine.transfer_buffers) is the contract both sides share; the receiver describes its buffers once (`target`), and
+every request carries that description to the sender (an encoder or a prefill instance).
 """
 
 from __future__ import annotations
@@ -79,44 +79,26 @@ def write_timeout_s() -> float:
 
 
 class Transport(ABC):
+    """Writes a chunk's rows into the receiver's blocks itself (`write_rows`), then sends the header with the
+    token frames; the receiver checks the header. After a failure the blocks wait for the sender's word that
+    nothing more is written (the peer client's quarantine)."""
+
     name: str
-    writes_in_place = False  # the sender writes the receiver's blocks: after a failure they wait for its word
     maps_receiver_file = False  # senders open the receive buffers' file by name: it must keep its name
 
-    def __init__(self, host: str = "127.0.0.1"):
-        """`host`: this process's address as peers reach it (transports with their own listener use it)."""
+    def __init__(self, host: str = "127.0.0.1", secret: str | None = None):
+        """`host`: this process's address as peers reach it (transports with their own listener use it);
+        `secret`: the deployment's --disagg-secret (a transport with sockets of its own secures them with it)."""
         self.host = host
+        self.framer = Framer(SenderToReceiver)
 
-    def target(self, buffers: TransferBuffers) -> TransferTarget | None:
-        """Receiver side, once: what a sender needs to write into `buffers` (None: it sends frames)."""
-        return None
+    def target(self, buffers: TransferBuffers) -> TransferTarget:
+        """Receiver side, once: what a sender needs to write into `buffers`."""
+        raise NotImplementedError(f"the {self.name} transport of this process receives nothing")
 
-    @abstractmethod
     async def send(self, sock: zmq.asyncio.Socket, peer: bytes, header: TransferChunk, data: ChunkData,
                    target: TransferTarget | None) -> int:
         """Sender side: deliver `data` into the receiver's `header.block_ids`; returns the payload bytes."""
-
-    @abstractmethod
-    async def receive(self, header: TransferChunk, frames: list, buffers: TransferBuffers) -> ChunkTokens:
-        """Receiver side: after this the chunk's rows are in `header.block_ids` (from the run's first slot); returns
-        its fill ids and positions. Raises ValueError for a malformed chunk. A copy that grows with the chunk runs
-        off the event loop (`in_thread`)."""
-
-    def close(self) -> None:
-        pass
-
-
-class InPlaceTransport(Transport):
-    """A transport that writes the receiver's rows itself (`write`); the header travels with the token frames."""
-
-    writes_in_place = True
-
-    def __init__(self, host: str = "127.0.0.1"):
-        super().__init__(host)
-        self.framer = Framer(SenderToReceiver)
-
-    async def send(self, sock: zmq.asyncio.Socket, peer: bytes, header: TransferChunk, data: ChunkData,
-                   target: TransferTarget | None) -> int:
         target = check_target(target, self.name)
         check_chunk(header, data, target.layout.width)
         if data.rows.numel():
@@ -138,13 +120,18 @@ class InPlaceTransport(Transport):
         have landed (callers run it off the event loop); returns the bytes written."""
 
     async def receive(self, header: TransferChunk, frames: list, buffers: TransferBuffers) -> ChunkTokens:
+        """Receiver side: the chunk's rows are in `header.block_ids` already; returns its fill ids and positions.
+        Raises ValueError for a malformed chunk."""
         if header.rows is not None or len(frames) > 3:
             raise ValueError(f"a {self.name} chunk's rows are written in place; it must not carry them as frames")
         fill_ids, positions = chunk_tokens(header, frames)
         return ChunkTokens(fill_ids, positions, header_nbytes(header, buffers.layout))
 
+    def close(self) -> None:
+        pass
 
-class HeadersOnly(InPlaceTransport):
+
+class HeadersOnly(Transport):
     """The sending front end of a prefill instance whose engine process writes the KV rows itself
     (transports.row_writer): it sends the chunks' headers under the backend's name and never touches a row, so it
     needs none of the backend's own machinery (no Mooncake engine, no NIXL agent) in this process."""
@@ -166,17 +153,10 @@ async def in_thread(fn, *args):
 
 def check_target(target: TransferTarget | None, backend: str) -> TransferTarget:
     if target is None or target.backend != backend:
-        have = "frames (zmq)" if target is None else target.backend
+        have = "frames (an older vlserve)" if target is None else target.backend
         raise ValueError(f"this peer sends with --transfer-backend {backend}, the receiver expects "
                          f"{have}: start every role with the same backend")
     return target
-
-
-def write_chunk(buffers: TransferBuffers, header: TransferChunk, data: ChunkData) -> None:
-    """The chunk's rows into the receiver's run, from its first slot (shared by every transport that copies)."""
-    check_chunk(header, data, buffers.layout.width)
-    if chunk_num_rows(header):
-        write_run(buffers, header.block_ids, data.rows)
 
 
 def check_run(layout, block_ids: list[int], rows: torch.Tensor) -> None:

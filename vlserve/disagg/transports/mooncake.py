@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from vlserve.disagg.messages import TransferTarget
-from vlserve.disagg.transports.base import InPlaceTransport
+from vlserve.disagg.transports.base import Transport
 from vlserve.disagg.transports.remote_write import StagedWrites
 from vlserve.engine.transfer_buffers import TransferBuffers
 
@@ -29,11 +29,11 @@ def mooncake_engine_class():
     return TransferEngine
 
 
-class MooncakeTransport(InPlaceTransport):
+class MooncakeTransport(Transport):
     name = "mooncake"
 
-    def __init__(self, host: str = "127.0.0.1"):
-        super().__init__(host)
+    def __init__(self, host: str = "127.0.0.1", secret: str | None = None):
+        super().__init__(host, secret)
         self.engine = mooncake_engine_class()()
         if self.engine.initialize(host, "P2PHANDSHAKE", PROTOCOL, "") != 0:
             raise RuntimeError(f"the Mooncake transfer engine could not start on {host}")

@@ -12,7 +12,7 @@ import uuid
 import torch
 
 from vlserve.disagg.messages import TransferTarget
-from vlserve.disagg.transports.base import InPlaceTransport, write_timeout_s
+from vlserve.disagg.transports.base import Transport, write_timeout_s
 from vlserve.disagg.transports.remote_write import StagedWrites
 from vlserve.engine.transfer_buffers import TransferBuffers
 
@@ -31,11 +31,11 @@ def nixl_api():
     return api
 
 
-class NixlTransport(InPlaceTransport):
+class NixlTransport(Transport):
     name = "nixl"
 
-    def __init__(self, host: str = "127.0.0.1"):
-        super().__init__(host)
+    def __init__(self, host: str = "127.0.0.1", secret: str | None = None):
+        super().__init__(host, secret)
         self.write_timeout = write_timeout_s()  # below the receiver's quarantine of a failed transfer's blocks
         api = nixl_api()
         self.agent_name = f"vlserve-{uuid.uuid4().hex}"

@@ -1,9 +1,9 @@
-"""The engine processes' own ends of the transports that write the receiver's memory (shm, Mooncake, NIXL), so
-that no KV byte passes through a front end, which runs the transfer's protocol and passes only where:
+"""The engine processes' own ends of the transports, so that no KV byte passes through a front end, which runs
+the transfer's protocol and passes only where:
 - a prefill engine writes its KV rows into decode instances' blocks itself (kv_connector.RowWriter); the
   destination travels to the engine process as bytes it does not read: encoded here, decoded here;
 - a decode engine registers its KV cache (in a shared file) with its own transport instance, so the writes land
-  there (`TransportKVReceiver`)."""
+  there (`TransportKVReceiver`; for zmq its row socket is served by a thread of the engine process)."""
 
 from __future__ import annotations
 
@@ -32,9 +32,9 @@ def encode_destination(target: TransferTarget | None, block_ids: list[int], back
 class TransportRowWriter:
     """Made in the engine process (by the maker `row_writer_maker` returns): its own transport instance."""
 
-    def __init__(self, backend: str, host: str, keep_s: float):
+    def __init__(self, backend: str, host: str, keep_s: float, secret: str | None = None):
         self.backend, self.keep_s = backend, keep_s
-        self.transport = TRANSPORTS[backend](host)
+        self.transport = TRANSPORTS[backend](host, secret)
         self._decoder = msgspec.msgpack.Decoder(KVDestination)
 
     def write(self, destination: bytes, rows: torch.Tensor) -> int:
@@ -45,14 +45,12 @@ class TransportRowWriter:
         self.transport.close()
 
 
-def row_writer_maker(backend: str, host: str, transfer_timeout: float) -> Callable[[], TransportRowWriter] | None:
-    """What the engine process makes its writer with (picklable), or None when the backend sends frames (zmq):
-    then the rows go out through the front end. `host`: this instance's address as peers reach it;
-    `transfer_timeout`: how long the front end keeps a transfer nobody resumes (rows are kept twice that at
-    most, a backstop for a release that never came)."""
-    if not TRANSPORTS[backend].writes_in_place:
-        return None
-    return functools.partial(TransportRowWriter, backend, host, 2 * transfer_timeout + 10.0)
+def row_writer_maker(backend: str, host: str, transfer_timeout: float,
+                     secret: str | None = None) -> Callable[[], TransportRowWriter]:
+    """What the engine process makes its writer with (picklable). `host`: this instance's address as peers
+    reach it; `transfer_timeout`: how long the front end keeps a transfer nobody resumes (rows are kept twice
+    that at most, a backstop for a release that never came); `secret`: --disagg-secret."""
+    return functools.partial(TransportRowWriter, backend, host, 2 * transfer_timeout + 10.0, secret)
 
 
 def write_deadline() -> float:
@@ -69,20 +67,18 @@ class TransportKVReceiver:
     through the front end. `target` is how peers reach it, encoded for the front end, which sends it with every
     request."""
 
-    def __init__(self, backend: str, host: str, kv_buffers):
-        self.transport = TRANSPORTS[backend](host)
+    def __init__(self, backend: str, host: str, secret: str | None, kv_buffers):
+        self.transport = TRANSPORTS[backend](host, secret)
         self.target = msgspec.msgpack.encode(self.transport.target(kv_buffers))
 
     def close(self) -> None:
         self.transport.close()
 
 
-def kv_receiver_maker(backend: str, host: str) -> Callable | None:
+def kv_receiver_maker(backend: str, host: str, secret: str | None = None) -> Callable:
     """What a decode engine process registers its KV cache with (picklable; called with the engine's KV
-    buffers), or None when the backend sends frames (zmq): then the front end copies them into the KV blocks."""
-    if not TRANSPORTS[backend].writes_in_place:
-        return None
-    return functools.partial(TransportKVReceiver, backend, host)
+    buffers)."""
+    return functools.partial(TransportKVReceiver, backend, host, secret)
 
 
 def decode_target(encoded: bytes) -> TransferTarget:

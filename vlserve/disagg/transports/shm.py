@@ -24,7 +24,7 @@ import torch
 
 from vlserve.core.errors import VlserveError
 from vlserve.disagg.messages import TransferTarget
-from vlserve.disagg.transports.base import InPlaceTransport, write_run
+from vlserve.disagg.transports.base import Transport, write_run
 from vlserve.engine.transfer_buffers import TRANSFER_FILE_PREFIX, TransferBuffers, shm_dir
 
 MAX_MAPPED = 16  # receivers whose buffers stay mapped (one per receiving server on this host)
@@ -48,12 +48,12 @@ class _Mapped:
         return write_run(self.buffers, block_ids, rows)
 
 
-class ShmTransport(InPlaceTransport):
+class ShmTransport(Transport):
     name = "shm"
     maps_receiver_file = True
 
-    def __init__(self, host: str = "127.0.0.1"):
-        super().__init__(host)
+    def __init__(self, host: str = "127.0.0.1", secret: str | None = None):
+        super().__init__(host, secret)
         self._mapped: dict[str, _Mapped] = {}
         self._lock = threading.Lock()
 
