@@ -17,10 +17,12 @@ Over zmq (the default backend), timed the same way into the same KV file:
 
 "first" has a second process send the rows over ipc:// to this one; the admission copy is the decode connector's
 (gather the rows, lay them out by layer, copy into each layer's cache). The bound is one memory copy of the rows.
-Also timed: what the prefill engine's own thread spends exporting a finished prompt (its KV read out of its
-blocks into rows, `PrefillConnector.export`) before any of the above, while its other requests wait: before as a
-gather then a permute (`kv_to_rows(read_kv(...))`), now a slice copy per run straight into the rows
-(`ModelShard.read_kv_rows`, called here on a stand-in shard holding the same caches).
+Also timed: what the prefill engine's own thread spends exporting a finished prompt before any of the above,
+while its other requests wait: first as a gather then a permute (`kv_to_rows(read_kv(...))`), then a slice copy
+per run straight into the rows (`ModelShard.read_kv_rows`, called here on a stand-in shard holding the same
+caches); now (one CPU rank) nothing but naming the prompt's slots: its blocks stay allocated until the transfer
+is over and the writer thread reads each chunk out of them as it writes it (timed as the writer thread's whole
+work: read out of the prefill's blocks, write into the decode engine's).
 
     .venv/bin/python benchmarks/kv_transfer.py [--tokens 2000] [--kv-heads 2] [--head-dim 128] [--layers 28]
 
@@ -128,13 +130,17 @@ def main() -> None:
         export_before = timed(lambda: kv_to_rows(torch.stack([c.index_select(1, slots) for c in prefill_caches])))
         shard = SimpleNamespace(tp=SimpleNamespace(size=1), device=torch.device("cpu"), kv_caches=prefill_caches,
                                 kv_layers=list(range(layers)))
-        export_now = timed(lambda: ModelShard.read_kv_rows(shard, slots))
+        export_then = timed(lambda: ModelShard.read_kv_rows(shard, slots))
+        prompt_blocks = list(range(num_blocks))
+        export_now = timed(lambda: torch.tensor(prompt_blocks)[slots // BLOCK_ROWS] * BLOCK_ROWS + slots % BLOCK_ROWS)
         if not torch.equal(ModelShard.read_kv_rows(shard, slots),
                            kv_to_rows(torch.stack([c.index_select(1, slots) for c in prefill_caches]))):
             raise SystemExit("the rows read straight differ from the gathered ones")
         written = kv_file.planes.view(layers, 2, -1, heads, dim)[:, :, : args.tokens]
         if not torch.equal(written, private_cache[:, :, : args.tokens]):  # the same KV, wherever it went
             raise SystemExit("the KV written in place differs from the KV copied in at admission")
+        expected = written.clone()
+        written.zero_()  # for the zmq paths to fill again
 
         # Before: the rows arrive from another process over ipc://, then the front end writes them.
         address = f"ipc://{tempfile.mkdtemp()}/kv"
@@ -181,8 +187,11 @@ def main() -> None:
         zmq_writer = row_writer_maker("zmq", "127.0.0.1", 120.0)()
         to_decode = encode_destination(decode_target(ours.recv()), blocks, "zmq")
         zmq_now = timed(lambda: zmq_writer.write(to_decode, rows))
-        if not torch.equal(kv_file.planes.view(layers, 2, -1, heads, dim)[:, :, : args.tokens], written):
+        if not torch.equal(written, expected):
             raise SystemExit("the KV written over zmq differs")
+        # now, the prefill's writer thread: its chunk read out of the prefill's blocks, then written in place
+        shard._rows_scratch = None
+        writer_thread = timed(lambda: writer.write(in_place, ModelShard.read_kv_rows(shard, slots, scratch=True)))
         ours.send("stop")
         decode.join()
         for w in (writer, front_end, zmq_writer):
@@ -207,8 +216,10 @@ def main() -> None:
     line("now:   engine -> the decode engine's KV blocks", [now])
     line("zmq before: engine -> 2 front ends -> KV blocks (frames)", [zmq_before])
     line("zmq now: engine -> decode engine's row socket -> KV blocks", [zmq_now])
-    line("prefill engine thread, export before: gather + permute", [export_before])
-    line("prefill engine thread, export now: straight into rows", [export_now])
+    line("prefill engine thread, export first: gather + permute", [export_before])
+    line("prefill engine thread, export then: straight into rows", [export_then])
+    line("prefill engine thread, export now: the slots named (kept)", [export_now])
+    line("prefill writer thread now: read from blocks + write in place", [writer_thread])
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from vlserve.disagg.transports.row_writer import decode_target, encode_destinati
 from vlserve.disagg.transports.shm import ShmTransport
 from vlserve.engine.core import EngineCore
 from vlserve.engine.kv_connector import make_connector
+from vlserve.engine.kv_connector.prefill import KeptKV
 from vlserve.engine.state_rows import state_row_count
 from vlserve.frontend.input_processor import InputProcessor
 from vlserve.frontend.kv_writes import KVWrites, KVWriteUnsettled
@@ -138,7 +139,9 @@ def _write_and_decode(prefill, decode, whole, params, target, backend: str) -> N
         outs += prefill.core.step()
         exported += prefill.connector.take_exported()
     (kv,) = exported
-    assert kv.rows is None and prefill.connector.num_kept == 1  # the rows stayed in the engine
+    assert kv.rows is None and prefill.connector.num_kept == 1  # the KV stayed in the engine
+    pool = prefill.core.scheduler.kv.pool
+    assert pool.num_free < pool.num_blocks  # in its blocks (delayed free), read by the writer thread per chunk
     blocks = decode.reserve("r", n + tail)
     split = BLOCK_ROWS // decode.kv_file.block_tokens  # a chunk fills its run; the resume's run holds the rest
     first_run, rest = blocks[:split], blocks[split:]
@@ -148,8 +151,9 @@ def _write_and_decode(prefill, decode, whole, params, target, backend: str) -> N
     row_bytes = decode.kv_file.layout.width * 4
     assert prefill.written(2) == [KVWritten("r", 0, BLOCK_ROWS * row_bytes),
                                   KVWritten("r", 1, (n + tail - BLOCK_ROWS) * row_bytes)]
-    prefill.core.abort_requests(["r"])  # the transfer is over: the rows are dropped
+    prefill.core.abort_requests(["r"])  # the transfer is over: its blocks are freed
     assert prefill.connector.num_kept == 0 and not prefill.connector.owns("r")
+    assert pool.num_free == pool.num_blocks
 
     items = [MultiModalItem(it.offset, it.num_tokens, None, it.layout, it.mm_hash) for it in processed.mm_items]
     arrived = ProcessedPrompt(processed.prompt_token_ids, items, processed.positions, processed.position_delta,
@@ -212,9 +216,10 @@ class SlowWriter:
     keep_s = 120.0
 
     def __init__(self):
-        self.go, self.written = threading.Event(), []
+        self.go, self.started, self.written = threading.Event(), threading.Event(), []
 
     def write(self, destination: bytes, rows) -> int:
+        self.started.set()
         assert self.go.wait(30)
         self.written.append(destination)
         return rows.numel()
@@ -228,7 +233,7 @@ def test_a_released_requests_queued_writes_never_start_and_late_ones_are_refused
     writer = SlowWriter()
     connector = make_connector("prefill", cfg, writer)
     rows = torch.zeros(8, cfg.model.kv_row_width)
-    connector.kept.update({"a": (rows, 8, time.monotonic()), "b": (rows, 8, time.monotonic())})
+    connector.kept.update({rid: KeptKV(8, rows, None, None, None, time.monotonic()) for rid in "ab"})
     try:
         assert connector.write(WriteKV("a", 0, 0, 4, b"first")) is None  # starts, waits for `go`
         assert connector.write(WriteKV("a", 1, 4, 8, b"queued")) is None
@@ -358,3 +363,41 @@ def test_a_transfer_waiting_for_kv_blocks_asks_ever_less_often_and_gives_up_with
     assert pauses == [0.02, 0.04, 0.08, 0.16, 0.32, 0.5, 0.5]
     with pytest.raises(ServiceUnavailableError, match="stayed full"):
         asyncio.run(receive_pool.EngineKVBlocks(Short(10**9), 64).allocate("h", 8, -1.0))
+
+
+def test_the_engine_thread_reads_no_kv_and_blocks_a_write_reads_outlive_its_release(prefill, monkeypatch):
+    """One CPU rank: a finished prompt's KV is read out chunk by chunk on the writer thread, never on the engine's
+    (whose other requests would wait meanwhile); a transfer released while a write still reads its blocks frees
+    them only once that write has ended, so no new request's KV can be read in their place."""
+    readers = []
+    read = prefill.core.runner.read_kv_rows
+
+    def spy(slots, scratch=False):
+        readers.append(threading.current_thread().name)
+        return read(slots, scratch)
+
+    monkeypatch.setattr(prefill.core.runner, "read_kv_rows", spy)
+    slow = SlowWriter()
+    monkeypatch.setattr(prefill.connector, "writer", slow)
+    processed = prefill.input_processor.process(PICTURE)
+    prefill.core.add_request("s", processed, SamplingParams(temperature=0, max_tokens=1).for_prefill())
+    while prefill.core.has_unfinished:
+        prefill.core.step()
+    (kv,) = prefill.connector.take_exported()
+    assert kv.rows is None and readers == []  # nothing read on this (the engine's) thread
+    pool = prefill.core.scheduler.kv.pool
+    held = pool.num_blocks - pool.num_free
+    assert held > 0
+    assert prefill.connector.write(WriteKV("s", 0, 0, len(processed.prompt_token_ids), b"where")) is None
+    assert slow.started.wait(30)
+    prefill.core.abort_requests(["s"])  # released while the write is under way
+    assert pool.num_blocks - pool.num_free == held  # still read by that write
+    slow.go.set()
+    deadline = time.monotonic() + 30
+    answers = []
+    while not answers and time.monotonic() < deadline:
+        answers += prefill.connector.take_written()
+        time.sleep(0.001)
+    assert answers[0].error is None and readers and all(name.startswith("vlserve-kv-write") for name in readers)
+    assert pool.num_free == pool.num_blocks and not prefill.connector.writes_in_flight
+    assert_pool_full(prefill)

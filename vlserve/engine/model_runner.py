@@ -73,10 +73,17 @@ class ModelRunner:
         """[layers, 2, len(slots), kv_heads, head_dim]: the KV cache at these slots, on the CPU."""
         return self.executor.read_kv(slots)
 
-    def read_kv_rows(self, slots: torch.Tensor) -> torch.Tensor:
-        """The KV cache at these slots as handoff rows (kv_handoff.kv_to_rows), on the CPU."""
+    def read_kv_rows(self, slots: torch.Tensor, scratch: bool = False) -> torch.Tensor:
+        """The KV cache at these slots as handoff rows (kv_handoff.kv_to_rows), on the CPU. `scratch`: in memory
+        reused by the next such call (`ModelShard.read_kv_rows`; one thread only)."""
         direct = getattr(self.executor, "read_kv_rows", None)  # a shard's own (not the tensor-parallel leader)
-        return direct(slots) if direct is not None else kv_to_rows(self.read_kv(slots))
+        return direct(slots, scratch) if direct is not None else kv_to_rows(self.read_kv(slots))
+
+    @property
+    def reads_kv_off_thread(self) -> bool:
+        """`read_kv_rows` may run on another thread while the engine steps (one CPU rank: no collective between
+        ranks, no device stream to order against)."""
+        return getattr(self.executor, "reads_kv_off_thread", False)
 
     def write_kv(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
         self.executor.write_kv(slots, kv)

@@ -104,6 +104,7 @@ class ModelShard:
             if not cfg.enforce_eager and supports_graphs(visual, self.acc) else None
         language = getattr(model, "language_model", None)
         self.kv_caches: list[torch.Tensor | LinearLayerState] = []
+        self._rows_scratch: torch.Tensor | None = None  # a prefill writer thread's rows (read_kv_rows(scratch))
         self.kv_buffers: TransferBuffers | None = None  # the KV cache as rows peers write into (kv_cache_file)
         self.kv_layers: list[int] = []  # layers with a KV cache (all but a hybrid model's linear ones)
         self.layer_states: list[LinearLayerState | None] = []  # per layer: None unless linear attention
@@ -236,15 +237,29 @@ class ModelShard:
             kv = self.tp.all_gather(kv.contiguous(), dim=3).index_select(3, order)
         return kv.cpu()
 
-    def read_kv_rows(self, slots: torch.Tensor) -> torch.Tensor:
+    @property
+    def reads_kv_off_thread(self) -> bool:
+        """One CPU rank: `read_kv_rows` only reads the caches, so a writer thread may call it mid-step."""
+        return self.tp.size == 1 and self.device.type == "cpu"
+
+    def read_kv_rows(self, slots: torch.Tensor, scratch: bool = False) -> torch.Tensor:
         """[len(slots), width]: `kv_to_rows(read_kv(slots))`. On one CPU rank copied straight into the rows, a
         slice per run of slots and layer: half the time of a gather then a permute (21 vs 44 ms for 2,000 tokens
-        of a 2B model's bf16 KV, measured; ~16 ms of the 21 is the rows' fresh pages), on the engine's thread."""
+        of a 2B model's bf16 KV, measured; ~16 ms of the 21 is the rows' fresh pages); there a prefill's writer
+        thread calls it, chunk by chunk, off the engine's thread, with `scratch`: the rows then lie in memory
+        kept for the next such call (pages touched once), valid until it; one thread only."""
         if self.tp.size > 1 or self.device.type != "cpu":
             return kv_to_rows(self.read_kv(slots))
         caches = [self.kv_caches[i] for i in self.kv_layers]
         _, _, heads, dim = caches[0].shape
-        rows = torch.empty(slots.numel(), len(caches), 2, heads * dim, dtype=caches[0].dtype)
+        shape = (slots.numel(), len(caches), 2, heads * dim)
+        if scratch:
+            numel = shape[0] * shape[1] * shape[2] * shape[3]
+            if self._rows_scratch is None or self._rows_scratch.numel() < numel:
+                self._rows_scratch = torch.empty(numel, dtype=caches[0].dtype)
+            rows = self._rows_scratch[:numel].view(shape)
+        else:
+            rows = torch.empty(shape, dtype=caches[0].dtype)
         for at, first, n in slot_runs(slots):
             for layer, cache in enumerate(caches):
                 rows[at : at + n, layer].copy_(cache[:, first : first + n].reshape(2, n, -1).transpose(0, 1))

@@ -1,19 +1,24 @@
 """The prefill role's connector: every request computes its prompt and samples its first token; when it finishes
-its blocks are kept, read out as KV rows after the step and freed. A hybrid model's linear states follow its KV
-rows as rows too (read as it finishes, before its state slot is freed). A hold nobody takes (the step's outputs
-were lost) expires.
+its blocks are kept. A hybrid model's linear states follow its KV rows as rows (read as it finishes, before its
+state slot is freed). A hold nobody takes (the step's outputs were lost) expires.
 
-Where the rows go: with a row writer (a transport that writes the receiver's memory: shm, Mooncake, NIXL) they
-stay in this process, and the front end, which runs the transfer's protocol, asks for each chunk to be written
-into the decode instance's blocks (`write`): the writes run on a thread of their own while the engine steps on,
-and end in `take_written`; the rows are dropped when the front end says the transfer is over (`forget`) or after
-the same expiry. Without one (ZeroMQ frames) the rows go to the front end with the first token."""
+Where the KV goes: with a row writer (made by the disaggregation layer for the instance's transport) it stays in
+this process, and the front end, which runs the transfer's protocol, asks for each chunk to be written into the
+decode instance's blocks (`write`): the writes run on a thread of their own while the engine steps on, and end
+in `take_written`. On one CPU rank the blocks themselves are kept until the transfer is over (vLLM's delayed
+free) and each write reads its chunk's rows out of them on the writer thread: the engine's own thread spends
+nothing on the export. Elsewhere (several ranks, whose heads are gathered; a GPU) the rows are read out after
+the step and the blocks freed then. What is kept goes when the front end says the transfer is over (`forget`,
+blocks freed once no write reads them) or after the same expiry. Without a writer (an engine driven directly)
+the rows go out with the first token."""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -30,6 +35,27 @@ logger = logging.getLogger(__name__)
 HELD_KV_TTL_S = 120.0  # a finished prefill's blocks are kept this long at most
 
 
+@dataclass
+class KeptKV:
+    """A finished prompt's KV kept for the writer: its rows, or (one CPU rank) its blocks, read per write."""
+
+    num_tokens: int
+    rows: torch.Tensor | None  # every token's row then the state rows; None: read from the blocks per write
+    read_rows: Callable[[int, int], torch.Tensor] | None  # tokens start..end's rows, out of the kept blocks
+    state_rows: torch.Tensor | None  # a hybrid model's, written after the last token's row
+    req: Request | None  # whose blocks stay allocated until the transfer is over (or None)
+    last_used: float
+
+    def rows_of(self, start: int, end: int) -> torch.Tensor:
+        """Tokens start..end as rows; the last chunk also carries the state rows. On the writer thread."""
+        if self.rows is not None:
+            return self.rows[start:end] if end < self.num_tokens else self.rows[start:]
+        rows = self.read_rows(start, end)
+        if end == self.num_tokens and self.state_rows is not None:
+            rows = torch.cat([rows, self.state_rows])
+        return rows
+
+
 class PrefillConnector(KVConnector):
     def __init__(self, cfg, ttl: float = HELD_KV_TTL_S, writer: RowWriter | None = None):
         self.ttl, self.writer = ttl, writer
@@ -38,8 +64,9 @@ class PrefillConnector(KVConnector):
         self.held: dict[str, tuple[Request, float, torch.Tensor | None]] = {}
         self._failed: list[tuple[str, str]] = []  # (request id, why) whose export failed, for take_failed
         self._exported: list[ExportedKV] = []  # since the last take_exported
-        # With a writer: exported rows kept for it, (rows, prompt tokens, last used).
-        self.kept: dict[str, tuple[torch.Tensor, int, float]] = {}
+        # With a writer: what it writes from, per request.
+        self.kept: dict[str, KeptKV] = {}
+        self._free_after_writes: list[tuple[str, Request]] = []  # blocks a write under way still reads
         self._writes: list[tuple[WriteKV, Future]] = []  # under way, oldest first
         # One thread: a transfer's chunks land in order, and a write never competes with the next for memory.
         self._pool = None if writer is None else ThreadPoolExecutor(1, thread_name_prefix="vlserve-kv-write")
@@ -55,12 +82,12 @@ class PrefillConnector(KVConnector):
 
     def forget(self, request_ids: list[str]) -> None:
         gone = set(request_ids)
-        for rid in request_ids:
-            self._release(rid)
-            self.kept.pop(rid, None)  # a write under way keeps its own reference to the rows it writes
         for msg, future in self._writes:
             if msg.request_id in gone:
                 future.cancel()  # not started yet: it never will (answered as released)
+        for rid in request_ids:
+            self._release(rid)
+            self._drop_kept(rid)
 
     def request_finished(self, req: Request, status: RequestStatus) -> bool:
         if status == RequestStatus.FINISHED_ABORTED or not req.block_ids:
@@ -76,9 +103,19 @@ class PrefillConnector(KVConnector):
         for rid in [rid for rid, (_, since, _) in self.held.items() if now - since > self.ttl]:
             logger.warning("request %s: its prefilled KV was not taken within %.0f s; released", rid, self.ttl)
             self._release(rid)
-        for rid in [rid for rid, (_, _, since) in self.kept.items() if now - since > self.keep_s]:
+        for rid in [rid for rid, kept in self.kept.items() if now - kept.last_used > self.keep_s]:
             logger.warning("request %s: nobody asked for its KV rows for %.0f s; dropped", rid, self.keep_s)
-            del self.kept[rid]
+            self._drop_kept(rid)
+
+    def _drop_kept(self, request_id: str) -> None:
+        """The writer is done with this request: its rows go, its blocks are freed (once no write reads them)."""
+        kept = self.kept.pop(request_id, None)
+        if kept is None or kept.req is None:
+            return  # a write under way keeps its own reference to the rows it writes
+        if any(msg.request_id == request_id and not future.done() for msg, future in self._writes):
+            self._free_after_writes.append((request_id, kept.req))
+        else:
+            self.scheduler.kv.free(kept.req)
 
     def after_step(self, outputs: list[EngineCoreOutput]) -> None:
         exported = self._exported
@@ -86,16 +123,31 @@ class PrefillConnector(KVConnector):
             if out.finish_reason is None or out.request_id not in self.held:
                 continue
             try:
+                if self.writer is not None and self.runner.reads_kv_off_thread:
+                    exported.append(self._keep_blocks(out.request_id))
+                    continue
                 num_tokens = self.held[out.request_id][0].num_prompt_tokens
                 kv = self.export(out.request_id)
                 if self.writer is not None:  # written from here, chunk by chunk, when the front end asks
-                    self.kept[kv.request_id] = (kv.rows, num_tokens, time.monotonic())
+                    self.kept[kv.request_id] = KeptKV(num_tokens, kv.rows, None, None, None, time.monotonic())
                     kv.rows = None
                 exported.append(kv)
             except Exception as e:  # noqa: BLE001 - e.g. out of memory copying a long prompt's KV: that request
                 # fails (export has freed its blocks), the engine and the step's other requests go on
                 logger.exception("request %s: its KV could not be exported", out.request_id)
                 self._failed.append((out.request_id, f"its KV could not be exported: {type(e).__name__}"))
+
+    def _keep_blocks(self, request_id: str) -> ExportedKV:
+        """Delayed free: the request's blocks stay allocated for the writer, which reads each chunk from them."""
+        req, _, state_rows = self.held.pop(request_id)
+        slots, read = self.runner.token_slots(req, req.num_prompt_tokens), self.runner.read_kv_rows
+
+        def read_rows(start: int, end: int) -> torch.Tensor:  # on the one writer thread, whose writes block
+            return read(slots[start:end], scratch=True)
+
+        self.kept[request_id] = KeptKV(req.num_prompt_tokens, None, read_rows, state_rows, req, time.monotonic())
+        state = None if req.generator is None else req.generator.get_state().numpy().tobytes()
+        return ExportedKV(request_id, None, state)
 
     def take_exported(self) -> list[ExportedKV]:
         exported, self._exported = self._exported, []
@@ -110,19 +162,17 @@ class PrefillConnector(KVConnector):
         if self._pool is None or kept is None:
             why = "this engine writes no KV rows" if self._pool is None else "no KV rows kept (expired or released)"
             return KVWritten(msg.request_id, msg.write_id, error=why)
-        rows, num_tokens, _ = kept
-        if not 0 <= msg.start < msg.end <= num_tokens:
+        if not 0 <= msg.start < msg.end <= kept.num_tokens:
             return KVWritten(msg.request_id, msg.write_id,
-                             error=f"tokens {msg.start}..{msg.end} of a {num_tokens}-token prompt")
-        self.kept[msg.request_id] = (rows, num_tokens, time.monotonic())
-        part = rows[msg.start:msg.end] if msg.end < num_tokens else rows[msg.start:]  # the last takes the states
-        self._writes.append((msg, self._pool.submit(self._write, msg, part)))
+                             error=f"tokens {msg.start}..{msg.end} of a {kept.num_tokens}-token prompt")
+        kept.last_used = time.monotonic()
+        self._writes.append((msg, self._pool.submit(self._write, msg, kept)))
         return None
 
-    def _write(self, msg: WriteKV, rows: torch.Tensor) -> int:
+    def _write(self, msg: WriteKV, kept: KeptKV) -> int:
         if time.time() > msg.not_after:  # queued too long (a slow or stuck engine): its front end gave up on it
             raise TimeoutError("the write was asked for too long ago; not started")
-        return self.writer.write(msg.destination, rows)
+        return self.writer.write(msg.destination, kept.rows_of(msg.start, msg.end))
 
     def take_written(self) -> list[KVWritten]:
         done = []
@@ -134,6 +184,11 @@ class PrefillConnector(KVConnector):
             else:  # that transfer fails (the front end tells the receiver), the engine goes on
                 logger.warning("request %s: a KV write failed: %s", msg.request_id, error)
                 done.append(KVWritten(msg.request_id, msg.write_id, error=f"{type(error).__name__}: {error}"))
+        if self._free_after_writes:  # blocks whose last write reading them has ended
+            writing = {msg.request_id for msg, _ in self._writes}
+            for rid, req in [e for e in self._free_after_writes if e[0] not in writing]:
+                self.scheduler.kv.free(req)
+            self._free_after_writes = [e for e in self._free_after_writes if e[0] in writing]
         return done
 
     @property
