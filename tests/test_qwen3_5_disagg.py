@@ -20,7 +20,7 @@ from vlserve.disagg.messages import RowSegment, TransferChunk
 from vlserve.disagg.peer_kinds import ENCODER_PEERS, PREFILL_PEERS
 from vlserve.disagg.received import ReceivedChunks
 from vlserve.disagg.row_map import RowMap
-from vlserve.disagg.sender import every_token_rows
+from vlserve.disagg.sender import every_token_segments
 from vlserve.disagg.transports.base import ChunkTokens
 from vlserve.engine.state_rows import pack_state, state_row_count, unpack_state
 from vlserve.model.config_types import LinearAttentionConfig
@@ -81,11 +81,8 @@ def test_state_rows_follow_the_last_tokens_row():
     assert (row_map.rows_through(9, 10), row_map.rows_through(10, 10)) == (9, 13)
     assert row_map.chunk_end(0, 13, 10) == 10  # everything fits
     assert row_map.chunk_end(0, 12, 10) == 9  # the last token goes only with its state rows
-    rows = torch.arange(13.0).unsqueeze(1)
-    segments, sent = every_token_rows(rows, 10)(9, 10)
-    assert [(s.token, s.num_rows) for s in segments] == [(9, 1), (10, 3)] and sent.flatten().tolist() == [
-        9, 10, 11, 12]
-    assert [(s.token, s.num_rows) for s in every_token_rows(rows, 10)(0, 9)[0]] == [(0, 9)]
+    assert [(s.token, s.num_rows) for s in every_token_segments(9, 10, 10, 3)] == [(9, 1), (10, 3)]
+    assert [(s.token, s.num_rows) for s in every_token_segments(0, 9, 10, 3)] == [(0, 9)]
     # The receiver holds a prefill to the same cut.
     def chunk(start, end, segments, run):
         return TransferChunk("r", 0, start, end - start, 10, 0, [], run, [RowSegment(*s) for s in segments],

@@ -350,3 +350,22 @@ def test_zmq_a_sender_without_the_secret_writes_nothing(monkeypatch):
         sender.close()
         receiver.close()
         buffers.unlink()
+
+
+def test_zmq_the_row_socket_listens_off_loopback_only_with_the_secret(monkeypatch):
+    """An address other than loopback (maybe a name, or translated on the way) is served on every interface:
+    only with --disagg-secret, which the socket then requires."""
+    from vlserve.disagg.transports import zmq as zmq_transport
+
+    buffers = _buffers()
+    monkeypatch.setattr(zmq_transport.socket_module, "gethostbyname", lambda host: "10.1.2.3")
+    try:
+        with pytest.raises(ConfigurationError, match="without --disagg-secret"):
+            zmq_transport.ZmqTransport("pod-a.example").target(buffers)
+        secured = zmq_transport.ZmqTransport("pod-a.example", secret="s3cret")
+        target = secured.target(buffers)
+        assert target.session.startswith("tcp://pod-a.example:")  # peers reach it by the name it was given
+        assert secured._servers[0].sock.getsockopt_string(zmq_transport.zmq.LAST_ENDPOINT).startswith("tcp://0.0.0.0:")
+        secured.close()
+    finally:
+        buffers.unlink()

@@ -2,9 +2,10 @@
 prefill instances (KV rows): chunk by chunk into the run of blocks the receiver offered, a resume when it
 offers more, an abort that waits for any write in flight, and expiry of transfers nobody resumes.
 
-What a transfer sends is the prompt's fill ids and positions for every token, and rows for some tokens
-(`rows_of`): media tokens' embeddings, or every token's KV. Each chunk goes as far as the receiver's run holds its
-rows (disagg.row_map): text tokens take no room in the receiver's blocks.
+What a transfer sends is the prompt's fill ids and positions for every token, and rows for some tokens: media
+tokens' embeddings (`rows_of`, written by this process's transport), or every token's KV (`write_rows`: written
+by the prefill instance's engine process). Each chunk goes as far as the receiver's run holds its rows
+(disagg.row_map): text tokens take no room in the receiver's blocks.
 """
 
 from __future__ import annotations
@@ -86,14 +87,6 @@ def every_token_segments(start: int, end: int, num_tokens: int, tail_rows: int) 
     if end < num_tokens or not tail_rows:
         return [RowSegment(start, end - start)]
     return [RowSegment(start, end - start), RowSegment(num_tokens, tail_rows)]
-
-
-def every_token_rows(rows: torch.Tensor, num_tokens: int):
-    """`rows_of` for KV rows in this process (`every_token_segments`)."""
-    def rows_of(start: int, end: int) -> tuple[list[RowSegment], torch.Tensor]:
-        segments = every_token_segments(start, end, num_tokens, rows.shape[0] - num_tokens)
-        return segments, rows[start:end] if len(segments) == 1 else rows[start:]
-    return rows_of
 
 
 class TransferSender:

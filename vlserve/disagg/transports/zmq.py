@@ -13,6 +13,7 @@ to another request. With --disagg-secret the row socket is CurveZMQ like the con
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
 import logging
 import socket as socket_module
@@ -54,6 +55,10 @@ class RowServer:
 
     def __init__(self, buffers: TransferBuffers, host: str, auth: PeerAuth):
         self.buffers, self.auth = buffers, auth
+        interface = _interface(host)
+        if interface == "*" and not auth.enabled:
+            raise ConfigurationError(f"the zmq row socket would listen on {host} without --disagg-secret: set it on "
+                                     "every role, or use a loopback address")
         self.ctx = zmq.Context()  # its own: the socket belongs to the serving thread
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.linger = 0
@@ -61,7 +66,7 @@ class RowServer:
         self.sock.setsockopt(zmq.MAXMSGSIZE, buffers.layout.nbytes + 65536)
         auth.secure_server(self.sock)
         try:
-            port = self.sock.bind_to_random_port(f"tcp://{_interface(host)}")
+            port = self.sock.bind_to_random_port(f"tcp://{interface}")
         except zmq.ZMQError as e:
             self.close()
             raise ConfigurationError(f"the zmq transport cannot listen on {host}: {e}") from None
@@ -203,8 +208,11 @@ class ZmqTransport(Transport):
 
 
 def _interface(host: str) -> str:
-    """What to bind for `host` (the address peers reach this process by): its IP address."""
+    """What to bind for `host` (the address peers reach this process by): a loopback address itself (nothing
+    else can reach it); any other on every interface, since it may be a name or an address translated on the way
+    (a container's), and off loopback every role holds --disagg-secret, which the socket requires."""
     try:
-        return socket_module.gethostbyname(host)
+        address = socket_module.gethostbyname(host)
     except OSError as e:
         raise ConfigurationError(f"the zmq transport cannot resolve its address {host!r}: {e}") from None
+    return address if ipaddress.ip_address(address).is_loopback else "*"
