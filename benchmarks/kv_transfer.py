@@ -12,8 +12,9 @@ memory copy of the same bytes (#47), in three generations, timed on the same row
 Over zmq (the default backend), timed the same way into the same KV file:
 - before: the rows went engine -> prefill front end (ipc://) -> decode front end (tcp://) as frames, and the
   decode front end copied them into the KV blocks;
-- now: the prefill engine's writer sends them over tcp:// to the row socket the decode engine process serves
-  (transports.zmq), whose thread copies them into its KV blocks and answers; no front end in between.
+- now: the prefill engine's writer sends them to the row socket the decode engine process serves
+  (transports.zmq: a Unix socket on loopback; TCP with CurveZMQ and the secret otherwise, timed here on this
+  machine's own address), whose thread copies them into its KV blocks and answers; no front end in between.
 
 "first" has a second process send the rows over ipc:// to this one; the admission copy is the decode connector's
 (gather the rows, lay them out by layer, copy into each layer's cache). The bound is one memory copy of the rows.
@@ -69,16 +70,29 @@ def _engine_side(address: str, nbytes: int, rounds: int) -> None:
     ctx.term()  # every frame sent before `rows` goes
 
 
-def _decode_engine_side(layout: bytes, conn) -> None:
+def _decode_engine_side(layout: bytes, conn, host: str, secret: str | None) -> None:
     """A decode engine process over zmq: maps the KV file, serves its row socket until told to stop."""
     from vlserve.disagg.transports.row_writer import kv_receiver_maker
     from vlserve.engine.transfer_buffers import BufferLayout
 
     buffers = TransferBuffers.attach(msgspec.msgpack.decode(layout, type=BufferLayout))
-    receiver = kv_receiver_maker("zmq", "127.0.0.1")(buffers)
+    receiver = kv_receiver_maker("zmq", host, secret)(buffers)
     conn.send(receiver.target)
     conn.recv()
     receiver.close()
+
+
+def _own_address() -> str | None:
+    """This machine's address toward the outside (not loopback), or None."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(("10.255.255.255", 9))  # UDP: picks the route, sends nothing
+            address = probe.getsockname()[0]
+    except OSError:
+        return None
+    return None if address.startswith("127.") else address
 
 
 def main() -> None:
@@ -179,22 +193,29 @@ def main() -> None:
         for sock in (pull, tcp_out, tcp_in):
             sock.close(0)
 
-        # zmq now: the prefill engine's writer -> the decode engine process's row socket -> its KV blocks.
-        ours, theirs = multiprocessing.get_context("spawn").Pipe()
-        decode = multiprocessing.get_context("spawn").Process(target=_decode_engine_side,
-                                                              args=(msgspec.msgpack.encode(kv_file.layout), theirs))
-        decode.start()
-        zmq_writer = row_writer_maker("zmq", "127.0.0.1", 120.0)()
-        to_decode = encode_destination(decode_target(ours.recv()), blocks, "zmq")
-        zmq_now = timed(lambda: zmq_writer.write(to_decode, rows))
-        if not torch.equal(written, expected):
-            raise SystemExit("the KV written over zmq differs")
+        # zmq now: the prefill engine's writer -> the decode engine process's row socket -> its KV blocks; on
+        # loopback a Unix socket; over TCP (this machine's own address) with the secret, as across machines.
+        zmq_now = {}
+        for how, host, secret in [("ipc", "127.0.0.1", None), ("tcp", _own_address(), "bench-secret")]:
+            if host is None:
+                continue
+            written.zero_()
+            ours, theirs = multiprocessing.get_context("spawn").Pipe()
+            decode = multiprocessing.get_context("spawn").Process(
+                target=_decode_engine_side, args=(msgspec.msgpack.encode(kv_file.layout), theirs, host, secret))
+            decode.start()
+            zmq_writer = row_writer_maker("zmq", host, 120.0, secret)()
+            to_decode = encode_destination(decode_target(ours.recv()), blocks, "zmq")
+            zmq_now[how] = timed(lambda: zmq_writer.write(to_decode, rows))
+            if not torch.equal(written, expected):
+                raise SystemExit(f"the KV written over zmq ({how}) differs")
+            ours.send("stop")
+            decode.join()
+            zmq_writer.close()
         # now, the prefill's writer thread: its chunk read out of the prefill's blocks, then written in place
         shard._rows_scratch = None
         writer_thread = timed(lambda: writer.write(in_place, ModelShard.read_kv_rows(shard, slots, scratch=True)))
-        ours.send("stop")
-        decode.join()
-        for w in (writer, front_end, zmq_writer):
+        for w in (writer, front_end):
             w.close()
     finally:
         buffers.unlink()
@@ -215,7 +236,8 @@ def main() -> None:
     line("then:  engine -> receive blocks; admission copy", [then_write, then_admit])
     line("now:   engine -> the decode engine's KV blocks", [now])
     line("zmq before: engine -> 2 front ends -> KV blocks (frames)", [zmq_before])
-    line("zmq now: engine -> decode engine's row socket -> KV blocks", [zmq_now])
+    for how, times in zmq_now.items():
+        line(f"zmq now: engine -> decode engine's row socket ({how}) -> KV", [times])
     line("prefill engine thread, export first: gather + permute", [export_before])
     line("prefill engine thread, export then: straight into rows", [export_then])
     line("prefill engine thread, export now: the slots named (kept)", [export_now])

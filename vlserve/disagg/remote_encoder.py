@@ -95,6 +95,8 @@ class RemotePromptEncoder:
             self.transfer_buffers.unlink()
         if self.started:
             await self.client.stop()
+        elif self.client is not None:
+            self.client.transport.close()  # its row socket, listening since it was made
 
     async def encode(self, prompt: dict, mm_processor_kwargs: dict | None, request_id: str,
                      params=None, lora: AdapterRef | None = None) -> EncodedPrompt:

@@ -2,8 +2,9 @@
 the transfer's protocol and passes only where:
 - a prefill engine writes its KV rows into decode instances' blocks itself (kv_connector.RowWriter); the
   destination travels to the engine process as bytes it does not read: encoded here, decoded here;
-- a decode engine registers its KV cache (in a shared file) with its own transport instance, so the writes land
-  there (`TransportKVReceiver`; for zmq its row socket is served by a thread of the engine process)."""
+- a decode engine registers where prompts' KV lands (its KV cache in a shared file, or the receive buffers) with
+  its own transport instance, so the writes land there (`TransportKVReceiver`; for zmq its row socket is served
+  by a thread of the engine process)."""
 
 from __future__ import annotations
 
@@ -61,10 +62,11 @@ def write_deadline() -> float:
 
 
 class TransportKVReceiver:
-    """A decode engine's side of the in-place backends, made in its engine process (by the maker
-    `kv_receiver_maker` returns) once its KV cache exists: its own transport instance registers the KV cache's
-    memory (Mooncake, NIXL; shm needs nothing but the file) so that peers' writes land there, never passing
-    through the front end. `target` is how peers reach it, encoded for the front end, which sends it with every
+    """A decode engine's side of the transports, made in its engine process (by the maker `kv_receiver_maker`
+    returns) once its KV cache exists: its own transport instance registers where prompts' KV lands (the KV
+    cache in a shared file; at several ranks the receive buffers) with Mooncake or NIXL, or serves zmq's row
+    socket for it (shm needs nothing but the file), so that peers' writes land there, never passing through the
+    front end. `target` is how peers reach it, encoded for the front end, which sends it with every
     request."""
 
     def __init__(self, backend: str, host: str, secret: str | None, kv_buffers):

@@ -1,14 +1,16 @@
-"""ZeroMQ/TCP: the sender writes a chunk's rows into the receiver's blocks over a socket of its own (the
-receiver's row socket), then sends the header alone over the control connection, like every transport that writes
-in place.
+"""ZeroMQ: the sender writes a chunk's rows into the receiver's blocks over a socket of its own (the receiver's
+row socket), then sends the header alone over the control connection, like every transport that writes in place.
 
-The row socket is served by a thread of whichever process holds the blocks: a decode engine on one CPU serves its
-KV cache (the front end never sees a KV byte), any other receiver its receive blocks. Each write is one message
-(a `RowWrite` header and the rows' bytes) answered once the rows are in the blocks; the sender waits for that
-answer before it sends the chunk's header. The receiver checks every write as shm checks a mapped one (inside
-its blocks, exactly the bytes the rows need) and refuses one that arrives after the sender stopped waiting for
-it (`not_after`, the sender's clock), so a write given up on never lands in blocks the receiver has since given
-to another request. With --disagg-secret the row socket is CurveZMQ like the control channel.
+The row socket is served by a thread of whichever process holds the blocks: a decode engine serves its KV cache
+(or the receive blocks it reads, at several ranks), so no front end sees a KV byte; any other receiver its
+receive blocks. Each write is one message (a `RowWrite` header and the rows' bytes) answered once the rows are
+in the blocks; the sender waits for that answer before it sends the chunk's header, and fails fast when the
+receiver cannot be reached. The receiver checks every write as shm checks a mapped one (inside its blocks,
+exactly the bytes the rows need) and refuses one that arrives late (within a margin of `not_after`, when the
+sender stops waiting), so a write given up on never lands in blocks the receiver has since given to another
+request: the roles' clocks must agree within that margin (a second; NTP does). On loopback the socket is a Unix
+socket in a folder only this user can enter; elsewhere TCP, with --disagg-secret required (CurveZMQ, like the
+control channel).
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from __future__ import annotations
 import ipaddress
 import itertools
 import logging
+import shutil
 import socket as socket_module
+import tempfile
 import threading
 import time
 import warnings
@@ -34,6 +38,9 @@ from vlserve.engine.transfer_buffers import DTYPES, TransferBuffers
 logger = logging.getLogger("vlserve.disagg.zmq")
 POLL_MS = 200  # how often the serving thread looks whether it should stop
 MAX_IDLE_SOCKETS = 4  # connections kept per receiver for the next writes
+MAX_RECEIVERS = 64  # receivers whose idle connections are kept (least recently used go first)
+CONNECT_TIMEOUT_S = 2.0  # a receiver that cannot be reached fails its write this soon
+LATE_MARGIN_S = 1.0
 
 
 class RowWrite(msgspec.Struct, array_like=True):
@@ -42,7 +49,8 @@ class RowWrite(msgspec.Struct, array_like=True):
     write_id: int
     block_ids: list[int]
     num_rows: int
-    not_after: float  # unix time: the sender has given up on this write by then
+    sent_at: float  # unix time, the sender's clock
+    not_after: float  # the sender has given up on this write by then
 
 
 class RowWritten(msgspec.Struct, array_like=True):
@@ -51,59 +59,74 @@ class RowWritten(msgspec.Struct, array_like=True):
 
 
 class RowServer:
-    """The receiver's row socket: a thread that puts each write's rows into `buffers` and answers it."""
+    """The receiver's row socket: a thread that puts each write's rows into `buffers` and answers it.
+
+    On a loopback address (peers on this machine) it is a Unix socket in a folder of this user's only, so no
+    other user of the machine can write into the blocks; on any other address it listens on every interface (the
+    address may be a name, or translated on the way: a container's) and only with --disagg-secret, which it then
+    requires of every peer."""
 
     def __init__(self, buffers: TransferBuffers, host: str, auth: PeerAuth):
         self.buffers, self.auth = buffers, auth
-        interface = _interface(host)
-        if interface == "*" and not auth.enabled:
+        self._stop, self._thread, self._folder = threading.Event(), None, None
+        local = _is_loopback(host)
+        if not local and not auth.enabled:
             raise ConfigurationError(f"the zmq row socket would listen on {host} without --disagg-secret: set it on "
                                      "every role, or use a loopback address")
         self.ctx = zmq.Context()  # its own: the socket belongs to the serving thread
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.linger = 0
-        # No frame bigger than the blocks themselves: a peer cannot make this process buffer more.
+        # No frame bigger than the blocks themselves, and few messages queued per peer before TCP pushes back.
         self.sock.setsockopt(zmq.MAXMSGSIZE, buffers.layout.nbytes + 65536)
+        self.sock.rcvhwm = 2
         auth.secure_server(self.sock)
         try:
-            port = self.sock.bind_to_random_port(f"tcp://{interface}")
+            if local:
+                self._folder = tempfile.mkdtemp(prefix="vlserve-rows-")  # mode 0700
+                self.address = f"ipc://{self._folder}/rows"
+                self.sock.bind(self.address)
+            else:
+                self.address = f"tcp://{host}:{self.sock.bind_to_random_port('tcp://*')}"
         except zmq.ZMQError as e:
             self.close()
-            raise ConfigurationError(f"the zmq transport cannot listen on {host}: {e}") from None
-        self.address = f"tcp://{host}:{port}"
-        self._stop = threading.Event()
+            raise ConfigurationError(f"the zmq transport cannot listen for rows ({host}): {e}") from None
         self._decoder = msgspec.msgpack.Decoder(RowWrite)
         self._thread = threading.Thread(target=self._serve, name="vlserve-zmq-rows", daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
-        while not self._stop.is_set():
-            try:
+        try:
+            while not self._stop.is_set():
                 if not self.sock.poll(POLL_MS):
                     continue
                 frames = self.sock.recv_multipart(copy=False)
-            except zmq.ZMQError:
-                return  # closed under us
-            if len(frames) != 3:
-                continue  # not a write of ours: no answer
-            write_id, error = 0, ""
-            try:
-                msg = self._decoder.decode(frames[1].buffer)
-                write_id = msg.write_id
-                self._write(msg, frames[2].buffer)
-            except (msgspec.DecodeError, ValueError) as e:
-                error = str(e) or type(e).__name__
-            except Exception as e:  # noqa: BLE001 - the serving thread must outlive any one write
-                logger.exception("a row write failed")
-                error = f"the receiver could not write the rows: {type(e).__name__}"
-            try:
-                self.sock.send_multipart([frames[0].bytes, msgspec.msgpack.encode(RowWritten(write_id, error))])
-            except zmq.ZMQError:
-                return
+                reply = self._handle(frames)
+                self.sock.send_multipart([frames[0].bytes, msgspec.msgpack.encode(reply)])
+        except zmq.ZMQError:
+            pass  # the context is going away
+        finally:
+            self.sock.close(0)  # by this thread: no copy can be under way
+
+    def _handle(self, frames: list) -> RowWritten:
+        if len(frames) != 3:
+            return RowWritten(0, f"a row write is a header and the rows: got {len(frames) - 1} frames")
+        write_id = 0
+        try:
+            msg = self._decoder.decode(frames[1].buffer)
+            write_id = msg.write_id
+            self._write(msg, frames[2].buffer)
+        except (msgspec.DecodeError, ValueError) as e:
+            return RowWritten(write_id, str(e) or type(e).__name__)
+        except Exception as e:  # noqa: BLE001 - the serving thread must outlive any one write
+            logger.exception("a row write failed")
+            return RowWritten(write_id, f"the receiver could not write the rows: {type(e).__name__}")
+        return RowWritten(write_id)
 
     def _write(self, msg: RowWrite, data: memoryview) -> None:
-        if time.time() > msg.not_after:
-            raise ValueError("the write came after its sender stopped waiting for it: nothing written")
+        # Taken only while its copy surely ends before the sender gives up (`not_after`): a write it gave up on
+        # never lands, if the clocks agree within the margin less the copy.
+        if time.time() > msg.not_after - late_margin_s(msg.not_after - msg.sent_at):
+            raise ValueError("the write came too late (its sender stops waiting for it soon): nothing written")
         layout = self.buffers.layout
         dtype = DTYPES[layout.dtype]
         itemsize = torch.empty((), dtype=dtype).element_size()
@@ -117,12 +140,21 @@ class RowServer:
 
     def close(self) -> None:
         self._stop.set()
-        thread = getattr(self, "_thread", None)
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=2 * POLL_MS / 1000)
-        self.sock.close(0)
+        if self._thread is not None:
+            if self._thread is not threading.current_thread():
+                self._thread.join()  # within a poll period and a copy; it closes its own socket
+        else:
+            self.sock.close(0)
         self.auth.stop()
         self.ctx.term()
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
+
+
+def late_margin_s(timeout: float) -> float:
+    """How long before its sender gives up a write is no longer taken: room for the copy and for clocks that
+    differ (a second, less for a short timeout)."""
+    return min(LATE_MARGIN_S, timeout / 4)
 
 
 class ZmqTransport(Transport):
@@ -153,11 +185,13 @@ class ZmqTransport(Transport):
             raise ValueError(f"{tuple(rows.shape)} rows do not have the receiver's width {layout.width}")
         data = rows.to(DTYPES[layout.dtype]).contiguous()
         write_id, sock = next(self._ids), self._socket(target.session)
-        done = False
+        done, now = False, time.time()
         try:
-            header = RowWrite(write_id, list(block_ids), data.shape[0], time.time() + self.write_timeout)
+            if not sock.poll(min(CONNECT_TIMEOUT_S, self.write_timeout) * 1000, zmq.POLLOUT):
+                raise ConnectionError(f"the receiver {target.session} cannot be reached")
+            header = RowWrite(write_id, list(block_ids), data.shape[0], now, now + self.write_timeout)
             sock.send_multipart([msgspec.msgpack.encode(header), data.view(torch.uint8).numpy()], copy=False)
-            if not sock.poll(self.write_timeout * 1000):
+            if not sock.poll(max(0.0, now + self.write_timeout - time.time()) * 1000):
                 raise TimeoutError(f"the receiver {target.session} did not take the rows within "
                                    f"{self.write_timeout:.0f} s")
             reply = msgspec.msgpack.decode(sock.recv(), type=RowWritten)
@@ -169,12 +203,13 @@ class ZmqTransport(Transport):
                 self._give_back(target.session, sock)
             else:
                 sock.close(0)  # a late answer must never be read as the next write's
+                self._forget(target.session)  # its other connections are likely as broken
         if reply.error:
             raise ValueError(f"the receiver refused the rows: {reply.error}")
         return data.numel() * data.element_size()
 
     def _socket(self, address: str) -> zmq.Socket:
-        if not address.startswith("tcp://"):
+        if not address.startswith(("tcp://", "ipc://")):
             raise ValueError(f"a zmq target names no row socket ({address!r}): start every role with the same "
                              "vlserve version and backend")
         with self._lock:
@@ -184,17 +219,29 @@ class ZmqTransport(Transport):
         # The process's shared context: never terminated, so a transport nobody closed cannot hang a collection.
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.linger = 0
+        sock.immediate = True  # sendable only once connected: an unreachable receiver fails fast
         PeerAuth(self.secret).secure_client(sock)
         sock.connect(address)
         return sock
 
     def _give_back(self, address: str, sock: zmq.Socket) -> None:
+        gone: list[zmq.Socket] = []
         with self._lock:
-            idle = self._idle.setdefault(address, [])
+            idle = self._idle.pop(address, [])
+            self._idle[address] = idle  # the most recently used last
             if len(idle) < MAX_IDLE_SOCKETS and not self._closed:
                 idle.append(sock)
-                return
-        sock.close(0)
+                sock = None
+            while len(self._idle) > MAX_RECEIVERS:
+                gone += self._idle.pop(next(iter(self._idle)))
+        for other in gone + ([sock] if sock is not None else []):
+            other.close(0)
+
+    def _forget(self, address: str) -> None:
+        with self._lock:
+            gone = self._idle.pop(address, [])
+        for sock in gone:
+            sock.close(0)
 
     def close(self) -> None:
         for server in self._servers:
@@ -207,12 +254,9 @@ class ZmqTransport(Transport):
                 sock.close(0)
 
 
-def _interface(host: str) -> str:
-    """What to bind for `host` (the address peers reach this process by): a loopback address itself (nothing
-    else can reach it); any other on every interface, since it may be a name or an address translated on the way
-    (a container's), and off loopback every role holds --disagg-secret, which the socket requires."""
+def _is_loopback(host: str) -> bool:
+    """Whether `host` (the address peers reach this process by) is this machine's loopback."""
     try:
-        address = socket_module.gethostbyname(host)
+        return ipaddress.ip_address(socket_module.gethostbyname(host)).is_loopback
     except OSError as e:
         raise ConfigurationError(f"the zmq transport cannot resolve its address {host!r}: {e}") from None
-    return address if ipaddress.ip_address(address).is_loopback else "*"

@@ -135,18 +135,20 @@ class PrefillConnector(KVConnector):
             except Exception as e:  # noqa: BLE001 - e.g. out of memory copying a long prompt's KV: that request
                 # fails (export has freed its blocks), the engine and the step's other requests go on
                 logger.exception("request %s: its KV could not be exported", out.request_id)
+                self._release(out.request_id)  # still held if it failed before it was kept
                 self._failed.append((out.request_id, f"its KV could not be exported: {type(e).__name__}"))
 
     def _keep_blocks(self, request_id: str) -> ExportedKV:
         """Delayed free: the request's blocks stay allocated for the writer, which reads each chunk from them."""
-        req, _, state_rows = self.held.pop(request_id)
+        req, _, state_rows = self.held[request_id]
         slots, read = self.runner.token_slots(req, req.num_prompt_tokens), self.runner.read_kv_rows
 
         def read_rows(start: int, end: int) -> torch.Tensor:  # on the one writer thread, whose writes block
             return read(slots[start:end], scratch=True)
 
-        self.kept[request_id] = KeptKV(req.num_prompt_tokens, None, read_rows, state_rows, req, time.monotonic())
         state = None if req.generator is None else req.generator.get_state().numpy().tobytes()
+        self.kept[request_id] = KeptKV(req.num_prompt_tokens, None, read_rows, state_rows, req, time.monotonic())
+        del self.held[request_id]  # only now: until here a failure frees its blocks (after_step)
         return ExportedKV(request_id, None, state)
 
     def take_exported(self) -> list[ExportedKV]:
