@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from vlserve.core.config import EngineArgs
-from vlserve.core.errors import VlserveError
+from vlserve.core.errors import InvalidInputError, VlserveError
 from vlserve.core.messages import EngineCoreOutput
 from vlserve.core.prompt import ProcessedPrompt
 from vlserve.core.sampling_params import SamplingParams
@@ -172,3 +172,23 @@ def test_a_heartbeat_it_cannot_decode_does_not_end_the_liveness_watch(monkeypatc
     client.hb_sock = _Beats([b"\xc1 not msgpack"], Framer(Heartbeat).encode(Heartbeat(0, 1, False)))
     asyncio.run(asyncio.wait_for(client._watch(), 10))
     assert client.dead_reason == "the engine process died (exit code -9)"
+
+
+def test_a_prompt_freed_early_keeps_its_id_until_the_engine_lets_go_of_the_request(front_end):
+    """A decode engine that copied a prompt's KV in says so while the request still runs (`inputs_released`):
+    its buffers are freed then, once; the id stays taken until the final `released`, so an aborted request's id
+    reused meanwhile can never have the new prompt's buffers freed by the old request's report."""
+    llm = front_end
+    freed = []
+    llm._send(None, [], "x", lambda: freed.append("x"))
+    llm._handle(EngineOutputs([], [], EngineStats(), inputs_released=["x"]), [])
+    assert freed == ["x"]
+    with pytest.raises(InvalidInputError, match="already in use"):
+        llm._check_id_free("x")
+    llm._handle(EngineOutputs([], [], EngineStats(), released=["x"]), [])
+    assert freed == ["x"]  # not again
+    llm._check_id_free("x")  # free now
+    llm._send(None, [], "y", lambda: freed.append("y"))  # both reports in one message: freed once
+    llm._handle(EngineOutputs([], [], EngineStats(), released=["y"], inputs_released=["y"]), [])
+    assert freed == ["x", "y"] and not llm._freed_early
+    llm.sent.clear()

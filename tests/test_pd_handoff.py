@@ -115,8 +115,8 @@ class Decode:
 
     def step(self) -> list:
         outs = self.core.step()
-        for rid in self.core.take_released():
-            self.free(rid)
+        for rid in self.core.take_inputs_released() + self.core.take_released():
+            self.free(rid)  # the second time for one request frees nothing
         return outs
 
     def free(self, rid: str) -> None:
@@ -317,6 +317,27 @@ def test_a_handed_token_its_grammar_refuses_is_a_clean_400(path, prefill):
     assert decode.nothing_held()  # released once
 
 
+def test_receive_blocks_are_released_as_the_kv_is_copied_in_and_the_id_once_the_request_leaves(path, prefill):
+    """With receive blocks the engine says a prompt's inputs are free once its KV is copied in
+    (`take_inputs_released`, while it still decodes) and again once it has left (`take_released`): the front end
+    frees the blocks at the first and keeps the id taken until the second (no bookkeeping in the engine core)."""
+    decode = Decode(path, in_place=False)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    processed, handoff, rows = prefilled(prefill, PROMPTS[0], params, "e")
+    decode.add("e", decode.receive("e", processed, rows), params, handoff)
+    early, final, steps = [], [], 0
+    while decode.core.has_unfinished and steps < 100:
+        decode.core.step()
+        early.append(decode.core.take_inputs_released())
+        final.append(decode.core.take_released())
+        steps += 1
+    first_early = next(i for i, ids in enumerate(early) if ids)
+    assert early[first_early] == ["e"] and sum(early, []) == ["e"]
+    assert sum(final, []) == ["e"] and final[-1] == ["e"] and first_early < len(final) - 1  # while it decoded
+    decode.free("e")
+    assert decode.nothing_held()
+
+
 def test_the_engine_core_holds_no_role_code():
     """Roles live in their KV connectors: engine/core.py names none of them, nor what they do with KV (no export
     or write bookkeeping: the engine process takes those from the connector)."""
@@ -328,7 +349,7 @@ def test_the_engine_core_holds_no_role_code():
             body[0] = ast.Pass()
     code = ast.unparse(tree)  # comments gone too
     found = re.findall(r"handoff|handed|hold_kv|held|swap|prefill|decode|pending_kv|export|Handoff|Prefill|Decode"
-                       r"|ExportedKV|kept|written", code)
+                       r"|ExportedKV|kept|written|early", code)
     assert not found, f"role-specific names in engine/core.py: {sorted(set(found))}"
 
 

@@ -167,6 +167,9 @@ class EngineOutputs(msgspec.Struct, tag="outputs"):
     rejected: list[RequestRejected]
     stats: EngineStats
     released: list[str] = []  # requests whose prompt buffers the engine no longer reads: they may be freed
+    # Requests still running whose prompt buffers it stopped reading (a decode engine copied their KV in): freed
+    # now; each comes in `released` too once it has left (after this, or in the same message).
+    inputs_released: list[str] = []
     handed: list[HandedKV] = []  # prefill instance: KV of requests that finished (its KV connector's exports)
     written: list[KVWritten] = []  # prefill instance: the row writes that ended since the last message
     reserved: list[KVReserved] = []  # decode instance: answers to `ReserveKV`

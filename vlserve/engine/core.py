@@ -74,7 +74,7 @@ class EngineCore:
         # Outputs a request arrived with (sampled elsewhere): waiting for its grammar, then reported at the next step.
         self._arrived_with: dict[str, EngineCoreOutput] = {}
         self._ready_arrived: list[EngineCoreOutput] = []
-        self._released_early: set[str] = set()  # prompts released once their KV was loaded, before they left
+        self._inputs_released: list[str] = []  # prompts whose buffers the engine stopped reading before they left
         # Async scheduling (not with a KV connector: its moves need each step's results first): the step launched
         # and not finished yet, as (schedule, launch).
         self.async_scheduling = cfg.async_scheduling and connector is None
@@ -149,20 +149,22 @@ class EngineCore:
         for rid, why in moved.failed:
             self.abort_requests([rid])
             self._failed.append((self._parent_of.get(rid, rid), why, 500))
-        for rid in moved.loaded:  # the prompt's inputs (receive blocks) are not needed any more
-            parent = self._parent_of.get(rid, rid)
-            if parent not in self._released_early:
-                self._released_early.add(parent)
-                if self.report_released:
-                    self._released.append(parent)
+        if self.report_released:  # the prompt's inputs (receive blocks) are not read any more
+            self._inputs_released += [self._parent_of.get(rid, rid) for rid in moved.loaded]
 
     @property
     def has_released(self) -> bool:
-        return bool(self._released)
+        return bool(self._released or self._inputs_released)
 
     def take_released(self) -> list[str]:
         """Requests all of whose samples have left the engine since the last call."""
         released, self._released = self._released, []
+        return released
+
+    def take_inputs_released(self) -> list[str]:
+        """Requests whose prompt buffers the engine stopped reading since the last call while they still run (a
+        connector loaded their KV): the front end may free those now; each is in `take_released` later too."""
+        released, self._inputs_released = self._inputs_released, []
         return released
 
     def _left(self, child_ids) -> None:
@@ -174,9 +176,8 @@ class EngineCore:
             children.discard(child_id)
             if not children:
                 del self._open[parent]
-                if self.report_released and parent not in self._released_early:
+                if self.report_released:
                     self._released.append(parent)
-                self._released_early.discard(parent)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for rid in request_ids:  # a grammar not being built yet never will be

@@ -185,8 +185,9 @@ class EngineCoreLoop:
         tensors: list = []
         kv = [HandedKV(e.request_id, None if e.rows is None else tensor_ref(e.rows, tensors), e.generator_state)
               for e in handed]
-        msg = EngineOutputs(outputs, self.rejected, stats, self.core.take_released(), kv, list(written),
-                            self.reserved)
+        msg = EngineOutputs(outputs, self.rejected, stats, released=self.core.take_released(),
+                            inputs_released=self.core.take_inputs_released(), handed=kv, written=list(written),
+                            reserved=self.reserved)
         self.outputs.send_multipart(self.out_framer.encode(msg, tensors), copy=False)
         self.rejected, self.reserved = [], []
 

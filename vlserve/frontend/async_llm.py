@@ -173,6 +173,9 @@ class AsyncLLM:
         self.streams: dict[str, RequestStream] = {}
         # request id -> frees its prompt (taken over from its PreparedPrompt) once the engine is done with it
         self.releases: dict[str, Callable[[], None]] = {}
+        # Prompts freed while their request still runs in the engine (`EngineOutputs.inputs_released`): the id
+        # stays taken until the engine's final `released`, which then frees nothing.
+        self._freed_early: set[str] = set()
         self.prefills: dict[str, _Prefill] = {}  # prefill instance: requests whose KV the engine sends back
         self.prompt_encoder: PromptEncoder = (prompt_encoder or default_prompt_encoder)(self)
         buffers = self.prompt_encoder.transfer_buffers  # where a remote encoder's rows land, if anywhere
@@ -347,7 +350,8 @@ class AsyncLLM:
 
     def _check_id_free(self, request_id: str) -> None:
         # An id whose prompt is not yet released is still the engine's: its report must free that prompt only.
-        if request_id in self.streams or request_id in self.prefills or request_id in self.releases:
+        if request_id in self.streams or request_id in self.prefills or request_id in self.releases \
+                or request_id in self._freed_early:
             raise InvalidInputError(f"request id {request_id!r} is already in use")
 
     def _send(self, msg, tensors: list, request_id: str, release: Callable[[], None] | None) -> None:
@@ -408,11 +412,20 @@ class AsyncLLM:
             stream.put(out)
             if out.finished:
                 del self.streams[out.request_id]
+        for request_id in msg.inputs_released:  # first: a request's final release may be in this message too
+            self._freed_early.add(request_id)
+            self._release_logged(request_id)
         for request_id in msg.released:
-            try:
-                self._release(request_id)
-            except Exception:  # noqa: BLE001 - the engine is done with it: the request itself is not affected
-                logger.exception("request %s: its prompt's buffers could not be released", request_id)
+            if request_id in self._freed_early:
+                self._freed_early.discard(request_id)  # freed already; the id is free again
+            else:
+                self._release_logged(request_id)
+
+    def _release_logged(self, request_id: str) -> None:
+        try:
+            self._release(request_id)
+        except Exception:  # noqa: BLE001 - the engine is done with it: the request itself is not affected
+            logger.exception("request %s: its prompt's buffers could not be released", request_id)
 
     def _reject(self, request_id: str, message: str, status: int) -> None:
         """Refused by the engine (at admission, or after: its KV could not be written or exported, ...)."""
@@ -503,3 +516,4 @@ class AsyncLLM:
         if self.core.dead_reason is not None or not log:
             for rid in list(self.releases):  # a dead engine reads nothing any more
                 self._release(rid)
+            self._freed_early.clear()
