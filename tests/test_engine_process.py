@@ -32,7 +32,7 @@ def test_bad_messages_are_answered_and_the_engine_survives(tiny_ckpt):
 
     async def run():
         args = EngineArgs(model=str(tiny_ckpt("qwen2_vl")), dtype="float32", num_kv_blocks=32)
-        client = EngineCoreClient(args, resolve_model_facts(args), on_outputs=lambda msg, frames: got.append(msg))
+        client = EngineCoreClient(args, resolve_model_facts(args), on_outputs=got.append)
         await client.start()
         try:
             params = SamplingParams(max_tokens=2, temperature=0)
@@ -87,7 +87,7 @@ def test_an_output_loop_that_cannot_go_on_marks_the_engine_dead():
     failures: list[str] = []
     handled: list[EngineOutputs] = []
 
-    def on_outputs(msg, frames):
+    def on_outputs(msg):
         handled.append(msg)
         raise RuntimeError("the front end's bookkeeping is broken")
 
@@ -126,8 +126,7 @@ def test_a_request_whose_output_cannot_be_handled_fails_alone(front_end, monkeyp
 
         monkeypatch.setattr(detok, "update", broken)
         llm.sent.clear()
-        llm._handle(EngineOutputs([EngineCoreOutput("bad", [9]), EngineCoreOutput("good", [9])], [], EngineStats()),
-                    [])
+        llm._handle(EngineOutputs([EngineCoreOutput("bad", [9]), EngineCoreOutput("good", [9])], [], EngineStats()))
         out = await asyncio.wait_for(good.__anext__(), 10)
         assert out.outputs[0].token_ids == [9] and not out.finished
         with pytest.raises(VlserveError, match="internal error") as failed:
@@ -135,7 +134,7 @@ def test_a_request_whose_output_cannot_be_handled_fails_alone(front_end, monkeyp
         assert failed.value.http_status == 500
         assert [(m.request_ids, m.reason) for m in llm.sent] == [(["bad"], "abort")]
         assert "bad" not in llm.streams and llm.output_processor.parent_of("bad") is None
-        llm._handle(EngineOutputs([EngineCoreOutput("good", [10], finish_reason="length")], [], EngineStats()), [])
+        llm._handle(EngineOutputs([EngineCoreOutput("good", [10], finish_reason="length")], [], EngineStats()))
         out = await asyncio.wait_for(good.__anext__(), 10)
         assert out.finished and out.outputs[0].token_ids == [9, 10]
 
@@ -181,14 +180,14 @@ def test_a_prompt_freed_early_keeps_its_id_until_the_engine_lets_go_of_the_reque
     llm = front_end
     freed = []
     llm._send(None, [], "x", lambda: freed.append("x"))
-    llm._handle(EngineOutputs([], [], EngineStats(), inputs_released=["x"]), [])
+    llm._handle(EngineOutputs([], [], EngineStats(), inputs_released=["x"]))
     assert freed == ["x"]
     with pytest.raises(InvalidInputError, match="already in use"):
         llm._check_id_free("x")
-    llm._handle(EngineOutputs([], [], EngineStats(), released=["x"]), [])
+    llm._handle(EngineOutputs([], [], EngineStats(), released=["x"]))
     assert freed == ["x"]  # not again
     llm._check_id_free("x")  # free now
     llm._send(None, [], "y", lambda: freed.append("y"))  # both reports in one message: freed once
-    llm._handle(EngineOutputs([], [], EngineStats(), released=["y"], inputs_released=["y"]), [])
+    llm._handle(EngineOutputs([], [], EngineStats(), released=["y"], inputs_released=["y"]))
     assert freed == ["x", "y"] and not llm._freed_early
     llm.sent.clear()

@@ -39,7 +39,7 @@ def test_engine_process_publishes_keepalives_and_blocks(tiny_ckpt):
     async def run():
         args = EngineArgs(model=str(tiny_ckpt("qwen2_vl")), dtype="float32", num_kv_blocks=32,
                           kv_events_endpoint=endpoint)
-        client = EngineCoreClient(args, resolve_model_facts(args), on_outputs=lambda msg, frames: None)
+        client = EngineCoreClient(args, resolve_model_facts(args), on_outputs=lambda msg: None)
         await client.start()
         try:
             # idle: keepalives only, at least two of them a second or so apart, in sequence

@@ -233,7 +233,7 @@ def test_a_released_requests_queued_writes_never_start_and_late_ones_are_refused
     writer = SlowWriter()
     connector = make_connector("prefill", cfg, writer)
     rows = torch.zeros(8, cfg.model.kv_row_width)
-    connector.kept.update({rid: KeptKV(8, rows, None, None, None, time.monotonic()) for rid in "ab"})
+    connector.kept.update({rid: KeptKV.of_rows(rows, 8) for rid in "ab"})
     try:
         assert connector.write(WriteKV("a", 0, 0, 4, b"first")) is None  # starts, waits for `go`
         assert connector.write(WriteKV("a", 1, 4, 8, b"queued")) is None

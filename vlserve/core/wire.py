@@ -136,11 +136,10 @@ class RequestRejected(msgspec.Struct, array_like=True):
 
 
 class HandedKV(msgspec.Struct, array_like=True):
-    """A finished request's prompt KV exported by a prefill engine, one row per token (see engine.kv_handoff), as a
-    tensor frame; None when the engine keeps the rows and writes them to the receiver itself (`WriteKV`)."""
+    """A finished request exported by a prefill engine: its KV stays in the engine process, which writes it into
+    the receiver itself when the front end asks (`WriteKV`); this carries its random state."""
 
     request_id: str
-    rows: TensorRef | None
     generator_state: bytes | None = None
 
 

@@ -169,14 +169,14 @@ def require_secret_off_loopback(auth: PeerAuth, host: str, role: str) -> None:
     """Open channels are acceptable only where nobody else can reach them."""
     if auth.enabled:
         return
-    if not _is_loopback(host):
+    if not is_loopback(host):
         raise InvalidInputError(f"{role} listens on {host} without --disagg-secret: anyone who reaches it could join "
                                 "the deployment or read requests. Set --disagg-secret (or VLSERVE_DISAGG_SECRET) on "
                                 "every role, or listen on a loopback address")
     logger.warning("%s runs without --disagg-secret: only safe because it listens on loopback", role)
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     if host in ("localhost", ""):
         return host == "localhost"
     try:

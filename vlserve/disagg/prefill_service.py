@@ -107,9 +107,7 @@ class PrefillService(SenderService):
             with await self.engine.prepare(prompt, req.mm_processor_kwargs, request_id=engine_id,
                                            adapter=req.lora) as prepared:
                 computed = with_adapter(prepared.prompt, req.lora)  # the item hashes the decode side keys by
-                handoff, rows = await self.engine.prefill(prepared, req.params, engine_id, req.lora)  # takes it over
-            if rows is not None:
-                raise RuntimeError("the engine handed its KV rows over instead of writing them itself")
+                handoff = await self.engine.prefill(prepared, req.params, engine_id, req.lora)  # takes it over
             transfer = OutgoingTransfer(key, computed, req.block_tokens, every_token=True,
                                         tail_rows=PREFILL_PEERS.tail_rows(self.engine.cfg), target=req.target,
                                         handoff=handoff)

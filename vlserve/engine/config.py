@@ -197,6 +197,9 @@ def fit_kv_in_shared_memory(cfg: VlserveConfig) -> VlserveConfig:
     logger.warning("the KV cache goes into shared memory, which has room for %d of the %d blocks it would have "
                    "had: %d blocks (give /dev/shm more room, e.g. a container's --shm-size, for more)", most,
                    cfg.num_kv_blocks, most)
+    if most * cfg.block_size < cfg.max_model_len:
+        logger.warning("that is less than one sequence of --max-model-len %d tokens: longer prompts are refused",
+                       cfg.max_model_len)
     return dataclasses.replace(cfg, num_kv_blocks=most)
 
 

@@ -61,7 +61,7 @@ def _engine_process(*args) -> None:
 
 class EngineCoreClient:
     def __init__(self, args: EngineArgs, facts: ModelFacts, log_level: str = "INFO", heartbeat_timeout: float = 10.0,
-                 on_outputs: Callable[[EngineOutputs, list], None] | None = None,
+                 on_outputs: Callable[[EngineOutputs], None] | None = None,
                  on_failure: Callable[[str], None] | None = None,
                  on_recovery: Callable[[], None] | None = None, transfer_layout: BufferLayout | None = None,
                  kv_role: str | None = None, media_pool: int | None = None,
@@ -78,7 +78,7 @@ class EngineCoreClient:
         self.transfer_layout = transfer_layout
         self.heartbeat_timeout = heartbeat_timeout
         self.stuck_after = max(STUCK_STEP_MIN_S, 30 * heartbeat_timeout)
-        self.on_outputs = on_outputs or (lambda msg, frames: None)  # frames: tensor frames of `handed` KV
+        self.on_outputs = on_outputs or (lambda msg: None)
         self.on_failure = on_failure or (lambda reason: None)
         self.on_recovery = on_recovery or (lambda: None)
         self.proc: multiprocessing.Process | None = None
@@ -190,7 +190,7 @@ class EngineCoreClient:
                     self._die(msg.message)
                     return
                 if isinstance(msg, EngineOutputs):
-                    self.on_outputs(msg, frames)
+                    self.on_outputs(msg)
                     # A ready socket returns at once: let /health and other requests in between two steps' outputs.
                     await asyncio.sleep(0)
         except asyncio.CancelledError:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from vlserve.core.config import decode_args, kv_cache_shared
+from vlserve.core.config import PREFILL, decode_args, kv_cache_shared
 from vlserve.core.errors import ConfigurationError, InvalidInputError, VlserveError
 from vlserve.core.processes import die_with_parent, freeze_startup_heap, log_format
 from vlserve.core.wire import (
@@ -45,7 +45,6 @@ from vlserve.core.wire import (
     WriteKV,
     prompt_from_wire,
     request_id_of,
-    tensor_ref,
 )
 from vlserve.engine.config import fit_kv_in_shared_memory, resolve_config
 from vlserve.engine.core import EngineCore
@@ -182,13 +181,11 @@ class EngineCoreLoop:
         stats = EngineStats(**{k: v for k, v in metrics.items() if k in EngineStats.__struct_fields__},
                             encoder_seconds=self.core.take_encoder_seconds(),
                             kv_rows_kept=self.held_reported[0], kv_blocks_reserved=self.held_reported[1])
-        tensors: list = []
-        kv = [HandedKV(e.request_id, None if e.rows is None else tensor_ref(e.rows, tensors), e.generator_state)
-              for e in handed]
+        kv = [HandedKV(e.request_id, e.generator_state) for e in handed]
         msg = EngineOutputs(outputs, self.rejected, stats, released=self.core.take_released(),
                             inputs_released=self.core.take_inputs_released(), handed=kv, written=list(written),
                             reserved=self.reserved)
-        self.outputs.send_multipart(self.out_framer.encode(msg, tensors), copy=False)
+        self.outputs.send_multipart(self.out_framer.encode(msg, []), copy=False)
         self.rejected, self.reserved = [], []
 
 
@@ -241,7 +238,7 @@ def run_engine_core(args_json: bytes, facts_json: bytes, addresses: dict[str, st
     heartbeats.start()
     framer = Framer(EngineMessage)
     exit_code = 0
-    receiver = None
+    receiver, core = None, None
     try:
         try:
             log_once()
@@ -253,6 +250,8 @@ def run_engine_core(args_json: bytes, facts_json: bytes, addresses: dict[str, st
             cfg = resolve_config(args, decode_facts(facts_json))
             if kv_cache_shared(kv_role, cfg.tensor_parallel_size, cfg.device.type):
                 cfg = fit_kv_in_shared_memory(dataclasses.replace(cfg, kv_cache_file=True))
+            if kv_role == PREFILL and kv_writer is None:  # its KV leaves this process only through a writer
+                raise ConfigurationError("a prefill engine process needs a row writer (vlserve prefill makes it)")
             connector = make_connector(kv_role, cfg, None if kv_writer is None else kv_writer())
             core = EngineCore(cfg, report_released=True, transfer=transfer, connector=connector)
             if kv_receiver is not None:  # where peers write prompts' KV: the KV cache, or the receive blocks
@@ -265,6 +264,12 @@ def run_engine_core(args_json: bytes, facts_json: bytes, addresses: dict[str, st
             config_error = isinstance(e, (ConfigurationError, InvalidInputError))
             outputs.send_multipart(framer.encode(EngineFailed(f"{type(e).__name__}: {e}", config_error)))
             exit_code = 1
+            if core is not None:  # e.g. its KV receiver could not start: the other ranks and the writer go now
+                try:
+                    core.shutdown()
+                finally:
+                    if core.connector is not None:
+                        core.connector.close()
             return
         kv = core.runner.kv_buffers
         outputs.send_multipart(framer.encode(EngineReady(core.cfg.num_kv_blocks, core.cfg.max_model_len,

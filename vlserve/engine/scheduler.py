@@ -124,7 +124,7 @@ class Scheduler:
         # Admit waiting requests only when nothing was preempted: if blocks were short just now, they still are.
         # A request whose grammar is still being built is passed over (it keeps its place in the queue); one whose
         # grammar failed waits for the engine core to refuse it.
-        if self.connector is not None and not out.preempted:
+        if self.connector is not None and self.connector.holds_blocks_for_waiting and not out.preempted:
             self._admit_holding_blocks(out)
         not_ready: list[Request] = []
         while self.waiting and token_budget > 0 and not out.preempted and len(self.running) < self.cfg.max_num_seqs:

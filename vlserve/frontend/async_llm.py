@@ -16,7 +16,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import msgspec
-import torch
 
 from vlserve.core.config import EngineArgs
 from vlserve.core.cpu_budget import media_pool_size, plan_threads
@@ -29,7 +28,7 @@ from vlserve.core.processes import finish
 from vlserve.core.prompt import MEDIA_KINDS
 from vlserve.core.sampling_params import SamplingParams, fan_out
 from vlserve.core.structured_outputs import GrammarLimits
-from vlserve.core.wire import EngineOutputs, FinishRequests, prompt_to_wire, tensor_from
+from vlserve.core.wire import EngineOutputs, FinishRequests, prompt_to_wire
 from vlserve.engine.core_client import EngineCoreClient
 from vlserve.engine.transfer_buffers import BufferLayout
 from vlserve.frontend.config import FrontendConfig
@@ -97,10 +96,10 @@ class _Prefill:
 
 
 def _kept_but_not_taken(future: asyncio.Future) -> bool:
-    """A prefill's result that its caller, cancelled, never took, whose KV rows the engine keeps."""
+    """A prefill's result that its caller, cancelled, never took (its KV the engine keeps)."""
     if not future.done() or future.cancelled() or future.exception() is not None:
         return False
-    return asyncio.current_task().cancelling() > 0 and future.result()[1] is None
+    return asyncio.current_task().cancelling() > 0
 
 
 class RequestHandle:
@@ -150,7 +149,7 @@ class AsyncLLM:
         # Config files only (the weights load in the engine process), resolved here once: the engine gets them.
         self.facts = resolve_model_facts(args)
         self.cfg = FrontendConfig.of(self.facts, args)
-        self.args, self.kv_role = args, kv_role
+        self.args = args
         self.model_name = model_name
         self.input_processor = InputProcessor.for_model(self.cfg, **(media_bounds or {}))
         self.tokenizer = self.input_processor.tokenizer
@@ -285,12 +284,11 @@ class AsyncLLM:
         return RequestHandle(self, request_id, stream)
 
     async def prefill(self, prepared: PreparedPrompt, params: SamplingParams, request_id: str,
-                      adapter: AdapterRef | None = None) -> tuple[Handoff, torch.Tensor | None]:
+                      adapter: AdapterRef | None = None) -> Handoff:
         """Prefill instance: takes the prompt over, computes it (with LoRA adapter `adapter`, if any) and samples
         its first token as the whole request would (`params.for_prefill()`); returns that output with the random
-        state, and the prompt's KV rows ([tokens, width], see engine.kv_handoff), or None when the engine keeps
-        them to write them itself (`kv_writes`; released with `kv_writes.release`). Cancelling aborts it in the
-        engine."""
+        state. The engine keeps the prompt's KV to write it itself (`kv_writes`; released with
+        `kv_writes.release`). Cancelling aborts it in the engine."""
         release = prepared.hand_over()
         try:
             self.check_accepting()
@@ -367,7 +365,7 @@ class AsyncLLM:
             self.core.send(FinishRequests(child_ids, "abort"))
 
     # ---- engine outputs ------------------------------------------------------------------------------------
-    def _handle(self, msg: EngineOutputs, frames: list) -> None:
+    def _handle(self, msg: EngineOutputs) -> None:
         """One engine message, request by request: a request whose part cannot be handled (a bug, e.g. in its
         detokenizer) fails alone with a 500 and leaves the engine; the others go on. What still escapes is the
         output loop's to judge (it marks the engine dead: see EngineCoreClient._output_loop)."""
@@ -376,7 +374,7 @@ class AsyncLLM:
         except Exception:  # noqa: BLE001 - the metrics only: no request depends on them
             logger.exception("the engine's stats could not be recorded")
         if self.prefills:
-            msg.outputs = self._take_prefills(msg, frames)
+            msg.outputs = self._take_prefills(msg)
         if msg.written:
             self.kv_writes.settle(msg.written)
         if msg.reserved:
@@ -452,7 +450,7 @@ class AsyncLLM:
             waiting.future.set_exception(failure)
         self.abort(request_id)
 
-    def _take_prefills(self, msg: EngineOutputs, frames: list) -> list[EngineCoreOutput]:
+    def _take_prefills(self, msg: EngineOutputs) -> list[EngineCoreOutput]:
         """Settles the prefills whose first token and KV arrived; returns the other requests' outputs."""
         rest = []
         for out in msg.outputs:
@@ -464,13 +462,7 @@ class AsyncLLM:
         for handed in msg.handed:
             waiting = self.prefills.pop(handed.request_id, None)
             if waiting is not None and waiting.first is not None and not waiting.future.done():
-                try:
-                    rows = None if handed.rows is None else tensor_from(handed.rows, frames)
-                except Exception as e:  # noqa: BLE001 - that prefill fails, the others are settled
-                    logger.error("request %s: its KV rows could not be read", handed.request_id, exc_info=e)
-                    waiting.fail(f"internal error reading this request's KV: {type(e).__name__}", 500)
-                    continue
-                waiting.future.set_result((Handoff(waiting.first, handed.generator_state), rows))
+                waiting.future.set_result(Handoff(waiting.first, handed.generator_state))
         for rid, waiting in list(self.prefills.items()):
             if waiting.first is not None and waiting.first.finish_reason == "abort":
                 del self.prefills[rid]  # e.g. its grammar refused the token: nothing to hand over

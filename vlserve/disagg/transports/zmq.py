@@ -15,11 +15,9 @@ control channel).
 
 from __future__ import annotations
 
-import ipaddress
 import itertools
 import logging
 import shutil
-import socket as socket_module
 import tempfile
 import threading
 import time
@@ -30,7 +28,7 @@ import torch
 import zmq
 
 from vlserve.core.errors import ConfigurationError
-from vlserve.disagg.auth import PeerAuth
+from vlserve.disagg.auth import PeerAuth, is_loopback
 from vlserve.disagg.messages import TransferTarget
 from vlserve.disagg.transports.base import Transport, write_run, write_timeout_s
 from vlserve.engine.transfer_buffers import DTYPES, TransferBuffers
@@ -69,7 +67,7 @@ class RowServer:
     def __init__(self, buffers: TransferBuffers, host: str, auth: PeerAuth):
         self.buffers, self.auth = buffers, auth
         self._stop, self._thread, self._folder = threading.Event(), None, None
-        local = _is_loopback(host)
+        local = is_loopback(host)  # the one rule every channel follows
         if not local and not auth.enabled:
             raise ConfigurationError(f"the zmq row socket would listen on {host} without --disagg-secret: set it on "
                                      "every role, or use a loopback address")
@@ -162,7 +160,7 @@ class ZmqTransport(Transport):
 
     def __init__(self, host: str = "127.0.0.1", secret: str | None = None):
         super().__init__(host, secret)
-        self.secret = secret
+        self.secret, self._client_auth = secret, PeerAuth(secret)
         self.write_timeout = write_timeout_s()  # below the receiver's quarantine of a failed transfer's blocks
         self._servers: list[RowServer] = []
         self._idle: dict[str, list[zmq.Socket]] = {}  # receiver address -> connected sockets not in use
@@ -220,7 +218,7 @@ class ZmqTransport(Transport):
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.linger = 0
         sock.immediate = True  # sendable only once connected: an unreachable receiver fails fast
-        PeerAuth(self.secret).secure_client(sock)
+        self._client_auth.secure_client(sock)
         sock.connect(address)
         return sock
 
@@ -252,11 +250,3 @@ class ZmqTransport(Transport):
         for socks in idle.values():
             for sock in socks:
                 sock.close(0)
-
-
-def _is_loopback(host: str) -> bool:
-    """Whether `host` (the address peers reach this process by) is this machine's loopback."""
-    try:
-        return ipaddress.ip_address(socket_module.gethostbyname(host)).is_loopback
-    except OSError as e:
-        raise ConfigurationError(f"the zmq transport cannot resolve its address {host!r}: {e}") from None

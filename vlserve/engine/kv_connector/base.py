@@ -112,6 +112,12 @@ class KVConnector:
     def keeps_kv_on_preempt(self, req: Request) -> bool:
         return False
 
+    @property
+    def holds_blocks_for_waiting(self) -> bool:
+        """A waiting request already holds the blocks its KV was written into (`PendingKV.take_blocks`): the
+        scheduler looks for those first. False lets it skip that pass."""
+        return False
+
     def request_finished(self, req: Request, status: RequestStatus) -> bool:
         """True: the connector keeps the request's blocks (it frees them later); False: the scheduler frees them."""
         return False

@@ -149,6 +149,10 @@ class DecodeConnector(KVConnector):
     def pending_kv(self, req: Request) -> PendingKV | None:
         return self._pending.get(req.request_id)
 
+    @property
+    def holds_blocks_for_waiting(self) -> bool:
+        return self.in_place and self._reserved.has_claims
+
     def keeps_kv_on_preempt(self, req: Request) -> bool:
         return req.request_id in self._not_recomputable
 

@@ -37,19 +37,23 @@ HELD_KV_TTL_S = 120.0  # a finished prefill's blocks are kept this long at most
 
 @dataclass
 class KeptKV:
-    """A finished prompt's KV kept for the writer: its rows, or (one CPU rank) its blocks, read per write."""
+    """A finished prompt's KV kept for the writer: its rows read out already, or (one CPU rank) its blocks."""
 
     num_tokens: int
-    rows: torch.Tensor | None  # every token's row then the state rows; None: read from the blocks per write
-    read_rows: Callable[[int, int], torch.Tensor] | None  # tokens start..end's rows, out of the kept blocks
-    state_rows: torch.Tensor | None  # a hybrid model's, written after the last token's row
-    req: Request | None  # whose blocks stay allocated until the transfer is over (or None)
+    read_rows: Callable[[int, int], torch.Tensor]  # tokens start..end's rows (sliced, or read out of the blocks)
+    state_rows: torch.Tensor | None  # a hybrid model's, written after the last token's row (when not in rows)
+    req: Request | None  # whose blocks stay allocated until the transfer is over (None: rows read out)
     last_used: float
+
+    @classmethod
+    def of_rows(cls, rows: torch.Tensor, num_tokens: int) -> "KeptKV":
+        """Rows read out at export: every token's, then any state rows (sliced with the last chunk, not copied)."""
+        def read_rows(start: int, end: int) -> torch.Tensor:
+            return rows[start:end] if end < num_tokens else rows[start:]
+        return cls(num_tokens, read_rows, None, None, time.monotonic())
 
     def rows_of(self, start: int, end: int) -> torch.Tensor:
         """Tokens start..end as rows; the last chunk also carries the state rows. On the writer thread."""
-        if self.rows is not None:
-            return self.rows[start:end] if end < self.num_tokens else self.rows[start:]
         rows = self.read_rows(start, end)
         if end == self.num_tokens and self.state_rows is not None:
             rows = torch.cat([rows, self.state_rows])
@@ -129,7 +133,7 @@ class PrefillConnector(KVConnector):
                 num_tokens = self.held[out.request_id][0].num_prompt_tokens
                 kv = self.export(out.request_id)
                 if self.writer is not None:  # written from here, chunk by chunk, when the front end asks
-                    self.kept[kv.request_id] = KeptKV(num_tokens, kv.rows, None, None, None, time.monotonic())
+                    self.kept[kv.request_id] = KeptKV.of_rows(kv.rows, num_tokens)
                     kv.rows = None
                 exported.append(kv)
             except Exception as e:  # noqa: BLE001 - e.g. out of memory copying a long prompt's KV: that request
@@ -147,7 +151,7 @@ class PrefillConnector(KVConnector):
             return read(slots[start:end], scratch=True)
 
         state = None if req.generator is None else req.generator.get_state().numpy().tobytes()
-        self.kept[request_id] = KeptKV(req.num_prompt_tokens, None, read_rows, state_rows, req, time.monotonic())
+        self.kept[request_id] = KeptKV(req.num_prompt_tokens, read_rows, state_rows, req, time.monotonic())
         del self.held[request_id]  # only now: until here a failure frees its blocks (after_step)
         return ExportedKV(request_id, None, state)
 

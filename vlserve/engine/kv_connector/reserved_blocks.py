@@ -16,6 +16,11 @@ class ReservedBlocks:
         self._claims: dict[str, tuple[str, list[int]]] = {}  # queued request -> (holder, the run it will take)
         self._claimed: set[int] = set()  # every block of those runs
 
+    @property
+    def has_claims(self) -> bool:
+        """A queued request waits to take a run it claimed."""
+        return bool(self._claims)
+
     def reserve(self, holder: str, num_blocks: int) -> list[int]:
         """`num_blocks` more for `holder` (the caller checked the pool has them)."""
         blocks = self.pool.allocate(num_blocks)
