@@ -56,6 +56,7 @@ from vlserve.engine.model_shard import ModelShard  # noqa: E402
 from vlserve.engine.transfer_buffers import TransferBuffers  # noqa: E402
 
 BLOCK_ROWS = 16
+GRANT = "bench"  # the one transfer the decode side reserves its blocks for (a row socket takes no other write)
 
 
 def _engine_side(address: str, nbytes: int, rounds: int) -> None:
@@ -75,7 +76,11 @@ def _decode_engine_side(layout: bytes, conn, host: str, secret: str | None) -> N
     from vlserve.disagg.transports.row_writer import kv_receiver_maker
     from vlserve.engine.transfer_buffers import BufferLayout
 
+    from vlserve.engine.write_grants import WriteGrants
+
     buffers = TransferBuffers.attach(msgspec.msgpack.decode(layout, type=BufferLayout))
+    buffers.grants = WriteGrants()  # as a decode engine's connector has them, reserving every block for one transfer
+    buffers.grants.open(GRANT, range(buffers.num_blocks))
     receiver = kv_receiver_maker("zmq", host, secret)(buffers)
     conn.send(receiver.target)
     conn.recv()
@@ -205,7 +210,8 @@ def main() -> None:
                 target=_decode_engine_side, args=(msgspec.msgpack.encode(kv_file.layout), theirs, host, secret))
             decode.start()
             zmq_writer = row_writer_maker("zmq", host, 120.0, secret)()
-            to_decode = encode_destination(decode_target(ours.recv()), blocks, "zmq")
+            target = msgspec.structs.replace(decode_target(ours.recv()), grant=GRANT)
+            to_decode = encode_destination(target, blocks, "zmq")
             zmq_now[how] = timed(lambda: zmq_writer.write(to_decode, rows))
             if not torch.equal(written, expected):
                 raise SystemExit(f"the KV written over zmq ({how}) differs")

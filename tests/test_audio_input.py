@@ -179,9 +179,9 @@ def test_resampling_gives_the_length_and_the_sound(rate):
 
 def test_a_rate_change_inside_the_stream_is_followed():
     """Decoding state restarts at a new rate (chained streams): both parts arrive, each converted."""
-    from vlserve.media.audio import _MonoStream
+    from vlserve.media.audio_samples import MonoStream
 
-    out = _MonoStream(16000)
+    out = MonoStream(16000)
     out.add(sine(0.5, 8000), 8000)
     out.add(sine(0.5, 32000), 32000)
     assert abs(len(out.result()) - 16000) <= 2

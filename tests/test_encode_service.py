@@ -17,16 +17,17 @@ from prometheus_client import generate_latest
 
 from tests.conftest import noise_image
 from tests.test_disagg import data_url
-from vlserve.core.config import ENCODE, EngineArgs, Options
+from vlserve.core.config import ENCODE, DisaggArgs, EngineArgs, Options
 from vlserve.core.errors import ConfigurationError
 from vlserve.disagg.encode_service import EncodeService
 
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
+SECRET = DisaggArgs(disagg_secret="test-encode-secret")  # an encoder starts only with the deployment's secret
 
 
 @pytest.fixture(scope="module")
 def service(tiny_ckpt):
-    svc = EncodeService(Options(engine=EngineArgs(model=str(tiny_ckpt("qwen2_vl")), dtype="float32")))
+    svc = EncodeService(Options(engine=EngineArgs(model=str(tiny_ckpt("qwen2_vl")), dtype="float32"), disagg=SECRET))
     yield svc
     asyncio.run(svc.aclose())
 
@@ -245,7 +246,7 @@ def test_two_ranks_encode_what_one_does(service, tiny_ckpt, mode):
     """`vlserve encode --tensor-parallel-size 2 [--mm-encoder-tp-mode data]`: the tower's weights split over two
     rank processes (or whole on each, the pictures shared out), the rows the single-device service's."""
     two = EncodeService(Options(engine=EngineArgs(model=str(tiny_ckpt("qwen2_vl")), dtype="float32",
-                                                  tensor_parallel_size=2, mm_encoder_tp_mode=mode)))
+                                                  tensor_parallel_size=2, mm_encoder_tp_mode=mode), disagg=SECRET))
     try:
         assert two.tower.tp.size == 2 and two.encoders.whole_step == (mode == "data")
         assert two.cfg.num_kv_blocks == 0 and getattr(two.tower.model, "language_model", None) is None
@@ -259,7 +260,8 @@ def test_two_ranks_encode_what_one_does(service, tiny_ckpt, mode):
 
 def test_a_tower_the_ranks_cannot_split_is_refused_at_start_naming_the_flags(tiny_ckpt):
     """The tiny tower has two heads: four ranks cannot split its weights, and say to share out pictures instead."""
-    opts = Options(engine=EngineArgs(model=str(tiny_ckpt("qwen2_vl")), dtype="float32", tensor_parallel_size=4))
+    opts = Options(engine=EngineArgs(model=str(tiny_ckpt("qwen2_vl")), dtype="float32", tensor_parallel_size=4),
+                   disagg=SECRET)
     with pytest.raises(ConfigurationError, match=r"tensor_parallel_size 4 does not divide the model's vision "
                                                  r"attention heads \(try mm_encoder_tp_mode data\)"):
         EncodeService(opts)

@@ -35,7 +35,8 @@ OMNI_IMAGE = "<|vision_bos|><|IMAGE|><|vision_eos|>"
 
 
 def _service(path, towers=None) -> EncodeService:
-    return EncodeService(Options(engine=EngineArgs(model=str(path), dtype="float32", towers=towers)))
+    return EncodeService(Options(engine=EngineArgs(model=str(path), dtype="float32", towers=towers),
+                                 disagg=DisaggArgs(disagg_secret="test-encode-secret")))
 
 
 @pytest.fixture(scope="module")

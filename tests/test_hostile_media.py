@@ -334,13 +334,15 @@ GUID_TAIL = bytes.fromhex("000000001000800000aa00389b71")  # KSDATAFORMAT_SUBTYP
 
 
 def wav(tag: int = 1, channels: int = 1, rate: int = 16000, bits: int = 16, data: bytes = b"\0\0" * 1600,
-        extension: bytes | None = None) -> bytes:
-    """A RIFF/WAVE file with exactly this `fmt ` chunk (`extension`: cbSize and what follows)."""
+        extension: bytes | None = None, align: int | None = None, before: bytes = b"") -> bytes:
+    """A RIFF/WAVE file with exactly this `fmt ` chunk (`extension`: cbSize and what follows; `align`: the
+    block align, else the one the samples take), after the chunks `before`."""
     width = max(bits, 8) // 8
-    fmt = struct.pack("<HHIIHH", tag, channels, rate, rate * channels * width, channels * width, bits)
+    align = channels * width if align is None else align
+    fmt = struct.pack("<HHIIHH", tag, channels, rate, rate * channels * width, align, bits)
     if extension is not None:
         fmt += struct.pack("<H", len(extension)) + extension
-    chunks = b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", len(data)) + data
+    chunks = before + b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", len(data)) + data
     return b"RIFF" + struct.pack("<I", 4 + len(chunks)) + b"WAVE" + chunks
 
 
@@ -361,6 +363,16 @@ MALFORMED = {
     "more valid bits than bits": (wav(tag=0xFFFE, extension=extensible(1, 24)), "24 valid bits in samples of 16"),
     "no channels": (wav(channels=0), "0 channels"),
     "a rate of 0": (wav(rate=0), "sample rate of 0 Hz"),
+    "a block align of 0": (wav(align=0), "a block align of 0 bytes"),
+    # ffmpeg reads 24-bit stereo in blocks of the header's size: a wrong one decodes other samples than the file's
+    "a block align the samples do not fill": (
+        wav(channels=2, bits=24, data=bytes(6 * 800), align=5),
+        r"a block align of 5 bytes \(PCM samples of 24 bits in 2 channels take 6\)"),
+    "a compressed encoding's block align of 0": (wav(tag=0x11, bits=4, align=0), "a block align of 0 bytes"),
+    "a block align of 0 after 64 KiB of other chunks": (wav(align=0, before=b"LIST" + struct.pack("<I", 70000)
+                                                            + bytes(70000)), "a block align of 0 bytes"),
+    "more chunks before the samples than any file has": (wav(before=b"JUNK\0\0\0\0" * 5000),
+                                                          "more than 1024 chunks before the samples"),
     "a short fmt chunk": (b"RIFF\x24\0\0\0WAVEfmt \x04\0\0\0\x01\0\x01\0data\x00\0\0\0", "'fmt ' chunk of 4 bytes"),
     "a file ending in its fmt chunk": (b"RIFF\x40\0\0\0WAVEfmt \x28\0\0\0\xfe\xff\x01\0\x80\x3e\0\0",
                                        "the file ends inside its 'fmt ' chunk"),

@@ -299,13 +299,13 @@ def test_rows_with_nan_or_inf_fail_their_request_and_others_keep_going(kind):
         for rid, got in zip(("ok-1", "nan-1", "ok-2", "inf-1", "ok-3"), results):
             if rid.startswith("ok"):
                 assert not isinstance(got, BaseException), (rid, got)
-                client.free(got[0].block_rows)
+                client.take_release(got[0])()
             else:
                 assert isinstance(got, ServiceUnavailableError), (rid, got)
                 assert "NaN or infinite values" in str(got), got
         assert len(client.quarantined) == 2  # the failed ones wait for the peer's word (written in place)
-        for _, blocks, _ in client.quarantined.values():  # (the peer would confirm its abort)
-            client.free(blocks)
+        for holder, blocks, _ in client.quarantined.values():  # (the peer would confirm its abort)
+            client._free(holder, blocks)
         assert client.buffers.num_free == client.buffers.num_blocks  # every block came back
     finally:
         client.transport.close()
@@ -317,18 +317,18 @@ def test_the_receiver_restores_a_truncated_shm_file_and_fails_only_what_it_lost(
 
     async def go():
         got, _ = await client.send_prompt("ok-1", "p", media, {}, {})  # the encoder has the file mapped now
-        client.free(got.block_rows)
+        client.take_release(got)()
         os.truncate(buffers.layout.path, 0)  # between transfers: put back before the next one is sent
         got, _ = await client.send_prompt("ok-2", "p", media, {}, {})
-        client.free(got.block_rows)
+        client.take_release(got)()
         assert buffers.restored == 1 and os.path.getsize(buffers.layout.path) == buffers.layout.nbytes
         with pytest.raises(ServiceUnavailableError, match="resized by someone else"):  # during one: it is lost
             await client.send_prompt("truncate-1", "p", media, {}, {})
         assert buffers.restored == 2
-        for _, blocks, _ in client.quarantined.values():  # (the encoder would confirm its abort)
-            client.free(blocks)
+        for holder, blocks, _ in client.quarantined.values():  # (the encoder would confirm its abort)
+            client._free(holder, blocks)
         got, _ = await client.send_prompt("ok-3", "p", media, {}, {})  # and the next one is fine
-        client.free(got.block_rows)
+        client.take_release(got)()
 
     try:
         asyncio.run(go())
@@ -426,7 +426,7 @@ def test_a_failed_transfers_blocks_wait_in_quarantine_whatever_becomes_of_the_pe
         [(key, (_, blocks, _))] = client.quarantined.items()
         assert key[0] == "r1" and len(blocks) == held and _blocks_in_use(client) == held, \
             "a failed transfer's blocks were freed while its peer may still write into them"
-        client.free(client.quarantined.pop(key)[1])  # what its deadline (or the peer's word) does
+        client._free(*client.quarantined.pop(key)[:2])  # what its deadline (or the peer's word) does
         assert client.buffers.num_free == client.buffers.num_blocks
     finally:
         client.transport.close()

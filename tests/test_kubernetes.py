@@ -306,6 +306,16 @@ def test_probe_paths_are_routes_with_the_right_meaning(layout, monkeypatch):
                 assert client.get(live_path).status_code == 200, f"{component}: liveness must not wait for peers"
 
 
+def test_the_api_role_drains_its_requests_within_the_grace_period(variant, monkeypatch):
+    """On SIGTERM the API role lets its requests in flight finish for --shutdown-timeout seconds (0, the default,
+    cuts them at once); the kubelet kills it terminationGracePeriodSeconds after SIGTERM, so the drain ends
+    before that, with time left to exit."""
+    role = parse_roles(render(variant), monkeypatch)[API_ROLE[variant.layout]]
+    grace = role.deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    drain = role.opts.server.shutdown_timeout
+    assert 0 < drain and drain + 10 <= grace, f"{role.component}: --shutdown-timeout {drain}, grace period {grace}s"
+
+
 def selects(selector: dict, labels: dict) -> bool:
     return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
 
@@ -389,9 +399,10 @@ def test_files_applied_by_hand_pass_kubernetes_schemas(name):
 
 
 def test_unchanged_secret_example_never_works(monkeypatch):
-    """secret.example.yaml ships no usable secret: applied as it is, every role refuses to listen off loopback."""
+    """secret.example.yaml ships no usable secret: applied as it is, every role refuses to start (the roles need
+    the secret on any address)."""
     from vlserve.core.errors import InvalidInputError
-    from vlserve.disagg.auth import PeerAuth, require_secret_off_loopback
+    from vlserve.disagg.auth import PeerAuth, require_secret
 
     value = documented_secrets()["vlserve-disagg"]
     assert value == {"secret"}
@@ -399,8 +410,8 @@ def test_unchanged_secret_example_never_works(monkeypatch):
                    if d and d["metadata"]["name"] == "vlserve-disagg")
     monkeypatch.setenv("VLSERVE_DISAGG_SECRET", example["stringData"]["secret"])
     opts = options_from(build_parser().parse_args(["encode", "--model", "/models/m", "--host", "0.0.0.0"]), "encode")
-    with pytest.raises(InvalidInputError, match="without --disagg-secret"):
-        require_secret_off_loopback(PeerAuth(opts.disagg.disagg_secret), opts.server.host, "an encoder")
+    with pytest.raises(InvalidInputError, match="needs the deployment's shared secret"):
+        require_secret(PeerAuth(opts.disagg.disagg_secret), "an encoder")
 
 
 def test_registry_names_the_etcd_service(variant, monkeypatch):

@@ -7,11 +7,14 @@ are answered with an error for that write only; the rows are dropped on release 
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 
+import msgspec
 import pytest
 import torch
+import zmq
 from prometheus_client import CollectorRegistry
 
 from tests.conftest import IMG, assert_pool_full, noise_image
@@ -20,7 +23,7 @@ from vlserve import LLM, SamplingParams
 from vlserve.core.errors import ConfigurationError, EngineDeadError
 from vlserve.core.messages import Handoff
 from vlserve.core.prompt import MultiModalItem, ProcessedPrompt
-from vlserve.core.wire import KVWritten, ReleaseKV, ReserveKV, WriteKV
+from vlserve.core.wire import CancelReserveKV, KVReserved, KVWritten, ReleaseKV, ReserveKV, WriteKV
 from vlserve.disagg.messages import AbortTransfer
 from vlserve.disagg.metrics import TransferMetrics
 from vlserve.disagg.sender import TransferSender
@@ -119,9 +122,54 @@ def test_over_zmq_the_rows_land_through_the_decode_engines_row_socket(prefill, d
     try:
         target = decode_target(receiver.target)
         assert target.backend == "zmq" and target.session.startswith("ipc://")
+        target = msgspec.structs.replace(target, grant="r")  # the transfer's: its blocks are reserved under "r"
         _write_and_decode(prefill, decode, whole, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
                           target, "zmq")
     finally:
+        prefill.connector.writer.close()
+        prefill.connector.writer = shm_writer
+        receiver.close()
+
+
+def test_a_rogue_holding_the_secret_writes_nothing_into_the_decode_kv_cache(prefill, decode, whole):
+    """Before, the decode engine's row socket took a write anywhere in its KV cache (every block, prefix-cached
+    ones too: the same greedy request then answered differently, from the poisoned cache). Now only blocks reserved
+    under the write's grant take it: every other write is answered with why, and not a byte of the cache moves."""
+    from vlserve.disagg.auth import PeerAuth
+    from vlserve.disagg.transports.zmq import RowWrite, RowWritten
+
+    secret, greedy = "s3cret", SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    receiver = kv_receiver_maker("zmq", "127.0.0.1", secret)(decode.kv_file)
+    shm_writer, prefill.connector.writer = prefill.connector.writer, row_writer_maker("zmq", "127.0.0.1", 120.0,
+                                                                                      secret)()
+    target = decode_target(receiver.target)
+    rogue = zmq.Context.instance().socket(zmq.DEALER)
+    rogue.linger = 0
+    PeerAuth(secret).secure_client(rogue)
+    rogue.connect(target.session)
+    try:
+        _write_and_decode(prefill, decode, whole, greedy, msgspec.structs.replace(target, grant="r"), "zmq")
+        layout = decode.kv_file.layout
+        live = decode.reserve("live", 2 * layout.block_tokens)  # a transfer under way (its grant is "live")
+        others = [b for b in range(layout.num_blocks) if b not in live]  # the prefix-cached prompt's among them
+        before = decode.kv_file.storage.clone()
+        now = time.time()
+        for header in (RowWrite(1, "live", others, len(others) * layout.block_tokens, now),
+                       RowWrite(2, "r", others[:2], 2 * layout.block_tokens, now),  # "r" is over
+                       RowWrite(3, "guessed", live, len(live) * layout.block_tokens, now),
+                       RowWrite(4, "live", live, len(live) * layout.block_tokens, float("nan"))):
+            rows = torch.full((header.num_rows, layout.width), 3.0)
+            rogue.send_multipart([msgspec.msgpack.encode(header), rows.numpy().tobytes()])
+            assert rogue.poll(30000), "the row socket did not answer"
+            reply = msgspec.msgpack.decode(rogue.recv(), type=RowWritten)
+            assert reply.write_id == header.write_id and "nothing written" in reply.error, reply
+        rogue.send_multipart([b"\x00" * (5 * 2**20), b""])  # an oversized header is answered too
+        assert rogue.poll(30000) and "header has" in msgspec.msgpack.decode(rogue.recv(), type=RowWritten).error
+        assert torch.equal(decode.kv_file.storage, before), "a refused write landed in the KV cache"
+        decode.core.connector.release(ReleaseKV("live"))
+        _write_and_decode(prefill, decode, whole, greedy, msgspec.structs.replace(target, grant="r"), "zmq")
+    finally:
+        rogue.close(0)
         prefill.connector.writer.close()
         prefill.connector.writer = shm_writer
         receiver.close()
@@ -294,7 +342,6 @@ def test_kv_reservations_answer_their_askers_and_give_back_what_nobody_takes():
     was cancelled, or that the engine answers only after it stopped answering, is released by exactly the blocks
     it got (the holder's other blocks may still be written by its peer); an engine that refuses says why."""
     from vlserve.core.errors import ServiceUnavailableError
-    from vlserve.core.wire import KVReserved
     from vlserve.frontend.kv_reservations import KVReservations
 
     sent, alive = [], [True]
@@ -307,10 +354,6 @@ def test_kv_reservations_answer_their_askers_and_give_back_what_nobody_takes():
         assert (msg.holder, msg.num_rows) == ("h1", 40)
         res.settle([KVReserved(msg.reserve_id, [3, 4, 5])])
         assert await ask == [3, 4, 5]
-        short = asyncio.create_task(res.reserve("h1", 8))
-        await asyncio.sleep(0)
-        res.settle([KVReserved(sent[-1].reserve_id)])
-        assert await short is None  # not now
         never = asyncio.create_task(res.reserve("h2", 10**6))
         await asyncio.sleep(0)
         res.settle([KVReserved(sent[-1].reserve_id, error="it never fits")])
@@ -322,8 +365,16 @@ def test_kv_reservations_answer_their_askers_and_give_back_what_nobody_takes():
         gone.cancel()
         with pytest.raises(asyncio.CancelledError):
             await gone
+        assert sent[1] == CancelReserveKV(sent[0].reserve_id)  # it waits in the engine no more
         res.settle([KVReserved(sent[0].reserve_id, [9])])  # it came after all: those blocks only go back
-        assert [(m.holder, m.block_ids) for m in sent[1:]] == [("h1", [9])]
+        assert [(m.holder, m.block_ids) for m in sent[2:]] == [("h1", [9])]
+        sent.clear()
+        cancelled = asyncio.create_task(res.reserve("h1", 8))
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        await asyncio.gather(cancelled, return_exceptions=True)
+        res.settle([KVReserved(sent[0].reserve_id)])  # the engine's answer to the cancel: nothing to give back
+        assert len(sent) == 2 and not res._unwanted
         sent.clear()
         late = asyncio.create_task(res.reserve("h3", 8))
         await asyncio.sleep(0)
@@ -331,7 +382,7 @@ def test_kv_reservations_answer_their_askers_and_give_back_what_nobody_takes():
         with pytest.raises(EngineDeadError):
             await late
         res.settle([KVReserved(sent[0].reserve_id, [11, 12])])
-        assert [(m.holder, m.block_ids) for m in sent[1:]] == [("h3", [11, 12])]
+        assert [(m.holder, m.block_ids) for m in sent[1:] if isinstance(m, ReleaseKV)] == [("h3", [11, 12])]
         alive[0] = False
         with pytest.raises(EngineDeadError):
             await res.reserve("h4", 8)
@@ -339,30 +390,72 @@ def test_kv_reservations_answer_their_askers_and_give_back_what_nobody_takes():
     asyncio.run(go())
 
 
-def test_a_transfer_waiting_for_kv_blocks_asks_ever_less_often_and_gives_up_with_a_503(monkeypatch):
-    """A decode engine short of KV blocks is asked again after 20 ms, then twice as long each time up to 0.5 s
-    (many waiting transfers must not flood its loop); past the transfer timeout, a clear 503."""
+def test_a_reservation_the_kv_cache_is_short_for_waits_in_the_engine_until_blocks_are_freed(tiny_ckpt):
+    """Before, the front end asked the engine again after 20 ms, doubling up to 0.5 s: a round trip per ask, and
+    blocks freed meanwhile taken up to half a second late. Now the engine process keeps the reservation (first
+    come, first served) and answers it after the step or release that freed the blocks, asked once; its asker's
+    cancel drops it. Over the engine core's loop (vlserve.engine.core_process), on in-process sockets."""
+    from vlserve.core.wire import EngineInput, EngineMessage, EngineOutputs, Framer, Shutdown
+    from vlserve.engine.core_process import EngineCoreLoop, Progress
+
+    decode = Decode(tiny_ckpt("qwen2_vl"), num_kv_blocks=32, max_num_seqs=4, in_place=True)
+    ctx = zmq.Context()
+    send, inputs, outputs, recv = (ctx.socket(t) for t in (zmq.PUSH, zmq.PULL, zmq.PUSH, zmq.PULL))
+    send.bind(f"inproc://in-{id(ctx)}")
+    inputs.connect(f"inproc://in-{id(ctx)}")
+    outputs.bind(f"inproc://out-{id(ctx)}")
+    recv.connect(f"inproc://out-{id(ctx)}")
+    loop = EngineCoreLoop(decode.core, inputs, outputs, Progress(), os.getppid())
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    framer, answers, got = Framer(EngineInput), Framer(EngineMessage), {}
+
+    def tell(*msgs) -> None:
+        for msg in msgs:
+            send.send_multipart(framer.encode(msg))
+
+    def read(until: float) -> None:
+        while (left := until - time.monotonic()) > 0 and recv.poll(left * 1000):
+            msg = answers.decode(recv.recv_multipart())
+            if isinstance(msg, EngineOutputs):
+                got.update((a.reserve_id, a) for a in msg.reserved)
+
+    try:
+        tell(*(ReserveKV(h, i, n * 8) for i, (h, n) in enumerate([("big", 33), ("a", 30), ("b", 3), ("c", 1),
+                                                                  ("d", 1)])), CancelReserveKV(4))
+        read(time.monotonic() + 1.0)
+        assert sorted(got) == [0, 1, 4], "a reservation the pool was short for was answered without blocks"
+        assert "the KV cache has 32" in got[0].error and len(got[1].block_ids) == 30 and got[4] == KVReserved(4)
+        tell(ReleaseKV("a", got[1].block_ids[:10]))  # b, then c (1 block would have fitted before b's 3)
+        deadline = time.monotonic() + 30
+        while not {2, 3} <= set(got) and time.monotonic() < deadline:
+            read(time.monotonic() + 0.1)
+        assert [len(got[i].block_ids) for i in (2, 3)] == [3, 1]
+        tell(ReleaseKV("a"), ReleaseKV("b"), ReleaseKV("c"))
+    finally:
+        tell(Shutdown())
+        thread.join(30)
+        for sock in (send, inputs, outputs, recv):
+            sock.close(0)
+        ctx.term()
+    assert decode.nothing_held()
+    decode.core.shutdown()
+
+
+def test_a_transfer_asks_for_kv_blocks_once_and_gives_up_with_a_503_at_its_timeout():
     from vlserve.core.errors import ServiceUnavailableError
-    from vlserve.disagg import receive_pool
+    from vlserve.disagg.receive_pool import EngineKVBlocks
+    from vlserve.frontend.kv_reservations import KVReservations
 
-    class Short:
-        def __init__(self, nones: int):
-            self.nones, self.asked = nones, 0
+    sent = []
 
-        async def reserve(self, holder, rows):
-            self.asked += 1
-            return None if self.asked <= self.nones else [7]
+    async def go():
+        with pytest.raises(ServiceUnavailableError, match="stayed taken"):
+            await asyncio.wait_for(EngineKVBlocks(KVReservations(sent.append, lambda: True), 64).allocate("h", 8, 0.2),
+                                   10)
 
-    pauses = []
-
-    async def sleep(s):
-        pauses.append(s)
-
-    monkeypatch.setattr(receive_pool.asyncio, "sleep", sleep)
-    assert asyncio.run(receive_pool.EngineKVBlocks(Short(7), 64).allocate("h", 8, 60.0)) == [7]
-    assert pauses == [0.02, 0.04, 0.08, 0.16, 0.32, 0.5, 0.5]
-    with pytest.raises(ServiceUnavailableError, match="stayed full"):
-        asyncio.run(receive_pool.EngineKVBlocks(Short(10**9), 64).allocate("h", 8, -1.0))
+    asyncio.run(go())
+    assert [type(m) for m in sent] == [ReserveKV, CancelReserveKV] and sent[1].reserve_id == sent[0].reserve_id
 
 
 def test_the_engine_thread_reads_no_kv_and_blocks_a_write_reads_outlive_its_release(prefill, monkeypatch):

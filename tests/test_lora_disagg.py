@@ -39,10 +39,11 @@ def adapters(ckpt, tmp_path_factory):
 def cluster(ckpt, adapters):
     """Bootstrap, encoder "A" (--enable-lora), language server "main" serving the three adapters (E->PD), and
     decode instance "decode" serving them too with prefill instances "P" (--enable-lora) and "Q" (without it)
-    (E->P->D, the same encoders)."""
-    serving = [*LORA, "--max-loras", "2", "--lora-modules", *(f"{name}={path}" for name, path in adapters.items())]
-    c = Cluster(ckpt, {"main": serving, "decode": serving}, encoders={"A": LORA}, prefills={"P": LORA, "Q": []},
-                roles={"main": "language"})
+    (E->P->D, the same encoders). Every role applying adapters is started with the same --lora-modules."""
+    modules = ("--lora-modules", *(f"{name}={path}" for name, path in adapters.items()))
+    serving = [*LORA, "--max-loras", "2", *modules]
+    c = Cluster(ckpt, {"main": serving, "decode": serving}, encoders={"A": (*LORA, *modules)},
+                prefills={"P": [*LORA, *modules], "Q": []}, roles={"main": "language"})
     yield c
     c.close_quickly()
 
@@ -170,16 +171,21 @@ def test_serve_disagg_passes_the_lora_options_to_every_role_that_applies_them(ck
 
     for role in ("prefill", "decode"):
         assert {"--enable-lora", "--max-loras", "--max-lora-rank"} <= _flags(_subparser(role)), role
-    assert "--lora-modules" in _flags(_subparser("decode")) and "--lora-modules" not in _flags(_subparser("prefill"))
+    for role in ("encode", "prefill", "decode", "language"):  # each applies only the adapters it was started with
+        assert "--lora-modules" in _flags(_subparser(role)), role
+    assert "--lora-dir" in _flags(_subparser("decode")) and "--lora-dir" not in _flags(_subparser("prefill"))
     for num_prefill, api in ((0, "language"), (1, "decode-0")):  # E->PD, E->P->D
         opts = Options()
         opts.engine.model, opts.engine.enable_lora, opts.engine.max_lora_rank = "/m", True, 32
         opts.engine.lora_modules, opts.server.allow_runtime_lora = ("a=/adapters/a",), True
+        opts.server.lora_dir = ("/adapters",)
         opts.disagg.num_prefill = opts.disagg.num_decode = num_prefill
         argv = {c.name: c.argv for c in plan_children(opts, "INFO")}
         appliers = ["encoder-0", api] + (["prefill-0"] if num_prefill else [])
         for name in appliers:
             assert "--enable-lora" in argv[name] and argv[name][argv[name].index("--max-lora-rank") + 1] == "32", name
-        assert "--lora-modules" in argv[api] and "--allow-runtime-lora" in argv[api]
+        assert "--allow-runtime-lora" in argv[api] and "--lora-dir" in argv[api]
+        for name in appliers:
+            assert argv[name][argv[name].index("--lora-modules") + 1] == "a=/adapters/a", name
         for name in set(appliers) - {api}:
-            assert "--lora-modules" not in argv[name] and "--allow-runtime-lora" not in argv[name], name
+            assert "--allow-runtime-lora" not in argv[name] and "--lora-dir" not in argv[name], name

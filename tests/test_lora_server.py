@@ -6,6 +6,7 @@ the adapters under the base model; vLLM's runtime endpoints load and unload adap
 from __future__ import annotations
 
 import asyncio
+import logging
 import subprocess
 import sys
 import types
@@ -39,12 +40,19 @@ def ckpt(tiny_ckpt):
 @pytest.fixture(scope="module")
 def adapters(ckpt, tmp_path_factory):
     """name -> folder: served from the start ("lm": the language model; "both": it and the vision tower), loaded
-    at runtime ("late"), and refused (rank over --max-lora-rank)."""
-    root = tmp_path_factory.mktemp("adapters")
-    return {"lm": make_peft_adapter(ckpt, root / "lm", "lm", seed=1),
+    at runtime ("late"), and refused (rank over --max-lora-rank, a config nested too deeply, a folder outside
+    --lora-dir, the folder of the others, and a symlink there leading out)."""
+    root, elsewhere = tmp_path_factory.mktemp("adapters"), tmp_path_factory.mktemp("elsewhere")
+    made = {"lm": make_peft_adapter(ckpt, root / "lm", "lm", seed=1),
             "both": make_peft_adapter(ckpt, root / "both", "both", seed=2),
             "late": make_peft_adapter(ckpt, root / "late", "lm", seed=3),
-            "too-big": make_peft_adapter(ckpt, root / "too-big", "lm", rank=2 * MAX_RANK)}
+            "too-big": make_peft_adapter(ckpt, root / "too-big", "lm", rank=2 * MAX_RANK),
+            "deep": make_peft_adapter(ckpt, root / "deep", "lm", seed=4),
+            "outside": make_peft_adapter(ckpt, elsewhere / "outside", "lm", seed=5),
+            "escape": root / "escape"}
+    (root / "escape").symlink_to(made["outside"])
+    (made["deep"] / "adapter_config.json").write_text('{"r": ' + "[" * 200_000 + "]" * 200_000 + "}")
+    return made
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +60,7 @@ def server(ckpt, adapters):
     with RemoteServer(ckpt, "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name",
                       BASE, "--enable-lora", "--max-lora-rank", str(MAX_RANK), "--max-loras", "2",
                       "--lora-modules", f"lm={adapters['lm']}", f"both={adapters['both']}",
-                      "--allow-runtime-lora") as srv:
+                      "--allow-runtime-lora", "--lora-dir", str(adapters["lm"].parent)) as srv:
         yield srv
 
 
@@ -178,9 +186,16 @@ def test_runtime_load_use_unload(server, client, offline, adapters):
     assert "late" not in {c["id"] for c in HTTP.get(server.url + "/v1/models", timeout=10).json()["data"]}
 
 
+REFUSED_PATH = "is not an adapter folder this server may load (a folder under its --lora-dir"
+
+
 @pytest.mark.parametrize("body,expected", [
     ({"lora_name": "big", "lora_path": "{too-big}"}, "over max_lora_rank 8"),
-    ({"lora_name": "gone", "lora_path": "/no/such/adapter"}, "is not a folder"),
+    ({"lora_name": "deep", "lora_path": "{deep}"}, "nests too deeply"),
+    ({"lora_name": "gone", "lora_path": "/no/such/adapter"}, REFUSED_PATH),
+    ({"lora_name": "gone", "lora_path": "{lm}/adapter_config.json"}, REFUSED_PATH),
+    ({"lora_name": "gone", "lora_path": "{outside}"}, REFUSED_PATH),
+    ({"lora_name": "gone", "lora_path": "{escape}"}, REFUSED_PATH),
     ({"lora_name": BASE, "lora_path": "{lm}"}, "served model's name"),
     ({"lora_name": "x" * 257, "lora_path": "{lm}"}, "lora_name"),
     ({"lora_name": "x", "lora_path": "{lm}", "extra": 1}, "extra"),
@@ -192,6 +207,9 @@ def test_a_bad_load_is_400_and_the_server_serves_on(server, client, adapters, bo
     r = post(server, "/v1/load_lora_adapter", body)
     assert r.status_code == 400, r.text
     assert expected in r.json()["error"]["message"]
+    if expected == REFUSED_PATH:  # one answer, whatever the cause: nothing is learnt about the server's files
+        assert r.json()["error"]["message"] == (f"LoRA adapter 'gone': {body['lora_path']!r} {REFUSED_PATH} "
+                                                "holding adapter_config.json and adapter_model.safetensors)")
     assert {c["id"] for c in HTTP.get(server.url + "/v1/models", timeout=10).json()["data"]} == {BASE, "lm", "both"}
     assert client.completions.create(prompt="hi", **greedy("lm")).choices[0].text
 
@@ -206,10 +224,30 @@ def test_runtime_endpoints_refuse_without_their_flags(enable_lora, message):
             asyncio.run(handler(None))
 
 
-def test_a_bad_lora_module_stops_the_start(ckpt, tmp_path):
+@pytest.mark.parametrize("command", ["serve", "decode"])
+def test_runtime_loads_without_a_usable_lora_dir_stop_the_start(command, tmp_path, caplog):
+    """--allow-runtime-lora without --lora-dir would refuse every load, and a --lora-dir that is no folder could
+    serve none: exit 78 naming the flag, before anything loads."""
+    from vlserve.cli import main
+
+    (tmp_path / "file").write_text("")
+    cases = [([], "--allow-runtime-lora needs --lora-dir"),
+             (["--lora-dir", str(tmp_path / "missing")], f"--lora-dir {tmp_path / 'missing'}: no such folder"),
+             (["--lora-dir", str(tmp_path), str(tmp_path / "file")], f"--lora-dir {tmp_path / 'file'}: not a folder")]
+    for flags, words in cases:
+        caplog.clear()
+        with caplog.at_level(logging.ERROR):
+            argv = [command, "--model", "/no/such/model", "--enable-lora", "--allow-runtime-lora", *flags]
+            assert main(argv) == EXIT_CONFIG
+        assert words in caplog.text, (flags, caplog.text)
+
+
+@pytest.mark.parametrize("name,words", [("gone", "is not a folder"), ("deep", "nests too deeply")])
+def test_a_bad_lora_module_stops_the_start(ckpt, adapters, tmp_path, name, words):
+    path = adapters.get(name, tmp_path / "missing")
     out = subprocess.run([sys.executable, "-m", "vlserve", "serve", "--model", str(ckpt), "--port", "0",
-                          "--enable-lora", "--lora-modules", f"gone={tmp_path / 'missing'}"],
+                          "--enable-lora", "--lora-modules", f"{name}={path}"],
                          capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == EXIT_CONFIG, out.stderr[-3000:]
-    assert "LoRA adapter 'gone'" in out.stderr and "is not a folder" in out.stderr, out.stderr[-3000:]
+    assert f"LoRA adapter {name!r}" in out.stderr and words in out.stderr, out.stderr[-3000:]
 

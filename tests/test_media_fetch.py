@@ -354,12 +354,12 @@ def _file_policy(allowed: Path) -> MediaPolicy:
 
 
 def test_file_ok(media_dir):
+    """The file's bytes, read by the fetcher (a path handed on could be swapped before its read)."""
     policy = _file_policy(media_dir)
-    real = Path(media_dir).resolve()
-    assert fetch(f"file://{media_dir}/img.png", policy) == real / "img.png"
-    assert fetch(f"file://localhost{media_dir}/sub/my%20img.png", policy) == real / "sub" / "my img.png"
-    assert fetch(f"file://{media_dir}/sub/../img.png", policy) == real / "img.png"
-    assert fetch(f"file://{media_dir}/inner_link", policy) == real / "img.png"  # symlink staying inside
+    assert fetch(f"file://{media_dir}/img.png", policy) == PNG
+    assert fetch(f"file://localhost{media_dir}/sub/my%20img.png", policy) == PNG
+    assert fetch(f"file://{media_dir}/sub/../img.png", policy) == PNG
+    assert fetch(f"file://{media_dir}/inner_link", policy) == PNG  # symlink staying inside
 
 
 @pytest.mark.parametrize(

@@ -309,6 +309,44 @@ def test_one_deadline_is_shared_and_a_role_that_never_stops_is_killed_at_it(monk
     assert not any(c[0] == "kill" and c[1] != "prefill-0" for c in calls)
 
 
+def test_with_a_shutdown_timeout_the_api_roles_drain_first_and_are_not_killed_meanwhile(monkeypatch):
+    """`serve --disagg --shutdown-timeout 60`: the API roles get SIGTERM first, alone (the prefill instances and
+    encoders their requests in flight need keep serving), and are given the 60 s on top of the usual deadline."""
+    from vlserve.disagg.launcher import STOP_TIMEOUT_S
+
+    sup, calls, clock = supervisor_of(["bootstrap", "encoder-0", "prefill-0", "decode-0"], monkeypatch,
+                                      exit_after={"decode-0": STOP_TIMEOUT_S + 30})
+    sup.children[-1].serves_api, sup.drain_s = True, 60.0
+    sup.shutdown()
+    assert calls[:2] == [("SIGTERM", "decode-0"), ("wait", "decode-0")], calls
+    assert ("kill", "decode-0") not in calls and clock.now >= STOP_TIMEOUT_S + 30
+    assert sorted(calls[2:4]) == [("SIGTERM", "encoder-0"), ("SIGTERM", "prefill-0")], calls
+    assert calls[-2:] == [("SIGTERM", "bootstrap"), ("wait", "bootstrap")]
+
+
+def test_a_second_ctrl_c_while_the_roles_stop_reaches_them(monkeypatch):
+    """The roles drain on the first SIGTERM; a second Ctrl-C at the supervisor ends their drain at once. The
+    bootstrap registry still goes last, once the roles have deregistered (before, it got SIGTERM with them)."""
+    sup, calls, _ = supervisor_of(["bootstrap", "encoder-0", "decode-0"], monkeypatch)
+    sup._on_signal(signal.SIGINT, None)  # the supervisor's loop then shuts the roles down
+    assert calls == []
+    sup.shutting_down = True
+    sup._on_signal(signal.SIGINT, None)
+    assert sorted(calls) == [("SIGTERM", "decode-0"), ("SIGTERM", "encoder-0")]
+
+
+def test_the_kill_log_says_the_deadline_a_draining_role_had(monkeypatch, caplog):
+    """A draining API role is given --shutdown-timeout on top of the usual deadline: the log said only the usual."""
+    from vlserve.disagg.launcher import STOP_TIMEOUT_S
+
+    sup, calls, _ = supervisor_of(["decode-0"], monkeypatch, exit_after={"decode-0": math.inf})
+    sup.children[0].serves_api, sup.drain_s = True, 60.0
+    with caplog.at_level(logging.WARNING, logger="vlserve.disagg"):
+        sup.shutdown()
+    assert ("kill", "decode-0") in calls
+    assert f"did not stop within {STOP_TIMEOUT_S + 60:.0f}s of SIGTERM" in caplog.text, caplog.text
+
+
 # ---------------------------------------------------------------------------------------------- cache_effect.py
 
 

@@ -1,27 +1,32 @@
 """Process hygiene of `vlserve serve` and `serve --disagg`: start-up failures exit non-zero within seconds every
-time, a taken port is reported before any model loads, and SIGTERM / SIGINT stop every role quietly."""
+time, a taken port is reported before any model loads, and SIGTERM / SIGINT stop every role quietly: a server
+drains what is in flight (--shutdown-timeout), then ends it with error events, without a traceback."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
+import httpx
 import pytest
 
-from tests.server_utils import descendants, free_port, start_vlserve
+from tests.server_utils import HTTP, RemoteServer, descendants, free_port, start_vlserve
 from vlserve.core.errors import EXIT_CONFIG
 
 START_FAILURE_TRIES = 2  # the note reports 10; two keep the suite fast and still catch a hang that comes and goes
 
 
 def _vlserve(*args: str, **kw) -> subprocess.Popen:
+    # (a disaggregated role starts only with the deployment's secret)
     return start_vlserve(list(args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"}, **kw)
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "VLSERVE_DISAGG_SECRET": "test-secret"}, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -147,3 +152,105 @@ def test_servers_a_test_starts_die_with_the_test_process(tiny_ckpt, tmp_path):
         holder.kill()
         holder.wait()
     assert _gone(server, 30) and _gone(engine, 30), "a server outlived the test process that started it"
+
+
+# ---- a graceful stop: drain, then cut -----------------------------------------------------------------------
+LONG = 30000  # tokens: minutes here; only the stop ends such a stream
+LONG_CONTEXT = ("--dtype", "float32", "--max-model-len", "32768")
+NO_TRACEBACK = ("Traceback", "Exception in ASGI application")
+
+
+def _open_stream(url: str, path: str, body: dict) -> dict:
+    """An SSE stream read on a thread: its non-empty lines; `first` is set once one came, `done` at its end."""
+    state = {"lines": [], "first": threading.Event(), "done": threading.Event(), "error": None}
+
+    def read() -> None:
+        try:
+            with HTTP.stream("POST", url + path, json={**body, "stream": True, "ignore_eos": True},
+                             timeout=120) as resp:
+                for line in resp.iter_lines():
+                    if line:
+                        state["lines"].append(line)
+                        state["first"].set()
+        except httpx.HTTPError as e:
+            state["error"] = e
+        finally:
+            state["first"].set()
+            state["done"].set()
+
+    threading.Thread(target=read, daemon=True).start()
+    return state
+
+
+def _until_draining(server: RemoteServer) -> None:
+    """Once /ready says 503, the server has taken the signal: it drains."""
+    deadline = time.monotonic() + 60
+    while HTTP.get(server.url + "/ready", timeout=10).status_code != 503:
+        assert time.monotonic() < deadline, "the server did not start draining"
+        time.sleep(0.05)
+
+
+def _events(lines: list[str]) -> list[dict]:
+    return [json.loads(line[len("data: "):]) for line in lines if line.startswith("data: {")]
+
+
+def _ends_with_error_and_done(stream: dict) -> dict:
+    assert stream["done"].wait(120) and stream["error"] is None, stream["error"]
+    lines = stream["lines"]
+    assert lines[-1] == "data: [DONE]", lines[-3:]
+    error = json.loads(lines[-2][len("data: "):])["error"]
+    assert error["code"] == 503 and "shutting down" in error["message"], error
+    return error
+
+
+def test_ctrl_c_drains_then_ends_every_api_stream_with_its_error_event(tiny_ckpt):
+    """Ctrl-C with streams in flight: new requests get 503 and /ready 503 while /health answers; after
+    --shutdown-timeout the streams end with their API's error event (chat, completions: then [DONE]; Responses:
+    `error` then `response.failed`); no traceback in the log, exit code 0."""
+    with RemoteServer(tiny_ckpt("qwen2_vl"), *LONG_CONTEXT, "--shutdown-timeout", "5") as server:
+        streams = [_open_stream(server.url, "/v1/chat/completions",
+                                {"messages": [{"role": "user", "content": "hi"}], "max_tokens": LONG}),
+                   _open_stream(server.url, "/v1/completions", {"prompt": "hi", "max_tokens": LONG}),
+                   _open_stream(server.url, "/v1/responses", {"input": "hi", "max_output_tokens": LONG})]
+        for stream in streams:
+            assert stream["first"].wait(120) and stream["lines"], stream["error"]
+        os.killpg(server.proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: the whole process group
+        _until_draining(server)
+        late = server.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                          "max_tokens": 2})
+        assert late.status_code == 503 and late.json()["error"]["code"] == 503, late.text
+        assert HTTP.get(server.url + "/health", timeout=10).status_code == 200
+        chat, completion, responses = streams
+        assert "--shutdown-timeout" in _ends_with_error_and_done(chat)["message"]
+        _ends_with_error_and_done(completion)
+        assert responses["done"].wait(120) and responses["error"] is None, responses["error"]
+        error, failed = _events(responses["lines"])[-2:]
+        assert error["type"] == "error" and error["code"] == "503", error
+        assert failed["type"] == "response.failed" and failed["response"]["status"] == "failed", failed
+        assert server.proc.wait(60) == 0
+        log = server.read_log()
+    assert not any(bad in log for bad in NO_TRACEBACK), log[-6000:]
+
+
+def test_a_stream_within_the_timeout_finishes_and_a_second_sigterm_ends_the_rest(tiny_ckpt):
+    """SIGTERM (what Kubernetes sends the process): a stream that ends within --shutdown-timeout ends as usual;
+    a second SIGTERM ends the drain at once (not after the 600 s), the other stream with its error event."""
+    with RemoteServer(tiny_ckpt("qwen2_vl"), *LONG_CONTEXT, "--shutdown-timeout", "600") as server:
+        chat = {"messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": True}}
+        short = _open_stream(server.url, "/v1/chat/completions", {**chat, "max_tokens": 2000})
+        long = _open_stream(server.url, "/v1/chat/completions", {**chat, "max_tokens": LONG})
+        for stream in (short, long):
+            assert stream["first"].wait(120) and stream["lines"], stream["error"]
+        server.proc.send_signal(signal.SIGTERM)
+        _until_draining(server)
+        assert short["done"].wait(300) and short["error"] is None, short["error"]
+        assert short["lines"][-1] == "data: [DONE]"
+        events = _events(short["lines"])
+        assert not any("error" in e for e in events), events[-3:]
+        assert events[-1]["usage"]["completion_tokens"] == 2000
+        server.proc.send_signal(signal.SIGTERM)
+        _ends_with_error_and_done(long)
+        assert server.proc.wait(60) == 0
+        log = server.read_log()
+    assert "waiting up to 600s (--shutdown-timeout) for 2 request(s) in flight" in log, log[-3000:]  # both were
+    assert not any(bad in log for bad in NO_TRACEBACK), log[-6000:]

@@ -13,10 +13,12 @@ import pytest
 
 from tests.conftest import noise_image
 from tests.server_utils import HTTP, RemoteServer
+from tests.test_request_validation import names_field, wrong_values
 from tests.test_server_api import data_url, image_part
 from tests.test_tool_calls import TOOLS
 from vlserve.core.errors import InvalidInputError
-from vlserve.server.responses_protocol import ResponsesRequest
+from vlserve.server.protocol import ChatCompletionRequest
+from vlserve.server.responses_protocol import PASSED_EXTRAS, ResponsesRequest
 
 MAX_TOKENS = 12
 CHOICE_SCHEMA = {"type": "object", "properties": {"pick": {"enum": ["left", "right"]}}, "required": ["pick"],
@@ -172,6 +174,16 @@ def test_what_cannot_be_honoured_is_a_clear_400(server, extra, needle):
     r = HTTP.post(server.url + "/v1/responses", json={"input": "hi", **extra}, timeout=60)
     assert r.status_code == 400, r.text
     assert re.search(needle, r.json()["error"]["message"]), r.text
+
+
+def test_wrongly_typed_passed_on_fields_are_400s_naming_them(server):
+    """Each chat field a response passes on (seed, top_k, stop, ...), of a type chat refuses, was a 500 with a
+    traceback in the log: the translated chat request was validated outside the handler's error path."""
+    for name in PASSED_EXTRAS:
+        value = wrong_values(ChatCompletionRequest.model_fields[name])[0]
+        r = HTTP.post(server.url + "/v1/responses", json={"input": "hi", name: value}, timeout=60)
+        assert r.status_code == 400 and names_field(r.json()["error"]["message"], name), (name, value, r.text)
+    assert "Traceback" not in server.read_log()
 
 
 def test_unknown_model_is_404_and_the_server_keeps_serving(server, client, model):

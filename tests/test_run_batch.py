@@ -6,6 +6,7 @@ killed run dropped). Configuration mistakes end the command at once with a clear
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -15,6 +16,7 @@ import pytest
 
 from tests.conftest import noise_image
 from tests.server_utils import log_file, start_vlserve, stop
+from tests.test_request_validation import names_field
 from tests.test_server_api import data_url
 from vlserve import LLM, SamplingParams
 from vlserve.core.errors import EXIT_CONFIG
@@ -59,7 +61,10 @@ INPUT = [
     "refused by the earlier run",  # 14
     request("response", {"input": "Hello there!", "max_output_tokens": MAX_TOKENS, "temperature": 0},
             url="/v1/responses"),  # 15
+    request("wrong-seed", {"input": "Hello there!", "seed": "abc"}, url="/v1/responses"),  # 16: was a 500
+    request("wrong-n", chat_body(HELLO, n="2")),  # 17
 ]
+WRONGLY_TYPED = {"wrong-seed": "seed", "wrong-n": "n"}  # the endpoint's 400, naming the field
 LINE_ERRORS = {4: ("invalid_json_line", None), 5: ("invalid_line", None), 6: ("invalid_url", "web"),
                7: ("stream_not_supported", "streamed"), 9: ("duplicate_custom_id", "text"),
                10: ("invalid_method", "get"), 11: ("invalid_custom_id", None), 12: ("line_too_long", None)}
@@ -89,16 +94,20 @@ def test_every_kind_of_line_and_resuming(ckpt, tmp_path):
     code, log = run_batch("-i", str(requests), "-o", str(results), "--model", str(ckpt), "--dtype", "float32",
                           "--max-model-len", "2048", "--max-batch-line-bytes", str(LINE_LIMIT), timeout=300)
     assert code == 0, log
-    assert "3 answered, 9 failed" in log and "2 skipped" in log, log
+    assert "3 answered, 11 failed" in log and "2 skipped" in log, log
     written = results.read_bytes()
     assert written.startswith(EARLIER) and CUT_SHORT not in written  # kept as they were; the cut line dropped
     records = [json.loads(line) for line in written[len(EARLIER):].splitlines()]
-    assert len(records) == 12  # one per line: not the blank one, nor the two answered before
+    assert len(records) == 14  # one per line: not the blank one, nor the two answered before
     for r in records:
         assert r["id"].startswith("batch_req_") and (r["response"] is None) != (r["error"] is None), r
 
     answers = {r["custom_id"]: r["response"] for r in records if r["response"] is not None}
-    assert sorted(answers) == ["picture", "response", "text", "too-hot"]
+    assert sorted(answers) == ["picture", "response", "text", "too-hot", *sorted(WRONGLY_TYPED)]
+    for custom_id, field in WRONGLY_TYPED.items():
+        error = answers[custom_id]["body"]["error"]
+        assert answers[custom_id]["status_code"] == 400 and names_field(error["message"], field), error
+    assert "Traceback" not in log
     assert answers["too-hot"]["status_code"] == 400
     assert answers["too-hot"]["body"]["error"]["code"] == 400 and "temperature" in answers["too-hot"]["body"][
         "error"]["message"]
@@ -130,7 +139,11 @@ def test_configuration_mistakes_end_the_command_at_once(tmp_path):
     requests, foreign = tmp_path / "requests.jsonl", tmp_path / "notes.txt"
     requests.write_text(request("a", chat_body(HELLO)) + "\n")
     foreign.write_text("my notes\nmore notes\n")
+    fifo, busy = tmp_path / "fifo", tmp_path / "busy.jsonl"
+    os.mkfifo(fifo)
     cases = [
+        (["-i", str(requests), "-o", str(fifo)], f"the output {fifo} is not a regular file (a FIFO)"),  # it hung
+        (["-i", str(requests), "-o", str(busy)], f"the output file {busy} is being written by another run"),
         (["-i", str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "out.jsonl")],
          f"cannot read the input file {tmp_path / 'missing.jsonl'}"),
         (["-i", str(requests), "-o", str(tmp_path / "out.jsonl"), "--max-concurrency", "0"],
@@ -138,7 +151,21 @@ def test_configuration_mistakes_end_the_command_at_once(tmp_path):
         (["-i", str(requests), "-o", str(foreign)], "line 1 of"),
         (["-i", str(requests), "-o", str(tmp_path / "out.jsonl"), "--disagg"], "--disagg"),
     ]
-    for args, message in cases:
-        code, log = run_batch(*args, timeout=60)
-        assert code == EXIT_CONFIG and message in log, (args, log)
+    with open(busy, "ab") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # as a run in progress holds it
+        for args, message in cases:
+            code, log = run_batch(*args, timeout=60)
+            assert code == EXIT_CONFIG and message in log, (args, log)
     assert foreign.read_text() == "my notes\nmore notes\n"  # not someone else's file to append to
+
+
+def test_a_full_disk_ends_the_run_with_one_line_and_the_summary(ckpt, tmp_path):
+    """It ended with an ExceptionGroup traceback and no summary. /dev/full: every write fails with ENOSPC."""
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("".join(request(f"r{i}", chat_body(HELLO)) + "\n" for i in range(3)))
+    code, log = run_batch("-i", str(requests), "-o", "/dev/full", "--model", str(ckpt), "--dtype", "float32",
+                          "--max-model-len", "2048", timeout=300)
+    assert code == 1, log
+    assert "cannot write to the output /dev/full: No space left on device" in log, log
+    assert "run-batch stopped: 0 answered, 0 failed" in log, log
+    assert "Traceback" not in log and "ExceptionGroup" not in log, log

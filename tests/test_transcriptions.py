@@ -4,8 +4,14 @@ cannot honour or bound is refused with a 4xx that names it."""
 
 from __future__ import annotations
 
+import asyncio
+import io
+import tracemalloc
+import wave
 from types import SimpleNamespace
 
+import httpx
+import numpy as np
 import openai
 import pytest
 from fastapi import FastAPI
@@ -14,7 +20,12 @@ from fastapi.testclient import TestClient
 from tests.audio_samples import encode_audio, noise
 from tests.server_utils import HTTP, RemoteServer
 from tests.test_audio_server import audio_ckpt, audio_part  # noqa: F401 - audio_ckpt is a fixture
-from vlserve.core.config import ServerArgs
+from tests.test_hostile_media import wav
+from tests.test_request_validation import names_field
+from vlserve.core.config import EngineArgs, Options, ServerArgs
+from vlserve.core.processes import finish
+from vlserve.media import audio
+from vlserve.server.api_server import build_app, make_engine
 from vlserve.server.errors import install_error_handlers
 from vlserve.server.serving_transcription import (
     DEFAULT_MAX_TOKENS,
@@ -139,3 +150,61 @@ def test_a_malformed_form_is_a_400(server):
                       headers={"Content-Type": "multipart/form-data; boundary=b"})
     assert bad.status_code == 400 and "multipart body" in bad.text
     assert HTTP.get(server.url + "/health").status_code == 200
+
+
+def test_wrongly_typed_form_fields_and_malformed_wav_headers_are_400s(client):
+    for name, text in (("seed", "abc"), ("top_k", "1.5"), ("temperature", "1_000"), ("max_completion_tokens", "")):
+        with pytest.raises(openai.BadRequestError) as e:
+            transcribe(client, extra_body={name: text})
+        assert names_field(e.value.body["message"], name), e.value.body
+    for clip, message in ((wav(rate=0), "a sample rate of 0 Hz"), (wav(align=0), "a block align of 0 bytes")):
+        for response_format in ("json", "verbose_json"):  # verbose_json decoded the clip again, for its duration
+            with pytest.raises(openai.BadRequestError, match=message):
+                transcribe(client, clip, response_format=response_format)
+
+
+def big_wav(seconds: float, rate: int = 48000, channels: int = 6) -> bytes:
+    """A 16-bit multichannel WAV of noise (about 17 MB for 29 s), written by the standard library."""
+    samples = np.random.default_rng(3).integers(-3000, 3000, (int(rate * seconds), channels), dtype=np.int16)
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(channels)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(samples.tobytes())
+    return buf.getvalue()
+
+
+def test_an_upload_is_decoded_once_and_never_copied_whole(audio_ckpt, monkeypatch):  # noqa: F811
+    """verbose_json decoded the clip twice (for the prompt, then for its duration), and the front end held a
+    17 MB upload about seven times over (the form part, its bytes, base64 bytes and text, the data URL, the
+    decoded payload twice): 7.2 times its size traced at the peak, 1.5 now (the body as read, the client's share
+    of it, the decoded clip). Here: the server's app around an engine, in this process (as run-batch runs it),
+    with every Python allocation of the request traced."""
+    decodes = []
+    real = audio._decode
+    monkeypatch.setattr(audio, "_decode", lambda *a, **kw: decodes.append(a[1]) or real(*a, **kw))
+    upload = big_wav(29)
+    opts = Options(engine=EngineArgs(model=str(audio_ckpt), dtype="float32"), server=ServerArgs())
+
+    async def transcribe_once() -> tuple[httpx.Response, int]:
+        engine = make_engine(opts)
+        await engine.start()
+        try:
+            transport = httpx.ASGITransport(app=build_app(engine, opts.server))
+            async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=300) as http:
+                tracemalloc.start()
+                try:
+                    r = await http.post("/v1/audio/transcriptions", files={"file": ("clip.wav", upload)},
+                                        data={"response_format": "verbose_json", "max_completion_tokens": "2"})
+                    return r, tracemalloc.get_traced_memory()[1]
+                finally:
+                    tracemalloc.stop()
+        finally:
+            await finish(engine.shutdown())
+
+    response, peak = asyncio.run(transcribe_once())
+    assert response.status_code == 200, response.text
+    assert response.json()["duration"] == 29.0
+    assert decodes == ["wav"]
+    assert peak < 2.5 * len(upload), f"{peak / 2**20:.0f} MiB traced at most for a {len(upload) / 2**20:.0f} MiB upload"

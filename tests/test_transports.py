@@ -26,6 +26,7 @@ from vlserve.disagg.transports.loopback import Loopback, media_chunk
 from vlserve.engine.transfer_buffers import TRANSFER_FILE_PREFIX, TransferBuffers, slot_runs
 
 WIDTH, BLOCK_TOKENS = 48, 16
+GRANT = "7:the-receivers-secret-name:r1"
 
 
 def write_chunk(buffers: TransferBuffers, header, data) -> None:
@@ -265,7 +266,9 @@ def _zmq_pair(monkeypatch, receiver_secret=None, sender_secret=None):
     monkeypatch.setenv(QUARANTINE_ENV, "1.5")  # writes give up after 1 s
     buffers = _buffers()
     receiver, sender = ZmqTransport(secret=receiver_secret), ZmqTransport(secret=sender_secret)
-    return buffers, receiver, sender, receiver.target(buffers)
+    # One transfer holds blocks 0-15 (what its receiver reserved and sends the sender with the request)
+    buffers.grants.open(GRANT, range(16))
+    return buffers, receiver, sender, msgspec_replace(receiver.target(buffers), grant=GRANT)
 
 
 def _raw_write(address: str, frames: list) -> bytes:
@@ -284,8 +287,8 @@ def _raw_write(address: str, frames: list) -> bytes:
 
 def test_zmq_rows_land_through_the_row_socket_and_bad_writes_are_refused(monkeypatch):
     """A write lands (answered once it has), with the secret over CurveZMQ; a write outside the blocks, of the
-    wrong size, malformed or arriving after its sender gave up is refused with nothing written, and the socket
-    keeps serving."""
+    wrong size, malformed or arriving after its sender gave up (by the receiver's clock) is refused with nothing
+    written, and the socket keeps serving."""
     import msgspec
 
     from vlserve.disagg.transports.zmq import RowWrite, RowWritten
@@ -301,8 +304,8 @@ def test_zmq_rows_land_through_the_row_socket_and_bad_writes_are_refused(monkeyp
                 target.layout, num_blocks=1000)), [999], rows[:4])
         before = buffers.read_rows(list(range(64)), 0, 64 * BLOCK_TOKENS).clone()
         assert _raw_write(target.session, [b"x", b"y"]) is None  # no secret: no handshake, no answer
-        late = RowWrite(7, [9], 4, sent_at=time.time() - 9.5, not_after=time.time() + 0.5)  # 1 s margin
-        short = RowWrite(8, [9], 4, sent_at=time.time(), not_after=time.time() + 60)
+        late = RowWrite(7, GRANT, [9], 4, sent_at=time.time() - 0.9)  # gives up after 1 s, less a 0.25 s margin
+        short = RowWrite(8, GRANT, [9], 4, sent_at=time.time())
         for header, data, why in [(late, rows[:4], "came too late"),
                                   (short, rows[:3], "need 768 bytes, the write has 576")]:
             answer = _secure_write(target.session, [msgspec.msgpack.encode(header), rows_bytes(data)])

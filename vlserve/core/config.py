@@ -31,10 +31,12 @@ REGISTRY_ROLES = DISAGG_ROLES | {ROUTER}  # roles that read the registry (a rout
 MODEL_ROLES = frozenset({SERVE, DEMO}) | DISAGG_ROLES  # roles that load (part of) the model
 MEDIA_ROLES = frozenset({SERVE, ENCODE, ROUTER})  # roles that fetch and decode media (a router: to hash it)
 KV_ROLES = frozenset({PREFILL, DECODE})  # roles whose engine moves KV between instances (a KV connector)
-# roles that apply LoRA adapters (an encoder the towers' part, the others the language model's); those naming them:
+# roles that apply LoRA adapters (an encoder the towers' part, the others the language model's), each serving only
+# those it was started with (a peer names one by name and content, never by path); those loading them at runtime:
 # the API servers
 LORA_ROLES = frozenset({SERVE, DEMO, LANGUAGE, ENCODE, PREFILL, DECODE})
 LORA_API_ROLES = frozenset({SERVE, LANGUAGE, DECODE})
+DEFAULT_MAX_CPU_LORAS = 8  # at least; twice --max-loras when that is more
 # Kinds a user does not name keep these. Audio: 4 clips of at most --max-audio-seconds (30 s) each, 3000 audio
 # tokens at 25 a second, less than one large picture may take.
 DEFAULT_MM_LIMITS = {"image": 8, "video": 1, "audio": 4}
@@ -149,13 +151,19 @@ class EngineArgs:
                                "on the media towers and projectors", LORA_ROLES)
     lora_modules: tuple[str, ...] = option(
         (), "adapters served from the start, as NAME=PATH (a folder with adapter_config.json and "
-        "adapter_model.safetensors); a request picks one with \"model\": NAME", LORA_API_ROLES, nargs="+",
-        metavar="NAME=PATH")
+        "adapter_model.safetensors); a request picks one with \"model\": NAME. Disaggregated, every role applying "
+        "adapters takes the same list: encoders and prefill instances apply only adapters listed here",
+        LORA_ROLES - {DEMO}, nargs="+", metavar="NAME=PATH")
     max_loras: int = option(1, "most adapters one engine step runs (each one a slot on the device)", LORA_ROLES,
                             bounds=(1, 64))
     max_lora_rank: int = option(16, "highest LoRA rank an adapter may have", LORA_ROLES, bounds=(1, 512))
-    max_cpu_loras: int | None = option(None, "adapters kept loaded in host memory (default: max_loras; at least "
-                                       "that)", LORA_ROLES, bounds=(1, 4096))
+    max_cpu_loras: int | None = option(
+        None, f"adapters kept read in host memory, so requests taking turns between them do not read them again "
+        f"(default: twice max_loras, at least {DEFAULT_MAX_CPU_LORAS}; at least max_loras)", LORA_ROLES,
+        bounds=(1, 4096))
+    max_cpu_lora_memory_gb: float = option(
+        4.0, "host memory those adapters may take, in GiB (the least recently used go first; an adapter larger "
+        "than this alone is refused)", LORA_ROLES, bounds=(0.001, 1024.0))
     cuda_graph_sizes: tuple[int, ...] | None = option(
         None, "decode batch sizes captured as CUDA graphs; a step of b decode rows replays the smallest size >= b, "
         "padded (default on CUDA: 1, 2, 4, 8, then every multiple of 8 up to min(max_num_seqs, 256); on a CPU "
@@ -203,6 +211,10 @@ class EngineArgs:
     def mm_limits(self) -> dict[str, int]:
         """Media items per prompt by kind: the user's limits over the defaults."""
         return {**DEFAULT_MM_LIMITS, **self.limit_mm_per_prompt}
+
+    def lora_host_bytes(self) -> int:
+        """The host memory LoRA adapters' weights may take (max_cpu_lora_memory_gb), in bytes."""
+        return int(self.max_cpu_lora_memory_gb * 2**30)
 
     def check(self) -> None:
         """Refuses values no engine can run with (the front end before it starts the engine, the engine again)."""
@@ -290,6 +302,10 @@ class ServerArgs:
                                         "connection is closed after that", HTTP_ROLES, bounds=SECONDS)
     body_read_timeout: float = option(60.0, "seconds a client may take to send a request's body; 408 after that",
                                       HTTP_ROLES, bounds=SECONDS)
+    shutdown_timeout: float = option(
+        0.0, "seconds a stop (SIGINT/SIGTERM) waits for the requests in flight to finish while new ones get 503; "
+        "then the rest end (a stream with an error event). 0, as vLLM: they end at once. A second signal ends them "
+        "at once", HTTP_ROLES, bounds=(0, SECONDS[1]))
     max_stop_strings: int = option(64, "most stop strings one request may give (and most stop_token_ids)",
                                    HTTP_ROLES)
     max_stop_string_chars: int = option(1024, "longest stop string, in characters", HTTP_ROLES)
@@ -304,8 +320,12 @@ class ServerArgs:
                                    ENGINE_HTTP_ROLES)
     allow_runtime_lora: bool = option(
         False, "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with --enable-lora): an API client "
-        "then names a folder on this machine for the server to read, so keep it off unless every client with the "
-        "API key may choose what the server reads", LORA_API_ROLES)
+        "then names a folder under --lora-dir for the server to read, so keep it off unless every client with the "
+        "API key may choose among those", LORA_API_ROLES)
+    lora_dir: tuple[str, ...] = option(
+        (), "folders runtime loads (--allow-runtime-lora) may read adapters from, symlinks resolved: a path "
+        "outside them is refused (default: none, so every runtime load is refused)", LORA_API_ROLES, nargs="+",
+        metavar="DIR")
     engine_heartbeat_timeout: float = option(10.0, "seconds without an answer from the engine process before it "
                                              "counts as unresponsive (503 on /health and for waiting requests)",
                                              ENGINE_HTTP_ROLES | {PREFILL}, bounds=SECONDS)
@@ -406,7 +426,8 @@ class DisaggArgs:
     transfer_failure_prob: float = option(0.0, "fail this share of transfers on purpose (fault injection)",
                                           {ENCODE, PREFILL}, env="VLSERVE_TRANSFER_FAILURE_PROB", bounds=SHARE)
     disagg_secret: str | None = option(None, "shared secret of every role: signs registry calls and encrypts the "
-                                       "data channel (required off loopback; serve --disagg makes one)",
+                                       "data channel (encode, prefill, language and decode need it; serve --disagg "
+                                       "makes one)",
                                        {SERVE, BOOTSTRAP} | REGISTRY_ROLES, env="VLSERVE_DISAGG_SECRET", secret=True)
     # The router (`vlserve router`): which replicas, and how it picks one.
     replica_role: tuple[str, ...] = option(("serve", "language", "decode"), "registry roles the router sends "

@@ -82,7 +82,9 @@ class WriteKV(msgspec.Struct, tag="write_kv"):
 class ReserveKV(msgspec.Struct, tag="reserve_kv"):
     """Decode instance: KV blocks for `num_rows` rows of a prompt a peer computes (its KV, then a hybrid model's
     state rows), held under `holder` (one transfer) until a request arriving with them takes them
-    (`AddRequest.block_rows`) or `ReleaseKV` lets them go. Answered by a `KVReserved` with the same id."""
+    (`AddRequest.block_rows`) or `ReleaseKV` lets them go. Answered once by a `KVReserved` with the same id: when
+    the blocks are there (a reservation waits in the engine, in the order they came, as requests free blocks),
+    at once when it never could be, or with none when `CancelReserveKV` came first."""
 
     holder: str
     reserve_id: int
@@ -97,11 +99,17 @@ class ReleaseKV(msgspec.Struct, tag="release_kv"):
     block_ids: list[int] | None = None
 
 
+class CancelReserveKV(msgspec.Struct, tag="cancel_reserve_kv"):
+    """Decode instance: the asker of a `ReserveKV` gave up (its transfer failed, or timed out waiting)."""
+
+    reserve_id: int
+
+
 class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-EngineInput = AddRequest | FinishRequests | WriteKV | ReserveKV | ReleaseKV | Shutdown
+EngineInput = AddRequest | FinishRequests | WriteKV | ReserveKV | ReleaseKV | CancelReserveKV | Shutdown
 
 
 # ---- engine core -> front-end ---------------------------------------------------------------------------
@@ -153,8 +161,9 @@ class KVWritten(msgspec.Struct, array_like=True):
 
 
 class KVReserved(msgspec.Struct, array_like=True):
-    """The answer to a `ReserveKV`: the blocks, in row order; None while the pool is short (ask again later), with
-    `error` when it never could be (more than the whole pool, an engine that reserves nothing)."""
+    """The answer to a `ReserveKV`: the blocks, in row order; None with `error` when it never could be (more than
+    the whole pool, an engine that reserves nothing), without when it was cancelled (or, from
+    `KVConnector.reserve` itself, while the pool is short)."""
 
     reserve_id: int
     block_ids: list[int] | None = None

@@ -7,7 +7,10 @@
   hold the client key (ZAP), and a language server can only complete the handshake with an encoder that holds
   the server key; everything on the wire is encrypted.
 
-Without a secret both stay open, which is allowed only on loopback addresses.
+The roles of a deployment (encode, prefill, language, decode) refuse to start without a secret: on a shared
+machine a loopback port is open to every local user, who could otherwise steer a role (`serve --disagg` makes a
+secret for its roles when none is given). The bootstrap registry, a router and a replica announcing itself may run
+without one on loopback: a registry only says where peers are, and they prove the secret on the data channel.
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ import secrets
 import time
 
 import zmq
-from zmq.utils import z85
 
+from vlserve.core.curve_keys import curve_keypair
 from vlserve.core.errors import InvalidInputError
 
 logger = logging.getLogger("vlserve.disagg.auth")
@@ -63,13 +66,6 @@ class NonceMemory:
         return True
 
 
-def _keypair(secret: str, purpose: str) -> tuple[bytes, bytes]:
-    """(public, secret) Curve25519 keys in Z85, derived from the shared secret."""
-    seed = hashlib.blake2b(secret.encode(), digest_size=32, person=purpose.encode()[:16]).digest()
-    private = z85.encode(seed)
-    return zmq.curve_public(private), private
-
-
 class PeerAuth:
     """The shared secret and what follows from it; `PeerAuth(None)` leaves every channel open."""
 
@@ -78,8 +74,8 @@ class PeerAuth:
         if self.secret is not None:
             if not zmq.has("curve"):
                 raise RuntimeError("this libzmq has no CURVE support, which --disagg-secret needs")
-            self.server_public, self.server_private = _keypair(self.secret, "vlserve-encoder")
-            self.client_public, self.client_private = _keypair(self.secret, "vlserve-language")
+            self.server_public, self.server_private = curve_keypair(self.secret, "vlserve-encoder")
+            self.client_public, self.client_private = curve_keypair(self.secret, "vlserve-language")
         self._authenticator = None
 
     @property
@@ -163,6 +159,16 @@ class PeerAuth:
         if self._authenticator is not None:
             self._authenticator.stop()
             self._authenticator = None
+
+
+def require_secret(auth: PeerAuth, role: str) -> None:
+    """A role's data channel takes peers' work and writes into peers' memory: only with the shared secret, on any
+    address (a loopback port is open to every user of the machine)."""
+    if not auth.enabled:
+        raise InvalidInputError(f"{role} needs the deployment's shared secret: set --disagg-secret (better the env "
+                                "variable VLSERVE_DISAGG_SECRET) on every role. Without it any user who reaches its "
+                                "ports, on this machine too, could steer it. `vlserve serve --disagg` makes one for "
+                                "its roles")
 
 
 def require_secret_off_loopback(auth: PeerAuth, host: str, role: str) -> None:

@@ -13,10 +13,12 @@ A language server sends a prompt with media and the ids of its receive blocks. T
   receiver's blocks run out it asks to resume; meanwhile the rows wait in the encoder cache, held for that
   transfer (no staging copy).
 
-A request may name a LoRA adapter of the towers (`--enable-lora`): its items get hashes of their own (the cache
-never mixes adapters) and the towers run with the adapter in a slot. An encoder that cannot apply it (started
-without --enable-lora, the folder missing on this machine, a rank over its --max-lora-rank) refuses with a 503
-naming itself and why: the language server tries another encoder.
+A request may name a LoRA adapter of the towers (`--enable-lora`), by name and content key, never by path: the
+encoder applies the adapter of that name it serves (`--lora-modules`) if its key is the same. Its items get hashes
+of their own (the cache never mixes adapters) and the towers run with the adapter in a slot; its weights are read
+on a loader thread, never the vision thread. An encoder that cannot apply it (started without --enable-lora, no
+such adapter or other files under that name, its files unreadable now) refuses with a 503 naming itself and why:
+the language server tries another encoder.
 """
 
 from __future__ import annotations
@@ -36,10 +38,10 @@ from prometheus_client.core import CounterMetricFamily
 from vlserve.core.config import TOWER_MODALITIES, Options
 from vlserve.core.cpu_budget import media_pool_size, plan_threads, size_default_executor
 from vlserve.core.errors import ConfigurationError, InvalidInputError, ServiceUnavailableError
-from vlserve.core.lora import AdapterRef
+from vlserve.core.lora import AdapterRef, PeerAdapter
 from vlserve.core.processes import SigtermStop, finish
 from vlserve.core.prompt import MEDIA_KINDS, ProcessedPrompt, media_kinds_needed
-from vlserve.disagg.auth import PeerAuth, require_secret_off_loopback
+from vlserve.disagg.auth import PeerAuth, require_secret
 from vlserve.disagg.messages import (
     Pong,
     TransferRequest,
@@ -59,7 +61,7 @@ from vlserve.frontend.input_processor import InputProcessor
 from vlserve.media.fetch import MediaFetcher, MediaPolicy
 from vlserve.frontend.metrics import CONTENT_TYPE, LATENCY_BUCKETS, PREFIX
 from vlserve.frontend.prompt_encoder import LocalPromptEncoder
-from vlserve.lora.catalog import with_adapter
+from vlserve.lora.catalog import LoRACatalog, parse_lora_modules, with_adapter
 from vlserve.model.facts import resolve_model_facts
 from vlserve.model.hardware import log_once
 
@@ -72,7 +74,7 @@ class EncodeService(SenderService):
         engine = dataclasses.replace(opts.engine, load_language=False)  # the media towers only, no KV cache
         self.opts, self.d = opts, d
         auth = PeerAuth(d.disagg_secret)
-        require_secret_off_loopback(auth, server.host, "this encoder")  # refused before anything loads
+        require_secret(auth, "this encoder")  # refused before anything loads
         facts = resolve_model_facts(engine)
         try:
             self.cfg = resolve_config(engine, facts)
@@ -101,8 +103,15 @@ class EncodeService(SenderService):
         self.lora = getattr(self.tower, "lora", None)  # tower adapter slots (--enable-lora); the vision thread's
         # adapter key -> requests using it now: host memory keeps those adapters
         self.adapters_in_flight: collections.Counter[str] = collections.Counter()
+        self.catalog: LoRACatalog | None = None  # the adapters it applies (--lora-modules), checked at start
         if self.lora is not None:
             self.lora.in_use = lambda: set(self.adapters_in_flight)
+            self.catalog = LoRACatalog(self.cfg.model, self.cfg.model_path, engine.max_lora_rank,
+                                       self.cfg.lora.max_cpu_bytes, self.cfg.dtype)
+            for name, path in parse_lora_modules(engine.lora_modules):  # a bad one stops the start with its reason
+                self.catalog.load(name, path)
+        self.lora_reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlserve-lora")
+        self._reading: dict[str, asyncio.Future] = {}  # adapter key -> its read under way
         self.registry.register(_EncoderStats(self))
         self.encoder_latency = Histogram(PREFIX + "encoder_latency_seconds", "Media encoder time per tower call, "
                                          "by tower (vision, audio).", ["tower"], registry=self.registry,
@@ -140,16 +149,18 @@ class EncodeService(SenderService):
         key = (peer, req.request_id, req.transfer_id)
         self.in_flight += 1
         self.metrics.state(TransferState.WAITING_FOR_INPUT)
+        adapter = None
         try:
             if req.params is not None:
                 raise InvalidInputError("this is an encoder, not a prefill instance: check the roles' registry")
             self.check_kinds(req)
             if req.lora is not None:
-                self.adapters_in_flight[req.lora.key] += 1
-                await self._take_adapter(req.lora)
+                adapter = self._adapter(req.lora)
+                self.adapters_in_flight[adapter.key] += 1
+                await self._take_adapter(adapter)
             prompt = self.start_request(req)
             processed = (await self.prompts.encode(prompt, req.mm_processor_kwargs, req.request_id)).prompt
-            processed = with_adapter(processed, req.lora)  # its items' hashes: this adapter's own
+            processed = with_adapter(processed, adapter)  # its items' hashes: this adapter's own
             for item in processed.mm_items:
                 self.mm_items.labels(item.modality).inc()
             holder = f"{req.request_id}/{req.transfer_id}/{peer.hex()}"
@@ -167,26 +178,46 @@ class EncodeService(SenderService):
             await self.request_failed(key, e)
         finally:
             self.in_flight -= 1
-            if req.lora is not None:
-                self.adapters_in_flight[req.lora.key] -= 1
-                if not self.adapters_in_flight[req.lora.key]:
-                    del self.adapters_in_flight[req.lora.key]
+            if adapter is not None:
+                self.adapters_in_flight[adapter.key] -= 1
+                if not self.adapters_in_flight[adapter.key]:
+                    del self.adapters_in_flight[adapter.key]
+
+    def _adapter(self, named: PeerAdapter) -> AdapterRef:
+        """The adapter of this encoder's own catalogue (--lora-modules) a request names, or a 503: what keeps it
+        from applying one is its own limit, not the request's fault, so the language server tries another
+        encoder. No file is read."""
+        ref = None if self.catalog is None else self.catalog.resolve(named)
+        if ref is None:
+            self._refuse(named.name, "it serves no LoRA adapters (start it with --enable-lora)" if self.catalog is None
+                         else "it serves no adapter of that name with those weights (start it with --lora-modules "
+                         "NAME=PATH, the same files as the language server's)")
+        return ref
 
     async def _take_adapter(self, ref: AdapterRef) -> None:
-        """Reads a request's tower adapter into host memory (on the vision thread, which alone uses the slots).
-        What keeps this encoder from applying it is its own limit, not the request's fault: a 503, so the
-        language server tries another encoder."""
-        why = None
-        if self.lora is None:
-            why = "it serves no LoRA adapters (start it with --enable-lora)"
-        else:
-            try:
-                await asyncio.get_running_loop().run_in_executor(self.vit, self.lora.prepare, ref)
-            except (InvalidInputError, OSError) as e:
-                why = str(e)
-        if why is not None:
-            logger.warning("LoRA adapter %r refused: %s", ref.name, why)
-            raise ServiceUnavailableError(f"encoder {self.address} cannot apply LoRA adapter {ref.name!r}: {why}")
+        """The adapter's weights into host memory, read on the loader thread (one read per adapter however many
+        requests wait for it), then handed to the vision thread, which alone uses the slots."""
+        if self.lora.holds(ref):
+            return
+        reading = self._reading.get(ref.key)
+        if reading is None:
+            reading = self._reading[ref.key] = asyncio.ensure_future(self._read(ref))
+            reading.add_done_callback(lambda done: (self._reading.pop(ref.key, None),  # its error: retrieved
+                                                    done.cancelled() or done.exception()))
+        try:
+            await asyncio.shield(reading)
+        except (InvalidInputError, OSError) as e:  # the detail names this encoder's files: its log only
+            logger.warning("LoRA adapter %r could not be read from %s: %s", ref.name[:256], ref.path, e)
+            self._refuse(ref.name, "its files could not be read as they were at its start (its log says why)")
+
+    async def _read(self, ref: AdapterRef) -> None:
+        loop = asyncio.get_running_loop()
+        weights = await loop.run_in_executor(self.lora_reader, self.lora.read, ref)
+        await loop.run_in_executor(self.vit, self.lora.insert, ref, weights)
+
+    def _refuse(self, name: str, why: str) -> None:
+        logger.warning("LoRA adapter %r refused: %s", name[:256], why)
+        raise ServiceUnavailableError(f"encoder {self.address} cannot apply LoRA adapter {name[:256]!r}: {why}")
 
     async def _embeddings(self, prompt: ProcessedPrompt, holder: str) -> list[torch.Tensor]:
         """Each media item's rows: from the encoder cache, a vision call in flight, or a new one (batched).
@@ -284,6 +315,7 @@ class EncodeService(SenderService):
         await self.prompts.stop()
         self.auth.stop()
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.lora_reader.shutdown(wait=False, cancel_futures=True)
         # a vision call in flight finishes first: the tensor-parallel ranks are stopped between calls
         await asyncio.to_thread(self.vit.shutdown, wait=True, cancel_futures=True)
         self.tower.shutdown()

@@ -52,6 +52,7 @@ class Child:
     proc: subprocess.Popen | None = None
     crashes: list[float] = field(default_factory=list)
     restart_at: float | None = None
+    serves_api: bool = False  # an API role: on SIGTERM it drains its requests first (--shutdown-timeout)
 
     def start(self) -> None:
         env = {**os.environ, **self.env, LOG_TAG_ENV: self.name}  # its log lines say which role wrote them
@@ -67,13 +68,14 @@ class Child:
         if self.running:
             self.proc.send_signal(signal.SIGTERM)
 
-    def wait(self, timeout: float) -> None:
+    def wait(self, timeout: float, given_s: float = STOP_TIMEOUT_S) -> None:
+        """`given_s`: the whole time it had since its SIGTERM (what the log says), of which `timeout` is left."""
         if self.proc is None:
             return
         try:
             self.proc.wait(max(0.0, timeout))
         except subprocess.TimeoutExpired:
-            logger.warning("%s did not stop within %.0fs of SIGTERM; killing it", self.name, STOP_TIMEOUT_S)
+            logger.warning("%s did not stop within %.0fs of SIGTERM; killing it", self.name, given_s)
             self.proc.kill()
             self.proc.wait()
 
@@ -148,7 +150,7 @@ def plan_children(opts: Options, log_level: str) -> list[Child]:
     d = opts.disagg
     if not d.num_prefill and not d.num_decode:
         argv, env = to_argv(opts, LANGUAGE)
-        children.append(Child("language", [*vlserve, "language", *argv, *meet], env))
+        children.append(Child("language", [*vlserve, "language", *argv, *meet], env, serves_api=True))
         return children
     if d.num_prefill < 1 or d.num_decode < 1:
         raise InvalidInputError("E->P->D needs at least one of each: --num-prefill P --num-decode D")
@@ -170,7 +172,7 @@ def plan_children(opts: Options, log_level: str) -> list[Child]:
         if events is not None:
             port += ["--kv-events-endpoint", nth_endpoint(events, i)]
         children.append(Child(f"decode-{i}", [*vlserve, "decode", *_without(argv, "--port", "--kv-events-endpoint"),
-                                              *port, *meet], env))
+                                              *port, *meet], env, serves_api=True))
     return children
 
 
@@ -214,9 +216,12 @@ def _without(argv: list[str], *flags: str) -> list[str]:
 
 
 class Supervisor:
-    def __init__(self, children: list[Child], state_path: str | None = None):
+    def __init__(self, children: list[Child], state_path: str | None = None, drain_s: float = 0.0):
+        """`drain_s`: the API roles' --shutdown-timeout (they finish their requests in flight on SIGTERM)."""
         self.children = children
+        self.drain_s = drain_s
         self.stopping = False
+        self.shutting_down = False
         self.exit_code = 0
         # Crash-looping roles, reported in the API roles' /ready (they keep serving without them).
         self.state_path = state_path
@@ -240,6 +245,11 @@ class Supervisor:
     def _on_signal(self, signum, _frame) -> None:
         if not self.stopping:
             logger.info("%s: stopping every role", signal.Signals(signum).name)
+        elif self.shutting_down:  # a second Ctrl-C: the API roles end their draining requests now
+            logger.info("%s again: the roles end their requests in flight now", signal.Signals(signum).name)
+            for child in self.children:
+                if child.name != "bootstrap":  # it goes last, once the roles have deregistered from it
+                    child.stop()
         self.stopping = True
 
     def run(self) -> int:
@@ -292,15 +302,21 @@ class Supervisor:
     def shutdown(self) -> None:
         """Every role gets SIGTERM at once (API servers first) and they stop side by side within one shared
         deadline, so stopping takes as long as the slowest role, not the sum of them all; the bootstrap registry
-        then, once the roles have deregistered from it."""
+        then, once the roles have deregistered from it. With --shutdown-timeout the API roles go first, alone:
+        the encoders and prefill instances their requests in flight need keep serving while they drain."""
+        self.shutting_down = True
         roles = [c for c in reversed(self.children) if c.name != "bootstrap"]
         registry = [c for c in self.children if c.name == "bootstrap"]
-        for group in (roles, registry):
+        groups = [roles, registry]
+        if self.drain_s > 0:
+            groups[0:1] = [[c for c in roles if c.serves_api], [c for c in roles if not c.serves_api]]
+        for group in groups:
             for child in group:
                 child.stop()
-            deadline = time.monotonic() + STOP_TIMEOUT_S
+            given = STOP_TIMEOUT_S + (self.drain_s if any(c.serves_api for c in group) else 0)
+            deadline = time.monotonic() + given
             for child in group:
-                child.wait(deadline - time.monotonic())
+                child.wait(deadline - time.monotonic(), given)
         if self.state_path is not None:
             with contextlib.suppress(OSError):
                 os.unlink(self.state_path)
@@ -322,4 +338,4 @@ def run_roles(opts: Options, log_level: str) -> int:
                 d.num_encoders, api, where, opts.server.host, opts.server.port)
     fd, state = tempfile.mkstemp(prefix="vlserve-deployment-", suffix=".state")
     os.close(fd)
-    return Supervisor(children, state).run()
+    return Supervisor(children, state, drain_s=opts.server.shutdown_timeout).run()

@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from vlserve.core.lora import AdapterRef
+from vlserve.core.lora import PeerAdapter
 from vlserve.core.messages import Handoff
 from vlserve.core.sampling_params import SamplingParams
 from vlserve.core.wire import TensorRef
@@ -41,6 +41,8 @@ class TransferTarget(msgspec.Struct):
     session: str = ""  # mooncake: "host:port" of the receiver's transfer engine; nixl: its agent name
     base_address: int = 0  # mooncake, nixl: address of the receiver's registered buffers
     agent_metadata: bytes = b""  # nixl: the receiver agent's metadata (its UCX address)
+    # the transfer's grant, set per request: a zmq row socket takes a write only into blocks reserved under it
+    grant: str = ""
 
 
 class TransferRequest(msgspec.Struct, tag="transfer"):
@@ -57,8 +59,8 @@ class TransferRequest(msgspec.Struct, tag="transfer"):
     target: TransferTarget | None = None  # None: the data travels as frames (zmq)
     params: SamplingParams | None = None  # to a prefill instance: how to sample the first token
     # the LoRA adapter: to an encoder, one of the towers to run the media with; to a prefill instance, the
-    # request's (None: the base model)
-    lora: AdapterRef | None = None
+    # request's (None: the base model). By name and content only: the peer applies it only if it serves it.
+    lora: PeerAdapter | None = None
 
 
 class ResumeRequest(msgspec.Struct, tag="resume"):
@@ -137,6 +139,7 @@ class Pong(msgspec.Struct, tag="pong"):
     kv_width: int = 0  # a prefill instance: the KV row width it sends per token (0: an encoder)
     state_rows: int = 0  # a prefill instance of a hybrid model: rows of linear states after the prompt's KV rows
     modalities: list[str] = []  # an encoder: the media kinds its towers encode (a prefill instance: none)
+    boot: str = ""  # random per process: a receiver tells a peer restarted at the same address by it
 
 
 SenderToReceiver = TransferChunk | TransferFailed | Pong

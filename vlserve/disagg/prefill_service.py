@@ -8,11 +8,12 @@ instance's blocks over the transport (a hybrid model's linear states follow as r
 chunk carries the first token and the random state. It speaks the
 peers' protocol (disagg.messages) as the sender, with the same resume, abort and expiry (disagg.sender).
 
-A request may carry the LoRA adapter the decode instance accepted it with (`--enable-lora` on both): the prompt is
-computed with it (its encoders run the towers' part) and its items keep the adapter's own hashes, so the KV the
-decode instance receives is the adapter's, keyed as its prefix cache keys it. An instance that cannot apply the
-adapter (no --enable-lora, other files at the path here) refuses with a 503 naming itself: the decode instance
-tries another.
+A request may name the LoRA adapter the decode instance accepted it with (`--enable-lora` on both), by name and
+content key, never by path: the prompt is computed with the adapter of that name this instance serves
+(`--lora-modules`), if its key is the same, and its items keep the adapter's own hashes, so the KV the decode
+instance receives is the adapter's, keyed as its prefix cache keys it. An instance that does not serve it (no
+--enable-lora, no such adapter, other files under that name) refuses with a 503 naming itself, having read nothing:
+the decode instance tries another.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ from fastapi.responses import Response
 from vlserve.core.config import PREFILL, Options
 from vlserve.core.cpu_budget import size_default_executor
 from vlserve.core.errors import InvalidInputError, ServiceUnavailableError
-from vlserve.core.lora import AdapterRef
+from vlserve.core.lora import AdapterRef, PeerAdapter
 from vlserve.core.processes import SigtermStop, finish
-from vlserve.disagg.auth import PeerAuth, require_secret_off_loopback
+from vlserve.disagg.auth import PeerAuth, require_secret
 from vlserve.disagg.messages import (
     TransferRequest,
     Pong,
@@ -49,14 +50,13 @@ from vlserve.frontend.metrics import CONTENT_TYPE
 from vlserve.lora.catalog import with_adapter
 
 logger = logging.getLogger("vlserve.prefill")
-ADAPTERS_REMEMBERED = 256  # LoRA adapters (by key and path) known to apply here: a request for one is not checked
 
 
 class PrefillService(SenderService):
     def __init__(self, engine: AsyncLLM, opts: Options):
         self.engine, d, host = engine, opts.disagg, opts.server.host
         auth = PeerAuth(d.disagg_secret)
-        require_secret_off_loopback(auth, host, "this prefill instance")
+        require_secret(auth, "this prefill instance")
         # The engine process writes the KV rows with its own transport (run_prefill gives it a row writer): this
         # process sends headers only.
         public = advertised_host(d, host)
@@ -71,8 +71,6 @@ class PrefillService(SenderService):
              "Prefills whose KV rows the engine keeps to write into decode instances itself.")]))
         self.working: dict[tuple, asyncio.Task] = {}  # transfers being prefilled: an abort cancels them
         self._ids = itertools.count()
-        # (key, path) of LoRA adapters found applicable here, oldest first
-        self._adapters_checked: dict[tuple[str, str], None] = {}
         self.address = f"{advertised_host(d, host)}:{self.data_port}"  # how refusals name this instance
 
     @property
@@ -100,14 +98,13 @@ class PrefillService(SenderService):
         try:
             if req.params is None:
                 raise InvalidInputError("this is a prefill instance: a request needs its sampling parameters")
-            if req.lora is not None:
-                await self._check_adapter(req.lora)
+            adapter = None if req.lora is None else self._adapter(req.lora)
             prompt = self.start_request(req)
             engine_id = f"p{next(self._ids)}-{req.request_id[:128]}"
             with await self.engine.prepare(prompt, req.mm_processor_kwargs, request_id=engine_id,
-                                           adapter=req.lora) as prepared:
-                computed = with_adapter(prepared.prompt, req.lora)  # the item hashes the decode side keys by
-                handoff = await self.engine.prefill(prepared, req.params, engine_id, req.lora)  # takes it over
+                                           adapter=adapter) as prepared:
+                computed = with_adapter(prepared.prompt, adapter)  # the item hashes the decode side keys by
+                handoff = await self.engine.prefill(prepared, req.params, engine_id, adapter)  # takes it over
             transfer = OutgoingTransfer(key, computed, req.block_tokens, every_token=True,
                                         tail_rows=PREFILL_PEERS.tail_rows(self.engine.cfg), target=req.target,
                                         handoff=handoff)
@@ -131,27 +128,19 @@ class PrefillService(SenderService):
             self.sender.unsettle(key)  # the receiver must not hear its blocks are free
             raise
 
-    async def _check_adapter(self, ref: AdapterRef) -> None:
-        """The request's LoRA adapter is one this instance can apply: served (--enable-lora), and the same files
-        on this machine (checked once per adapter, on the thread pool: it digests them). What keeps it from
-        applying one is its own limit, not the request's fault: a 503, so the decode instance tries another
-        prefill instance."""
-        why = None
-        if self.engine.loras is None:
-            why = "it serves no LoRA adapters (start it with --enable-lora)"
-        elif (ref.key, ref.path) not in self._adapters_checked:
-            try:
-                await asyncio.get_running_loop().run_in_executor(self.engine.executor, self.engine.loras.check, ref)
-            except (InvalidInputError, OSError) as e:
-                why = str(e)
-            else:
-                self._adapters_checked[(ref.key, ref.path)] = None
-                while len(self._adapters_checked) > ADAPTERS_REMEMBERED:
-                    self._adapters_checked.pop(next(iter(self._adapters_checked)))
-        if why is not None:
-            logger.warning("LoRA adapter %r refused: %s", ref.name, why)
-            raise ServiceUnavailableError(f"prefill instance {self.address} cannot apply LoRA adapter {ref.name!r}: "
-                                          f"{why}")
+    def _adapter(self, named: PeerAdapter) -> AdapterRef:
+        """The adapter of this instance's own catalogue (--lora-modules) the request names, or a 503 (its limit,
+        not the request's fault: the decode instance tries another prefill instance). No file is read."""
+        loras = self.engine.loras
+        ref = None if loras is None else loras.resolve(named)
+        if ref is not None:
+            return ref
+        why = ("it serves no LoRA adapters (start it with --enable-lora)" if loras is None else
+               "it serves no adapter of that name with those weights (start it with --lora-modules NAME=PATH, the "
+               "same files as the decode instance's)")
+        logger.warning("LoRA adapter %r refused: %s", named.name[:256], why)
+        raise ServiceUnavailableError(f"prefill instance {self.address} cannot apply LoRA adapter "
+                                      f"{named.name[:256]!r}: {why}")
 
     def http_app(self) -> FastAPI:
         app = FastAPI(title="vlserve prefill", docs_url=None, redoc_url=None, openapi_url=None)

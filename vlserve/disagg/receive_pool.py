@@ -1,10 +1,14 @@
 """Where a receiving server gets the blocks a peer writes a prompt's rows into, one transfer (a `holder`) at a
 time:
-- `LocalBlocks`: its own receive buffers (media rows from encoders; KV rows for a decode engine that copies them
-  into its KV cache at admission), allocated here;
-- `EngineKVBlocks`: a decode engine's KV cache itself (in a shared file), whose blocks the engine reserves for
-  the transfer (frontend.kv_reservations): the request arriving with them takes them, nothing is copied.
-Either way every block is given back on every path but success, and after success by `handed`'s callback."""
+- `LocalBlocks`: its own receive buffers (media rows from encoders), allocated here;
+- `EngineKVBlocks`: blocks a decode engine reserves for the transfer (frontend.kv_reservations): of its KV cache
+  itself (in a shared file; the request arriving with them takes them, nothing is copied), or at several ranks or
+  on a GPU its receive blocks (copied into its KV cache at admission).
+Either way every block is given back on every path but success, and after success by `handed`'s callback. A
+run of blocks takes its peer's writes (under the transfer's grant: engine.write_grants) from its allocation
+until its chunk's header comes (`seal`) or it is freed: `LocalBlocks` opens and closes the grants of its buffers
+here, a decode engine those of its blocks as it reserves, admits (claims) and releases them (it serves the row
+socket)."""
 
 from __future__ import annotations
 
@@ -14,10 +18,6 @@ from collections.abc import Callable
 
 from vlserve.core.errors import ServiceUnavailableError
 from vlserve.engine.transfer_buffers import TransferBuffers
-
-# A decode engine short of KV blocks is asked again after this, then twice as long each time up to the most (its
-# requests free them; many waiting transfers must not flood its loop with asks).
-ENGINE_RETRY_S, ENGINE_RETRY_MAX_S = 0.02, 0.5
 
 
 class LocalBlocks:
@@ -37,6 +37,8 @@ class LocalBlocks:
             except ValueError as e:  # more than the whole pool: it never fits
                 raise ServiceUnavailableError(f"the prompt does not fit this server's receive buffer: {e}") from None
             if blocks is not None:
+                if self.buffers.grants is not None:
+                    self.buffers.grants.open(holder, blocks)
                 return blocks
             if time.monotonic() > deadline:
                 raise ServiceUnavailableError("the receive buffer stayed full; retry later")
@@ -46,13 +48,23 @@ class LocalBlocks:
             except asyncio.TimeoutError:
                 pass
 
+    def seal(self, run: list[int]) -> None:
+        """`run`'s chunk came: it takes no more writes (its rows are checked next, then read), though still held."""
+        if self.buffers.grants is not None:  # (waits only for a write into it still under way)
+            self.buffers.grants.close(run)
+
     def free(self, holder: str | None, blocks: list[int]) -> None:
         if blocks:
+            if self.buffers.grants is not None:  # (waits only for a write into them still under way)
+                self.buffers.grants.close(blocks)
             self.buffers.free(blocks)
             self._freed.set()
 
     def handed(self, holder: str, blocks: list[int]) -> Callable[[], None]:
-        """What frees a successful transfer's blocks once the engine is done with its rows."""
+        """What frees a successful transfer's blocks once the engine is done with its rows (sealed already: the
+        engine reads what was checked)."""
+        if self.buffers.grants is not None:
+            self.buffers.grants.close_grant(holder)
         return lambda: self.free(holder, blocks)
 
 
@@ -62,13 +74,17 @@ class EngineKVBlocks:
         self.capacity_rows = capacity_rows  # the engine's KV pool (its file has a scratch block more)
 
     async def allocate(self, holder: str, rows: int, timeout: float) -> list[int]:
-        deadline, pause = time.monotonic() + timeout, ENGINE_RETRY_S
-        while (blocks := await self.reservations.reserve(holder, rows)) is None:
-            if time.monotonic() > deadline:
-                raise ServiceUnavailableError("this server's KV cache stayed full; retry later")
-            await asyncio.sleep(pause)
-            pause = min(2 * pause, ENGINE_RETRY_MAX_S)
-        return blocks
+        """Asked once: a short pool's engine answers as its requests free blocks."""
+        try:
+            return await asyncio.wait_for(self.reservations.reserve(holder, rows), max(timeout, 0.0))
+        except asyncio.TimeoutError:
+            raise ServiceUnavailableError("this server's KV blocks for peers' writes stayed taken; retry "
+                                          "later") from None
+
+    def seal(self, run: list[int]) -> None:
+        """Nothing here: the grants are the engine's (the process serving the row socket), closed when the request
+        arrives there (a round trip per chunk would cost an engine step each). So the front end's check of the
+        rows guards against faults, not against the peer, whose writes decide its request's KV anyway."""
 
     def free(self, holder: str, blocks: list[int]) -> None:
         if blocks:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from vlserve.core.config import DECODE, DisaggArgs, kv_cache_shared
 from vlserve.core.errors import ConfigurationError, InvalidInputError
 from vlserve.core.lora import AdapterRef
+from vlserve.disagg.auth import PeerAuth, require_secret
 from vlserve.disagg.registry import InstanceInfo, new_instance_id
 from vlserve.disagg.peer_client import PeerClient
 from vlserve.disagg.peer_kinds import ENCODER_PEERS, PREFILL_PEERS, PeerKind
@@ -46,29 +47,34 @@ class RemotePromptEncoder:
             self.transfer_buffers = TransferBuffers.create(kind.buffer_blocks(opts), opts.receive_block_rows, width,
                                                            self.cfg.dtype)
         payload = "kv" if kind.rows_for_every_token else "embedding"  # (metric names kept as they were)
-        self.metrics = TransferMetrics(engine.metrics.registry, self.transfer_buffers, info.role, payload)
+        # A decode engine gives out the blocks peers write (of its KV cache, or receive blocks): its gauge counts them
+        local = None if kind.rows_for_every_token else self.transfer_buffers
+        self.metrics = TransferMetrics(engine.metrics.registry, local, info.role, payload)
         self.client: PeerClient | None = None  # a decode instance's once its engine registered where KV lands
         if not kind.rows_for_every_token:
             self.client = PeerClient(self.cfg, self.transfer_buffers, self.metrics, opts, info, kind, model=model)
         engine.metrics.registry.register(_PeerGauge(self))
-        if self.kv_in_place:
+        if kind.rows_for_every_token:
             engine.metrics.registry.register(ScrapeTimeGauges(lambda: [(
                 "decode_kv_blocks_reserved", engine.metrics.stats.kv_blocks_reserved,
-                "KV blocks the engine holds for prefill instances' writes that no request took yet.")]))
+                "Blocks the engine holds for prefill instances' writes: of its KV cache until a request takes them, "
+                "or receive blocks (several ranks, a GPU) until they are copied in.")]))
         self.started = False
 
     async def start(self) -> None:
         if self.kind.rows_for_every_token:
             # A decode engine has registered where prompts' KV lands with its own transport (its KV cache in a
-            # shared file, blocks reserved by it; or, at several ranks, the receive blocks): peers write there,
-            # this process only checks headers.
+            # shared file; or, at several ranks, the receive blocks), and reserves the blocks for each transfer:
+            # peers write there, this process only checks headers.
             if self.engine.kv_target is None or (self.kv_in_place and self.engine.kv_layout is None):
                 raise ConfigurationError("the decode engine did not register where prompts' KV lands")
-            buffers, pool = self.transfer_buffers, None
             if self.kv_in_place:
-                layout = self.engine.kv_layout
-                buffers = TransferBuffers.attach(layout)
-                pool = EngineKVBlocks(self.engine.kv_reservations, self.engine.num_kv_blocks * layout.block_tokens)
+                buffers = TransferBuffers.attach(self.engine.kv_layout)
+                rows = self.engine.num_kv_blocks * buffers.block_tokens
+            else:
+                buffers = self.transfer_buffers
+                rows = buffers.num_blocks * buffers.block_tokens
+            pool = EngineKVBlocks(self.engine.kv_reservations, rows)
             self.client = PeerClient(self.cfg, buffers, self.metrics, self.opts, self.info, self.kind,
                                      model=self.model, pool=pool, target=decode_target(self.engine.kv_target))
         # The engine process has mapped the buffers by now: the name can go (no file outlives a crash), unless
@@ -135,6 +141,9 @@ def remote_prompt_encoder(opts: DisaggArgs, http_address: str, model: str, role:
                           data_address: str = "", kv_events: str = ""):
     """A language server's (role "language"), a prefill instance's ("prefill": it registers its data address,
     where decode instances reach it) or a decode instance's ("decode": its peers are prefill instances)."""
+    names = {"language": "this language server", "decode": "this decode instance"}
+    require_secret(PeerAuth(opts.disagg_secret), names.get(role, f"this {role} instance"))  # before anything loads
+
     def build(engine) -> RemotePromptEncoder:
         info = InstanceInfo(new_instance_id(), role, data_address or http_address, http_address, kv_events=kv_events)
         return RemotePromptEncoder(engine, opts, info, PREFILL_PEERS if role == "decode" else ENCODER_PEERS, model)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -218,6 +219,7 @@ class SenderService:
         self.framer = Framer(ReceiverToSender)
         self.sender: TransferSender | None = None  # once bound
         self.tasks: set[asyncio.Task] = set()
+        self.boot = secrets.token_hex(8)  # in every Pong: a receiver sees this process restarted at its address
 
     def bind(self) -> None:
         """Bound before registering, so a receiver that finds us can connect at once."""
@@ -266,7 +268,9 @@ class SenderService:
 
     def _dispatch(self, peer: bytes, msg) -> None:
         if isinstance(msg, Ping):
-            self.spawn(self.sender.reply(peer, self.pong(msg.nonce)))
+            pong = self.pong(msg.nonce)
+            pong.boot = self.boot
+            self.spawn(self.sender.reply(peer, pong))
         elif isinstance(msg, TransferRequest):
             self.on_request(peer, msg)
         elif isinstance(msg, ResumeRequest):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from vlserve.core.config import TOWERS, EngineArgs
+from vlserve.core.config import DEFAULT_MAX_CPU_LORAS, TOWERS, EngineArgs
 from vlserve.core.errors import ConfigurationError, InvalidInputError
 from vlserve.engine.decode_graphs import default_sizes
 from vlserve.engine.transfer_buffers import shm_dir, sweep_stale_files
@@ -37,6 +37,7 @@ class LoRAConfig:
     max_loras: int  # device slots: adapters one step may run
     max_cpu_loras: int  # adapters kept in host memory
     max_rank: int
+    max_cpu_bytes: int | None = None  # ... and the bytes they may take there
 
 
 @dataclass(frozen=True)
@@ -241,7 +242,9 @@ def lora_config(args: EngineArgs) -> LoRAConfig | None:
     # A part of the model (an encoder's towers, a language server's LM) adapts its own linears only: the slots
     # leave the adapter's other modules to the process that holds them. With tensor parallelism each rank holds
     # its part of every adapter, cut as its weights are (vlserve.lora.adapter).
-    return LoRAConfig(args.max_loras, max(args.max_cpu_loras or args.max_loras, args.max_loras), args.max_lora_rank)
+    cpu_loras = args.max_cpu_loras or max(2 * args.max_loras, DEFAULT_MAX_CPU_LORAS)
+    return LoRAConfig(args.max_loras, max(cpu_loras, args.max_loras), args.max_lora_rank,
+                      args.lora_host_bytes())
 
 
 def async_scheduling(args: EngineArgs, device: torch.device) -> bool:

@@ -101,7 +101,8 @@ class EngineCore:
             if self.lora is None:
                 raise InvalidInputError(f"LoRA adapter {prompt.lora.name!r}: this engine serves no adapters (start "
                                         "it with enable_lora / --enable-lora)")
-            self.lora.prepare(prompt.lora)  # read now: an adapter that does not fit refuses this request only
+            self.lora.prepare(prompt.lora)  # read now unless in host memory (the engine process reads it first,
+            # off its loop: engine.lora_loader): an adapter that does not fit refuses this request only
         children = [Request(cid, prompt, p, self.cfg.model.eos_token_ids, arrival_time)
                     for cid, p in fan_out(params, request_id)]
         self._check_id_free([c.request_id for c in children], request_id)

@@ -4,7 +4,8 @@ Three things end the engine's service, and each is noticed within seconds: the p
 reports a failure (a message), or it stops answering heartbeats (frozen, e.g. SIGSTOP) or stops completing
 steps while it has work (a stuck step). An unresponsive engine that answers again is taken back.
 
-Sockets use Linux's abstract namespace where available, so nothing is left on disk whatever way we exit.
+The three sockets are Unix sockets in a private folder, served only to the engine process (it proves itself with
+a token: engine/private_sockets.py); the folder goes when the client shuts down, or at the next start after a crash.
 """
 
 from __future__ import annotations
@@ -14,11 +15,7 @@ import itertools
 import logging
 import multiprocessing
 import os
-import shutil
-import sys
-import tempfile
 import time
-import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -39,6 +36,7 @@ from vlserve.core.wire import (
     Heartbeat,
     Shutdown,
 )
+from vlserve.engine.private_sockets import PrivateSockets
 from vlserve.engine.transfer_buffers import BufferLayout
 from vlserve.model.facts import ModelFacts, encode_facts
 
@@ -87,41 +85,37 @@ class EngineCoreClient:
         self._in_framer, self._out_framer = Framer(EngineInput), Framer(EngineMessage)
         self._hb_framer = Framer(Heartbeat)
         self._tasks: list[asyncio.Task] = []
-        self._ipc_dir: str | None = None
+        self._private: PrivateSockets | None = None
         self._sync_ctx: zmq.Context | None = None
         self._async_ctx: zmq.asyncio.Context | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
-    def _addresses(self) -> dict[str, str]:
-        if sys.platform == "linux":
-            tag = f"vlserve-{uuid.uuid4().hex}"
-            return {name: f"ipc://@{tag}-{name}" for name in ("input", "output", "heartbeat")}
-        self._ipc_dir = tempfile.mkdtemp(prefix="vlserve-ipc-")
-        return {name: f"ipc://{self._ipc_dir}/{name}" for name in ("input", "output", "heartbeat")}
-
     async def start(self) -> EngineReady:
         """Spawns the engine process and waits until it is ready; raises (with the cleanup done) if it fails."""
-        addresses = self._addresses()
-        self._sync_ctx, self._async_ctx = zmq.Context(), zmq.asyncio.Context()
-        # Sends are synchronous and never block (no high-water mark), so an abort can be sent from a `finally`
-        # of a cancelled task; receives are awaited.
-        self.in_sock = self._sync_ctx.socket(zmq.PUSH)
-        self.in_sock.setsockopt(zmq.SNDHWM, 0)
-        self.in_sock.bind(addresses["input"])
-        self.out_sock = self._async_ctx.socket(zmq.PULL)
-        self.out_sock.bind(addresses["output"])
-        self.hb_sock = self._async_ctx.socket(zmq.PAIR)
-        self.hb_sock.bind(addresses["heartbeat"])
-        self.proc = multiprocessing.get_context("spawn").Process(
-            target=_engine_process,
-            args=(encode_args(self.args), encode_facts(self.facts), addresses, self.log_level,
-                  None if self.transfer_layout is None else msgspec.msgpack.encode(self.transfer_layout), os.getpid(),
-                  self.kv_role, self.media_pool, self.kv_writer, self.kv_receiver),
-            name="vlserve-engine-core", daemon=True)
-        self.proc.start()
+        # One context (the asyncio one shadows it), so one ZAP handler checks the engine's token on every socket.
+        self._sync_ctx = zmq.Context()
+        self._async_ctx = zmq.asyncio.Context.shadow(self._sync_ctx)
         try:
+            self._private = PrivateSockets(self._sync_ctx, "vlserve-ipc-")
+            # Sends are synchronous and never block (no high-water mark), so an abort can be sent from a `finally`
+            # of a cancelled task; receives are awaited.
+            self.in_sock = self._sync_ctx.socket(zmq.PUSH)
+            self.in_sock.setsockopt(zmq.SNDHWM, 0)
+            self.out_sock = self._async_ctx.socket(zmq.PULL)
+            self.hb_sock = self._async_ctx.socket(zmq.PAIR)
+            addresses = {name: self._private.bind(sock, name) for name, sock in
+                         (("input", self.in_sock), ("output", self.out_sock), ("heartbeat", self.hb_sock))}
+            self.proc = multiprocessing.get_context("spawn").Process(  # its arguments travel through a pipe
+                target=_engine_process,
+                args=(encode_args(self.args), encode_facts(self.facts), addresses, self.log_level,
+                      None if self.transfer_layout is None else msgspec.msgpack.encode(self.transfer_layout),
+                      os.getpid(), self.kv_role, self.media_pool, self.kv_writer, self.kv_receiver,
+                      self._private.token),
+                name="vlserve-engine-core", daemon=True)
+            self.proc.start()
             ready = await self._wait_ready()
-        except BaseException:  # failed, or cancelled (SIGTERM) while it loads: it reads no message yet, so stop it
+        except BaseException:  # failed, or cancelled (SIGTERM) while it loads: stop it (it reads no message yet),
+            # and free the sockets, the folder and the token checker
             await finish(self.shutdown(stop_now=True))
             raise
         self._tasks = [asyncio.create_task(self._output_loop()), asyncio.create_task(self._watch())]
@@ -158,12 +152,12 @@ class EngineCoreClient:
         for sock in ("in_sock", "out_sock", "hb_sock"):
             if hasattr(self, sock):
                 getattr(self, sock).close(linger=0)
-        for ctx in (self._sync_ctx, self._async_ctx):
-            if ctx is not None:
-                ctx.term()
+        if self._private is not None:
+            self._private.close()
+            self._private = None
+        if self._sync_ctx is not None:
+            self._sync_ctx.term()  # the only owner (the asyncio context is its shadow); ends the token checker
         self._sync_ctx = self._async_ctx = None
-        if self._ipc_dir is not None:
-            shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
     # ---- traffic -----------------------------------------------------------------------------------------
     def send(self, msg, tensors=None) -> None:

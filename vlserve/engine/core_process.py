@@ -26,6 +26,7 @@ from vlserve.core.errors import ConfigurationError, InvalidInputError, VlserveEr
 from vlserve.core.processes import die_with_parent, freeze_startup_heap, log_format
 from vlserve.core.wire import (
     AddRequest,
+    CancelReserveKV,
     EngineFailed,
     EngineInput,
     EngineMessage,
@@ -50,6 +51,8 @@ from vlserve.engine.config import fit_kv_in_shared_memory, resolve_config
 from vlserve.engine.core import EngineCore
 from vlserve.engine.cpu_threads import apply_cpu_threads
 from vlserve.engine.kv_connector import RowWriter, make_connector
+from vlserve.engine.lora_loader import AdapterLoader
+from vlserve.engine.private_sockets import connect_private
 from vlserve.engine.transfer_buffers import BufferLayout, TransferBuffers
 from vlserve.model.facts import decode_facts
 from vlserve.model.hardware import log_once
@@ -57,6 +60,7 @@ from vlserve.model.hardware import log_once
 logger = logging.getLogger("vlserve.engine")
 IDLE_POLL_MS = 1000
 WRITE_POLL_MS = 1  # while KV rows are being written for the front end: their end is reported within this
+LOAD_POLL_MS = 5  # while LoRA adapters are being read for waiting requests: they are admitted within this
 
 
 class Progress:
@@ -81,8 +85,11 @@ class EngineCoreLoop:
         self.running = True
         self.connector = core.connector  # its own messages (a prefill engine's row writes) pass it by
         self.held_reported = (0, 0)  # (requests whose KV rows are kept, KV blocks reserved), as last reported
+        self.loading_reported = 0  # requests waiting for their LoRA adapter, as last reported (they count as waiting)
         self.refused_writes: list[KVWritten] = []  # row writes answered as they came (they could not start)
         self.reserved: list[KVReserved] = []  # answers to the front end's KV block reservations
+        # requests whose LoRA adapter is not in host memory wait for its read here, off this loop
+        self.loader = AdapterLoader(core.lora) if core.lora is not None else None
 
     def run(self) -> None:
         while self.running:
@@ -90,11 +97,15 @@ class EngineCoreLoop:
             busy = self.core.has_unfinished
             self.progress.busy = busy
             writing = self.connector is not None and self.connector.writes_in_flight
-            if self.inputs.poll(0 if busy else WRITE_POLL_MS if writing else IDLE_POLL_MS):
+            loading = self.loader is not None and self.loader.busy
+            if self.inputs.poll(0 if busy else WRITE_POLL_MS if writing else LOAD_POLL_MS if loading
+                                else IDLE_POLL_MS):
                 self._drain_inputs()
             elif not busy and os.getppid() != self.parent_pid:
                 logger.warning("front-end process is gone; engine core exits")
                 return
+            if loading:
+                self.loader.admit_ready()
             outputs = self.core.step() if self.core.has_unfinished else []
             if not busy:
                 self.core.publish_kv_events()  # keepalive of an idle engine (a busy one publishes each step)
@@ -107,8 +118,10 @@ class EngineCoreLoop:
             if self.connector is not None:
                 handed, written = self.connector.take_exported(), written + self.connector.take_written()
                 held = (self.connector.num_kept, self.connector.num_reserved_blocks)
+                self.reserved += self.connector.answer_waiting()  # the blocks this step or a release freed
+            loading_now = self.loader.num_held if self.loader is not None else 0
             if outputs or self.rejected or busy or self.core.has_released or written or self.reserved \
-                    or held != self.held_reported:
+                    or held != self.held_reported or loading_now != self.loading_reported:
                 self.held_reported = held  # the stats say it (a release alone would otherwise go unreported)
                 self._send(outputs, handed, written)
 
@@ -137,16 +150,15 @@ class EngineCoreLoop:
 
     def _handle(self, msg, frames) -> None:
         if isinstance(msg, AddRequest):
-            try:
-                prompt = prompt_from_wire(msg, frames)
-                self.core.add_request(msg.request_id, prompt, msg.params, msg.arrival_time, kv_transfer=msg.handoff)
-            except (VlserveError, ValueError) as e:
-                status = getattr(e, "http_status", 400)
-                self.rejected.append(RequestRejected(msg.request_id, str(e), status))
-            except Exception as e:  # noqa: BLE001 - a bug in our checks: that request fails, the engine goes on
-                logger.exception("request %r could not be admitted", msg.request_id[:128])
-                self.rejected.append(RequestRejected(msg.request_id, f"internal error: {type(e).__name__}", 500))
+            if self.loader is not None and self.loader.must_wait(msg.lora):  # its adapter is read first
+                self.loader.hold(msg.request_id, msg.lora, msg.params,
+                                 lambda refusal, msg=msg, frames=frames: self._add(msg, frames, refusal))
+            else:
+                self._add(msg, frames)
         elif isinstance(msg, FinishRequests):
+            if self.loader is not None:  # still waiting for its adapter: it never starts; the front end frees it
+                for rid in self.loader.drop(msg.request_ids):
+                    self.rejected.append(RequestRejected(rid, "finished before its LoRA adapter was read", 400))
             if msg.reason == "stop":
                 self.core.stop_requests(msg.request_ids)
             else:
@@ -157,27 +169,46 @@ class EngineCoreLoop:
                                                      error="this engine has no KV connector"))
             elif (refused := self.connector.write(msg)) is not None:
                 self.refused_writes.append(refused)
-        elif isinstance(msg, (ReserveKV, ReleaseKV)):
+        elif isinstance(msg, (ReserveKV, ReleaseKV, CancelReserveKV)):
             self._reserve_or_release(msg)
         elif isinstance(msg, Shutdown):
             self.running = False
 
-    def _reserve_or_release(self, msg: ReserveKV | ReleaseKV) -> None:
-        """A decode front end's KV blocks for peers' writes; a bug here fails that reservation, not the engine."""
+    def _add(self, msg: AddRequest, frames, refusal: tuple[str, int] | None = None) -> None:
+        if refusal is not None:  # its adapter could not be had: (message, status), made once for all who waited
+            self.rejected.append(RequestRejected(msg.request_id, *refusal))
+            return
+        try:
+            prompt = prompt_from_wire(msg, frames)
+            self.core.add_request(msg.request_id, prompt, msg.params, msg.arrival_time, kv_transfer=msg.handoff)
+        except (VlserveError, ValueError) as e:
+            status = getattr(e, "http_status", 400)
+            self.rejected.append(RequestRejected(msg.request_id, str(e), status))
+        except Exception as e:  # noqa: BLE001 - a bug in our checks: that request fails, the engine goes on
+            logger.exception("request %r could not be admitted", msg.request_id[:128])
+            self.rejected.append(RequestRejected(msg.request_id, f"internal error: {type(e).__name__}", 500))
+
+    def _reserve_or_release(self, msg: ReserveKV | ReleaseKV | CancelReserveKV) -> None:
+        """A decode front end's KV blocks for peers' writes; a bug here fails that reservation, not the engine. A
+        reservation the pool is short for waits in the connector (answered after a step or release frees them)."""
         try:
             if self.connector is None:
                 raise VlserveError("this engine has no KV connector")
             if isinstance(msg, ReleaseKV):
                 return self.connector.release(msg)
-            self.reserved.append(self.connector.reserve(msg))
+            answer = self.connector.ask(msg) if isinstance(msg, ReserveKV) else self.connector.cancel(msg)
+            if answer is not None:
+                self.reserved.append(answer)
         except Exception as e:  # noqa: BLE001
-            logger.exception("KV blocks of %r could not be %s", msg.holder[:128],
+            logger.exception("KV blocks of %r could not be %s", getattr(msg, "holder", "")[:128],
                              "released" if isinstance(msg, ReleaseKV) else "reserved")
-            if isinstance(msg, ReserveKV):
+            if not isinstance(msg, ReleaseKV):
                 self.reserved.append(KVReserved(msg.reserve_id, error=f"{type(e).__name__}: {e}"))
 
     def _send(self, outputs, handed=(), written=()) -> None:
         metrics = self.core.get_metrics()
+        self.loading_reported = self.loader.num_held if self.loader is not None else 0
+        metrics["num_requests_waiting"] += self.loading_reported  # held for their adapter: waiting too
         stats = EngineStats(**{k: v for k, v in metrics.items() if k in EngineStats.__struct_fields__},
                             encoder_seconds=self.core.take_encoder_seconds(),
                             kv_rows_kept=self.held_reported[0], kv_blocks_reserved=self.held_reported[1])
@@ -189,12 +220,13 @@ class EngineCoreLoop:
         self.rejected, self.reserved = [], []
 
 
-def _answer_heartbeats(ctx: zmq.Context, address: str, progress: Progress, stop: threading.Event) -> None:
+def _answer_heartbeats(ctx: zmq.Context, address: str, token: str, progress: Progress,
+                       stop: threading.Event) -> None:
     framer = Framer(Heartbeat)
     sock = None
     try:  # the context may be terminated at any point, even before the socket exists (a start failing at once)
         sock = ctx.socket(zmq.PAIR)
-        sock.connect(address)
+        connect_private(sock, address, token)
         while not stop.is_set():
             if sock.poll(200):
                 ping = framer.decode(sock.recv_multipart())
@@ -210,7 +242,7 @@ def run_engine_core(args_json: bytes, facts_json: bytes, addresses: dict[str, st
                     transfer_layout: bytes | None = None, parent_pid: int | None = None,
                     kv_role: str | None = None, media_pool: int | None = None,
                     kv_writer: Callable[[], RowWriter] | None = None,
-                    kv_receiver: Callable | None = None) -> None:
+                    kv_receiver: Callable | None = None, token: str = "") -> None:
     """Entry point of the spawned process. Exits non-zero when the engine cannot start.
 
     `facts_json`: the model facts the front end resolved (`ModelFacts`): used as they are, never resolved again.
@@ -220,7 +252,8 @@ def run_engine_core(args_json: bytes, facts_json: bytes, addresses: dict[str, st
     `media_pool`: the front end's media threads, for the `CPU budget:` line. `kv_writer`: makes (in this process)
     what a prefill engine writes its KV rows into receivers with (kv_connector.RowWriter). `kv_receiver`: called
     with where a decode engine's prompts' KV lands (its KV cache in a shared file, or at several ranks the receive
-    buffers), registers it for peers' writes (its `target` goes to the front end; closed when the engine stops)."""
+    buffers), registers it for peers' writes (its `target` goes to the front end; closed when the engine stops).
+    `token`: proves to the front end's sockets that this is its engine (engine/private_sockets.py)."""
     logging.basicConfig(level=log_level, format=log_format())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the front-end, which shuts us down in order
     die_with_parent()
@@ -230,10 +263,11 @@ def run_engine_core(args_json: bytes, facts_json: bytes, addresses: dict[str, st
         sys.exit(1)
     ctx = zmq.Context()
     inputs, outputs = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    inputs.connect(addresses["input"])
-    outputs.connect(addresses["output"])
+    connect_private(inputs, addresses["input"], token)
+    connect_private(outputs, addresses["output"], token)
     progress, stop = Progress(), threading.Event()
-    heartbeats = threading.Thread(target=_answer_heartbeats, args=(ctx, addresses["heartbeat"], progress, stop),
+    heartbeats = threading.Thread(target=_answer_heartbeats,
+                                  args=(ctx, addresses["heartbeat"], token, progress, stop),
                                   name="vlserve-heartbeat", daemon=True)
     heartbeats.start()
     framer = Framer(EngineMessage)

@@ -82,7 +82,7 @@ def lora_slots(model: torch.nn.Module, cfg: VlserveConfig, device: torch.device)
     if not cfg.load_language:
         elsewhere += (LM_PREFIX,)
     return LoRASlots(model, family.load(family.weight_names), lora.max_loras, lora.max_cpu_loras, lora.max_rank,
-                     max_bytes, cfg.dtype, device, elsewhere)
+                     max_bytes, cfg.dtype, device, elsewhere, lora.max_cpu_bytes)
 
 
 class ModelShard:

@@ -9,8 +9,9 @@ and never take room here. A request may hold several runs of blocks (a resumed t
 request lives in block `r // block_tokens` of its runs, in order.
 
 The memory is a shared file, so the engine process reads the rows in place: the transport writes them, the
-engine gathers them straight into its input batch (media) or its KV cache (KV). Only the front-end allocates
-(one `BlockPool`, the same allocator as the KV cache); the engine process attaches read-only in spirit.
+engine gathers them straight into its input batch (media) or its KV cache (KV). One process allocates (one
+`BlockPool`, the same allocator as the KV cache): the front end (media rows), or a decode engine, whose row socket
+then checks peers' writes against its reservations (`grants`).
 
 A row may be stored in `parts` pieces, each piece in its own plane of slots ([parts, slots, width / parts]): a
 decode engine's KV cache is such a buffer (a token's row is its key and value of every layer; each layer's keys
@@ -31,6 +32,7 @@ import torch
 
 from vlserve.core.errors import ConfigurationError
 from vlserve.engine.block_pool import BlockPool
+from vlserve.engine.write_grants import WriteGrants
 
 logger = logging.getLogger("vlserve.disagg")
 _ALIGN = 64
@@ -115,6 +117,9 @@ class TransferBuffers:
         # [parts, slots, part width]: a row's pieces, one per plane
         self.planes = views["rows"].view(DTYPES[layout.dtype]).view(layout.parts, -1, layout.part_width)
         self.pool = BlockPool(layout.num_blocks) if owner else None
+        # The owner's: which blocks a peer's write may land in (engine.write_grants); None where another process
+        # allocates (nothing but the layout is checked then).
+        self.grants = WriteGrants() if owner else None
         self.lock_fd: int | None = None  # the owner's open file (shared buffers), locked while it lives
         self.restored = 0  # times the file was found resized by someone else and put back
 

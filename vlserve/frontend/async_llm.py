@@ -19,8 +19,7 @@ import msgspec
 
 from vlserve.core.config import EngineArgs
 from vlserve.core.cpu_budget import media_pool_size, plan_threads
-from vlserve.core.errors import (EngineDeadError, InvalidInputError, NotFoundError, ServiceUnavailableError,
-                                 VlserveError)
+from vlserve.core.errors import EngineDeadError, InvalidInputError, ServiceUnavailableError, VlserveError
 from vlserve.core.lora import AdapterRef
 from vlserve.core.messages import EngineCoreOutput, Handoff
 from vlserve.core.outputs import RequestOutput
@@ -41,7 +40,8 @@ from vlserve.frontend.metrics import ServerMetrics
 from vlserve.frontend.output_processor import OutputProcessor
 from vlserve.frontend.prepared_prompt import PreparedPrompt
 from vlserve.frontend.prompt_encoder import LocalPromptEncoder, PromptEncoder
-from vlserve.lora.catalog import LoRACatalog, parse_lora_modules, with_adapter
+from vlserve.frontend.served_adapters import ServedAdapters
+from vlserve.lora.catalog import LoRACatalog, with_adapter
 from vlserve.model.facts import resolve_model_facts
 
 logger = logging.getLogger("vlserve.engine")
@@ -156,19 +156,20 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = ServerMetrics(model_name, self.cfg.model.modalities)
         self.loras: LoRACatalog | None = None  # the adapters a request may name as its model (--enable-lora)
-        self._loading: set[str] = set()  # adapter names a runtime load is checking now
         if args.enable_lora:
-            self.loras = LoRACatalog(self.cfg.model, self.cfg.model_path, args.max_lora_rank)
-            for name, path in parse_lora_modules(args.lora_modules):  # a bad one stops the start with its reason
-                self._check_new_adapter_name(name)
-                self.loras.load(name, path)
+            self.loras = LoRACatalog(self.cfg.model, self.cfg.model_path, args.max_lora_rank,
+                                     args.lora_host_bytes(), self.cfg.dtype)  # the engine's bound
         self.max_waiting_requests = max_waiting_requests
         self.log_requests = log_requests
         media_pool = media_pool_size(media_threads, plan_threads(args.cpu_threads).total)
         self.executor = ThreadPoolExecutor(max_workers=media_pool, thread_name_prefix="vlserve-media")
+        self.adapters = ServedAdapters(self.loras, model_name, self.executor)  # runtime loads read on the pool
+        if self.loras is not None:
+            self.adapters.start_with(args.lora_modules)
         # Constraints compile on their own bounded pool: a slow grammar never holds up media work.
         self.grammar_compiler = GrammarCompiler(GrammarLimits.from_args(args))
         self.dead = asyncio.Event()  # set once the engine process is gone for good
+        self.stopping: str | None = None  # why new requests are refused: the server is stopping (stop_requests)
         self.streams: dict[str, RequestStream] = {}
         # request id -> frees its prompt (taken over from its PreparedPrompt) once the engine is done with it
         self.releases: dict[str, Callable[[], None]] = {}
@@ -215,6 +216,14 @@ class AsyncLLM:
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.grammar_compiler.shutdown()
 
+    def stop_requests(self, reason: str) -> None:
+        """The server is stopping: every request in flight ends now with a 503 saying `reason` (a stream's last
+        event, or a waiting answer) and leaves the engine; new ones are refused with it."""
+        self.stopping = reason
+        for rid, stream in list(self.streams.items()):
+            stream.fail(ServiceUnavailableError(reason))
+            self.abort(rid)
+
     @property
     def is_healthy(self) -> bool:
         return self.core.available
@@ -250,6 +259,8 @@ class AsyncLLM:
         return PreparedPrompt.from_encoded(encoded, arrival)
 
     def check_accepting(self) -> None:
+        if self.stopping is not None:
+            raise ServiceUnavailableError(self.stopping)
         if not self.core.available:
             raise EngineDeadError(f"the engine is not available: {self.unhealthy_reason}")
         if self.max_waiting_requests is not None:
@@ -312,39 +323,14 @@ class AsyncLLM:
                 self.kv_writes.release(request_id)
 
     # ---- LoRA adapters -------------------------------------------------------------------------------------
-    async def load_lora(self, name: str, path: str, replace: bool = False) -> AdapterRef:
-        """Checks the adapter at `path` (a folder on this machine) and serves it as `name`; on the thread pool,
-        since it reads the adapter's files. A name already served is refused unless `replace` (requests running
-        with the old adapter finish with it). The engine process reads the weights when a step first needs them."""
-        if self.loras is None:
-            raise InvalidInputError("this server serves no LoRA adapters: start it with --enable-lora")
-        if not replace and (name in self.loras.adapters or name in self._loading):
-            raise InvalidInputError(f"the LoRA adapter {name!r} has already been loaded")
-        self._check_new_adapter_name(name)
-        self._loading.add(name)  # on the event loop: two loads of one name cannot both pass the check above
-        try:
-            ref = await asyncio.get_running_loop().run_in_executor(self.executor, self.loras.load, name, path)
-        except OSError as e:  # e.g. a file it may not read: the caller's folder, not the server, is at fault
-            raise InvalidInputError(f"LoRA adapter {name!r}: {path} could not be read ({e.strerror or e})") from None
-        finally:
-            self._loading.discard(name)
-        logger.info("LoRA adapter %r loaded from %r", name, ref.path)
-        return ref
+    async def load_lora(self, name: str, path: str, replace: bool = False, lora_dirs: tuple[str, ...] = ()
+                        ) -> AdapterRef:
+        """Serves the adapter at `path` as `name` (served_adapters.py: ServedAdapters.load)."""
+        return await self.adapters.load(name, path, replace, lora_dirs)
 
     async def unload_lora(self, name: str) -> None:
-        """New requests naming it are refused (404); those already running finish with it. On the thread pool:
-        the catalog's lock may be held by a load reading its files."""
-        if self.loras is None:
-            raise InvalidInputError("this server serves no LoRA adapters: start it with --enable-lora")
-        try:
-            await asyncio.get_running_loop().run_in_executor(self.executor, self.loras.unload, name)
-        except KeyError:
-            raise NotFoundError(f"the LoRA adapter {name!r} is not loaded") from None
-        logger.info("LoRA adapter %r unloaded", name)
-
-    def _check_new_adapter_name(self, name: str) -> None:
-        if name == self.model_name:  # the base model's name must keep meaning the base model
-            raise InvalidInputError(f"a LoRA adapter cannot be named {name!r}: that is the served model's name")
+        """Stops serving adapter `name` to new requests (served_adapters.py: ServedAdapters.unload)."""
+        await self.adapters.unload(name)
 
     def _check_id_free(self, request_id: str) -> None:
         # An id whose prompt is not yet released is still the engine's: its report must free that prompt only.

@@ -1,7 +1,10 @@
-"""A decode instance's KV blocks for peers' writes, seen from its front end: when the engine keeps its KV cache in
-a shared file (core.config.kv_cache_shared), a prefill instance writes a prompt's KV straight into KV blocks
-the engine reserved for that transfer. The front end, which runs the transfer's protocol, reserves runs here and
-lets go of what no request took; the blocks themselves are the engine's (its KV cache manager's pool)."""
+"""A decode instance's blocks for peers' writes, seen from its front end: a prefill instance writes a prompt's KV
+into blocks the engine reserved for that transfer: of its KV cache when it keeps it in a shared file
+(core.config.kv_cache_shared: the request takes them, nothing is copied), else its receive blocks (at several
+ranks, on a GPU: copied into its KV cache at admission). The front end, which runs the transfer's protocol,
+reserves runs here and lets go of what no request took; the blocks themselves are the engine's, which also
+checks peers' writes against them (engine.write_grants). A reservation the pool is short for waits in the
+engine, which answers it as its requests free blocks: nothing here asks again."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ import itertools
 from collections.abc import Callable
 
 from vlserve.core.errors import EngineDeadError, ServiceUnavailableError
-from vlserve.core.wire import KVReserved, ReleaseKV, ReserveKV
+from vlserve.core.wire import CancelReserveKV, KVReserved, ReleaseKV, ReserveKV
 
 
 class KVReservations:
@@ -21,9 +24,9 @@ class KVReservations:
         self._waiting: dict[int, tuple[str, asyncio.Future]] = {}
         self._unwanted: dict[int, str] = {}  # reservations whose asker is gone: released when their answer comes
 
-    async def reserve(self, holder: str, num_rows: int) -> list[int] | None:
-        """Blocks for `num_rows` rows under `holder` (one transfer), or None while the KV cache is short (ask again
-        later). ServiceUnavailableError: it never could be."""
+    async def reserve(self, holder: str, num_rows: int) -> list[int]:
+        """Blocks for `num_rows` rows under `holder` (one transfer), once the engine has them (cancel to give up).
+        ServiceUnavailableError: it never could be."""
         if not self._alive():
             raise EngineDeadError("the engine is gone: no KV blocks can be reserved")
         reserve_id = next(self._ids)
@@ -35,14 +38,17 @@ class KVReservations:
         except asyncio.CancelledError:
             # Only what this answer gives goes back: the holder's other blocks may still be written by its peer.
             if self._waiting.pop(reserve_id, None) is not None:
-                self._unwanted[reserve_id] = holder  # it has not come yet
+                self._unwanted[reserve_id] = holder  # it has not come yet: it waits no more (or goes back)
+                if self._alive():
+                    self._send(CancelReserveKV(reserve_id))
             elif future.done() and not future.cancelled() and future.result().block_ids:
                 self.release(holder, future.result().block_ids)  # it came just before the cancel
             raise
         finally:
             self._waiting.pop(reserve_id, None)
-        if answer.error is not None:
-            raise ServiceUnavailableError(f"the prompt does not fit this server's KV cache: {answer.error}")
+        if answer.error is not None or answer.block_ids is None:
+            raise ServiceUnavailableError(f"the prompt does not fit this server's blocks for peers' writes: "
+                                          f"{answer.error or 'none given'}")
         return answer.block_ids
 
     def release(self, holder: str, block_ids: list[int] | None = None) -> None:

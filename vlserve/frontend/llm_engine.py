@@ -33,7 +33,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.loras: LoRACatalog | None = None
         if self.cfg.lora is not None:
-            self.loras = LoRACatalog(self.cfg.model, self.cfg.model_path, self.cfg.lora.max_rank)
+            self.loras = LoRACatalog(self.cfg.model, self.cfg.model_path, self.cfg.lora.max_rank,
+                                     self.cfg.lora.max_cpu_bytes, self.cfg.dtype)
             for name, path in parse_lora_modules(args.lora_modules):
                 self.loras.load(name, path)
         self._ids = itertools.count()

@@ -12,14 +12,15 @@ MoE experts' 3-D weights (`experts.gate_up_proj [E, out, in]`, `experts.down_pro
 saving the pairs under `experts.lora_A` and `experts.base_layer.lora_A`; which weight a pair adapts is read from
 its shapes (the two weights' (in, out) always differ).
 
-Everything is checked from the file's header before any tensor is read: what cannot be served exactly (DoRA,
+Everything is checked from the file's header before any tensor is used: what cannot be served exactly (DoRA,
 trained biases, extra saved modules, embeddings, convolutions, a rank over the limit, shapes that do not fit) is
-refused naming the field or tensor, so nothing is ever half-loaded.
+refused naming the field or tensor, so nothing is ever half-loaded. The files are read once (vlserve.lora.files):
+the tensors served are those of the bytes hashed. Weights past `MAX_WEIGHT` (after scaling) are refused too: no
+trained adapter comes near it, and such deltas overflow half precision.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -28,16 +29,14 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from blake3 import blake3
-from safetensors import SafetensorError, safe_open
 
 from vlserve.core.errors import InvalidInputError
+from vlserve.lora.files import WEIGHTS_FILE, AdapterFiles, read_files
 from vlserve.model.layers.parallel import Column, Row, rule_for
 from vlserve.model.weight_names import FUSED_SHARDS
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
-MAX_CONFIG_BYTES = 1 << 20
+# the largest |A| and |B x scale| served (a delta entry is a sum of rank products of the two)
+MAX_WEIGHT = 1e4
 # `<module>.lora_A.weight`, PEFT's saved name, or `<module>.lora_A.<adapter>.weight` as a model in memory names it
 KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.(?P<sub>[\w-]+))?\.weight$")
 MAX_PATTERNS = 1024  # alpha_pattern entries, each a module name (or the end of one) of at most 256 characters
@@ -127,7 +126,9 @@ class AdapterSpec:
     name: str
     path: str
     pieces: tuple[AdapterPiece, ...]
-    digest: str  # of the weights file: tells two adapters of one name apart
+    digest: str  # of the config and the weights file: tells two adapters of one name apart
+    files: AdapterFiles | None = None  # what was read (its tensors' bytes when asked to keep them)
+    root: str | None = None  # the --lora-dir folder a runtime load found it in
 
     @property
     def key(self) -> str:
@@ -142,19 +143,7 @@ class AdapterSpec:
         return max((p.rank for p in self.pieces), default=0)  # 0: nothing on this part of the model
 
 
-def _config(folder: Path) -> dict:
-    path = folder / CONFIG_FILE
-    if not path.is_file() or not (folder / WEIGHTS_FILE).is_file():
-        raise InvalidInputError(f"LoRA adapter {folder}: expected {CONFIG_FILE} and {WEIGHTS_FILE} in the folder "
-                                "(PEFT's save_pretrained layout)")
-    if path.stat().st_size > MAX_CONFIG_BYTES:
-        raise InvalidInputError(f"LoRA adapter {folder}: {CONFIG_FILE} is over {MAX_CONFIG_BYTES} bytes")
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InvalidInputError(f"LoRA adapter {folder}: {CONFIG_FILE} is not valid JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise InvalidInputError(f"LoRA adapter {folder}: {CONFIG_FILE} must hold a JSON object")
+def _check_config(name: str, cfg: dict) -> dict:
     refused = {
         "peft_type": cfg.get("peft_type", "LORA") not in ("LORA", None),
         "use_dora": bool(cfg.get("use_dora")),
@@ -165,20 +154,28 @@ def _config(folder: Path) -> dict:
     }
     for field, bad in refused.items():
         if bad:
-            raise InvalidInputError(f"LoRA adapter {folder}: {field}={cfg.get(field)!r} is not supported (plain "
-                                    "LoRA on linear layers only: peft_type LORA, no DoRA, bias none, no "
+            raise InvalidInputError(f"LoRA adapter {name!r}: {field}={str(cfg.get(field))[:80]} is not supported "
+                                    "(plain LoRA on linear layers only: peft_type LORA, no DoRA, bias none, no "
                                     "modules_to_save)")
     patterns = cfg.get("alpha_pattern") or {}
     for field in ("rank_pattern", "alpha_pattern"):
         if not isinstance(cfg.get(field) or {}, dict):
-            raise InvalidInputError(f"LoRA adapter {folder}: {field} must be an object")
+            raise InvalidInputError(f"LoRA adapter {name!r}: {field} must be an object")
     if len(patterns) > MAX_PATTERNS or any(not isinstance(k, str) or len(k) > 256 for k in patterns):
-        raise InvalidInputError(f"LoRA adapter {folder}: alpha_pattern takes at most {MAX_PATTERNS} module names "
+        raise InvalidInputError(f"LoRA adapter {name!r}: alpha_pattern takes at most {MAX_PATTERNS} module names "
                                 "of at most 256 characters")
     for field, alpha in [("lora_alpha", cfg.get("lora_alpha", PEFT_DEFAULT_ALPHA)), *patterns.items()]:
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
-            raise InvalidInputError(f"LoRA adapter {folder}: the alpha of {field} must be a number, got {alpha!r}")
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(_float(alpha)):
+            raise InvalidInputError(f"LoRA adapter {name!r}: the alpha of {field} must be a number, got "
+                                    f"{str(alpha)[:40]}")
     return cfg
+
+
+def _float(value) -> float:
+    try:
+        return float(value)
+    except (OverflowError, TypeError):  # an integer past float's range
+        return math.inf
 
 
 def _pattern_value(patterns: dict, module: str, default):
@@ -192,26 +189,44 @@ def _pattern_value(patterns: dict, module: str, default):
 
 
 def read_adapter(name: str, folder: str | Path, targets: dict[str, LinearTarget], our_name, max_rank: int,
-                 max_bytes: int, elsewhere: tuple[str, ...] = ()) -> AdapterSpec:
-    """Checks an adapter against the model from its config and tensor header alone. `our_name`: the family's
-    checkpoint-name mapping; `max_bytes`: the largest weights file accepted; `elsewhere`: prefixes of our
-    modules another process holds (disaggregated serving): their pieces are left out here, its front end having
-    checked them against the whole model."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise InvalidInputError(f"LoRA adapter {name!r}: {folder} is not a folder")
-    cfg = _config(folder)
-    weights = folder / WEIGHTS_FILE
-    size = weights.stat().st_size
-    if size > max_bytes:
-        raise InvalidInputError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} is {size} bytes, more than this model's "
-                                f"own weights ({max_bytes}): not an adapter of it")
-    try:
-        with safe_open(str(weights), framework="pt") as f:
-            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    except (SafetensorError, OSError) as e:
-        raise InvalidInputError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} is not a readable safetensors file "
-                                f"({e})") from None
+                 max_bytes: int, elsewhere: tuple[str, ...] = (), keep: bool = False,
+                 roots: tuple[str, ...] | None = None, max_host_bytes: int | None = None,
+                 itemsize: int = 4) -> AdapterSpec:
+    """Reads an adapter's files once (vlserve.lora.files) and checks it against the model from its config and
+    tensor header, before its tensors are read. `our_name`: the family's checkpoint-name mapping; `max_bytes`: the
+    largest weights file accepted; `elsewhere`: prefixes of our modules another process holds (disaggregated
+    serving): their pieces are left out here, its front end having checked them against the whole model. `keep`:
+    the spec keeps the weights' bytes for `adapter_weights`. `roots`: a runtime load's --lora-dir folders.
+    `max_host_bytes`: the host memory its weights may take (`itemsize` bytes a number: the model's dtype)."""
+    checked: list[list[AdapterPiece]] = []
+
+    def check(config: dict, tensors: dict) -> None:
+        pieces = _pieces(name, _check_config(name, config), {k: e.shape for k, e in tensors.items()}, targets,
+                         our_name, max_rank, elsewhere)
+        need = host_bytes(pieces, targets, itemsize)
+        if max_host_bytes is not None and need > max_host_bytes:
+            raise InvalidInputError(f"LoRA adapter {name!r}: its weights take {need} bytes of host memory, more "
+                                    f"than max_cpu_lora_memory_gb allows ({max_host_bytes})")
+        checked.append(pieces)
+
+    files = read_files(name, folder, max_bytes, keep, roots, check)
+    return AdapterSpec(name, files.folder, tuple(checked[0]), files.digest, files if keep else None, files.root)
+
+
+def host_bytes(pieces, targets: dict[str, LinearTarget], itemsize: int) -> int:
+    """The host memory `adapter_weights` makes of these pieces: per linear A [R, in] and B [out, R] (R: its pieces'
+    ranks side by side), per MoE expert weight A [E, r, in] and B [E, out, r]."""
+    ranks: dict[str, int] = {}
+    for p in pieces:
+        ranks[p.module] = ranks.get(p.module, 0) + p.rank
+    numbers = sum(max(targets[m].experts, 1) * r * (targets[m].in_features + targets[m].out_features)
+                  for m, r in ranks.items())
+    return numbers * itemsize
+
+
+def _pieces(name: str, cfg: dict, shapes: dict[str, tuple[int, ...]], targets: dict[str, LinearTarget], our_name,
+            max_rank: int, elsewhere: tuple[str, ...]) -> list[AdapterPiece]:
+    """The adapter's pairs checked against the model (from its config and the tensors' shapes alone)."""
     pairs: dict[str, dict[str, str]] = {}
     subs = set()
     for key in shapes:
@@ -256,7 +271,7 @@ def read_adapter(name: str, folder: str | Path, targets: dict[str, LinearTarget]
         alpha = _pattern_value(cfg.get("alpha_pattern") or {}, module, cfg.get("lora_alpha", PEFT_DEFAULT_ALPHA))
         scale = alpha / (math.sqrt(rank) if rslora else rank)
         pieces.append(AdapterPiece(ours, shard, rank, float(scale), ab["A"], ab["B"]))
-    return AdapterSpec(name, str(folder), tuple(pieces), _digest(folder / CONFIG_FILE, weights))
+    return pieces
 
 
 def _our_module(module: str, our_name) -> tuple[str | None, str | None]:
@@ -286,48 +301,40 @@ def _expert_weight(name: str, module: str, a: tuple, b: tuple, targets: dict[str
     return weight, f"{unwrapped}.{weight.rpartition('.')[2]}"
 
 
-def _digest(*paths: Path) -> str:
-    """Of the config (its alphas scale every delta) and the weights: what an adapter is, whatever its name."""
-    h = blake3()
-    for path in paths:
-        with path.open("rb") as f:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-        h.update(b"\0")
-    return h.hexdigest()[:16]
-
-
 def adapter_weights(spec: AdapterSpec, targets: dict[str, LinearTarget], dtype: torch.dtype,
                     device: torch.device) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Per adapted linear: (A [R, in], B [out, R]) with every piece's ranks side by side, B scaled and zero
     outside each piece's rows, so one pair of products gives the whole linear's delta. Per adapted MoE expert
     weight: (A [E, r, in], B [E, out, r]), B scaled: expert e's delta is B[e] A[e]. Whole pairs, before tensor
-    parallelism cuts them (`this_ranks_part`)."""
+    parallelism cuts them (`this_ranks_part`). From the bytes `read_adapter(..., keep=True)` read."""
+    if spec.files is None or spec.files.data is None:
+        raise RuntimeError(f"LoRA adapter {spec.name!r}: read without its weights (read_adapter keep=True)")
     by_module: dict[str, list[AdapterPiece]] = {}
     for piece in spec.pieces:
         by_module.setdefault(piece.module, []).append(piece)
     out = {}
-    with safe_open(str(Path(spec.path) / WEIGHTS_FILE), framework="pt") as f:
-        for module, pieces in by_module.items():
-            target = targets[module]
-            if target.experts:  # one piece: the whole 3-D weight (read_adapter refuses a second)
-                p, n = pieces[0], target.experts
-                a = f.get_tensor(p.a_key).float().reshape(n, p.rank, target.in_features)
-                b = f.get_tensor(p.b_key).float().reshape(target.out_features, p.rank, n).permute(2, 0, 1) * p.scale
-                _check_finite(spec, module, a, b)
-                out[module] = (a.to(device=device, dtype=dtype), b.contiguous().to(device=device, dtype=dtype))
-                continue
-            total = sum(p.rank for p in pieces)
-            a = torch.empty(total, target.in_features, dtype=torch.float32)
-            b = torch.zeros(target.out_features, total, dtype=torch.float32)
-            col = 0
-            for p in pieces:
-                first, rows = target.rows(p.shard)
-                a[col : col + p.rank] = f.get_tensor(p.a_key).float()
-                b[first : first + rows, col : col + p.rank] = f.get_tensor(p.b_key).float() * p.scale
-                col += p.rank
+    f = spec.files
+    for module, pieces in by_module.items():
+        target = targets[module]
+        if target.experts:  # one piece: the whole 3-D weight (read_adapter refuses a second)
+            p, n = pieces[0], target.experts
+            # a copy even when float32 already: a view would keep the whole file's bytes alive with it
+            a = f.tensor(p.a_key).to(torch.float32, copy=True).reshape(n, p.rank, target.in_features)
+            b = f.tensor(p.b_key).float().reshape(target.out_features, p.rank, n).permute(2, 0, 1) * p.scale
             _check_finite(spec, module, a, b)
-            out[module] = (a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype))
+            out[module] = (a.to(device=device, dtype=dtype), b.contiguous().to(device=device, dtype=dtype))
+            continue
+        total = sum(p.rank for p in pieces)
+        a = torch.empty(total, target.in_features, dtype=torch.float32)
+        b = torch.zeros(target.out_features, total, dtype=torch.float32)
+        col = 0
+        for p in pieces:
+            first, rows = target.rows(p.shard)
+            a[col : col + p.rank] = f.tensor(p.a_key).float()
+            b[first : first + rows, col : col + p.rank] = f.tensor(p.b_key).float() * p.scale
+            col += p.rank
+        _check_finite(spec, module, a, b)
+        out[module] = (a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype))
     return out
 
 
@@ -343,5 +350,10 @@ def this_ranks_part(cut, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor
 
 
 def _check_finite(spec: AdapterSpec, module: str, a: torch.Tensor, b: torch.Tensor) -> None:
+    """Finite, and within MAX_WEIGHT (B as scaled by its alpha / rank): an absurd delta is refused by name."""
     if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
         raise InvalidInputError(f"LoRA adapter {spec.name!r}: {module} has non-finite weights")
+    for which, t in (("lora_A", a), ("lora_B x lora_alpha / r", b)):
+        if t.numel() and t.abs().max().item() > MAX_WEIGHT:
+            raise InvalidInputError(f"LoRA adapter {spec.name!r}: {module}: {which} has entries over {MAX_WEIGHT:g} "
+                                    "in size: not a trained adapter (its deltas would overflow)")

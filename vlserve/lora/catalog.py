@@ -4,6 +4,7 @@ a model built on the meta device, so no weights are read here), and how a prompt
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 from pathlib import Path
 
@@ -11,19 +12,25 @@ import torch
 from blake3 import blake3
 
 from vlserve.core.errors import InvalidInputError
-from vlserve.core.lora import AdapterRef, LoRARequest
+from vlserve.core.lora import AdapterRef, LoRARequest, PeerAdapter
 from vlserve.core.prompt import ProcessedPrompt
 from vlserve.lora.adapter import LinearTarget, lora_targets, read_adapter
+from vlserve.lora.files import FolderRefused
 from vlserve.model.config_types import ModelConfig
 from vlserve.model.families import family_of
 from vlserve.model.layers.parallel import SINGLE, building_for
 
+logger = logging.getLogger("vlserve.lora")
 MAX_NAME_CHARS = 256
 
 
 class LoRACatalog:
-    def __init__(self, model: ModelConfig, model_path: Path, max_rank: int):
+    def __init__(self, model: ModelConfig, model_path: Path, max_rank: int, max_host_bytes: int | None = None,
+                 dtype: torch.dtype = torch.float32):
+        """`max_host_bytes`: the host memory an adapter's weights may take in the engine (max_cpu_lora_memory_gb,
+        numbers of the model's `dtype`): a larger one is refused at load, not on every request."""
         self.model, self.model_path, self.max_rank = model, Path(model_path), max_rank
+        self.max_host_bytes, self._itemsize = max_host_bytes, dtype.itemsize
         family = family_of(model.architecture)
         self._our_name = family.load(family.weight_names)
         self._build = family.load(family.model)
@@ -39,25 +46,31 @@ class LoRACatalog:
             self._targets = lora_targets(meta)
         return self._targets
 
-    def load(self, name: str, path: str | Path) -> AdapterRef:
-        """Checks the adapter and serves it as `name` (a name already served is replaced)."""
+    def load(self, name: str, path: str | Path, roots: tuple[str, ...] | None = None) -> AdapterRef:
+        """Checks the adapter and serves it as `name` (a name already served is replaced). `roots`: a runtime
+        load's --lora-dir folders: the path must lie in one, and every refusal of the path itself is
+        one message (the log says which)."""
         if not isinstance(name, str) or not name or len(name) > MAX_NAME_CHARS or name != name.strip():
             raise InvalidInputError(f"LoRA adapter names are 1-{MAX_NAME_CHARS} characters without surrounding "
                                     f"spaces, got {name!r}")
         with self._lock:
-            spec = read_adapter(name, path, self.targets(), self._our_name, self.max_rank, self._max_bytes)
-            ref = AdapterRef(name, spec.path, spec.key, spec.towers)
+            try:
+                spec = read_adapter(name, path, self.targets(), self._our_name, self.max_rank, self._max_bytes,
+                                    roots=roots, max_host_bytes=self.max_host_bytes, itemsize=self._itemsize)
+            except FolderRefused as e:
+                if roots is None:
+                    raise
+                logger.warning("runtime load of LoRA adapter %r refused: %s", name, e)
+                raise InvalidInputError(runtime_refusal(name, path)) from None
+            ref = AdapterRef(name, spec.path, spec.key, spec.towers, spec.root)
             self.adapters[name] = ref
             return ref
 
-    def check(self, ref: AdapterRef) -> None:
-        """An adapter another process checked (a decode instance's, sent with a request): the same files are at
-        its path here, and they fit this model and this server's limits; raises otherwise."""
-        with self._lock:
-            spec = read_adapter(ref.name, ref.path, self.targets(), self._our_name, self.max_rank, self._max_bytes)
-        if spec.key != ref.key or spec.towers != ref.towers:
-            raise InvalidInputError(f"LoRA adapter {ref.name!r}: {ref.path} holds other files on this machine than "
-                                    "where the request was accepted")
+    def resolve(self, named: PeerAdapter) -> AdapterRef | None:
+        """The adapter a peer names (a request it accepted), if this instance serves one of that name with the
+        same files (key) and reach (towers); None otherwise. Nothing is read: a peer never names a path."""
+        ref = self.adapters.get(named.name)
+        return ref if ref is not None and (ref.key, ref.towers) == (named.key, named.towers) else None
 
     def unload(self, name: str) -> None:
         with self._lock:
@@ -70,6 +83,13 @@ class LoRACatalog:
         if ref is not None and Path(ref.path) == Path(request.lora_path):
             return ref
         return self.load(request.lora_name, request.lora_path)
+
+
+def runtime_refusal(name: str, path) -> str:
+    """The one answer to every runtime load whose path cannot be loaded: missing, not a folder, unreadable,
+    outside --lora-dir, a symlink out of it, files missing. A client learns nothing about the server's files."""
+    return (f"LoRA adapter {name!r}: {str(path)[:4096]!r} is not an adapter folder this server may load (a folder "
+            "under its --lora-dir holding adapter_config.json and adapter_model.safetensors)")
 
 
 def checkpoint_files(folder: Path) -> list[Path]:

@@ -1,5 +1,6 @@
 """Audio decoding (PyAV) for Whisper-style audio towers (Qwen2-Audio, Qwen2.5-Omni): settings, limits, decoding.
-Features are in `audio_features.py`, container recognition in `audio_formats.py`.
+Features are in `audio_features.py`, container recognition in `audio_formats.py`, samples to mono float32 at one
+rate in `audio_samples.py`.
 
 Decoding: bytes, data URLs, files and `(waveform, sample_rate)` arrays become one mono float32 waveform at the
 model's rate. The container is recognised from its first bytes (`sniff_audio_format`) and opened with that
@@ -35,6 +36,7 @@ from vlserve.media.audio_formats import (
     wav_cut_short,
     wav_format_name,
 )
+from vlserve.media.audio_samples import RESAMPLE_CHUNK, MonoStream, downmix, frame_mono, to_float
 from vlserve.media.data_url import decode_data_url, is_data_url
 from vlserve.media.pixels import read_json_object
 
@@ -61,7 +63,6 @@ _TRUNCATION_SLACK_S = 0.1  # decoded this much (plus 2 %) shorter than the heade
 # 2048 samples, MP3 up to 1152 + 529) where the container does not say to drop them. A file at the limit plus at
 # most this is taken, and that tail (padding, not sound) dropped at the limit.
 _CODEC_PADDING_S = 0.1
-_RESAMPLE_CHUNK = 1 << 16  # samples handed to libswresample at once (a call per small frame costs 3x)
 _PROBE_BYTES = 1 << 16
 _NO_DURATION_HEADER = frozenset({"aac"})  # ADTS: ffmpeg guesses the duration from the bit rate
 
@@ -204,8 +205,8 @@ def load_audio(source: Any, limits: AudioLimits, fmt: str | None = None) -> Audi
         return _from_array(source[0], _rate(source[1]), limits)
     if isinstance(source, (np.ndarray, torch.Tensor)):
         return _from_array(source, limits.sample_rate, limits)
-    if isinstance(source, (bytes, bytearray, memoryview)):
-        data = bytes(source)
+    if isinstance(source, (bytes, bytearray, memoryview)):  # read where it is: a clip can be tens of megabytes
+        data = source if isinstance(source, bytes) else memoryview(source).cast("B")
         if len(data) > limits.max_bytes:
             raise _too_big("the audio", len(data), limits)
         return _decode_bytes(data, limits, fmt, "the audio")
@@ -284,7 +285,7 @@ def _decode_path(path: Path, limits: AudioLimits, fmt: str | None, optional: boo
     return _decode_bytes(data, limits, fmt, f"audio file {path.name!r}", optional)
 
 
-def _decode_bytes(data: bytes, limits: AudioLimits, fmt: str | None, what: str, optional: bool = False
+def _decode_bytes(data: bytes | memoryview, limits: AudioLimits, fmt: str | None, what: str, optional: bool = False
                   ) -> Audio | None:
     if not data:
         raise InvalidInputError(f"{what} is empty")
@@ -298,13 +299,43 @@ def _decode_bytes(data: bytes, limits: AudioLimits, fmt: str | None, what: str, 
             raise InvalidInputError(f"{what} is not audio in a supported container ({', '.join(sorted(DEMUXERS))})")
     encoding = None
     if container == "wav":
-        tag = check_wav_header(data[:1 << 16], what)  # a malformed header: a 400 before ffmpeg reads it
+        tag = check_wav_header(data, what)  # a malformed header: a 400 before ffmpeg reads it
         encoding = wav_format_name(tag) if tag is not None else None
         if wav_cut_short(data[:1 << 16], len(data)):
             raise InvalidInputError(f"{what} is truncated: its WAV header promises more samples than the file holds")
     if container == "ogg" and ogg_cut_short(data):
         raise InvalidInputError(f"{what} is truncated: its last Ogg page runs past the end of the file")
-    return _decode(io.BytesIO(data), container, limits, what, optional, encoding)
+    return _decode(io.BytesIO(data) if isinstance(data, bytes) else _ViewFile(data), container, limits, what,
+                   optional, encoding)
+
+
+class _ViewFile(io.RawIOBase):
+    """A read-only file over bytes held elsewhere (a memoryview): io.BytesIO shares only a `bytes` object's
+    buffer and would copy these."""
+
+    def __init__(self, view: memoryview):
+        super().__init__()
+        self._view, self._pos = view, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        n = max(0, min(len(buffer), len(self._view) - self._pos))
+        buffer[:n] = self._view[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
 
 
 def _open(fp: Any, container: str, what: str):
@@ -342,7 +373,7 @@ def _decode(fp: Any, container_name: str, limits: AudioLimits, what: str, option
                     and container_name not in _NO_DURATION_HEADER else None)
         if declared is not None and declared > limits.max_seconds + _CODEC_PADDING_S:
             raise _too_long(declared, limits, what)
-        out = _MonoStream(limits.sample_rate)
+        out = MonoStream(limits.sample_rate)
         seconds, channels = 0.0, ctx.channels
         try:
             for frame in container.decode(stream):
@@ -353,7 +384,7 @@ def _decode(fp: Any, container_name: str, limits: AudioLimits, what: str, option
                 seconds += frame.samples / frame.sample_rate
                 if seconds > limits.max_seconds + _CODEC_PADDING_S:
                     raise _too_long(seconds, limits, what, "at least ")
-                out.add(_frame_mono(frame), frame.sample_rate)
+                out.add(frame_mono(frame), frame.sample_rate)
         except InvalidInputError:
             raise
         except (av.FFmpegError, EOFError, ValueError) as e:
@@ -384,102 +415,6 @@ def _check_channels(channels: int, limits: AudioLimits, what: str) -> None:
         raise InvalidInputError(f"{what} has {channels} channels; 1 to {limits.max_channels} are accepted")
 
 
-_INT_SCALE = {np.dtype(np.int16): 1 / 32768, np.dtype(np.int32): 1 / 2**31, np.dtype(np.int64): 1 / 2**63,
-              np.dtype(np.int8): 1 / 128}
-
-
-def _to_float(arr: np.ndarray) -> np.ndarray:
-    """Samples as float32 in [-1, 1): integers scaled by their range (unsigned ones centred first)."""
-    if arr.dtype.kind == "f":
-        with np.errstate(over="ignore"):  # float64 past float32's range becomes inf, refused by `_finish`
-            return arr.astype(np.float32, copy=False)
-    if arr.dtype.kind == "u":
-        half = 2 ** (8 * arr.dtype.itemsize - 1)
-        return ((arr.astype(np.float64) - half) / half).astype(np.float32)
-    if arr.dtype.kind == "i":
-        return (arr.astype(np.float64 if arr.dtype.itemsize > 2 else np.float32) * _INT_SCALE[arr.dtype]).astype(
-            np.float32, copy=False)
-    raise InvalidInputError(f"audio samples must be numbers, got {arr.dtype}")
-
-
-def _frame_mono(frame) -> np.ndarray:
-    """A decoded frame's samples as float32, channels averaged."""
-    arr = frame.to_ndarray()
-    channels = frame.layout.nb_channels
-    if not frame.format.is_planar:  # interleaved: [1, samples x channels]
-        arr = arr.reshape(-1, channels).T
-    return _downmix(_to_float(arr))
-
-
-def _downmix(channels: np.ndarray) -> np.ndarray:
-    """float32 [channels, samples] -> [samples]: the channels' mean, summed in order then divided (numpy's
-    `mean(axis=0)` in float32, without its slow strided path)."""
-    if channels.shape[0] == 1:
-        return channels[0]
-    total = channels[0].copy()
-    for row in channels[1:]:
-        total += row
-    total /= np.float32(channels.shape[0])
-    return total
-
-
-class _MonoStream:
-    """Mono chunks at any rate in, one waveform at `rate` out; libswresample converts, in blocks of about
-    `_RESAMPLE_CHUNK` samples (a new converter where the source changes its rate)."""
-
-    def __init__(self, rate: int):
-        self.rate = rate
-        self.first_rate: int | None = None
-        self.parts: list[np.ndarray] = []
-        self._pending: list[np.ndarray] = []  # source samples not yet converted
-        self._pending_samples = 0
-        self._resampler = None
-        self._source_rate: int | None = None
-
-    def add(self, mono: np.ndarray, rate: int) -> None:
-        if self.first_rate is None:
-            self.first_rate = rate
-        if rate != self._source_rate:
-            self._flush()
-            self._source_rate = rate
-        if rate == self.rate:
-            self.parts.append(np.ascontiguousarray(mono, dtype=np.float32))
-            return
-        self._pending.append(mono)
-        self._pending_samples += len(mono)
-        if self._pending_samples >= _RESAMPLE_CHUNK:
-            self._convert()
-
-    def _convert(self) -> None:
-        if not self._pending:
-            return
-        import av
-
-        block = np.concatenate(self._pending) if len(self._pending) > 1 else self._pending[0]
-        self._pending, self._pending_samples = [], 0
-        if self._resampler is None:
-            self._resampler = av.AudioResampler(format="flt", layout="mono", rate=self.rate)
-        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(block, dtype=np.float32)[None], format="flt",
-                                           layout="mono")
-        frame.sample_rate = self._source_rate
-        self._take(self._resampler.resample(frame))
-
-    def _take(self, frames) -> None:
-        self.parts += [f.to_ndarray()[0] for f in frames]
-
-    def _flush(self) -> None:
-        self._convert()
-        if self._resampler is not None:
-            self._take(self._resampler.resample(None))
-            self._resampler = None
-
-    def result(self) -> np.ndarray:
-        self._flush()
-        if not self.parts:
-            return np.zeros(0, np.float32)
-        return np.ascontiguousarray(np.concatenate(self.parts) if len(self.parts) > 1 else self.parts[0])
-
-
 def _from_array(wave: Any, rate: int, limits: AudioLimits) -> Audio:
     what = "the audio waveform"
     if isinstance(wave, torch.Tensor):
@@ -505,14 +440,14 @@ def _from_array(wave: Any, rate: int, limits: AudioLimits) -> Audio:
         raise _too_long(samples / rate, limits, what)
     if wave.dtype.kind not in "fiu":
         raise InvalidInputError(f"audio samples must be numbers, got {wave.dtype}")
-    floats = _to_float(wave)
-    mono = _downmix(floats)
+    floats = to_float(wave)
+    mono = downmix(floats)
     if rate == limits.sample_rate:
         waveform = np.array(mono, dtype=np.float32, order="C")  # the caller's samples, exactly (a copy)
     else:
-        stream = _MonoStream(limits.sample_rate)
-        for start in range(0, samples, _RESAMPLE_CHUNK):
-            stream.add(mono[start:start + _RESAMPLE_CHUNK], rate)
+        stream = MonoStream(limits.sample_rate)
+        for start in range(0, samples, RESAMPLE_CHUNK):
+            stream.add(mono[start:start + RESAMPLE_CHUNK], rate)
         waveform = stream.result()
     return Audio(_finish(waveform, limits, what), limits.sample_rate, rate, wave.shape[0])
 

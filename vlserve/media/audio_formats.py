@@ -105,21 +105,25 @@ WAVE_UNCOMPRESSED: dict[int, tuple[str, frozenset[int]]] = {
 # {XXXXXXXX-0000-0010-8000-00AA00389B71}: an extensible header's sub-format, a format tag in its first bytes
 _SUBFORMAT_TAIL = bytes.fromhex("000000001000800000aa00389b71")
 _RIFF_HEADER = 12
+MAX_WAV_CHUNKS = 1024  # chunks before the samples (fmt, fact, LIST, bext, JUNK...: a real file has a handful)
 
 
-def check_wav_header(head: bytes, what: str = "the audio") -> int | None:
-    """The WAV format tag (an extensible header's sub-format) of a RIFF/WAVE file's first bytes, its `fmt `
-    chunk checked: InvalidInputError for a malformed one. None when the chunk is not among `head`'s chunks
-    (ffmpeg then judges the file)."""
+def check_wav_header(data: bytes | memoryview, what: str = "the audio") -> int | None:
+    """The WAV format tag (an extensible header's sub-format) of a RIFF/WAVE file (whole, or its first bytes),
+    its `fmt ` chunk checked: InvalidInputError for a malformed one. None when the chunk is not among `data`'s
+    chunks (ffmpeg then judges the file). Only chunk headers are read: a chunk of megabytes is stepped over."""
     pos = _RIFF_HEADER
-    while pos + 8 <= len(head):
-        chunk, length = head[pos:pos + 4], int.from_bytes(head[pos + 4:pos + 8], "little")
+    for _ in range(MAX_WAV_CHUNKS):
+        if pos + 8 > len(data):
+            return None
+        chunk, length = data[pos:pos + 4], int.from_bytes(data[pos + 4:pos + 8], "little")
         if chunk == b"data":
             raise InvalidInputError(f"{what}: its WAV header is malformed: no 'fmt ' chunk before the samples")
         if chunk == b"fmt ":
-            return _check_fmt(head[pos + 8:pos + 8 + length], length, what)
+            return _check_fmt(data[pos + 8:pos + 8 + length], length, what)
         pos += 8 + length + (length & 1)
-    return None
+    raise InvalidInputError(f"{what}: its WAV header is malformed: more than {MAX_WAV_CHUNKS} chunks before the "
+                            "samples")
 
 
 def _check_fmt(fmt: bytes, length: int, what: str) -> int:
@@ -130,11 +134,13 @@ def _check_fmt(fmt: bytes, length: int, what: str) -> int:
         raise InvalidInputError(f"{bad} the file ends inside its 'fmt ' chunk")
     tag, channels, rate = int.from_bytes(fmt[0:2], "little"), int.from_bytes(fmt[2:4], "little"), \
         int.from_bytes(fmt[4:8], "little")
-    bits = int.from_bytes(fmt[14:16], "little")
+    align, bits = int.from_bytes(fmt[12:14], "little"), int.from_bytes(fmt[14:16], "little")
     if channels == 0:
         raise InvalidInputError(f"{bad} 0 channels")
     if rate == 0:
         raise InvalidInputError(f"{bad} a sample rate of 0 Hz")
+    if align == 0:  # the bytes of one sample frame: what ffmpeg cuts packets by (0 decodes other samples)
+        raise InvalidInputError(f"{bad} a block align of 0 bytes")
     if tag == WAVE_FORMAT_EXTENSIBLE:
         extra = int.from_bytes(fmt[16:18], "little") if len(fmt) >= 18 else 0
         if length < 40 or len(fmt) < 40 or extra < 22:
@@ -155,6 +161,10 @@ def _check_fmt(fmt: bytes, length: int, what: str) -> int:
             accepted = (f"{min(allowed)} to {max(allowed)}" if len(allowed) > 2
                         else " or ".join(map(str, sorted(allowed))))
             raise InvalidInputError(f"{bad} {name} samples of {bits} bits ({name} samples have {accepted} bits)")
+        frame = channels * -(-bits // 8)  # a frame of uncompressed samples: each in whole bytes
+        if align != frame:
+            raise InvalidInputError(f"{bad} a block align of {align} bytes ({name} samples of {bits} bits in "
+                                    f"{channels} channels take {frame})")
     return tag
 
 

@@ -42,6 +42,16 @@ def decode_data_url(url: str, max_bytes: int = NO_LIMIT, kind: str | None = None
     return decode_base64(url, max_bytes, start=m.end(), limit_flag=limit_flag)
 
 
+def encode_data_url(data: bytes | bytearray | memoryview, media_type: str) -> str:
+    """`data:<media_type>;base64,<data>`, encoded `CHUNK` characters at a time: the only copies are the encoded
+    bytes and the string made of them."""
+    encoded = bytearray(f"data:{media_type};base64,".encode("ascii"))
+    view, step = memoryview(data).cast("B"), CHUNK // 4 * 3
+    for i in range(0, len(view), step):
+        encoded += binascii.b2a_base64(view[i:i + step], newline=False)
+    return encoded.decode("ascii")
+
+
 def decode_base64(data: str, max_bytes: int = NO_LIMIT, start: int = 0, limit_flag: str | None = None) -> bytes:
     """`data[start:]` decoded. Tolerates ASCII whitespace, the url-safe alphabet and missing padding; rejects
     anything else (padding only at the end)."""

@@ -23,6 +23,7 @@ from urllib.parse import quote, unquote, urlsplit
 import httpcore
 import httpx
 
+from vlserve.core.beneath import open_beneath, resolve_beneath
 from vlserve.core.errors import InvalidInputError, MediaFetchError, MediaTooLargeError
 from vlserve.media.data_url import decode_data_url
 
@@ -167,8 +168,8 @@ class MediaFetcher:
     async def aclose(self) -> None:
         await self._client.aclose()
 
-    async def fetch(self, url: str) -> bytes | Path:
-        """Bytes for data: and http(s): URLs, the resolved `Path` for file: URLs."""
+    async def fetch(self, url: str) -> bytes:
+        """The media's bytes (a file: URL's read here, once: a path handed on could be swapped before its read)."""
         if not isinstance(url, str):
             raise InvalidInputError("media URL must be a string")
         m = _SCHEME.match(url)
@@ -177,8 +178,8 @@ class MediaFetcher:
             return await asyncio.get_running_loop().run_in_executor(None, decode_data_url, url,
                                                                     self.policy.max_bytes, None,
                                                                     self.policy.max_bytes_flag)
-        if scheme == "file":
-            return self._local_file(url)
+        if scheme == "file":  # read off the event loop: it grows with the file
+            return await asyncio.get_running_loop().run_in_executor(None, self._local_file, url)
         if scheme in ("http", "https"):
             try:
                 return await asyncio.wait_for(self._fetch_http(url), self.policy.timeout_s)
@@ -208,7 +209,7 @@ class MediaFetcher:
 
     # -- file: ---------------------------------------------------------------------------------
 
-    def _local_file(self, url: str) -> Path:
+    def _local_file(self, url: str) -> bytes:
         if self._local_root is None:
             raise MediaFetchError(FILE_REFUSED)
         parts = urlsplit(url)
@@ -217,24 +218,36 @@ class MediaFetcher:
         path = unquote(parts.path)
         if not path.startswith("/") or "\x00" in path:
             raise MediaFetchError("file:// media URL must name a local absolute path (file:///path/to/file)")
-        # realpath resolves symlinks and '..' first, so neither can lead out of the allowed directory.
-        real = os.path.realpath(path)
-        # Containment is checked before existence so nothing is revealed about files outside.
-        if os.path.commonpath([real, self._local_root]) != self._local_root:
+        # Resolved once (symlinks and '..' cannot lead out of the allowed directory), contained before existence is
+        # checked (nothing is revealed about files outside), then opened from the directory down without following
+        # a symlink, so a folder swapped after the check cannot redirect the read (vlserve.core.beneath).
+        unreadable = "file:// media URL names a file that does not exist or cannot be read"
+        try:
+            found = resolve_beneath(path, (self._local_root,))
+        except (OSError, ValueError):
+            raise MediaFetchError(unreadable) from None
+        if found is None:
             raise MediaFetchError(FILE_OUTSIDE)
         try:
-            st = os.stat(real)
+            fd = open_beneath(found[1], found[0])
         except (OSError, ValueError):
-            raise MediaFetchError("file:// media URL names a file that does not exist or cannot be read") from None
-        if not stat.S_ISREG(st.st_mode):
+            raise MediaFetchError(unreadable) from None
+        limit = self.policy.max_bytes
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
             raise MediaFetchError("file:// media URL does not name a regular file")
-        if st.st_size > self.policy.max_bytes:
-            raise MediaTooLargeError(
-                f"local media file is {st.st_size} bytes, over the limit of {self.policy.max_bytes} bytes "
-                f"({self.policy.max_bytes_flag})"
-            )
-        # The file could still change after this check; the decoder's own pixel limits bound that.
-        return Path(real)
+        with os.fdopen(fd, "rb") as f:
+            size = os.fstat(fd).st_size
+            if size <= limit:
+                try:
+                    data = f.read(limit + 1)  # bounded whatever stat said
+                except OSError:
+                    raise MediaFetchError(unreadable) from None
+                size = len(data)
+        if size > limit:
+            raise MediaTooLargeError(f"local media file is {size} bytes, over the limit of {limit} bytes "
+                                     f"({self.policy.max_bytes_flag})")
+        return data
 
     # -- http(s): ------------------------------------------------------------------------------
 

@@ -37,6 +37,7 @@ from vlserve.router.prompts import PromptHasher
 from vlserve.router.proxy import Proxy
 from vlserve.router.replicas import ReplicaSet
 from vlserve.server.api_key import install_api_key_check
+from vlserve.server.drain import UVICORN_BACKSTOP_S, Drain, DrainGate, graceful_server
 from vlserve.server.errors import error_response, install_error_handlers
 from vlserve.server.hosts import HostCheck, HostPolicy, relative_slash_redirects
 from vlserve.server.listen import bind_socket
@@ -61,7 +62,9 @@ class ReplicaAdapters:
         return self.replicas.adapters()
 
 
-def build_router_app(opts: Options, hasher: PromptHasher, replicas: ReplicaSet) -> FastAPI:
+def build_router_app(opts: Options, hasher: PromptHasher, replicas: ReplicaSet,
+                     drain: Drain | None = None) -> FastAPI:
+    """`drain`: the router's stop (run_router), which cuts the streams it relays."""
     server, d = opts.server, opts.disagg
     model_name = server.served_model_name or opts.engine.model
     # The server's model check and disconnect handling (it needs no engine for those).
@@ -75,7 +78,8 @@ def build_router_app(opts: Options, hasher: PromptHasher, replicas: ReplicaSet) 
         replicas.auth = {"authorization": f"Bearer {replica_key}"}  # to read their /v1/models
     proxy = Proxy(replicas, chooser, metrics, serving.until_done_or_disconnect,
                   replica_key=replica_key, read_timeout=d.replica_read_timeout,
-                  max_response_bytes=d.max_replica_response_bytes, executor=hasher.executor)
+                  max_response_bytes=d.max_replica_response_bytes, executor=hasher.executor,
+                  drain=drain or Drain(server.shutdown_timeout))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -219,12 +223,18 @@ async def run_router(opts: Options, log_level: str = "INFO", sock: socket.socket
             replicas = open_replicas(opts)
             await replicas.start()
             try:
-                config = uvicorn.Config(HostCheck(build_router_app(opts, hasher, replicas), hosts),
-                                        log_level=log_level.lower(), access_log=False, timeout_graceful_shutdown=5,
-                                        log_config=None,
+                drain = Drain(server.shutdown_timeout)
+                app = DrainGate(build_router_app(opts, hasher, replicas, drain), drain)
+                config = uvicorn.Config(HostCheck(app, hosts), log_level=log_level.lower(), access_log=False,
+                                        timeout_graceful_shutdown=UVICORN_BACKSTOP_S, log_config=None,
                                         http=header_timeout_protocol(server.header_read_timeout))
+                http = graceful_server(config, drain)
                 sigterm.serving()
-                await uvicorn.Server(config).serve(sockets=[sock])
+                stopper = asyncio.create_task(drain.run(http))
+                try:
+                    await http.serve(sockets=[sock])
+                finally:
+                    stopper.cancel()
             finally:
                 await finish(replicas.stop())
                 hasher.close()

@@ -35,6 +35,7 @@ from vlserve.core.errors import VlserveError
 from vlserve.router.choice import Chooser
 from vlserve.router.metrics import RouterMetrics
 from vlserve.router.replicas import Replica, ReplicaSet
+from vlserve.server.drain import Drain, ShuttingDownError
 from vlserve.server.errors import error_body, error_response, one_line
 from vlserve.server.serving import PARSE_INLINE_BYTES, SSE_DONE, SSEResponse, sse
 
@@ -63,8 +64,10 @@ class ReplicaTimeoutError(VlserveError):
 class Proxy:
     def __init__(self, replicas: ReplicaSet, chooser: Chooser, metrics: RouterMetrics, until_done_or_disconnect, *,
                  replica_key: str | None = None, read_timeout: float = 600.0,
-                 max_response_bytes: int = 256 * 2**20, executor: Executor | None = None):
+                 max_response_bytes: int = 256 * 2**20, executor: Executor | None = None,
+                 drain: Drain | None = None):
         self.replicas, self.chooser, self.metrics = replicas, chooser, metrics
+        self.drain = drain or Drain(0.0)  # the router's stop: it cuts the streams relayed
         self.until_done_or_disconnect = until_done_or_disconnect  # the server's: a leaving client cancels the work
         self.read_timeout, self.max_response_bytes, self.executor = read_timeout, max_response_bytes, executor
         # identity: a compressed body would be inflated past every bound before it could be measured
@@ -207,7 +210,8 @@ class _Relay:
         if self._closed:
             raise StopAsyncIteration
         try:
-            return await self._chunks.__anext__()
+            async with self.proxy.drain.interruptible():
+                return await self._chunks.__anext__()
         except StopAsyncIteration:
             await self.aclose()
             raise
@@ -216,6 +220,9 @@ class _Relay:
             logger.warning("%s", err)
             await self.aclose()
             return sse(error_body(str(err), err.http_status)) + SSE_DONE
+        except ShuttingDownError as e:  # the router is stopping: the stream ends as a failed one does
+            await self.aclose()
+            return sse(error_body(str(e), e.http_status)) + SSE_DONE
 
     async def aclose(self) -> None:
         if not self._closed:

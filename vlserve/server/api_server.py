@@ -26,6 +26,7 @@ from vlserve.frontend.metrics import CONTENT_TYPE
 from vlserve.frontend.prompt_encoder import LocalPromptEncoder
 from vlserve.frontend.tokenizer import load_chat_template
 from vlserve.server.api_key import install_api_key_check
+from vlserve.server.drain import UVICORN_BACKSTOP_S, Drain, DrainGate, graceful_server
 from vlserve.server.errors import error_response, install_error_handlers
 from vlserve.server.announce import announce_replica
 from vlserve.server.hosts import HostCheck, HostPolicy, relative_slash_redirects
@@ -179,9 +180,10 @@ def _body_schema(model) -> dict:
 
 
 async def serve(opts: Options, log_level: str = "INFO", role: str = SERVE, sock: socket.socket | None = None) -> int:
-    """Port (unless the caller bound it already), then engine, then uvicorn until SIGINT/SIGTERM. Returns the
-    exit code: 1 when the engine died while serving (the server stops, as vLLM's does, so that a supervisor
-    restarts it rather than it answering 503 for ever)."""
+    """Port (unless the caller bound it already), then engine, then uvicorn until SIGINT/SIGTERM (a graceful stop:
+    server/drain.py), then the engine's shutdown. Returns the exit code: 0 once stopped, 1 when the engine died
+    while serving (the server stops, as vLLM's does, so that a supervisor restarts it rather than it answering 503
+    for ever)."""
     import uvicorn
 
     from vlserve.server.slow_clients import header_timeout_protocol
@@ -196,17 +198,21 @@ async def serve(opts: Options, log_level: str = "INFO", role: str = SERVE, sock:
             await engine.start()
             announced = await announce_replica(opts, engine) if role == SERVE else None
             try:
-                config = uvicorn.Config(HostCheck(build_app(engine, server), hosts), log_level=log_level.lower(),
-                                        access_log=False, timeout_graceful_shutdown=5, log_config=None,
+                drain = Drain(server.shutdown_timeout, on_cut=engine.stop_requests)
+                config = uvicorn.Config(HostCheck(DrainGate(build_app(engine, server), drain), hosts),
+                                        log_level=log_level.lower(), access_log=False,
+                                        timeout_graceful_shutdown=UVICORN_BACKSTOP_S, log_config=None,
                                         http=header_timeout_protocol(server.header_read_timeout))
-                http = uvicorn.Server(config)
+                http = graceful_server(config, drain)
                 freeze_startup_heap()
                 sigterm.serving()
-                watch = asyncio.create_task(stop_when_engine_dies(engine, http))
+                tasks = [asyncio.create_task(drain.run(http)),
+                         asyncio.create_task(stop_when_engine_dies(engine, drain))]
                 try:
                     await http.serve(sockets=[sock])
                 finally:
-                    watch.cancel()
+                    for task in tasks:
+                        task.cancel()
             finally:
                 if announced is not None:
                     await finish(announced.stop())
@@ -217,9 +223,9 @@ async def serve(opts: Options, log_level: str = "INFO", role: str = SERVE, sock:
         sock.close()
 
 
-async def stop_when_engine_dies(engine: AsyncLLM, http) -> None:
-    """Tells uvicorn to stop (after answering what is in flight) once the engine process is gone for good."""
+async def stop_when_engine_dies(engine: AsyncLLM, drain: Drain) -> None:
+    """Stops the server (what is in flight has failed already) once the engine process is gone for good."""
     await engine.dead.wait()
     logger.error("the engine is gone (%s): stopping this server with exit code 1 so that its supervisor "
                  "restarts it", engine.core.dead_reason)
-    http.should_exit = True
+    drain.request_stop("the engine is gone", force=True)

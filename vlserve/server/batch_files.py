@@ -209,13 +209,14 @@ class Done:
         return True
 
 
-def read_done(path: str) -> Done:
-    """The results already in `path` (nothing if it does not exist). A last line cut short (a run killed while
-    writing it, recognised by how our lines start) is cut off the file; any other line that is not a result line
-    stops the run: the file is not the output of a run-batch, and appending to it would mix the two."""
+def read_done(path: str, opened: BinaryIO | None = None) -> Done:
+    """The results already in `path` (nothing if it does not exist), read from `opened` when given (the file,
+    open to read and write, at its start). A last line cut short (a run killed while writing it, recognised by
+    how our lines start) is cut off the file; any other line that is not a result line stops the run: the file
+    is not the output of a run-batch, and appending to it would mix the two."""
     done = Done()
     try:
-        f = open(path, "rb")
+        f = opened or open(path, "rb")
     except FileNotFoundError:
         return done
     except OSError as e:
@@ -232,10 +233,13 @@ def read_done(path: str) -> Done:
                 break
             whole_bytes += len(raw)
             done.needs_newline = not raw.endswith(b"\n")
-    if cut:
-        logger.warning("the last line of %s was cut short (a run stopped while writing it): dropped, its request "
-                       "runs again", path)
-        os.truncate(path, whole_bytes)
+        if cut:
+            logger.warning("the last line of %s was cut short (a run stopped while writing it): dropped, its "
+                           "request runs again", path)
+            if opened is not None:
+                os.ftruncate(opened.fileno(), whole_bytes)
+            else:
+                os.truncate(path, whole_bytes)
     return done
 
 

@@ -9,8 +9,9 @@ import asyncio
 import logging
 import os
 
+from vlserve.core.allocator import return_large_blocks
 from vlserve.core.config import DECODE, LANGUAGE, SERVE, EngineArgs
-from vlserve.core.errors import InvalidInputError
+from vlserve.core.errors import ConfigurationError, InvalidInputError
 from vlserve.core.options import add_options, options_from
 from vlserve.server.listen import bind_socket
 from vlserve.tools.demo_checkpoint import DEMO_NAME
@@ -38,6 +39,19 @@ def check_cheap_flags(opts) -> None:
         from vlserve.frontend.tokenizer import load_chat_template
 
         load_chat_template(opts.server.chat_template)
+    check_lora_dirs(opts.server)
+
+
+def check_lora_dirs(server) -> None:
+    """--allow-runtime-lora loads only from --lora-dir: without one every load would be refused, so the start is;
+    and each --lora-dir is an existing folder."""
+    if server.allow_runtime_lora and not server.lora_dir:
+        raise ConfigurationError("--allow-runtime-lora needs --lora-dir DIR ...: the folders runtime loads may read "
+                                 "adapters from (without one every load would be refused)")
+    for folder in server.lora_dir:
+        if not os.path.isdir(folder):
+            raise ConfigurationError(f"--lora-dir {folder}: not a folder" if os.path.exists(folder)
+                                     else f"--lora-dir {folder}: no such folder")
 
 
 def run_serve(ns: argparse.Namespace) -> int:
@@ -45,6 +59,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     check_cheap_flags(opts)
     if (code := tensor_parallel_worker(opts.engine)) is not None:
         return code
+    return_large_blocks()  # uploads of tens of MB must not stay in the allocator's arenas
     sock = bind_socket(opts.server.host, opts.server.port)  # a taken port is reported before anything loads
     if opts.engine.model is None:
         from vlserve.tools.demo_checkpoint import demo_checkpoint
@@ -74,6 +89,7 @@ def run_language(ns: argparse.Namespace, role: str = LANGUAGE) -> int:
     opts.engine.load_vision = False
     if (code := tensor_parallel_worker(opts.engine)) is not None:
         return code
+    return_large_blocks()
     sock = bind_socket(opts.server.host, opts.server.port)
     from vlserve.server.api_server import serve
 

@@ -41,12 +41,15 @@ def error_from_exception(exc: Exception) -> tuple[str, int]:
     return f"internal server error ({type(exc).__name__})", 500
 
 
-def _validation_message(exc: RequestValidationError) -> str:
+def describe_validation(errors: list) -> str:
+    """What a 400 says of failed validation (pydantic's or FastAPI's errors()): each wrong field (its dotted place,
+    without FastAPI's leading "body") and why, up to five."""
     parts = []
-    for err in exc.errors()[:5]:
-        where = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+    for err in errors[:5]:
         if err.get("type") == "json_invalid":
             return "the request body is not valid JSON"
+        loc = tuple(err.get("loc", ()))
+        where = ".".join(str(x) for x in (loc[1:] if loc[:1] == ("body",) else loc))
         parts.append(f"{where or 'body'}: {err.get('msg')}")
     return "invalid request: " + "; ".join(parts)
 
@@ -59,7 +62,7 @@ def _respond(request: Request, message: str, status: int) -> JSONResponse:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        return _respond(request, _validation_message(exc), 400)
+        return _respond(request, describe_validation(exc.errors()), 400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):

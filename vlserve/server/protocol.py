@@ -22,6 +22,7 @@ from vlserve.core.errors import InvalidInputError
 from vlserve.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from vlserve.core.structured_outputs import StructuredOutputsError, StructuredOutputsParams, structured_outputs_from
 from vlserve.frontend.tool_calls import ToolChoice, call_grammar, check_tool_choice, check_tools
+from vlserve.server.errors import describe_validation
 
 logger = logging.getLogger("vlserve.server")
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
@@ -281,11 +282,17 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
         raise InvalidInputError("the request body nests JSON arrays or objects too deeply") from None
     if not isinstance(data, dict):
         raise InvalidInputError("the request body must be a JSON object")
+    return validate(model, data)
+
+
+def validate(model: type[BaseModel], data: dict) -> Any:
+    """`data` as a `model`; a wrong value is an InvalidInputError (400) that names its field."""
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        parts = []
-        for err in e.errors()[:5]:
-            where = ".".join(str(x) for x in err.get("loc", ()))
-            parts.append(f"{where or 'body'}: {err.get('msg')}")
-        raise InvalidInputError("invalid request: " + "; ".join(parts)) from None
+        raise InvalidInputError(validation_message(e)) from None
+
+
+def validation_message(e: ValidationError) -> str:
+    """What a 400 says of a ValidationError: each wrong field (its dotted place) and why, up to five."""
+    return describe_validation(e.errors())

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from vlserve.core.config import ServerArgs
 from vlserve.core.errors import InvalidInputError
-from vlserve.server.protocol import ChatCompletionRequest
+from vlserve.server.protocol import ChatCompletionRequest, validate
 
 logger = logging.getLogger("vlserve.server")
 
@@ -99,7 +99,8 @@ class ResponsesRequest(BaseModel):
         response_format = _response_format(self.text_format())
         if response_format is not None:
             fields["response_format"] = response_format
-        body = ChatCompletionRequest.model_validate(fields)
+        # The passed-on fields are checked here, as the chat request's: a wrong one is a 400 that names it.
+        body = validate(ChatCompletionRequest, fields)
         body.set_format_field("text.format")
         return body
 

@@ -8,13 +8,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
+import fcntl
 import logging
 import os
+import queue
 import signal
+import stat
 import sys
+import threading
 from dataclasses import dataclass
 from typing import BinaryIO
 
+from vlserve.core.allocator import return_large_blocks
 from vlserve.core.config import SERVE, Options
 from vlserve.core.errors import ConfigurationError, VlserveError
 from vlserve.core.options import add_options, options_from
@@ -25,6 +31,7 @@ DEFAULT_MAX_CONCURRENCY = 64
 OFF_LOOP_BYTES = 256 * 1024  # answers bigger than this are re-encoded on a thread, not on the event loop
 EXIT_SIGTERM = 128 + signal.SIGTERM
 RETRY_503_DELAYS = (0.5, 1, 2, 4, 8)  # seconds between tries of a line answered 503 (overloaded)
+CLOSE_WAIT_S = 30  # how long the end of a run waits for the output's last writes
 
 
 @dataclass
@@ -33,22 +40,64 @@ class Tally:
     failed: int = 0  # refusals written: the endpoint's (4xx, 5xx) and the lines that never reached one
     skipped: int = 0  # already in the output file
     unanswered: int = 0  # 503 (engine gone, overloaded): not written, so that a later run answers them
+    unwritten: int = 0  # answered, but the output failed: a later run answers them again
     blank: int = 0
 
 
 class BatchOutput:
-    """The output file, appended to one whole line at a time and flushed: a killed run leaves at most its last
-    line cut short, which the next run drops (batch_files.read_done)."""
+    """The output, appended to one whole line at a time by one writer thread, in the order the lines are handed
+    over: a slow disk or a stdout nobody reads holds that thread, never the event loop. Each line waits for its
+    write (`await write`), so at most one line per line in flight is queued. Writes are unbuffered: a killed run
+    leaves at most its last line cut short, which the next run drops (batch_files.read_done), and a write that
+    fails (a full disk) leaves nothing behind to flush at exit. After a failed write nothing more is written: a
+    line cut short stays the last one."""
 
     def __init__(self, stream: BinaryIO, name: str):
-        self.stream, self.name = stream, name
+        self.stream, self.name = stream, name  # `stream`: unbuffered (raw) and blocking
+        self.error: str | None = None  # why writing stopped: the first failed write's reason
+        self._lines: queue.SimpleQueue = queue.SimpleQueue()
+        # A daemon: a write stuck on a pipe nobody reads must not keep a stopped run from exiting.
+        self._thread = threading.Thread(target=self._write_lines, name="run-batch-output", daemon=True)
+        self._thread.start()
 
-    def write(self, line: bytes) -> None:
+    async def write(self, line: bytes) -> bool:
+        """False when the line was not written (this write, or an earlier one, failed: see `error`)."""
+        loop = asyncio.get_running_loop()
+        written = loop.create_future()
+        self._lines.put((line, loop, written))
+        return await written
+
+    def _write_lines(self) -> None:
+        while (item := self._lines.get()) is not None:
+            line, loop, written = item
+            ok = self.write_now(line)
+            with contextlib.suppress(RuntimeError):  # the loop is gone (a stopped run): the line is written anyway
+                loop.call_soon_threadsafe(_settle, written, ok)
+
+    def write_now(self, line: bytes) -> bool:
+        """`write` on the calling thread (before the run starts, or on the writer thread)."""
+        if self.error is not None:
+            return False
+        view = memoryview(line)
         try:
-            self.stream.write(line)
-            self.stream.flush()
+            while view:  # a raw write may take part of the line (a pipe, a nearly full disk)
+                view = view[self.stream.write(view):]
         except OSError as e:
-            raise VlserveError(f"cannot write to the output {self.name}: {e.strerror or e}") from None
+            self.error = e.strerror or str(e)
+            return False
+        return True
+
+    def close(self) -> None:
+        """After the lines handed over are written; the file is left open (to the exit) if a write is stuck."""
+        self._lines.put(None)
+        self._thread.join(CLOSE_WAIT_S)
+        if not self._thread.is_alive():
+            self.stream.close()
+
+
+def _settle(written: asyncio.Future, ok: bool) -> None:
+    if not written.done():  # not cancelled (a stopped run)
+        written.set_result(ok)
 
 
 # ---- the command -----------------------------------------------------------------------------------------------
@@ -85,6 +134,7 @@ def run(ns: argparse.Namespace) -> int:
     max_concurrency = positive(ns.max_concurrency, "--max-concurrency")
     if (code := tensor_parallel_worker(opts.engine)) is not None:
         return code
+    return_large_blocks()  # lines of tens of MB must not stay in the allocator's arenas
     source = open_input(ns.input_file)  # files first: a wrong path is reported before any model loads
     output = None
     try:
@@ -94,9 +144,10 @@ def run(ns: argparse.Namespace) -> int:
         return asyncio.run(run_batch(opts, ns.log_level, source, output, done, max_line_bytes, max_concurrency,
                                      ns.input_file))
     finally:
-        for stream in (source, output and output.stream):
-            if stream is not None and stream not in (sys.stdin.buffer, sys.stdout.buffer):
-                stream.close()
+        if source is not sys.stdin.buffer:
+            source.close()
+        if output is not None:
+            output.close()  # its lock goes with it
 
 
 def positive(value: int, flag: str) -> int:
@@ -126,24 +177,69 @@ def open_input(path: str) -> BinaryIO:
 
 
 def open_output(path: str, input_path: str):
-    """(what the output already holds, the output to append to)."""
+    """(what the output already holds, the output to append to). A regular file is locked for this run (a second
+    run on it would write every line again) and resumed; a character device (/dev/null, a terminal) is only
+    written to; anything else (a FIFO would block until a reader came) is refused."""
     from vlserve.server.batch_files import Done, read_done
 
     if path == "-":
-        return Done(), BatchOutput(sys.stdout.buffer, "standard output")
+        return Done(), BatchOutput(open(sys.stdout.fileno(), "wb", buffering=0, closefd=False), "standard output")
     if input_path != "-" and os.path.exists(path) and os.path.samefile(path, input_path):
         raise ConfigurationError(f"the output file {path} is the input file: give -o another file")
-    done = read_done(path)
+    fd = _open_output_fd(path)
     try:
-        stream = open(path, "ab")
-    except OSError as e:
-        raise ConfigurationError(f"cannot write the output file {path}: {e.strerror}") from None
-    output = BatchOutput(stream, path)
-    if done.needs_newline:
-        output.write(b"\n")
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            _lock(fd, path)
+            with os.fdopen(os.dup(fd), "rb") as f:  # the file as it is now, read from its start
+                done = read_done(path, f)
+        else:
+            done = Done()  # a character device: nothing to resume from
+        output = BatchOutput(open(fd, "wb", buffering=0), path)
+    except BaseException:
+        os.close(fd)
+        raise
+    if done.needs_newline and not output.write_now(b"\n"):
+        output.close()
+        raise VlserveError(f"cannot write to the output {path}: {output.error}")
     if done:
         logger.info("resuming: %d lines of the input are in %s already and are skipped", len(done), path)
     return done, output
+
+
+def _open_output_fd(path: str) -> int:
+    """`path` opened to read and append (created if missing), without waiting: opening a FIFO for writing would
+    wait for a reader. Refused unless a regular file or a character device."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
+    except OSError as e:
+        if e.errno in (errno.EISDIR, errno.ENXIO):  # a directory; a socket
+            raise ConfigurationError(_not_a_file(path, os.stat(path).st_mode)) from None
+        raise ConfigurationError(f"cannot write the output file {path}: {e.strerror}") from None
+    mode = os.fstat(fd).st_mode
+    if not (stat.S_ISREG(mode) or stat.S_ISCHR(mode)):
+        os.close(fd)
+        raise ConfigurationError(_not_a_file(path, mode))
+    os.set_blocking(fd, True)  # writes wait for room (a terminal, a slow disk): on the writer thread
+    return fd
+
+
+def _not_a_file(path: str, mode: int) -> str:
+    kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else
+            "a directory" if stat.S_ISDIR(mode) else "not a file")
+    return (f"the output {path} is not a regular file ({kind}): give -o a file (a run resumes from it), or '-' "
+            "for standard output")
+
+
+def _lock(fd: int, path: str) -> None:
+    """This run's exclusive lock on the output: a second run on it is refused while this one lasts."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise ConfigurationError(f"the output file {path} is being written by another run of run-batch (it holds "
+                                 "a lock on it): wait for that run to end, or give -o another file") from None
+    except OSError as e:  # a file system without locks: the run goes on, unguarded
+        logger.warning("cannot lock the output file %s (%s): make sure no other run writes to it", path,
+                       e.strerror or e)
 
 
 def use_demo_checkpoint(opts: Options) -> None:
@@ -191,7 +287,17 @@ async def run_batch(opts: Options, log_level: str, source: BinaryIO, output: Bat
         if not sigterm.received:
             raise  # Ctrl-C: asyncio.run raises KeyboardInterrupt, the command exits 130
         return EXIT_SIGTERM
-    summarize(tally, output, "stopped" if engine.dead.is_set() else "done")
+    return conclude(tally, output, engine)
+
+
+def conclude(tally: Tally, output: BatchOutput, engine) -> int:
+    """The summary of a run that ended by itself, and its exit code."""
+    stopped = engine.dead.is_set() or output.error is not None
+    summarize(tally, output, "stopped" if stopped else "done")
+    if output.error is not None:
+        logger.error("cannot write to the output %s: %s; the run stopped there: make room and run the same "
+                     "command again to answer the lines left", output.name, output.error)
+        return 1
     if engine.dead.is_set():
         logger.error("the engine died (%s): run the same command again to answer the lines left",
                      engine.core.dead_reason)
@@ -240,7 +346,7 @@ async def answer_lines(lines, done, runner: "Runner", engine, max_concurrency: i
     end = object()
     slots = asyncio.Semaphore(max_concurrency)
     async with asyncio.TaskGroup() as group:
-        while not engine.dead.is_set():
+        while not engine.dead.is_set() and runner.output.error is None:
             item = await asyncio.to_thread(next, lines, end)
             if item is end:
                 break
@@ -251,7 +357,7 @@ async def answer_lines(lines, done, runner: "Runner", engine, max_concurrency: i
                 runner.tally.skipped += 1
                 runner.bar.update()
             elif isinstance(item, LineError):
-                runner.write_error(item)
+                await runner.write_error(item)
             else:
                 await slots.acquire()
                 group.create_task(runner.answer(item, slots))
@@ -281,8 +387,9 @@ class Runner:
                 line = await asyncio.to_thread(response_line, item.custom_id, status, content)
             else:
                 line = response_line(item.custom_id, status, content)
-            self.output.write(line)
-            if 200 <= status < 300:
+            if not await self.output.write(line):
+                self.tally.unwritten += 1
+            elif 200 <= status < 300:
                 self.tally.answered += 1
             else:
                 self.tally.failed += 1
@@ -300,11 +407,11 @@ class Runner:
                 return response
             await asyncio.sleep(delay)
 
-    def write_error(self, error) -> None:
+    async def write_error(self, error) -> None:
         from vlserve.server.batch_files import error_line
 
-        self.output.write(error_line(error))
-        self.tally.failed += 1
+        if await self.output.write(error_line(error)):
+            self.tally.failed += 1
         self.bar.update()
 
 
@@ -313,3 +420,6 @@ def summarize(tally: Tally, output: BatchOutput, how: str) -> None:
                 "earlier run)%s", how, tally.answered, tally.failed, output.name, tally.skipped,
                 f", {tally.unanswered} left unanswered (503: the engine was gone or overloaded; run again to answer "
                 "them)" if tally.unanswered else "")
+    if tally.unwritten:
+        logger.info("%d answers were not written (the output failed): a later run answers them again",
+                    tally.unwritten)

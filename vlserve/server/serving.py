@@ -55,16 +55,22 @@ class SSEResponse(StreamingResponse):
     A client that leaves mid-stream cancels the sending task. If that lands inside the generator (waiting for the
     engine), the generator unwinds itself; but if it lands while a chunk is being handed on (the generator is
     parked at a `yield`), Starlette just drops the generator, and until the garbage collector finalizes it the
-    engine goes on generating for nobody, up to max_tokens. Closing it here makes the abort immediate."""
+    engine goes on generating for nobody, up to max_tokens. Closing it here makes the abort immediate.
 
-    def __init__(self, content: AsyncIterator[bytes]):
+    `owned`: what the generator closes in its `finally` (its engine requests), closed here too: a generator that
+    never started (the client left, or the server stopped, before its first chunk) never runs its `finally`."""
+
+    def __init__(self, content: AsyncIterator[bytes], *owned):
         super().__init__(content, media_type="text/event-stream")
+        self.owned = owned
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()
+            for item in self.owned:
+                await item.aclose()
 
 
 async def read_body(raw: HTTPRequest, limit: int, timeout: float = math.inf) -> bytes:
@@ -236,12 +242,14 @@ class UnloadLoRAAdapterRequest(_LoRABody):
 
 class OpenAIServingLoRA(OpenAIServing):
     """vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter. Off unless --allow-runtime-lora: the path
-    is a folder on the server's machine, so whoever may call them chooses what the server reads."""
+    is a folder on the server's machine (under --lora-dir), so whoever may call them chooses what the server
+    reads there."""
 
     async def load(self, raw: HTTPRequest) -> Response:
         self._check_allowed()
         body: LoadLoRAAdapterRequest = await self.parse(raw, LoadLoRAAdapterRequest)
-        await self.engine.load_lora(body.lora_name, body.lora_path, replace=body.load_inplace)
+        await self.engine.load_lora(body.lora_name, body.lora_path, replace=body.load_inplace,
+                                    lora_dirs=self.server.lora_dir)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     async def unload(self, raw: HTTPRequest) -> Response:

@@ -56,6 +56,7 @@ class ChatRun:
 
 class OpenAIServingChat(OpenAIServing):
     id_prefix = "chatcmpl"
+    python_media = False  # parts holding Python objects: only in requests this server builds itself
 
     async def create(self, raw: HTTPRequest):
         body: ChatCompletionRequest = await self.parse(raw, ChatCompletionRequest)
@@ -64,7 +65,7 @@ class OpenAIServingChat(OpenAIServing):
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return SSEResponse(self._stream(run.request_id, run.first, run.outputs, include_usage, top_k,
-                                            run.parse_calls, run.model))
+                                            run.parse_calls, run.model), run.outputs)
         final = await self.final(raw, run)
         return await self.json_response(
             lambda: self._response(run.request_id, final, top_k, run.parse_calls, run.model),
@@ -120,7 +121,7 @@ class OpenAIServingChat(OpenAIServing):
     def _chat_text(self, body: ChatCompletionRequest) -> tuple[ParsedChat, str]:
         """The messages parsed and bounded, then rendered by the chat template. On a worker thread: parsing reads
         every text and media part, tens of megabytes in a big body, which the event loop must not wait for."""
-        chat = parse_chat_messages(body.messages, allow_python_objects=False,
+        chat = parse_chat_messages(body.messages, allow_python_objects=self.python_media,
                                    modalities=self.engine.cfg.model.modalities)
         limit_chars = self.engine.input_processor.max_prompt_chars
         if chat.num_text_chars > limit_chars:

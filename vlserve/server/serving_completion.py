@@ -61,7 +61,7 @@ class OpenAIServingCompletion(OpenAIServing):
             firsts = await self.until_done_or_disconnect(raw, self._first_outputs(gens))
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
-                return SSEResponse(self._stream(request_id, firsts, gens, include_usage, top_k, model))
+                return SSEResponse(self._stream(request_id, firsts, gens, include_usage, top_k, model), *gens)
             finals = await self.until_done_or_disconnect(
                 raw, asyncio.gather(*(self._last(f, g) for f, g in zip(firsts, gens))))
         except BaseException:

@@ -60,7 +60,7 @@ class OpenAIServingResponses:
         chat_body.check_fields(self.chat.server)
         run = await self.chat.start(raw, chat_body, id_prefix=ID_PREFIX)
         if body.stream:
-            return SSEResponse(self._stream(body, run))
+            return SSEResponse(self._stream(body, run), run.outputs)
         out = await self.chat.final(raw, run)
         return JSONResponse(self.response(body, run.request_id, created(), out, self.output_items(out, run)))
 

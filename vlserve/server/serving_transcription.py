@@ -1,10 +1,13 @@
 """POST /v1/audio/transcriptions and /v1/audio/translations: OpenAI's speech-to-text API, for models that hear.
 
-The uploaded clip becomes the chat request a client could send itself (one user message: an `input_audio` part
-and an instruction) and runs through the chat handler, so it gets every bound a chat `input_audio` part gets
-(format sniffing, --max-media-bytes, --max-audio-seconds, sample rate and channels) and the same metrics. The
-multipart body is read within --max-request-bytes and parsed here, from those bytes, on a worker thread: nothing
-is spooled to disk and nothing that grows with the upload runs on the event loop.
+The uploaded clip becomes the chat request a client could send itself (one user message: the clip and an
+instruction) and runs through the chat handler, so it gets every bound a chat `input_audio` part gets (format
+sniffing, --max-media-bytes, --max-audio-seconds, sample rate and channels) and the same metrics. The multipart
+body is read within --max-request-bytes and parsed here, from those bytes, on a worker thread: nothing is spooled
+to disk and nothing that grows with the upload runs on the event loop. The clip is never copied: it is decoded
+once, from the body, with the model processor's bounds, and its samples are the prompt's audio (and its length the
+answer's duration); only where an encoder elsewhere decodes the media (disaggregated serving) is it sent as a data
+URL.
 
 The clip is transcribed as one block: verbose_json has one segment spanning it, srt and vtt one cue.
 """
@@ -12,7 +15,6 @@ The clip is transcribed as one block: verbose_json has one segment spanning it, 
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
 import math
 import re
@@ -23,16 +25,17 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
 from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from vlserve.core.errors import InvalidInputError, MediaTooLargeError
 from vlserve.core.outputs import CompletionOutput, RequestOutput
 from vlserve.frontend.prepared_prompt import PreparedPrompt
+from vlserve.frontend.prompt_encoder import LocalPromptEncoder
 from vlserve.media.audio import AudioLimits, load_audio
 from vlserve.media.audio_formats import DEMUXERS, FORMATS, SNIFF_BYTES, sniff_audio_format
-from vlserve.server.protocol import ChatCompletionRequest
+from vlserve.media.data_url import encode_data_url
+from vlserve.server.protocol import ChatCompletionRequest, validate
 from vlserve.server.serving import read_body_buffer
 from vlserve.server.serving_chat import OpenAIServingChat
 
@@ -60,6 +63,8 @@ _NUMBER_FIELDS: dict[str, type] = {
     "frequency_penalty": float, "repetition_penalty": float, "max_completion_tokens": int,
 }
 _TEXT_FIELDS = ("model", "language", "prompt", "response_format")
+# ASCII digits only: `\d` takes any script's (and int() and float() then read "١٢" as 12)
+_INTEGER, _DECIMAL = r"[+-]?[0-9]{1,19}", r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?"
 # OpenAI fields that would change the answer and that this server cannot honour: refused, never ignored.
 # base name (a list field is sent as `name[]`) -> (refused when its values are, why)
 _REFUSED: dict[str, tuple[Callable[[list[str]], bool], str]] = {
@@ -108,7 +113,7 @@ def instruction(task: str, language: str | None = None, prompt: str | None = Non
 
 @dataclass
 class UploadForm:
-    file: bytes | None = None
+    file: memoryview | bytes | None = None  # a view of the body it came in: never copied
     filename: str | None = None
     fields: dict[str, list[str]] = field(default_factory=dict)  # by name as sent (`include[]` keeps its [])
 
@@ -124,16 +129,16 @@ def multipart_boundary(content_type: str | None) -> bytes:
 
 
 def parse_form(body: bytearray, boundary: bytes) -> UploadForm:
-    """A multipart/form-data body already read (so bounded) -> its file and text fields. Runs on a worker thread:
-    its cost grows with the body."""
-    parts: list[tuple[dict[bytes, bytes], bytearray]] = []
+    """A multipart/form-data body already read (so bounded) -> its file and text fields, each a view of `body`
+    (the file is not copied). Runs on a worker thread: its cost grows with the body."""
+    parts: list[tuple[dict[bytes, bytes], list[tuple[bytes | bytearray, int, int]]]] = []
     name, value = bytearray(), bytearray()
     ended = False
 
     def part_begin() -> None:
         if len(parts) >= MAX_FORM_PARTS:
             raise InvalidInputError(f"the form has more than {MAX_FORM_PARTS} parts")
-        parts.append(({}, bytearray()))
+        parts.append(({}, []))
 
     def header_end() -> None:
         parts[-1][0][bytes(name).strip().lower()] = bytes(value).strip()
@@ -149,7 +154,7 @@ def parse_form(body: bytearray, boundary: bytes) -> UploadForm:
         "on_header_field": lambda data, start, stop: name.extend(memoryview(data)[start:stop]),
         "on_header_value": lambda data, start, stop: value.extend(memoryview(data)[start:stop]),
         "on_header_end": header_end,
-        "on_part_data": lambda data, start, stop: parts[-1][1].extend(memoryview(data)[start:stop]),
+        "on_part_data": lambda data, start, stop: parts[-1][1].append((data, start, stop)),
         "on_end": end,
     }
     try:
@@ -161,12 +166,20 @@ def parse_form(body: bytearray, boundary: bytes) -> UploadForm:
     if not ended:
         raise InvalidInputError("the multipart body ends before its closing boundary")
     form = UploadForm()
-    for headers, data in parts:
-        _add_part(form, headers, data)
+    for headers, pieces in parts:
+        _add_part(form, headers, _part_data(body, pieces))
     return form
 
 
-def _add_part(form: UploadForm, headers: dict[bytes, bytes], data: bytearray) -> None:
+def _part_data(body: bytearray, pieces: list[tuple[bytes | bytearray, int, int]]) -> memoryview | bytes:
+    """A part's bytes from the parser's pieces: a view of `body` when they are one run of it (the whole body is
+    parsed in one go, so they are); joined otherwise (a piece of the parser's own look-behind buffer)."""
+    if all(data is body for data, _, _ in pieces) and all(a[2] == b[1] for a, b in zip(pieces, pieces[1:])):
+        return memoryview(body)[pieces[0][1]:pieces[-1][2]] if pieces else b""
+    return b"".join(memoryview(data)[start:stop] for data, start, stop in pieces)
+
+
+def _add_part(form: UploadForm, headers: dict[bytes, bytes], data: memoryview | bytes) -> None:
     kind, params = parse_options_header(headers.get(b"content-disposition", b""))
     field_name = params.get(b"name")
     if kind != b"form-data" or field_name is None:
@@ -176,10 +189,10 @@ def _add_part(form: UploadForm, headers: dict[bytes, bytes], data: bytearray) ->
         if form.file is not None:
             raise InvalidInputError("the form holds more than one 'file': send one clip per request")
         filename = params.get(b"filename")
-        form.file, form.filename = bytes(data), filename.decode("utf-8", "replace") if filename else None
+        form.file, form.filename = data, filename.decode("utf-8", "replace") if filename else None
         return
     try:
-        text = data.decode("utf-8")
+        text = str(data, "utf-8")
     except UnicodeDecodeError:
         raise InvalidInputError(f"the form field {field_name[:64]!r} is not UTF-8 text") from None
     form.fields.setdefault(field_name, []).append(text)
@@ -218,18 +231,13 @@ class TranscriptionOptions:
                 sampling[name] = _number(name, raw, kind)
         return cls(task, text["model"] or None, language, text["prompt"] or None, response_format, sampling)
 
-    def chat_request(self, audio: bytes, audio_format: str) -> ChatCompletionRequest:
-        """The chat request a client would send for this clip. On a worker thread: base64 of the whole clip."""
-        content = [{"type": "input_audio",
-                    "input_audio": {"data": base64.b64encode(audio).decode("ascii"), "format": audio_format}},
-                   {"type": "text", "text": instruction(self.task, self.language, self.prompt)}]
+    def chat_request(self, audio_part: dict) -> ChatCompletionRequest:
+        """The chat request for this clip (`audio_part`: a `Clip`'s), as a client would send it."""
+        content = [audio_part, {"type": "text", "text": instruction(self.task, self.language, self.prompt)}]
         body = {"model": self.model, "messages": [{"role": "user", "content": content}], **self.sampling}
         if self.response_format == "verbose_json":
             body.update(logprobs=True, top_logprobs=0)  # for the segment's avg_logprob
-        try:
-            return ChatCompletionRequest.model_validate(body)
-        except ValidationError as e:  # a value of the right type the chat request still refuses
-            raise InvalidInputError(f"invalid request: {e.errors()[0].get('msg')}") from None
+        return validate(ChatCompletionRequest, body)  # a value of the right type the chat request still refuses
 
 
 def _refuse_unsupported(fields: dict[str, list[str]]) -> None:
@@ -256,8 +264,8 @@ def _single(fields: dict[str, list[str]], name: str) -> str | None:
 
 def _number(name: str, raw: str, kind: type) -> int | float:
     text = raw.strip()
-    try:
-        if kind is int and not re.fullmatch(r"[+-]?\d{1,19}", text):
+    try:  # as JSON writes numbers: Python's own int() and float() also take "1_000" and "infinity"
+        if not re.fullmatch(_INTEGER if kind is int else _DECIMAL, text):
             raise ValueError
         value = kind(text)
     except ValueError:
@@ -291,10 +299,30 @@ def upload_format(form: UploadForm, max_bytes: int) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def clip_seconds(audio: bytes, limits: AudioLimits) -> float:
-    """The clip's duration as decoded (the chat request already decoded it within these bounds). On a worker
-    thread."""
-    return load_audio(audio, limits).seconds
+TIMED_FORMATS = ("verbose_json", "srt", "vtt")  # the answers that give the clip's duration
+
+
+@dataclass(frozen=True)
+class Clip:
+    """The uploaded clip as the chat request's content part, and its duration when known."""
+
+    part: dict
+    seconds: float | None
+
+
+def decoded_clip(audio: memoryview | bytes, audio_format: str, limits: AudioLimits) -> Clip:
+    """The clip decoded once, here, as the model's processor decodes it (`limits`: the processor's): its samples
+    are the prompt's audio as they are, and its duration the answer's. On a worker thread."""
+    clip = load_audio(audio, limits, audio_format)
+    return Clip({"type": "audio", "audio": (clip.waveform, clip.sample_rate)}, clip.seconds)
+
+
+def sent_clip(audio: memoryview | bytes, audio_format: str, limits: AudioLimits | None) -> Clip:
+    """The clip as a data URL, for an encoder elsewhere (disaggregated) to decode; decoded here too only when
+    `limits` are given, for a duration the answer needs. On a worker thread."""
+    url = encode_data_url(audio, f"audio/{audio_format}")
+    return Clip({"type": "input_audio", "input_audio": {"data": url, "format": audio_format}},
+                load_audio(audio, limits, audio_format).seconds if limits is not None else None)
 
 
 def _usage(out: RequestOutput) -> dict:
@@ -364,7 +392,11 @@ def answer(opts: TranscriptionOptions, out: RequestOutput, seconds: float | None
 
 
 class TranscriptionChat(OpenAIServingChat):
-    """The chat handler with transcription's default output bound (DEFAULT_MAX_TOKENS, within the context)."""
+    """The chat handler with transcription's default output bound (DEFAULT_MAX_TOKENS, within the context). Its
+    requests are built here (`TranscriptionOptions.chat_request`), never sent by a client: their audio part may
+    hold the decoded clip itself."""
+
+    python_media = True
 
     def max_tokens(self, prompt: PreparedPrompt, requested: int | None) -> int:
         allowed = super().max_tokens(prompt, requested)
@@ -382,20 +414,27 @@ class OpenAIServingTranscription:
         body = await read_body_buffer(raw, self.server.max_request_bytes, self.server.body_read_timeout)
         loop = asyncio.get_running_loop()
         form = await loop.run_in_executor(self.engine.executor, parse_form, body, boundary)
-        del body  # the file is held once, in the form
+        del body  # the file is a view of it: held once
         opts = TranscriptionOptions.from_form(form.fields, task)
         self.chat.check_model(opts.model)
         audio_format = upload_format(form, self.server.max_media_bytes)
-        request = await loop.run_in_executor(self.engine.executor, opts.chat_request, form.file, audio_format)
+        clip = await loop.run_in_executor(self.engine.executor, self._clip, form.file, audio_format,
+                                          opts.response_format in TIMED_FORMATS)
+        form.file = None  # the body is freed: the prompt holds the decoded clip (or its data URL)
+        request = opts.chat_request(clip.part)
         request.check_fields(self.server)
         run = await self.chat.start(raw, request, id_prefix=task)
         out = await self.chat.final(raw, run)
-        seconds = None
-        if opts.response_format in ("verbose_json", "srt", "vtt"):
-            limits = AudioLimits(max_seconds=float(self.server.max_audio_seconds),
-                                 max_bytes=self.server.max_media_bytes)
-            seconds = await loop.run_in_executor(self.engine.executor, clip_seconds, form.file, limits)
-        return answer(opts, out, seconds)
+        return answer(opts, out, clip.seconds)
+
+    def _clip(self, audio: memoryview | bytes, audio_format: str, timed: bool) -> Clip:
+        """Decoded once, here, where this process makes the prompt's media; else sent as a data URL (and decoded
+        here as well only if the answer gives its duration)."""
+        limits = getattr(self.engine.input_processor.processor, "audio_limits", None)
+        if limits is not None and isinstance(getattr(self.engine, "prompt_encoder", None), LocalPromptEncoder):
+            return decoded_clip(audio, audio_format, limits)
+        return sent_clip(audio, audio_format, AudioLimits(max_seconds=float(self.server.max_audio_seconds),
+                                                          max_bytes=self.server.max_media_bytes) if timed else None)
 
     def check_hears(self) -> None:
         modalities = self.engine.cfg.model.modalities

@@ -4,6 +4,7 @@ decode) does with a chunk."""
 
 from __future__ import annotations
 
+import msgspec
 import torch
 import zmq
 import zmq.asyncio
@@ -20,7 +21,9 @@ class Loopback:
         self.buffers = buffers
         self.receiver = TRANSPORTS[backend]("127.0.0.1")
         self.sender = TRANSPORTS[backend]("127.0.0.1")
-        self.target: TransferTarget | None = self.receiver.target(buffers)
+        self.target: TransferTarget | None = msgspec.structs.replace(self.receiver.target(buffers), grant="loopback")
+        if buffers.grants is not None:  # every block reserved for the one transfer these chunks belong to
+            buffers.grants.open("loopback", range(buffers.num_blocks))
         ctx = zmq.asyncio.Context.instance()
         self.router = ctx.socket(zmq.ROUTER)  # the sender's socket
         port = self.router.bind_to_random_port("tcp://127.0.0.1")

@@ -5,20 +5,22 @@ The row socket is served by a thread of whichever process holds the blocks: a de
 (or the receive blocks it reads, at several ranks), so no front end sees a KV byte; any other receiver its
 receive blocks. Each write is one message (a `RowWrite` header and the rows' bytes) answered once the rows are
 in the blocks; the sender waits for that answer before it sends the chunk's header, and fails fast when the
-receiver cannot be reached. The receiver checks every write as shm checks a mapped one (inside its blocks,
-exactly the bytes the rows need) and refuses one that arrives late (within a margin of `not_after`, when the
-sender stops waiting), so a write given up on never lands in blocks the receiver has since given to another
-request: the roles' clocks must agree within that margin (a second; NTP does). On loopback the socket is a Unix
-socket in a folder only this user can enter; elsewhere TCP, with --disagg-secret required (CurveZMQ, like the
-control channel).
+receiver cannot be reached. The receiver takes a write only into blocks it reserved for that write's transfer
+(its grant: engine.write_grants, kept by whichever allocates them in this process; buffers nobody here grants
+take no write at all), and checks it as shm checks a mapped one (exactly the bytes the rows need). It also
+refuses a write that comes too late by its own clock (the sender's send time plus the write timeout every role
+shares, less a margin), so a write given up on never lands. A refused write is answered with why, a malformed
+header or one over its size bound too; only a message bigger than the blocks themselves (libzmq's MAXMSGSIZE, at
+least 64 MiB) drops its connection unanswered, and the sender's write fails at its timeout. On loopback the
+socket is a Unix socket in a folder only this user can enter; elsewhere TCP, with --disagg-secret required
+(CurveZMQ, like the control channel).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import shutil
-import tempfile
+import math
 import threading
 import time
 import warnings
@@ -28,9 +30,10 @@ import torch
 import zmq
 
 from vlserve.core.errors import ConfigurationError
+from vlserve.core.private_dirs import PrivateDir
 from vlserve.disagg.auth import PeerAuth, is_loopback
 from vlserve.disagg.messages import TransferTarget
-from vlserve.disagg.transports.base import Transport, write_run, write_timeout_s
+from vlserve.disagg.transports.base import Transport, check_run, write_run, write_timeout_s
 from vlserve.engine.transfer_buffers import DTYPES, TransferBuffers
 
 logger = logging.getLogger("vlserve.disagg.zmq")
@@ -39,16 +42,19 @@ MAX_IDLE_SOCKETS = 4  # connections kept per receiver for the next writes
 MAX_RECEIVERS = 64  # receivers whose idle connections are kept (least recently used go first)
 CONNECT_TIMEOUT_S = 2.0  # a receiver that cannot be reached fails its write this soon
 LATE_MARGIN_S = 1.0
+CLOCK_SKEW_S = 5.0  # a write sent (by its sender's clock) further in the future than this is refused
+HEADER_BYTES = 65536  # a header's size beyond its block ids (a few bytes each)
+MIN_MESSAGE_BYTES = 64 * 2**20  # what libzmq lets in per frame at least: anything smaller gets an answer
 
 
 class RowWrite(msgspec.Struct, array_like=True):
     """Rows for the run `block_ids`, from its first slot; the rows' bytes follow as the next frame."""
 
     write_id: int
+    grant: str  # the transfer's grant (`TransferTarget.grant`): the blocks must be reserved under it
     block_ids: list[int]
     num_rows: int
-    sent_at: float  # unix time, the sender's clock
-    not_after: float  # the sender has given up on this write by then
+    sent_at: float  # unix time, the sender's clock: it gives up `write_timeout_s()` later
 
 
 class RowWritten(msgspec.Struct, array_like=True):
@@ -66,6 +72,7 @@ class RowServer:
 
     def __init__(self, buffers: TransferBuffers, host: str, auth: PeerAuth):
         self.buffers, self.auth = buffers, auth
+        self.write_timeout = write_timeout_s()  # how long after its send time a sender waits for a write
         self._stop, self._thread, self._folder = threading.Event(), None, None
         local = is_loopback(host)  # the one rule every channel follows
         if not local and not auth.enabled:
@@ -74,14 +81,17 @@ class RowServer:
         self.ctx = zmq.Context()  # its own: the socket belongs to the serving thread
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.linger = 0
-        # No frame bigger than the blocks themselves, and few messages queued per peer before TCP pushes back.
-        self.sock.setsockopt(zmq.MAXMSGSIZE, buffers.layout.nbytes + 65536)
+        # No frame bigger than the blocks themselves (a smaller one, an oversized header too, is answered), and
+        # few messages queued per peer before TCP pushes back.
+        self.max_header = HEADER_BYTES + 10 * buffers.layout.num_blocks
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max(buffers.layout.nbytes, MIN_MESSAGE_BYTES) + HEADER_BYTES)
         self.sock.rcvhwm = 2
         auth.secure_server(self.sock)
         try:
             if local:
-                self._folder = tempfile.mkdtemp(prefix="vlserve-rows-")  # mode 0700
-                self.address = f"ipc://{self._folder}/rows"
+                # mode 0700; killed receivers' folders are swept first
+                self._folder = PrivateDir("vlserve-rows-")
+                self.address = f"ipc://{self._folder.path}/rows"
                 self.sock.bind(self.address)
             else:
                 self.address = f"tcp://{host}:{self.sock.bind_to_random_port('tcp://*')}"
@@ -109,6 +119,9 @@ class RowServer:
         if len(frames) != 3:
             return RowWritten(0, f"a row write is a header and the rows: got {len(frames) - 1} frames")
         write_id = 0
+        if len(frames[1]) > self.max_header:
+            return RowWritten(0, f"a row write's header has {len(frames[1])} bytes, at most {self.max_header}: "
+                                 "nothing written")
         try:
             msg = self._decoder.decode(frames[1].buffer)
             write_id = msg.write_id
@@ -121,9 +134,13 @@ class RowServer:
         return RowWritten(write_id)
 
     def _write(self, msg: RowWrite, data: memoryview) -> None:
-        # Taken only while its copy surely ends before the sender gives up (`not_after`): a write it gave up on
-        # never lands, if the clocks agree within the margin less the copy.
-        if time.time() > msg.not_after - late_margin_s(msg.not_after - msg.sent_at):
+        # Taken only while its copy surely ends before the sender gives up, by this receiver's clock and timeout:
+        # a write given up on never lands (the clocks must agree within the margin less the copy). Released
+        # blocks take no write at all anyway (the grant).
+        timeout, now = self.write_timeout, time.time()
+        if not (math.isfinite(msg.sent_at) and msg.sent_at <= now + CLOCK_SKEW_S):
+            raise ValueError(f"the write's send time {msg.sent_at!r} is not a time of now: nothing written")
+        if now > msg.sent_at + timeout - late_margin_s(timeout):
             raise ValueError("the write came too late (its sender stops waiting for it soon): nothing written")
         layout = self.buffers.layout
         dtype = DTYPES[layout.dtype]
@@ -134,7 +151,12 @@ class RowServer:
         with warnings.catch_warnings():  # read only: the rows are copied into the blocks, never written
             warnings.simplefilter("ignore", UserWarning)
             rows = torch.frombuffer(data, dtype=dtype).view(msg.num_rows, layout.width)
-        write_run(self.buffers, msg.block_ids, rows)  # checked to stay inside the blocks first
+        check_run(layout, msg.block_ids, rows)  # inside the blocks
+        grants = self.buffers.grants
+        if grants is None:  # nobody here gives these blocks out: none is reserved for any transfer
+            raise ValueError("this receiver grants none of its blocks to peers' writes: nothing written")
+        with grants.writing(msg.grant, msg.block_ids):  # reserved for this transfer, and kept until it is done
+            write_run(self.buffers, msg.block_ids, rows)
 
     def close(self) -> None:
         self._stop.set()
@@ -146,7 +168,7 @@ class RowServer:
         self.auth.stop()
         self.ctx.term()
         if self._folder is not None:
-            shutil.rmtree(self._folder, ignore_errors=True)
+            self._folder.remove()
 
 
 def late_margin_s(timeout: float) -> float:
@@ -187,7 +209,7 @@ class ZmqTransport(Transport):
         try:
             if not sock.poll(min(CONNECT_TIMEOUT_S, self.write_timeout) * 1000, zmq.POLLOUT):
                 raise ConnectionError(f"the receiver {target.session} cannot be reached")
-            header = RowWrite(write_id, list(block_ids), data.shape[0], now, now + self.write_timeout)
+            header = RowWrite(write_id, target.grant, list(block_ids), data.shape[0], now)
             sock.send_multipart([msgspec.msgpack.encode(header), data.view(torch.uint8).numpy()], copy=False)
             if not sock.poll(max(0.0, now + self.write_timeout - time.time()) * 1000):
                 raise TimeoutError(f"the receiver {target.session} did not take the rows within "

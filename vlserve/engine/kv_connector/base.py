@@ -23,7 +23,7 @@ from vlserve.core.messages import EngineCoreOutput, Handoff
 from vlserve.core.prompt import ProcessedPrompt
 from vlserve.core.request import Request, RequestStatus
 from vlserve.core.sampling_params import SamplingParams
-from vlserve.core.wire import KVReserved, KVWritten, ReleaseKV, ReserveKV, WriteKV
+from vlserve.core.wire import CancelReserveKV, KVReserved, KVWritten, ReleaseKV, ReserveKV, WriteKV
 
 if TYPE_CHECKING:
     from vlserve.engine.scheduler_output import SchedulerOutput
@@ -161,6 +161,18 @@ class KVConnector:
     def reserve(self, msg: ReserveKV) -> KVReserved:
         """KV blocks a peer writes a prompt's KV into (a decode engine whose KV cache is in a shared file)."""
         return KVReserved(msg.reserve_id, error="this engine reserves no KV blocks for peers")
+
+    def ask(self, msg: ReserveKV) -> KVReserved | None:
+        """`reserve`, or None when the pool is short: the reservation then waits for `answer_waiting`."""
+        return self.reserve(msg)
+
+    def answer_waiting(self) -> list[KVReserved]:
+        """Waiting reservations the pool has the blocks for now (each loop of the engine, after its step)."""
+        return []
+
+    def cancel(self, msg: CancelReserveKV) -> KVReserved | None:
+        """A waiting reservation's asker gave up: its answer (with no blocks), or None if it was answered."""
+        return None
 
     def release(self, msg: ReleaseKV) -> None:
         """Reserved blocks no request took go back to the pool."""

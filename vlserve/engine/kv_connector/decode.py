@@ -5,8 +5,9 @@ its first token (with the random state) in a `Handoff`. Where the KV is:
   (`prompt.block_rows`). The request waits in the queue like any request and takes those blocks when the scheduler
   admits it: nothing is copied (a prefix already cached here is shared and its copy freed). Blocks no request took
   go back with `release`;
-- else in this engine's receive blocks (tensor parallelism, a GPU): when the scheduler admits it, its KV is
-  written into its blocks (a prefix already cached here is shared) and the receive blocks are released at once.
+- else in this engine's receive blocks (tensor parallelism, a GPU), which it reserves for each transfer too (so
+  its row socket takes peers' writes only there): when the scheduler admits it, its KV is written into its blocks
+  (a prefix already cached here is shared) and the front end releases the receive blocks.
 Its pictures are not here to recompute it from, so a preemption swaps its KV out to host memory and back in at
 readmission. A hybrid model's linear states arrive as rows after the prompt's KV rows (in place: in the slots
 after its prompt's, read out before its first step writes there) and go into the request's state slot; a
@@ -23,11 +24,13 @@ from vlserve.core.messages import EngineCoreOutput
 from vlserve.core.prompt import ProcessedPrompt
 from vlserve.core.request import Request, RequestStatus
 from vlserve.core.sampling_params import SamplingParams
-from vlserve.core.wire import KVReserved, ReleaseKV, ReserveKV
+from vlserve.core.wire import CancelReserveKV, KVReserved, ReleaseKV, ReserveKV
 from vlserve.engine.kv_connector.base import KVConnector, KVTransfer, MovedKV, PendingKV
+from vlserve.engine.block_pool import BlockPool
 from vlserve.engine.kv_connector.reserved_blocks import ReservedBlocks
 from vlserve.engine.kv_handoff import check_handed_first, rows_to_kv
 from vlserve.engine.state_rows import state_row_count
+from vlserve.engine.write_grants import WriteGrants
 
 logger = logging.getLogger(__name__)
 
@@ -39,11 +42,18 @@ class DecodeConnector(KVConnector):
         self._pending: dict[str, PendingKV] = {}  # KV to write when the request is (re)admitted
         self._not_recomputable: set[str] = set()  # handed-over requests: preempting one swaps its KV out
         self._reserved: ReservedBlocks | None = None  # in place: blocks reserved for peers' writes (bind)
+        self._receive: ReservedBlocks | None = None  # else: receive blocks reserved for them
+        self._asked: dict[int, ReserveKV] = {}  # reservations waiting for blocks, in the order they came
 
     def bind(self, scheduler, runner, transfer) -> None:
         super().bind(scheduler, runner, transfer)
         if runner.kv_buffers is not None:
-            self._reserved = ReservedBlocks(scheduler.kv.pool, self.cfg.block_size)
+            self._reserved = ReservedBlocks(scheduler.kv.pool, self.cfg.block_size, runner.kv_buffers.grants)
+        elif transfer is not None:  # this process gives them out, so the grants its row socket checks are here
+            if transfer.grants is None:
+                transfer.grants = WriteGrants()
+            pool = transfer.pool if transfer.pool is not None else BlockPool(transfer.num_blocks)
+            self._receive = ReservedBlocks(pool, transfer.block_tokens, transfer.grants)
 
     @property
     def in_place(self) -> bool:
@@ -87,6 +97,8 @@ class DecodeConnector(KVConnector):
                 take_blocks=lambda: reserved.take(req.request_id))
             self._not_recomputable.add(req.request_id)
             return self._first_output(req, first)
+        if self._receive is not None:  # its transfer is over: its receive blocks take no more writes (as `claim`)
+            self._receive.grants.close(blocks)
 
         def read(start: int) -> torch.Tensor:
             return rows_to_kv(transfer.read_rows(blocks, start, n - start), t.num_kv_layers, t.num_kv_heads,
@@ -108,8 +120,7 @@ class DecodeConnector(KVConnector):
     # ---- blocks reserved for peers' writes (in place) ------------------------------------------------------------
     def reserve(self, msg: ReserveKV) -> KVReserved:
         if not self.in_place:
-            return KVReserved(msg.reserve_id, error="this engine's KV cache is not in a shared file: its KV arrives "
-                                                    "in receive blocks")
+            return self._reserve_receive_blocks(msg)
         kv = self.scheduler.kv
         need = kv.blocks_needed(max(msg.num_rows, 1))
         if need > kv.pool.num_blocks:
@@ -121,6 +132,40 @@ class DecodeConnector(KVConnector):
             return KVReserved(msg.reserve_id)
         return KVReserved(msg.reserve_id, self._reserved.reserve(msg.holder, need))
 
+    def _reserve_receive_blocks(self, msg: ReserveKV) -> KVReserved:
+        if self._receive is None:
+            return KVReserved(msg.reserve_id, error="this engine has no receive blocks for peers' writes")
+        need, pool = self.transfer.blocks_for(msg.num_rows), self._receive.pool
+        if need > pool.num_blocks:
+            return KVReserved(msg.reserve_id, error=f"{msg.num_rows} rows need {need} receive blocks; there are "
+                                                    f"{pool.num_blocks} (--kv-buffer-blocks)")
+        if need > pool.num_free:
+            return KVReserved(msg.reserve_id)  # asked again once requests gave some back
+        return KVReserved(msg.reserve_id, self._receive.reserve(msg.holder, need))
+
+    def ask(self, msg: ReserveKV) -> KVReserved | None:
+        if not self._asked:  # none waits before it
+            answer = self.reserve(msg)
+            if answer.block_ids is not None or answer.error is not None:
+                return answer
+        self._asked[msg.reserve_id] = msg
+        return None
+
+    def answer_waiting(self) -> list[KVReserved]:
+        """First come, first served: none goes ahead of an earlier (bigger) one, which would wait for ever."""
+        answers = []
+        while self._asked:
+            msg = next(iter(self._asked.values()))
+            answer = self.reserve(msg)
+            if answer.block_ids is None and answer.error is None:
+                break
+            del self._asked[msg.reserve_id]
+            answers.append(answer)
+        return answers
+
+    def cancel(self, msg: CancelReserveKV) -> KVReserved | None:
+        return None if self._asked.pop(msg.reserve_id, None) is None else KVReserved(msg.reserve_id)
+
     def _wanted_by_waiting(self) -> int:
         for req in self.scheduler.waiting:
             pending = self._pending.get(req.request_id)
@@ -129,12 +174,14 @@ class DecodeConnector(KVConnector):
         return 0
 
     def release(self, msg: ReleaseKV) -> None:
-        if self.in_place:
-            self._reserved.release(msg.holder, msg.block_ids)
+        held = self._reserved or self._receive
+        if held is not None:
+            held.release(msg.holder, msg.block_ids)
 
     @property
     def num_reserved_blocks(self) -> int:
-        return self._reserved.num_blocks if self.in_place else 0
+        held = self._reserved or self._receive
+        return 0 if held is None else held.num_blocks
 
     def owns(self, request_id: str) -> bool:
         return request_id in self._pending or request_id in self._not_recomputable

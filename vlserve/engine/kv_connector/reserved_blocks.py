@@ -1,16 +1,19 @@
 """KV blocks a decode engine reserved for peers' writes (its KV cache in a shared file): each reservation is held
 under a holder name (one transfer, named by the front end) until a queued request claims the run it arrived with
-and takes it when the scheduler admits it, or the holder's release gives back what no request claimed."""
+and takes it when the scheduler admits it, or the holder's release gives back what no request claimed. A holder's
+blocks take peers' writes under its name (`grants`, checked by the row socket) until claimed or released."""
 
 from __future__ import annotations
 
 from vlserve.core.errors import InvalidInputError
 from vlserve.engine.block_pool import BlockPool
+from vlserve.engine.write_grants import WriteGrants
 
 
 class ReservedBlocks:
-    def __init__(self, pool: BlockPool, block_size: int):
+    def __init__(self, pool: BlockPool, block_size: int, grants: WriteGrants | None = None):
         self.pool, self.block_size = pool, block_size
+        self.grants = grants if grants is not None else WriteGrants()
         self._held: dict[str, list[int]] = {}  # holder -> its blocks, in the order they were reserved
         self._holder_of: dict[int, str] = {}  # block -> its holder
         self._claims: dict[str, tuple[str, list[int]]] = {}  # queued request -> (holder, the run it will take)
@@ -26,6 +29,7 @@ class ReservedBlocks:
         blocks = self.pool.allocate(num_blocks)
         self._held.setdefault(holder, []).extend(blocks)
         self._holder_of.update((b, holder) for b in blocks)
+        self.grants.open(holder, blocks)
         return blocks
 
     def release(self, holder: str, block_ids: list[int] | None = None) -> None:
@@ -37,12 +41,14 @@ class ReservedBlocks:
         asked = set(held if block_ids is None else block_ids)
         gone = [b for b in held if b in asked and b not in self._claimed]
         self._drop(holder, gone)
+        self.grants.close(gone)  # once no write into them runs: then they may go to another request
         self.pool.free(gone)
 
     def claim(self, request_id: str, blocks: list[int], rows: int) -> None:
         """A queued request arrived with `blocks` holding `rows` rows: refused unless one holder reserved them all
         and no other request claimed any."""
         self._check(blocks, rows)
+        self.grants.close(blocks)  # its transfer is over: no peer writes into them any more
         self._claims[request_id] = (self._holder_of[blocks[0]], blocks)
         self._claimed.update(blocks)
 

@@ -31,6 +31,7 @@ from vlserve.core.wire import Framer, tensor_ref
 from vlserve.engine.config import DATA, VlserveConfig
 from vlserve.engine.forward_batch import ForwardBatch, batch_to_wire
 from vlserve.engine.model_shard import ModelShard, load_shard
+from vlserve.engine.private_sockets import PrivateSockets
 from vlserve.engine.tp.messages import (
     Failed,
     FollowerMessage,
@@ -84,6 +85,15 @@ def share_address(group_device: torch.device, text: str | None) -> str:
     return bytes(buf.cpu().tolist()).rstrip(b"\0").decode()
 
 
+def bind_control(private: PrivateSockets, sock: zmq.Socket, place: Placement) -> str:
+    """Binds rank 0's control socket where the other ranks can reach it; returns its address."""
+    if place.local_size == place.size:
+        return private.bind(sock, "control")
+    # ranks on other machines: TCP, encrypted (torchrun's ranks get the token over their process group)
+    port = private.bind_tcp(sock, "control")
+    return f"tcp://{os.environ.get('VLSERVE_TP_HOST', os.environ.get('MASTER_ADDR'))}:{port}"
+
+
 class TPLeader:
     def __init__(self, place: Placement, sock: zmq.Socket, procs: list[subprocess.Popen]):
         self.place = place
@@ -100,33 +110,43 @@ class TPLeader:
     @classmethod
     def start(cls, cfg: VlserveConfig) -> TPLeader:
         size = cfg.tensor_parallel_size
-        place = torchrun_placement(size) or local_placement(size)
-        if place.rank != 0:
+        place = torchrun_placement(size)
+        if place is not None and place.rank != 0:
             raise InvalidInputError(f"rank {place.rank} of a torchrun job runs a worker, not an engine: start it with "
                                     "the same vlserve command (it becomes a worker by itself)")
-        device = device_for(cfg.device, place.local_rank)
         ctx = zmq.Context()
-        sock = ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a rank that is gone raises instead of vanishing
-        sock.setsockopt(zmq.LINGER, 0)
-        one_machine = place.local_size == place.size
-        port = sock.bind_to_random_port("tcp://127.0.0.1" if one_machine else "tcp://*")
-        host = "127.0.0.1" if one_machine else os.environ.get("VLSERVE_TP_HOST", os.environ.get("MASTER_ADDR"))
-        address = f"tcp://{host}:{port}"
-        shm_path = collectives_file(place, device)
-        procs = [] if place.from_env else [_spawn(r, place, address, shm_path, cfg) for r in range(1, size)]
-        # after the spawns: a child inherits its parent's cores, and each rank picks its slice of all of them
-        cpu_threads = cfg.args.cpu_threads if cfg.args is not None else None
-        undo_pin = pin_cores(place.local_rank, place.local_size, cpu_threads) if device.type == "cpu" else lambda: None
+        sock, private, procs, shm_path, undo_pin = None, None, [], None, lambda: None
+        try:  # until the finalizer owns them, a failure frees what was made so far
+            # Only ranks that hold the token are served (engine/private_sockets.py); on one machine the ranks meet
+            # in its private folder, which no other user can enter (the control socket, torch's file store).
+            private = PrivateSockets(ctx, "vlserve-ranks-")
+            place = place or local_placement(size, private.folder)
+            device = device_for(cfg.device, place.local_rank)
+            sock = ctx.socket(zmq.ROUTER)
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a rank that is gone raises instead of vanishing
+            sock.setsockopt(zmq.LINGER, 0)
+            address = bind_control(private, sock, place)
+            shm_path = collectives_file(place, device)
+            for r in range(1, 1 if place.from_env else size):
+                procs.append(_spawn(r, place, address, private.token, shm_path, cfg))
+            # after the spawns: a child inherits its parent's cores, and each rank picks its slice of all of them
+            cpu_threads = cfg.args.cpu_threads if cfg.args is not None else None
+            if device.type == "cpu":
+                undo_pin = pin_cores(place.local_rank, place.local_size, cpu_threads)
+        except BaseException:
+            _stop(sock, ctx, private, size, procs, undo_pin, shm_path)
+            raise
         leader = cls(place, sock, procs)
-        leader._finalizer = weakref.finalize(leader, _stop, sock, ctx, place.size, procs, undo_pin, shm_path)
+        leader._finalizer = weakref.finalize(leader, _stop, sock, ctx, private, place.size, procs, undo_pin,
+                                             shm_path)
         try:
             if not place.from_env:
                 leader._wait_for(Hello, "start")
             group = leader._join(device, shm_path)
             if place.from_env:
                 share_address(device if device.type == "cuda" else torch.device("cpu"), json.dumps(
-                    {"address": address, "num_kv_blocks": cfg.num_kv_blocks, "shm_path": shm_path}))
+                    {"address": address, "token": private.token, "num_kv_blocks": cfg.num_kv_blocks,
+                     "shm_path": shm_path}))
                 leader._wait_for(Hello, "connect")
             leader.shard = load_shard(cfg, group, device)
             leader._wait_for(Ready, "load the model")
@@ -330,8 +350,10 @@ class TPLeader:
         self._finalizer()
 
 
-def _spawn(rank: int, place: Placement, address: str, shm_path: str | None, cfg: VlserveConfig) -> subprocess.Popen:
-    """Another rank of this machine, in its own process (`python -m vlserve.engine.tp.worker`)."""
+def _spawn(rank: int, place: Placement, address: str, token: str, shm_path: str | None,
+           cfg: VlserveConfig) -> subprocess.Popen:
+    """Another rank of this machine, in its own process (`python -m vlserve.engine.tp.worker`): its spec in its
+    environment, the token on its stdin (a pipe: unlike the environment, not left readable under /proc)."""
     # (an encode service has no KV cache: 0 blocks, left to resolve as none)
     args = dataclasses.replace(cfg.args, model=str(cfg.model_path), num_kv_blocks=cfg.num_kv_blocks or None)
     spec = {"placement": dataclasses.asdict(dataclasses.replace(place, rank=rank, local_rank=rank)),
@@ -339,7 +361,13 @@ def _spawn(rank: int, place: Placement, address: str, shm_path: str | None, cfg:
             "facts": encode_facts(cfg.facts).decode(), "parent": os.getpid(),
             "log_level": logging.getLevelName(logging.getLogger().getEffectiveLevel())}
     env = {**os.environ, SPEC_ENV: json.dumps(spec)}
-    return subprocess.Popen([sys.executable, "-m", "vlserve.engine.tp.worker"], env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "vlserve.engine.tp.worker"], env=env, stdin=subprocess.PIPE)
+    try:  # one line fits in the pipe's buffer: never blocks
+        os.write(proc.stdin.fileno(), token.encode() + b"\n")
+    except BrokenPipeError:
+        pass  # it has exited already: the start notices
+    proc.stdin.close()
+    return proc
 
 
 def _unlink(path: str | None) -> None:
@@ -350,12 +378,12 @@ def _unlink(path: str | None) -> None:
             pass
 
 
-def _stop(sock: zmq.Socket, ctx: zmq.Context, size: int, procs: list[subprocess.Popen], undo_pin,
-          shm_path: str | None) -> None:
+def _stop(sock: zmq.Socket | None, ctx: zmq.Context, private: PrivateSockets | None, size: int,
+          procs: list[subprocess.Popen], undo_pin, shm_path: str | None) -> None:
     """Tells the other ranks to stop, waits briefly for the ones we started, then ends whatever is left; frees
-    the group and the cores."""
+    the group, the private folder and the cores (None: not made yet)."""
     stop = Framer(LeaderMessage).encode(Stop())
-    for rank in range(1, size):
+    for rank in range(1, size if sock is not None else 1):
         try:
             sock.send_multipart([identity(rank), *stop], flags=zmq.NOBLOCK)
         except zmq.ZMQError:
@@ -369,6 +397,9 @@ def _stop(sock: zmq.Socket, ctx: zmq.Context, size: int, procs: list[subprocess.
             proc.wait()
     leave_group()
     _unlink(shm_path)
-    sock.close(linger=500 if not procs else 0)  # torchrun's ranks are not ours to wait for: let the stop leave
-    ctx.term()
+    if sock is not None:
+        sock.close(linger=500 if not procs else 0)  # torchrun's ranks are not ours to wait for: let the stop leave
+    if private is not None:
+        private.close()
+    ctx.term()  # also ends the private sockets' token checker
     undo_pin()

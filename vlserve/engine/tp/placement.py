@@ -2,7 +2,9 @@
 
 Two ways to get ranks:
 - **One machine (default).** The engine core is rank 0 and starts the other ranks as child processes; they meet
-  at a free loopback port (`tcp://127.0.0.1:PORT`).
+  through a file store in rank 0's private folder (`file://FOLDER/store`: no other user can enter it). Their
+  collectives' connections (gloo's, NCCL's bootstrap) listen on the loopback interface only: by itself gloo
+  listens where the host name resolves, maybe an address other machines reach, and nothing there checks a peer.
 - **Several machines: torchrun's conventions.** Every process is started by `torchrun` (or anything that sets
   `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`) and they meet through
   `env://`. The process with `RANK=0` serves; the others only run their share of the model.
@@ -26,7 +28,6 @@ import torch.distributed as dist
 
 from vlserve.core.cpu_budget import plan_threads
 from vlserve.core.errors import InvalidInputError
-from vlserve.core.processes import free_port
 from vlserve.engine.transfer_buffers import shm_dir
 from vlserve.model.layers import shm_collectives
 from vlserve.model.layers.parallel import TPGroup
@@ -34,6 +35,9 @@ from vlserve.model.layers.shm_collectives import ShmCollectives
 
 logger = logging.getLogger("vlserve.tp")
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+INTERFACE_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")  # where gloo and NCCL listen
+IFF_LOOPBACK = 0x8
+_given_back: dict[str, str | None] = {}  # what INTERFACE_VARS were before the group set them, for leave_group
 
 
 @dataclass(frozen=True)
@@ -42,7 +46,7 @@ class Placement:
     size: int
     local_rank: int  # among the ranks of this machine
     local_size: int
-    init_method: str  # "env://" under torchrun, else tcp://127.0.0.1:PORT
+    init_method: str  # "env://" under torchrun, else file://FOLDER/store
 
     @property
     def from_env(self) -> bool:
@@ -62,9 +66,9 @@ def torchrun_placement(size: int) -> Placement | None:
                      int(os.environ.get("LOCAL_WORLD_SIZE", world)), "env://")
 
 
-def local_placement(size: int) -> Placement:
-    # rank 0 binds this port again once the other ranks run: another process could take it in between (rare)
-    return Placement(0, size, 0, size, f"tcp://127.0.0.1:{free_port()}")
+def local_placement(size: int, folder: str) -> Placement:
+    """Ranks started by rank 0 meet in its private `folder` (a port on loopback would be open to every user)."""
+    return Placement(0, size, 0, size, f"file://{folder}/store")
 
 
 def device_for(device: torch.device, local_rank: int) -> torch.device:
@@ -77,6 +81,13 @@ def join_group(place: Placement, device: torch.device, timeout_s: float, shm_pat
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if place.local_size == place.size:  # every rank is here: loopback, whatever the environment says
+        loopback = loopback_interface()
+        for name in INTERFACE_VARS:  # read when the group connects (NCCL's: at its first collective)
+            if os.environ.get(name, loopback) != loopback:
+                logger.info("every rank runs here: %s=%s is replaced by %s", name, os.environ[name], loopback)
+            _given_back.setdefault(name, os.environ.get(name))
+            os.environ[name] = loopback
     dist.init_process_group(backend, init_method=place.init_method, rank=place.rank, world_size=place.size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     local = ShmCollectives(shm_path, place.rank, place.size, timeout_s) if shm_path else None
@@ -108,9 +119,27 @@ def _free_bytes(folder: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
+def loopback_interface() -> str:
+    """The name of this machine's loopback interface (the one flagged IFF_LOOPBACK; "lo" if none says so)."""
+    try:
+        for name in sorted(os.listdir("/sys/class/net")):
+            with open(f"/sys/class/net/{name}/flags") as f:
+                if int(f.read(), 16) & IFF_LOOPBACK:
+                    return name
+    except (OSError, ValueError):
+        pass
+    return "lo"
+
+
 def leave_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+    for name, value in _given_back.items():  # the process's own setting again (an in-process rank 0, e.g. `LLM`)
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    _given_back.clear()
 
 
 def pin_cores(local_rank: int, local_size: int, cpu_threads: int | None = None) -> Callable[[], None]:

@@ -24,6 +24,7 @@ from vlserve.core.wire import Framer, tensor_from
 from vlserve.engine.config import resolve_config
 from vlserve.engine.forward_batch import batch_from_wire
 from vlserve.engine.model_shard import load_shard
+from vlserve.engine.private_sockets import connect_private
 from vlserve.engine.tp.leader import COLLECTIVE_TIMEOUT_S, SPEC_ENV, identity, share_address
 from vlserve.engine.tp.messages import (
     Failed,
@@ -51,11 +52,11 @@ IDLE_POLL_MS = 1000
 
 
 def run_rank(place: Placement, args: EngineArgs, facts: ModelFacts | None = None, address: str | None = None,
-             shm_path: str | None = None, parent: int | None = None) -> int:
-    """Runs this rank until rank 0 stops it or is gone; returns the exit code. `address`: rank 0's socket (None
-    under torchrun: rank 0 sends it, with the KV cache size, once the process group is up). `parent`: rank 0's
-    pid when it started this process. `facts`: rank 0's (None under torchrun: each rank resolves them, from the
-    same options)."""
+             shm_path: str | None = None, parent: int | None = None, token: str = "") -> int:
+    """Runs this rank until rank 0 stops it or is gone; returns the exit code. `address`: rank 0's socket, and
+    `token` what it admits (None under torchrun: rank 0 sends both, with the KV cache size, once the process group
+    is up). `parent`: rank 0's pid when it started this process. `facts`: rank 0's (None under torchrun: each
+    rank resolves them, from the same options)."""
     cfg = resolve_config(args, facts, announce=False)
     device = device_for(cfg.device, place.local_rank)
     if device.type == "cpu":
@@ -72,7 +73,7 @@ def run_rank(place: Placement, args: EngineArgs, facts: ModelFacts | None = None
     out, inp = Framer(FollowerMessage), Framer(LeaderMessage)
     try:
         if address is not None:
-            sock.connect(address)
+            connect_private(sock, address, token)
             sock.send_multipart(out.encode(Hello(place.rank)))
             group = join_group(place, device, COLLECTIVE_TIMEOUT_S, shm_path)
         if address is None:  # torchrun: rank 0 says where the rest is once the group is up
@@ -82,7 +83,7 @@ def run_rank(place: Placement, args: EngineArgs, facts: ModelFacts | None = None
             if shared["shm_path"]:
                 group = dataclasses.replace(group, local=ShmCollectives(shared["shm_path"], place.rank, place.size,
                                                                         COLLECTIVE_TIMEOUT_S))
-            sock.connect(shared["address"])
+            connect_private(sock, shared["address"], shared["token"])
             sock.send_multipart(out.encode(Hello(place.rank)))
         shard = load_shard(cfg, group, device)
         sock.send_multipart(out.encode(Ready(place.rank)))
@@ -143,13 +144,14 @@ def run_if_worker(args: EngineArgs) -> int | None:
 
 def main() -> None:
     spec = json.loads(os.environ[SPEC_ENV])
+    token = sys.stdin.readline().strip()  # rank 0's private socket admits it (engine/private_sockets.py)
     logging.basicConfig(level=spec["log_level"], format=log_format())
     die_with_parent()
     if os.getppid() != spec["parent"]:  # rank 0 died before the line above could take effect
         sys.exit(1)
     place = Placement(**spec["placement"])
     sys.exit(run_rank(place, decode_args(spec["args"].encode()), decode_facts(spec["facts"]), spec["address"],
-                      spec["shm_path"], spec["parent"]))
+                      spec["shm_path"], spec["parent"], token))
 
 
 if __name__ == "__main__":

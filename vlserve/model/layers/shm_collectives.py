@@ -23,6 +23,8 @@ import time
 import numpy as np
 import torch
 
+from vlserve.core.private_dirs import pid_alive
+
 SLOT_BYTES = 4 * 2**20
 CONTROL_BYTES = 4096  # per rank: sequence number and pid, one cache line apart from the next rank's
 LINE = 8  # int64s per cache line
@@ -35,20 +37,6 @@ def supported() -> bool:
 
 def file_size(ranks: int) -> int:
     return CONTROL_BYTES + 2 * ranks * SLOT_BYTES
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead, only not reaped yet
-    except OSError:
-        return True  # no /proc: the signal test is all we have
 
 
 class ShmCollectives:
@@ -89,7 +77,7 @@ class ShmCollectives:
                 if now >= next_check:
                     next_check = now + 0.1
                     pid = int(control[r * LINE + 1])
-                    if not _alive(pid):
+                    if not pid_alive(pid):
                         raise RuntimeError(f"tensor-parallel rank {r} (pid {pid}) is gone")
                     if now > deadline:
                         raise RuntimeError(f"tensor-parallel rank {r} did not answer within {self.timeout_s:.0f}s")
