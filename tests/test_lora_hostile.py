@@ -163,10 +163,14 @@ def test_the_config_bound_holds_whatever_stat_says(llm, adapters, tmp_path):
     (None, 1e19, "lora_A has entries over 10000"),
     ({"lora_alpha": 1e30}, 1.0, "lora_B x lora_alpha / r has entries over 10000"),
     ({"lora_alpha": int("9" * 400)}, 1.0, "must be a number"),
-], ids=["weights-1e18", "alpha-1e30", "alpha-past-float"])
+    (None, float("nan"), "non-finite weights"),
+], ids=["weights-1e18", "alpha-1e30", "alpha-past-float", "nan"])
 def test_absurd_weights_are_refused_naming_the_module(llm, adapters, tmp_path, config, scale, words):
-    message = _refusal(llm, _copy(adapters["lm"], tmp_path / "huge", config, scale))
+    folder = _copy(adapters["lm"], tmp_path / "huge", config, scale)
+    message = _refusal(llm, folder)
     assert words in message and ("self_attn" in message or "mlp" in message or "alpha" in message), message
+    with pytest.raises(InvalidInputError, match=words):  # at load (a runtime load, --lora-modules), not per request
+        llm.engine.loras.load("huge", folder)
     assert llm.generate("hi", FEW, use_tqdm=False)[0].outputs[0].token_ids  # the engine serves on
 
 

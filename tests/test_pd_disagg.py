@@ -241,8 +241,8 @@ KILL_POINTS = {"before the first chunk": "waiting_for_input", "mid-chunks": "tra
                "after the last chunk": "success"}
 
 
-@pytest.mark.parametrize("what,point", [("role", "before the first chunk"), ("role", "mid-chunks"),
-                                        ("engine", "mid-chunks"), ("engine", "after the last chunk")])
+@pytest.mark.parametrize("what,point", [("role", "before the first chunk"), ("engine", "mid-chunks"),
+                                        ("role", "after the last chunk")])
 def test_a_prefill_killed_at_any_point_of_a_transfer_never_gives_a_500(pd, offline, what, point):
     """The prefill instance, or only its engine process, killed with requests in flight: every client gets its
     answer or a 503 naming the cause, never a 500 (before, a retry could send on the dead peer's closed socket:

@@ -156,6 +156,7 @@ def test_servers_a_test_starts_die_with_the_test_process(tiny_ckpt, tmp_path):
 
 # ---- a graceful stop: drain, then cut -----------------------------------------------------------------------
 LONG = 30000  # tokens: minutes here; only the stop ends such a stream
+SHORT = 600  # tokens: a few seconds here, so it is still running when the stop comes
 LONG_CONTEXT = ("--dtype", "float32", "--max-model-len", "32768")
 NO_TRACEBACK = ("Traceback", "Exception in ASGI application")
 
@@ -237,7 +238,7 @@ def test_a_stream_within_the_timeout_finishes_and_a_second_sigterm_ends_the_rest
     a second SIGTERM ends the drain at once (not after the 600 s), the other stream with its error event."""
     with RemoteServer(tiny_ckpt("qwen2_vl"), *LONG_CONTEXT, "--shutdown-timeout", "600") as server:
         chat = {"messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": True}}
-        short = _open_stream(server.url, "/v1/chat/completions", {**chat, "max_tokens": 2000})
+        short = _open_stream(server.url, "/v1/chat/completions", {**chat, "max_tokens": SHORT})
         long = _open_stream(server.url, "/v1/chat/completions", {**chat, "max_tokens": LONG})
         for stream in (short, long):
             assert stream["first"].wait(120) and stream["lines"], stream["error"]
@@ -247,7 +248,7 @@ def test_a_stream_within_the_timeout_finishes_and_a_second_sigterm_ends_the_rest
         assert short["lines"][-1] == "data: [DONE]"
         events = _events(short["lines"])
         assert not any("error" in e for e in events), events[-3:]
-        assert events[-1]["usage"]["completion_tokens"] == 2000
+        assert events[-1]["usage"]["completion_tokens"] == SHORT
         server.proc.send_signal(signal.SIGTERM)
         _ends_with_error_and_done(long)
         assert server.proc.wait(60) == 0

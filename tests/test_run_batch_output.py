@@ -153,17 +153,23 @@ def test_an_output_that_is_not_a_file_is_refused_at_once(tmp_path):
     os.mkfifo(fifo)
     sock = socket.socket(socket.AF_UNIX)
     sock.bind(str(sock_path))
+    # one helper process tries them all (each import of the package costs seconds): a hang is its timeout
     code = ("import sys\nfrom vlserve.server.run_batch import open_output\n"
-            "try:\n    open_output(sys.argv[1], '-')\nexcept Exception as e:\n    print(type(e).__name__, e)\n")
+            "for path in sys.argv[1:]:\n"
+            "    try:\n        open_output(path, '-')\n        print('opened')\n"
+            "    except Exception as e:\n        print(type(e).__name__, e)\n")
+    kinds = {fifo: "a FIFO", sock_path: "a socket", tmp_path: "a directory"}
     try:
-        for path, kind in ((fifo, "a FIFO"), (sock_path, "a socket"), (tmp_path, "a directory")):
-            try:
-                out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True,
-                                     timeout=120)
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"opening {kind} as the output blocked")
-            assert out.stdout.startswith("ConfigurationError") and "is not a regular file" in out.stdout, out
-            assert kind in out.stdout, out.stdout
+        try:
+            out = subprocess.run([sys.executable, "-c", code, *map(str, kinds)], capture_output=True, text=True,
+                                 timeout=120)
+        except subprocess.TimeoutExpired:
+            pytest.fail("opening a FIFO, a socket or a directory as the output blocked")
+        lines = out.stdout.splitlines()
+        assert len(lines) == len(kinds), out
+        for line, kind in zip(lines, kinds.values()):
+            assert line.startswith("ConfigurationError") and "is not a regular file" in line, out
+            assert kind in line, line
     finally:
         sock.close()
     done, output = open_output("/dev/null", "-")  # a character device is written to (no resuming, no lock)

@@ -210,7 +210,20 @@ def read_adapter(name: str, folder: str | Path, targets: dict[str, LinearTarget]
         checked.append(pieces)
 
     files = read_files(name, folder, max_bytes, keep, roots, check)
+    for p in checked[0]:
+        _check_weights(name, p, files.peaks[p.a_key], files.peaks[p.b_key] * abs(p.scale))
     return AdapterSpec(name, files.folder, tuple(checked[0]), files.digest, files if keep else None, files.root)
+
+
+def _check_weights(name: str, piece: AdapterPiece, a_peak: float, b_peak: float) -> None:
+    """Finite, and within MAX_WEIGHT (B as scaled by its alpha / rank): an absurd delta is refused by name, when the
+    adapter is loaded (from the peaks measured as its bytes were read), never first by a request."""
+    if not (math.isfinite(a_peak) and math.isfinite(b_peak)):
+        raise InvalidInputError(f"LoRA adapter {name!r}: {piece.module} has non-finite weights")
+    for which, peak in (("lora_A", a_peak), ("lora_B x lora_alpha / r", b_peak)):
+        if peak > MAX_WEIGHT:
+            raise InvalidInputError(f"LoRA adapter {name!r}: {piece.module}: {which} has entries over "
+                                    f"{MAX_WEIGHT:g} in size: not a trained adapter (its deltas would overflow)")
 
 
 def host_bytes(pieces, targets: dict[str, LinearTarget], itemsize: int) -> int:
@@ -321,7 +334,6 @@ def adapter_weights(spec: AdapterSpec, targets: dict[str, LinearTarget], dtype: 
             # a copy even when float32 already: a view would keep the whole file's bytes alive with it
             a = f.tensor(p.a_key).to(torch.float32, copy=True).reshape(n, p.rank, target.in_features)
             b = f.tensor(p.b_key).float().reshape(target.out_features, p.rank, n).permute(2, 0, 1) * p.scale
-            _check_finite(spec, module, a, b)
             out[module] = (a.to(device=device, dtype=dtype), b.contiguous().to(device=device, dtype=dtype))
             continue
         total = sum(p.rank for p in pieces)
@@ -333,7 +345,6 @@ def adapter_weights(spec: AdapterSpec, targets: dict[str, LinearTarget], dtype: 
             a[col : col + p.rank] = f.tensor(p.a_key).float()
             b[first : first + rows, col : col + p.rank] = f.tensor(p.b_key).float() * p.scale
             col += p.rank
-        _check_finite(spec, module, a, b)
         out[module] = (a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype))
     return out
 
@@ -347,13 +358,3 @@ def this_ranks_part(cut, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor
     elif isinstance(cut, Row):
         a = cut.local(a, None)
     return a.contiguous(), b.contiguous()
-
-
-def _check_finite(spec: AdapterSpec, module: str, a: torch.Tensor, b: torch.Tensor) -> None:
-    """Finite, and within MAX_WEIGHT (B as scaled by its alpha / rank): an absurd delta is refused by name."""
-    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-        raise InvalidInputError(f"LoRA adapter {spec.name!r}: {module} has non-finite weights")
-    for which, t in (("lora_A", a), ("lora_B x lora_alpha / r", b)):
-        if t.numel() and t.abs().max().item() > MAX_WEIGHT:
-            raise InvalidInputError(f"LoRA adapter {spec.name!r}: {module}: {which} has entries over {MAX_WEIGHT:g} "
-                                    "in size: not a trained adapter (its deltas would overflow)")

@@ -53,6 +53,7 @@ class AdapterFiles:
     config: dict
     tensors: dict[str, TensorEntry]  # the safetensors header, checked
     digest: str  # of the config and the weights, as read
+    peaks: dict[str, float]  # each tensor's largest |entry| (nan when it holds a non-finite one), as read
     data: bytearray | None = None  # the whole weights file, when asked to keep it
     root: str | None = None  # the --lora-dir folder a runtime load found it in
 
@@ -80,13 +81,13 @@ def read_files(name: str, folder, max_bytes: int, keep: bool = False, roots: tup
                 raise InvalidInputError(f"LoRA adapter {name!r}: {CONFIG_FILE} must hold a JSON object")
             h = blake3(raw)
             h.update(b"\0")
-            tensors, data = _read_weights(name, weights_file, max_bytes, keep, h,
-                                          None if check is None else lambda tensors: check(config, tensors))
+            tensors, data, peaks = _read_weights(name, weights_file, max_bytes, keep, h,
+                                                 None if check is None else lambda tensors: check(config, tensors))
         except OSError as e:  # opened, but the read failed (EIO, ...)
             raise InvalidInputError(f"LoRA adapter {name!r}: its files could not be read ({e.strerror or e})") \
                 from None
     h.update(b"\0")
-    return AdapterFiles(real, config, tensors, h.hexdigest()[:16], data, root)
+    return AdapterFiles(real, config, tensors, h.hexdigest()[:16], peaks, data, root)
 
 
 def parse_json(raw: bytes, what: str):
@@ -99,7 +100,7 @@ def parse_json(raw: bytes, what: str):
 
 
 def _read_weights(name: str, f, max_bytes: int, keep: bool, h, check
-                  ) -> tuple[dict[str, TensorEntry], bytearray | None]:
+                  ) -> tuple[dict[str, TensorEntry], bytearray | None, dict[str, float]]:
     bad = f"LoRA adapter {name!r}: {WEIGHTS_FILE} is not a readable safetensors file"
     size = os.fstat(f.fileno()).st_size
     if size > max_bytes:
@@ -121,17 +122,27 @@ def _read_weights(name: str, f, max_bytes: int, keep: bool, h, check
         data[:8], data[8:8 + n] = head, header
     h.update(head)
     h.update(header)
-    done, buf = 8 + n, None if keep else bytearray(CHUNK)
-    while done < size:
-        view = memoryview(data)[done:] if keep else memoryview(buf)[: min(CHUNK, size - done)]
-        got = f.readinto(view)
-        if not got:
-            break
-        h.update(view[:got])
-        done += got
-    if done != size or f.read(1):
+    buf = None if keep else bytearray(CHUNK)
+    peaks = {}
+    # The tensors tile the data (checked): read in file order, one tensor after another, each in pieces of whole
+    # entries, so each piece is hashed and measured as it passes (kept whole only when asked to).
+    for key, e in sorted(tensors.items(), key=lambda kv: kv[1].start):
+        dtype, peak, at = FLOAT_DTYPES[e.dtype], 0.0, e.start
+        while at < e.end:
+            view = memoryview(data)[at:e.end] if keep else memoryview(buf)[: min(CHUNK, e.end - at)]
+            if f.readinto(view) != len(view):
+                raise InvalidInputError(f"{bad} (it changed while it was read)")
+            h.update(view)
+            values = torch.frombuffer(view, dtype=dtype)
+            if values.numel() and peak == peak:  # once nan (a non-finite entry), the rest is only hashed
+                piece = values.abs().max().item()  # nan if any entry is
+                if not piece <= peak:
+                    peak = piece
+            at += len(view)
+        peaks[key] = peak
+    if f.read(1):
         raise InvalidInputError(f"{bad} (it changed while it was read)")
-    return tensors, data
+    return tensors, data, peaks
 
 
 def _header(name: str, header, data_start: int, size: int) -> dict[str, TensorEntry]:
