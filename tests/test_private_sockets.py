@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace as NS
@@ -169,7 +170,10 @@ def test_a_second_process_of_the_same_user_is_refused_not_served(server):
     assert "refused a connection to the private socket" in srv.read_log()
 
 
-def test_a_killed_servers_socket_folder_is_swept_at_the_next_start(tiny_ckpt):
+def test_a_killed_servers_socket_folder_is_swept_at_the_next_start(tiny_ckpt, monkeypatch):
+    # A parent folder of its own: a server another test starts meanwhile would sweep the folder first.
+    parent = tempfile.mkdtemp(prefix="vlx-", dir="/tmp")  # short: the sockets' paths must fit
+    monkeypatch.setenv("XDG_RUNTIME_DIR", parent)
     srv = RemoteServer(tiny_ckpt("qwen2_vl"), "--dtype", "float32", "--max-model-len", "512")
     try:
         engine = srv.engine_pid()
@@ -184,9 +188,10 @@ def test_a_killed_servers_socket_folder_is_swept_at_the_next_start(tiny_ckpt):
     finally:
         srv.close()
     folder = folders.pop()
-    assert os.path.isdir(folder)
-    PrivateDir(ENGINE_PREFIX, os.path.dirname(folder)).remove()  # what the next start makes first
+    assert os.path.dirname(folder) == parent and os.path.isdir(folder)
+    PrivateDir(ENGINE_PREFIX, parent).remove()  # what the next start makes first
     assert not os.path.exists(folder)
+    shutil.rmtree(parent)
 
 
 def test_no_other_process_can_pose_as_a_tensor_parallel_rank(tiny_ckpt):
@@ -263,8 +268,6 @@ def test_only_this_users_folders_of_dead_unlocked_owners_are_swept(tmp_path):
 def test_a_sweeper_in_another_pid_namespace_never_takes_a_folder_being_made(tmp_path, monkeypatch):
     """A sweeper that shares the parent folder but not our PID namespace sees our pid dead: right after the folder
     is made, before its owner locks it, it must not match it (before: it was removed under the new owner)."""
-    import tempfile
-
     from vlserve.core import private_dirs
 
     swept = []
