@@ -100,15 +100,19 @@ def _own_address() -> str | None:
     return None if address.startswith("127.") else address
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def kv_shape_args(ap: argparse.ArgumentParser, rounds: int) -> argparse.ArgumentParser:
+    """The KV benchmarks' options: a prompt's length and the model's KV shape (Qwen2-VL-2B by default)."""
     ap.add_argument("--tokens", type=int, default=2000)
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    ap.add_argument("--rounds", type=int, default=7)
-    args = ap.parse_args()
+    ap.add_argument("--rounds", type=int, default=rounds)
+    return ap
+
+
+def main() -> None:
+    args = kv_shape_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]), rounds=7).parse_args()
     dtype = getattr(torch, args.dtype)
     layers, heads, dim = args.layers, args.kv_heads, args.head_dim
     args.row_width = width = layers * 2 * heads * dim

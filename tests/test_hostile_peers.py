@@ -1,6 +1,8 @@
 """Hostile peers (issue #25): the registry judges a call by its headers before reading its body, bounds the body
 and refuses a replayed signature; a truncated shared-memory buffer file is a clean error, not a SIGBUS, and is
-put back by the language server; rows that are not finite (NaN, inf) never reach the engine."""
+put back by the language server; rows that are not finite (NaN, inf) never reach the engine's requests: a
+language server's front end refuses those in its receive buffers, a decode engine those in its KV cache, which
+its front end never maps."""
 
 from __future__ import annotations
 
@@ -42,13 +44,16 @@ from vlserve.disagg.messages import (
     RowSegment,
     SenderToReceiver,
     TransferChunk,
+    TransferFailed,
     TransferRequest,
 )
 from vlserve.disagg.metrics import TransferMetrics
 from vlserve.disagg.peer_client import PeerClient, PeerConn, PeerFailure
 from vlserve.disagg.peer_kinds import ENCODER_PEERS, PREFILL_PEERS
+from vlserve.disagg.receive_pool import EngineKVBlocks
 from vlserve.disagg.transports import TRANSPORTS
 from vlserve.disagg.transports.base import ChunkData
+from vlserve.disagg.transports.row_writer import TransportKVReceiver, decode_target
 from vlserve.engine.transfer_buffers import TransferBuffers
 
 SECRET = "correct horse battery staple"
@@ -232,13 +237,15 @@ def test_the_buffer_file_goes_when_its_process_exits_without_unlink(ending):
 # ---- rows that are not finite ----------------------------------------------------------------------------------
 class _Peer:
     """An encoder (or prefill instance) behind a PeerClient, through the real transport: answers each request
-    with one chunk of 20 tokens, poisoning a row when the request id says so ("nan", "inf")."""
+    with one chunk of 20 tokens, poisoning a row of its first try when the request id says so ("nan", "inf"):
+    `poisoned`, shared by the peers of one client, holds the ids poisoned already."""
 
-    def __init__(self, client, backend: str):
+    def __init__(self, client, backend: str, name: str = "fake", poisoned: set | None = None):
         self.client, self.transport = client, TRANSPORTS[backend]("127.0.0.1")
-        self.conn = PeerConn(InstanceInfo("fake", client.kind.role, "127.0.0.1:1"), self, paired=True,
+        self.poisoned = set() if poisoned is None else poisoned
+        self.conn = PeerConn(InstanceInfo(name, client.kind.role, "127.0.0.1:1"), self, paired=True,
                              modalities=frozenset({"image", "video"}))
-        client.conns["fake"] = self.conn
+        client.conns[name] = self.conn
 
     async def send_multipart(self, frames, copy: bool = True) -> None:  # what the client sends its peer
         msg = Framer(ReceiverToSender).decode(frames)
@@ -251,11 +258,17 @@ class _Peer:
             items, segments = [ItemMeta(2, 16, (1, 8, 8), "h")], [RowSegment(2, 16)]
         rows = torch.randn(segments[0].num_rows, width)
         for bad, value in (("nan", float("nan")), ("inf", float("inf"))):
-            if bad in msg.request_id:
+            if bad in msg.request_id and msg.request_id not in self.poisoned:
                 rows[7, width // 2] = value
+                self.poisoned.add(msg.request_id)
         header = TransferChunk(msg.request_id, msg.transfer_id, 0, n, n, 0, items, msg.block_ids, segments, False)
         data = ChunkData(torch.arange(n), torch.zeros(n, 3, dtype=torch.int64), rows)
-        await self.transport.send(_Back(self.conn), b"peer", header, data, msg.target)
+        try:
+            await self.transport.send(_Back(self.conn), b"peer", header, data, msg.target)
+        except ValueError as e:  # the receiver refused the write: the transfer fails (as a sender says it)
+            failed = TransferFailed(msg.request_id, msg.transfer_id, f"the rows could not be written: {e}")
+            self.conn.transfers[(msg.request_id, msg.transfer_id)].put_nowait((failed, []))
+            return
         if "truncate" in msg.request_id:  # the file shrinks after the write, before the receiver looks
             os.truncate(self.client.buffers.layout.path, 0)
 
@@ -285,9 +298,9 @@ def _receiver(kind: str, backend: str = "zmq"):
     return client, _Peer(client, backend)
 
 
-@pytest.mark.parametrize("kind", ["embedding", "kv"])
-def test_rows_with_nan_or_inf_fail_their_request_and_others_keep_going(kind):
-    client, _ = _receiver(kind)
+def test_rows_with_nan_or_inf_fail_their_request_and_others_keep_going():
+    """Receive buffers of the front end's own (media rows from an encoder): it checks their rows itself."""
+    client, _ = _receiver("embedding")
 
     async def go():
         media = {"image": ["http://x/1.png"]}
@@ -309,6 +322,77 @@ def test_rows_with_nan_or_inf_fail_their_request_and_others_keep_going(kind):
         assert client.buffers.num_free == client.buffers.num_blocks  # every block came back
     finally:
         client.transport.close()
+
+
+class _Reservations:
+    """What a decode engine does with the KV blocks its front end reserves for transfers (frontend.kv_reservations
+    and the DecodeConnector), straight on its KV cache: each holder's blocks open to its writes until released."""
+
+    def __init__(self, kv: TransferBuffers):
+        self.kv, self.held = kv, {}
+
+    async def reserve(self, holder: str, rows: int) -> list[int]:
+        blocks = self.kv.allocate(rows)
+        assert blocks is not None, "the test's KV cache is too small"
+        self.kv.grants.open(holder, blocks)
+        self.held.setdefault(holder, []).extend(blocks)
+        return blocks
+
+    def release(self, holder: str, block_ids: list[int] | None = None) -> None:
+        held = self.held.pop(holder, [])
+        gone = [b for b in held if block_ids is None or b in block_ids]
+        if len(gone) < len(held):
+            self.held[holder] = [b for b in held if b not in gone]
+        self.kv.grants.close(gone)
+        self.kv.free(gone)
+
+
+@pytest.mark.parametrize("backend", ["zmq", "shm"])
+def test_a_decode_front_end_reads_no_kv_row_and_nan_rows_are_refused_where_they_land(backend):
+    """#67: before, a decode instance's front end mapped its engine's whole KV cache only to scan what prefill
+    instances wrote there for NaN. Now it knows the cache by its layout only, and the rows are checked where they
+    land: over zmq the engine's row socket refuses the write, so that transfer fails and the request is retried
+    on another prefill instance; over shm (written one-sided, nothing can refuse it) the rows reach the engine,
+    whose admission check fails that request alone (test_kv_row_writes). Others keep going, every block is back."""
+    kv = TransferBuffers.create(32, 16, 96, torch.float32)  # the decode engine's KV cache, in its process
+    receiver = TransportKVReceiver(backend, "127.0.0.1", None, kv, check_finite=True)
+    opts = DisaggArgs(bootstrap="127.0.0.1:9", kv_allocate_tokens=32, transfer_backend=backend,
+                      peer_wait_timeout=1.0, transfer_timeout=10.0)
+    client = PeerClient(PICTURE_MODEL, kv.layout, TransferMetrics(CollectorRegistry(), None, "decode", "kv"), opts,
+                        InstanceInfo("me", "decode", "127.0.0.1:2", "127.0.0.1:3"), PREFILL_PEERS,
+                        pool=EngineKVBlocks(_Reservations(kv), 32 * 16), target=decode_target(receiver.target))
+    client._assemble = lambda processed: processed
+    assert receiver.rows_checked == (backend == "zmq")
+    assert not hasattr(client.buffers, "planes"), "the front end maps the engine's KV cache"
+    poisoned: set[str] = set()
+    peers = [_Peer(client, backend, name, poisoned) for name in ("A", "B")]
+    ids = ("ok-1", "nan-1", "ok-2", "inf-1", "ok-3")
+
+    async def go():
+        return await asyncio.gather(*[client.send_prompt(rid, "p", {}, {}, {}) for rid in ids],
+                                    return_exceptions=True)
+
+    try:
+        results = asyncio.run(go())
+        assert poisoned == {"nan-1", "inf-1"}
+        for rid, got in zip(ids, results):
+            assert not isinstance(got, BaseException), (rid, got)
+            processed = got[0]
+            # What the engine reads as it admits the request (DecodeConnector, for one-sided writes)
+            landed = kv.rows_finite(processed.block_rows, torch.arange(20))
+            assert landed == (rid.startswith("ok") or backend == "zmq"), rid
+            client.take_release(processed)()
+        # Over zmq the refused transfers' blocks wait for their peer's word (it would confirm the abort)
+        assert len(client.quarantined) == (2 if backend == "zmq" else 0)
+        for holder, blocks, _ in client.quarantined.values():
+            client._free(holder, blocks)
+        assert kv.num_free == kv.num_blocks  # every block came back
+    finally:
+        for peer in peers:
+            peer.transport.close()
+        client.transport.close()
+        receiver.close()
+        kv.unlink()
 
 
 def test_the_receiver_restores_a_truncated_shm_file_and_fails_only_what_it_lost():

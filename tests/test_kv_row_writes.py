@@ -116,8 +116,11 @@ def test_kept_rows_written_in_two_chunks_decode_as_one_engine(prefill, decode, w
 
 def test_over_zmq_the_rows_land_through_the_decode_engines_row_socket(prefill, decode, whole):
     """--transfer-backend zmq: the prefill engine's writer sends each chunk to the row socket the decode engine
-    process serves (`TransportKVReceiver`, a thread copying into its KV cache): no front end in between."""
-    receiver = kv_receiver_maker("zmq", "127.0.0.1")(decode.kv_file)
+    process serves (`TransportKVReceiver`, a thread copying into its KV cache): no front end in between. The socket
+    checks the rows are finite unless the model's state rows (bytes, not values) follow them."""
+    hybrid = decode.core.cfg.model.is_hybrid
+    receiver = kv_receiver_maker("zmq", "127.0.0.1")(decode.kv_file, check_finite=not hybrid)
+    assert receiver.rows_checked is not hybrid
     shm_writer, prefill.connector.writer = prefill.connector.writer, row_writer_maker("zmq", "127.0.0.1", 120.0)()
     try:
         target = decode_target(receiver.target)
@@ -246,6 +249,82 @@ def test_bad_writes_fail_alone_and_released_rows_are_gone(prefill, decode):
         decode.core.connector.release(ReleaseKV("b"))
     assert decode.nothing_held()
     assert_pool_full(prefill)
+
+
+class RecordingWriter:
+    """A row writer that keeps what it was given to write."""
+
+    keep_s = 120.0
+
+    def __init__(self):
+        self.written: list[torch.Tensor] = []
+
+    def write(self, destination: bytes, rows: torch.Tensor) -> int:
+        self.written.append(rows.clone())
+        return rows.numel() * rows.element_size()
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_prefill_engine_writes_no_kv_rows_holding_nan_but_writes_state_rows_as_bytes(path):
+    """#67: the prefill engine checks each chunk's token rows on its writer thread before it writes them: rows
+    holding NaN or inf are not written and the write fails (its transfer fails, retried on another prefill
+    instance). A hybrid model's state rows after the last token's are float32 bytes in the KV dtype, which may
+    read as NaN: they are not values, and go as they are."""
+    cfg = _cfg(path, num_kv_blocks=64)
+    writer = RecordingWriter()
+    connector = make_connector("prefill", cfg, writer)
+    width = cfg.model.kv_row_width
+    clean, poisoned, infinite = torch.randn(8, width), torch.randn(8, width), torch.randn(8, width)
+    poisoned[5, 3], infinite[1, 0] = float("nan"), float("inf")
+    states = torch.full((2, width), float("nan"))  # as bytes
+    connector.kept.update({"nan": KeptKV.of_rows(poisoned, 8), "inf": KeptKV.of_rows(infinite, 8),
+                           "states": KeptKV(8, lambda start, end: clean[start:end], states, None, time.monotonic())})
+    try:
+        for msg in (WriteKV("nan", 0, 0, 4, b"to"), WriteKV("nan", 1, 4, 8, b"to"), WriteKV("inf", 2, 0, 8, b"to"),
+                    WriteKV("states", 3, 0, 8, b"to")):
+            assert connector.write(msg) is None
+        answers: dict[int, KVWritten] = {}
+        deadline = time.monotonic() + 30
+        while len(answers) < 4 and time.monotonic() < deadline:
+            answers.update({w.write_id: w for w in connector.take_written()})
+            time.sleep(0.001)
+        assert answers[0].error is None  # tokens 0..4 of "nan" are clean
+        for refused in (answers[1], answers[2]):
+            assert "NaN or infinite values" in refused.error and "not written" in refused.error, refused
+        assert answers[3].error is None
+        assert [len(rows) for rows in writer.written] == [4, 10]  # the refused ones never reached the writer
+        assert torch.equal(writer.written[1][:8], clean) and writer.written[1][8:].isnan().all()
+    finally:
+        connector.close()
+
+
+def test_a_decode_engine_fails_a_request_whose_kv_rows_hold_nan_as_it_admits_it(path, decode):
+    """#67: shm, Mooncake and NIXL write one-sided (nothing on the decode side can refuse a write), and over zmq
+    a hybrid model's rows carry state bytes its row socket cannot judge: the decode engine checks a prompt's KV
+    rows as it admits it, its blocks in place or in receive blocks (several ranks, a GPU). A NaN fails that
+    request alone, as the server's fault (503: its prefill instance sent garbage, the client did nothing wrong),
+    and its blocks go back with their holder's release."""
+    from vlserve.core.errors import ServiceUnavailableError
+    from vlserve.core.messages import EngineCoreOutput
+
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    cfg = decode.core.cfg
+    processed = InputProcessor.for_model(cfg).process({"prompt": "Hello, how are you?"})
+    n, tail = len(processed.prompt_token_ids), state_row_count(cfg.model, cfg.dtype)
+    for engine in (decode, Decode(path, num_kv_blocks=32, in_place=False)):
+        rows = torch.randn(n + tail, cfg.model.kv_row_width)
+        rows[n // 2, 5] = float("nan")
+        arrived = engine.receive("poisoned", processed, rows)
+        with pytest.raises(ServiceUnavailableError, match="NaN or infinite values") as refused:
+            engine.add("poisoned", arrived, params, Handoff(EngineCoreOutput("poisoned", [7])))
+        assert refused.value.http_status == 503
+        assert not engine.core.connector.owns("poisoned") and not engine.core.scheduler.requests
+        engine.free("poisoned")  # what its front end does with a refused request's blocks
+        assert engine.nothing_held()
+        if engine is not decode:
+            engine.core.shutdown()
 
 
 def test_only_a_prefill_engine_takes_a_writer(path):

@@ -62,13 +62,13 @@ def answer_or_503(client, messages):
     except openai.APIStatusError as e:
         assert e.status_code == 503, e
         return e
-# Tensor parallelism between real instances, over both transports the issue names: over ZeroMQ a prefill instance at
-# two ranks (its ranks' heads gathered into the rows) hands over to a decode instance at one (the rows written into
-# its KV cache through the row socket its engine process serves); over shm a prefill instance at one rank to a
-# decode instance at two (receive blocks its engine process registered, each rank taking its own heads at
-# admission). The other backends: one rank each, written in place. "zmq+decode-tp2": over ZeroMQ into a decode
-# instance at two ranks (its engine process serves the row socket over its receive blocks, reserved and granted
-# per transfer there), for the test of every backend's write path.
+# Tensor parallelism between real instances, every rank's KV cache in a file of its own that rank 0 maps: over
+# ZeroMQ a prefill instance at two ranks (its writer reads every rank's heads out of their files) hands over to a
+# decode instance at one (the rows written into its KV cache through the row socket its engine process serves);
+# over shm a prefill instance at one rank to a decode instance at two (each rank's heads written into its own
+# file). The other backends: one rank each. "zmq+decode-tp2": over ZeroMQ into a decode instance at two ranks (a
+# row socket per rank file, served by its engine process, granted per transfer there), for the test of every
+# backend's write path.
 TP2 = ["--tensor-parallel-size", "2"]
 ZMQ_DECODE_TP = "zmq+decode-tp2"
 PREFILL_ARGS = {"zmq": TP2}
@@ -110,7 +110,7 @@ def whole(pd: Cluster) -> Cluster:
 
 
 EVERY_PD_BACKEND = pytest.mark.parametrize("pd", BACKENDS, indirect=True)
-# and a decode instance at two ranks over zmq (receive blocks its engine grants), where the write path differs
+# and a decode instance at two ranks over zmq (a row socket per rank's file), where the write path differs
 EVERY_PD_WRITE_PATH = pytest.mark.parametrize(
     "pd", [*BACKENDS, pytest.param(ZMQ_DECODE_TP, marks=ZMQ_ONLY[0].marks)], indirect=True)
 
@@ -189,6 +189,26 @@ def test_bad_requests_get_the_aggregated_status_and_token_ids_prefill_locally(pd
         client.chat.completions.create(model=client.served_model, messages=CASES["one image"], max_tokens=2040)
     assert ask(client, CASES["text only"])  # still serving
     wait_nothing_held(pd)
+
+
+def test_a_decode_instances_front_end_maps_no_kv_file(pd, offline):
+    """#67: the decode instance's front end mapped its engine's whole KV cache only to scan what prefill instances
+    wrote there for NaN (57 MB read for a 2k-token prompt, in a process that owns none of those blocks). Now the
+    rows are checked where they land (the engine's row socket, or the engine at admission): the front end maps no
+    transfer file at all, its engine does, and answers are what they were."""
+    client = whole(pd).client("main")
+    assert ask(client, CASES["one image"]) == expected_text(offline, CASES["one image"])
+    front = pd.languages["main"].proc.pid
+
+    def transfer_files(pid: int) -> set[str]:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:  # gone meanwhile
+            return set()
+        return {line.split(maxsplit=5)[-1] for line in maps.splitlines() if "vlserve-transfer-" in line}
+
+    assert not transfer_files(front), transfer_files(front)
+    assert transfer_files(_direct_engine(front)), "its engine maps no KV file: is its KV cache still shared?"
 
 
 def test_failed_and_killed_prefill_instances(pd, offline):

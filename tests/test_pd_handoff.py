@@ -21,7 +21,7 @@ import torch
 
 from tests.conftest import IMG, assert_pool_full, noise_image
 from vlserve import LLM, SamplingParams
-from vlserve.core.config import DECODE, EngineArgs, kv_cache_shared
+from vlserve.core.config import DECODE, PREFILL, EngineArgs, kv_cache_shared
 from vlserve.core.errors import InvalidInputError
 from vlserve.core.messages import EngineCoreOutput, Handoff, TokenLogprobs
 from vlserve.core.prompt import MultiModalItem, ProcessedPrompt
@@ -30,6 +30,7 @@ from vlserve.engine.config import resolve_config
 from vlserve.engine.core import EngineCore
 from vlserve.engine.kv_connector import DecodeConnector, make_connector
 from vlserve.engine.kv_handoff import kv_to_rows, rows_to_kv
+from vlserve.engine.ranked_kv import RankedKV
 from vlserve.engine.transfer_buffers import TransferBuffers
 from vlserve.frontend.input_processor import InputProcessor
 
@@ -60,6 +61,8 @@ class Prefill:
 
     def __init__(self, path, **kw):
         cfg = _cfg(path, num_kv_blocks=256, **kw)
+        if kv_cache_shared(PREFILL, cfg.tensor_parallel_size, cfg.device.type):  # several ranks: each one's file
+            cfg = dataclasses.replace(cfg, kv_cache_file=True)
         self.core = EngineCore(cfg, connector=make_connector("prefill", cfg))
         self.input_processor = InputProcessor.for_model(cfg)
 
@@ -392,22 +395,28 @@ def engines(path, prefill, whole, tiny_ckpt):
 @pytest.mark.parametrize("arch", ["qwen2_vl", "qwen3_5"])
 def test_tensor_parallel_instances_hand_over_exactly(engines, arch):
     """The rows hold the whole model's KV (every key/value head) and linear states (every head, in the one-rank
-    layout) whatever the ranks: a prefill engine at two ranks gathers its ranks' parts into them (the same rows as
-    one rank's, up to the order of fp32 sums: so they also go to a one-rank decode engine, which every other test
-    here shows), a decode engine at two ranks writes each rank's own; a picture prompt greedy and a text prompt
+    layout) whatever the ranks: a prefill engine at two ranks reads its ranks' parts into them straight out of
+    each rank's KV file (the same rows as its ranks gathered, and as one rank's up to the order of fp32 sums: so
+    they also go to a one-rank decode engine, which every other test here shows), a decode engine at two ranks
+    takes each rank's heads into that rank's KV file, in place; a picture prompt greedy and a text prompt
     seeded go on as one engine. (One process holds one tensor-parallel engine at a time: everything is prefilled
     before the decode engine starts, as two instances would have it.)"""
     path, prefill, whole = engines(arch)
     cases = [(PICTURE, CASES["greedy"]), (PROMPTS[1], CASES["seeded"])]
     pre = Prefill(path, tensor_parallel_size=2)
     try:
+        runner = pre.core.runner  # every rank's KV file mapped at rank 0, read there off the engine's thread
+        assert isinstance(runner.kv_buffers, RankedKV) and runner.reads_kv_off_thread
         handed = [prefilled(pre, prompt, params, f"t{i}") for i, (prompt, params) in enumerate(cases)]
         assert_pool_full(pre)
+        slots = torch.arange(3, 70)  # what the prompts left in the cache: read straight out = gathered by the ranks
+        assert torch.equal(runner.read_kv_rows(slots, scratch=True), kv_to_rows(runner.read_kv(slots)))
     finally:
         pre.core.shutdown()
     for i, (prompt, params) in enumerate(cases):
         torch.testing.assert_close(handed[i][2], prefilled(prefill, prompt, params, f"one{i}")[2], rtol=0, atol=1e-4)
     decode = Decode(path, tensor_parallel_size=2)
+    assert decode.in_place and isinstance(decode.core.runner.kv_buffers, RankedKV)  # each rank's blocks written
     try:
         for i, ((prompt, params), (processed, handoff, rows)) in enumerate(zip(cases, handed)):
             decode.add(f"t{i}", decode.receive(f"t{i}", processed, rows), params, handoff)
@@ -576,6 +585,11 @@ def test_an_automatic_kv_cache_in_shared_memory_fits_the_room_there(path, monkey
     assert fit_kv_in_shared_memory(auto).num_kv_blocks == 44  # 90 % of 50 blocks, less the scratch block
     fixed = dataclasses.replace(_cfg(path, num_kv_blocks=200), kv_cache_file=True)
     assert fit_kv_in_shared_memory(fixed).num_kv_blocks == 200
+    # At two ranks each rank's file holds half the heads (`kv_bytes_per_token` is one rank's), and the room is the
+    # two files': as many blocks as one rank's whole cache, not twice as many (which would not fit).
+    two = dataclasses.replace(auto, tensor_parallel_size=2)
+    assert two.kv_bytes_per_token * 2 == per_block // auto.block_size
+    assert fit_kv_in_shared_memory(two).num_kv_blocks == 44
     room[0] = per_block
     with pytest.raises(ConfigurationError, match="--shm-size"):
         fit_kv_in_shared_memory(auto)

@@ -323,6 +323,57 @@ def test_zmq_rows_land_through_the_row_socket_and_bad_writes_are_refused(monkeyp
         buffers.unlink()
 
 
+def test_zmq_a_decode_engines_row_socket_refuses_rows_that_are_not_finite(monkeypatch):
+    """#67: a decode engine's row socket copies each write into its KV cache, so it checks the rows first
+    (`check_finite`, for a model whose every KV row is a value) and refuses NaN or inf with nothing written: the
+    prefill's transfer fails and is retried elsewhere, and the engine need not read them again. Without it (a
+    hybrid model: its state rows are float32 bytes that may read as NaN in the KV dtype) they land as any bytes,
+    for the engine to judge. The other backends write one-sided: nothing to refuse with."""
+    from vlserve.disagg.transports.row_writer import TransportKVReceiver, decode_target
+    from vlserve.disagg.transports.zmq import ZmqTransport
+
+    monkeypatch.setenv(QUARANTINE_ENV, "1.5")
+    # Finite float32 states whose low halves (0x7fc1) read as bf16 NaN
+    states = torch.full((4, WIDTH // 2), 0x3F807FC1, dtype=torch.int32).view(torch.float32)
+    assert states.isfinite().all() and states.view(torch.bfloat16).isnan().any()
+    nan, inf = torch.randn(4, WIDTH), torch.randn(4, WIDTH)
+    nan[2, 7], inf[0, 0] = float("nan"), float("-inf")
+    sender = ZmqTransport()
+    try:
+        for check_finite in (True, False):
+            buffers = _buffers(torch.bfloat16, parts=6)  # laid out as a decode engine's KV cache
+            buffers.grants.open(GRANT, range(16))
+            receiver = TransportKVReceiver("zmq", "127.0.0.1", None, buffers, check_finite=check_finite)
+            try:
+                assert receiver.rows_checked is check_finite
+                target = msgspec_replace(decode_target(receiver.target), grant=GRANT)
+                rows = torch.randn(20, WIDTH)
+                sender.write_rows(target, [5, 2], rows)
+                assert torch.equal(buffers.read_rows([5, 2], 0, 20), rows.to(torch.bfloat16))
+                for bad in (nan, inf, states.view(torch.bfloat16)):
+                    before = buffers.storage.clone()
+                    if check_finite:
+                        with pytest.raises(ValueError, match="NaN or infinite values: nothing written"):
+                            sender.write_rows(target, [9], bad)
+                        assert torch.equal(buffers.storage, before)
+                    else:
+                        sender.write_rows(target, [9], bad)
+                        assert torch.equal(buffers.read_rows([9], 0, 4).view(torch.int16),
+                                           bad.to(torch.bfloat16).view(torch.int16))
+            finally:
+                receiver.close()
+                buffers.unlink()
+    finally:
+        sender.close()
+    buffers = _buffers()
+    try:
+        shm = TransportKVReceiver("shm", "127.0.0.1", None, buffers, check_finite=True)
+        assert not shm.rows_checked  # one-sided: the engine checks at admission
+        shm.close()
+    finally:
+        buffers.unlink()
+
+
 def rows_bytes(rows: torch.Tensor) -> bytes:
     return rows.contiguous().view(torch.uint8).numpy().tobytes()
 

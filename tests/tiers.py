@@ -140,6 +140,7 @@ FILE_TIERS = {
     "test_disagg.py": "transport",
     "test_pd_disagg.py": "transport",
     "test_transports.py": "transport",
+    "test_ranked_kv.py": "transport",
 }
 
 # "file::test function" (every parametrization of it) whose tier is not its file's.

@@ -8,6 +8,7 @@ never reach one role and silently miss another. Nothing here imports torch: `--h
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -396,9 +397,10 @@ class DisaggArgs:
         8192, "media receive rows pre-allocated per request (a bigger picture resumes into more; what a request "
         "does not fill is freed when its transfer ends) (--embedding-default-allocate-tokens: deprecated alias)",
         {SERVE, LANGUAGE, PREFILL}, aliases=("--embedding-default-allocate-tokens",))
-    kv_buffer_blocks: int = option(1024, "blocks in the KV receive buffer pool of a decode instance at several ranks "
-                                   "or on a GPU: every prompt token's KV row, held only until copied into the KV "
-                                   "cache (at one rank on the CPU peers write into the KV cache itself)",
+    kv_buffer_blocks: int = option(1024, "blocks in the KV receive buffer pool of a decode instance on a GPU or "
+                                   "whose ranks torchrun started: every prompt token's KV row, held only until "
+                                   "copied into the KV cache (on the CPU peers write into every rank's KV cache "
+                                   "itself)",
                                    {SERVE, DECODE})
     kv_allocate_tokens: int = option(
         2048, "KV rows (prompt tokens) reserved per request on a decode instance before its prefill says how many "
@@ -483,7 +485,21 @@ class Options:
 
 
 def kv_cache_shared(role: str | None, tensor_parallel_size: int, device_type: str) -> bool:
-    """Whether a decode engine keeps its KV cache in a shared file that peers (prefill instances) write the KV they
-    computed straight into: one rank on the CPU. Otherwise (tensor parallelism, a GPU) the KV lands in the front
-    end's receive blocks and is copied into the cache when the request is admitted."""
-    return role == DECODE and tensor_parallel_size == 1 and device_type == "cpu"
+    """Whether an engine keeps its KV cache in shared files, on the CPU, every rank its own (its heads; rank 0 maps
+    them all, engine.ranked_kv) when the ranks are the processes rank 0 starts on this machine:
+    - a decode engine's, which peers (prefill instances) write the KV they computed straight into. Otherwise (ranks
+      that torchrun started, perhaps on other machines; a GPU) the KV lands in receive blocks and is copied into
+      the cache when the request is admitted;
+    - a prefill engine's at several ranks, which its writer thread reads every rank's heads out of (one rank
+      reads its own cache without a file)."""
+    if device_type != "cpu" or (tensor_parallel_size > 1 and under_torchrun()):
+        return False
+    return role == DECODE or (role == PREFILL and tensor_parallel_size > 1)
+
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def under_torchrun() -> bool:
+    """torchrun (or the same variables) started this process: its ranks may be on several machines."""
+    return all(v in os.environ for v in TORCHRUN_VARS)

@@ -32,6 +32,16 @@ class TransferState(str, enum.Enum):
     REJECTED = "rejected"  # the request itself was bad (a 4xx for the user); nothing failed
 
 
+class RankTarget(msgspec.Struct, array_like=True):
+    """One rank's file of a KV cache kept by several ranks: where a transport writes it (as `TransferTarget` says;
+    its backend and grant are the whole target's)."""
+
+    layout: BufferLayout
+    session: str = ""
+    base_address: int = 0
+    agent_metadata: bytes = b""
+
+
 class TransferTarget(msgspec.Struct):
     """Where a transport that writes the receiver's memory itself puts a chunk: the receive buffers' layout
     (shm: the shared file to map), and for Mooncake the receiver's session and the buffers' address."""
@@ -43,6 +53,10 @@ class TransferTarget(msgspec.Struct):
     agent_metadata: bytes = b""  # nixl: the receiver agent's metadata (its UCX address)
     # the transfer's grant, set per request: a zmq row socket takes a write only into blocks reserved under it
     grant: str = ""
+    # A decode engine at several ranks (engine.ranked_kv): `layout` is its whole rows' and each rank's file is a
+    # target of its own, holding heads `heads[r]` = (first, count) of each plane; a row is written to every rank.
+    shards: list[RankTarget] = []
+    heads: list[tuple[int, int]] = []
 
 
 class TransferRequest(msgspec.Struct, tag="transfer"):

@@ -1,9 +1,10 @@
 """The receiving side of disaggregation: find peers, send them prompts, receive their output into this server's
 receive blocks (a run of blocks per round; a resumed transfer adds a run), and check everything a peer sends
-before the engine may read it. The peers are encoders (embedding rows of media tokens, for a language server or
-a prefill instance) or prefill instances (every prompt token's KV row and the first token, for a decode
-instance): one protocol, told apart by `PeerKind` (disagg.peer_kinds), which also says what a request is keyed
-by when picking its peer.
+before the engine may read it (but the values of rows in blocks a decode engine registered: that engine checks
+those, and this process maps none of them). The peers are encoders (embedding rows of media tokens, for a
+language server or a prefill instance) or prefill instances (every prompt token's KV row and the first token,
+for a decode instance): one protocol, told apart by `PeerKind` (disagg.peer_kinds), which also says what a
+request is keyed by when picking its peer.
 
 A transfer goes Bootstrapping -> WaitingForInput -> Transferring -> Success | Failed | Rejected (the request's
 own fault). Every block it holds is freed on every path but success, which hands them to the caller. A peer
@@ -45,11 +46,11 @@ from vlserve.disagg.peer_kinds import ENCODER_PEERS, PeerKind
 from vlserve.disagg.peer_links import PeerConn, PeerFailure, PeerLinks
 from vlserve.disagg.transports import TRANSPORTS
 from vlserve.disagg.received import ReceivedChunks
-from vlserve.disagg.receive_pool import EngineKVBlocks, LocalBlocks
+from vlserve.disagg.receive_pool import EngineKVBlocks, EngineKVLayout, LocalBlocks
 from vlserve.disagg.transports.base import HeadersOnly, Transport, in_thread, quarantine_s
 from vlserve.frontend.config import FrontendConfig
 from vlserve.engine.prompt_check import check_prompt
-from vlserve.engine.transfer_buffers import TransferBuffers
+from vlserve.engine.transfer_buffers import BufferLayout, TransferBuffers
 
 logger = logging.getLogger("vlserve.disagg")
 INLINE_CHECK_VALUES = 1 << 16  # a finiteness check of more values than this runs off the event loop
@@ -60,19 +61,29 @@ class NotSent(PeerFailure):
 
 
 class PeerClient(PeerLinks):
-    def __init__(self, cfg: FrontendConfig, buffers: TransferBuffers, metrics: TransferMetrics, opts: DisaggArgs,
-                 self_info: InstanceInfo, kind: PeerKind = ENCODER_PEERS, model: str = "",
+    def __init__(self, cfg: FrontendConfig, buffers: TransferBuffers | BufferLayout, metrics: TransferMetrics,
+                 opts: DisaggArgs, self_info: InstanceInfo, kind: PeerKind = ENCODER_PEERS, model: str = "",
                  pool: LocalBlocks | EngineKVBlocks | None = None, target: TransferTarget | None = None):
-        """`buffers`: where peers write (receive buffers, or a decode engine's KV cache); `pool`: who gives out
-        their blocks (default: this process, from `buffers`); `target`: how peers write into them when another
-        process registered them (a decode engine its KV cache): this one then only checks headers. `self_info`:
-        how this server registers, its addresses already the ones peers reach it by; `model`: the model as the
-        roles name it (the registry's default namespace)."""
+        """`buffers`: where peers write (receive buffers, or the layout of a decode engine's KV cache, which this
+        process does not map); `pool`: who gives out their blocks (default: this process, from `buffers`);
+        `target`: how peers write into them when another process registered them (a decode engine its KV cache,
+        or its receive blocks): this one then only checks headers, and that process the rows' values.
+        `self_info`: how this server registers, its addresses already the ones peers reach it by; `model`: the
+        model as the roles name it (the registry's default namespace)."""
         super().__init__(cfg, opts, kind, self_info, model)
+        if isinstance(buffers, BufferLayout):
+            if target is None or pool is None:
+                raise ValueError("buffers known by their layout only are another process's: give their pool and "
+                                 "target")
+            buffers = EngineKVLayout(buffers)
         self.buffers, self.metrics = buffers, metrics
         self.pool = pool or LocalBlocks(buffers)
         self._releases: dict[int, Callable[[], None]] = {}  # id of a handed-over prompt -> what frees its blocks
         host = reachable_host(self_info.http_address.rsplit(":", 1)[0], toward=registry_target(opts).host)
+        # Rows in buffers this process registered are checked for NaN and inf here; those of blocks another process
+        # registered are its to check (a decode engine: its row socket refuses such a write, or it fails the
+        # request at admission), so no KV byte is read in a front end.
+        self.checks_rows = target is None
         if target is not None:
             self.transport: Transport = HeadersOnly(opts.transfer_backend, host)
             self.target = target
@@ -222,7 +233,7 @@ class PeerClient(PeerLinks):
                 if self.buffers.restore_file() or self.buffers.restored != restored:
                     raise PeerFailure("this server's receive buffer file was resized by someone else during the "
                                       "transfer: what arrived is lost")
-                if not await self._rows_finite(header, run):
+                if self.checks_rows and not await self._rows_finite(header, run):
                     raise PeerFailure(f"the {self.kind.name} sent rows holding NaN or infinite values")
                 received.add(header, tokens)
                 if not header.partial:

@@ -2,8 +2,9 @@
 time:
 - `LocalBlocks`: its own receive buffers (media rows from encoders), allocated here;
 - `EngineKVBlocks`: blocks a decode engine reserves for the transfer (frontend.kv_reservations): of its KV cache
-  itself (in a shared file; the request arriving with them takes them, nothing is copied), or at several ranks or
-  on a GPU its receive blocks (copied into its KV cache at admission).
+  itself (in shared files; the request arriving with them takes them, nothing is copied), or on a GPU (or at ranks
+  torchrun started) its receive blocks (copied into its KV cache at admission). Its KV cache the front end knows by its
+  layout only (`EngineKVLayout`): it maps none of it.
 Either way every block is given back on every path but success, and after success by `handed`'s callback. A
 run of blocks takes its peer's writes (under the transfer's grant: engine.write_grants) from its allocation
 until its chunk's header comes (`seal`) or it is freed: `LocalBlocks` opens and closes the grants of its buffers
@@ -17,7 +18,7 @@ import time
 from collections.abc import Callable
 
 from vlserve.core.errors import ServiceUnavailableError
-from vlserve.engine.transfer_buffers import TransferBuffers
+from vlserve.engine.transfer_buffers import BlockRows, BufferLayout, TransferBuffers
 
 
 class LocalBlocks:
@@ -94,3 +95,17 @@ class EngineKVBlocks:
         """The request took its blocks in the engine (they go with it); if it never got there they are still the
         holder's, and go back."""
         return lambda: self.reservations.release(holder)
+
+
+class EngineKVLayout(BlockRows):
+    """A decode engine's KV cache as its front end knows it: the layout the engine registered for peers' writes,
+    nothing mapped (what peers write there the engine checks: its row socket, or at admission). Stands in for
+    the receive buffers where the front end only checks headers against their layout."""
+
+    restored = 0  # (the file is the engine's: this process never restores it)
+
+    def __init__(self, layout: BufferLayout):
+        self.layout = layout
+
+    def restore_file(self) -> bool:
+        return False

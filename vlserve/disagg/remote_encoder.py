@@ -38,7 +38,8 @@ class RemotePromptEncoder:
         the roles name it (the registry's default namespace)."""
         self.cfg, self.kind, self.engine, self.opts, self.info, self.model = engine.cfg, kind, engine, opts, info, model
         self.local = LocalPromptEncoder(engine.input_processor, {}, engine.executor)  # text and embeddings
-        # A decode engine on one CPU keeps its KV cache in a shared file: peers write into it, no receive blocks.
+        # A decode engine on the CPU keeps its KV cache in shared files (one a rank): peers write into them, no
+        # receive blocks.
         self.kv_in_place = kind.rows_for_every_token and kv_cache_shared(
             DECODE, engine.args.tensor_parallel_size, engine.facts.torch_device.type)
         self.transfer_buffers: TransferBuffers | None = None  # receive blocks the engine reads rows from
@@ -58,18 +59,18 @@ class RemotePromptEncoder:
             engine.metrics.registry.register(ScrapeTimeGauges(lambda: [(
                 "decode_kv_blocks_reserved", engine.metrics.stats.kv_blocks_reserved,
                 "Blocks the engine holds for prefill instances' writes: of its KV cache until a request takes them, "
-                "or receive blocks (several ranks, a GPU) until they are copied in.")]))
+                "or receive blocks (a GPU, torchrun's ranks) until they are copied in.")]))
         self.started = False
 
     async def start(self) -> None:
         if self.kind.rows_for_every_token:
-            # A decode engine has registered where prompts' KV lands with its own transport (its KV cache in a
-            # shared file; or, at several ranks, the receive blocks), and reserves the blocks for each transfer:
+            # A decode engine has registered where prompts' KV lands with its own transport (its KV cache in
+            # shared files; or, on a GPU, the receive blocks), and reserves the blocks for each transfer:
             # peers write there, this process only checks headers.
             if self.engine.kv_target is None or (self.kv_in_place and self.engine.kv_layout is None):
                 raise ConfigurationError("the decode engine did not register where prompts' KV lands")
-            if self.kv_in_place:
-                buffers = TransferBuffers.attach(self.engine.kv_layout)
+            if self.kv_in_place:  # known by its layout only: no KV byte is read here (the engine checks them)
+                buffers = self.engine.kv_layout
                 rows = self.engine.num_kv_blocks * buffers.block_tokens
             else:
                 buffers = self.transfer_buffers
@@ -82,7 +83,8 @@ class RemotePromptEncoder:
         # the next start.
         if not TRANSPORTS[self.opts.transfer_backend].maps_receiver_file:
             if self.kv_in_place:
-                unlink_name(self.engine.kv_layout.path)
+                if self.engine.kv_layout.path:  # ("": the engine's KV cache is in no file this process could name)
+                    unlink_name(self.engine.kv_layout.path)
             else:
                 self.transfer_buffers.unlink()
         await self.client.start()

@@ -76,7 +76,8 @@ class VlserveConfig:
     enforce_eager: bool = False  # no graphs at all (decode, vision tower)
     async_scheduling: bool = False  # the next step is scheduled while the device runs this one (engine.core)
     lora: LoRAConfig | None = None  # serving LoRA adapters (vlserve.lora); None: off
-    # A decode engine's KV cache in a shared file its peers write prompts' KV into (see `kv_cache_shared`).
+    # The KV cache in shared files, one per rank (see `kv_cache_shared`): a decode engine's, which its peers write
+    # prompts' KV into; a prefill engine's at several ranks, which rank 0's writer thread reads.
     kv_cache_file: bool = False
 
     @property
@@ -184,17 +185,12 @@ def fit_kv_in_shared_memory(cfg: VlserveConfig) -> VlserveConfig:
     args = cfg.args
     if args is None or args.num_kv_blocks is not None or args.kv_cache_memory_gb is not None:
         return cfg
-    folder = shm_dir() or tempfile.gettempdir()
-    sweep_stale_files(folder)  # a crashed engine's KV file is no room taken
-    stat = os.statvfs(folder)
-    free = stat.f_bavail * stat.f_frsize
-    per_block = cfg.kv_bytes_per_token * cfg.block_size
-    most = int(free * SHARED_KV_SHARE) // per_block - 1  # - 1: the scratch block
+    most = shared_kv_blocks_room(cfg)
     if most >= cfg.num_kv_blocks:
         return cfg
     if most < 2:
-        raise ConfigurationError(f"the shared-memory folder has no room for a KV cache ({free / 2**20:.0f} MiB "
-                                 "free); give it more (a container's --shm-size)")
+        raise ConfigurationError(f"the shared-memory folder {shm_dir() or tempfile.gettempdir()} has no room for "
+                                 "a KV cache; give it more (a container's --shm-size)")
     logger.warning("the KV cache goes into shared memory, which has room for %d of the %d blocks it would have "
                    "had: %d blocks (give /dev/shm more room, e.g. a container's --shm-size, for more)", most,
                    cfg.num_kv_blocks, most)
@@ -202,6 +198,17 @@ def fit_kv_in_shared_memory(cfg: VlserveConfig) -> VlserveConfig:
         logger.warning("that is less than one sequence of --max-model-len %d tokens: longer prompts are refused",
                        cfg.max_model_len)
     return dataclasses.replace(cfg, num_kv_blocks=most)
+
+
+def shared_kv_blocks_room(cfg: VlserveConfig) -> int:
+    """KV blocks `SHARED_KV_SHARE` of the shared-memory folder's free space holds, every rank's file counted (each
+    rank keeps its own heads: `kv_bytes_per_token` is one rank's)."""
+    folder = shm_dir() or tempfile.gettempdir()
+    sweep_stale_files(folder)  # a crashed engine's KV file is no room taken
+    stat = os.statvfs(folder)
+    free = stat.f_bavail * stat.f_frsize
+    per_block = cfg.kv_bytes_per_token * cfg.block_size * cfg.tensor_parallel_size
+    return int(free * SHARED_KV_SHARE) // per_block - 1  # - 1: the scratch block
 
 
 def resolve_config(args: EngineArgs, facts: ModelFacts | None = None, announce: bool = True) -> VlserveConfig:

@@ -94,7 +94,8 @@ class EngineCore:
             raise InvalidInputError("this engine computes its own KV: it takes none from other instances")
         if self.connector is not None:
             self.connector.check_request(prompt, params, kv_transfer)
-        rows_in = self.transfer or self.runner.kv_buffers  # where its rows are: receive blocks or the KV cache
+        # where its rows are: receive blocks, or (KV written in place) the KV cache
+        rows_in = self.transfer or (self.runner.kv_buffers if prompt.kv_in_blocks else None)
         capacity = None if rows_in is None else (rows_in.num_blocks, rows_in.block_tokens)
         check_prompt(prompt, self.cfg, capacity)
         if prompt.lora is not None:

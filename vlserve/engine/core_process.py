@@ -47,7 +47,7 @@ from vlserve.core.wire import (
     prompt_from_wire,
     request_id_of,
 )
-from vlserve.engine.config import fit_kv_in_shared_memory, resolve_config
+from vlserve.engine.config import fit_kv_in_shared_memory, resolve_config, shared_kv_blocks_room
 from vlserve.engine.core import EngineCore
 from vlserve.engine.cpu_threads import apply_cpu_threads
 from vlserve.engine.kv_connector import RowWriter, make_connector
@@ -251,7 +251,7 @@ def run_engine_core(args_json: bytes, facts_json: bytes, addresses: dict[str, st
     KV connector the engine plugs in (kv_connector.KV_CONNECTORS), None for an engine that computes all its KV.
     `media_pool`: the front end's media threads, for the `CPU budget:` line. `kv_writer`: makes (in this process)
     what a prefill engine writes its KV rows into receivers with (kv_connector.RowWriter). `kv_receiver`: called
-    with where a decode engine's prompts' KV lands (its KV cache in a shared file, or at several ranks the receive
+    with where a decode engine's prompts' KV lands (its KV cache in shared files, or on a GPU the receive
     buffers), registers it for peers' writes (its `target` goes to the front end; closed when the engine stops).
     `token`: proves to the front end's sockets that this is its engine (engine/private_sockets.py)."""
     logging.basicConfig(level=log_level, format=log_format())
@@ -283,7 +283,10 @@ def run_engine_core(args_json: bytes, facts_json: bytes, addresses: dict[str, st
                 transfer = TransferBuffers.attach(msgspec.msgpack.decode(transfer_layout, type=BufferLayout))
             cfg = resolve_config(args, decode_facts(facts_json))
             if kv_cache_shared(kv_role, cfg.tensor_parallel_size, cfg.device.type):
-                cfg = fit_kv_in_shared_memory(dataclasses.replace(cfg, kv_cache_file=True))
+                # A prefill's files only spare a gather: where they would not hold its whole cache it keeps it
+                # private (and gathers its ranks' heads) rather than give up KV blocks.
+                if kv_role != PREFILL or cfg.num_kv_blocks <= shared_kv_blocks_room(cfg):
+                    cfg = fit_kv_in_shared_memory(dataclasses.replace(cfg, kv_cache_file=True))
             if kv_role == PREFILL and kv_writer is None:  # its KV leaves this process only through a writer
                 raise ConfigurationError("a prefill engine process needs a row writer (vlserve prefill makes it)")
             connector = make_connector(kv_role, cfg, None if kv_writer is None else kv_writer())
@@ -291,7 +294,13 @@ def run_engine_core(args_json: bytes, facts_json: bytes, addresses: dict[str, st
             if kv_receiver is not None:  # where peers write prompts' KV: the KV cache, or the receive blocks
                 registered = core.runner.kv_buffers if core.runner.kv_buffers is not None else transfer
                 if registered is not None:
-                    receiver = kv_receiver(registered)
+                    # A hybrid model's state rows are float32 bytes, not values: its rows are checked at admission
+                    receiver = kv_receiver(registered, check_finite=not cfg.model.is_hybrid)
+                    if connector is not None:  # the row socket refused non-finite rows: not read again at admission
+                        connector.rows_checked = receiver.rows_checked
+            kv = core.runner.kv_buffers
+            if kv is not None and (receiver is None or not receiver.transport.maps_receiver_file):
+                kv.unlink()  # mapped by every process that uses it: no name left for a crash to leave behind
         except Exception as e:  # noqa: BLE001 - any start-up failure must reach the front-end as a message
             if not isinstance(e, VlserveError):  # ours have clear messages; anything else needs its traceback
                 logger.exception("engine core failed to start")
@@ -305,7 +314,7 @@ def run_engine_core(args_json: bytes, facts_json: bytes, addresses: dict[str, st
                     if core.connector is not None:
                         core.connector.close()
             return
-        kv = core.runner.kv_buffers
+        kv = core.runner.kv_buffers if receiver is not None else None  # (a prefill's own files are its own)
         outputs.send_multipart(framer.encode(EngineReady(core.cfg.num_kv_blocks, core.cfg.max_model_len,
                                                          None if kv is None else msgspec.msgpack.encode(kv.layout),
                                                          None if receiver is None else receiver.target)))

@@ -21,6 +21,7 @@ from vlserve.engine.sampler import Sampler, SamplerOutput, SamplingMetadata, Tok
 from vlserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from vlserve.engine.state_cache import StateStep
 from vlserve.engine.structured.matchers import GrammarMatchers
+from vlserve.engine.ranked_kv import RankedKV
 from vlserve.engine.transfer_buffers import TransferBuffers
 from vlserve.engine.encoder_runner import EncoderRunner
 from vlserve.model.layers.lora_rows import row_groups
@@ -56,8 +57,9 @@ class ModelRunner:
         return self.executor.kv_caches
 
     @property
-    def kv_buffers(self) -> TransferBuffers | None:
-        """The KV cache as rows in a shared file (a decode engine's, `VlserveConfig.kv_cache_file`), else None."""
+    def kv_buffers(self) -> TransferBuffers | RankedKV | None:
+        """The KV cache as rows in shared files (`VlserveConfig.kv_cache_file`): one rank's file, or at several
+        ranks every rank's seen as one (engine.ranked_kv); else None."""
         return getattr(self.executor, "kv_buffers", None)
 
     # ---- KV handed between instances ------------------------------------------------------------------------------
@@ -76,13 +78,13 @@ class ModelRunner:
     def read_kv_rows(self, slots: torch.Tensor, scratch: bool = False) -> torch.Tensor:
         """The KV cache at these slots as handoff rows (kv_handoff.kv_to_rows), on the CPU. `scratch`: in memory
         reused by the next such call (`ModelShard.read_kv_rows`; one thread only)."""
-        direct = getattr(self.executor, "read_kv_rows", None)  # a shard's own (not the tensor-parallel leader)
+        direct = getattr(self.executor, "read_kv_rows", None)  # a shard's own, or the leader's (its ranks' files)
         return direct(slots, scratch) if direct is not None else kv_to_rows(self.read_kv(slots))
 
     @property
     def reads_kv_off_thread(self) -> bool:
-        """`read_kv_rows` may run on another thread while the engine steps (one CPU rank: no collective between
-        ranks, no device stream to order against)."""
+        """`read_kv_rows` may run on another thread while the engine steps (on the CPU, one rank or every rank's
+        file mapped here: no collective between ranks, no device stream to order against)."""
         return getattr(self.executor, "reads_kv_off_thread", False)
 
     def write_kv(self, slots: torch.Tensor, kv: torch.Tensor) -> None:

@@ -105,7 +105,7 @@ class ModelShard:
         language = getattr(model, "language_model", None)
         self.kv_caches: list[torch.Tensor | LinearLayerState] = []
         self._rows_scratch: torch.Tensor | None = None  # a prefill writer thread's rows (read_kv_rows(scratch))
-        self.kv_buffers: TransferBuffers | None = None  # the KV cache as rows peers write into (kv_cache_file)
+        self.kv_buffers: TransferBuffers | None = None  # this rank's KV cache as rows in a file (kv_cache_file)
         self.kv_layers: list[int] = []  # layers with a KV cache (all but a hybrid model's linear ones)
         self.layer_states: list[LinearLayerState | None] = []  # per layer: None unless linear attention
         if language is not None:
@@ -136,7 +136,8 @@ class ModelShard:
 
     def _kv_in_shared_file(self, cfg: VlserveConfig, layers: int, heads: int, head_dim: int) -> torch.Tensor:
         """[layers, 2, slots, heads, head_dim], zeroed, in a shared file (`kv_buffers`): a token's keys and values
-        of every layer make one row of those buffers, so peers write prompts' KV into its blocks like any rows."""
+        of every layer (this rank's heads) make one row of those buffers, so peers write prompts' KV into its
+        blocks like any rows (at several ranks rank 0 maps every rank's file: engine.ranked_kv)."""
         if self.device.type != "cpu":
             raise ConfigurationError("a KV cache in a shared file is for an engine on the CPU")
         self.kv_buffers = TransferBuffers.create(cfg.num_kv_blocks + 1, cfg.block_size, layers * 2 * heads * head_dim,

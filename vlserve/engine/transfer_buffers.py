@@ -22,8 +22,10 @@ into the engine's KV blocks with the same transports and block runs as any other
 from __future__ import annotations
 
 import fcntl
+import io
 import logging
 import os
+import stat
 import tempfile
 import weakref
 
@@ -82,7 +84,7 @@ def sweep_stale_files(folder: str) -> None:
     crash can leave one behind). The owner holds an exclusive lock on its file for as long as it lives, which
     works across PID namespaces sharing the folder."""
     for name in os.listdir(folder):
-        if not name.startswith(TRANSFER_FILE_PREFIX):
+        if not name.removeprefix(".").startswith(TRANSFER_FILE_PREFIX):  # (hidden: not named yet)
             continue
         try:
             fd = os.open(os.path.join(folder, name), os.O_RDONLY | os.O_NOFOLLOW)
@@ -101,7 +103,25 @@ def sweep_stale_files(folder: str) -> None:
             os.close(fd)
 
 
-class TransferBuffers:
+class BlockRows:
+    """What any buffer of blocks of rows says of itself from its layout (receive buffers, a KV cache kept by
+    several ranks, or a layout another process maps)."""
+
+    layout: BufferLayout
+
+    @property
+    def block_tokens(self) -> int:
+        return self.layout.block_tokens
+
+    @property
+    def num_blocks(self) -> int:
+        return self.layout.num_blocks
+
+    def blocks_for(self, num_rows: int) -> int:
+        return max(1, -(-num_rows // self.block_tokens))
+
+
+class TransferBuffers(BlockRows):
     def __init__(self, layout: BufferLayout, owner: bool):
         if layout.num_blocks <= 0 or layout.block_tokens <= 0 or layout.width <= 0 or layout.dtype not in DTYPES \
                 or layout.parts <= 0 or layout.width % layout.parts:
@@ -135,10 +155,15 @@ class TransferBuffers:
         if shared:
             folder = shm_dir() or tempfile.gettempdir()
             sweep_stale_files(folder)
-            fd, path = tempfile.mkstemp(prefix=f"{TRANSFER_FILE_PREFIX}{os.getpid()}-", dir=folder)
-            fcntl.flock(fd, fcntl.LOCK_EX)  # held while this process lives: the file is not stale
+            # Made under a hidden name, locked (held while this process lives: the file is not stale), then given
+            # its name: another process's sweep (a tensor-parallel rank starting beside this one) never finds it
+            # unlocked.
+            fd, hidden = tempfile.mkstemp(prefix=f".{TRANSFER_FILE_PREFIX}{os.getpid()}-", dir=folder)
+            fcntl.flock(fd, fcntl.LOCK_EX)
             if reserve:
-                _reserve(fd, path, layout.nbytes)
+                _reserve(fd, hidden, layout.nbytes)
+            path = os.path.join(folder, os.path.basename(hidden)[1:])
+            os.rename(hidden, path)
         buffers = cls(msgspec.structs.replace(layout, path=path), owner=True)
         buffers.lock_fd = fd if shared else None
         if shared:  # the name goes at the latest when this process exits normally, whatever path it takes
@@ -148,6 +173,37 @@ class TransferBuffers:
     @classmethod
     def attach(cls, layout: BufferLayout) -> "TransferBuffers":
         return cls(layout, owner=False)
+
+    @classmethod
+    def open_existing(cls, layout: BufferLayout) -> tuple["TransferBuffers", io.FileIO]:
+        """Another process's shared buffers, mapped only if they are a vlserve transfer file of this user of exactly
+        the layout's size in the shared-memory folder: no symlink followed, nothing created, every check on the
+        very file mapped (kept open: its size can be checked again before a write). ValueError otherwise."""
+        folder = os.path.realpath(shm_dir() or tempfile.gettempdir())
+        name = os.path.basename(layout.path)
+        if os.path.realpath(os.path.dirname(layout.path)) != folder or not name.startswith(TRANSFER_FILE_PREFIX):
+            raise ValueError(f"refusing to map {layout.path!r}: not a vlserve transfer file in {folder}")
+        try:
+            fd = os.open(os.path.join(folder, name), os.O_RDWR | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            raise ValueError(f"the buffers {layout.path!r} are not on this host: the shm backend needs the sender "
+                             "and the receiver on one machine") from None
+        except OSError as e:
+            raise ValueError(f"refusing to map {layout.path!r}: {e}") from None
+        file = io.FileIO(fd, "r+", closefd=True)
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+                raise ValueError(f"refusing to map {layout.path!r}: not a regular file of this user")
+            if info.st_size != layout.nbytes:
+                raise ValueError(f"the buffer file {layout.path!r} has {info.st_size} bytes, its layout says "
+                                 f"{layout.nbytes}")
+            buffers = cls(msgspec.structs.replace(layout, path=f"/proc/self/fd/{fd}"), owner=False)
+        except BaseException:
+            file.close()
+            raise
+        buffers.layout = layout
+        return buffers, file
 
     def unlink(self) -> None:
         """Removes the file name; every process that mapped it keeps its mapping (no leak if one crashes)."""
@@ -178,29 +234,13 @@ class TransferBuffers:
     def rows_finite(self, block_ids: list[int], rows: torch.Tensor) -> bool:
         """Whether the rows at run row indices `rows` hold no NaN or inf. Reads them in place, a run of
         consecutive slots at a time (aminmax propagates NaN and allocates nothing per element)."""
-        if not rows.numel():
-            return True
-        for _, first, n in slot_runs(self.slots(block_ids, rows)):
-            low, high = torch.aminmax(self.planes[:, first : first + n])
-            if not (torch.isfinite(low) and torch.isfinite(high)):
-                return False
-        return True
+        return all(all_finite(self.planes[:, first : first + n])
+                   for _, first, n in slot_runs(self.slots(block_ids, rows)))
 
     # ---- allocation (the owner) ----------------------------------------------------------------------------
     @property
-    def block_tokens(self) -> int:
-        return self.layout.block_tokens
-
-    @property
-    def num_blocks(self) -> int:
-        return self.layout.num_blocks
-
-    @property
     def num_free(self) -> int:
         return self.pool.num_free
-
-    def blocks_for(self, num_rows: int) -> int:
-        return max(1, -(-num_rows // self.block_tokens))
 
     def allocate(self, num_rows: int) -> list[int] | None:
         """Blocks for `num_rows` rows, or None while the pool is too full (ValueError: it never could be)."""
@@ -248,6 +288,14 @@ class TransferBuffers:
     @property
     def element_size(self) -> int:
         return self.planes.element_size()
+
+
+def all_finite(values: torch.Tensor) -> bool:
+    """No NaN or inf in `values`: one pass (aminmax propagates NaN), nothing allocated per element."""
+    if not values.numel():
+        return True
+    low, high = torch.aminmax(values)
+    return bool(torch.isfinite(low) and torch.isfinite(high))
 
 
 def slot_runs(slots: torch.Tensor) -> list[tuple[int, int, int]]:

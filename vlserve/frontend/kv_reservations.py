@@ -1,7 +1,7 @@
 """A decode instance's blocks for peers' writes, seen from its front end: a prefill instance writes a prompt's KV
 into blocks the engine reserved for that transfer: of its KV cache when it keeps it in a shared file
-(core.config.kv_cache_shared: the request takes them, nothing is copied), else its receive blocks (at several
-ranks, on a GPU: copied into its KV cache at admission). The front end, which runs the transfer's protocol,
+(core.config.kv_cache_shared: the request takes them, nothing is copied), else its receive blocks (on a GPU, at
+ranks torchrun started: copied into its KV cache at admission). The front end, which runs the transfer's protocol,
 reserves runs here and lets go of what no request took; the blocks themselves are the engine's, which also
 checks peers' writes against them (engine.write_grants). A reservation the pool is short for waits in the
 engine, which answers it as its requests free blocks: nothing here asks again."""

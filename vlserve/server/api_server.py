@@ -52,8 +52,8 @@ def local_prompt_encoder(server: ServerArgs):
 
 
 def decode_kv_receiver(opts, host: str):
-    """What a decode engine registers where prompts' KV lands (its KV cache, or at several ranks the receive
-    buffers) for peers' writes with (engine process), at the address peers reach this instance by."""
+    """What a decode engine registers where prompts' KV lands (its KV cache, or on a GPU the receive buffers) for
+    peers' writes with (engine process), at the address peers reach this instance by."""
     from vlserve.disagg.registry import advertised_host, reachable_host, registry_target
     from vlserve.disagg.transports.row_writer import kv_receiver_maker
 

@@ -24,7 +24,8 @@ import zmq.asyncio
 from vlserve.core.errors import ConfigurationError
 from vlserve.core.processes import finish
 from vlserve.core.wire import Framer, tensor_from, tensor_ref
-from vlserve.disagg.messages import SenderToReceiver, TransferChunk, TransferTarget
+from vlserve.disagg.messages import RankTarget, SenderToReceiver, TransferChunk, TransferTarget
+from vlserve.engine.ranked_kv import heads_cover, shard_rows
 from vlserve.engine.transfer_buffers import DTYPES, TransferBuffers
 
 
@@ -85,6 +86,10 @@ class Transport(ABC):
 
     name: str
     maps_receiver_file = False  # senders open the receive buffers' file by name: it must keep its name
+    # The receiver's own thread copies each write's rows in (zmq): with `check_finite` set (receivers whose every
+    # row is a value) it refuses rows holding NaN or inf; one-sided writes cannot be refused.
+    copies_rows_in = False
+    check_finite = False
 
     def __init__(self, host: str = "127.0.0.1", secret: str | None = None):
         """`host`: this process's address as peers reach it (transports with their own listener use it);
@@ -96,13 +101,36 @@ class Transport(ABC):
         """Receiver side, once: what a sender needs to write into `buffers`."""
         raise NotImplementedError(f"the {self.name} transport of this process receives nothing")
 
+    def register(self, buffers) -> TransferTarget:
+        """`target`, also for a KV cache kept by several ranks (engine.ranked_kv.RankedKV): each rank's file
+        registered on its own, the whole rows' layout around them."""
+        shards = getattr(buffers, "shards", None)
+        if shards is None:
+            return self.target(buffers)
+        ranks = [self.target(s) for s in shards]
+        return TransferTarget(self.name, buffers.layout, heads=list(buffers.heads), shards=[
+            RankTarget(t.layout, t.session, t.base_address, t.agent_metadata) for t in ranks])
+
+    def write(self, target: TransferTarget, block_ids: list[int], rows: torch.Tensor) -> int:
+        """`write_rows`, also into a KV cache kept by several ranks: each rank gets its heads of the rows (in the
+        rank's own write, checked like any)."""
+        if not target.shards:
+            return self.write_rows(target, block_ids, rows)
+        check_run(target.layout, block_ids, rows)  # first: the whole rows' width is then the rows' own
+        head_dim = check_shards(target)
+        parts, num_heads = target.layout.parts, target.layout.part_width // head_dim
+        return sum(self.write_rows(TransferTarget(target.backend, rank.layout, rank.session, rank.base_address,
+                                                  rank.agent_metadata, grant=target.grant),
+                                   block_ids, shard_rows(rows, parts, num_heads, first, count))
+                   for rank, (first, count) in zip(target.shards, target.heads))
+
     async def send(self, sock: zmq.asyncio.Socket, peer: bytes, header: TransferChunk, data: ChunkData,
                    target: TransferTarget | None) -> int:
         """Sender side: deliver `data` into the receiver's `header.block_ids`; returns the payload bytes."""
         target = check_target(target, self.name)
         check_chunk(header, data, target.layout.width)
         if data.rows.numel():
-            await in_thread(self.write_rows, target, header.block_ids, data.rows)
+            await in_thread(self.write, target, header.block_ids, data.rows)
         await self.send_header(sock, peer, header, data)
         return data.nbytes
 
@@ -157,6 +185,37 @@ def check_target(target: TransferTarget | None, backend: str) -> TransferTarget:
         raise ValueError(f"this peer sends with --transfer-backend {backend}, the receiver expects "
                          f"{have}: start every role with the same backend")
     return target
+
+
+MAX_SHARDS = 64  # ranks of a receiving KV cache a target may name
+
+
+def check_shards(target: TransferTarget) -> int:
+    """A target of several ranks' files (a receiver's word, so checked; its whole rows' layout checked against the
+    rows first): each rank's file holds its heads of every plane of the whole rows, and every head is kept
+    somewhere. Returns the head size."""
+    whole = target.layout
+    if not 0 < len(target.shards) == len(target.heads) <= MAX_SHARDS:
+        raise ValueError(f"a target of {len(target.shards)} ranks naming heads of {len(target.heads)}")
+    if any(lay.parts <= 0 or lay.width <= 0 or lay.width % lay.parts for lay in
+           [whole, *(rank.layout for rank in target.shards)]):
+        raise ValueError("a KV file's layout does not split its rows into planes")
+    first_count = target.heads[0][1]
+    if first_count <= 0 or target.shards[0].layout.part_width % first_count:
+        raise ValueError("a rank's KV file does not hold whole heads")
+    head_dim = target.shards[0].layout.part_width // first_count
+    if whole.part_width % head_dim:
+        raise ValueError("a rank's KV file does not hold whole heads")
+    num_heads = whole.part_width // head_dim
+    for rank, (_, count) in zip(target.shards, target.heads):
+        lay = rank.layout
+        if lay.part_width != count * head_dim or lay.parts != whole.parts \
+                or (lay.num_blocks, lay.block_tokens, lay.dtype) != (whole.num_blocks, whole.block_tokens,
+                                                                      whole.dtype):
+            raise ValueError(f"a rank's KV file {lay} does not fit the whole rows' layout {whole}")
+    if not heads_cover(target.heads, num_heads):
+        raise ValueError(f"the ranks' KV files hold heads {target.heads}, not each of {num_heads}")
+    return head_dim
 
 
 def check_run(layout, block_ids: list[int], rows: torch.Tensor) -> None:

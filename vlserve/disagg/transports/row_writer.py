@@ -40,7 +40,7 @@ class TransportRowWriter:
 
     def write(self, destination: bytes, rows: torch.Tensor) -> int:
         where = self._decoder.decode(destination)
-        return self.transport.write_rows(check_target(where.target, self.backend), where.block_ids, rows)
+        return self.transport.write(check_target(where.target, self.backend), where.block_ids, rows)
 
     def close(self) -> None:
         self.transport.close()
@@ -64,14 +64,20 @@ def write_deadline() -> float:
 class TransportKVReceiver:
     """A decode engine's side of the transports, made in its engine process (by the maker `kv_receiver_maker`
     returns) once its KV cache exists: its own transport instance registers where prompts' KV lands (the KV
-    cache in a shared file; at several ranks the receive buffers) with Mooncake or NIXL, or serves zmq's row
+    cache in shared files, every rank's; on a GPU the receive buffers) with Mooncake or NIXL, or serves zmq's row
     socket for it (shm needs nothing but the file), so that peers' writes land there, never passing through the
     front end. `target` is how peers reach it, encoded for the front end, which sends it with every
-    request."""
+    request.
 
-    def __init__(self, backend: str, host: str, secret: str | None, kv_buffers):
+    `check_finite`: every row peers write is a value (a model without state rows): zmq's row socket, which copies
+    them in, then refuses rows holding NaN or inf, and `rows_checked` tells the engine's connector it need not
+    read them again at admission. The other backends write one-sided: the engine checks."""
+
+    def __init__(self, backend: str, host: str, secret: str | None, kv_buffers, check_finite: bool = False):
         self.transport = TRANSPORTS[backend](host, secret)
-        self.target = msgspec.msgpack.encode(self.transport.target(kv_buffers))
+        self.transport.check_finite = check_finite  # (a transport that copies rows in checks them as it does)
+        self.rows_checked = self.transport.copies_rows_in and check_finite
+        self.target = msgspec.msgpack.encode(self.transport.register(kv_buffers))
 
     def close(self) -> None:
         self.transport.close()
@@ -79,7 +85,7 @@ class TransportKVReceiver:
 
 def kv_receiver_maker(backend: str, host: str, secret: str | None = None) -> Callable:
     """What a decode engine process registers its KV cache with (picklable; called with the engine's KV
-    buffers)."""
+    buffers, and `check_finite=` whether every row peers write there is a value: see `TransportKVReceiver`)."""
     return functools.partial(TransportKVReceiver, backend, host, secret)
 
 

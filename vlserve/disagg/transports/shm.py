@@ -14,20 +14,17 @@ from __future__ import annotations
 
 import io
 import os
-import stat
-import tempfile
 import threading
 from dataclasses import dataclass
 
-import msgspec
 import torch
 
 from vlserve.core.errors import VlserveError
 from vlserve.disagg.messages import TransferTarget
 from vlserve.disagg.transports.base import Transport, write_run
-from vlserve.engine.transfer_buffers import TRANSFER_FILE_PREFIX, TransferBuffers, shm_dir
+from vlserve.engine.transfer_buffers import TransferBuffers
 
-MAX_MAPPED = 16  # receivers whose buffers stay mapped (one per receiving server on this host)
+MAX_MAPPED = 64  # receivers' files that stay mapped (one per receiving server on this host, or per rank of one)
 
 
 class FileResized(VlserveError, ValueError):
@@ -69,33 +66,9 @@ class ShmTransport(Transport):
         mapped = self._mapped.get(layout.path)
         if mapped is not None and mapped.buffers.layout == layout:
             return mapped
-        folder = os.path.realpath(shm_dir() or tempfile.gettempdir())
-        name = os.path.basename(layout.path)
-        if os.path.realpath(os.path.dirname(layout.path)) != folder or not name.startswith(TRANSFER_FILE_PREFIX):
-            raise ValueError(f"refusing to map {layout.path!r}: not a vlserve transfer file in {folder}")
-        try:  # no symlink, and every check below is on the very file that gets mapped
-            fd = os.open(os.path.join(folder, name), os.O_RDWR | os.O_NOFOLLOW)
-        except FileNotFoundError:
-            raise ValueError(f"the receiver's buffers {layout.path!r} are not on this host: the shm backend needs "
-                             "the sender and the receiver on one machine") from None
-        except OSError as e:
-            raise ValueError(f"refusing to map {layout.path!r}: {e}") from None
-        file = io.FileIO(fd, "r+", closefd=True)  # kept open: every write checks its size first
-        try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
-                raise ValueError(f"refusing to map {layout.path!r}: not a regular file of this user")
-            if info.st_size != layout.nbytes:
-                raise ValueError(f"the receiver's buffer file has {info.st_size} bytes, its layout says "
-                                 f"{layout.nbytes}")
-            via_fd = msgspec.structs.replace(layout, path=f"/proc/self/fd/{fd}")
-            buffers = TransferBuffers(via_fd, owner=False)
-        except BaseException:
-            file.close()
-            raise
+        buffers, file = TransferBuffers.open_existing(layout)
         if len(self._mapped) >= MAX_MAPPED:
             self._mapped.pop(next(iter(self._mapped)))
-        buffers.layout = layout
         mapped = self._mapped[layout.path] = _Mapped(buffers, file)
         return mapped
 

@@ -2,12 +2,14 @@
 row socket), then sends the header alone over the control connection, like every transport that writes in place.
 
 The row socket is served by a thread of whichever process holds the blocks: a decode engine serves its KV cache
-(or the receive blocks it reads, at several ranks), so no front end sees a KV byte; any other receiver its
+(a socket for each rank's file; on a GPU the receive blocks it reads), so no front end sees a KV byte; any other
+receiver its
 receive blocks. Each write is one message (a `RowWrite` header and the rows' bytes) answered once the rows are
 in the blocks; the sender waits for that answer before it sends the chunk's header, and fails fast when the
 receiver cannot be reached. The receiver takes a write only into blocks it reserved for that write's transfer
 (its grant: engine.write_grants, kept by whichever allocates them in this process; buffers nobody here grants
-take no write at all), and checks it as shm checks a mapped one (exactly the bytes the rows need). It also
+take no write at all), and checks it as shm checks a mapped one (exactly the bytes the rows need); a decode
+engine's socket (`check_finite`) also refuses rows holding NaN or inf, since it copies them anyway. It also
 refuses a write that comes too late by its own clock (the sender's send time plus the write timeout every role
 shares, less a margin), so a write given up on never lands. A refused write is answered with why, a malformed
 header or one over its size bound too; only a message bigger than the blocks themselves (libzmq's MAXMSGSIZE, at
@@ -34,7 +36,7 @@ from vlserve.core.private_dirs import PrivateDir
 from vlserve.disagg.auth import PeerAuth, is_loopback
 from vlserve.disagg.messages import TransferTarget
 from vlserve.disagg.transports.base import Transport, check_run, write_run, write_timeout_s
-from vlserve.engine.transfer_buffers import DTYPES, TransferBuffers
+from vlserve.engine.transfer_buffers import DTYPES, TransferBuffers, all_finite
 
 logger = logging.getLogger("vlserve.disagg.zmq")
 POLL_MS = 200  # how often the serving thread looks whether it should stop
@@ -70,8 +72,11 @@ class RowServer:
     address may be a name, or translated on the way: a container's) and only with --disagg-secret, which it then
     requires of every peer."""
 
-    def __init__(self, buffers: TransferBuffers, host: str, auth: PeerAuth):
-        self.buffers, self.auth = buffers, auth
+    def __init__(self, buffers: TransferBuffers, host: str, auth: PeerAuth, check_finite: bool = False):
+        """`check_finite`: refuse a write whose rows are not all finite. Only where every row is a value: not a
+        hybrid model's KV (its state rows are float32 bytes, checked by the engine), nor a front end's media rows
+        (it checks them itself)."""
+        self.buffers, self.auth, self.check_finite = buffers, auth, check_finite
         self.write_timeout = write_timeout_s()  # how long after its send time a sender waits for a write
         self._stop, self._thread, self._folder = threading.Event(), None, None
         local = is_loopback(host)  # the one rule every channel follows
@@ -156,6 +161,8 @@ class RowServer:
         if grants is None:  # nobody here gives these blocks out: none is reserved for any transfer
             raise ValueError("this receiver grants none of its blocks to peers' writes: nothing written")
         with grants.writing(msg.grant, msg.block_ids):  # reserved for this transfer, and kept until it is done
+            if self.check_finite and not all_finite(rows):  # one pass, as the rows are about to be copied anyway
+                raise ValueError("the rows hold NaN or infinite values: nothing written")
             write_run(self.buffers, msg.block_ids, rows)
 
     def close(self) -> None:
@@ -180,9 +187,12 @@ def late_margin_s(timeout: float) -> float:
 class ZmqTransport(Transport):
     name = "zmq"
 
-    def __init__(self, host: str = "127.0.0.1", secret: str | None = None):
+    copies_rows_in = True
+
+    def __init__(self, host: str = "127.0.0.1", secret: str | None = None, check_finite: bool = False):
+        """`check_finite`: its row sockets refuse rows holding NaN or inf (`RowServer`)."""
         super().__init__(host, secret)
-        self.secret, self._client_auth = secret, PeerAuth(secret)
+        self.secret, self._client_auth, self.check_finite = secret, PeerAuth(secret), check_finite
         self.write_timeout = write_timeout_s()  # below the receiver's quarantine of a failed transfer's blocks
         self._servers: list[RowServer] = []
         self._idle: dict[str, list[zmq.Socket]] = {}  # receiver address -> connected sockets not in use
@@ -192,7 +202,7 @@ class ZmqTransport(Transport):
 
     # ---- receiver --------------------------------------------------------------------------------------------
     def target(self, buffers: TransferBuffers) -> TransferTarget:
-        server = RowServer(buffers, self.host, PeerAuth(self.secret))
+        server = RowServer(buffers, self.host, PeerAuth(self.secret), self.check_finite)
         self._servers.append(server)
         return TransferTarget(self.name, buffers.layout, server.address)
 

@@ -11,7 +11,8 @@ its first token (with the random state) in a `Handoff`. Where the KV is:
 Its pictures are not here to recompute it from, so a preemption swaps its KV out to host memory and back in at
 readmission. A hybrid model's linear states arrive as rows after the prompt's KV rows (in place: in the slots
 after its prompt's, read out before its first step writes there) and go into the request's state slot; a
-preemption swaps them out and back in with its KV."""
+preemption swaps them out and back in with its KV. Either way a prompt's KV rows are checked finite as it is
+admitted, unless the transport refused any that were not as it wrote them (`rows_checked`)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import logging
 
 import torch
 
-from vlserve.core.errors import InvalidInputError
+from vlserve.core.errors import InvalidInputError, ServiceUnavailableError
 from vlserve.core.messages import EngineCoreOutput
 from vlserve.core.prompt import ProcessedPrompt
 from vlserve.core.request import Request, RequestStatus
@@ -36,8 +37,10 @@ logger = logging.getLogger(__name__)
 
 
 class DecodeConnector(KVConnector):
-    def __init__(self, cfg):
-        self.cfg = cfg
+    def __init__(self, cfg, rows_checked: bool = False):
+        """`rows_checked`: the transport that lands peers' rows here refused any that are not finite (zmq's row
+        socket, for a model without state rows), so `admit` need not read them again."""
+        self.cfg, self.rows_checked = cfg, rows_checked
         self.state_rows = state_row_count(cfg.model, cfg.dtype)  # after each prompt's KV rows (hybrid models)
         self._pending: dict[str, PendingKV] = {}  # KV to write when the request is (re)admitted
         self._not_recomputable: set[str] = set()  # handed-over requests: preempting one swaps its KV out
@@ -88,6 +91,7 @@ class DecodeConnector(KVConnector):
         if self.in_place:
             kv, reserved = self.runner.kv_buffers, self._reserved
             reserved.claim(req.request_id, blocks, n + state_rows)
+            self._check_finite(kv, blocks, n)  # (refused: `forget` unclaims them, the holder's release frees them)
 
             def read_state_in_place() -> torch.Tensor:  # from the request's own blocks, after its prompt's rows
                 return kv.read_rows(req.block_ids, n, state_rows)
@@ -99,6 +103,7 @@ class DecodeConnector(KVConnector):
             return self._first_output(req, first)
         if self._receive is not None:  # its transfer is over: its receive blocks take no more writes (as `claim`)
             self._receive.grants.close(blocks)
+        self._check_finite(transfer, blocks, n)
 
         def read(start: int) -> torch.Tensor:
             return rows_to_kv(transfer.read_rows(blocks, start, n - start), t.num_kv_layers, t.num_kv_heads,
@@ -111,6 +116,13 @@ class DecodeConnector(KVConnector):
                                                   state_rows=read_state if state_rows else None)
         self._not_recomputable.add(req.request_id)
         return self._first_output(req, first)
+
+    def _check_finite(self, buffers, blocks: list[int], n: int) -> None:
+        """The prompt's KV rows, as a peer wrote them (one-sided: shm, Mooncake, NIXL; or a hybrid model's over
+        zmq), hold no NaN or inf: else only this request fails, as the server's fault (503), not the client's.
+        Its state rows are float32 bytes: checked as states when they are written into its slot."""
+        if not self.rows_checked and not buffers.rows_finite(blocks, torch.arange(n)):
+            raise ServiceUnavailableError("the prefill instance sent KV rows holding NaN or infinite values; retry")
 
     @staticmethod
     def _first_output(req: Request, first: EngineCoreOutput) -> EngineCoreOutput:

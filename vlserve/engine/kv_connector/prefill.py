@@ -5,10 +5,10 @@ state slot is freed). A hold nobody takes (the step's outputs were lost) expires
 Where the KV goes: with a row writer (made by the disaggregation layer for the instance's transport) it stays in
 this process, and the front end, which runs the transfer's protocol, asks for each chunk to be written into the
 decode instance's blocks (`write`): the writes run on a thread of their own while the engine steps on, and end
-in `take_written`. On one CPU rank the blocks themselves are kept until the transfer is over (vLLM's delayed
-free) and each write reads its chunk's rows out of them on the writer thread: the engine's own thread spends
-nothing on the export. Elsewhere (several ranks, whose heads are gathered; a GPU) the rows are read out after
-the step and the blocks freed then. What is kept goes when the front end says the transfer is over (`forget`,
+in `take_written`. On the CPU (one rank, or several whose KV files rank 0 maps: engine.ranked_kv) the blocks
+themselves are kept until the transfer is over (vLLM's delayed free) and each write reads its chunk's rows out
+of them on the writer thread: the engine's own thread spends nothing on the export. Elsewhere (a GPU; ranks
+torchrun started, whose heads are gathered) the rows are read out after the step and the blocks freed then. What is kept goes when the front end says the transfer is over (`forget`,
 blocks freed once no write reads them) or after the same expiry. Without a writer (an engine driven directly)
 the rows go out with the first token."""
 
@@ -29,6 +29,7 @@ from vlserve.core.request import Request, RequestStatus
 from vlserve.core.sampling_params import SamplingParams
 from vlserve.core.wire import KVWritten, WriteKV
 from vlserve.engine.kv_connector.base import ExportedKV, KVConnector, KVTransfer, RowWriter
+from vlserve.engine.transfer_buffers import all_finite
 
 
 logger = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ HELD_KV_TTL_S = 120.0  # a finished prefill's blocks are kept this long at most
 
 @dataclass
 class KeptKV:
-    """A finished prompt's KV kept for the writer: its rows read out already, or (one CPU rank) its blocks."""
+    """A finished prompt's KV kept for the writer: its rows read out already, or (on the CPU) its blocks."""
 
     num_tokens: int
     read_rows: Callable[[int, int], torch.Tensor]  # tokens start..end's rows (sliced, or read out of the blocks)
@@ -178,7 +179,12 @@ class PrefillConnector(KVConnector):
     def _write(self, msg: WriteKV, kept: KeptKV) -> int:
         if time.time() > msg.not_after:  # queued too long (a slow or stuck engine): its front end gave up on it
             raise TimeoutError("the write was asked for too long ago; not started")
-        return self.writer.write(msg.destination, kept.rows_of(msg.start, msg.end))
+        rows = kept.rows_of(msg.start, msg.end)
+        # Its token rows only: a hybrid model's state rows after them are float32 bytes, not values (the decode
+        # engine checks the states it unpacks). A failed write fails the transfer, retried on another instance.
+        if not all_finite(rows[: msg.end - msg.start]):
+            raise ValueError(f"the KV rows of tokens {msg.start}..{msg.end} hold NaN or infinite values: not written")
+        return self.writer.write(msg.destination, rows)
 
     def take_written(self) -> list[KVWritten]:
         done = []

@@ -30,8 +30,11 @@ from vlserve.core.errors import InvalidInputError, ModelLoadError, TensorParalle
 from vlserve.core.wire import Framer, tensor_ref
 from vlserve.engine.config import DATA, VlserveConfig
 from vlserve.engine.forward_batch import ForwardBatch, batch_to_wire
-from vlserve.engine.model_shard import ModelShard, load_shard
+from vlserve.engine.kv_handoff import kv_to_rows
+from vlserve.engine.model_shard import ModelShard, kv_heads_of, load_shard
 from vlserve.engine.private_sockets import PrivateSockets
+from vlserve.engine.ranked_kv import RankedKV
+from vlserve.engine.transfer_buffers import BufferLayout
 from vlserve.engine.tp.messages import (
     Failed,
     FollowerMessage,
@@ -105,6 +108,8 @@ class TPLeader:
         self._out = Framer(LeaderMessage)
         self._in = Framer(FollowerMessage)
         self._held: dict[int, str] = {}  # LoRA slot -> key of the adapter the other ranks hold there
+        self.kv_buffers: RankedKV | None = None  # the KV cache in shared files, every rank's mapped here
+        self._rows_scratch: torch.Tensor | None = None  # a prefill writer thread's rows (read_kv_rows(scratch))
 
     # ---- start -------------------------------------------------------------------------------------------------
     @classmethod
@@ -149,7 +154,9 @@ class TPLeader:
                      "shm_path": shm_path}))
                 leader._wait_for(Hello, "connect")
             leader.shard = load_shard(cfg, group, device)
-            leader._wait_for(Ready, "load the model")
+            ready = leader._wait_for(Ready, "load the model")
+            if leader.shard.kv_buffers is not None:
+                leader.kv_buffers = ranked_kv(leader.shard, [ready[r].kv_layout for r in range(1, size)])
             _unlink(shm_path)  # every rank has mapped it: the name can go (no file left behind by a crash)
         except BaseException:
             leader.shutdown()
@@ -180,8 +187,9 @@ class TPLeader:
             raise result["error"]
         return result["group"]
 
-    def _wait_for(self, kind: type, what: str) -> None:
-        pending = set(range(1, self.place.size))
+    def _wait_for(self, kind: type, what: str) -> dict:
+        """Each other rank's message of `kind` (rank -> it)."""
+        pending, got = set(range(1, self.place.size)), {}
         deadline = time.monotonic() + START_TIMEOUT_S
         while pending:
             if time.monotonic() > deadline:
@@ -195,6 +203,8 @@ class TPLeader:
                 raise ModelLoadError(f"tensor-parallel rank {msg.rank} failed to start: {msg.why}")
             if isinstance(msg, kind):
                 pending.discard(msg.rank)
+                got[msg.rank] = msg
+        return got
 
     def _receive(self):
         frames = self.sock.recv_multipart()
@@ -281,6 +291,25 @@ class TPLeader:
         self._tell_others(ReadKV(tensor_ref(slots, tensors)), tensors)
         return self._collective(lambda: self.shard.read_kv(slots))
 
+    @property
+    def reads_kv_off_thread(self) -> bool:
+        """Every rank's KV file is mapped here: `read_kv_rows` reads them, so a writer thread may call it mid-step."""
+        return self.kv_buffers is not None
+
+    def read_kv_rows(self, slots: torch.Tensor, scratch: bool = False) -> torch.Tensor:
+        """[len(slots), width]: the KV cache at these slots as handoff rows. With every rank's file mapped here,
+        read straight out of them (no collective: no other rank takes part); `scratch`: into memory reused by the
+        next such call (one thread only). Else every rank's heads gathered."""
+        if self.kv_buffers is None:
+            return kv_to_rows(self.read_kv(slots))
+        out = None
+        if scratch:
+            numel = slots.numel() * self.kv_buffers.layout.width
+            if self._rows_scratch is None or self._rows_scratch.numel() < numel:
+                self._rows_scratch = torch.empty(numel, dtype=self.kv_buffers.shards[0].planes.dtype)
+            out = self._rows_scratch[:numel].view(slots.numel(), -1)
+        return self.kv_buffers.read_slots(slots, out)
+
     def write_kv(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
         """Each rank writes its own heads of `kv` (every head) at these slots, before its next step."""
         tensors: list[torch.Tensor] = []
@@ -350,6 +379,17 @@ class TPLeader:
         self._finalizer()
 
 
+def ranked_kv(shard: ModelShard, layouts: list[bytes | None]) -> RankedKV:
+    """Every rank's KV file (rank 0's own, the others' as they announced them), as one KV cache."""
+    if any(lay is None for lay in layouts):
+        raise TensorParallelError("a rank did not put its KV cache in a shared file")
+    text = shard.model.cfg.text
+    size = len(layouts) + 1
+    heads = [kv_heads_of(text.num_kv_heads, text.head_dim, rank, size) for rank in range(size)]
+    return RankedKV.attach(shard.kv_buffers, [msgspec.msgpack.decode(lay, type=BufferLayout) for lay in layouts],
+                           heads, text.num_kv_heads)
+
+
 def _spawn(rank: int, place: Placement, address: str, token: str, shm_path: str | None,
            cfg: VlserveConfig) -> subprocess.Popen:
     """Another rank of this machine, in its own process (`python -m vlserve.engine.tp.worker`): its spec in its
@@ -358,6 +398,7 @@ def _spawn(rank: int, place: Placement, address: str, token: str, shm_path: str 
     args = dataclasses.replace(cfg.args, model=str(cfg.model_path), num_kv_blocks=cfg.num_kv_blocks or None)
     spec = {"placement": dataclasses.asdict(dataclasses.replace(place, rank=rank, local_rank=rank)),
             "address": address, "shm_path": shm_path, "args": encode_args(args).decode(),
+            "kv_cache_file": cfg.kv_cache_file,
             "facts": encode_facts(cfg.facts).decode(), "parent": os.getpid(),
             "log_level": logging.getLevelName(logging.getLogger().getEffectiveLevel())}
     env = {**os.environ, SPEC_ENV: json.dumps(spec)}

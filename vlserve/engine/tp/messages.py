@@ -86,6 +86,7 @@ class Hello(msgspec.Struct, tag="hello"):
 
 class Ready(msgspec.Struct, tag="ready"):
     rank: int
+    kv_layout: bytes | None = None  # a decode engine's: this rank's KV cache in a shared file (its BufferLayout)
 
 
 class Failed(msgspec.Struct, tag="failed"):

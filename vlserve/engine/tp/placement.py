@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from vlserve.core.config import under_torchrun
 from vlserve.core.cpu_budget import plan_threads
 from vlserve.core.errors import InvalidInputError
 from vlserve.engine.transfer_buffers import shm_dir
@@ -34,7 +35,6 @@ from vlserve.model.layers.parallel import TPGroup
 from vlserve.model.layers.shm_collectives import ShmCollectives
 
 logger = logging.getLogger("vlserve.tp")
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 INTERFACE_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")  # where gloo and NCCL listen
 IFF_LOOPBACK = 0x8
 _given_back: dict[str, str | None] = {}  # what INTERFACE_VARS were before the group set them, for leave_group
@@ -55,7 +55,7 @@ class Placement:
 
 def torchrun_placement(size: int) -> Placement | None:
     """This process's place when torchrun (or the same variables) started it; None when not."""
-    if not all(v in os.environ for v in TORCHRUN_VARS):
+    if not under_torchrun():
         return None
     world = int(os.environ["WORLD_SIZE"])
     if world != size:

@@ -52,12 +52,14 @@ IDLE_POLL_MS = 1000
 
 
 def run_rank(place: Placement, args: EngineArgs, facts: ModelFacts | None = None, address: str | None = None,
-             shm_path: str | None = None, parent: int | None = None, token: str = "") -> int:
+             shm_path: str | None = None, parent: int | None = None, token: str = "",
+             kv_cache_file: bool = False) -> int:
     """Runs this rank until rank 0 stops it or is gone; returns the exit code. `address`: rank 0's socket, and
     `token` what it admits (None under torchrun: rank 0 sends both, with the KV cache size, once the process group
     is up). `parent`: rank 0's pid when it started this process. `facts`: rank 0's (None under torchrun: each
-    rank resolves them, from the same options)."""
-    cfg = resolve_config(args, facts, announce=False)
+    rank resolves them, from the same options). `kv_cache_file`: a decode engine's rank keeps its KV cache in a
+    shared file rank 0 maps (engine.ranked_kv)."""
+    cfg = dataclasses.replace(resolve_config(args, facts, announce=False), kv_cache_file=kv_cache_file)
     device = device_for(cfg.device, place.local_rank)
     if device.type == "cpu":
         pin_cores(place.local_rank, place.local_size, args.cpu_threads)
@@ -86,7 +88,8 @@ def run_rank(place: Placement, args: EngineArgs, facts: ModelFacts | None = None
             connect_private(sock, shared["address"], shared["token"])
             sock.send_multipart(out.encode(Hello(place.rank)))
         shard = load_shard(cfg, group, device)
-        sock.send_multipart(out.encode(Ready(place.rank)))
+        kv = shard.kv_buffers
+        sock.send_multipart(out.encode(Ready(place.rank, None if kv is None else msgspec.msgpack.encode(kv.layout))))
         while True:
             ready = dict(poller.poll(IDLE_POLL_MS))
             if monitor in ready or (parent is not None and os.getppid() != parent):
@@ -151,7 +154,7 @@ def main() -> None:
         sys.exit(1)
     place = Placement(**spec["placement"])
     sys.exit(run_rank(place, decode_args(spec["args"].encode()), decode_facts(spec["facts"]), spec["address"],
-                      spec["shm_path"], spec["parent"], token))
+                      spec["shm_path"], spec["parent"], token, spec.get("kv_cache_file", False)))
 
 
 if __name__ == "__main__":
