@@ -235,3 +235,8 @@ def unmerged_lora(model: torch.nn.Module, ckpt: Path, adapter: Path):
     finally:
         for h in handles:
             h.remove()
+
+
+def make_adapters(ckpt, root, made: dict[str, tuple[str, int]]) -> dict:
+    """Adapters of `ckpt` under `root`: name -> (what they target: "lm", "tower" or "both"; seed) -> their folders."""
+    return {name: make_peft_adapter(ckpt, root / name, targets, seed=seed) for name, (targets, seed) in made.items()}

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.conftest import assert_pool_full, noise_image
-from tests.lora_utils import make_peft_adapter
+from tests.lora_utils import make_adapters
 from vlserve import LLM, LoRARequest, SamplingParams
 from vlserve.core.block_hash import prompt_block_hashes
 from vlserve.core.errors import InvalidInputError
@@ -31,10 +31,8 @@ def ckpt(tiny_ckpt):
 
 @pytest.fixture(scope="module")
 def adapters(ckpt, tmp_path_factory):
-    root = tmp_path_factory.mktemp("adapters")
-    made = {"lm": ("lm", 1), "tower": ("tower", 2), "both": ("both", 3), "lm4": ("lm", 4)}
-    return {name: make_peft_adapter(ckpt, root / name, targets=kind, seed=seed)
-            for name, (kind, seed) in made.items()}
+    return make_adapters(ckpt, tmp_path_factory.mktemp("adapters"),
+                         {"lm": ("lm", 1), "tower": ("tower", 2), "both": ("both", 3), "lm4": ("lm", 4)})
 
 
 @pytest.fixture(scope="module")

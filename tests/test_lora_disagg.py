@@ -11,7 +11,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.lora_utils import make_peft_adapter
+from tests.lora_utils import make_adapters
 from tests.server_utils import scrape
 from tests.test_disagg import Cluster, picture_chat, wait_encoder_idle, wait_language_blocks_free, wait_until
 from tests.test_lora_server import chat_prompt
@@ -31,8 +31,8 @@ def ckpt(tiny_ckpt):
 
 @pytest.fixture(scope="module")
 def adapters(ckpt, tmp_path_factory):
-    root = tmp_path_factory.mktemp("adapters")
-    return {name: make_peft_adapter(ckpt, root / name, name, seed=i + 1) for i, name in enumerate(ADAPTERS)}
+    return make_adapters(ckpt, tmp_path_factory.mktemp("adapters"),
+                         {name: (name, i + 1) for i, name in enumerate(ADAPTERS)})
 
 
 @pytest.fixture(scope="module")

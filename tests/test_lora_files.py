@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.lora_utils import make_peft_adapter
+from tests.lora_utils import make_adapters, make_peft_adapter
 from tests.open_recorder import recording_opens
 from vlserve import LLM
 from vlserve.core.config import EngineArgs
@@ -41,8 +41,7 @@ def ckpt(tiny_ckpt):
 
 @pytest.fixture(scope="module")
 def adapters(ckpt, tmp_path_factory):
-    root = tmp_path_factory.mktemp("adapters")
-    return {name: make_peft_adapter(ckpt, root / name, "lm", seed=seed) for name, seed in (("lm", 1), ("lm4", 4))}
+    return make_adapters(ckpt, tmp_path_factory.mktemp("adapters"), {"lm": ("lm", 1), "lm4": ("lm", 4)})
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ import zmq
 from safetensors.torch import load_file, save_file
 
 from tests.conftest import noise_image
-from tests.lora_utils import make_peft_adapter
+from tests.lora_utils import make_adapters
 from tests.open_recorder import recording_opens
 from tests.test_disagg import data_url
 from vlserve import LLM, LoRARequest, SamplingParams
@@ -76,9 +76,8 @@ def ckpt(tiny_ckpt):
 
 @pytest.fixture(scope="module")
 def adapters(ckpt, tmp_path_factory):
-    root = tmp_path_factory.mktemp("adapters")
-    return {name: make_peft_adapter(ckpt, root / name, kind, seed=seed)
-            for name, kind, seed in (("lm", "lm", 1), ("lm4", "lm", 4), ("tower", "tower", 2), ("other", "tower", 3))}
+    return make_adapters(ckpt, tmp_path_factory.mktemp("adapters"),
+                         {"lm": ("lm", 1), "lm4": ("lm", 4), "tower": ("tower", 2), "other": ("tower", 3)})
 
 
 @pytest.fixture(scope="module")
