@@ -18,7 +18,7 @@ import zmq
 from prometheus_client import CollectorRegistry
 
 from tests.conftest import IMG, assert_pool_full, noise_image
-from tests.test_pd_handoff import Decode, _cfg, _whole
+from tests.test_pd_handoff import Decode, _cfg, _whole, run
 from vlserve import LLM, SamplingParams
 from vlserve.core.errors import ConfigurationError, EngineDeadError
 from vlserve.core.messages import Handoff
@@ -303,10 +303,10 @@ def test_a_prefill_engine_writes_no_kv_rows_holding_nan_but_writes_state_rows_as
 def test_a_decode_engine_fails_a_request_whose_kv_rows_hold_nan_as_it_admits_it(path, decode):
     """#67: shm, Mooncake and NIXL write one-sided (nothing on the decode side can refuse a write), and over zmq
     a hybrid model's rows carry state bytes its row socket cannot judge: the decode engine checks a prompt's KV
-    rows as it admits it, its blocks in place or in receive blocks (several ranks, a GPU). A NaN fails that
-    request alone, as the server's fault (503: its prefill instance sent garbage, the client did nothing wrong),
-    and its blocks go back with their holder's release."""
-    from vlserve.core.errors import ServiceUnavailableError
+    rows, its blocks in place or in receive blocks (a GPU), on a thread of its own from the request's arrival
+    (its blocks take no more writes by then), and takes the answer when it admits the request. A NaN fails that
+    request alone, as the server's fault (503: its prefill instance sent garbage, the client did nothing wrong);
+    the other request of the step goes on, and every block goes back."""
     from vlserve.core.messages import EngineCoreOutput
 
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
@@ -314,14 +314,18 @@ def test_a_decode_engine_fails_a_request_whose_kv_rows_hold_nan_as_it_admits_it(
     processed = InputProcessor.for_model(cfg).process({"prompt": "Hello, how are you?"})
     n, tail = len(processed.prompt_token_ids), state_row_count(cfg.model, cfg.dtype)
     for engine in (decode, Decode(path, num_kv_blocks=32, in_place=False)):
-        rows = torch.randn(n + tail, cfg.model.kv_row_width)
-        rows[n // 2, 5] = float("nan")
-        arrived = engine.receive("poisoned", processed, rows)
-        with pytest.raises(ServiceUnavailableError, match="NaN or infinite values") as refused:
-            engine.add("poisoned", arrived, params, Handoff(EngineCoreOutput("poisoned", [7])))
-        assert refused.value.http_status == 503
-        assert not engine.core.connector.owns("poisoned") and not engine.core.scheduler.requests
-        engine.free("poisoned")  # what its front end does with a refused request's blocks
+        for rid in ("poisoned", "fine"):
+            rows = torch.randn(n + tail, cfg.model.kv_row_width)
+            if rid == "poisoned":
+                rows[n // 2, 5] = float("nan")
+            engine.add(rid, engine.receive(rid, processed, rows), params, Handoff(EngineCoreOutput(rid, [7])))
+        assert engine.core.connector._checker is not None  # checked off the engine's thread
+        got = run(engine, ["poisoned", "fine"])
+        assert len(got["fine"]) == 3 and got["poisoned"] == [7]  # (its first token came with it)
+        failed = {rid: (why, status) for rid, why, status in engine.core.take_failed()}
+        assert failed["poisoned"][1] == 503 and "NaN or infinite values" in failed["poisoned"][0], failed
+        assert "fine" not in failed
+        assert not engine.core.connector.owns("poisoned")
         assert engine.nothing_held()
         if engine is not decode:
             engine.core.shutdown()

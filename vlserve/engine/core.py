@@ -148,9 +148,9 @@ class EngineCore:
     def _move_kv(self, sched) -> None:
         """Before this step's forward pass: the connector moves KV out of reused blocks and into admitted ones."""
         moved = self.connector.move_kv(sched)
-        for rid, why in moved.failed:
+        for rid, why, status in moved.failed:
             self.abort_requests([rid])
-            self._failed.append((self._parent_of.get(rid, rid), why, 500))
+            self._failed.append((self._parent_of.get(rid, rid), why, status))
         if self.report_released:  # the prompt's inputs (receive blocks) are not read any more
             self._inputs_released += [self._parent_of.get(rid, rid) for rid in moved.loaded]
 
@@ -217,7 +217,7 @@ class EngineCore:
 
     def take_failed(self) -> list[tuple[str, str, int]]:
         """(request id, reason, status) of API requests refused after admission: their grammar failed to build,
-        or (500) their KV could not be moved (written in, or exported)."""
+        or their KV could not be moved (500: written in, or exported; 503: a peer sent KV holding NaN)."""
         failed, self._failed = self._failed, []
         return failed
 

@@ -75,10 +75,11 @@ class RowWriter(Protocol):
 @dataclass
 class MovedKV:
     """What `move_kv` did: requests whose KV from a peer is in (their prompt's inputs may be released now), and
-    requests whose KV could not be written (request id, why): they fail, the engine goes on."""
+    requests whose KV could not be written or was refused (request id, why, status): they fail, the engine goes
+    on."""
 
     loaded: list[str]
-    failed: list[tuple[str, str]]
+    failed: list[tuple[str, str, int]]  # (request id, why, HTTP status)
 
 
 class KVConnector:

@@ -17,10 +17,11 @@ admitted, unless the transport refused any that were not as it wrote them (`rows
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from vlserve.core.errors import InvalidInputError, ServiceUnavailableError
+from vlserve.core.errors import InvalidInputError
 from vlserve.core.messages import EngineCoreOutput
 from vlserve.core.prompt import ProcessedPrompt
 from vlserve.core.request import Request, RequestStatus
@@ -34,6 +35,7 @@ from vlserve.engine.state_rows import state_row_count
 from vlserve.engine.write_grants import WriteGrants
 
 logger = logging.getLogger(__name__)
+NOT_FINITE = "the prefill instance sent KV rows holding NaN or infinite values; retry"
 
 
 class DecodeConnector(KVConnector):
@@ -47,6 +49,8 @@ class DecodeConnector(KVConnector):
         self._reserved: ReservedBlocks | None = None  # in place: blocks reserved for peers' writes (bind)
         self._receive: ReservedBlocks | None = None  # else: receive blocks reserved for them
         self._asked: dict[int, ReserveKV] = {}  # reservations waiting for blocks, in the order they came
+        self._checks: dict[str, Future] = {}  # handed-over prompts' KV rows being checked finite (`_check_finite`)
+        self._checker: ThreadPoolExecutor | None = None
 
     def bind(self, scheduler, runner, transfer) -> None:
         super().bind(scheduler, runner, transfer)
@@ -91,7 +95,7 @@ class DecodeConnector(KVConnector):
         if self.in_place:
             kv, reserved = self.runner.kv_buffers, self._reserved
             reserved.claim(req.request_id, blocks, n + state_rows)
-            self._check_finite(kv, blocks, n)  # (refused: `forget` unclaims them, the holder's release frees them)
+            self._check_finite(req.request_id, kv, blocks, n)
 
             def read_state_in_place() -> torch.Tensor:  # from the request's own blocks, after its prompt's rows
                 return kv.read_rows(req.block_ids, n, state_rows)
@@ -103,7 +107,7 @@ class DecodeConnector(KVConnector):
             return self._first_output(req, first)
         if self._receive is not None:  # its transfer is over: its receive blocks take no more writes (as `claim`)
             self._receive.grants.close(blocks)
-        self._check_finite(transfer, blocks, n)
+        self._check_finite(req.request_id, transfer, blocks, n)
 
         def read(start: int) -> torch.Tensor:
             return rows_to_kv(transfer.read_rows(blocks, start, n - start), t.num_kv_layers, t.num_kv_heads,
@@ -117,12 +121,17 @@ class DecodeConnector(KVConnector):
         self._not_recomputable.add(req.request_id)
         return self._first_output(req, first)
 
-    def _check_finite(self, buffers, blocks: list[int], n: int) -> None:
+    def _check_finite(self, request_id: str, buffers, blocks: list[int], n: int) -> None:
         """The prompt's KV rows, as a peer wrote them (one-sided: shm, Mooncake, NIXL; or a hybrid model's over
-        zmq), hold no NaN or inf: else only this request fails, as the server's fault (503), not the client's.
-        Its state rows are float32 bytes: checked as states when they are written into its slot."""
-        if not self.rows_checked and not buffers.rows_finite(blocks, torch.arange(n)):
-            raise ServiceUnavailableError("the prefill instance sent KV rows holding NaN or infinite values; retry")
+        zmq), are checked to hold no NaN or inf on a thread of their own (its blocks take no more writes by now),
+        not on the engine's: `move_kv` takes the answer when the request is admitted, and a NaN fails that request
+        alone, as the server's fault (503). Its state rows are float32 bytes: checked as states when they are
+        written into its slot."""
+        if self.rows_checked:
+            return
+        if self._checker is None:
+            self._checker = ThreadPoolExecutor(1, thread_name_prefix="vlserve-kv-check")
+        self._checks[request_id] = self._checker.submit(buffers.rows_finite, blocks, torch.arange(n))
 
     @staticmethod
     def _first_output(req: Request, first: EngineCoreOutput) -> EngineCoreOutput:
@@ -203,6 +212,7 @@ class DecodeConnector(KVConnector):
             if self.in_place:
                 self._reserved.unclaim(rid)  # its blocks stay their holder's, whose release frees them
             self._pending.pop(rid, None)
+            self._checks.pop(rid, None)  # (a check under way ends by itself: it only reads)
             self._not_recomputable.discard(rid)
 
     def pending_kv(self, req: Request) -> PendingKV | None:
@@ -229,6 +239,12 @@ class DecodeConnector(KVConnector):
         moved = MovedKV([], [])
         for req, start in sched.kv_in:
             pending = self._pending.pop(req.request_id)
+            check = self._checks.pop(req.request_id, None)
+            if check is not None and not check.result():  # (done long since, unless it arrived this very step)
+                logger.error("request %s: its prefill instance sent KV rows holding NaN or infinite values",
+                             req.request_id)
+                moved.failed.append((req.request_id, NOT_FINITE, 503))
+                continue
             try:
                 if pending.take_blocks is None:  # in place, the KV is in the request's blocks already
                     runner.write_kv(runner.token_slots(req, pending.num_tokens)[start:], pending.read(start))
@@ -236,13 +252,18 @@ class DecodeConnector(KVConnector):
                     runner.write_state_rows(self.scheduler.state.slot(req), pending.state_rows())
             except InvalidInputError as e:  # e.g. a peer's state holding NaN: that request fails, the engine goes on
                 logger.error("request %s: its handed-over state was refused: %s", req.request_id, e)
-                moved.failed.append((req.request_id, str(e)))
+                moved.failed.append((req.request_id, str(e), 500))
                 continue
             except Exception as e:  # noqa: BLE001 - that request fails (500), the engine goes on
                 logger.exception("request %s: its KV could not be written", req.request_id)
-                moved.failed.append((req.request_id, f"its KV could not be written: {type(e).__name__}"))
+                moved.failed.append((req.request_id, f"its KV could not be written: {type(e).__name__}", 500))
                 continue
             self.scheduler.kv.cache_full_blocks(req)
             if pending.from_peer and pending.take_blocks is None:  # its receive blocks may go
                 moved.loaded.append(req.request_id)
         return moved
+
+    def close(self) -> None:
+        if self._checker is not None:
+            self._checker.shutdown(wait=True, cancel_futures=True)
+            self._checker = None
