@@ -53,7 +53,8 @@ class Cluster:
                  roles: dict[str, str] | None = None, registry: str | None = None):
         # A failed in-place transfer's blocks are held 6 s rather than 15 (a killed writer's test waits them out;
         # NIXL writes then give up after 4 s, far above what one takes here).
-        self.env = {"VLSERVE_DISAGG_SECRET": SECRET, QUARANTINE_ENV: "6"}
+        # (PYTHONFAULTHANDLER: a role a test sends SIGABRT to prints where each of its threads stands)
+        self.env = {"VLSERVE_DISAGG_SECRET": SECRET, QUARANTINE_ENV: "6", "PYTHONFAULTHANDLER": "1"}
         self.ckpt, self.encoder_env = ckpt, {**self.env, **(encoder_env or {})}
         self.backend = backend
         port = free_port()

@@ -57,8 +57,8 @@ def run_rank(place: Placement, args: EngineArgs, facts: ModelFacts | None = None
     """Runs this rank until rank 0 stops it or is gone; returns the exit code. `address`: rank 0's socket, and
     `token` what it admits (None under torchrun: rank 0 sends both, with the KV cache size, once the process group
     is up). `parent`: rank 0's pid when it started this process. `facts`: rank 0's (None under torchrun: each
-    rank resolves them, from the same options). `kv_cache_file`: a decode engine's rank keeps its KV cache in a
-    shared file rank 0 maps (engine.ranked_kv)."""
+    rank resolves them, from the same options). `kv_cache_file`: this rank keeps its KV cache in a shared file
+    rank 0 maps (engine.ranked_kv: a decode engine, a prefill engine at several ranks)."""
     cfg = dataclasses.replace(resolve_config(args, facts, announce=False), kv_cache_file=kv_cache_file)
     device = device_for(cfg.device, place.local_rank)
     if device.type == "cpu":
