@@ -8,10 +8,11 @@ import msgspec
 import pytest
 import torch
 
+from tests.test_disagg import BACKENDS
 from vlserve.core.config import DECODE, PREFILL, kv_cache_shared
 from vlserve.disagg.transports.base import check_shards
 from vlserve.disagg.transports.shm import ShmTransport
-from vlserve.disagg.transports.zmq import ZmqTransport
+from vlserve.disagg.transports import TRANSPORTS
 from vlserve.engine.ranked_kv import RankedKV, heads_cover, shard_rows
 from vlserve.engine.transfer_buffers import TransferBuffers
 
@@ -85,11 +86,10 @@ def test_a_grant_opened_once_lets_a_peer_write_every_rank():
     assert all(s.grants is kv.grants for s in kv.shards)
 
 
-@pytest.mark.parametrize("backend", ["shm", "zmq"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_transports_write_whole_rows_into_every_ranks_file(backend):
     kv = ranked(4, [(0, 2), (2, 2)], shared=True)
-    receiver = {"shm": ShmTransport, "zmq": ZmqTransport}[backend]()
-    sender = {"shm": ShmTransport, "zmq": ZmqTransport}[backend]()
+    receiver, sender = TRANSPORTS[backend](), TRANSPORTS[backend]()
     try:
         target = receiver.register(kv)
         assert len(target.shards) == 2 and target.heads == [(0, 2), (2, 2)]

@@ -9,6 +9,7 @@ import threading
 import time
 import uuid
 
+import msgspec
 import torch
 
 from vlserve.disagg.messages import TransferTarget
@@ -66,6 +67,13 @@ class NixlTransport(Transport):
             threading.Thread(target=self._pump, name="vlserve-nixl-progress", daemon=True).start()
         return TransferTarget(self.name, buffers.layout, self.agent_name, buffers.storage.data_ptr(),
                               self.agent.get_agent_metadata())
+
+    def register(self, buffers) -> TransferTarget:
+        target = super().register(buffers)
+        if target.shards:  # the agent's metadata names the regions registered so far: the last names every rank's
+            meta = self.agent.get_agent_metadata()
+            target.shards = [msgspec.structs.replace(rank, agent_metadata=meta) for rank in target.shards]
+        return target
 
     def _pump(self) -> None:
         """Receiver side: over TCP, incoming writes land only while our UCX worker is progressed (~4 % of a core
