@@ -4,6 +4,7 @@ TCP encrypted, never with the token or a step in clear, and still serve."""
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import socket
@@ -94,7 +95,9 @@ def test_the_control_socket_of_ranks_on_other_machines_is_encrypted(monkeypatch)
         connect_private(guessing, address, secrets.token_hex(32))
         for sock in (in_clear, guessing):
             if sock.poll(2000, zmq.POLLOUT):
-                sock.send(b"forged", zmq.NOBLOCK)
+                # (its refused handshake may drop the connection between the poll and the send: then nothing goes)
+                with contextlib.suppress(zmq.Again):
+                    sock.send(b"forged", zmq.NOBLOCK)
         assert not router.poll(2000), "a peer without the token (or offering it in clear) was served"
     finally:
         if relay is not None:
