@@ -45,7 +45,7 @@ def test_every_rank_takes_its_heads_and_rows_read_back_whole(split):
     kv.write_rows(blocks, torch.arange(10), rows)
     for rank, (first, count) in enumerate(heads):  # each file holds that rank's heads of every plane
         torch.testing.assert_close(kv.shards[rank].read_rows(blocks, 0, 10),
-                                   shard_rows(rows, PARTS, num_heads, first, count), rtol=0, atol=0)
+                                   shard_rows(rows, PARTS, num_heads, first, count).reshape(10, -1), rtol=0, atol=0)
     assert torch.equal(kv.read_rows(blocks, 3, 7), rows[3:])
     slots = kv.shards[0].slots(blocks, torch.arange(10))
     assert torch.equal(kv.read_slots(slots), rows)

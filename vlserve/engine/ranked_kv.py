@@ -24,13 +24,14 @@ from vlserve.engine.transfer_buffers import BlockRows, BufferLayout, TransferBuf
 
 def shard_rows(rows: torch.Tensor, parts: int, num_heads: int, first: int, count: int) -> torch.Tensor:
     """Heads [first, first + count) of each of the `parts` planes of whole rows [m, parts * num_heads * head_dim],
-    as rows of their own [m, parts * count * head_dim] (a copy)."""
+    as a view [m, parts, count * head_dim] of them, nothing copied (a buffer's `write_rows` copies it in as it
+    is; `.reshape(m, -1)` makes rows of their own)."""
     m, width = rows.shape
     if width % (parts * num_heads) or not (0 <= first and count > 0 and first + count <= num_heads):
         raise ValueError(f"heads {first}..{first + count} of {num_heads} do not split rows of width {width} in "
                          f"{parts} planes")
     head_dim = width // (parts * num_heads)
-    return rows.view(m, parts, num_heads, head_dim)[:, :, first : first + count].reshape(m, -1)
+    return rows.view(m, parts, num_heads, head_dim)[:, :, first : first + count].flatten(2)
 
 
 def heads_cover(heads: list[tuple[int, int]], num_heads: int) -> bool:
@@ -88,7 +89,7 @@ class RankedKV(BlockRows):
         return self.shards[0].element_size
 
     def rank_rows(self, rows: torch.Tensor, rank: int) -> torch.Tensor:
-        """Rank `rank`'s heads of whole rows."""
+        """Rank `rank`'s heads of whole rows (a view, by plane: `shard_rows`)."""
         first, count = self.heads[rank]
         return shard_rows(rows, self.layout.parts, self.num_heads, first, count)
 

@@ -269,10 +269,12 @@ class TransferBuffers(BlockRows):
 
     # ---- rows ------------------------------------------------------------------------------------------------
     def write_rows(self, block_ids: list[int], index: torch.Tensor, rows: torch.Tensor) -> None:
-        """Rows [m, width] at run row indices `index` [m] (the transports that copy)."""
-        if rows.dim() != 2 or rows.shape != (index.shape[0], self.layout.width):
-            raise ValueError(f"rows must be [{index.shape[0]}, {self.layout.width}], got {tuple(rows.shape)}")
-        pieces = rows.to(self.planes.dtype).reshape(rows.shape[0], self.layout.parts, -1).transpose(0, 1)
+        """Rows [m, width], or by plane [m, parts, part width] (a view of other rows: copied as it is), at run row
+        indices `index` [m] (the transports that copy)."""
+        lay = self.layout
+        if tuple(rows.shape) not in ((index.shape[0], lay.width), (index.shape[0], lay.parts, lay.part_width)):
+            raise ValueError(f"rows must be [{index.shape[0]}, {lay.width}], got {tuple(rows.shape)}")
+        pieces = rows.to(self.planes.dtype).reshape(rows.shape[0], lay.parts, -1).transpose(0, 1)
         # A slice copy per run of consecutive slots: near a plain memory copy, where one index_copy over the
         # planes' stride is ~3x slower (measured on 57 MB of bf16 KV rows)
         for at, first, n in slot_runs(self.slots(block_ids, index)):

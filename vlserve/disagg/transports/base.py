@@ -90,6 +90,9 @@ class Transport(ABC):
     # row is a value) it refuses rows holding NaN or inf; one-sided writes cannot be refused.
     copies_rows_in = False
     check_finite = False
+    # Its `write_rows` takes rows by plane [m, parts, part width] (a view of whole rows: one rank's heads) and
+    # copies them in as they are; others get rows of their own.
+    writes_planes = False
 
     def __init__(self, host: str = "127.0.0.1", secret: str | None = None):
         """`host`: this process's address as peers reach it (transports with their own listener use it);
@@ -119,10 +122,13 @@ class Transport(ABC):
         check_run(target.layout, block_ids, rows)  # first: the whole rows' width is then the rows' own
         head_dim = check_shards(target)
         parts, num_heads = target.layout.parts, target.layout.part_width // head_dim
-        return sum(self.write_rows(TransferTarget(target.backend, rank.layout, rank.session, rank.base_address,
-                                                  rank.agent_metadata, grant=target.grant),
-                                   block_ids, shard_rows(rows, parts, num_heads, first, count))
-                   for rank, (first, count) in zip(target.shards, target.heads))
+        written = 0
+        for rank, (first, count) in zip(target.shards, target.heads):
+            heads = shard_rows(rows, parts, num_heads, first, count)
+            written += self.write_rows(TransferTarget(target.backend, rank.layout, rank.session, rank.base_address,
+                                                      rank.agent_metadata, grant=target.grant), block_ids,
+                                       heads if self.writes_planes else heads.reshape(heads.shape[0], -1))
+        return written
 
     async def send(self, sock: zmq.asyncio.Socket, peer: bytes, header: TransferChunk, data: ChunkData,
                    target: TransferTarget | None) -> int:
@@ -219,12 +225,14 @@ def check_shards(target: TransferTarget) -> int:
 
 
 def check_run(layout, block_ids: list[int], rows: torch.Tensor) -> None:
-    """`rows` [m, width] fit the receiver's run `block_ids` from its first slot (every transport that writes a
+    """`rows` [m, width] (or by plane, [m, parts, part width]) fit the receiver's run `block_ids` from its first slot (every transport that writes a
     receiver's memory checks this first: nothing outside its blocks is ever touched)."""
     if not block_ids or any(not 0 <= b < layout.num_blocks for b in block_ids):
         raise ValueError(f"block ids outside the receiver's {layout.num_blocks} blocks")
     span = len(block_ids) * layout.block_tokens
-    if rows.dim() != 2 or rows.shape[1] != layout.width or rows.shape[0] > span:
+    whole = rows.dim() == 2 and rows.shape[1] == layout.width
+    by_plane = rows.dim() == 3 and tuple(rows.shape[1:]) == (layout.parts, layout.part_width)
+    if not (whole or by_plane) or rows.shape[0] > span:
         raise ValueError(f"{tuple(rows.shape)} rows do not fit the {span} slots of width {layout.width} of "
                          "their blocks")
 

@@ -48,6 +48,7 @@ class _Mapped:
 class ShmTransport(Transport):
     name = "shm"
     maps_receiver_file = True
+    writes_planes = True  # a copy straight out of a view of the rows: one rank's heads are never gathered first
 
     def __init__(self, host: str = "127.0.0.1", secret: str | None = None):
         super().__init__(host, secret)
