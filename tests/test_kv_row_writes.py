@@ -331,6 +331,30 @@ def test_a_decode_engine_fails_a_request_whose_kv_rows_hold_nan_as_it_admits_it(
             engine.core.shutdown()
 
 
+def test_a_finite_check_that_breaks_fails_its_request_alone(path, decode, monkeypatch):
+    """The check runs on its own thread; whatever it raises fails that request (500) when it is admitted, never
+    the engine: the next request goes on."""
+    from vlserve.core.messages import EngineCoreOutput
+
+    def broken(*_):
+        raise OSError("the file went away")
+
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    cfg = decode.core.cfg
+    processed = InputProcessor.for_model(cfg).process({"prompt": "Hello, how are you?"})
+    n, tail = len(processed.prompt_token_ids), state_row_count(cfg.model, cfg.dtype)
+    with monkeypatch.context() as patch:
+        patch.setattr(decode.core.runner.kv_buffers, "rows_finite", broken)
+        rows = torch.randn(n + tail, cfg.model.kv_row_width)
+        arrived = decode.receive("broken", processed, rows)
+        decode.add("broken", arrived, params, Handoff(EngineCoreOutput("broken", [7])))
+        run(decode, ["broken"])
+    assert [(rid, status) for rid, _, status in decode.core.take_failed()] == [("broken", 500)]
+    decode.add("next", decode.receive("next", processed, rows), params, Handoff(EngineCoreOutput("next", [7])))
+    assert len(run(decode, ["next"])["next"]) == 3
+    assert decode.nothing_held()
+
+
 def test_only_a_prefill_engine_takes_a_writer(path):
     cfg = _cfg(path, num_kv_blocks=64)
     writer = row_writer_maker("shm", "127.0.0.1", 120.0)()

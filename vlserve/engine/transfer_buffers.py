@@ -273,7 +273,8 @@ class TransferBuffers(BlockRows):
         indices `index` [m] (the transports that copy)."""
         lay = self.layout
         if tuple(rows.shape) not in ((index.shape[0], lay.width), (index.shape[0], lay.parts, lay.part_width)):
-            raise ValueError(f"rows must be [{index.shape[0]}, {lay.width}], got {tuple(rows.shape)}")
+            raise ValueError(f"rows must be [{index.shape[0]}, {lay.width}] or [{index.shape[0]}, {lay.parts}, "
+                             f"{lay.part_width}], got {tuple(rows.shape)}")
         pieces = rows.to(self.planes.dtype).reshape(rows.shape[0], lay.parts, -1).transpose(0, 1)
         # A slice copy per run of consecutive slots: near a plain memory copy, where one index_copy over the
         # planes' stride is ~3x slower (measured on 57 MB of bf16 KV rows)

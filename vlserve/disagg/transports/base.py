@@ -119,6 +119,8 @@ class Transport(ABC):
         rank's own write, checked like any)."""
         if not target.shards:
             return self.write_rows(target, block_ids, rows)
+        if rows.dim() != 2:
+            raise ValueError(f"whole rows are [m, width], got {tuple(rows.shape)}")
         check_run(target.layout, block_ids, rows)  # first: the whole rows' width is then the rows' own
         head_dim = check_shards(target)
         parts, num_heads = target.layout.parts, target.layout.part_width // head_dim
@@ -225,13 +227,15 @@ def check_shards(target: TransferTarget) -> int:
 
 
 def check_run(layout, block_ids: list[int], rows: torch.Tensor) -> None:
-    """`rows` [m, width] (or by plane, [m, parts, part width]) fit the receiver's run `block_ids` from its first slot (every transport that writes a
-    receiver's memory checks this first: nothing outside its blocks is ever touched)."""
+    """`rows` [m, width] (or by plane, [m, parts, part width]) fit the receiver's run `block_ids` from its first
+    slot (every transport that writes a receiver's memory checks this first: nothing outside its blocks is ever
+    touched)."""
     if not block_ids or any(not 0 <= b < layout.num_blocks for b in block_ids):
         raise ValueError(f"block ids outside the receiver's {layout.num_blocks} blocks")
     span = len(block_ids) * layout.block_tokens
     whole = rows.dim() == 2 and rows.shape[1] == layout.width
-    by_plane = rows.dim() == 3 and tuple(rows.shape[1:]) == (layout.parts, layout.part_width)
+    by_plane = rows.dim() == 3 and tuple(rows.shape[1:]) == (layout.parts, layout.part_width) \
+        and layout.parts * layout.part_width == layout.width
     if not (whole or by_plane) or rows.shape[0] > span:
         raise ValueError(f"{tuple(rows.shape)} rows do not fit the {span} slots of width {layout.width} of "
                          "their blocks")

@@ -31,6 +31,7 @@ def mooncake_engine_class():
 
 class MooncakeTransport(Transport):
     name = "mooncake"
+    writes_planes = True  # (staged plane by plane: a rank's heads go into the staging buffer as they are)
 
     def __init__(self, host: str = "127.0.0.1", secret: str | None = None):
         super().__init__(host, secret)

@@ -34,6 +34,7 @@ def nixl_api():
 
 class NixlTransport(Transport):
     name = "nixl"
+    writes_planes = True  # (staged plane by plane: a rank's heads go into the staging buffer as they are)
 
     def __init__(self, host: str = "127.0.0.1", secret: str | None = None):
         super().__init__(host, secret)
@@ -70,6 +71,7 @@ class NixlTransport(Transport):
 
     def register(self, buffers) -> TransferTarget:
         target = super().register(buffers)
+        # (called once per transport: a sender keeps the metadata it first got for this agent)
         if target.shards:  # the agent's metadata names the regions registered so far: the last names every rank's
             meta = self.agent.get_agent_metadata()
             target.shards = [msgspec.structs.replace(rank, agent_metadata=meta) for rank in target.shards]

@@ -11,8 +11,10 @@ its first token (with the random state) in a `Handoff`. Where the KV is:
 Its pictures are not here to recompute it from, so a preemption swaps its KV out to host memory and back in at
 readmission. A hybrid model's linear states arrive as rows after the prompt's KV rows (in place: in the slots
 after its prompt's, read out before its first step writes there) and go into the request's state slot; a
-preemption swaps them out and back in with its KV. Either way a prompt's KV rows are checked finite as it is
-admitted, unless the transport refused any that were not as it wrote them (`rows_checked`)."""
+preemption swaps them out and back in with its KV. Either way a prompt's KV rows are checked finite on a thread
+of their own from its arrival, the answer taken when it is admitted (a streaming client has its first token by
+then: it gets the error after it), unless the transport refused any that were not as it wrote them
+(`rows_checked`)."""
 
 from __future__ import annotations
 
@@ -212,7 +214,9 @@ class DecodeConnector(KVConnector):
             if self.in_place:
                 self._reserved.unclaim(rid)  # its blocks stay their holder's, whose release frees them
             self._pending.pop(rid, None)
-            self._checks.pop(rid, None)  # (a check under way ends by itself: it only reads)
+            check = self._checks.pop(rid, None)
+            if check is not None:
+                check.cancel()  # not started: it never will (one under way only reads, its answer unused)
             self._not_recomputable.discard(rid)
 
     def pending_kv(self, req: Request) -> PendingKV | None:
@@ -239,13 +243,13 @@ class DecodeConnector(KVConnector):
         moved = MovedKV([], [])
         for req, start in sched.kv_in:
             pending = self._pending.pop(req.request_id)
-            check = self._checks.pop(req.request_id, None)
-            if check is not None and not check.result():  # (done long since, unless it arrived this very step)
-                logger.error("request %s: its prefill instance sent KV rows holding NaN or infinite values",
-                             req.request_id)
-                moved.failed.append((req.request_id, NOT_FINITE, 503))
-                continue
             try:
+                check = self._checks.pop(req.request_id, None)
+                if check is not None and not check.result():  # (done long since, unless it arrived this step)
+                    logger.error("request %s: its prefill instance sent KV rows holding NaN or infinite values",
+                                 req.request_id)
+                    moved.failed.append((req.request_id, NOT_FINITE, 503))
+                    continue
                 if pending.take_blocks is None:  # in place, the KV is in the request's blocks already
                     runner.write_kv(runner.token_slots(req, pending.num_tokens)[start:], pending.read(start))
                 if pending.state_rows is not None:

@@ -8,9 +8,10 @@ decode instance's blocks (`write`): the writes run on a thread of their own whil
 in `take_written`. On the CPU (one rank, or several whose KV files rank 0 maps: engine.ranked_kv) the blocks
 themselves are kept until the transfer is over (vLLM's delayed free) and each write reads its chunk's rows out
 of them on the writer thread: the engine's own thread spends nothing on the export. Elsewhere (a GPU; ranks
-torchrun started, whose heads are gathered) the rows are read out after the step and the blocks freed then. What is kept goes when the front end says the transfer is over (`forget`,
-blocks freed once no write reads them) or after the same expiry. Without a writer (an engine driven directly)
-the rows go out with the first token."""
+torchrun started, whose heads are gathered) the rows are read out after the step and the blocks freed then.
+What is kept goes when the front end says the transfer is over (`forget`, blocks freed once no write reads
+them) or after the same expiry. Without a writer (an engine driven directly) the rows go out with the first
+token."""
 
 from __future__ import annotations
 
