@@ -8,7 +8,6 @@ prefill side; no receive block leaks anywhere. `serve --disagg --num-prefill 1 -
 from __future__ import annotations
 
 import contextlib
-import glob
 import os
 import signal
 import socket
@@ -23,7 +22,8 @@ import httpx
 import openai
 import pytest
 
-from tests.server_utils import descendants, free_port, log_file, scrape, start_vlserve, stop, wait_healthy
+from tests.server_utils import (descendants, free_port, log_file, scrape, socket_inodes, start_vlserve, stop,
+                                wait_healthy)
 from tests.test_disagg import (
     BACKENDS,
     CASES,
@@ -312,15 +312,7 @@ def exit_code(role, timeout: float) -> int:
 
 def _row_sockets(pid: int) -> list[str]:
     """The zmq row sockets (Unix sockets) the role `pid` and its engine processes listen on."""
-    inodes = set()
-    for p in {pid} | descendants(pid):
-        for fd in glob.glob(f"/proc/{p}/fd/*"):
-            try:
-                link = os.readlink(fd)
-            except OSError:
-                continue
-            if link.startswith("socket:["):
-                inodes.add(link[8:-1])
+    inodes = socket_inodes({pid} | descendants(pid))
     paths = []
     for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
         fields = line.split()

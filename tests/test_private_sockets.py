@@ -18,7 +18,7 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from tests.server_utils import HTTP, RemoteServer
+from tests.server_utils import HTTP, RemoteServer, socket_inodes
 from vlserve.core.private_dirs import PrivateDir, runtime_dir, sweep_dead_dirs
 
 NOBODY = 65534
@@ -104,15 +104,7 @@ class Imposter:
 
 def _listening_unix_sockets(pids) -> list[str]:
     """ZeroMQ addresses of the Unix sockets these processes listen on (`@name` for an abstract one)."""
-    inodes = set()
-    for pid in pids:
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            try:
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if link.startswith("socket:["):
-                inodes.add(link[8:-1])
+    inodes = socket_inodes(pids)
     found = []
     for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
         fields = line.split()

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.server_utils import socket_inodes
+
 LOOPBACK_FLAG, UP_FLAG = 0x8, 0x1  # IFF_LOOPBACK, IFF_UP
 
 
@@ -143,19 +145,7 @@ def _family_pids() -> list[int]:
 
 def _tcp_listeners(pids: list[int]) -> dict[str, str]:
     """socket inode -> the address it listens on, for these processes' listening TCP sockets."""
-    inodes = set()
-    for pid in pids:
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if link.startswith("socket:["):
-                inodes.add(link[8:-1])
+    inodes = socket_inodes(pids)
     found = {}
     for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
         try:
