@@ -387,9 +387,12 @@ def test_a_killed_decode_instance_leaves_nothing_held(pd):
 
 
 def test_serve_disagg_runs_e_p_d_in_one_command(tiny_ckpt, offline):
+    """With instances of different sizes: the decode instance at two ranks, the prefill instance at one (its KV
+    re-sharded by heads on the way)."""
     port = free_port()
     log = log_file("serve-epd-")
     proc = start_vlserve(["serve", "--disagg", "--num-encoders", "1", "--num-prefill", "1", "--num-decode", "1",
+                          "--decode-tensor-parallel-size", "2",
                           "--model", str(tiny_ckpt("qwen2_vl")), "--dtype", "float32", "--max-model-len", "2048",
                           "--limit-mm-per-prompt", "image=4", "--port", str(port), "--heartbeat-interval", "0.3"],
                          stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -404,7 +407,7 @@ def test_serve_disagg_runs_e_p_d_in_one_command(tiny_ckpt, offline):
         # SIGTERM (what Kubernetes and systemd send; Ctrl-C's SIGINT takes the same path in the launcher): every
         # role and engine process stops, quietly, and the port is free again
         family = descendants(proc.pid)
-        assert len(family) >= 6  # bootstrap, encoder, prefill and decode, their engine processes
+        assert len(family) >= 7  # bootstrap, encoder, prefill and decode, their engine processes, decode's rank 1
         said = len(Path(log.name).read_text())
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, Path(log.name).read_text()[-3000:]

@@ -398,6 +398,19 @@ def test_serve_disagg_hands_the_tensor_parallel_flags_to_every_model_role():
     argv = {c.name: c.argv for c in plan_children(opts, "INFO")}
     for role in ("encoder-0", "prefill-0", "decode-0"):
         assert argv[role][argv[role].index("--tensor-parallel-size") + 1] == "2", role
+    # each instance kind at a size of its own (the KV is re-sharded by heads between them)
+    opts.disagg.prefill_tensor_parallel_size, opts.disagg.decode_tensor_parallel_size = 1, 3
+    argv = {c.name: c.argv for c in plan_children(opts, "INFO")}
+    for role, ranks in (("encoder-0", "2"), ("prefill-0", "1"), ("decode-0", "3")):
+        assert argv[role].count("--tensor-parallel-size") == 1, role
+        assert argv[role][argv[role].index("--tensor-parallel-size") + 1] == ranks, role
+    opts.engine.tensor_parallel_size = 1  # not written out at its default: the role's own size still is
+    argv = {c.name: c.argv for c in plan_children(opts, "INFO")}
+    assert argv["decode-0"][argv["decode-0"].index("--tensor-parallel-size") + 1] == "3"
+    assert "--tensor-parallel-size" not in argv["encoder-0"]
+    opts.disagg.num_prefill = opts.disagg.num_decode = 0  # E->PD has no such instances: refused, not ignored
+    with pytest.raises(InvalidInputError, match="--num-prefill P --num-decode D"):
+        plan_children(opts, "INFO")
 
 
 def test_language_server_with_two_ranks_takes_pictures_from_an_encoder(tiny_ckpt):

@@ -358,6 +358,12 @@ class DisaggArgs:
     num_prefill: int = option(0, "prefill instances for --disagg (E->P->D; needs --num-decode too)", {SERVE})
     num_decode: int = option(0, "decode instances for --disagg (E->P->D); the first answers on --port, the others "
                              "on the ports after it", {SERVE})
+    prefill_tensor_parallel_size: int | None = option(
+        None, "ranks of each prefill instance --disagg starts (default: --tensor-parallel-size); the KV is re-sharded "
+        "by heads when it differs from the decode instances'", {SERVE}, bounds=COUNT, metavar="N")
+    decode_tensor_parallel_size: int | None = option(
+        None, "ranks of each decode instance --disagg starts (default: --tensor-parallel-size)", {SERVE},
+        bounds=COUNT, metavar="N")
     disagg_base_port: int | None = option(
         None, "ports for the roles --disagg starts, from this one up, in this order: the bootstrap registry (none "
         "with --registry), each encoder's HTTP then data port, each prefill instance's HTTP then data port "

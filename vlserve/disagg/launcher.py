@@ -149,6 +149,9 @@ def plan_children(opts: Options, log_level: str) -> list[Child]:
     children += encoders
     d = opts.disagg
     if not d.num_prefill and not d.num_decode:
+        if d.prefill_tensor_parallel_size or d.decode_tensor_parallel_size:
+            raise InvalidInputError("--prefill-tensor-parallel-size/--decode-tensor-parallel-size size the "
+                                    "instances of E->P->D: add --num-prefill P --num-decode D")
         argv, env = to_argv(opts, LANGUAGE)
         children.append(Child("language", [*vlserve, "language", *argv, *meet], env, serves_api=True))
         return children
@@ -157,14 +160,14 @@ def plan_children(opts: Options, log_level: str) -> list[Child]:
     threads = _threads_each(d.num_encoders + d.num_prefill + d.num_decode, opts.engine.cpu_threads)
     for child in encoders:
         child.env.update(threads)
-    argv, env = to_argv(opts, PREFILL)
+    argv, env = _role_argv(opts, PREFILL, d.prefill_tensor_parallel_size)
     env = {**env, **threads}
     for i in range(d.num_prefill):
         ports = ["--host", "127.0.0.1", "--port", str(role_port[f"prefill-{i}"]), "--data-port",
                  str(role_port[f"prefill-{i} data"])]
         children.append(Child(f"prefill-{i}", [*vlserve, "prefill", *_without(argv, "--host", "--port"), *ports,
                                                *meet], env))
-    argv, env = to_argv(opts, DECODE)
+    argv, env = _role_argv(opts, DECODE, d.decode_tensor_parallel_size)
     env = {**env, **threads}
     events = opts.engine.kv_events_endpoint
     for i in range(d.num_decode):  # the first on the user's port, the others on the ports after it (events too)
@@ -174,6 +177,15 @@ def plan_children(opts: Options, log_level: str) -> list[Child]:
         children.append(Child(f"decode-{i}", [*vlserve, "decode", *_without(argv, "--port", "--kv-events-endpoint"),
                                               *port, *meet], env, serves_api=True))
     return children
+
+
+def _role_argv(opts: Options, role: str, ranks: int | None) -> tuple[list[str], dict[str, str]]:
+    """A role's command line, at `ranks` tensor-parallel ranks when its own size was given (None: the
+    deployment's --tensor-parallel-size)."""
+    argv, env = to_argv(opts, role)
+    if ranks is None:
+        return argv, env
+    return [*_without(argv, "--tensor-parallel-size"), "--tensor-parallel-size", str(ranks)], env
 
 
 def _threads_each(model_roles: int, cpu_threads: int | None = None) -> dict[str, str]:
