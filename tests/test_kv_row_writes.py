@@ -44,8 +44,8 @@ PICTURE = {"prompt": f"{IMG} Describe it in detail, please.", "multi_modal_data"
 class WritingPrefill:
     """A prefill engine with the shm row writer, as `vlserve prefill --transfer-backend shm` makes it."""
 
-    def __init__(self, path):
-        cfg = _cfg(path, num_kv_blocks=256)
+    def __init__(self, path, **kw):
+        cfg = _cfg(path, num_kv_blocks=256, **kw)
         self.writer = row_writer_maker("shm", "127.0.0.1", 120.0)()
         self.core = EngineCore(cfg, connector=make_connector("prefill", cfg, self.writer))
         self.connector = self.core.connector

@@ -66,13 +66,14 @@ def answer_or_503(client, messages):
 # Tensor parallelism between real instances, every rank's KV cache in a file of its own that rank 0 maps: over
 # ZeroMQ a prefill instance at two ranks (its writer reads every rank's heads out of their files) hands over to a
 # decode instance at one (the rows written into its KV cache through the row socket its engine process serves);
-# over shm a prefill instance at one rank to a decode instance at two (each rank's heads written into its own
-# file). The other backends: one rank each. "zmq+decode-tp2": over ZeroMQ into a decode instance at two ranks (a
+# over shm a prefill instance at two ranks to a decode instance at two (each layer's keys and values read out of
+# every prefill rank's file as the layer is computed, each decode rank's heads written into its own file; a
+# prefill at one rank to a decode at two: `serve --disagg` below). The other backends: one rank each. "zmq+decode-tp2": over ZeroMQ into a decode instance at two ranks (a
 # row socket per rank file, served by its engine process, granted per transfer there), for the test of every
 # backend's write path.
 TP2 = ["--tensor-parallel-size", "2"]
 ZMQ_DECODE_TP = "zmq+decode-tp2"
-PREFILL_ARGS = {"zmq": TP2}
+PREFILL_ARGS = {"zmq": TP2, "shm": TP2}
 DECODE_TP = {"shm": TP2, ZMQ_DECODE_TP: TP2}
 
 

@@ -51,6 +51,9 @@ def test_every_rank_takes_its_heads_and_rows_read_back_whole(split):
     assert torch.equal(kv.read_slots(slots), rows)
     scratch = torch.full((10, kv.layout.width), float("nan"))
     assert kv.read_slots(slots, scratch) is scratch and torch.equal(scratch, rows)
+    for first in range(0, PARTS, 2):  # one layer's keys and values: what a prefill sends as that layer is computed
+        layer = kv.read_slots(slots, planes=range(first, first + 2))
+        assert torch.equal(layer, rows.view(10, PARTS, -1)[:, first : first + 2])
     assert kv.rows_finite(blocks, torch.arange(10))
     assert (kv.num_blocks, kv.block_tokens, kv.layout.width) == (BLOCKS, BLOCK_TOKENS, PARTS * num_heads * DIM)
 
@@ -101,6 +104,20 @@ def test_transports_write_whole_rows_into_every_ranks_file(backend):
         if backend == "zmq":  # each rank's row socket checks the grant like any: another transfer's is refused
             with pytest.raises(ValueError, match="not reserved"):
                 sender.write(msgspec.structs.replace(target, grant="other"), blocks, rows)
+        # one layer's planes of some rows, from a row inside the run (a prefill sending layer by layer)
+        layer = torch.randn(3, 2, 4 * DIM)
+        if not sender.writes_layers:
+            with pytest.raises(ValueError, match="whole rows"):
+                sender.write(target, blocks, layer, 2, 2)
+        else:
+            assert sender.write(target, blocks, layer, 2, 2) == layer.numel() * 4
+            expected = rows.clone().view(7, PARTS, -1)
+            expected[2:5, 2:4] = layer
+            assert torch.equal(kv.read_rows(blocks, 0, 7), expected.view(7, -1))
+            with pytest.raises(ValueError, match="do not fit"):  # past the run, or past the planes
+                sender.write(target, blocks, layer, 2 * BLOCK_TOKENS - 2, 2)
+            with pytest.raises(ValueError, match="do not fit"):
+                sender.write(target, blocks, layer, 0, PARTS - 1)
     finally:
         sender.close()
         receiver.close()

@@ -105,6 +105,7 @@ FILE_TIERS = {
     "test_cuda.py": "engine",
     "test_pd_handoff.py": "engine",
     "test_kv_row_writes.py": "engine",
+    "test_layer_sends.py": "engine",
     "test_quantization.py": "engine",
     "test_qwen3_vl.py": "engine",
     "test_qwen3_5_parity.py": "engine",

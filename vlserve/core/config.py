@@ -408,6 +408,10 @@ class DisaggArgs:
                                    "copied into the KV cache (on the CPU peers write into every rank's KV cache "
                                    "itself)",
                                    {SERVE, DECODE})
+    kv_send_by_layer: bool = option(
+        True, "a prefill instance writes each layer's KV into the decode instance's blocks after its prompt is "
+        "computed, not as each layer is (over shm, Mooncake and NIXL; zmq writes after the prompt anyway)",
+        {SERVE, PREFILL}, flag="--no-kv-send-by-layer", negate=True)
     kv_allocate_tokens: int = option(
         2048, "KV rows (prompt tokens) reserved per request on a decode instance before its prefill says how many "
         "(a longer prompt resumes into more; the rest is freed when its transfer ends)", {SERVE, DECODE})

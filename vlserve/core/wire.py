@@ -40,6 +40,19 @@ class WireMMItem(msgspec.Struct, array_like=True):
 
 
 # ---- front-end -> engine core ---------------------------------------------------------------------------
+class KVSend(msgspec.Struct, array_like=True):
+    """Prefill instance: the KV rows of the prompt's tokens [0, end) (and a hybrid model's state rows when `end`
+    is its last token) go to `destination` from the engine process as the prompt is computed (opaque here: the
+    disaggregation layer's encoding of the receiver's first run of blocks), each write starting by `not_after`
+    (time.time()) or never. Answered like a `WriteKV`, by a `KVWritten` with `write_id`, once every write has
+    ended (engine.kv_connector.layer_sends)."""
+
+    write_id: int
+    end: int
+    destination: bytes
+    not_after: float
+
+
 class AddRequest(msgspec.Struct, tag="add"):
     """One API request; the engine fans it out into its n samples (see `fan_out`)."""
 
@@ -53,6 +66,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     block_rows: list[int] | None = None  # receive blocks holding the prompt's media rows, item after item
     handoff: Handoff | None = None  # decode instance: prefilled elsewhere; `block_rows` hold its KV rows
     lora: AdapterRef | None = None  # its LoRA adapter
+    kv_send: KVSend | None = None  # prefill instance: where its KV goes as it is computed
 
 
 class FinishRequests(msgspec.Struct, tag="finish"):

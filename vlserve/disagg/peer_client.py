@@ -205,12 +205,14 @@ class PeerClient(PeerLinks):
         blocks: list[int] = []  # every block this transfer holds, in row order
         named = 0  # blocks[:named] were named to the peer (it may write them); the rest it never heard of
         succeeded = False
+        asked_at = time.monotonic()
         try:
             pool_rows = self.pool.capacity_rows  # a smaller pool: all of it at most
             tail = self.kind.tail_rows(self.cfg)
             run = await self._allocate(holder, min(self.kind.allocate_rows(self.opts) + tail, pool_rows), peer)
             blocks += run
             target = None if self.target is None else msgspec.structs.replace(self.target, grant=holder)
+            asked_at = time.monotonic()
             await self._send(peer, TransferRequest(request_id, tid, prompt, media, uuids, mm_kwargs or {}, run,
                                                    self.buffers.block_tokens, target, params,
                                                    None if lora is None else lora.for_peer()))
@@ -268,7 +270,7 @@ class PeerClient(PeerLinks):
                 # It may be writing into them right now: they wait for its word (or the deadline, longer than its
                 # writes may take). Also when it was dropped (missed heartbeats): a write it started may still
                 # land. Quarantined before the abort is sent, so a send that fails cannot free them.
-                self.quarantined[(request_id, tid)] = (holder, blocks, time.monotonic() + self.quarantine_s)
+                self.quarantined[(request_id, tid)] = (holder, blocks, self._quarantine_until(asked_at))
                 blocks = []
             if peer.alive and named:  # let the peer drop what it holds for us
                 await self._send_abort(peer, AbortTransfer(request_id, tid))
@@ -278,6 +280,15 @@ class PeerClient(PeerLinks):
                 self._free(holder, blocks)
             peer.in_flight -= 1
             peer.transfers.pop((request_id, tid), None)
+
+    def _quarantine_until(self, asked_at: float) -> float:
+        """When a failed transfer's blocks go back without the peer's word. A prefill engine writes the first
+        run while it computes the prompt, starting writes until the transfer's timeout after it was asked
+        (transports.row_writer.send_deadline): its blocks wait that long too, then the quarantine."""
+        until = time.monotonic() + self.quarantine_s
+        if self.kind.rows_for_every_token:
+            until = max(until, asked_at + self.opts.transfer_timeout + self.quarantine_s)
+        return until
 
     async def _send(self, peer: PeerConn, msg) -> None:
         """To a peer still paired: one dropped meanwhile fails the transfer as its own failure (NotSent), to be

@@ -42,7 +42,10 @@ from vlserve.disagg.peer_kinds import PREFILL_PEERS
 from vlserve.disagg.remote_encoder import remote_prompt_encoder
 from vlserve.disagg.sender import OutgoingTransfer, SenderService
 from vlserve.disagg.transports.base import HeadersOnly
-from vlserve.disagg.transports.row_writer import encode_destination, row_writer_maker, write_deadline
+from vlserve.core.wire import KVSend
+from vlserve.disagg.row_map import RowMap
+from vlserve.disagg.transports.row_writer import (encode_destination, row_writer_maker, send_deadline,
+                                                  write_deadline)
 from vlserve.disagg.registry import advertised_host
 from vlserve.frontend.async_llm import AsyncLLM
 from vlserve.frontend.kv_writes import KVWriteUnsettled
@@ -93,6 +96,29 @@ class PrefillService(SenderService):
         if task is not None and key not in self.sender.transfers:
             task.cancel()  # still prefilling: the engine drops the request (a send under way is let finish)
 
+    def _first_send(self, key, engine_id: str, req: TransferRequest, prompt) -> tuple[KVSend, asyncio.Future]:
+        """Where the engine writes the prompt's first rows as it computes them (the receiver's first run), and
+        the future of that send's end. An abort is acknowledged only once the engine says no write of it runs
+        (`TransferSender.settling`); an engine that stopped answering leaves it unacknowledged (the receiver's
+        quarantine frees those blocks)."""
+        total, tail = prompt.num_tokens, PREFILL_PEERS.tail_rows(self.engine.cfg)
+        end = RowMap(prompt.mm_items, True, tail).chunk_end(0, len(req.block_ids) * req.block_tokens, total)
+        if end <= 0:
+            raise ServiceUnavailableError(f"the decode instance offered no room for the first of {total} tokens")
+        write_id, sent = self.engine.kv_writes.expect(engine_id)
+        settled = self.sender.settling[key] = asyncio.get_running_loop().create_future()
+
+        def on_sent(future: asyncio.Future) -> None:
+            if not future.cancelled() and isinstance(future.exception(), KVWriteUnsettled):
+                self.sender.unsettle(key)  # the receiver must not hear its blocks are free
+            if self.sender.settling.get(key) is settled:
+                del self.sender.settling[key]
+            settled.set_result(None)
+
+        sent.add_done_callback(on_sent)
+        destination = encode_destination(req.target, req.block_ids, self.transport.name)
+        return KVSend(write_id, end, destination, send_deadline(self.timeout)), sent
+
     async def _prefill(self, key, req: TransferRequest) -> None:
         self.metrics.state(TransferState.WAITING_FOR_INPUT)
         try:
@@ -104,13 +130,16 @@ class PrefillService(SenderService):
             with await self.engine.prepare(prompt, req.mm_processor_kwargs, request_id=engine_id,
                                            adapter=adapter) as prepared:
                 computed = with_adapter(prepared.prompt, adapter)  # the item hashes the decode side keys by
-                handoff = await self.engine.prefill(prepared, req.params, engine_id, adapter)  # takes it over
+                kv_send, sent = self._first_send(key, engine_id, req, computed)
+                handoff = await self.engine.prefill(prepared, req.params, engine_id, adapter,  # takes it over
+                                                    kv_send=kv_send)
             transfer = OutgoingTransfer(key, computed, req.block_tokens, every_token=True,
                                         tail_rows=PREFILL_PEERS.tail_rows(self.engine.cfg), target=req.target,
                                         handoff=handoff)
-            # Kept by the engine, which writes each chunk itself: dropped when the transfer ends.
+            # Kept by the engine, which writes each chunk itself: dropped when the transfer ends. The first chunk
+            # is being written already (`kv_send`): it is sent once that write has ended.
             transfer.on_end = functools.partial(self.engine.kv_writes.release, engine_id)
-            transfer.write_rows = functools.partial(self._write_rows, key, engine_id, req.target)
+            transfer.write_rows = functools.partial(self._write_rows, key, engine_id, req.target, kv_send, sent)
             if self.sender.hold(transfer):
                 await self.sender.send_chunk(transfer, 0, req.block_ids)
             elif transfer.on_end is not None:
@@ -120,7 +149,12 @@ class PrefillService(SenderService):
         except Exception as e:  # noqa: BLE001 - every failure must reach the receiver, which frees its blocks
             await self.request_failed(key, e)
 
-    async def _write_rows(self, key, engine_id: str, target, start: int, end: int, block_ids: list[int]) -> int:
+    async def _write_rows(self, key, engine_id: str, target, first: KVSend, sent: asyncio.Future, start: int,
+                          end: int, block_ids: list[int]) -> int:
+        if start == 0:  # the first chunk: written by the engine as it computed the prompt
+            if end != first.end:
+                raise RuntimeError(f"the first chunk ends at token {end}, its send at {first.end}")
+            return await asyncio.shield(sent)
         destination = encode_destination(target, block_ids, self.transport.name)
         try:
             return await self.engine.kv_writes.write(engine_id, start, end, destination, write_deadline())
@@ -175,7 +209,7 @@ async def run_prefill(opts: Options, log_level: str) -> int:
         encoder = remote_prompt_encoder(opts.disagg, f"{public}:{port}", opts.engine.model, PREFILL,
                                         data_address=f"{public}:{data_port}")
         writer = row_writer_maker(opts.disagg.transfer_backend, public, opts.disagg.transfer_timeout,
-                                  opts.disagg.disagg_secret)
+                                  opts.disagg.disagg_secret, opts.disagg.kv_send_by_layer)
         engine = AsyncLLM(opts.engine, opts.engine.model, media_threads=opts.server.media_threads,
                           log_requests=False, log_level=log_level,
                           heartbeat_timeout=opts.server.engine_heartbeat_timeout, prompt_encoder=encoder,

@@ -99,6 +99,9 @@ class TransferSender:
         # A write into the receiver's blocks may still land (its writer stopped answering): an abort is not
         # acknowledged, the receiver's quarantine frees the blocks. Until when.
         self.unsettled: dict[Key, float] = {}
+        # Transfers whose rows are being written before they are held (a prefill engine writes the first run as
+        # it computes the prompt): done once none is; an abort is acknowledged only then.
+        self.settling: dict[Key, asyncio.Future] = {}
 
     async def reply(self, peer: bytes, msg) -> None:
         await self.sock.send_multipart([peer, *self.replies.encode(msg)])
@@ -178,6 +181,8 @@ class TransferSender:
         self.end(key)
         if transfer is not None and transfer.sending is not None:
             await asyncio.shield(transfer.sending)
+        if (settling := self.settling.get(key)) is not None:
+            await asyncio.shield(settling)
         if key in self.unsettled:
             logger.warning("transfer %s: a write into the receiver's blocks may still land; its abort is not "
                            "acknowledged (the receiver's quarantine frees them)", key[1][:64])

@@ -18,6 +18,7 @@ from vlserve.core.prompt import ProcessedPrompt
 from vlserve.core.request import Request, RequestStatus
 from vlserve.core.sampling_params import SamplingParams, fan_out
 from vlserve.core.structured_outputs import GrammarLimits
+from vlserve.core.wire import KVSend
 from vlserve.engine.config import VlserveConfig
 from vlserve.engine.kv_connector import KVConnector, KVTransfer
 from vlserve.engine.kv_events import KVEventPublisher
@@ -86,12 +87,16 @@ class EngineCore:
                     kv_gib, cfg.num_kv_blocks, cfg.block_size, _state_pool_text(cfg))
 
     def add_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
-                    arrival_time: float | None = None, kv_transfer: KVTransfer | None = None) -> list[str]:
+                    arrival_time: float | None = None, kv_transfer: KVTransfer | None = None,
+                    kv_send: KVSend | None = None) -> list[str]:
         """Admits the n samples of one request together, or none of them; returns their engine request ids.
 
-        `kv_transfer`: the request's KV was computed elsewhere (the connector loads it; see kv_connector/)."""
+        `kv_transfer`: the request's KV was computed elsewhere (the connector loads it; see kv_connector/).
+        `kv_send`: its KV goes to another instance as it is computed (the connector writes it)."""
         if kv_transfer is not None and self.connector is None:
             raise InvalidInputError("this engine computes its own KV: it takes none from other instances")
+        if kv_send is not None and self.connector is None:
+            raise InvalidInputError("this engine sends no KV rows to other instances")
         if self.connector is not None:
             self.connector.check_request(prompt, params, kv_transfer)
         # where its rows are: receive blocks, or (KV written in place) the KV cache
@@ -113,6 +118,8 @@ class EngineCore:
                 if self.connector is not None and (out := self.connector.admit(child, kv_transfer)) is not None:
                     arrived[child.request_id] = out
                 self.scheduler.check_fits(child)
+                if kv_send is not None:
+                    self.connector.will_send(child, kv_send)
         except BaseException:
             if self.connector is not None:
                 self.connector.forget([c.request_id for c in children])

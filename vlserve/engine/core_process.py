@@ -176,17 +176,23 @@ class EngineCoreLoop:
 
     def _add(self, msg: AddRequest, frames, refusal: tuple[str, int] | None = None) -> None:
         if refusal is not None:  # its adapter could not be had: (message, status), made once for all who waited
-            self.rejected.append(RequestRejected(msg.request_id, *refusal))
+            self._refuse(msg, *refusal)
             return
         try:
             prompt = prompt_from_wire(msg, frames)
-            self.core.add_request(msg.request_id, prompt, msg.params, msg.arrival_time, kv_transfer=msg.handoff)
+            self.core.add_request(msg.request_id, prompt, msg.params, msg.arrival_time, kv_transfer=msg.handoff,
+                                  kv_send=msg.kv_send)
         except (VlserveError, ValueError) as e:
-            status = getattr(e, "http_status", 400)
-            self.rejected.append(RequestRejected(msg.request_id, str(e), status))
+            self._refuse(msg, str(e), getattr(e, "http_status", 400))
         except Exception as e:  # noqa: BLE001 - a bug in our checks: that request fails, the engine goes on
             logger.exception("request %r could not be admitted", msg.request_id[:128])
-            self.rejected.append(RequestRejected(msg.request_id, f"internal error: {type(e).__name__}", 500))
+            self._refuse(msg, f"internal error: {type(e).__name__}", 500)
+
+    def _refuse(self, msg: AddRequest, why: str, status: int) -> None:
+        """A request not admitted; its KV send, if any, is over too (nothing was written)."""
+        self.rejected.append(RequestRejected(msg.request_id, why, status))
+        if msg.kv_send is not None:
+            self.refused_writes.append(KVWritten(msg.request_id, msg.kv_send.write_id, error=f"not admitted: {why}"))
 
     def _reserve_or_release(self, msg: ReserveKV | ReleaseKV | CancelReserveKV) -> None:
         """A decode front end's KV blocks for peers' writes; a bug here fails that reservation, not the engine. A

@@ -12,6 +12,7 @@ the snapshots its prefill chunk takes, and the slot copies to make before the fo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -47,6 +48,8 @@ class ForwardBatch:
     # LoRA: (adapter slot, rows) groups of vlserve.model.layers.lora_rows (not on the wire: tensor-parallel ranks
     # get them, with the slots' adapters, in the step's message)
     lora_rows: tuple = ()
+    # Called after each layer with a KV cache (AttentionMetadata.after_kv_layer; rank 0's own, never on the wire)
+    after_kv_layer: Callable[[int], None] | None = None
 
 
 def attention_metadata(batch: ForwardBatch, block_size: int, device: torch.device,
@@ -55,7 +58,7 @@ def attention_metadata(batch: ForwardBatch, block_size: int, device: torch.devic
         return to_device(t, device)
 
     meta = AttentionMetadata(slot_mapping=put(batch.slot_mapping), num_decode_tokens=batch.num_decode,
-                             block_size=block_size)
+                             block_size=block_size, after_kv_layer=batch.after_kv_layer)
     if backend == TRITON:
         lens = [1] * batch.num_decode + [n for _, n, _ in batch.prefills]
         query_start = torch.tensor([0] + lens).cumsum(0)

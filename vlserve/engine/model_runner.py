@@ -81,6 +81,11 @@ class ModelRunner:
         direct = getattr(self.executor, "read_kv_rows", None)  # a shard's own, or the leader's (its ranks' files)
         return direct(slots, scratch) if direct is not None else kv_to_rows(self.read_kv(slots))
 
+    def read_kv_layer(self, slots: torch.Tensor, kv_layer: int) -> torch.Tensor:
+        """[len(slots), 2, every head x head size]: the kv_layer-th KV layer's keys and values at these slots, on
+        the CPU; only where `reads_kv_off_thread` (from a writer thread, as soon as that layer ran)."""
+        return self.executor.read_kv_layer(slots, kv_layer)
+
     @property
     def reads_kv_off_thread(self) -> bool:
         """`read_kv_rows` may run on another thread while the engine steps (on the CPU, one rank or every rank's
@@ -230,6 +235,7 @@ class ModelRunner:
         if sched.empty:
             return None
         ordered, batch = self._prepare(sched.chunks, sched.state)
+        batch.after_kv_layer = sched.after_kv_layer
         if slots:
             batch.lora_rows = row_groups([slots.get(c.req.lora.key) if c.req.lora is not None else None
                                           for c in ordered], [c.num_tokens for c in ordered])

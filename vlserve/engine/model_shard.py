@@ -266,6 +266,16 @@ class ModelShard:
                 rows[at : at + n, layer].copy_(cache[:, first : first + n].reshape(2, n, -1).transpose(0, 1))
         return rows.view(slots.numel(), len(caches) * 2 * heads * dim)
 
+    def read_kv_layer(self, slots: torch.Tensor, kv_layer: int) -> torch.Tensor:
+        """[len(slots), 2, heads x head size]: the keys and values of the kv_layer-th layer with a KV cache at these
+        slots (one CPU rank: `reads_kv_off_thread`), a slice copy per run of slots. A prefill's writer thread
+        reads a layer as soon as it is computed, while the engine computes the next."""
+        cache = self.kv_caches[self.kv_layers[kv_layer]]
+        rows = torch.empty(slots.numel(), 2, cache.shape[2] * cache.shape[3], dtype=cache.dtype)
+        for at, first, n in slot_runs(slots):
+            rows[at : at + n].copy_(cache[:, first : first + n].reshape(2, n, -1).transpose(0, 1))
+        return rows
+
     def write_kv(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
         """`kv` as `read_kv` gives it: one entry per layer with a KV cache, every head (tensor parallelism: each
         rank writes its own heads)."""

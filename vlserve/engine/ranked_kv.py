@@ -108,20 +108,26 @@ class RankedKV(BlockRows):
             out[:, :, first : first + count] = got[:, :, first - have_first : first - have_first + count]
         return out.view(n, self.layout.width)
 
-    def read_slots(self, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def read_slots(self, slots: torch.Tensor, out: torch.Tensor | None = None, planes: range | None = None
+                   ) -> torch.Tensor:
         """Whole rows [len(slots), width] of the KV cache at flat `slots`, straight out of every rank's file (a
         prefill engine's writer thread, off the engine's thread: no collective, no rank but this one involved),
-        into `out` when given. A slice copy per run of slots and rank."""
-        parts, dim, m = self.layout.parts, self.head_dim, slots.numel()
-        rows = out if out is not None else torch.empty(m, self.layout.width, dtype=self.shards[0].planes.dtype)
+        into `out` when given. A slice copy per run of slots and rank. `planes` (a layer's keys and values): those
+        planes only, as [len(slots), len(planes), heads x head size]."""
+        dim, m = self.head_dim, slots.numel()
+        planes = range(self.layout.parts) if planes is None else planes
+        parts = len(planes)
+        width = parts * self.num_heads * dim
+        rows = out if out is not None else torch.empty(m, width, dtype=self.shards[0].planes.dtype)
         heads = rows.view(m, parts, self.num_heads, dim)
         for at, first_slot, n in slot_runs(slots):
             for rank, first, count in self._source:
                 have_first, have = self.heads[rank]
-                plane = self.shards[rank].planes[:, first_slot : first_slot + n].view(parts, n, have, dim)
+                plane = self.shards[rank].planes[planes.start : planes.stop, first_slot : first_slot + n]
+                plane = plane.view(parts, n, have, dim)
                 heads[at : at + n, :, first : first + count].copy_(
                     plane[:, :, first - have_first : first - have_first + count].transpose(0, 1))
-        return rows
+        return rows if planes == range(self.layout.parts) else rows.view(m, parts, -1)
 
     def rows_finite(self, block_ids: list[int], rows: torch.Tensor) -> bool:
         return all(shard.rows_finite(block_ids, rows) for shard in self.shards)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from vlserve.core.request import Request
@@ -36,6 +37,8 @@ class SchedulerOutput:
     kv_in: list[tuple[Request, int]] = field(default_factory=list)
     # A hybrid model's linear-attention states this step: running slots, snapshot copies and checkpoints.
     state: StateStep | None = None
+    # Set by a KV connector (move_kv): called after each layer with a KV cache (ForwardBatch.after_kv_layer).
+    after_kv_layer: Callable[[int], None] | None = None
 
     @property
     def num_tokens(self) -> int:

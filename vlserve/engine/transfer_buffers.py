@@ -268,18 +268,23 @@ class TransferBuffers(BlockRows):
         return table[rows // self.block_tokens] * self.block_tokens + rows % self.block_tokens
 
     # ---- rows ------------------------------------------------------------------------------------------------
-    def write_rows(self, block_ids: list[int], index: torch.Tensor, rows: torch.Tensor) -> None:
-        """Rows [m, width], or by plane [m, parts, part width] (a view of other rows: copied as it is), at run row
-        indices `index` [m] (the transports that copy)."""
-        lay = self.layout
-        if tuple(rows.shape) not in ((index.shape[0], lay.width), (index.shape[0], lay.parts, lay.part_width)):
-            raise ValueError(f"rows must be [{index.shape[0]}, {lay.width}] or [{index.shape[0]}, {lay.parts}, "
-                             f"{lay.part_width}], got {tuple(rows.shape)}")
-        pieces = rows.to(self.planes.dtype).reshape(rows.shape[0], lay.parts, -1).transpose(0, 1)
+    def write_rows(self, block_ids: list[int], index: torch.Tensor, rows: torch.Tensor, first_plane: int = 0) -> None:
+        """Rows [m, width], or by plane [m, planes, part width] (a view of other rows: copied as it is) into planes
+        first_plane.. (a layer's keys and values), at run row indices `index` [m] (the transports that copy)."""
+        lay, m = self.layout, index.shape[0]
+        whole = tuple(rows.shape) == (m, lay.width) and first_plane == 0
+        by_plane = rows.dim() == 3 and rows.shape[0] == m and rows.shape[2] == lay.part_width \
+            and rows.shape[1] > 0 and 0 <= first_plane and first_plane + rows.shape[1] <= lay.parts
+        if not (whole or by_plane):
+            raise ValueError(f"rows must be [{m}, {lay.width}] or [{m}, planes, {lay.part_width}] within "
+                             f"{lay.parts} planes, got {tuple(rows.shape)} from plane {first_plane}")
+        planes = lay.parts if whole else rows.shape[1]
+        pieces = rows.to(self.planes.dtype).reshape(m, planes, -1).transpose(0, 1)
+        into = self.planes[first_plane : first_plane + planes]
         # A slice copy per run of consecutive slots: near a plain memory copy, where one index_copy over the
         # planes' stride is ~3x slower (measured on 57 MB of bf16 KV rows)
         for at, first, n in slot_runs(self.slots(block_ids, index)):
-            self.planes[:, first : first + n].copy_(pieces[:, at : at + n])
+            into[:, first : first + n].copy_(pieces[:, at : at + n])
 
     def read_rows(self, block_ids: list[int], start: int, n: int, columns: int | None = None) -> torch.Tensor:
         """Rows start..start+n of the run (the first `columns` columns), gathered in one copy. KV rows are indexed

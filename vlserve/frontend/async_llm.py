@@ -27,7 +27,7 @@ from vlserve.core.processes import finish
 from vlserve.core.prompt import MEDIA_KINDS
 from vlserve.core.sampling_params import SamplingParams, fan_out
 from vlserve.core.structured_outputs import GrammarLimits
-from vlserve.core.wire import EngineOutputs, FinishRequests, prompt_to_wire
+from vlserve.core.wire import EngineOutputs, FinishRequests, KVSend, KVWritten, prompt_to_wire
 from vlserve.engine.core_client import EngineCoreClient
 from vlserve.engine.transfer_buffers import BufferLayout
 from vlserve.frontend.config import FrontendConfig
@@ -295,20 +295,24 @@ class AsyncLLM:
         return RequestHandle(self, request_id, stream)
 
     async def prefill(self, prepared: PreparedPrompt, params: SamplingParams, request_id: str,
-                      adapter: AdapterRef | None = None) -> Handoff:
+                      adapter: AdapterRef | None = None, kv_send: KVSend | None = None) -> Handoff:
         """Prefill instance: takes the prompt over, computes it (with LoRA adapter `adapter`, if any) and samples
         its first token as the whole request would (`params.for_prefill()`); returns that output with the random
         state. The engine keeps the prompt's KV to write it itself (`kv_writes`; released with
-        `kv_writes.release`). Cancelling aborts it in the engine."""
+        `kv_writes.release`); `kv_send` (its id from `kv_writes.expect`): where the first rows go as they are
+        computed. Cancelling aborts it in the engine."""
         release = prepared.hand_over()
         try:
             self.check_accepting()
             self._check_id_free(request_id)
             prompt = with_adapter(prepared.prompt, adapter)
             msg, tensors = prompt_to_wire(request_id, prompt, params.for_prefill(), prepared.arrival)
-        except BaseException:
+            msg.kv_send = kv_send
+        except BaseException as e:
             if release is not None:
                 release()
+            if kv_send is not None:  # never reached the engine: nothing was written
+                self.kv_writes.settle([KVWritten(request_id, kv_send.write_id, error=f"not sent: {e}")])
             raise
         self.metrics.count_items(prompt.mm_items)
         waiting = _Prefill(asyncio.get_running_loop().create_future())

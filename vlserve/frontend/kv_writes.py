@@ -44,6 +44,13 @@ class KVWrites:
         finally:
             self._waiting.pop((request_id, write_id), None)
 
+    def expect(self, request_id: str) -> tuple[int, asyncio.Future]:
+        """A write the engine starts by itself (a `KVSend` sent with the request, carrying this id): its future
+        gives the bytes written, or fails like `write`'s; it settles once the engine answers (or dies)."""
+        write_id = next(self._ids)
+        future = self._waiting[(request_id, write_id)] = asyncio.get_running_loop().create_future()
+        return write_id, future
+
     def release(self, request_id: str) -> None:
         """The transfer is over: the engine drops the request's kept rows (a dead one has nothing to drop)."""
         if self._alive():

@@ -65,8 +65,13 @@ class DecoderModel(nn.Module):
     ) -> torch.Tensor:
         cos, sin = self.rotary(positions, inputs_embeds.dtype)
         h = inputs_embeds
+        kv_layer = 0
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             h = layer(h, cos, sin, kv_cache, meta)
             if side is not None and i < side.features.shape[0]:
                 h = h.index_add(0, side.rows, side.features[i].to(h.dtype))
+            if isinstance(kv_cache, torch.Tensor):  # (a hybrid model's linear layers keep states instead)
+                if meta.after_kv_layer is not None:
+                    meta.after_kv_layer(kv_layer)
+                kv_layer += 1
         return self.norm(h)

@@ -93,6 +93,10 @@ class Transport(ABC):
     # Its `write_rows` takes rows by plane [m, parts, part width] (a view of whole rows: one rank's heads) and
     # copies them in as they are; others get rows of their own.
     writes_planes = False
+    # Its `write_rows` also puts rows anywhere in the run (`first_row`) and some planes only (`first_plane`): a
+    # prefill engine writes each layer's keys and values as the layer is computed (kv_connector.prefill).
+    # Others take whole rows from the run's first slot.
+    writes_layers = False
 
     def __init__(self, host: str = "127.0.0.1", secret: str | None = None):
         """`host`: this process's address as peers reach it (transports with their own listener use it);
@@ -114,22 +118,30 @@ class Transport(ABC):
         return TransferTarget(self.name, buffers.layout, heads=list(buffers.heads), shards=[
             RankTarget(t.layout, t.session, t.base_address, t.agent_metadata) for t in ranks])
 
-    def write(self, target: TransferTarget, block_ids: list[int], rows: torch.Tensor) -> int:
+    def write(self, target: TransferTarget, block_ids: list[int], rows: torch.Tensor, first_row: int = 0,
+              first_plane: int = 0) -> int:
         """`write_rows`, also into a KV cache kept by several ranks: each rank gets its heads of the rows (in the
-        rank's own write, checked like any)."""
+        rank's own write, checked like any). Rows are whole [m, width], or some planes [m, planes, part width]
+        from `first_plane` on (a transport that `writes_layers`), put at run rows first_row.. ."""
+        if (first_row or first_plane or rows.dim() != 2) and not self.writes_layers:
+            raise ValueError(f"the {self.name} transport writes whole rows from the run's first slot only")
         if not target.shards:
-            return self.write_rows(target, block_ids, rows)
-        if rows.dim() != 2:
-            raise ValueError(f"whole rows are [m, width], got {tuple(rows.shape)}")
-        check_run(target.layout, block_ids, rows)  # first: the whole rows' width is then the rows' own
+            return self.write_rows(target, block_ids, rows, first_row, first_plane)
+        if rows.dim() not in (2, 3):
+            raise ValueError(f"rows are [m, width] or [m, planes, part width], got {tuple(rows.shape)}")
+        # first: the whole rows' width is then the rows' own
+        check_run(target.layout, block_ids, rows, first_row, first_plane)
         head_dim = check_shards(target)
-        parts, num_heads = target.layout.parts, target.layout.part_width // head_dim
+        planes = target.layout.parts if rows.dim() == 2 else rows.shape[1]
+        num_heads = target.layout.part_width // head_dim
         written = 0
         for rank, (first, count) in zip(target.shards, target.heads):
-            heads = shard_rows(rows, parts, num_heads, first, count)
+            heads = shard_rows(rows.reshape(rows.shape[0], -1), planes, num_heads, first, count)
+            whole = rows.dim() == 2 and not self.writes_planes
             written += self.write_rows(TransferTarget(target.backend, rank.layout, rank.session, rank.base_address,
                                                       rank.agent_metadata, grant=target.grant), block_ids,
-                                       heads if self.writes_planes else heads.reshape(heads.shape[0], -1))
+                                       heads.reshape(heads.shape[0], -1) if whole else heads, first_row,
+                                       first_plane)
         return written
 
     async def send(self, sock: zmq.asyncio.Socket, peer: bytes, header: TransferChunk, data: ChunkData,
@@ -151,9 +163,11 @@ class Transport(ABC):
         await sock.send_multipart([peer, *self.framer.encode(header, tensors)], copy=False)
 
     @abstractmethod
-    def write_rows(self, target: TransferTarget, block_ids: list[int], rows: torch.Tensor) -> int:
-        """Puts `rows` [m, width] into the receiver's run `block_ids` from its first slot, blocking until they
-        have landed (callers run it off the event loop); returns the bytes written."""
+    def write_rows(self, target: TransferTarget, block_ids: list[int], rows: torch.Tensor, first_row: int = 0,
+                   first_plane: int = 0) -> int:
+        """Puts `rows` [m, width] into the receiver's run `block_ids` from its first slot (a transport that
+        `writes_layers`: from run row `first_row`, and [m, planes, part width] into planes first_plane..),
+        blocking until they have landed (callers run it off the event loop); returns the bytes written."""
 
     async def receive(self, header: TransferChunk, frames: list, buffers: TransferBuffers) -> ChunkTokens:
         """Receiver side: the chunk's rows are in `header.block_ids` already; returns its fill ids and positions.
@@ -176,7 +190,8 @@ class HeadersOnly(Transport):
         super().__init__(host)
         self.name = name
 
-    def write_rows(self, target: TransferTarget, block_ids: list[int], rows: torch.Tensor) -> int:
+    def write_rows(self, target: TransferTarget, block_ids: list[int], rows: torch.Tensor, first_row: int = 0,
+                   first_plane: int = 0) -> int:
         raise RuntimeError(f"the {self.name} rows of this instance are written by its engine process")
 
 
@@ -226,27 +241,30 @@ def check_shards(target: TransferTarget) -> int:
     return head_dim
 
 
-def check_run(layout, block_ids: list[int], rows: torch.Tensor) -> None:
-    """`rows` [m, width] (or by plane, [m, parts, part width]) fit the receiver's run `block_ids` from its first
-    slot (every transport that writes a receiver's memory checks this first: nothing outside its blocks is ever
-    touched)."""
+def check_run(layout, block_ids: list[int], rows: torch.Tensor, first_row: int = 0, first_plane: int = 0) -> None:
+    """`rows` [m, width] (or by plane, [m, planes, part width] for planes first_plane..) fit the receiver's run
+    `block_ids` from its row `first_row` (every transport that writes a receiver's memory checks this first:
+    nothing outside its blocks is ever touched)."""
     if not block_ids or any(not 0 <= b < layout.num_blocks for b in block_ids):
         raise ValueError(f"block ids outside the receiver's {layout.num_blocks} blocks")
     span = len(block_ids) * layout.block_tokens
-    whole = rows.dim() == 2 and rows.shape[1] == layout.width
-    by_plane = rows.dim() == 3 and tuple(rows.shape[1:]) == (layout.parts, layout.part_width) \
-        and layout.parts * layout.part_width == layout.width
-    if not (whole or by_plane) or rows.shape[0] > span:
-        raise ValueError(f"{tuple(rows.shape)} rows do not fit the {span} slots of width {layout.width} of "
-                         "their blocks")
+    if layout.parts <= 0 or layout.width % layout.parts:
+        raise ValueError(f"a layout of {layout.parts} planes does not split rows of width {layout.width}")
+    whole = rows.dim() == 2 and rows.shape[1] == layout.width and first_plane == 0
+    by_plane = rows.dim() == 3 and rows.shape[2] == layout.part_width and rows.shape[1] > 0 \
+        and 0 <= first_plane and first_plane + rows.shape[1] <= layout.parts
+    if not (whole or by_plane) or first_row < 0 or first_row + rows.shape[0] > span:
+        raise ValueError(f"{tuple(rows.shape)} rows from row {first_row} (plane {first_plane}) do not fit the "
+                         f"{span} slots of {layout.parts} planes of width {layout.part_width} of their blocks")
 
 
-def write_run(buffers: TransferBuffers, block_ids: list[int], rows: torch.Tensor) -> int:
-    """`rows` into the run `block_ids` of `buffers` from its first slot, checked to fit; returns the bytes."""
-    layout = buffers.layout
-    check_run(layout, block_ids, rows)
-    buffers.write_rows(block_ids, torch.arange(rows.shape[0]), rows)
-    return rows.shape[0] * layout.width * buffers.element_size
+def write_run(buffers: TransferBuffers, block_ids: list[int], rows: torch.Tensor, first_row: int = 0,
+              first_plane: int = 0) -> int:
+    """`rows` into the run `block_ids` of `buffers` from its row `first_row` (and plane `first_plane`), checked to
+    fit; returns the bytes."""
+    check_run(buffers.layout, block_ids, rows, first_row, first_plane)
+    buffers.write_rows(block_ids, torch.arange(first_row, first_row + rows.shape[0]), rows, first_plane)
+    return rows.numel() * buffers.element_size
 
 
 MAX_POSITION_ROWS = 4  # rows of positions a token may carry (the model's `position_rows`: 1 or 3 today)

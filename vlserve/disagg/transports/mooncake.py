@@ -32,6 +32,7 @@ def mooncake_engine_class():
 class MooncakeTransport(Transport):
     name = "mooncake"
     writes_planes = True  # (staged plane by plane: a rank's heads go into the staging buffer as they are)
+    writes_layers = True
 
     def __init__(self, host: str = "127.0.0.1", secret: str | None = None):
         super().__init__(host, secret)
@@ -57,9 +58,10 @@ class MooncakeTransport(Transport):
         return TransferTarget(self.name, buffers.layout, self.session, buffers.storage.data_ptr())
 
     # ---- sender ----------------------------------------------------------------------------------------------
-    def write_rows(self, target: TransferTarget, block_ids: list[int], rows: torch.Tensor) -> int:
+    def write_rows(self, target: TransferTarget, block_ids: list[int], rows: torch.Tensor, first_row: int = 0,
+                   first_plane: int = 0) -> int:
         with self.staged.lock:
-            src, dst, lengths = self.staged.plan(block_ids, rows, target)
+            src, dst, lengths = self.staged.plan(block_ids, rows, target, first_row, first_plane)
             if not lengths:
                 return 0
             if self.engine.batch_transfer_sync_write(target.session, src, dst, lengths) != 0:

@@ -35,6 +35,7 @@ def nixl_api():
 class NixlTransport(Transport):
     name = "nixl"
     writes_planes = True  # (staged plane by plane: a rank's heads go into the staging buffer as they are)
+    writes_layers = True
 
     def __init__(self, host: str = "127.0.0.1", secret: str | None = None):
         super().__init__(host, secret)
@@ -84,9 +85,10 @@ class NixlTransport(Transport):
             self.agent.get_new_notifs()
             time.sleep(PUMP_PERIOD_S)
 
-    def write_rows(self, target: TransferTarget, block_ids: list[int], rows: torch.Tensor) -> int:
+    def write_rows(self, target: TransferTarget, block_ids: list[int], rows: torch.Tensor, first_row: int = 0,
+                   first_plane: int = 0) -> int:
         with self.staged.lock:
-            src, dst, lengths = self.staged.plan(block_ids, rows, target)
+            src, dst, lengths = self.staged.plan(block_ids, rows, target, first_row, first_plane)
             if not lengths:
                 return 0
             peer = self._peers.get(target.session)

@@ -33,30 +33,32 @@ class StagedWrites:
             self._register(self._staging)
         return self._staging
 
-    def plan(self, block_ids: list[int], rows: torch.Tensor,
-             target: TransferTarget) -> tuple[list[int], list[int], list[int]]:
-        """(source addresses, destination addresses, lengths) that put `rows` into the run `block_ids` of the
-        receiver's buffers at `target.base_address`, from the run's first slot."""
+    def plan(self, block_ids: list[int], rows: torch.Tensor, target: TransferTarget, first_row: int = 0,
+             first_plane: int = 0) -> tuple[list[int], list[int], list[int]]:
+        """(source addresses, destination addresses, lengths) that put `rows` (whole, or planes first_plane..)
+        into the run `block_ids` of the receiver's buffers at `target.base_address`, from the run's row
+        `first_row`."""
         layout = target.layout
-        check_run(layout, block_ids, rows)
+        check_run(layout, block_ids, rows, first_row, first_plane)
         count = rows.shape[0]
         if not count:
             return [], [], []
-        # Staged plane by plane ([parts, m, part width]): each run of slots is then one contiguous source too.
-        pieces = rows.to(DTYPES[layout.dtype]).reshape(count, layout.parts, -1).transpose(0, 1).contiguous()
-        flat = pieces.view(torch.uint8).view(layout.parts, count, -1)
+        planes = layout.parts if rows.dim() == 2 else rows.shape[1]
+        # Staged plane by plane ([planes, m, part width]): each run of slots is then one contiguous source too.
+        pieces = rows.to(DTYPES[layout.dtype]).reshape(count, planes, -1).transpose(0, 1).contiguous()
+        flat = pieces.view(torch.uint8).view(planes, count, -1)
         piece_bytes = flat.shape[2]
         staging = self._staging_for(flat.numel())
-        staging[: flat.numel()].view(layout.parts, count, piece_bytes).copy_(flat)
-        index = torch.arange(count)
+        staging[: flat.numel()].view(planes, count, piece_bytes).copy_(flat)
+        index = torch.arange(first_row, first_row + count)
         table = torch.tensor(block_ids, dtype=torch.int64)
         slots = table[index // layout.block_tokens] * layout.block_tokens + index % layout.block_tokens
         base = target.base_address + layout.offsets()["rows"]
         plane_slots = layout.num_blocks * layout.block_tokens
         src, dst, lengths = [], [], []
         for first, slot, n in slot_runs(slots):
-            for part in range(layout.parts):
+            for part in range(planes):
                 src.append(staging.data_ptr() + (part * count + first) * piece_bytes)
-                dst.append(base + (part * plane_slots + slot) * piece_bytes)
+                dst.append(base + ((first_plane + part) * plane_slots + slot) * piece_bytes)
                 lengths.append(n * piece_bytes)
         return src, dst, lengths

@@ -33,25 +33,37 @@ def encode_destination(target: TransferTarget | None, block_ids: list[int], back
 class TransportRowWriter:
     """Made in the engine process (by the maker `row_writer_maker` returns): its own transport instance."""
 
-    def __init__(self, backend: str, host: str, keep_s: float, secret: str | None = None):
+    def __init__(self, backend: str, host: str, keep_s: float, secret: str | None = None, by_layer: bool = True):
+        """`by_layer`: send each layer's KV as it is computed where the transport can (--kv-send-by-layer)."""
         self.backend, self.keep_s = backend, keep_s
         self.transport = TRANSPORTS[backend](host, secret)
+        self.writes_layers = by_layer and self.transport.writes_layers
         self._decoder = msgspec.msgpack.Decoder(KVDestination)
 
-    def write(self, destination: bytes, rows: torch.Tensor) -> int:
+    def write(self, destination: bytes, rows: torch.Tensor, first_row: int = 0, first_plane: int = 0) -> int:
         where = self._decoder.decode(destination)
-        return self.transport.write(check_target(where.target, self.backend), where.block_ids, rows)
+        return self.transport.write(check_target(where.target, self.backend), where.block_ids, rows, first_row,
+                                    first_plane)
 
     def close(self) -> None:
         self.transport.close()
 
 
-def row_writer_maker(backend: str, host: str, transfer_timeout: float,
-                     secret: str | None = None) -> Callable[[], TransportRowWriter]:
+def row_writer_maker(backend: str, host: str, transfer_timeout: float, secret: str | None = None,
+                     by_layer: bool = True) -> Callable[[], TransportRowWriter]:
     """What the engine process makes its writer with (picklable). `host`: this instance's address as peers
     reach it; `transfer_timeout`: how long the front end keeps a transfer nobody resumes (rows are kept twice
-    that at most, a backstop for a release that never came); `secret`: --disagg-secret."""
-    return functools.partial(TransportRowWriter, backend, host, 2 * transfer_timeout + 10.0, secret)
+    that at most, a backstop for a release that never came); `secret`: --disagg-secret; `by_layer`:
+    --kv-send-by-layer."""
+    return functools.partial(TransportRowWriter, backend, host, 2 * transfer_timeout + 10.0, secret, by_layer)
+
+
+def send_deadline(transfer_timeout: float) -> float:
+    """The `KVSend.not_after` of a prompt sent now: its writes, which start while it is computed, start within
+    the transfer's timeout or never. A receiver that gives up on the transfer earlier keeps its blocks until
+    then (and its quarantine after it) unless this instance says sooner that nothing more is written
+    (disagg.peer_client)."""
+    return time.time() + transfer_timeout
 
 
 def write_deadline() -> float:

@@ -37,18 +37,19 @@ class _Mapped:
     buffers: TransferBuffers
     file: io.FileIO  # the very file mapped, open for fstat; closed when the last user lets go of this entry
 
-    def write(self, block_ids: list[int], rows: torch.Tensor) -> int:
+    def write(self, block_ids: list[int], rows: torch.Tensor, first_row: int = 0, first_plane: int = 0) -> int:
         size, want = os.fstat(self.file.fileno()).st_size, self.buffers.layout.nbytes
         if size != want:
             raise FileResized(f"the receiver's buffer file {self.buffers.layout.path} now has {size} bytes, its "
                               f"layout says {want} (truncated or resized by someone else): nothing written")
-        return write_run(self.buffers, block_ids, rows)
+        return write_run(self.buffers, block_ids, rows, first_row, first_plane)
 
 
 class ShmTransport(Transport):
     name = "shm"
     maps_receiver_file = True
     writes_planes = True  # a copy straight out of a view of the rows: one rank's heads are never gathered first
+    writes_layers = True
 
     def __init__(self, host: str = "127.0.0.1", secret: str | None = None):
         super().__init__(host, secret)
@@ -73,11 +74,12 @@ class ShmTransport(Transport):
         mapped = self._mapped[layout.path] = _Mapped(buffers, file)
         return mapped
 
-    def write_rows(self, target: TransferTarget, block_ids: list[int], rows: torch.Tensor) -> int:
+    def write_rows(self, target: TransferTarget, block_ids: list[int], rows: torch.Tensor, first_row: int = 0,
+                   first_plane: int = 0) -> int:
         with self._lock:  # the map of receivers is shared by the threads that write
             mapped = self._buffers(target)
         try:
-            return mapped.write(block_ids, rows)
+            return mapped.write(block_ids, rows, first_row, first_plane)
         except FileResized:
             with self._lock:
                 if self._mapped.get(target.layout.path) is mapped:

@@ -207,8 +207,11 @@ class ZmqTransport(Transport):
         return TransferTarget(self.name, buffers.layout, server.address)
 
     # ---- sender ----------------------------------------------------------------------------------------------
-    def write_rows(self, target: TransferTarget, block_ids: list[int], rows: torch.Tensor) -> int:
+    def write_rows(self, target: TransferTarget, block_ids: list[int], rows: torch.Tensor, first_row: int = 0,
+                   first_plane: int = 0) -> int:
         layout = target.layout
+        if first_row or first_plane:
+            raise ValueError("the zmq transport writes whole rows from the run's first slot only")
         if not rows.shape[0]:
             return 0
         if rows.dim() != 2 or rows.shape[1] != layout.width:

@@ -23,7 +23,8 @@ from vlserve.core.messages import EngineCoreOutput, Handoff
 from vlserve.core.prompt import ProcessedPrompt
 from vlserve.core.request import Request, RequestStatus
 from vlserve.core.sampling_params import SamplingParams
-from vlserve.core.wire import CancelReserveKV, KVReserved, KVWritten, ReleaseKV, ReserveKV, WriteKV
+from vlserve.core.errors import InvalidInputError
+from vlserve.core.wire import CancelReserveKV, KVReserved, KVSend, KVWritten, ReleaseKV, ReserveKV, WriteKV
 
 if TYPE_CHECKING:
     from vlserve.engine.scheduler_output import SchedulerOutput
@@ -64,9 +65,13 @@ class RowWriter(Protocol):
     by the disaggregation layer, which alone knows what `destination` encodes; called from a writer thread."""
 
     keep_s: float  # how long rows nobody asks for are kept (a backstop: the front end releases them)
+    # It writes rows anywhere in the destination's run and some planes only (a layer's keys and values), so a
+    # prefill engine sends each layer as it is computed (kv_connector.layer_sends).
+    writes_layers: bool
 
-    def write(self, destination: bytes, rows: torch.Tensor) -> int:
-        """Blocks until `rows` [m, width] are at `destination`; returns the bytes written."""
+    def write(self, destination: bytes, rows: torch.Tensor, first_row: int = 0, first_plane: int = 0) -> int:
+        """Blocks until `rows` [m, width] (or planes first_plane.. of them, [m, planes, part width]) are at
+        `destination`'s run rows first_row..; returns the bytes written."""
 
     def close(self) -> None:
         """Lets go of what it registered or mapped."""
@@ -98,6 +103,11 @@ class KVConnector:
         """Prepares one sample before it is queued. Returns the output it arrived with (produced elsewhere), which
         the engine reports once the request is ready, or None."""
         return None
+
+    def will_send(self, req: Request, send: KVSend) -> None:
+        """The request's KV goes to another instance as it is computed (a prefill engine with a row writer);
+        answered in `take_written`."""
+        raise InvalidInputError("this engine sends no KV rows to other instances")
 
     def owns(self, request_id: str) -> bool:
         """True while the connector keeps state under this id (its id is not free)."""

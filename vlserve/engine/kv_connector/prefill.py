@@ -5,7 +5,8 @@ state slot is freed). A hold nobody takes (the step's outputs were lost) expires
 Where the KV goes: with a row writer (made by the disaggregation layer for the instance's transport) it stays in
 this process, and the front end, which runs the transfer's protocol, asks for each chunk to be written into the
 decode instance's blocks (`write`): the writes run on a thread of their own while the engine steps on, and end
-in `take_written`. On the CPU (one rank, or several whose KV files rank 0 maps: engine.ranked_kv) the blocks
+in `take_written`. The first run of blocks comes with the request (`will_send`): its rows go out as the prompt
+is computed, each layer's as soon as that layer ran, without the front end asking (layer_sends). On the CPU (one rank, or several whose KV files rank 0 maps: engine.ranked_kv) the blocks
 themselves are kept until the transfer is over (vLLM's delayed free) and each write reads its chunk's rows out
 of them on the writer thread: the engine's own thread spends nothing on the export. Elsewhere (a GPU; ranks
 torchrun started, whose heads are gathered) the rows are read out after the step and the blocks freed then.
@@ -15,6 +16,7 @@ token."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -23,13 +25,15 @@ from dataclasses import dataclass
 
 import torch
 
+from vlserve.core.cpu_budget import cpu_budget
 from vlserve.core.errors import InvalidInputError
 from vlserve.core.messages import EngineCoreOutput
 from vlserve.core.prompt import ProcessedPrompt
 from vlserve.core.request import Request, RequestStatus
 from vlserve.core.sampling_params import SamplingParams
-from vlserve.core.wire import KVWritten, WriteKV
-from vlserve.engine.kv_connector.base import ExportedKV, KVConnector, KVTransfer, RowWriter
+from vlserve.core.wire import KVSend, KVWritten, WriteKV
+from vlserve.engine.kv_connector.base import ExportedKV, KVConnector, KVTransfer, MovedKV, RowWriter
+from vlserve.engine.kv_connector.layer_sends import LayerSend
 from vlserve.engine.transfer_buffers import all_finite
 
 
@@ -62,6 +66,14 @@ class KeptKV:
         return rows
 
 
+def spare_core(device: torch.device) -> bool:
+    """Whether a writer thread may copy while the model computes without slowing it: on a CPU, only when torch's
+    threads leave a core of this process's budget free (with every core computing, each layer's write stalled
+    the step's threads: a 2,000-token prompt in 4 steps took 5 % longer, 50 ms, to save a 11-15 ms handoff;
+    with one core spare it took the same time and the handoff went: benchmarks/layer_sends.py)."""
+    return device.type != "cpu" or torch.get_num_threads() < cpu_budget().cpus
+
+
 class PrefillConnector(KVConnector):
     def __init__(self, cfg, ttl: float = HELD_KV_TTL_S, writer: RowWriter | None = None):
         self.ttl, self.writer = ttl, writer
@@ -76,6 +88,22 @@ class PrefillConnector(KVConnector):
         self._writes: list[tuple[WriteKV, Future]] = []  # under way, oldest first
         # One thread: a transfer's chunks land in order, and a write never competes with the next for memory.
         self._pool = None if writer is None else ThreadPoolExecutor(1, thread_name_prefix="vlserve-kv-write")
+        self.sends: dict[str, LayerSend] = {}  # requests whose KV goes out as it is computed (layer_sends)
+        self.by_layer = False  # (bind) each layer's KV is written as soon as it is computed
+
+    def bind(self, scheduler, runner, transfer) -> None:
+        super().bind(scheduler, runner, transfer)
+        # A layer is read by the writer thread while the engine computes the next: only where the KV cache may be
+        # read off the engine's thread, into a transport that writes some planes of some rows, and where that
+        # thread does not take a core from the computation (layer_sends: measured).
+        can = self.writer is not None and getattr(self.writer, "writes_layers", False) and runner.reads_kv_off_thread
+        spare = spare_core(runner.device)
+        self.by_layer = can and spare
+        if self.writer is not None:
+            why = "" if self.by_layer or not can else \
+                " (the computation uses every core here: a writer thread beside it would slow it more than it saves)"
+            logger.info("KV of a prompt's first run of decode blocks: sent %s%s", "layer by layer as it is computed"
+                        if self.by_layer else "when the prompt is computed", why)
 
     def check_request(self, prompt: ProcessedPrompt, params: SamplingParams, kv_transfer: KVTransfer | None) -> None:
         if kv_transfer is not None:
@@ -84,7 +112,14 @@ class PrefillConnector(KVConnector):
             raise InvalidInputError("a request whose KV is handed over samples once (n = 1)")
 
     def owns(self, request_id: str) -> bool:
-        return request_id in self.held or request_id in self.kept
+        return request_id in self.held or request_id in self.kept or request_id in self.sends
+
+    def will_send(self, req: Request, send: KVSend) -> None:
+        if self._pool is None:
+            raise InvalidInputError("this engine writes no KV rows to other instances")
+        if not 0 < send.end <= req.num_prompt_tokens:
+            raise InvalidInputError(f"tokens 0..{send.end} of a {req.num_prompt_tokens}-token prompt cannot be sent")
+        self.sends[req.request_id] = LayerSend(send, req.request_id)
 
     def forget(self, request_ids: list[str]) -> None:
         gone = set(request_ids)
@@ -92,11 +127,88 @@ class PrefillConnector(KVConnector):
             if msg.request_id in gone:
                 future.cancel()  # not started yet: it never will (answered as released)
         for rid in request_ids:
+            if (send := self.sends.get(rid)) is not None:
+                send.release()  # answered once no write of it runs (take_written)
             self._release(rid)
             self._drop_kept(rid)
 
+    # ---- sends as the prompt is computed ---------------------------------------------------------------------
+    def move_kv(self, sched) -> MovedKV:
+        """Queues, after each layer of this step's forward pass, the writes of that layer's keys and values of the
+        tokens the step computes for sends (AttentionMetadata.after_kv_layer)."""
+        if self.by_layer and self.sends:
+            jobs = []
+            for chunk in sched.chunks:
+                send = self.sends.get(chunk.req.request_id)
+                span = None if send is None or send.released else send.computed(chunk.start, chunk.end)
+                if span is not None:
+                    slots = self.runner.token_slots(chunk.req, span[1])[span[0]:]
+                    jobs.append((send, slots, span[0]))
+            if jobs:
+                sched.after_kv_layer = functools.partial(self._queue_layer, jobs)
+        return MovedKV([], [])
+
+    def _queue_layer(self, jobs, kv_layer: int) -> None:
+        """On the engine thread, right after the layer ran: its writes go to the writer thread."""
+        for send, slots, first_row in jobs:
+            send.futures.append(self._pool.submit(self._send_layer, send, slots, first_row, kv_layer))
+
+    def _send_layer(self, send: LayerSend, slots: torch.Tensor, first_row: int, kv_layer: int) -> int:
+        def write() -> int:
+            rows = self.runner.read_kv_layer(slots, kv_layer)  # [m, 2, heads x head size]
+            if not all_finite(rows):
+                raise ValueError(f"layer {kv_layer}'s KV of tokens {first_row}..{first_row + len(slots)} holds NaN "
+                                 "or infinite values: not written")
+            return self.writer.write(send.msg.destination, rows, first_row, 2 * kv_layer)
+        return self._sending(send, write)
+
+    def _send_rest(self, request_id: str, kept: KeptKV) -> None:
+        """Its request finished: what no layer write covered, and the state rows, from its kept KV."""
+        send = self.sends.get(request_id)
+        if send is None:
+            return
+        send.finished = True
+        if send.released:
+            return
+        ranges = send.rest()
+        for start, end in ranges:
+            send.futures.append(self._pool.submit(self._send_rows, send, kept, start, end))
+        if kept.state_rows is not None and send.msg.end == kept.num_tokens \
+                and not any(end == kept.num_tokens for _, end in ranges):  # (else they go with that range)
+            send.futures.append(self._pool.submit(self._send_state, send, kept))
+
+    def _send_rows(self, send: LayerSend, kept: KeptKV, start: int, end: int) -> int:
+        def write() -> int:
+            rows = kept.rows_of(start, end)
+            if not all_finite(rows[: end - start]):  # (state rows are float32 bytes: checked as states)
+                raise ValueError(f"the KV rows of tokens {start}..{end} hold NaN or infinite values: not written")
+            return self.writer.write(send.msg.destination, rows, start)
+        return self._sending(send, write)
+
+    def _send_state(self, send: LayerSend, kept: KeptKV) -> int:
+        return self._sending(send, lambda: self.writer.write(send.msg.destination, kept.state_rows, kept.num_tokens))
+
+    @staticmethod
+    def _sending(send: LayerSend, write: Callable[[], int]) -> int:
+        """One write of a send, on the writer thread: none after the send failed, was released or is past its
+        deadline; a failure fails the send."""
+        send.check_live()
+        try:
+            return write()
+        except Exception as e:
+            send.error = send.error or f"{type(e).__name__}: {e}"
+            raise
+
+    def _writing(self, request_id: str) -> bool:
+        """A write under way may still read this request's blocks."""
+        send = self.sends.get(request_id)
+        return (send is not None and send.writing) or any(
+            msg.request_id == request_id and not future.done() for msg, future in self._writes)
+
     def request_finished(self, req: Request, status: RequestStatus) -> bool:
         if status == RequestStatus.FINISHED_ABORTED or not req.block_ids:
+            if (send := self.sends.get(req.request_id)) is not None:
+                send.release()
             return False
         state = self.scheduler.state
         # Its state slot is freed with the request (the pool has one per running request): its rows are read now.
@@ -118,7 +230,7 @@ class PrefillConnector(KVConnector):
         kept = self.kept.pop(request_id, None)
         if kept is None or kept.req is None:
             return  # a write under way keeps its own reference to the rows it writes
-        if any(msg.request_id == request_id and not future.done() for msg, future in self._writes):
+        if self._writing(request_id):
             self._free_after_writes.append((request_id, kept.req))
         else:
             self.scheduler.kv.free(kept.req)
@@ -131,17 +243,21 @@ class PrefillConnector(KVConnector):
             try:
                 if self.writer is not None and self.runner.reads_kv_off_thread:
                     exported.append(self._keep_blocks(out.request_id))
+                    self._send_rest(out.request_id, self.kept[out.request_id])
                     continue
                 num_tokens = self.held[out.request_id][0].num_prompt_tokens
                 kv = self.export(out.request_id)
                 if self.writer is not None:  # written from here, chunk by chunk, when the front end asks
                     self.kept[kv.request_id] = KeptKV.of_rows(kv.rows, num_tokens)
                     kv.rows = None
+                    self._send_rest(kv.request_id, self.kept[kv.request_id])
                 exported.append(kv)
             except Exception as e:  # noqa: BLE001 - e.g. out of memory copying a long prompt's KV: that request
                 # fails (export has freed its blocks), the engine and the step's other requests go on
                 logger.exception("request %s: its KV could not be exported", out.request_id)
                 self._release(out.request_id)  # still held if it failed before it was kept
+                if (send := self.sends.get(out.request_id)) is not None:
+                    send.release()
                 self._failed.append((out.request_id, f"its KV could not be exported: {type(e).__name__}"))
 
     def _keep_blocks(self, request_id: str) -> ExportedKV:
@@ -197,16 +313,25 @@ class PrefillConnector(KVConnector):
             else:  # that transfer fails (the front end tells the receiver), the engine goes on
                 logger.warning("request %s: a KV write failed: %s", msg.request_id, error)
                 done.append(KVWritten(msg.request_id, msg.write_id, error=f"{type(error).__name__}: {error}"))
+        for rid, send in list(self.sends.items()):
+            if (answer := send.answer()) is not None:
+                del self.sends[rid]
+                if answer.error is not None:
+                    logger.warning("request %s: its KV send failed: %s", rid, answer.error)
+                done.append(answer)
         if self._free_after_writes:  # blocks whose last write reading them has ended
-            writing = {msg.request_id for msg, _ in self._writes}
-            for rid, req in [e for e in self._free_after_writes if e[0] not in writing]:
-                self.scheduler.kv.free(req)
-            self._free_after_writes = [e for e in self._free_after_writes if e[0] in writing]
+            still = []
+            for rid, req in self._free_after_writes:
+                if self._writing(rid):
+                    still.append((rid, req))
+                else:
+                    self.scheduler.kv.free(req)
+            self._free_after_writes = still
         return done
 
     @property
     def writes_in_flight(self) -> bool:
-        return bool(self._writes)
+        return bool(self._writes) or bool(self.sends)
 
     @property
     def num_kept(self) -> int:

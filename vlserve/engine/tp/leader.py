@@ -310,6 +310,11 @@ class TPLeader:
             out = self._rows_scratch[:numel].view(slots.numel(), -1)
         return self.kv_buffers.read_slots(slots, out)
 
+    def read_kv_layer(self, slots: torch.Tensor, kv_layer: int) -> torch.Tensor:
+        """[len(slots), 2, every head x head size]: one layer's keys and values at these slots, out of every
+        rank's file (mapped here: `reads_kv_off_thread`)."""
+        return self.kv_buffers.read_slots(slots, planes=range(2 * kv_layer, 2 * kv_layer + 2))
+
     def write_kv(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
         """Each rank writes its own heads of `kv` (every head) at these slots, before its next step."""
         tensors: list[torch.Tensor] = []

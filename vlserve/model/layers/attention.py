@@ -19,6 +19,7 @@ with a mask.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -58,6 +59,9 @@ class AttentionMetadata:
     prefills: list[PrefillSpan] = field(default_factory=list)  # varlen path: spans without slots or mask
     linear: LinearStateBatch | None = None  # hybrid models: each sequence's linear-attention state slot
     varlen: VarlenBatch | None = None  # set: the Triton path (then the decode/prefill fields above are unused)
+    # Called with k after the k-th layer with a KV cache has run (its keys and values are in the cache): a prefill
+    # engine starts sending that layer's KV while the next ones compute (engine.kv_connector.layer_sends).
+    after_kv_layer: Callable[[int], None] | None = None
 
 
 def build_prefill_span(start: int, num_tokens: int, context_len: int, slots: torch.Tensor | None) -> PrefillSpan:

@@ -1,0 +1,236 @@
+"""A prefill engine sends the first run of a prompt's KV as it computes the prompt (engine.kv_connector.layer_sends):
+each layer's keys and values go into the decode engine's blocks right after that layer ran, over a transport that
+writes some planes of some rows (shm here), and what no layer write covered (a prefix from the prefix cache) plus
+a hybrid model's state rows follow at the finish; over one that cannot (zmq) the whole run goes at the finish, still
+without the front end asking. Either way the decode engine then goes on token for token as one engine would. A send
+whose request is aborted mid-prompt, or whose deadline passed, is answered with why once nothing of it is written
+any more; an engine with no writer refuses a send."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import pytest
+import torch
+
+from tests.conftest import assert_pool_full, noise_image
+from tests.test_kv_row_writes import BLOCK_ROWS, PICTURE, SharedDecode, WritingPrefill
+from tests.test_pd_handoff import Prefill, _whole
+from vlserve import LLM, SamplingParams
+from vlserve.core.errors import InvalidInputError
+from vlserve.core.messages import Handoff
+from vlserve.core.prompt import MultiModalItem, ProcessedPrompt
+from vlserve.core.wire import KVSend, KVWritten, ReleaseKV, WriteKV
+from vlserve.disagg.transports.row_writer import decode_target, encode_destination, kv_receiver_maker, row_writer_maker
+from vlserve.engine.state_rows import state_row_count
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+NEVER = float("inf")
+STEP_TOKENS = 8
+
+
+class SpyWriter:
+    """The engine's row writer, noting each write's (first row, first plane, planes) as it goes through."""
+
+    def __init__(self, inner):
+        self.inner, self.keep_s, self.writes_layers = inner, inner.keep_s, inner.writes_layers
+        self.calls: list[tuple[int, int, int]] = []
+
+    def write(self, destination, rows, first_row=0, first_plane=0):
+        self.calls.append((first_row, first_plane, rows.shape[1] if rows.dim() == 3 else 0))
+        return self.inner.write(destination, rows, first_row, first_plane)
+
+    def close(self):
+        self.inner.close()
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen3_5"])
+def path(tiny_ckpt, request):  # Qwen3.5: linear layers between the KV layers, and state rows after the KV rows
+    return tiny_ckpt(request.param)
+
+
+@pytest.fixture(scope="module")
+def whole(path):
+    return LLM(path, dtype="float32", num_kv_blocks=256, block_size=8)
+
+
+@pytest.fixture(scope="module")
+def prefill(path):
+    """Computing at most 8 tokens a step: a picture prompt takes several steps, each sending its layers."""
+    p = WritingPrefill(path, max_num_batched_tokens=STEP_TOKENS)
+    p.spy = p.connector.writer = SpyWriter(p.writer)
+    p.connector.by_layer = True  # as where torch's threads leave a core free (else decided off: spare_core)
+    yield p
+    p.connector.close()
+
+
+@pytest.fixture(scope="module")
+def decode(path):
+    d = SharedDecode(path)
+    yield d
+    d.core.shutdown()
+
+
+def _prefill_with_send(prefill, rid, processed, params, send: KVSend):
+    prefill.core.add_request(rid, processed, params.for_prefill(), kv_send=send)
+    outs, exported = [], []
+    while prefill.core.has_unfinished:
+        outs += prefill.core.step()
+        exported += prefill.connector.take_exported()
+    (kv,) = exported
+    return outs[-1], kv
+
+
+def _decode(decode, processed, blocks, rid, first, kv, params) -> list[int]:
+    items = [MultiModalItem(it.offset, it.num_tokens, None, it.layout, it.mm_hash) for it in processed.mm_items]
+    arrived = ProcessedPrompt(processed.prompt_token_ids, items, processed.positions, processed.position_delta,
+                              block_rows=blocks, kv_in_blocks=True)
+    decode.blocks[rid] = blocks
+    decode.add(rid, arrived, params, Handoff(first, kv.generator_state))
+    tokens = []
+    while decode.core.has_unfinished:
+        tokens += [t for out in decode.step() if out.request_id == rid for t in out.new_token_ids]
+    return tokens
+
+
+@pytest.mark.parametrize("by_layer", [True, False], ids=["by-layer", "at-the-finish"])
+def test_the_first_run_goes_out_as_the_prompt_is_computed_and_decodes_as_one_engine(prefill, decode, whole, by_layer):
+    processed = prefill.input_processor.process(PICTURE)
+    n = len(processed.prompt_token_ids)
+    tail = state_row_count(prefill.core.cfg.model, prefill.core.cfg.dtype)
+    layers = prefill.core.cfg.model.text.num_kv_layers
+    assert n > BLOCK_ROWS > STEP_TOKENS  # more than the first run, which takes several steps
+    blocks = decode.reserve("s", n + tail)
+    split = BLOCK_ROWS // decode.kv_file.block_tokens
+    first_run, rest = blocks[:split], blocks[split:]
+    prefill.connector.by_layer, prefill.spy.calls = by_layer, []
+    try:
+        first, kv = _prefill_with_send(prefill, "s", processed, GREEDY, KVSend(
+            5, BLOCK_ROWS, encode_destination(decode.target, first_run, "shm"), NEVER))
+    finally:
+        prefill.connector.by_layer = True
+    row_bytes = decode.kv_file.layout.width * 4
+    assert prefill.written(1) == [KVWritten("s", 5, BLOCK_ROWS * row_bytes)]
+    if by_layer:  # each step's tokens of the first run, every layer's keys and values on their own, nothing after
+        steps = range(0, BLOCK_ROWS, STEP_TOKENS)
+        assert sorted(prefill.spy.calls) == sorted((s, 2 * k, 2) for s in steps for k in range(layers))
+    else:
+        assert prefill.spy.calls == [(0, 0, 0)]  # the whole run, once, when the prompt is done
+    # the rest as before: the front end asks for it into the resume's run
+    assert prefill.connector.write(WriteKV("s", 6, BLOCK_ROWS, n,
+                                           encode_destination(decode.target, rest, "shm"))) is None
+    assert prefill.written(1) == [KVWritten("s", 6, (n + tail - BLOCK_ROWS) * row_bytes)]
+    prefill.core.abort_requests(["s"])  # the transfer is over
+    assert prefill.connector.num_kept == 0 and not prefill.connector.owns("s")
+    assert _decode(decode, processed, blocks, "s", first, kv, GREEDY) == list(_whole(whole, PICTURE, GREEDY))
+    assert decode.nothing_held()
+    assert_pool_full(prefill)
+    assert_pool_full(decode)
+
+
+def test_a_cached_prefix_and_the_state_rows_follow_at_the_finish(prefill, decode, whole):
+    """The same prompt again: its prefix comes from the prefix cache, so no layer write covers it; it is written
+    from the kept blocks when the prompt is done, and (Qwen3.5) the state rows after the last token's row."""
+    processed = prefill.input_processor.process(PICTURE)
+    n = len(processed.prompt_token_ids)
+    tail = state_row_count(prefill.core.cfg.model, prefill.core.cfg.dtype)
+    for rid in ("a", "b"):
+        blocks = decode.reserve(rid, n + tail)
+        prefill.spy.calls = []
+        first, kv = _prefill_with_send(prefill, rid, processed, GREEDY, KVSend(
+            0, n, encode_destination(decode.target, blocks, "shm"), NEVER))
+        (answer,) = prefill.written(1)
+        assert answer.error is None and answer.nbytes == (n + tail) * decode.kv_file.layout.width * 4, answer
+        whole_rows = [c for c in prefill.spy.calls if c[1] == 0 and c[2] == 0]
+        if rid == "b":  # its cached prefix, from row 0 (and at the finish the state rows, from row n)
+            assert first.num_cached_tokens > 0 and (0, 0, 0) in whole_rows
+        if tail:
+            assert (n, 0, 0) in whole_rows
+        prefill.core.abort_requests([rid])
+        assert _decode(decode, processed, blocks, rid, first, kv, GREEDY) == list(_whole(whole, PICTURE, GREEDY))
+    assert decode.nothing_held()
+    assert_pool_full(prefill)
+
+
+def test_over_zmq_the_whole_run_goes_at_the_finish(prefill, decode, whole):
+    """A transport that writes whole rows from the run's start only: no layer writes; the engine writes the run
+    through the decode engine's row socket when the prompt is done, still without being asked."""
+    hybrid = decode.core.cfg.model.is_hybrid
+    receiver = kv_receiver_maker("zmq", "127.0.0.1")(decode.kv_file, check_finite=not hybrid)
+    zmq_writer = row_writer_maker("zmq", "127.0.0.1", 120.0)()
+    assert not zmq_writer.writes_layers
+    spy, prefill.connector.writer = prefill.connector.writer, zmq_writer
+    prefill.connector.by_layer = False  # as bind() decides for this writer
+    target = msgspec.structs.replace(decode_target(receiver.target), grant="z")
+    processed = prefill.input_processor.process(PICTURE)
+    n, tail = len(processed.prompt_token_ids), state_row_count(prefill.core.cfg.model, prefill.core.cfg.dtype)
+    try:
+        blocks = decode.reserve("z", n + tail)
+        first, kv = _prefill_with_send(prefill, "z", processed, GREEDY, KVSend(
+            1, n, encode_destination(target, blocks, "zmq"), NEVER))
+        (answer,) = prefill.written(1)
+        assert answer.error is None and answer.nbytes > 0, answer
+        prefill.core.abort_requests(["z"])
+        assert _decode(decode, processed, blocks, "z", first, kv, GREEDY) == list(_whole(whole, PICTURE, GREEDY))
+    finally:
+        prefill.connector.writer, prefill.connector.by_layer = spy, True
+        zmq_writer.close()
+        receiver.close()
+    assert decode.nothing_held()
+    assert_pool_full(prefill)
+
+
+def test_an_aborted_or_late_send_is_answered_once_nothing_more_is_written(prefill, decode):
+    # a picture no test before sent: nothing of it is in the prefix cache
+    processed = prefill.input_processor.process({**PICTURE, "multi_modal_data": {"image": noise_image(72, 56, 23)}})
+    n, tail = len(processed.prompt_token_ids), state_row_count(prefill.core.cfg.model, prefill.core.cfg.dtype)
+    blocks = decode.reserve("x", n + tail)
+    destination = encode_destination(decode.target, blocks, "shm")
+    # aborted after its first step: its queued layer writes are cancelled, the answer says so
+    prefill.core.add_request("x", processed, GREEDY.for_prefill(), kv_send=KVSend(2, n, destination, NEVER))
+    prefill.core.step()
+    assert prefill.core.has_unfinished and prefill.connector.writes_in_flight
+    prefill.core.abort_requests(["x"])
+    (answer,) = prefill.written(1)
+    assert answer.write_id == 2 and "released" in answer.error and answer.nbytes == 0
+    assert not prefill.connector.owns("x") and not prefill.connector.writes_in_flight
+    # past its deadline: nothing is written, the prompt is still computed
+    prefill.core.add_request("y", processed, GREEDY.for_prefill(),
+                             kv_send=KVSend(3, n, destination, time.time() - 1))
+    while prefill.core.has_unfinished:
+        prefill.core.step()
+    prefill.connector.take_exported()
+    (answer,) = prefill.written(1)
+    assert answer.write_id == 3 and "deadline" in answer.error
+    prefill.core.abort_requests(["y"])
+    decode.core.connector.release(ReleaseKV("x"))
+    assert decode.nothing_held()
+    assert_pool_full(prefill)
+
+
+def test_a_send_the_engine_cannot_make_is_refused_at_admission(path, prefill):
+    processed = prefill.input_processor.process({"prompt": "Hello there"})
+    n = len(processed.prompt_token_ids)
+    plain = Prefill(path)  # a prefill engine without a row writer
+    send = KVSend(0, n, b"", NEVER)
+    with pytest.raises(InvalidInputError, match="writes no KV rows"):
+        plain.core.add_request("p", processed, GREEDY.for_prefill(), kv_send=send)
+    with pytest.raises(InvalidInputError, match="cannot be sent"):
+        prefill.core.add_request("q", processed, GREEDY.for_prefill(), kv_send=KVSend(0, n + 1, b"", NEVER))
+    assert not prefill.core.has_unfinished and not prefill.connector.owns("q")
+
+
+def test_layers_are_sent_as_computed_only_where_a_core_is_spare(monkeypatch):
+    """On a CPU whose every core computes, a writer thread copying beside each layer slowed the prompt more than
+    it saved (benchmarks/layer_sends.py): the send then waits for the prompt's end. A GPU computes by itself."""
+    from types import SimpleNamespace
+
+    from vlserve.engine.kv_connector import prefill as prefill_module
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(prefill_module.torch, "get_num_threads", lambda: 2)
+    for cpus, spare in ((2, False), (1, False), (3, True)):
+        monkeypatch.setattr(prefill_module, "cpu_budget", lambda cpus=cpus: SimpleNamespace(cpus=cpus))
+        assert prefill_module.spare_core(cpu) is spare
+        assert prefill_module.spare_core(torch.device("cuda", 0))
