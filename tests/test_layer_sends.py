@@ -41,6 +41,9 @@ class SpyWriter:
         self.calls.append((first_row, first_plane, rows.shape[1] if rows.dim() == 3 else 0))
         return self.inner.write(destination, rows, first_row, first_plane)
 
+    def planes_of(self, destination):
+        return self.inner.planes_of(destination)
+
     def close(self):
         self.inner.close()
 
@@ -72,6 +75,12 @@ def decode(path):
     d.core.shutdown()
 
 
+def poisoned(decode, blocks: list[int], rows: int) -> list[int]:
+    """Reserved blocks filled with NaN first: a row no write covered fails the decode engine's finite check."""
+    decode.kv_file.write_rows(blocks, torch.arange(rows), torch.full((rows, decode.kv_file.layout.width), float("nan")))
+    return blocks
+
+
 def _prefill_with_send(prefill, rid, processed, params, send: KVSend):
     prefill.core.add_request(rid, processed, params.for_prefill(), kv_send=send)
     outs, exported = [], []
@@ -101,7 +110,7 @@ def test_the_first_run_goes_out_as_the_prompt_is_computed_and_decodes_as_one_eng
     tail = state_row_count(prefill.core.cfg.model, prefill.core.cfg.dtype)
     layers = prefill.core.cfg.model.text.num_kv_layers
     assert n > BLOCK_ROWS > STEP_TOKENS  # more than the first run, which takes several steps
-    blocks = decode.reserve("s", n + tail)
+    blocks = poisoned(decode, decode.reserve("s", n + tail), n + tail)
     split = BLOCK_ROWS // decode.kv_file.block_tokens
     first_run, rest = blocks[:split], blocks[split:]
     prefill.connector.by_layer, prefill.spy.calls = by_layer, []
@@ -136,7 +145,7 @@ def test_a_cached_prefix_and_the_state_rows_follow_at_the_finish(prefill, decode
     n = len(processed.prompt_token_ids)
     tail = state_row_count(prefill.core.cfg.model, prefill.core.cfg.dtype)
     for rid in ("a", "b"):
-        blocks = decode.reserve(rid, n + tail)
+        blocks = poisoned(decode, decode.reserve(rid, n + tail), n + tail)
         prefill.spy.calls = []
         first, kv = _prefill_with_send(prefill, rid, processed, GREEDY, KVSend(
             0, n, encode_destination(decode.target, blocks, "shm"), NEVER))
@@ -166,7 +175,7 @@ def test_over_zmq_the_whole_run_goes_at_the_finish(prefill, decode, whole):
     processed = prefill.input_processor.process(PICTURE)
     n, tail = len(processed.prompt_token_ids), state_row_count(prefill.core.cfg.model, prefill.core.cfg.dtype)
     try:
-        blocks = decode.reserve("z", n + tail)
+        blocks = poisoned(decode, decode.reserve("z", n + tail), n + tail)
         first, kv = _prefill_with_send(prefill, "z", processed, GREEDY, KVSend(
             1, n, encode_destination(target, blocks, "zmq"), NEVER))
         (answer,) = prefill.written(1)
@@ -190,7 +199,7 @@ def test_an_aborted_or_late_send_is_answered_once_nothing_more_is_written(prefil
     # aborted after its first step: its queued layer writes are cancelled, the answer says so
     prefill.core.add_request("x", processed, GREEDY.for_prefill(), kv_send=KVSend(2, n, destination, NEVER))
     prefill.core.step()
-    assert prefill.core.has_unfinished and prefill.connector.writes_in_flight
+    assert prefill.core.has_unfinished and prefill.connector.sends["x"].futures  # its first layers queued
     prefill.core.abort_requests(["x"])
     (answer,) = prefill.written(1)
     assert answer.write_id == 2 and "released" in answer.error and answer.nbytes == 0
@@ -234,3 +243,144 @@ def test_layers_are_sent_as_computed_only_where_a_core_is_spare(monkeypatch):
         monkeypatch.setattr(prefill_module, "cpu_budget", lambda cpus=cpus: SimpleNamespace(cpus=cpus))
         assert prefill_module.spare_core(cpu) is spare
         assert prefill_module.spare_core(torch.device("cuda", 0))
+
+
+def test_receive_blocks_take_the_whole_run_at_the_finish(prefill, decode):
+    """Receive blocks (a decode instance on a GPU, or at ranks torchrun started) keep a row in one plane: a
+    layer's keys and values cannot go alone, so the run goes whole when the prompt is done."""
+    from vlserve.disagg.transports.shm import ShmTransport
+    from vlserve.engine.transfer_buffers import TransferBuffers
+
+    processed = prefill.input_processor.process({**PICTURE, "multi_modal_data": {"image": noise_image(72, 56, 31)}})
+    n, tail = len(processed.prompt_token_ids), state_row_count(prefill.core.cfg.model, prefill.core.cfg.dtype)
+    cfg = prefill.core.cfg
+    receive = TransferBuffers.create(64, 16, cfg.model.kv_row_width, cfg.dtype)
+    try:
+        blocks = receive.allocate(n + tail)
+        receive.write_rows(blocks, torch.arange(n + tail), torch.full((n + tail, receive.layout.width), float("nan")))
+        prefill.spy.calls = []
+        _prefill_with_send(prefill, "w", processed, GREEDY, KVSend(
+            4, n, encode_destination(ShmTransport().target(receive), blocks, "shm"), NEVER))
+        (answer,) = prefill.written(1)
+        assert answer.error is None, answer
+        assert prefill.spy.calls == [(0, 0, 0)]
+        kept = prefill.connector.kept["w"].rows_of(0, n)
+        assert torch.equal(receive.read_rows(blocks, 0, n + tail), kept)
+        prefill.core.abort_requests(["w"])
+    finally:
+        receive.unlink()
+    assert_pool_full(prefill)
+
+
+def test_what_layer_writes_cover_follows_the_steps_and_a_preemption_starts_it_afresh():
+    from vlserve.engine.kv_connector.layer_sends import LayerSend
+
+    send = LayerSend(KVSend(0, 24, b"", NEVER), "r", by_layer=True)
+    assert send.rest() == [(0, 24)]
+    assert send.computed(0, 8) == (0, 8) and send.computed(8, 16) == (8, 16)
+    assert send.rest() == [(16, 24)]
+    assert send.computed(16, 40) == (16, 24) and send.rest() == [] and send.computed(24, 30) is None
+    send.covered = None  # preempted (PrefillConnector.move_kv): recomputed from a cached prefix of 8 tokens
+    assert send.computed(8, 20) == (8, 20) and send.rest() == [(0, 8), (20, 24)]
+    assert send.computed(4, 12) == (4, 12) and send.rest() == [(0, 4), (12, 24)]  # a step that does not follow
+
+
+def test_a_request_the_engine_process_does_not_admit_answers_its_send(prefill):
+    """Refused at admission, or aborted while it waited for its LoRA adapter: its send is answered as not
+    admitted (else its front end would wait for ever to acknowledge the receiver's abort)."""
+    from vlserve.core.wire import EngineInput, Framer, prompt_to_wire
+    from vlserve.engine.core_process import EngineCoreLoop, Progress
+
+    loop = EngineCoreLoop(prefill.core, None, None, Progress(), 0)
+    processed = prefill.input_processor.process({"prompt": "Hello there"})
+    n = len(processed.prompt_token_ids)
+
+    def add(rid: str, end: int) -> None:
+        msg, tensors = prompt_to_wire(rid, processed, GREEDY.for_prefill(), time.time())
+        msg.kv_send = KVSend(9, end, b"", NEVER)
+        loop._handle(msg, Framer(EngineInput).encode(msg, tensors))
+
+    add("past", n + 1)
+    assert [r.request_id for r in loop.rejected] == ["past"]
+    assert loop.refused_writes == [KVWritten("past", 9, error=loop.refused_writes[0].error)]
+    assert "not admitted" in loop.refused_writes[0].error and "cannot be sent" in loop.refused_writes[0].error
+
+    class WaitingForAdapter:  # what lora_loader.AdapterLoader does with a request whose adapter is being read
+        held: list = []
+
+        def must_wait(self, lora):
+            return True
+
+        def hold(self, request_id, lora, params, admit):
+            self.held.append(admit)
+
+        def drop(self, engine_ids):
+            held, self.held = self.held, []
+            return held
+
+    loop.rejected, loop.refused_writes, loop.loader = [], [], WaitingForAdapter()
+    add("held", n)
+    from vlserve.core.wire import FinishRequests
+
+    loop._handle(FinishRequests(["held"]), [])
+    assert [(r.request_id, r.status) for r in loop.rejected] == [("held", 400)]
+    assert [(w.request_id, w.write_id) for w in loop.refused_writes] == [("held", 9)]
+    assert not prefill.core.has_unfinished and not prefill.connector.owns("held")
+
+
+def test_an_abort_is_acknowledged_once_the_first_runs_send_has_ended():
+    """While the engine may still write the first run (its send not answered yet) the receiver's abort waits;
+    an engine that stopped answering leaves it unacknowledged (the receiver's quarantine frees the blocks)."""
+    import asyncio
+
+    from prometheus_client import CollectorRegistry
+
+    from vlserve.disagg.messages import AbortTransfer
+    from vlserve.disagg.metrics import TransferMetrics
+    from vlserve.disagg.sender import TransferSender
+    from vlserve.disagg.transports.base import HeadersOnly
+
+    replies = []
+
+    class Socket:
+        async def send_multipart(self, frames, **kw):
+            replies.append(frames)
+
+    async def main():
+        sender = TransferSender(Socket(), HeadersOnly("shm"),
+                                TransferMetrics(CollectorRegistry(), None, "prefill", "kv"), 8.0)
+        for rid, unsettled in (("settles", False), ("stuck", True)):
+            key = (b"peer", rid, 0)
+            settling = sender.settling[key] = asyncio.get_running_loop().create_future()
+            before = len(replies)
+            abort = asyncio.create_task(sender.abort(b"peer", AbortTransfer(rid, 0)))
+            await asyncio.sleep(0.05)
+            assert not abort.done() and len(replies) == before  # the engine may still be writing
+            if unsettled:
+                sender.unsettle(key)
+            settling.set_result(None)
+            await asyncio.wait_for(abort, 5)
+        assert len(replies) == 1  # "settles" only
+
+    asyncio.run(main())
+
+
+def test_the_writes_of_a_send_start_within_what_the_receiver_waits_out():
+    """The receiver keeps a failed KV transfer's blocks until the time it gave the sender (from when it asked)
+    and its quarantine after it; the sender starts no write after that time counted from the request's
+    arrival (later than the asking). A nonsense budget from a peer falls back to the sender's own timeout."""
+    from types import SimpleNamespace
+
+    from vlserve.disagg.peer_client import PeerClient
+    from vlserve.disagg.peer_kinds import ENCODER_PEERS, PREFILL_PEERS
+    from vlserve.disagg.transports.row_writer import send_deadline
+
+    assert send_deadline(100.0, 8.0, 120.0) == 108.0
+    for nonsense in (0.0, -1.0, float("nan"), float("inf"), 500.0):
+        assert send_deadline(100.0, nonsense, 120.0) == 220.0
+    receiver = SimpleNamespace(kind=PREFILL_PEERS, opts=SimpleNamespace(transfer_timeout=8.0), quarantine_s=6.0)
+    now = time.monotonic()
+    assert PeerClient._quarantine_until(receiver, now - 1.0) == pytest.approx(now + 13.0, abs=0.5)
+    assert PeerClient._quarantine_until(receiver, now - 60.0) == pytest.approx(now + 6.0, abs=0.5)
+    receiver.kind = ENCODER_PEERS  # an encoder writes only when asked: its quarantine alone
+    assert PeerClient._quarantine_until(receiver, now - 1.0) == pytest.approx(now + 6.0, abs=0.5)

@@ -75,6 +75,10 @@ class TransferRequest(msgspec.Struct, tag="transfer"):
     # the LoRA adapter: to an encoder, one of the towers to run the media with; to a prefill instance, the
     # request's (None: the base model). By name and content only: the peer applies it only if it serves it.
     lora: PeerAdapter | None = None
+    # To a prefill instance: seconds from this request's arrival within which a write into these blocks may start
+    # (its engine writes them while it computes the prompt); the receiver keeps them that long, then its
+    # quarantine, when it gives up without the sender's word (0: the sender's own --transfer-timeout).
+    write_within_s: float = 0.0
 
 
 class ResumeRequest(msgspec.Struct, tag="resume"):

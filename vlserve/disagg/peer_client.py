@@ -47,7 +47,7 @@ from vlserve.disagg.peer_links import PeerConn, PeerFailure, PeerLinks
 from vlserve.disagg.transports import TRANSPORTS
 from vlserve.disagg.received import ReceivedChunks
 from vlserve.disagg.receive_pool import EngineKVBlocks, EngineKVLayout, LocalBlocks
-from vlserve.disagg.transports.base import HeadersOnly, Transport, in_thread, quarantine_s
+from vlserve.disagg.transports.base import ABORT_ACK_STATUS, HeadersOnly, Transport, in_thread, quarantine_s
 from vlserve.frontend.config import FrontendConfig
 from vlserve.engine.prompt_check import check_prompt
 from vlserve.engine.transfer_buffers import BufferLayout, TransferBuffers
@@ -114,7 +114,10 @@ class PeerClient(PeerLinks):
     def _on_transfer_reply(self, peer: PeerConn, msg, frames: list) -> None:
         key = (msg.request_id, msg.transfer_id)
         if isinstance(msg, TransferFailed) and key in self.quarantined:
-            self._free(*self.quarantined.pop(key)[:2])  # the peer will not write into them any more
+            # Only the answer to our abort says no write of the peer's runs any more (a failure it reports
+            # meanwhile may come while its engine still writes): the blocks go back then, or at the deadline.
+            if msg.status == ABORT_ACK_STATUS:
+                self._free(*self.quarantined.pop(key)[:2])
             return
         q = peer.transfers.get(key)
         if q is not None:
@@ -215,7 +218,8 @@ class PeerClient(PeerLinks):
             asked_at = time.monotonic()
             await self._send(peer, TransferRequest(request_id, tid, prompt, media, uuids, mm_kwargs or {}, run,
                                                    self.buffers.block_tokens, target, params,
-                                                   None if lora is None else lora.for_peer()))
+                                                   None if lora is None else lora.for_peer(),
+                                                   write_within_s=self.opts.transfer_timeout))
             named = len(blocks)
             enter(TransferState.WAITING_FOR_INPUT)
             received = ReceivedChunks(self.kind.rows_for_every_token, self.buffers.block_tokens,
@@ -283,8 +287,9 @@ class PeerClient(PeerLinks):
 
     def _quarantine_until(self, asked_at: float) -> float:
         """When a failed transfer's blocks go back without the peer's word. A prefill engine writes the first
-        run while it computes the prompt, starting writes until the transfer's timeout after it was asked
-        (transports.row_writer.send_deadline): its blocks wait that long too, then the quarantine."""
+        run while it computes the prompt, starting writes until `TransferRequest.write_within_s` (the transfer's
+        timeout) after the request reached it (transports.row_writer.send_deadline): its blocks wait that long
+        after it was sent, then the quarantine (longer than a write may take, and than the request's way)."""
         until = time.monotonic() + self.quarantine_s
         if self.kind.rows_for_every_token:
             until = max(until, asked_at + self.opts.transfer_timeout + self.quarantine_s)

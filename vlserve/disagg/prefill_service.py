@@ -22,6 +22,7 @@ import asyncio
 import functools
 import itertools
 import logging
+import time
 
 from fastapi import FastAPI
 from fastapi.responses import Response
@@ -87,7 +88,7 @@ class PrefillService(SenderService):
 
     def on_request(self, peer: bytes, msg: TransferRequest) -> None:
         key = (peer, msg.request_id, msg.transfer_id)
-        task = self.working[key] = self.spawn(self._prefill(key, msg))
+        task = self.working[key] = self.spawn(self._prefill(key, msg, time.time()))
         # Popped when done, even if an abort cancels it before it ever ran.
         task.add_done_callback(lambda _: self.working.pop(key, None))
 
@@ -96,15 +97,18 @@ class PrefillService(SenderService):
         if task is not None and key not in self.sender.transfers:
             task.cancel()  # still prefilling: the engine drops the request (a send under way is let finish)
 
-    def _first_send(self, key, engine_id: str, req: TransferRequest, prompt) -> tuple[KVSend, asyncio.Future]:
+    def _first_send(self, key, engine_id: str, req: TransferRequest, prompt,
+                    arrived: float) -> tuple[KVSend, asyncio.Future]:
         """Where the engine writes the prompt's first rows as it computes them (the receiver's first run), and
         the future of that send's end. An abort is acknowledged only once the engine says no write of it runs
         (`TransferSender.settling`); an engine that stopped answering leaves it unacknowledged (the receiver's
-        quarantine frees those blocks)."""
+        quarantine frees those blocks). Every check comes first: a request refused here leaves nothing behind."""
         total, tail = prompt.num_tokens, PREFILL_PEERS.tail_rows(self.engine.cfg)
         end = RowMap(prompt.mm_items, True, tail).chunk_end(0, len(req.block_ids) * req.block_tokens, total)
         if end <= 0:
             raise ServiceUnavailableError(f"the decode instance offered no room for the first of {total} tokens")
+        destination = encode_destination(req.target, req.block_ids, self.transport.name)
+        not_after = send_deadline(arrived, req.write_within_s, self.timeout)
         write_id, sent = self.engine.kv_writes.expect(engine_id)
         settled = self.sender.settling[key] = asyncio.get_running_loop().create_future()
 
@@ -116,10 +120,9 @@ class PrefillService(SenderService):
             settled.set_result(None)
 
         sent.add_done_callback(on_sent)
-        destination = encode_destination(req.target, req.block_ids, self.transport.name)
-        return KVSend(write_id, end, destination, send_deadline(self.timeout)), sent
+        return KVSend(write_id, end, destination, not_after), sent
 
-    async def _prefill(self, key, req: TransferRequest) -> None:
+    async def _prefill(self, key, req: TransferRequest, arrived: float) -> None:
         self.metrics.state(TransferState.WAITING_FOR_INPUT)
         try:
             if req.params is None:
@@ -130,7 +133,7 @@ class PrefillService(SenderService):
             with await self.engine.prepare(prompt, req.mm_processor_kwargs, request_id=engine_id,
                                            adapter=adapter) as prepared:
                 computed = with_adapter(prepared.prompt, adapter)  # the item hashes the decode side keys by
-                kv_send, sent = self._first_send(key, engine_id, req, computed)
+                kv_send, sent = self._first_send(key, engine_id, req, computed, arrived)
                 handoff = await self.engine.prefill(prepared, req.params, engine_id, adapter,  # takes it over
                                                     kv_send=kv_send)
             transfer = OutgoingTransfer(key, computed, req.block_tokens, every_token=True,

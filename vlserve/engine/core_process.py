@@ -157,8 +157,8 @@ class EngineCoreLoop:
                 self._add(msg, frames)
         elif isinstance(msg, FinishRequests):
             if self.loader is not None:  # still waiting for its adapter: it never starts; the front end frees it
-                for rid in self.loader.drop(msg.request_ids):
-                    self.rejected.append(RequestRejected(rid, "finished before its LoRA adapter was read", 400))
+                for admit in self.loader.drop(msg.request_ids):  # refused as any (a KV send answered too)
+                    admit(("finished before its LoRA adapter was read", 400))
             if msg.reason == "stop":
                 self.core.stop_requests(msg.request_ids)
             else:

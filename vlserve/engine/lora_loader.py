@@ -50,15 +50,16 @@ class AdapterLoader:
             self._todo.put(ref)
         waiting.requests.append((request_id, engine_ids, admit))
 
-    def drop(self, engine_ids) -> list[str]:
-        """Requests aborted (or stopped) while they wait: they never start. Returns their request ids."""
+    def drop(self, engine_ids) -> list:
+        """Requests aborted (or stopped) while they wait: they never start. Returns their `admit` callbacks (the
+        caller refuses them through it)."""
         gone, ids = [], set(engine_ids)
         for waiting in self.waiting.values():
             kept = []
             for entry in waiting.requests:
                 (gone if entry[0] in ids or entry[1] & ids else kept).append(entry)
             waiting.requests = kept
-        return [rid for rid, _, _ in gone]
+        return [admit for _, _, admit in gone]
 
     @property
     def busy(self) -> bool:

@@ -116,6 +116,8 @@ class RankedKV(BlockRows):
         planes only, as [len(slots), len(planes), heads x head size]."""
         dim, m = self.head_dim, slots.numel()
         planes = range(self.layout.parts) if planes is None else planes
+        if out is not None and len(planes) != self.layout.parts:
+            raise ValueError("rows of some planes are read into memory of their own, not into `out`")
         parts = len(planes)
         width = parts * self.num_heads * dim
         rows = out if out is not None else torch.empty(m, width, dtype=self.shards[0].planes.dtype)

@@ -45,6 +45,9 @@ class TransportRowWriter:
         return self.transport.write(check_target(where.target, self.backend), where.block_ids, rows, first_row,
                                     first_plane)
 
+    def planes_of(self, destination: bytes) -> int:
+        return self._decoder.decode(destination).target.layout.parts
+
     def close(self) -> None:
         self.transport.close()
 
@@ -58,12 +61,14 @@ def row_writer_maker(backend: str, host: str, transfer_timeout: float, secret: s
     return functools.partial(TransportRowWriter, backend, host, 2 * transfer_timeout + 10.0, secret, by_layer)
 
 
-def send_deadline(transfer_timeout: float) -> float:
-    """The `KVSend.not_after` of a prompt sent now: its writes, which start while it is computed, start within
-    the transfer's timeout or never. A receiver that gives up on the transfer earlier keeps its blocks until
-    then (and its quarantine after it) unless this instance says sooner that nothing more is written
-    (disagg.peer_client)."""
-    return time.time() + transfer_timeout
+def send_deadline(arrived: float, within_s: float, transfer_timeout: float) -> float:
+    """The `KVSend.not_after` of a prompt whose request arrived at `arrived` (time.time()): its writes, which
+    start while it is computed, start within the receiver's `within_s` (`TransferRequest.write_within_s`; 0:
+    an older receiver's, this instance's own `transfer_timeout`) or never. A receiver that gives up on the
+    transfer earlier keeps its blocks until then, and its quarantine after it, unless this instance says sooner
+    that nothing more is written (disagg.peer_client)."""
+    within = within_s if 0 < within_s <= transfer_timeout else transfer_timeout  # (NaN too: the peer's word)
+    return arrived + within
 
 
 def write_deadline() -> float:

@@ -73,6 +73,10 @@ class RowWriter(Protocol):
         """Blocks until `rows` [m, width] (or planes first_plane.. of them, [m, planes, part width]) are at
         `destination`'s run rows first_row..; returns the bytes written."""
 
+    def planes_of(self, destination: bytes) -> int:
+        """The planes the destination's rows are stored in (a KV cache: one per layer and key/value; receive
+        blocks: 1)."""
+
     def close(self) -> None:
         """Lets go of what it registered or mapped."""
 

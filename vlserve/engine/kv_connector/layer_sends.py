@@ -32,6 +32,7 @@ class SendFailed(RuntimeError):
 class LayerSend:
     msg: KVSend
     request_id: str
+    by_layer: bool = False  # its layers are written as they are computed (else the whole run at the finish)
     # Tokens [lo, hi) whose every layer was queued for writing, from one run of consecutive steps.
     covered: tuple[int, int] | None = None
     futures: list[Future] = field(default_factory=list)

@@ -90,6 +90,7 @@ class PrefillConnector(KVConnector):
         self._pool = None if writer is None else ThreadPoolExecutor(1, thread_name_prefix="vlserve-kv-write")
         self.sends: dict[str, LayerSend] = {}  # requests whose KV goes out as it is computed (layer_sends)
         self.by_layer = False  # (bind) each layer's KV is written as soon as it is computed
+        self.kv_planes = 2 * cfg.model.text.num_kv_layers  # a row's planes: each KV layer's keys, then values
 
     def bind(self, scheduler, runner, transfer) -> None:
         super().bind(scheduler, runner, transfer)
@@ -119,7 +120,9 @@ class PrefillConnector(KVConnector):
             raise InvalidInputError("this engine writes no KV rows to other instances")
         if not 0 < send.end <= req.num_prompt_tokens:
             raise InvalidInputError(f"tokens 0..{send.end} of a {req.num_prompt_tokens}-token prompt cannot be sent")
-        self.sends[req.request_id] = LayerSend(send, req.request_id)
+        # Layer by layer only into rows stored by plane like this KV cache (a KV cache, not receive blocks).
+        by_layer = self.by_layer and self.writer.planes_of(send.destination) == self.kv_planes
+        self.sends[req.request_id] = LayerSend(send, req.request_id, by_layer=by_layer)
 
     def forget(self, request_ids: list[str]) -> None:
         gone = set(request_ids)
@@ -136,11 +139,16 @@ class PrefillConnector(KVConnector):
     def move_kv(self, sched) -> MovedKV:
         """Queues, after each layer of this step's forward pass, the writes of that layer's keys and values of the
         tokens the step computes for sends (AttentionMetadata.after_kv_layer)."""
+        for rid in sched.preempted:  # its blocks are freed: layer writes queued before may read others' KV
+            if (send := self.sends.get(rid)) is not None:
+                send.covered = None  # what it recomputes is written again, the rest at the finish
         if self.by_layer and self.sends:
             jobs = []
             for chunk in sched.chunks:
                 send = self.sends.get(chunk.req.request_id)
-                span = None if send is None or send.released else send.computed(chunk.start, chunk.end)
+                if send is None or send.released or not send.by_layer:
+                    continue
+                span = send.computed(chunk.start, chunk.end)
                 if span is not None:
                     slots = self.runner.token_slots(chunk.req, span[1])[span[0]:]
                     jobs.append((send, slots, span[0]))
@@ -209,6 +217,9 @@ class PrefillConnector(KVConnector):
         if status == RequestStatus.FINISHED_ABORTED or not req.block_ids:
             if (send := self.sends.get(req.request_id)) is not None:
                 send.release()
+                if send.writing and req.block_ids:  # a layer write under way reads them: freed once it ended
+                    self._free_after_writes.append((req.request_id, req))
+                    return True
             return False
         state = self.scheduler.state
         # Its state slot is freed with the request (the pool has one per running request): its rows are read now.
@@ -220,6 +231,8 @@ class PrefillConnector(KVConnector):
         now = time.monotonic()
         for rid in [rid for rid, (_, since, _) in self.held.items() if now - since > self.ttl]:
             logger.warning("request %s: its prefilled KV was not taken within %.0f s; released", rid, self.ttl)
+            if (send := self.sends.get(rid)) is not None:
+                send.release()
             self._release(rid)
         for rid in [rid for rid, kept in self.kept.items() if now - kept.last_used > self.keep_s]:
             logger.warning("request %s: nobody asked for its KV rows for %.0f s; dropped", rid, self.keep_s)
@@ -361,5 +374,9 @@ class PrefillConnector(KVConnector):
 
     def _release(self, request_id: str) -> None:
         held = self.held.pop(request_id, None)
-        if held is not None:
+        if held is None:
+            return
+        if self._writing(request_id):  # a write of its send still reads its blocks
+            self._free_after_writes.append((request_id, held[0]))
+        else:
             self.scheduler.kv.free(held[0])
