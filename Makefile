@@ -2,38 +2,59 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+RUNTIME_STAMP := $(VENV)/.installed-runtime
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast serve bench clean
+.PHONY: install install-runtime install-disagg test test-fast serve bench clean
 
 # The CPU kernels are built (or found already built) on every install: a build is cached by a hash of its
 # sources, compiler and torch, so a checkout whose kernel sources changed gets its own build, and no server ever
-# compiles at start.
-install: $(STAMP)
+# compiles at start. Bytecode for our own sources is written here even where PYTHONDONTWRITEBYTECODE is set (as
+# on our machines): without it every vlserve process (a server, its engine, each role) compiles them again
+# (~0.3 CPU-s each). Only changed files are compiled again; a stale .pyc is never used (its source's mtime is
+# checked). -q: prints only errors (a syntax error names its file).
+define finish_install
 	@$(PY) -m vlserve.model.kernels.cpu_kernels || echo "vlserve CPU kernels not built: torch fallbacks are used"
-	@# Bytecode for our own sources, written here even where PYTHONDONTWRITEBYTECODE is set (as on our machines):
-	@# without it every vlserve process (a server, its engine, each role) compiles them again (~0.3 CPU-s each).
-	@# Only changed files are compiled again; a stale .pyc is never used (its source's mtime is checked).
-	@$(PY) -m compileall -q -j 0 vlserve tests  # -q: prints only errors (a syntax error names its file)
+	@$(PY) -m compileall -q -j 0 vlserve $(1)
+endef
+
+# `make serve` installs what serving needs and nothing more (about 1 GB on a CPU machine, most of it torch):
+# the transports' libraries come with `make install-disagg`, and the tests' tools with `make install` (`make
+# test`). A role started with a backend whose library is missing says which target installs it.
+install-runtime: $(RUNTIME_STAMP)
+	$(call finish_install,)
+
+# Everything: the runtime, the transports, the tests' packages and the system tools some tests drive.
+install: $(STAMP)
+	$(call finish_install,tests)
 
 # torch is pinned and installed first on its own: `pip install torch==2.13.0` takes the CPU wheel on
 # CPU-only machines (local wheel cache) and the CUDA build from the index on GPU machines. Installing it
 # first keeps the resolver from pulling a newer CUDA torch through a dependency.
-$(STAMP): pyproject.toml
+$(RUNTIME_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e .
+	touch $(RUNTIME_STAMP)
+
+# --transfer-backend mooncake and nixl: their libraries, and Debian's libibverbs1, which Mooncake's engine links
+# (RDMA verbs) even for TCP, where we may install it (root + apt).
+install-disagg: $(RUNTIME_STAMP)
+	$(PY) -m pip install --quiet -e '.[disagg]'
+	@ldconfig -p | grep -q libibverbs.so.1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		{ apt-get install -y -qq --no-install-recommends libibverbs1 >/dev/null 2>&1 || \
+		  { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq --no-install-recommends libibverbs1 >/dev/null; }; }; } || \
+		echo "libibverbs1 missing: --transfer-backend mooncake will not start (apt-get install libibverbs1)"
+
+$(STAMP): $(RUNTIME_STAMP) pyproject.toml
+	$(MAKE) --no-print-directory install-disagg
 	$(PY) -m pip install --quiet -e '.[test,disagg]'
 	@# Triton: the CUDA attention path's kernels (vlserve.model.kernels.triton_attention). A CUDA torch brings the
 	@# Triton it needs; with a CPU torch the tests run those kernels in Triton's interpreter, on the version the GPU
 	@# machines' images carry.
 	@$(PY) -c "import sys, torch; sys.exit(torch.version.cuda is not None)" && \
 		$(PY) -m pip install --quiet triton==3.6.0 || true
-	@# Mooncake's engine links libibverbs (RDMA verbs), even for TCP: install it where we may (root + apt).
-	@ldconfig -p | grep -q libibverbs.so.1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
-		{ apt-get install -y -qq --no-install-recommends libibverbs1 >/dev/null 2>&1 || \
-		  { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq --no-install-recommends libibverbs1 >/dev/null; }; }; } || \
-		echo "libibverbs1 missing: --transfer-backend mooncake will not start (apt-get install libibverbs1)"
 	@# Tests of --registry etcd:// start a real etcd (Debian's etcd-server); they skip where it cannot be installed.
 	@command -v etcd >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 		{ apt-get install -y -qq --no-install-recommends etcd-server >/dev/null 2>&1 || \
@@ -80,7 +101,7 @@ HOST = 127.0.0.1
 PORT = 8000
 serve_flag_given = $(filter $(1) $(1)=%,$(ARGS))
 SERVE_ADDRESS = $(if $(call serve_flag_given,--host),,--host $(HOST)) $(if $(call serve_flag_given,--port),,--port $(PORT))
-serve: install
+serve: install-runtime
 	$(PY) -m vlserve serve $(strip $(SERVE_ADDRESS) $(ARGS))
 
 bench: install

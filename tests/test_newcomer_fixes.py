@@ -151,6 +151,46 @@ def test_make_serve_writes_each_address_flag_once():
     assert make_serve(env={"PORT": "1", "HOST": "example.invalid"}) == ["--host", "127.0.0.1", "--port", "8000"]
 
 
+def test_make_serve_installs_what_serving_needs_and_make_test_the_rest(tmp_path):
+    """On a fresh machine `make serve` installs torch and vlserve only (no transports' libraries, no test
+    packages, no Triton on a CPU, no system packages): the tests' and the transports' come with `make test` and
+    `make install-disagg`."""
+    if shutil.which("make") is None:
+        pytest.skip("no make here")
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "ARGS")}
+
+    def planned(target: str) -> str:  # what make would run, with no .venv yet
+        out = subprocess.run(["make", "--no-print-directory", "-n", "-C", str(ROOT), target,
+                              f"VENV={tmp_path / 'fresh'}"], check=False, capture_output=True, text=True,
+                             timeout=60, env=base)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    serve = planned("serve")
+    assert "pip install --quiet torch==2.13.0" in serve and "pip install --quiet -e ." in serve
+    for extra in ("[test", "disagg]", "triton", "apt-get", "chromium", "etcd"):
+        assert extra not in serve, extra
+    test = planned("test")
+    for extra in ("'.[test,disagg]'", "triton==", "etcd-server", "libibverbs1"):
+        assert extra in test, extra
+    assert "'.[disagg]'" in planned("install-disagg")
+
+
+def test_a_role_with_a_backend_whose_library_is_missing_says_what_to_install(monkeypatch):
+    from vlserve.core.errors import EXIT_CONFIG, ConfigurationError, exit_code
+    from vlserve.disagg import transports
+
+    def missing():
+        raise ImportError("--transfer-backend mooncake needs Mooncake's transfer engine")
+
+    monkeypatch.setitem(transports._LIBRARIES, "mooncake", missing)
+    with pytest.raises(ConfigurationError, match="make install-disagg") as e:
+        transports.require_backend("mooncake")
+    assert exit_code(e.value) == EXIT_CONFIG
+    transports.require_backend("zmq")  # nothing to install
+
+
 # ---------------------------------------------------------------------------------------------- disagg ports
 
 

@@ -17,8 +17,10 @@ logger = logging.getLogger("vlserve.disagg")
 
 def run_encode(ns: argparse.Namespace) -> int:
     from vlserve.disagg.encode_service import run_encoder
+    from vlserve.disagg.transports import require_backend
 
     opts = options_from(ns, ENCODE)
+    require_backend(opts.disagg.transfer_backend)
     opts.engine.load_language = False  # the media towers only (--towers: some of them)
     # Precomputed embeddings reach an encoder only from a language server whose own --enable-mm-embeds let them in.
     opts.engine.enable_mm_embeds = True
@@ -33,8 +35,10 @@ def run_encode(ns: argparse.Namespace) -> int:
 
 def run_prefill(ns: argparse.Namespace) -> int:
     from vlserve.disagg.prefill_service import run_prefill as run
+    from vlserve.disagg.transports import require_backend
 
     opts = options_from(ns, PREFILL)
+    require_backend(opts.disagg.transfer_backend)
     opts.engine.load_vision = False  # media go to encoder services
     # Embedding entries reach a prefill instance only from a decode instance whose own --enable-mm-embeds let
     # them in.

@@ -335,6 +335,9 @@ class Supervisor:
 
 
 def run_roles(opts: Options, log_level: str) -> int:
+    from vlserve.disagg.transports import require_backend
+
+    require_backend(opts.disagg.transfer_backend)  # once here, not in every role's crash loop
     if opts.disagg.disagg_secret is None:  # the roles authenticate each other; children get it in their env
         opts.disagg.disagg_secret = secrets.token_urlsafe(32)
     children = plan_children(opts, log_level)

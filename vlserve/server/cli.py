@@ -84,8 +84,11 @@ def run_serve(ns: argparse.Namespace) -> int:
 
 
 def run_language(ns: argparse.Namespace, role: str = LANGUAGE) -> int:
+    from vlserve.disagg.transports import require_backend
+
     opts = options_from(ns, role)
     check_cheap_flags(opts)
+    require_backend(opts.disagg.transfer_backend)
     opts.engine.load_vision = False
     if (code := tensor_parallel_worker(opts.engine)) is not None:
         return code

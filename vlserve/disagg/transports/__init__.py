@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from vlserve.core.errors import ConfigurationError
 from vlserve.disagg.transports.base import ChunkData, Transport
 from vlserve.disagg.transports.mooncake import MooncakeTransport, mooncake_engine_class
 from vlserve.disagg.transports.nixl import NixlTransport, nixl_api
@@ -23,4 +24,12 @@ def unavailable_reason(backend: str) -> str | None:
     return None
 
 
-__all__ = ["TRANSPORTS", "ChunkData", "Transport", "unavailable_reason"]
+def require_backend(backend: str) -> None:
+    """A role refuses to start (one line, the exit code of a configuration error) with a backend whose library
+    `make serve` did not install: `make install-disagg` does (`make test` too)."""
+    why = unavailable_reason(backend)
+    if why is not None:
+        raise ConfigurationError(f"{why}; in a checkout: make install-disagg")
+
+
+__all__ = ["TRANSPORTS", "ChunkData", "Transport", "require_backend", "unavailable_reason"]
