@@ -249,3 +249,21 @@ def test_a_step_of_more_rows_than_one_mlp_slice_keeps_each_rows_adapter(llm, ada
     alone = [tokens(big, p, r) for p, r in zip(prompts, reqs)]
     together = big.generate(prompts, GREEDY, use_tqdm=False, lora_request=reqs)
     assert [o.outputs[0].token_ids for o in together] == alone
+
+
+def test_make_tiny_adapter_writes_an_adapter_that_changes_answers(ckpt, llm, tmp_path, capsys):
+    """`vlserve make-tiny-adapter MODEL OUT`: a PEFT-format adapter to try LoRA with, random like a trained one (a
+    fresh PEFT adapter, B = 0, would change nothing), sized to the model's own weights."""
+    import json
+
+    from vlserve.cli import main
+    from vlserve.tools.tiny_adapter import std_for
+
+    assert main(["make-tiny-adapter", str(ckpt), str(tmp_path / "try")]) == 0
+    assert "--lora-modules NAME=" in capsys.readouterr().out
+    config = json.loads((tmp_path / "try" / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 8 and config["target_modules"]
+    assert std_for(ckpt) == pytest.approx(0.1, rel=0.25)  # the tiny weights' N(0, 0.15): the tests' own adapters
+    base = tokens(llm, "hello there")
+    assert tokens(llm, "hello there", LoRARequest("try", 7, str(tmp_path / "try"))) != base
+    assert main(["make-tiny-adapter", str(tmp_path / "nothing-here"), str(tmp_path / "x")]) == 2

@@ -84,10 +84,10 @@ def run_serve(ns: argparse.Namespace) -> int:
 
 
 def run_language(ns: argparse.Namespace, role: str = LANGUAGE) -> int:
+    opts = options_from(ns, role)
+    check_cheap_flags(opts)  # before torch is imported (the transports import it)
     from vlserve.disagg.transports import require_backend
 
-    opts = options_from(ns, role)
-    check_cheap_flags(opts)
     require_backend(opts.disagg.transfer_backend)
     opts.engine.load_vision = False
     if (code := tensor_parallel_worker(opts.engine)) is not None:

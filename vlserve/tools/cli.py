@@ -24,8 +24,42 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_adapter(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from vlserve.tools.tiny_adapter import make_peft_adapter, std_for
+
+    try:
+        std = std_for(Path(args.model), args.targets, args.strength, args.rank, args.alpha)
+        out = make_peft_adapter(Path(args.model), Path(args.out), args.targets, args.rank, args.alpha, args.seed, std)
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"a LoRA adapter of {args.model} in {out} (random, changes answers): serve it with "
+          f"--enable-lora --lora-modules NAME={out}, then ask for model NAME")
+    return 0
+
+
 def register_cli(subparsers: Any) -> None:
-    """Add `make-tiny-model OUT --arch ... [--size ...] [--seed N]` to an argparse subparsers object."""
+    """Add `make-tiny-model OUT --arch ... [--size ...] [--seed N]` and `make-tiny-adapter MODEL OUT ...` to an
+    argparse subparsers object."""
+    adapter = subparsers.add_parser(
+        "make-tiny-adapter",
+        help="write a random LoRA adapter (PEFT format) for a local checkpoint, to try LoRA with (offline)",
+        description="A LoRA adapter whose A and B are random, like a trained one's, so it changes the model's "
+        "answers (an adapter fresh from PEFT has B = 0 and changes nothing).",
+    )
+    adapter.add_argument("model", metavar="MODEL", help="the checkpoint folder the adapter is for")
+    adapter.add_argument("out", metavar="OUT", help="output folder (created if missing)")
+    adapter.add_argument("--targets", choices=("lm", "tower", "both"), default="lm",
+                         help="the language model's linears, the media towers' or both (default: lm)")
+    adapter.add_argument("--rank", type=int, default=8, help="LoRA rank (default: 8)")
+    adapter.add_argument("--alpha", type=float, default=16, help="LoRA alpha (default: 16)")
+    adapter.add_argument("--strength", type=float, default=0.4,
+                         help="how far it moves each weight, against the spread of the model's own (default: 0.4)")
+    adapter.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    adapter.set_defaults(func=_run_adapter)
+
     parser = subparsers.add_parser(
         "make-tiny-model",
         help=f"write a small random checkpoint ({family_names()}; offline)",
