@@ -12,7 +12,8 @@ import zmq.asyncio
 
 from vlserve.core.errors import InvalidInputError
 from vlserve.disagg.auth import HEADER, PeerAuth, require_secret_off_loopback
-from vlserve.disagg.bootstrap import BootstrapClient, InstanceInfo, build_bootstrap_app, new_instance_id
+from vlserve.disagg.bootstrap import (OPEN_CHECK_HEADER, BootstrapClient, InstanceInfo, build_bootstrap_app,
+                                     new_instance_id)
 
 SECRET = "correct horse battery staple"
 
@@ -43,6 +44,8 @@ def test_registry_refuses_unsigned_and_forged_calls():
             forged = PeerAuth("guess").sign("POST", "/register", b"{}")
             assert (await c.post("/register", content=b"{}", headers=forged)).status_code == 401
             assert (await c.get("/instances")).status_code == 401  # nobody may even list the members
+            # a router's check that the registry refuses unsigned calls is refused too, quietly (debug log)
+            assert (await c.get("/instances", headers={OPEN_CHECK_HEADER: "1"})).status_code == 401
             assert (await c.get("/health")).status_code == 200
             assert (await c.get("/ready")).status_code == 200  # probes need no secret
         # The real client with the secret registers; with another secret it is refused.
@@ -107,3 +110,22 @@ def test_open_channels_only_on_loopback():
     for host in ("0.0.0.0", "10.1.2.3", "example.com", "::"):
         with pytest.raises(InvalidInputError, match="disagg-secret"):
             require_secret_off_loopback(PeerAuth(None), host, "x")
+
+
+def test_a_routers_open_registry_check_warns_no_one_and_finds_an_open_registry_open(caplog, monkeypatch):
+    """The router checks the registry refuses unsigned calls (at start and every 30 s): the signed registry
+    refuses it without the warning a stranger's call gets; an open one answers it, so the router still finds it
+    open (its own --disagg-secret proves nothing about the registry)."""
+    from vlserve.router.app import bootstrap_open
+
+    real = httpx.AsyncClient
+
+    def check(app) -> str:  # the router's probe, sent to the app in this process
+        monkeypatch.setattr(httpx, "AsyncClient", lambda **kw: real(transport=httpx.ASGITransport(app=app), **kw))
+        return asyncio.run(bootstrap_open("http://registry"))
+
+    with caplog.at_level("DEBUG", logger="vlserve.disagg.bootstrap"):
+        assert check(build_bootstrap_app(auth=PeerAuth(SECRET))) == ""
+    assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
+    assert "router's unsigned check" in caplog.text
+    assert "answers unsigned calls" in check(build_bootstrap_app(auth=PeerAuth(None)))

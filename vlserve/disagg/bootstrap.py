@@ -34,6 +34,9 @@ class Heartbeat(msgspec.Struct):
 
 # Probes a load balancer or kubelet sends unsigned.
 _PROBES = ("/health", "/ready")
+# A router's check that this registry refuses unsigned calls (router.app.bootstrap_open): an unsigned call made to
+# be refused, which is no one's intrusion and logs at debug level (any other refused call warns).
+OPEN_CHECK_HEADER = "X-Vlserve-Open-Check"
 # Registrations and heartbeats are a few hundred bytes: anything bigger is refused (413) unread.
 MAX_BODY_BYTES = 64 * 1024
 
@@ -60,6 +63,9 @@ class _Gate:
             return await self.app(scope, receive, send)
         request = Request(scope)  # headers only: it reads no body
         header, now = request.headers.get(HEADER), time.time()  # signatures carry wall-clock time
+        if self.auth.enabled and header is None and OPEN_CHECK_HEADER in request.headers and request.method == "GET":
+            log.debug("refused a router's unsigned check that this registry takes signed calls only")
+            return await _error("missing or invalid signature (--disagg-secret)", 401)(scope, _no_body, send)
         if not self.auth.plausible(header, now):
             return await self._refuse(request, "missing or invalid signature (--disagg-secret)", 401, send)
         length = request.headers.get("content-length")

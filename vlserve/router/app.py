@@ -28,6 +28,7 @@ from vlserve.core.cpu_budget import size_default_executor
 from vlserve.core.errors import InvalidInputError
 from vlserve.core.processes import SigtermStop, finish
 from vlserve.disagg.auth import PeerAuth, require_secret_off_loopback
+from vlserve.disagg.bootstrap import OPEN_CHECK_HEADER
 from vlserve.disagg.registries import open_registry
 from vlserve.disagg.registry import InstanceInfo, new_instance_id, registry_target
 from vlserve.frontend.metrics import CONTENT_TYPE
@@ -179,7 +180,7 @@ async def bootstrap_open(endpoint: str) -> str:
     reached): a router's own --disagg-secret proves nothing if the registry was started without one."""
     try:
         async with httpx.AsyncClient(timeout=5.0) as http:
-            resp = await http.get(f"{endpoint}/instances")
+            resp = await http.get(f"{endpoint}/instances", headers={OPEN_CHECK_HEADER: "1"})
     except httpx.HTTPError:
         return ""
     if resp.status_code < 400:
