@@ -164,6 +164,23 @@ def test_the_cli_sets_it_before_torch_loads_and_children_inherit_it():
     assert out.stdout.split()[-2:] == ["10000", "False"], out.stdout + out.stderr
 
 
+def test_the_offline_api_sets_it_too_when_it_comes_before_torch():
+    """`from vlserve import LLM` waits as the server does (before torch loads OpenMP); a user's own choice stays,
+    and after torch nothing can change it (LLM says so in its log)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")}
+
+    def run(code: str, **extra) -> list[str]:
+        out = subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.split()
+
+    show = "import os, sys; print(os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'))"
+    assert run(f"from vlserve import LLM; {show}") == ["10000", "None"]
+    assert run(f"from vlserve import LLM; {show}", OMP_WAIT_POLICY="PASSIVE") == ["None", "PASSIVE"]
+    assert run(f"import torch; from vlserve import LLM; {show}") == ["None", "None"]
+
+
 def test_the_engine_thread_setup_applies_the_plan(monkeypatch, caplog):
     import torch
 

@@ -14,6 +14,12 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     if name == "LLM":
+        import sys
+
+        if "torch" not in sys.modules:  # OpenMP reads how its threads wait when torch loads it: as the CLI does
+            from vlserve.core.cpu_budget import short_spin_waits
+
+            short_spin_waits()
         from vlserve.frontend.llm import LLM
 
         return LLM

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
 from tqdm import tqdm
 
 from vlserve.core.config import EngineArgs
+from vlserve.core.cpu_budget import WAIT_POLICY_ENV
 from vlserve.core.errors import InvalidInputError
 from vlserve.core.lora import LoRARequest
 from vlserve.core.outputs import RequestOutput
@@ -18,6 +21,8 @@ from vlserve.frontend.llm_engine import LLMEngine
 from vlserve.frontend.tokenizer import render_chat
 from vlserve.frontend.tool_calls import check_tools
 from vlserve.tools.demo_checkpoint import resolve_demo_name
+
+logger = logging.getLogger("vlserve")
 
 
 class LLM:
@@ -32,6 +37,9 @@ class LLM:
         unknown = set(engine_args) - EngineArgs.field_names()
         if unknown:
             raise TypeError(f"unknown engine arguments: {sorted(unknown)}")
+        if not any(name in os.environ for name in WAIT_POLICY_ENV):  # torch came before `from vlserve import LLM`
+            logger.info("OpenMP threads wait as torch loaded them (a long spin, costly on busy cores): import LLM from "
+                        "vlserve before torch, or set GOMP_SPINCOUNT=10000 (KMP_BLOCKTIME=1), as the CLI does")
         self.engine = LLMEngine(EngineArgs(model=resolve_demo_name(model), dtype=dtype, **engine_args))
         self.tokenizer = self.engine.tokenizer
 
