@@ -19,6 +19,7 @@ from vlserve.core.config import EngineArgs
 from vlserve.core.errors import InvalidInputError, ModelLoadError
 from vlserve.engine.config import MIN_DEFAULT_KV_BYTES, kv_bytes_per_token, resolve_config
 from vlserve.model import hardware
+from vlserve.model.gemm_rates import GemmRates
 from vlserve.model.hardware import Hardware, resolve_dtype
 from vlserve.model.layers.moe import Experts
 from vlserve.model.layers.packed_linear import PackedLinear, packed_linear_supported
@@ -30,10 +31,15 @@ AMX_FP16 = dataclasses.replace(AVX512_BF16, cpu_isa="amx", native_fp16=True)
 CPU = torch.device("cpu")
 
 
+BF16_FASTER = GemmRates(fp32_ms=30.0, bf16_ms=12.0, fp32_gflops=300.0, bf16_gflops=900.0)  # AMX-like
+FP32_FASTER = GemmRates(fp32_ms=30.0, bf16_ms=41.0, fp32_gflops=304.0, bf16_gflops=169.0)  # AVX-512-BF16, no AMX
+
+
 @pytest.fixture
 def fake_hw(monkeypatch):
-    def use(hw: Hardware):
+    def use(hw: Hardware, rates: GemmRates = BF16_FASTER):
         monkeypatch.setattr(hardware, "detect", lambda: hw)
+        monkeypatch.setattr(hardware, "cpu_gemm_rates", lambda isa: rates)
     return use
 
 
@@ -58,6 +64,42 @@ def avx2_process(monkeypatch):
 def test_auto_dtype_follows_native_support(fake_hw, hw, ckpt, expected):
     fake_hw(hw)
     assert resolve_dtype("auto", ckpt, CPU) == expected
+
+
+def test_auto_takes_bf16_only_where_it_also_runs_faster_here(fake_hw, caplog):
+    """Native bf16 that multiplies slower than fp32 (a Xeon with AVX-512-BF16 but no AMX: 169 vs 304 GFLOP/s) is
+    not picked: the log says what was measured. An explicit bfloat16 stays honoured."""
+    fake_hw(AVX512_BF16, FP32_FASTER)
+    with caplog.at_level(logging.INFO, logger="vlserve.hardware"):
+        assert resolve_dtype("auto", "bfloat16", CPU) == torch.float32
+        assert resolve_dtype("auto", "float16", CPU) == torch.float32  # (its bf16 stand-in is measured too)
+    assert "bf16 169 vs fp32 304 GFLOP/s" in caplog.text and "float32, not the checkpoint's bfloat16" in caplog.text
+    assert resolve_dtype("bfloat16", "bfloat16", CPU) == torch.bfloat16
+    fake_hw(AVX512_BF16, BF16_FASTER)
+    assert resolve_dtype("auto", "bfloat16", CPU) == torch.bfloat16
+
+
+def test_gemm_rates_are_measured_once_and_shared_through_the_cache(monkeypatch, tmp_path):
+    from vlserve.model import gemm_rates
+
+    monkeypatch.setenv("VLSERVE_KERNEL_CACHE", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(gemm_rates, "measure", lambda: calls.append(1) or FP32_FASTER)
+    assert gemm_rates.cached_rates("avx512_bf16") == FP32_FASTER
+    assert gemm_rates.cached_rates("avx512_bf16") == FP32_FASTER and len(calls) == 1  # read back
+    assert gemm_rates.cached_rates("amx") == FP32_FASTER and len(calls) == 2  # another key
+    for cached in tmp_path.glob("gemm-rates-*.json"):
+        cached.write_text("not json")  # a damaged file is measured again
+    assert gemm_rates.cached_rates("avx512_bf16") == FP32_FASTER and len(calls) == 3
+
+
+@pytest.mark.skipif(not hardware.detect().native_bf16, reason="bf16 is emulated here (measured only where native)")
+def test_gemm_rates_measure_the_linears_the_model_runs():
+    from vlserve.model import gemm_rates
+
+    rates = gemm_rates.measure()
+    assert rates.fp32_gflops > 0 and rates.bf16_gflops > 0 and rates.fp32_ms > 0 and rates.bf16_ms > 0
+    assert "GFLOP/s" in rates.describe()
 
 
 def test_auto_fallback_and_explicit_emulation_are_logged(fake_hw, caplog):

@@ -115,7 +115,8 @@ def pick_device(name: str) -> torch.device:
 
 def resolve_dtype(name: str | torch.dtype, checkpoint_dtype: str | None, device: torch.device,
                   announce: bool = True) -> torch.dtype:
-    """`auto`: the checkpoint's dtype where this device computes it natively, else float32 (said in the log).
+    """`auto`: the checkpoint's dtype where this device computes it natively, else float32 (said in the log); on a
+    CPU, bf16 only where it also runs a serving workload's GEMMs faster than fp32 (measured once, said in the log).
 
     An explicit bfloat16/float16 is honoured everywhere; without native support it runs correctly but slowly,
     and the log says so.
@@ -134,6 +135,13 @@ def resolve_dtype(name: str | torch.dtype, checkpoint_dtype: str | None, device:
                 logger.info("dtype auto: the checkpoint is %s, which this %s computes only in emulation; running "
                             "float32", checkpoint_dtype, "CPU" if device.type == "cpu" else "GPU")
             return torch.float32
+        if device.type == "cpu" and wanted == torch.bfloat16:  # native, but is it faster? measured once
+            rates = cpu_gemm_rates(hw.cpu_isa)
+            if announce:
+                logger.info("dtype auto: %s here (%s)", "bfloat16" if rates.bf16_pays else "float32, not the "
+                            "checkpoint's bfloat16,", rates.describe())
+            if not rates.bf16_pays:
+                return torch.float32
         return wanted
     if name not in DTYPES:
         raise ModelLoadError(f"unsupported dtype '{name}'; choose auto, float32, bfloat16 or float16")
@@ -143,6 +151,13 @@ def resolve_dtype(name: str | torch.dtype, checkpoint_dtype: str | None, device:
                        "float32 (or dtype auto) is much faster here", name, "CPU" if device.type == "cpu" else "GPU",
                        name, hw.describe())
     return dtype
+
+
+def cpu_gemm_rates(isa: str):
+    """bf16 against fp32 GEMMs on this CPU (model.gemm_rates: measured once, cached)."""
+    from vlserve.model.gemm_rates import cached_rates
+
+    return cached_rates(isa)
 
 
 def memory_available_bytes(device: torch.device) -> int | None:
