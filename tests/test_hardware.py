@@ -37,9 +37,8 @@ FP32_FASTER = GemmRates(fp32_ms=30.0, bf16_ms=41.0, fp32_gflops=304.0, bf16_gflo
 
 @pytest.fixture
 def fake_hw(monkeypatch):
-    def use(hw: Hardware, rates: GemmRates = BF16_FASTER):
+    def use(hw: Hardware):
         monkeypatch.setattr(hardware, "detect", lambda: hw)
-        monkeypatch.setattr(hardware, "cpu_gemm_rates", lambda isa: rates)
     return use
 
 
@@ -69,14 +68,31 @@ def test_auto_dtype_follows_native_support(fake_hw, hw, ckpt, expected):
 def test_auto_takes_bf16_only_where_it_also_runs_faster_here(fake_hw, caplog):
     """Native bf16 that multiplies slower than fp32 (a Xeon with AVX-512-BF16 but no AMX: 169 vs 304 GFLOP/s) is
     not picked: the log says what was measured. An explicit bfloat16 stays honoured."""
-    fake_hw(AVX512_BF16, FP32_FASTER)
+    fake_hw(AVX512_BF16)
+    slower, faster = (lambda isa: FP32_FASTER), (lambda isa: BF16_FASTER)
     with caplog.at_level(logging.INFO, logger="vlserve.hardware"):
-        assert resolve_dtype("auto", "bfloat16", CPU) == torch.float32
-        assert resolve_dtype("auto", "float16", CPU) == torch.float32  # (its bf16 stand-in is measured too)
+        assert resolve_dtype("auto", "bfloat16", CPU, measure=slower) == torch.float32
+        assert resolve_dtype("auto", "float16", CPU, measure=slower) == torch.float32  # (its bf16 stand-in too)
     assert "bf16 169 vs fp32 304 GFLOP/s" in caplog.text and "float32, not the checkpoint's bfloat16" in caplog.text
-    assert resolve_dtype("bfloat16", "bfloat16", CPU) == torch.bfloat16
-    fake_hw(AVX512_BF16, BF16_FASTER)
-    assert resolve_dtype("auto", "bfloat16", CPU) == torch.bfloat16
+    assert resolve_dtype("bfloat16", "bfloat16", CPU, measure=slower) == torch.bfloat16
+    assert resolve_dtype("auto", "bfloat16", CPU, measure=faster) == torch.bfloat16
+    fake_hw(AVX2)  # emulated: nothing to measure
+    assert resolve_dtype("auto", "bfloat16", CPU, measure=lambda isa: pytest.fail("measured")) == torch.float32
+
+
+def test_a_servers_dtype_decision_measures_the_gemms(monkeypatch, tiny_ckpt):
+    """resolve_model_facts (what every server and LLM resolves its options with) gives the measurement."""
+    from vlserve.model import facts
+
+    monkeypatch.setattr(hardware, "detect", lambda: AVX512_BF16)
+    monkeypatch.setattr(facts, "cached_rates", lambda isa: FP32_FASTER)
+    ckpt = tiny_ckpt("qwen2_vl")  # (its weights are float32: its config is made to say bfloat16)
+    monkeypatch.setattr(facts, "load_model_config",
+                        lambda path, real=facts.load_model_config: dataclasses.replace(real(path),
+                                                                                        checkpoint_dtype="bfloat16"))
+    assert facts.resolve_model_facts(EngineArgs(model=str(ckpt), dtype="auto"), announce=False).dtype == "float32"
+    monkeypatch.setattr(facts, "cached_rates", lambda isa: BF16_FASTER)
+    assert facts.resolve_model_facts(EngineArgs(model=str(ckpt), dtype="auto"), announce=False).dtype == "bfloat16"
 
 
 def test_gemm_rates_are_measured_once_and_shared_through_the_cache(monkeypatch, tmp_path):

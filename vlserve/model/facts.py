@@ -18,6 +18,7 @@ import torch
 from vlserve.core.config import EngineArgs
 from vlserve.core.errors import ConfigurationError
 from vlserve.model.checkpoint_path import resolve_model_path
+from vlserve.model.gemm_rates import cached_rates
 from vlserve.model.hardware import DTYPES, pick_device, resolve_dtype
 from vlserve.model.hf_config import ModelConfig, load_model_config
 
@@ -51,7 +52,7 @@ def resolve_model_facts(args: EngineArgs, announce: bool = True) -> ModelFacts:
     path = resolve_model_path(args.model)
     model = load_model_config(path)
     device = pick_device(args.device)
-    dtype = resolve_dtype(args.dtype, model.checkpoint_dtype, device, announce)
+    dtype = resolve_dtype(args.dtype, model.checkpoint_dtype, device, announce, measure=cached_rates)
     max_model_len = args.max_model_len or min(model.text.max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP)
     name = next(k for k, v in DTYPES.items() if v == dtype)
     return ModelFacts(str(path), model, name, str(device), max_model_len)

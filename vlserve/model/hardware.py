@@ -13,7 +13,9 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -114,9 +116,10 @@ def pick_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str | torch.dtype, checkpoint_dtype: str | None, device: torch.device,
-                  announce: bool = True) -> torch.dtype:
+                  announce: bool = True, measure: Callable[[str], Any] | None = None) -> torch.dtype:
     """`auto`: the checkpoint's dtype where this device computes it natively, else float32 (said in the log); on a
-    CPU, bf16 only where it also runs a serving workload's GEMMs faster than fp32 (measured once, said in the log).
+    CPU, bf16 only where it also runs a serving workload's GEMMs faster than fp32, when `measure` (ISA -> the
+    rates: model.gemm_rates.cached_rates) is given (measured once, said in the log).
 
     An explicit bfloat16/float16 is honoured everywhere; without native support it runs correctly but slowly,
     and the log says so.
@@ -135,8 +138,8 @@ def resolve_dtype(name: str | torch.dtype, checkpoint_dtype: str | None, device:
                 logger.info("dtype auto: the checkpoint is %s, which this %s computes only in emulation; running "
                             "float32", checkpoint_dtype, "CPU" if device.type == "cpu" else "GPU")
             return torch.float32
-        if device.type == "cpu" and wanted == torch.bfloat16:  # native, but is it faster? measured once
-            rates = cpu_gemm_rates(hw.cpu_isa)
+        if device.type == "cpu" and wanted == torch.bfloat16 and measure is not None:  # native: is it faster?
+            rates = measure(hw.cpu_isa)
             if announce:
                 logger.info("dtype auto: %s here (%s)", "bfloat16" if rates.bf16_pays else "float32, not the "
                             "checkpoint's bfloat16,", rates.describe())
@@ -151,13 +154,6 @@ def resolve_dtype(name: str | torch.dtype, checkpoint_dtype: str | None, device:
                        "float32 (or dtype auto) is much faster here", name, "CPU" if device.type == "cpu" else "GPU",
                        name, hw.describe())
     return dtype
-
-
-def cpu_gemm_rates(isa: str):
-    """bf16 against fp32 GEMMs on this CPU (model.gemm_rates: measured once, cached)."""
-    from vlserve.model.gemm_rates import cached_rates
-
-    return cached_rates(isa)
 
 
 def memory_available_bytes(device: torch.device) -> int | None:
