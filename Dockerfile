@@ -1,7 +1,9 @@
 # syntax=docker/dockerfile:1
-# The image deploy/kubernetes/ runs (ENTRYPOINT vlserve; the role is the first argument):
+# The image deploy/kubernetes/ runs (ENTRYPOINT vlserve; the role is the first argument; without one it serves the
+# demo model on 0.0.0.0:8000):
 #   docker build -t vlserve:latest .                              # CPU
 #   docker build --build-arg VARIANT=cuda -t vlserve:cuda .       # CUDA (components/gpu uses this tag)
+#   docker run --rm -p 8000:8000 vlserve:latest                   # then http://127.0.0.1:8000
 # CUDA_INDEX picks torch's CUDA build; it must suit the nodes' driver. BuildKit (docker's default builder) builds
 # only the base the VARIANT names.
 ARG VARIANT=cpu
@@ -15,8 +17,10 @@ RUN apt-get update && apt-get install -y --no-install-recommends g++ libibverbs1
     && rm -rf /var/lib/apt/lists/*
 
 FROM nvidia/cuda:12.8.1-runtime-ubuntu24.04 AS base-cuda
-RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-venv libibverbs1 \
-    && rm -rf /var/lib/apt/lists/*
+# gcc and the Python headers: Triton compiles its kernel launcher with them at the first kernel launch (the
+# runtime image has no compiler).
+RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc libc6-dev \
+    libibverbs1 && rm -rf /var/lib/apt/lists/*
 
 FROM base-${VARIANT}
 ARG VARIANT
@@ -31,7 +35,9 @@ RUN if [ "$VARIANT" = cuda ]; then index="$CUDA_INDEX"; else index="$CPU_INDEX";
     && pip install --no-cache-dir --index-url "$index" torch==2.13.0
 COPY pyproject.toml README.md /tmp/vlserve/
 COPY vlserve /tmp/vlserve/vlserve
-RUN pip install --no-cache-dir '/tmp/vlserve[disagg]' && rm -rf /tmp/vlserve
+# The transports: Mooncake on both; NIXL's wheel is a CUDA build (~220 MB), on the CUDA image only.
+RUN if [ "$VARIANT" = cuda ]; then extras=disagg; else extras=mooncake; fi \
+    && pip install --no-cache-dir "/tmp/vlserve[$extras]" && rm -rf /tmp/vlserve
 # Built as root into $VLSERVE_KERNEL_CACHE (/opt/vlserve/kernels/cpu-kernels-<key>), served as uid 10001 below: the
 # cache must be readable by every user (the build makes it so; the chmod keeps it so whatever the builder's umask).
 # A cache the server cannot read is a warning and the torch paths, never a failed start
@@ -45,4 +51,5 @@ USER 10001
 WORKDIR /home/vlserve
 EXPOSE 8000 8100 8101 8200 8201
 ENTRYPOINT ["vlserve"]
-CMD ["--help"]
+# (a server in a container must listen on every address for `docker run -p` to reach it)
+CMD ["serve", "--host", "0.0.0.0"]

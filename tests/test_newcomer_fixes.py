@@ -107,6 +107,25 @@ def test_an_unwritable_kernel_cache_is_a_warning_when_building(tmp_path, monkeyp
     assert "cannot be built here (PermissionError" in caplog.text and cpu_kernels.CACHE_ENV in caplog.text
 
 
+def test_the_image_serves_on_every_address_with_triton_s_compiler_and_no_cuda_wheels_on_the_cpu_variant():
+    """`docker run -p 8000:8000 vlserve` reaches a server (0.0.0.0, not 127.0.0.1); the CUDA variant's runtime base
+    gets the C compiler and Python headers Triton builds its launcher with; the CPU variant skips NIXL's CUDA
+    wheel (pyproject's `mooncake` extra, not `disagg`)."""
+    import tomllib
+
+    text = (ROOT / "Dockerfile").read_text()
+    assert re.search(r'CMD \["serve", "--host", "0\.0\.0\.0"\]', text)
+    cuda = text[text.index("AS base-cuda"):text.index("FROM base-${VARIANT}")]
+    for package in ("gcc", "python3-dev", "libc6-dev"):
+        assert package in cuda, package
+    assert 'extras=disagg; else extras=mooncake' in text
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert not any("nixl" in dep for dep in extras["mooncake"])
+    assert extras["disagg"] == ["vlserve[mooncake,nixl]"]
+    readme = (ROOT / "README.md").read_text()
+    assert "docker run --rm -p 8000:8000" in readme
+
+
 def test_the_dockerfile_builds_its_kernels_where_its_user_reads_them():
     text = (ROOT / "Dockerfile").read_text()
     cache = re.search(r"VLSERVE_KERNEL_CACHE=(\S+)", text).group(1)

@@ -39,6 +39,7 @@ FILE_TIERS = {
     "test_family_neutral.py": "unit",
     "test_kernel_build.py": "unit",
     "test_newcomer_fixes.py": "unit",
+    "test_container.py": "multiprocess",
     "test_doc_snippets.py": "unit",
     "test_doc_snippets_run.py": "multiprocess",
     "test_kv_index.py": "unit",
