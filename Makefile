@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 RUNTIME_STAMP := $(VENV)/.installed-runtime
+DISAGG_STAMP := $(VENV)/.installed-disagg
 STAMP := $(VENV)/.installed
 
 .PHONY: install install-runtime install-disagg test test-fast serve bench clean
@@ -18,7 +19,7 @@ define finish_install
 	@$(PY) -m compileall -q -j 0 vlserve $(1)
 endef
 
-# `make serve` installs what serving needs and nothing more (about 1 GB on a CPU machine, most of it torch):
+# `make serve` installs what serving needs and nothing more (1.3 GB on a CPU machine, 0.75 GB of it torch):
 # the transports' libraries come with `make install-disagg`, and the tests' tools with `make install` (`make
 # test`). A role started with a backend whose library is missing says which target installs it.
 install-runtime: $(RUNTIME_STAMP)
@@ -40,15 +41,18 @@ $(RUNTIME_STAMP): pyproject.toml
 
 # --transfer-backend mooncake and nixl: their libraries, and Debian's libibverbs1, which Mooncake's engine links
 # (RDMA verbs) even for TCP, where we may install it (root + apt).
-install-disagg: $(RUNTIME_STAMP)
+install-disagg: $(DISAGG_STAMP)
+	$(call finish_install,)
+
+$(DISAGG_STAMP): $(RUNTIME_STAMP) pyproject.toml
 	$(PY) -m pip install --quiet -e '.[disagg]'
 	@ldconfig -p | grep -q libibverbs.so.1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 		{ apt-get install -y -qq --no-install-recommends libibverbs1 >/dev/null 2>&1 || \
 		  { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq --no-install-recommends libibverbs1 >/dev/null; }; }; } || \
 		echo "libibverbs1 missing: --transfer-backend mooncake will not start (apt-get install libibverbs1)"
+	touch $(DISAGG_STAMP)
 
-$(STAMP): $(RUNTIME_STAMP) pyproject.toml
-	$(MAKE) --no-print-directory install-disagg
+$(STAMP): $(DISAGG_STAMP) pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test,disagg]'
 	@# Triton: the CUDA attention path's kernels (vlserve.model.kernels.triton_attention). A CUDA torch brings the
 	@# Triton it needs; with a CPU torch the tests run those kernels in Triton's interpreter, on the version the GPU

@@ -105,8 +105,33 @@ def test_gemm_rates_are_measured_once_and_shared_through_the_cache(monkeypatch, 
     assert gemm_rates.cached_rates("avx512_bf16") == FP32_FASTER and len(calls) == 1  # read back
     assert gemm_rates.cached_rates("amx") == FP32_FASTER and len(calls) == 2  # another key
     for cached in tmp_path.glob("gemm-rates-*.json"):
-        cached.write_text("not json")  # a damaged file is measured again
-    assert gemm_rates.cached_rates("avx512_bf16") == FP32_FASTER and len(calls) == 3
+        cached.write_text('{"fp32_ms": "x", "bf16_ms": 1, "fp32_gflops": 1, "bf16_gflops": 1}')  # damaged
+    assert gemm_rates.cached_rates("avx512_bf16") == FP32_FASTER and len(calls) == 3  # measured again
+    # a kernel cache this user cannot write (the container image's): kept in the user's own cache instead
+    monkeypatch.setattr(gemm_rates, "_folders", lambda: [tmp_path / "no" / "such" / "file", tmp_path / "own"])
+    (tmp_path / "no").write_text("a file, not a folder")
+    assert gemm_rates.cached_rates("amx") == FP32_FASTER and len(calls) == 4
+    assert gemm_rates.cached_rates("amx") == FP32_FASTER and len(calls) == 4  # read back from the second
+    assert list((tmp_path / "own").glob("gemm-rates-*.json"))
+
+
+def test_gemm_rates_near_parity_keep_bf16_and_a_failed_measurement_keeps_the_flags(monkeypatch, caplog, tmp_path,
+                                                                                   fake_hw):
+    from vlserve.model import gemm_rates
+
+    assert GemmRates(fp32_ms=10.0, bf16_ms=11.0, fp32_gflops=1.0, bf16_gflops=1.0).bf16_pays  # within 15 %
+    assert not GemmRates(fp32_ms=10.0, bf16_ms=12.0, fp32_gflops=1.0, bf16_gflops=1.0).bf16_pays
+    monkeypatch.setenv("VLSERVE_KERNEL_CACHE", str(tmp_path))
+
+    def broken():
+        raise RuntimeError("could not create a primitive")
+
+    monkeypatch.setattr(gemm_rates, "measure", broken)
+    with caplog.at_level(logging.WARNING, logger="vlserve.hardware"):
+        assert gemm_rates.cached_rates("avx512_bf16") is None
+    assert "could not be measured" in caplog.text
+    fake_hw(AVX512_BF16)
+    assert resolve_dtype("auto", "bfloat16", CPU, measure=lambda isa: None) == torch.bfloat16  # the flags alone
 
 
 @pytest.mark.skipif(not hardware.detect().native_bf16, reason="bf16 is emulated here (measured only where native)")

@@ -267,3 +267,5 @@ def test_make_tiny_adapter_writes_an_adapter_that_changes_answers(ckpt, llm, tmp
     base = tokens(llm, "hello there")
     assert tokens(llm, "hello there", LoRARequest("try", 7, str(tmp_path / "try"))) != base
     assert main(["make-tiny-adapter", str(tmp_path / "nothing-here"), str(tmp_path / "x")]) == 2
+    assert "not a checkpoint folder" in capsys.readouterr().err
+    assert main(["make-tiny-adapter", str(ckpt), str(tmp_path / "x"), "--rank", "0"]) == 2

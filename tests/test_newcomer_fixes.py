@@ -123,7 +123,7 @@ def test_the_image_serves_on_every_address_with_triton_s_compiler_and_no_cuda_wh
     assert not any("nixl" in dep for dep in extras["mooncake"])
     assert extras["disagg"] == ["vlserve[mooncake,nixl]"]
     readme = (ROOT / "README.md").read_text()
-    assert "docker run --rm -p 8000:8000" in readme
+    assert "docker run --rm -p 127.0.0.1:8000:8000" in readme
 
 
 def test_the_dockerfile_builds_its_kernels_where_its_user_reads_them():

@@ -45,14 +45,16 @@ class ModelFacts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return torch.device(self.device)
 
 
-def resolve_model_facts(args: EngineArgs, announce: bool = True) -> ModelFacts:
+def resolve_model_facts(args: EngineArgs, announce: bool = True, runs_model: bool = True) -> ModelFacts:
     """From the options and config.json. `announce`: log the dtype decision (the process that resolves them
-    does; the processes they are shipped to do not resolve them again)."""
+    does; the processes they are shipped to do not resolve them again). `runs_model`: False for a process that
+    only reads the config (a router): dtype auto then follows the CPU's flags, with no GEMM measured."""
     args.check()
     path = resolve_model_path(args.model)
     model = load_model_config(path)
     device = pick_device(args.device)
-    dtype = resolve_dtype(args.dtype, model.checkpoint_dtype, device, announce, measure=cached_rates)
+    dtype = resolve_dtype(args.dtype, model.checkpoint_dtype, device, announce and runs_model,
+                          measure=cached_rates if runs_model else None)
     max_model_len = args.max_model_len or min(model.text.max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP)
     name = next(k for k, v in DTYPES.items() if v == dtype)
     return ModelFacts(str(path), model, name, str(device), max_model_len)

@@ -28,6 +28,8 @@ logger = logging.getLogger("vlserve.hardware")
 PREFILL_ROWS, DECODE_ROWS, DECODE_STEPS = 512, 8, 8  # one prompt of 512 tokens per 64 tokens generated 8 at a time
 IN_FEATURES = OUT_FEATURES = 2048
 REPEATS = 5
+FP32_CLEARLY_FASTER = 0.85  # fp32 is taken when it needs at most 85 % of bf16's time
+SLOW_PATH_FACTOR = 5.0  # a first bf16 run this many times fp32's: a slow path behind the flags, stop there
 
 
 @dataclass(frozen=True)
@@ -39,9 +41,16 @@ class GemmRates:
     fp32_gflops: float
     bf16_gflops: float
 
+    def __post_init__(self):
+        for name, value in asdict(self).items():  # (read back from a file: numbers, or it is measured again)
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} = {value!r}")
+
     @property
     def bf16_pays(self) -> bool:
-        return self.bf16_ms <= self.fp32_ms
+        """bf16 unless fp32 is clearly faster: near parity the answer must not flip from one run to the next
+        (bf16 was the choice before anything was measured, and it halves the memory)."""
+        return self.fp32_ms >= FP32_CLEARLY_FASTER * self.bf16_ms
 
     def describe(self) -> str:
         return (f"prefill GEMMs bf16 {self.bf16_gflops:.0f} vs fp32 {self.fp32_gflops:.0f} GFLOP/s; a 512-token "
@@ -79,41 +88,92 @@ def _best_ms(fn, x: torch.Tensor) -> float:
 
 @torch.inference_mode()
 def measure() -> GemmRates:
+    """With the threads a model process of this budget runs (core.cpu_budget.plan_threads), not this process's
+    default of one per visible core."""
+    from vlserve.core.cpu_budget import plan_threads
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(plan_threads(None).torch_threads)
+    try:
+        return _measure()
+    finally:
+        torch.set_num_threads(before)
+
+
+def _measure() -> GemmRates:
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(OUT_FEATURES, IN_FEATURES, generator=gen) * 0.02
     prefill = torch.randn(PREFILL_ROWS, IN_FEATURES, generator=gen)
     decode = prefill[:DECODE_ROWS]
     out: dict[str, float] = {}
+    flops = 2 * PREFILL_ROWS * IN_FEATURES * OUT_FEATURES
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         fn = _linear(weight.to(dtype))
-        p_ms = _best_ms(fn, prefill.to(dtype))
+        x = prefill.to(dtype)
+        t0 = time.perf_counter()
+        fn(x)  # (the warm-up, timed: a slow path shows here already)
+        first_ms = (time.perf_counter() - t0) * 1e3
+        if name == "bf16" and first_ms > SLOW_PATH_FACTOR * out["fp32_ms"]:
+            return GemmRates(out["fp32_ms"], first_ms * (1 + DECODE_STEPS), out["fp32_gflops"],
+                             flops / (first_ms / 1e3) / 1e9)
+        p_ms = _best_ms(fn, x)
         d_ms = _best_ms(fn, decode.to(dtype).contiguous())
         out[f"{name}_ms"] = p_ms + DECODE_STEPS * d_ms
-        out[f"{name}_gflops"] = 2 * PREFILL_ROWS * IN_FEATURES * OUT_FEATURES / (p_ms / 1e3) / 1e9
+        out[f"{name}_gflops"] = flops / (p_ms / 1e3) / 1e9
     return GemmRates(**out)
 
 
-def cached_rates(isa: str) -> GemmRates:
-    """The rates for this CPU, from the cache when measured before (by any process), else measured now."""
+def _folders() -> list[Path]:
+    """Where the answer is kept: beside the CPU kernels, else (a kernel cache this user cannot write, as in the
+    container image) the user's own cache folder."""
     from vlserve.model.kernels.cpu_kernels import cache_root
 
+    own = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vlserve"
+    return [cache_root()] + ([own] if own != cache_root() else [])
+
+
+def _read(path: Path) -> GemmRates | None:
+    try:
+        return GemmRates(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def cached_rates(isa: str) -> GemmRates | None:
+    """The rates for this CPU, from the cache when measured before (by any process), else measured now (and
+    kept). None when they cannot be measured here (said in the log): the CPU's flags decide alone then."""
     # (not the thread count: the ratio decides, and every process of a server must decide alike)
     key = hashlib.sha256(f"{_cpu_model()}|{isa}|{torch.__version__}|"
                          f"{os.environ.get('VLSERVE_PACKED_LINEAR', '1')}".encode()).hexdigest()[:16]
-    path = cache_root() / f"gemm-rates-{key}.json"
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path.with_suffix(".lock"), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # processes starting together measure once and agree
-            try:
-                return GemmRates(**json.loads(path.read_text()))
-            except (OSError, ValueError, TypeError):
-                pass
-            rates = measure()
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(asdict(rates)))
-            os.replace(tmp, path)
+    rates = None
+    for folder in _folders():
+        path = folder / f"gemm-rates-{key}.json"
+        if (rates := _read(path)) is not None:
             return rates
-    except OSError as e:  # no writable cache: measured each time
-        logger.debug("GEMM rates not cached (%s): measured in this process", e)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with open(path.with_suffix(".lock"), "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # processes starting together measure once and agree
+                if (rates := _read(path)) is not None:
+                    return rates
+                rates = _measured()
+                if rates is None:
+                    return None
+                tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(asdict(rates)))
+                os.replace(tmp, path)
+                return rates
+        except OSError as e:  # not writable here: the next folder (a measurement already made is kept)
+            logger.debug("GEMM rates not cached in %s (%s)", folder, e)
+            if rates is not None:
+                return rates
+    return _measured()
+
+
+def _measured() -> GemmRates | None:
+    try:
         return measure()
+    except Exception as e:  # noqa: BLE001 - e.g. oneDNN refusing a kernel: no measurement, never a failed start
+        logger.warning("bf16 against fp32 GEMMs could not be measured here (%s: %s): dtype auto follows the CPU's "
+                       "flags", type(e).__name__, e)
+        return None

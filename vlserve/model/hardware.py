@@ -138,8 +138,8 @@ def resolve_dtype(name: str | torch.dtype, checkpoint_dtype: str | None, device:
                 logger.info("dtype auto: the checkpoint is %s, which this %s computes only in emulation; running "
                             "float32", checkpoint_dtype, "CPU" if device.type == "cpu" else "GPU")
             return torch.float32
-        if device.type == "cpu" and wanted == torch.bfloat16 and measure is not None:  # native: is it faster?
-            rates = measure(hw.cpu_isa)
+        rates = measure(hw.cpu_isa) if device.type == "cpu" and wanted == torch.bfloat16 and measure else None
+        if rates is not None:  # native: is it also faster?
             if announce:
                 logger.info("dtype auto: %s here (%s)", "bfloat16" if rates.bf16_pays else "float32, not the "
                             "checkpoint's bfloat16,", rates.describe())

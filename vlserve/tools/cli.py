@@ -29,6 +29,13 @@ def _run_adapter(args: argparse.Namespace) -> int:
 
     from vlserve.tools.tiny_adapter import make_peft_adapter, std_for
 
+    if args.rank < 1 or not args.strength > 0 or not args.alpha > 0:
+        print("error: --rank must be at least 1, --strength and --alpha above 0", file=sys.stderr)
+        return 2
+    if not Path(args.model).is_dir():
+        print(f"error: {args.model} is not a checkpoint folder here (a hub id: download it first, e.g. with "
+              "`huggingface-cli download`)", file=sys.stderr)
+        return 2
     try:
         std = std_for(Path(args.model), args.targets, args.strength, args.rank, args.alpha)
         out = make_peft_adapter(Path(args.model), Path(args.out), args.targets, args.rank, args.alpha, args.seed, std)
