@@ -63,7 +63,8 @@ class _Gate:
             return await self.app(scope, receive, send)
         request = Request(scope)  # headers only: it reads no body
         header, now = request.headers.get(HEADER), time.time()  # signatures carry wall-clock time
-        if self.auth.enabled and header is None and OPEN_CHECK_HEADER in request.headers and request.method == "GET":
+        if self.auth.enabled and header is None and OPEN_CHECK_HEADER in request.headers \
+                and (request.method, scope["path"]) == ("GET", "/instances"):
             log.debug("refused a router's unsigned check that this registry takes signed calls only")
             return await _error("missing or invalid signature (--disagg-secret)", 401)(scope, _no_body, send)
         if not self.auth.plausible(header, now):
