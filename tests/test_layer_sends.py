@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.conftest import assert_pool_full, noise_image
-from tests.test_kv_row_writes import BLOCK_ROWS, PICTURE, SharedDecode, WritingPrefill
+from tests.test_kv_row_writes import BLOCK_ROWS, PICTURE, WritingPrefill, decode  # noqa: F401 - a fixture
 from tests.test_pd_handoff import Prefill, _whole
 from vlserve import LLM, SamplingParams
 from vlserve.core.errors import InvalidInputError
@@ -66,13 +66,6 @@ def prefill(path):
     p.connector.by_layer = True  # as where torch's threads leave a core free (else decided off: spare_core)
     yield p
     p.connector.close()
-
-
-@pytest.fixture(scope="module")
-def decode(path):
-    d = SharedDecode(path)
-    yield d
-    d.core.shutdown()
 
 
 def poisoned(decode, blocks: list[int], rows: int) -> list[int]:
