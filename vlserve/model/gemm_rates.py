@@ -126,9 +126,9 @@ def _measure() -> GemmRates:
 def _folders() -> list[Path]:
     """Where the answer is kept: beside the CPU kernels, else (a kernel cache this user cannot write, as in the
     container image) the user's own cache folder."""
-    from vlserve.model.kernels.cpu_kernels import cache_root
+    from vlserve.model.kernels.cpu_kernels import cache_root, user_cache_dir
 
-    own = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vlserve"
+    own = user_cache_dir()
     return [cache_root()] + ([own] if own != cache_root() else [])
 
 

@@ -55,6 +55,11 @@ def cache_root() -> Path:
     default ~/.cache/vlserve)."""
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV])
+    return user_cache_dir()
+
+
+def user_cache_dir() -> Path:
+    """This user's vlserve cache folder: $XDG_CACHE_HOME/vlserve, else ~/.cache/vlserve."""
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vlserve"
 
 
