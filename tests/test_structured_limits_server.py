@@ -60,6 +60,22 @@ def post_in_thread(server, payload: dict, timeout: float, results: list) -> thre
     return thread
 
 
+def compiles_in_flight(server) -> float:
+    text = HTTP.get(server.url + "/metrics", timeout=5).text
+    line = next(l for l in text.splitlines() if l.startswith("vlserve:structured_outputs_compiles_in_flight{"))
+    return float(line.rsplit(" ", 1)[1])
+
+
+def wait_for_compiles(server, done, timeout: float = 60.0) -> None:
+    """Until the server's count of compiles in flight satisfies `done` (a busy machine may take a while to take
+    the requests in: no fixed sleep)."""
+    deadline = time.monotonic() + timeout
+    while not done(compiles_in_flight(server)):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"compiles in flight stayed at {compiles_in_flight(server)}")
+        time.sleep(0.05)
+
+
 def still_compiling(threads: list[threading.Thread]) -> bool:
     return any(t.is_alive() for t in threads)
 
@@ -70,7 +86,7 @@ def test_slow_grammars_hold_up_neither_health_nor_pictures_and_the_rest_get_503(
     results: list = []
     slow = [post_in_thread(server, body(model, slow_grammar(seed)), 120, results) for seed in range(2)]
     try:
-        time.sleep(1.0)  # both in: one compiles, one waits
+        wait_for_compiles(server, lambda n: n == 2)  # both in: one compiles, one waits
         refused = server.post(ROUTE, json=body(model, slow_grammar(2)))
         assert refused.status_code == 503 and "--structured-outputs-max-queued" in refused.text, refused.text
         for _ in range(5):
@@ -91,7 +107,8 @@ def test_a_client_that_leaves_frees_its_place(server, model):
     for t in gone:
         t.join()
     assert results == ["left"] * 2
-    time.sleep(1.0)  # the server notices within its disconnect poll (0.5 s): the queued compile is dropped
+    # the server notices within its disconnect poll (0.5 s): the queued compile is dropped
+    wait_for_compiles(server, lambda n: n <= 1)
     ok = server.post(ROUTE, json=body(model, {"choice": ["ok-after"]}, max_tokens=5))
     assert ok.status_code == 200, ok.text  # 503 if the abandoned compiles still held the queue
     assert ok.json()["choices"][0]["message"]["content"] == "ok-after"

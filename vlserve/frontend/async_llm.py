@@ -168,6 +168,9 @@ class AsyncLLM:
             self.adapters.start_with(args.lora_modules)
         # Constraints compile on their own bounded pool: a slow grammar never holds up media work.
         self.grammar_compiler = GrammarCompiler(GrammarLimits.from_args(args))
+        self.metrics.watch("structured_outputs_compiles_in_flight", "Structured-outputs constraints being compiled "
+                           "or queued for a compile thread (503 past --structured-outputs-threads + "
+                           "--structured-outputs-max-queued).", lambda: self.grammar_compiler.in_flight)
         self.dead = asyncio.Event()  # set once the engine process is gone for good
         self.stopping: str | None = None  # why new requests are refused: the server is stopping (stop_requests)
         self.streams: dict[str, RequestStream] = {}

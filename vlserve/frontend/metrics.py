@@ -7,7 +7,9 @@ first token and finish are seen. Each server owns its registry, so several can l
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from vlserve.core.config import TOWER_MODALITIES
@@ -82,6 +84,11 @@ class ServerMetrics:
         for tower, kinds in TOWER_MODALITIES.items():
             if set(kinds) & set(modalities):
                 self.encoder.labels(model_name, tower)
+
+    def watch(self, name: str, help_text: str, read: Callable[[], float]) -> None:
+        """A gauge of the front end's own state, read at scrape time."""
+        Gauge(PREFIX + name, help_text, ["model_name"], registry=self.registry).labels(
+            self.model_name).set_function(read)
 
     def count_items(self, items) -> None:
         """A prompt's media items (MultiModalItem), once per request."""
