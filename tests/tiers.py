@@ -36,6 +36,7 @@ FILE_TIERS = {
     "test_request_validation.py": "unit",
     "test_llava_processor.py": "unit",
     "test_internvl_processor.py": "unit",
+    "test_encoder_budgets.py": "unit",
     "test_family_neutral.py": "unit",
     "test_kernel_build.py": "unit",
     "test_newcomer_fixes.py": "unit",

@@ -128,11 +128,13 @@ class EngineArgs:
         None, "publish KV cache events (prefix-cache blocks stored and evicted, by block hash) on a ZeroMQ PUB "
         "socket bound here, for cache-aware routers: tcp://HOST:PORT (default: off)", {SERVE, LANGUAGE, DECODE},
         metavar="tcp://HOST:PORT")
-    encoder_cache_size: int = option(16384, "encoder cache capacity in embedding rows: a media token takes one, "
-                                     "1 + levels with DeepStack features (Qwen3-VL) (0: no reuse across "
-                                     "requests)", VISION_ROLES)
-    max_num_encoder_input_tokens: int = option(16384, "most embedding tokens the vision encoder runs in one step "
-                                               "(also the largest item accepted)", VISION_ROLES)
+    encoder_cache_size: int | None = option(
+        None, "encoder cache capacity in embedding rows: a media token takes one, 1 + levels with DeepStack "
+        "features (Qwen3-VL) (0: no reuse across requests; default: 16384, or more when the largest media item "
+        "the media bounds allow needs more)", VISION_ROLES)
+    max_num_encoder_input_tokens: int | None = option(
+        None, "most embedding tokens the encoder runs in one step, also the largest item accepted (default: 16384, "
+        "or the largest media item the media bounds allow when that is more)", VISION_ROLES)
     disable_chunked_mm_input: bool = option(False, "never split a picture's tokens across engine steps", LM_ROLES)
     limit_mm_per_prompt: dict[str, int] = option(
         help="most media items per prompt, e.g. image=8,video=1,audio=4", roles=MODEL_ROLES | {ROUTER},
@@ -238,7 +240,8 @@ class EngineArgs:
                                     f"({self.max_loras})")
         if self.lora_modules and not self.enable_lora:
             raise InvalidInputError("lora_modules needs enable_lora")
-        if self.encoder_cache_size < 0 or self.max_num_encoder_input_tokens <= 0:
+        if (self.encoder_cache_size is not None and self.encoder_cache_size < 0) or (
+                self.max_num_encoder_input_tokens is not None and self.max_num_encoder_input_tokens <= 0):
             raise InvalidInputError("encoder_cache_size must be >= 0 and max_num_encoder_input_tokens > 0")
         for kind, limit in self.limit_mm_per_prompt.items():
             if kind not in DEFAULT_MM_LIMITS or isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:

@@ -75,7 +75,7 @@ class EncodeService(SenderService):
         self.opts, self.d = opts, d
         auth = PeerAuth(d.disagg_secret)
         require_secret(auth, "this encoder")  # refused before anything loads
-        facts = resolve_model_facts(engine)
+        facts = resolve_model_facts(engine, media=server.media_bounds())
         try:
             self.cfg = resolve_config(engine, facts)
         except InvalidInputError as e:  # e.g. a --tensor-parallel-size that cannot split this tower

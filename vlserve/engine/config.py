@@ -228,7 +228,7 @@ def resolve_config(args: EngineArgs, facts: ModelFacts | None = None, announce: 
         max_model_len=max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size, num_kv_blocks=num_blocks, enable_prefix_caching=args.enable_prefix_caching,
-        encoder_cache_size=args.encoder_cache_size, max_num_encoder_input_tokens=args.max_num_encoder_input_tokens,
+        encoder_cache_size=facts.encoder_cache_size, max_num_encoder_input_tokens=facts.max_num_encoder_input_tokens,
         disable_chunked_mm_input=args.disable_chunked_mm_input, limit_mm_per_prompt=args.mm_limits(),
         max_video_frames=args.max_video_frames, enable_mm_embeds=args.enable_mm_embeds, seed=args.seed,
         load_vision=args.load_vision, facts=facts, load_language=args.load_language,

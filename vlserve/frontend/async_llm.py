@@ -147,7 +147,7 @@ class AsyncLLM:
         `media_bounds`: `ServerArgs.media_bounds()` (default: every option's default). `media_threads`: the media
         pool's size (default: from the CPU budget, see core/cpu_budget.py)."""
         # Config files only (the weights load in the engine process), resolved here once: the engine gets them.
-        self.facts = resolve_model_facts(args)
+        self.facts = resolve_model_facts(args, media=media_bounds)
         self.cfg = FrontendConfig.of(self.facts, args)
         self.args = args
         self.model_name = model_name

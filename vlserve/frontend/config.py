@@ -28,7 +28,7 @@ class FrontendConfig:
 
     @classmethod
     def of(cls, facts: ModelFacts, args: EngineArgs) -> FrontendConfig:
-        return cls(facts, args.max_num_seqs, args.encoder_cache_size, args.max_num_encoder_input_tokens,
+        return cls(facts, args.max_num_seqs, facts.encoder_cache_size, facts.max_num_encoder_input_tokens,
                    args.max_video_frames, args.mm_limits(), args.enable_mm_embeds, args.load_vision)
 
     @property

@@ -18,6 +18,7 @@ import torch
 from vlserve.core.config import EngineArgs
 from vlserve.core.errors import ConfigurationError
 from vlserve.model.checkpoint_path import resolve_model_path
+from vlserve.model.encoder_budgets import DEFAULT_ENCODER_BUDGET, encoder_budgets, media_bounds_of
 from vlserve.model.gemm_rates import cached_rates
 from vlserve.model.hardware import DTYPES, pick_device, resolve_dtype
 from vlserve.model.hf_config import ModelConfig, load_model_config
@@ -31,6 +32,9 @@ class ModelFacts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     dtype: Literal["float32", "bfloat16", "float16"]  # what the engine computes in
     device: str  # "cpu", "cuda", "cuda:1": where the engine runs (rank 0 under tensor parallelism)
     max_model_len: int  # longest prompt + output in tokens
+    # the encoder's budgets (vlserve.model.encoder_budgets): cache rows, and tokens per step (the largest item)
+    encoder_cache_size: int = DEFAULT_ENCODER_BUDGET
+    max_num_encoder_input_tokens: int = DEFAULT_ENCODER_BUDGET
 
     @property
     def path(self) -> Path:
@@ -45,10 +49,12 @@ class ModelFacts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return torch.device(self.device)
 
 
-def resolve_model_facts(args: EngineArgs, announce: bool = True, runs_model: bool = True) -> ModelFacts:
+def resolve_model_facts(args: EngineArgs, announce: bool = True, runs_model: bool = True,
+                        media: dict | None = None) -> ModelFacts:
     """From the options and config.json. `announce`: log the dtype decision (the process that resolves them
     does; the processes they are shipped to do not resolve them again). `runs_model`: False for a process that
-    only reads the config (a router): dtype auto then follows the CPU's flags, with no GEMM measured."""
+    only reads the config (a router): dtype auto then follows the CPU's flags, with no GEMM measured. `media`:
+    the server's media bounds (`ServerArgs.media_bounds()`; None: their defaults), which size the encoder's."""
     args.check()
     path = resolve_model_path(args.model)
     model = load_model_config(path)
@@ -57,7 +63,8 @@ def resolve_model_facts(args: EngineArgs, announce: bool = True, runs_model: boo
                           measure=cached_rates if runs_model else None)
     max_model_len = args.max_model_len or min(model.text.max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP)
     name = next(k for k, v in DTYPES.items() if v == dtype)
-    return ModelFacts(str(path), model, name, str(device), max_model_len)
+    cache, step = encoder_budgets(args, model, path, media_bounds_of(args, media))
+    return ModelFacts(str(path), model, name, str(device), max_model_len, cache, step)
 
 
 def encode_facts(facts: ModelFacts) -> bytes:

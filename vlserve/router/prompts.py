@@ -41,7 +41,8 @@ class PromptHasher:
     def __init__(self, opts: Options):
         server = opts.server
         self.block_size = opts.engine.block_size
-        facts = resolve_model_facts(opts.engine, runs_model=False)  # config files only
+        # config files only
+        facts = resolve_model_facts(opts.engine, runs_model=False, media=server.media_bounds())
         self.cfg = FrontendConfig.of(facts, opts.engine)
         self.processor = InputProcessor.for_model(self.cfg, **server.media_bounds())
         if server.chat_template is not None:

@@ -43,6 +43,16 @@ class TinyArch:
 
 
 @dataclass(frozen=True)
+class MediaBounds:
+    """The server's bounds on one media item (its options of the same names): what the largest item the encoder
+    may be asked to take follows from."""
+
+    max_image_pixels: int
+    max_video_frames: int
+    max_audio_seconds: float
+
+
+@dataclass(frozen=True)
 class ModelFamily:
     name: str  # "qwen", "llava": also ModelConfig.family
     architectures: tuple[str, ...]  # config.json `architectures` entries it serves
@@ -57,6 +67,9 @@ class ModelFamily:
     # input (pixel values, audio features) does not make its token count (the engine checks every prompt)
     check_item: str
     processor: str  # "module:Class": its MultiModalProcessor
+    # "module:function": (ModelConfig, checkpoint folder, MediaBounds) -> the most embedding tokens one media item
+    # takes as a request without mm_processor_kwargs is processed (the encoder budgets are sized to take it)
+    largest_item: str
     aliases: dict[str, str] = field(default_factory=dict)  # architecture names read as another of its own
     tiny_arches: dict[str, TinyArch] = field(default_factory=dict)  # `make-tiny-model --arch` names it adds
 

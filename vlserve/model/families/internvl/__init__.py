@@ -13,6 +13,7 @@ INTERNVL = ModelFamily(
     model="vlserve.model.families.internvl.model:build",
     weight_names="vlserve.model.families.internvl.weights:our_name",
     check_item="vlserve.model.families.internvl.checks:check_item",
+    largest_item="vlserve.model.families.internvl.item_bounds:largest_item_tokens",
     processor="vlserve.model.families.internvl.processor:InternVLProcessor",
     tiny_arches={"internvl3": TinyArch("InternVL3", "InternVLConfig", ARCHITECTURE,
                                        "vlserve.model.families.internvl.tiny")},

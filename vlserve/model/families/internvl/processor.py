@@ -220,8 +220,12 @@ class InternVLProcessor(MultiModalProcessor):
             src = list(src)
         frames = load_video(src, VideoOptions(max_frames=max_frames, min_frames=1), self.image_bounds).frames
         n, side = len(frames), self.video.tile
-        self.ctx.check_item_tokens(n * self.rows_per_tile, f"video of {n} frames", hint="send fewer frames "
-                                   "(max_frames)")
+        # each frame is its own item (one tile): the clip as a whole is bounded by the context
+        if n * self.rows_per_tile > self.ctx.max_model_len:
+            raise InvalidInputError(f"the video of {n} frames would take {n * self.rows_per_tile} embedding tokens, "
+                                    f"more than the context holds (max_model_len={self.ctx.max_model_len}); send "
+                                    f"fewer frames (max_frames)")
+        self.ctx.check_item_tokens(self.rows_per_tile, "video frame")
         if side * side > self.ctx.max_image_pixels:
             raise MediaTooLargeError(f"the video's frames would be resized to {side}x{side} = {side * side} pixels, "
                                      f"more than the {self.ctx.max_image_pixels} allowed (--max-image-pixels)")

@@ -14,6 +14,7 @@ LLAVA = ModelFamily(
     model="vlserve.model.families.llava.model:build",
     weight_names="vlserve.model.families.llava.weights:our_name",
     check_item="vlserve.model.families.llava.checks:check_item",
+    largest_item="vlserve.model.families.llava.item_bounds:largest_item_tokens",
     processor="vlserve.model.families.llava.processor:LlavaProcessor",
     tiny_arches={"llava_onevision": TinyArch("LLaVA-OneVision", "LlavaOnevisionConfig", LLAVA_ONEVISION, TINY),
                  "llava_next_video": TinyArch("LLaVA-NeXT-Video", "LlavaNextVideoConfig", LLAVA_NEXT_VIDEO, TINY)},

@@ -15,6 +15,7 @@ QWEN = ModelFamily(
     model="vlserve.model.families.qwen.model:build",
     weight_names="vlserve.model.families.qwen.weights:our_name",
     check_item="vlserve.model.families.qwen.checks:check_item",
+    largest_item="vlserve.model.families.qwen.item_bounds:largest_item_tokens",
     processor="vlserve.model.families.qwen.processor:QwenProcessor",
     aliases=config.ARCHITECTURE_ALIASES,
     tiny_arches={
