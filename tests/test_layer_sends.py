@@ -1,7 +1,7 @@
-"""A prefill engine sends the first run of a prompt's KV as it computes the prompt (engine.kv_connector.layer_sends):
-each layer's keys and values go into the decode engine's blocks right after that layer ran, over a transport that
-writes some planes of some rows (shm here), and what no layer write covered (a prefix from the prefix cache) plus
-a hybrid model's state rows follow at the finish; over one that cannot (zmq) the whole run goes at the finish, still
+"""A prefill engine sends a prompt's KV as it computes the prompt (engine.kv_connector.layer_sends): each layer's
+keys and values go into the decode engine's blocks right after that layer ran, over a transport that writes some
+planes of some rows (shm here), and what no layer write covered (a prefix from the prefix cache) plus a hybrid
+model's state rows follow at the finish; over one that cannot (zmq) the whole prompt goes at the finish, still
 without the front end asking. Either way the decode engine then goes on token for token as one engine would. A send
 whose request is aborted mid-prompt, or whose deadline passed, is answered with why once nothing of it is written
 any more; an engine with no writer refuses a send."""
@@ -15,30 +15,34 @@ import pytest
 import torch
 
 from tests.conftest import assert_pool_full, noise_image
-from tests.test_kv_row_writes import BLOCK_ROWS, PICTURE, WritingPrefill, decode  # noqa: F401 - a fixture
+from tests.test_kv_row_writes import (BLOCK_ROWS, NEVER, PICTURE, WritingPrefill, decode,  # noqa: F401 - a fixture
+                                      prefill_with_send)
 from tests.test_pd_handoff import Prefill, _whole
 from vlserve import LLM, SamplingParams
 from vlserve.core.errors import InvalidInputError
 from vlserve.core.messages import Handoff
 from vlserve.core.prompt import MultiModalItem, ProcessedPrompt
-from vlserve.core.wire import KVSend, KVWritten, ReleaseKV, WriteKV
+from vlserve.core.wire import KVSend, KVWritten, ReleaseKV
 from vlserve.disagg.transports.row_writer import decode_target, encode_destination, kv_receiver_maker, row_writer_maker
 from vlserve.engine.state_rows import state_row_count
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-NEVER = float("inf")
 STEP_TOKENS = 8
 
 
 class SpyWriter:
-    """The engine's row writer, noting each write's (first row, first plane, planes) as it goes through."""
+    """The engine's row writer, noting each write's (first row, first plane, planes) as it goes through, and the
+    whole rows it writes."""
 
     def __init__(self, inner):
         self.inner, self.keep_s, self.writes_layers = inner, inner.keep_s, inner.writes_layers
         self.calls: list[tuple[int, int, int]] = []
+        self.rows: list[torch.Tensor] = []
 
     def write(self, destination, rows, first_row=0, first_plane=0):
         self.calls.append((first_row, first_plane, rows.shape[1] if rows.dim() == 3 else 0))
+        if rows.dim() == 2:
+            self.rows.append(rows.clone())
         return self.inner.write(destination, rows, first_row, first_plane)
 
     def planes_of(self, destination):
@@ -74,16 +78,6 @@ def poisoned(decode, blocks: list[int], rows: int) -> list[int]:
     return blocks
 
 
-def _prefill_with_send(prefill, rid, processed, params, send: KVSend):
-    prefill.core.add_request(rid, processed, params.for_prefill(), kv_send=send)
-    outs, exported = [], []
-    while prefill.core.has_unfinished:
-        outs += prefill.core.step()
-        exported += prefill.connector.take_exported()
-    (kv,) = exported
-    return outs[-1], kv
-
-
 def _decode(decode, processed, blocks, rid, first, kv, params) -> list[int]:
     items = [MultiModalItem(it.offset, it.num_tokens, None, it.layout, it.mm_hash) for it in processed.mm_items]
     arrived = ProcessedPrompt(processed.prompt_token_ids, items, processed.positions, processed.position_delta,
@@ -97,34 +91,28 @@ def _decode(decode, processed, blocks, rid, first, kv, params) -> list[int]:
 
 
 @pytest.mark.parametrize("by_layer", [True, False], ids=["by-layer", "at-the-finish"])
-def test_the_first_run_goes_out_as_the_prompt_is_computed_and_decodes_as_one_engine(prefill, decode, whole, by_layer):
+def test_the_prompt_goes_out_as_it_is_computed_and_decodes_as_one_engine(prefill, decode, whole, by_layer):
     processed = prefill.input_processor.process(PICTURE)
     n = len(processed.prompt_token_ids)
     tail = state_row_count(prefill.core.cfg.model, prefill.core.cfg.dtype)
     layers = prefill.core.cfg.model.text.num_kv_layers
-    assert n > BLOCK_ROWS > STEP_TOKENS  # more than the first run, which takes several steps
+    assert n > BLOCK_ROWS > STEP_TOKENS  # more than one run of the receiver's (the prefill asked for the rest)
     blocks = poisoned(decode, decode.reserve("s", n + tail), n + tail)
-    split = BLOCK_ROWS // decode.kv_file.block_tokens
-    first_run, rest = blocks[:split], blocks[split:]
     prefill.connector.by_layer, prefill.spy.calls = by_layer, []
     try:
-        first, kv = _prefill_with_send(prefill, "s", processed, GREEDY, KVSend(
-            5, BLOCK_ROWS, encode_destination(decode.target, first_run, "shm"), NEVER))
+        first, kv = prefill_with_send(prefill, "s", processed, GREEDY, KVSend(
+            5, n, encode_destination(decode.target, blocks, "shm"), NEVER))
     finally:
         prefill.connector.by_layer = True
     row_bytes = decode.kv_file.layout.width * 4
-    assert prefill.written(1) == [KVWritten("s", 5, BLOCK_ROWS * row_bytes)]
-    if by_layer:  # each step's tokens of the first run, every layer's keys and values on their own, nothing after
-        steps = range(0, BLOCK_ROWS, STEP_TOKENS)
-        assert sorted(prefill.spy.calls) == sorted((s, 2 * k, 2) for s in steps for k in range(layers))
+    assert prefill.written(1) == [KVWritten("s", 5, (n + tail) * row_bytes)]
+    states = [(n, 0, 0)] if tail else []  # a hybrid model's state rows, after the last token's, at the finish
+    if by_layer:  # each step's tokens, every layer's keys and values on their own; nothing else but the states
+        steps = range(0, n, STEP_TOKENS)
+        assert sorted(prefill.spy.calls) == sorted([(s, 2 * k, 2) for s in steps for k in range(layers)] + states)
     else:
-        assert prefill.spy.calls == [(0, 0, 0)]  # the whole run, once, when the prompt is done
-    # the rest as before: the front end asks for it into the resume's run
-    assert prefill.connector.write(WriteKV("s", 6, BLOCK_ROWS, n,
-                                           encode_destination(decode.target, rest, "shm"))) is None
-    assert prefill.written(1) == [KVWritten("s", 6, (n + tail - BLOCK_ROWS) * row_bytes)]
-    prefill.core.abort_requests(["s"])  # the transfer is over
-    assert prefill.connector.num_kept == 0 and not prefill.connector.owns("s")
+        assert prefill.spy.calls == [(0, 0, 0)]  # the whole prompt (and its states), once, when it is done
+    assert prefill.connector.num_kept == 0 and not prefill.connector.owns("s")  # the send has ended: nothing kept
     assert _decode(decode, processed, blocks, "s", first, kv, GREEDY) == list(_whole(whole, PICTURE, GREEDY))
     assert decode.nothing_held()
     assert_pool_full(prefill)
@@ -140,7 +128,7 @@ def test_a_cached_prefix_and_the_state_rows_follow_at_the_finish(prefill, decode
     for rid in ("a", "b"):
         blocks = poisoned(decode, decode.reserve(rid, n + tail), n + tail)
         prefill.spy.calls = []
-        first, kv = _prefill_with_send(prefill, rid, processed, GREEDY, KVSend(
+        first, kv = prefill_with_send(prefill, rid, processed, GREEDY, KVSend(
             0, n, encode_destination(decode.target, blocks, "shm"), NEVER))
         (answer,) = prefill.written(1)
         assert answer.error is None and answer.nbytes == (n + tail) * decode.kv_file.layout.width * 4, answer
@@ -169,7 +157,7 @@ def test_over_zmq_the_whole_run_goes_at_the_finish(prefill, decode, whole):
     n, tail = len(processed.prompt_token_ids), state_row_count(prefill.core.cfg.model, prefill.core.cfg.dtype)
     try:
         blocks = poisoned(decode, decode.reserve("z", n + tail), n + tail)
-        first, kv = _prefill_with_send(prefill, "z", processed, GREEDY, KVSend(
+        first, kv = prefill_with_send(prefill, "z", processed, GREEDY, KVSend(
             1, n, encode_destination(target, blocks, "zmq"), NEVER))
         (answer,) = prefill.written(1)
         assert answer.error is None and answer.nbytes > 0, answer
@@ -251,14 +239,13 @@ def test_receive_blocks_take_the_whole_run_at_the_finish(prefill, decode):
     try:
         blocks = receive.allocate(n + tail)
         receive.write_rows(blocks, torch.arange(n + tail), torch.full((n + tail, receive.layout.width), float("nan")))
-        prefill.spy.calls = []
-        _prefill_with_send(prefill, "w", processed, GREEDY, KVSend(
+        prefill.spy.calls, prefill.spy.rows = [], []
+        prefill_with_send(prefill, "w", processed, GREEDY, KVSend(
             4, n, encode_destination(ShmTransport().target(receive), blocks, "shm"), NEVER))
         (answer,) = prefill.written(1)
         assert answer.error is None, answer
         assert prefill.spy.calls == [(0, 0, 0)]
-        kept = prefill.connector.kept["w"].rows_of(0, n)
-        assert torch.equal(receive.read_rows(blocks, 0, n + tail), kept)
+        assert torch.equal(receive.read_rows(blocks, 0, n + tail), prefill.spy.rows[0])
         prefill.core.abort_requests(["w"])
     finally:
         receive.unlink()
@@ -321,8 +308,8 @@ def test_a_request_the_engine_process_does_not_admit_answers_its_send(prefill):
     assert not prefill.core.has_unfinished and not prefill.connector.owns("held")
 
 
-def test_an_abort_is_acknowledged_once_the_first_runs_send_has_ended():
-    """While the engine may still write the first run (its send not answered yet) the receiver's abort waits;
+def test_an_abort_is_acknowledged_once_the_send_has_ended():
+    """While the engine may still write the prompt's rows (its send not answered yet) the receiver's abort waits;
     an engine that stopped answering leaves it unacknowledged (the receiver's quarantine frees the blocks)."""
     import asyncio
 
@@ -377,3 +364,38 @@ def test_the_writes_of_a_send_start_within_what_the_receiver_waits_out():
     assert PeerClient._quarantine_until(receiver, now - 60.0) == pytest.approx(now + 6.0, abs=0.5)
     receiver.kind = ENCODER_PEERS  # an encoder writes only when asked: its quarantine alone
     assert PeerClient._quarantine_until(receiver, now - 1.0) == pytest.approx(now + 6.0, abs=0.5)
+
+
+def test_a_prefill_asks_for_every_row_before_it_computes_so_one_chunk_fills_them(tiny_ckpt):
+    """The prompt's rows (Qwen3.5: its state rows after the last token's) in the first run and what the prefill
+    instance asks for beyond it, filled in order by one send and one chunk. Before, a prompt whose tokens fit the
+    first run but not its state rows went in two chunks with a gap at the end of the first run, where the decode
+    engine then read the state rows."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from vlserve.core.config import EngineArgs
+    from vlserve.disagg.peer_kinds import PREFILL_PEERS
+    from vlserve.disagg.prefill_service import PrefillService
+    from vlserve.disagg.row_map import RowMap
+    from vlserve.frontend.config import FrontendConfig
+    from vlserve.model.facts import resolve_model_facts
+
+    args = EngineArgs(model=str(tiny_ckpt("qwen3_5")), dtype="float32")
+    cfg = FrontendConfig.of(resolve_model_facts(args, announce=False), args)
+    tail, block = PREFILL_PEERS.tail_rows(cfg), 16
+    assert tail > 0
+    asked: list[int] = []
+
+    async def ask_rows(key, rows: int) -> list[int]:
+        asked.append(rows)
+        return [100 + i for i in range(-(-rows // block))]
+
+    service = SimpleNamespace(engine=SimpleNamespace(cfg=cfg), sender=SimpleNamespace(ask_rows=ask_rows))
+    for total, more in ((20, []), (2 * block - tail, []), (2 * block - tail + 1, [1]), (100, [100 + tail - 32])):
+        asked.clear()
+        req = SimpleNamespace(block_ids=[7, 8], block_tokens=block)
+        prompt = SimpleNamespace(num_tokens=total, mm_items=[])
+        blocks = asyncio.run(PrefillService._blocks(service, ("peer", "r", 0), req, prompt))
+        assert asked == more and blocks[:2] == [7, 8] and len(blocks) * block >= total + tail
+        assert RowMap([], True, tail).chunk_end(0, len(blocks) * block, total) == total  # one chunk for all

@@ -170,7 +170,7 @@ def test_e_p_d_matches_aggregated(pd, offline):
         chats = [picture_chat(10 + i % 3) for i in range(8)]
         assert list(pool.map(lambda m: ask(client, m), chats)) == [expected_text(offline, m) for m in chats]
     m = pd.metrics("main")
-    assert m['vlserve:kv_transfer_resumes_total{role="decode"}'] > 0, "long prompts were meant to resume"
+    assert m['vlserve:kv_transfer_resumes_total{role="decode"}'] > 0, "long prompts were meant to take more blocks"
     wait_nothing_held(pd)
     wait_encoder_idle(pd.encoders["A"].metrics_url)
 

@@ -1,7 +1,7 @@
 """A prefill instance that dies under a decode instance's transfers (issue #78): every request it held fails over
 at once (retried on another instance, or a 503), within the heartbeat window, never a 500 and never after the
-transfer timeout: a death while the request waits for receive blocks, a death before the first chunk, after one
-chunk of several, and a restart at the same address (a new process answers the pings, knowing nothing of the
+transfer timeout: a death while the request waits for receive blocks, a death before the first message, after
+asking for more blocks, and a restart at the same address (a new process answers the pings, knowing nothing of the
 transfers). The peers here are real ZeroMQ sockets that write their rows through the receiver's row socket."""
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from vlserve.disagg.messages import (
     Ping,
     Pong,
     ReceiverToSender,
-    ResumeRequest,
     RowSegment,
+    RowsGiven,
+    RowsWanted,
     TransferChunk,
     TransferRequest,
 )
@@ -35,7 +36,7 @@ from vlserve.disagg.transports.base import ChunkData
 from vlserve.disagg.transports.zmq import ZmqTransport
 from vlserve.engine.transfer_buffers import TransferBuffers
 
-BLOCK, WIDTH, TOKENS = 16, 24, 40  # a first run of 32 rows: the prompt's KV comes in two chunks (one resume)
+BLOCK, WIDTH, TOKENS = 16, 24, 40  # a first run of 32 rows: the prefill asks for more blocks, then one chunk
 MODEL = SimpleNamespace(max_model_len=1024, model=SimpleNamespace(modalities=("image",), is_hybrid=False))
 GUARD_S = 60.0  # far below the transfer timeout (an hour): a request waiting for it fails the test
 HEARTBEAT_S = 0.05
@@ -44,19 +45,20 @@ WITHIN_S = 10.0
 
 
 class FakePrefill:
-    """A prefill instance's data socket on loopback: answers pings (with its boot id) and each request with the
-    prompt's KV rows, a chunk per run of blocks, written through the receiver's row socket. `chunks`: how many it
-    sends before it dies (its socket closed, nothing more answered); `silent`: it takes requests and never answers
-    them (alive: its pings are answered)."""
+    """A prefill instance's data socket on loopback: answers pings (with its boot id) and each request by asking
+    for the blocks its prompt's KV needs beyond the first run, then with the rows in one chunk written through the
+    receiver's row socket. `messages`: how many it sends before it dies (its socket closed, nothing more
+    answered); `silent`: it takes requests and never answers them (alive: its pings are answered)."""
 
-    def __init__(self, port: int | None = None, boot: str = "b1", chunks: int | None = None, silent: bool = False):
+    def __init__(self, port: int | None = None, boot: str = "b1", messages: int | None = None,
+                 silent: bool = False):
         self.sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
         self.sock.linger = 0
         if port is None:
             port = self.sock.bind_to_random_port("tcp://127.0.0.1")
         else:
             _bind_again(self.sock, port)
-        self.port, self.boot, self.chunks, self.silent = port, boot, chunks, silent
+        self.port, self.boot, self.messages, self.silent = port, boot, messages, silent
         self.transport = ZmqTransport("127.0.0.1")
         self.requests: dict[tuple[str, int], TransferRequest] = {}
         self.sent = 0
@@ -73,24 +75,39 @@ class FakePrefill:
                         Pong(msg.nonce, 0, "arch", 8, 0, kv_width=WIDTH, boot=self.boot))])
                 elif isinstance(msg, TransferRequest):
                     self.requests[(msg.request_id, msg.transfer_id)] = msg
-                    if not self.silent and not await self._chunk(peer, msg, 0, msg.block_ids):
+                    if self.silent:
+                        continue
+                    more = TOKENS - len(msg.block_ids) * BLOCK
+                    sent = (await self._send(peer, RowsWanted(msg.request_id, msg.transfer_id, more)) if more > 0
+                            else await self._chunk(peer, msg, msg.block_ids))
+                    if not sent:
                         return
-                elif isinstance(msg, ResumeRequest):
+                elif isinstance(msg, RowsGiven):
                     req = self.requests[(msg.request_id, msg.transfer_id)]
-                    if not await self._chunk(peer, req, msg.start_token, msg.block_ids):
+                    if not await self._chunk(peer, req, req.block_ids + msg.block_ids):
                         return
         finally:
             self.die()
 
-    async def _chunk(self, peer: bytes, req: TransferRequest, start: int, run: list[int]) -> bool:
+    def _dies_now(self) -> bool:
+        return self.messages is not None and self.sent >= self.messages
+
+    async def _send(self, peer: bytes, msg) -> bool:
         """False once it is meant to die instead."""
-        if self.chunks is not None and self.sent >= self.chunks:
+        if self._dies_now():
             return False
-        n = min(len(run) * BLOCK, TOKENS - start)
-        header = TransferChunk(req.request_id, req.transfer_id, start, n, TOKENS, 0, [], run, [RowSegment(start, n)],
-                               start + n < TOKENS)
-        data = ChunkData(torch.arange(start, start + n) + 1000 * len(self.boot), torch.zeros(n, 3, dtype=torch.int64),
-                         torch.randn(n, WIDTH))
+        await self.sock.send_multipart([peer, *Framer(RowsWanted).encode(msg)])
+        self.sent += 1
+        return True
+
+    async def _chunk(self, peer: bytes, req: TransferRequest, blocks: list[int]) -> bool:
+        """The prompt's rows into `blocks` (its first run and what it asked for); False once it dies instead."""
+        if self._dies_now():
+            return False
+        header = TransferChunk(req.request_id, req.transfer_id, 0, TOKENS, TOKENS, 0, [], blocks,
+                               [RowSegment(0, TOKENS)], False)
+        data = ChunkData(torch.arange(TOKENS) + 1000 * len(self.boot), torch.zeros(TOKENS, 3, dtype=torch.int64),
+                         torch.randn(TOKENS, WIDTH))
         await self.transport.send(self.sock, peer, header, data, req.target)
         self.sent += 1
         return True
@@ -251,19 +268,19 @@ def test_a_prefill_restarted_at_its_address_fails_its_transfers_over():
     _run(scenario)
 
 
-@pytest.mark.parametrize("chunks", [0, 1], ids=["before the first chunk", "after one chunk of two"])
-def test_a_prefill_that_dies_mid_transfer_fails_over_within_the_heartbeat_window(chunks):
+@pytest.mark.parametrize("messages", [0, 1], ids=["before its first message", "after asking for more blocks"])
+def test_a_prefill_that_dies_mid_transfer_fails_over_within_the_heartbeat_window(messages):
     @_scenario(threshold=2)
     async def scenario(client):
-        a = FakePrefill(chunks=chunks)
+        a = FakePrefill(messages=messages)
         _connect(client, a, "A")
         ask = asyncio.create_task(client.send_prompt("r1", "p", {}, {}, {}))
         await _until(lambda: a.requests, "the request reached A")
-        since = time.monotonic()  # A dies now (before its first chunk) or after its first
+        since = time.monotonic()  # A dies now (before its first message) or once it has asked for more blocks
         b = FakePrefill(boot="bb")
         _connect(client, b, "B")
         await _answered_by(client, ask, b, since)
-        assert a.sent == chunks and "A" not in client.conns
+        assert a.sent == messages and "A" not in client.conns
         b.die()
 
     _run(scenario)
@@ -343,7 +360,7 @@ def test_a_peer_writes_nothing_into_a_run_once_its_chunk_header_came():
 
         client._rows_finite = checked_then_overwritten
         processed, _ = await asyncio.wait_for(client.send_prompt("r1", "p", {}, {}, {}), GUARD_S)
-        assert len(refused) == 2 and all("not reserved for its transfer" in e for e in refused), refused
+        assert len(refused) == 1 and all("not reserved for its transfer" in e for e in refused), refused
         assert client.buffers.rows_finite(processed.block_rows, torch.arange(TOKENS))
         client.take_release(processed)()
         a.die()

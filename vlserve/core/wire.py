@@ -43,9 +43,9 @@ class WireMMItem(msgspec.Struct, array_like=True):
 class KVSend(msgspec.Struct, array_like=True):
     """Prefill instance: the KV rows of the prompt's tokens [0, end) (and a hybrid model's state rows when `end`
     is its last token) go to `destination` from the engine process as the prompt is computed (opaque here: the
-    disaggregation layer's encoding of the receiver's first run of blocks), each write starting by `not_after`
-    (time.time()) or never. Answered like a `WriteKV`, by a `KVWritten` with `write_id`, once every write has
-    ended (engine.kv_connector.layer_sends)."""
+    disaggregation layer's encoding of the receiver's blocks for them), each write starting by `not_after`
+    (time.time()) or never. Answered by a `KVWritten` with `write_id` once every write has ended
+    (engine.kv_connector.layer_sends)."""
 
     write_id: int
     end: int
@@ -74,23 +74,6 @@ class FinishRequests(msgspec.Struct, tag="finish"):
 
     request_ids: list[str]
     reason: str = "abort"  # "abort" | "stop"
-
-
-class WriteKV(msgspec.Struct, tag="write_kv"):
-    """Prefill instance: rows [start, end) of a finished request's exported KV rows (one per prompt token; an
-    `end` at its last token takes the rows after it too: a hybrid model's states) go to `destination` through the
-    engine's row writer, unless it is past `not_after` by then. The destination is opaque here (the
-    disaggregation layer's encoding of where: the receiver's buffers and blocks); the answer is a `KVWritten`
-    with the same ids."""
-
-    request_id: str
-    write_id: int
-    start: int
-    end: int
-    destination: bytes
-    # time.time() after which the write must not start: the front end (same host) may have given up on it and
-    # let the receiver reuse its blocks once its quarantine is over (see disagg.transports.base)
-    not_after: float = float("inf")
 
 
 class ReserveKV(msgspec.Struct, tag="reserve_kv"):
@@ -123,7 +106,7 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-EngineInput = AddRequest | FinishRequests | WriteKV | ReserveKV | ReleaseKV | CancelReserveKV | Shutdown
+EngineInput = AddRequest | FinishRequests | ReserveKV | ReleaseKV | CancelReserveKV | Shutdown
 
 
 # ---- engine core -> front-end ---------------------------------------------------------------------------
@@ -159,14 +142,14 @@ class RequestRejected(msgspec.Struct, array_like=True):
 
 class HandedKV(msgspec.Struct, array_like=True):
     """A finished request exported by a prefill engine: its KV stays in the engine process, which writes it into
-    the receiver itself when the front end asks (`WriteKV`); this carries its random state."""
+    the receiver itself (`KVSend`); this carries its random state."""
 
     request_id: str
     generator_state: bytes | None = None
 
 
 class KVWritten(msgspec.Struct, array_like=True):
-    """The answer to a `WriteKV`: the bytes written, or why nothing was."""
+    """The answer to a `KVSend`: the bytes written, or why not all were."""
 
     request_id: str
     write_id: int
@@ -193,7 +176,7 @@ class EngineOutputs(msgspec.Struct, tag="outputs"):
     # now; each comes in `released` too once it has left (after this, or in the same message).
     inputs_released: list[str] = []
     handed: list[HandedKV] = []  # prefill instance: KV of requests that finished (its KV connector's exports)
-    written: list[KVWritten] = []  # prefill instance: the row writes that ended since the last message
+    written: list[KVWritten] = []  # prefill instance: the sends that ended since the last message
     reserved: list[KVReserved] = []  # decode instance: answers to `ReserveKV`
 
 

@@ -5,8 +5,12 @@ Two pairings speak this protocol: a language server (or prefill instance) receiv
 and a decode instance receiving KV rows from a prefill instance (the request then carries the sampling
 parameters, the chunks every prompt token's KV row, and the last chunk the prefill's first token: `handoff`).
 
-Receiver -> sender (DEALER -> ROUTER): TransferRequest, ResumeRequest, AbortTransfer, Ping.
-Sender -> receiver (the same connection back): TransferChunk (+ tensor frames), TransferFailed, Pong.
+Receiver -> sender (DEALER -> ROUTER): TransferRequest, ResumeRequest, RowsGiven, AbortTransfer, Ping.
+Sender -> receiver (the same connection back): TransferChunk (+ tensor frames), RowsWanted, TransferFailed, Pong.
+
+An encoder's rows follow a run at a time (a partial chunk, then the receiver resumes with the next run). A prefill
+instance asks for every run before it computes the prompt (`RowsWanted` -> `RowsGiven`), so that its engine
+writes all of them as it computes; its chunks' headers then follow one per run.
 """
 
 from __future__ import annotations
@@ -90,6 +94,15 @@ class ResumeRequest(msgspec.Struct, tag="resume"):
     block_ids: list[int]
 
 
+class RowsGiven(msgspec.Struct, tag="rows_given"):
+    """The answer to a `RowsWanted`: the run of blocks for the rows asked for, which the sender's next chunk
+    fills from its first slot."""
+
+    request_id: str
+    transfer_id: int
+    block_ids: list[int]
+
+
 class AbortTransfer(msgspec.Struct, tag="abort"):
     request_id: str
     transfer_id: int
@@ -99,7 +112,7 @@ class Ping(msgspec.Struct, tag="ping"):
     nonce: int
 
 
-ReceiverToSender = TransferRequest | ResumeRequest | AbortTransfer | Ping
+ReceiverToSender = TransferRequest | ResumeRequest | RowsGiven | AbortTransfer | Ping
 
 
 class ItemMeta(msgspec.Struct, array_like=True):
@@ -139,6 +152,15 @@ class TransferChunk(msgspec.Struct, tag="chunk"):
     handoff: Handoff | None = None  # from a prefill instance, on the last chunk: its first token, random state
 
 
+class RowsWanted(msgspec.Struct, tag="rows_wanted"):
+    """From a prefill instance that knows its prompt's length: its rows need `num_rows` more than the first run
+    holds (the rest of its tokens' KV rows, then a hybrid model's state rows). Answered by a `RowsGiven`."""
+
+    request_id: str
+    transfer_id: int
+    num_rows: int
+
+
 class TransferFailed(msgspec.Struct, tag="failed"):
     request_id: str
     transfer_id: int
@@ -160,4 +182,4 @@ class Pong(msgspec.Struct, tag="pong"):
     boot: str = ""  # random per process: a receiver tells a peer restarted at the same address by it
 
 
-SenderToReceiver = TransferChunk | TransferFailed | Pong
+SenderToReceiver = TransferChunk | RowsWanted | TransferFailed | Pong

@@ -52,8 +52,9 @@ class TransferMetrics:
             self._transfers.labels(role, state.value)
         self._bytes = Counter(PREFIX + f"{kind}_transfer_bytes", f"{kind.capitalize()} transfer payload bytes.",
                               ["role"], registry=registry).labels(role)
-        self._resumes = Counter(PREFIX + f"{kind}_transfer_resumes", "Transfers resumed into fresh blocks.",
-                                ["role"], registry=registry).labels(role)
+        self._resumes = Counter(PREFIX + f"{kind}_transfer_resumes", "Transfers that took more blocks than their "
+                                "first run (an encoder's resumed; a prefill instance's asked for once it knew its "
+                                "prompt's length).", ["role"], registry=registry).labels(role)
         self.transfer_latency = Histogram(PREFIX + f"{kind}_transfer_latency_seconds",
                                           "From sending a request to its last chunk.", ["role"],
                                           registry=registry, buckets=LATENCY_BUCKETS).labels(role)

@@ -36,6 +36,8 @@ from vlserve.disagg.messages import (
     AbortTransfer,
     TransferRequest,
     ResumeRequest,
+    RowsGiven,
+    RowsWanted,
     TransferChunk,
     TransferFailed,
     TransferState,
@@ -224,8 +226,20 @@ class PeerClient(PeerLinks):
             enter(TransferState.WAITING_FOR_INPUT)
             received = ReceivedChunks(self.kind.rows_for_every_token, self.buffers.block_tokens,
                                       self.cfg.max_model_len, tail)
+            extended = False  # the first run grew by what the peer asked for (once, before any chunk)
             while True:
                 header, frames = await self._next_chunk(queue, enter)
+                if isinstance(header, RowsWanted):  # a prefill instance that knows its prompt's length
+                    if received.tokens or len(run) != len(blocks) or extended:
+                        raise PeerFailure(f"the {self.kind.name} asked for more blocks twice, or after its rows")
+                    extended = True
+                    more = await self._more_rows(holder, header, peer, tail)
+                    self.metrics.resume()
+                    blocks += more
+                    run = run + more  # its one chunk fills the first run and these, in order
+                    await self._send(peer, RowsGiven(request_id, tid, more))
+                    named = len(blocks)
+                    continue
                 # Its rows are in (the peer says): the run takes no more writes before they are checked and read.
                 self.pool.seal(run)
                 enter(TransferState.TRANSFERRING)
@@ -244,6 +258,8 @@ class PeerClient(PeerLinks):
                 received.add(header, tokens)
                 if not header.partial:
                     break
+                if self.kind.rows_for_every_token:
+                    raise PeerFailure("the prefill instance sent its KV in parts without asking for the blocks first")
                 self.metrics.resume()
                 run = await self._allocate(holder, received.rows_left, peer)
                 blocks += run
@@ -284,6 +300,15 @@ class PeerClient(PeerLinks):
                 self._free(holder, blocks)
             peer.in_flight -= 1
             peer.transfers.pop((request_id, tid), None)
+
+    async def _more_rows(self, holder: str, msg: RowsWanted, peer: PeerConn, tail: int) -> list[int]:
+        """Blocks for the `num_rows` more rows a prefill instance asks for, once it knows its prompt's length."""
+        if not self.kind.rows_for_every_token:
+            raise PeerFailure(f"the {self.kind.name} asked for more blocks")
+        if not 0 < msg.num_rows <= self.cfg.max_model_len + tail:
+            raise PeerFailure(f"the {self.kind.name} asked for {msg.num_rows} more rows (a prompt holds "
+                              f"{self.cfg.max_model_len} tokens at most)")
+        return await self._allocate(holder, msg.num_rows, peer)
 
     def _quarantine_until(self, asked_at: float) -> float:
         """When a failed transfer's blocks go back without the peer's word. A prefill engine writes the first
@@ -328,7 +353,7 @@ class PeerClient(PeerLinks):
             return self.buffers.rows_finite(run, rows)
         return await in_thread(self.buffers.rows_finite, run, rows)
 
-    async def _next_chunk(self, queue: asyncio.Queue, enter) -> tuple[TransferChunk, list]:
+    async def _next_chunk(self, queue: asyncio.Queue, enter) -> tuple[TransferChunk | RowsWanted, list]:
         try:
             got = await asyncio.wait_for(queue.get(), self.opts.transfer_timeout)
         except asyncio.TimeoutError:

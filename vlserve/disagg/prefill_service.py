@@ -4,9 +4,11 @@ A decode instance sends it a rendered prompt (with media URLs), the request's sa
 its receive blocks. The prefill instance has the prompt's media encoded by encoder services (embedding rows in
 its own receive blocks, exactly like a language server), runs the prompt through its engine, samples the first
 token as the whole request would, and writes every prompt token's KV row (engine.kv_handoff) into the decode
-instance's blocks over the transport (a hybrid model's linear states follow as rows, engine.state_rows); the last
-chunk carries the first token and the random state. It speaks the
-peers' protocol (disagg.messages) as the sender, with the same resume, abort and expiry (disagg.sender).
+instance's blocks over the transport (a hybrid model's linear states follow as rows, engine.state_rows): once the
+prompt's length is known it asks the decode instance for the blocks beyond its first run (`RowsWanted`), so that
+its engine writes every run as it computes the prompt, each layer as soon as it ran (engine.kv_connector); the
+chunks' headers follow, the last with the first token and the random state. It speaks the peers' protocol
+(disagg.messages) as the sender, with the same abort and expiry (disagg.sender).
 
 A request may name the LoRA adapter the decode instance accepted it with (`--enable-lora` on both), by name and
 content key, never by path: the prompt is computed with the adapter of that name this instance serves
@@ -45,8 +47,7 @@ from vlserve.disagg.sender import OutgoingTransfer, SenderService
 from vlserve.disagg.transports.base import HeadersOnly
 from vlserve.core.wire import KVSend
 from vlserve.disagg.row_map import RowMap
-from vlserve.disagg.transports.row_writer import (encode_destination, row_writer_maker, send_deadline,
-                                                  write_deadline)
+from vlserve.disagg.transports.row_writer import encode_destination, row_writer_maker, send_deadline
 from vlserve.disagg.registry import advertised_host
 from vlserve.frontend.async_llm import AsyncLLM
 from vlserve.frontend.kv_writes import KVWriteUnsettled
@@ -70,7 +71,7 @@ class PrefillService(SenderService):
         engine.metrics.registry.register(ScrapeTimeGauges(lambda: [
             ("prefill_requests_in_flight", self.in_flight, "Prefills being computed for decode instances."),
             ("prefill_transfers_held", len(self.sender.transfers) if self.sender else 0,
-             "KV transfers being sent or waiting for a decode instance to resume them."),
+             "KV transfers whose chunk is being sent to a decode instance."),
             ("prefill_kv_rows_kept", engine.metrics.stats.kv_rows_kept,
              "Prefills whose KV rows the engine keeps to write into decode instances itself.")]))
         self.working: dict[tuple, asyncio.Task] = {}  # transfers being prefilled: an abort cancels them
@@ -97,17 +98,29 @@ class PrefillService(SenderService):
         if task is not None and key not in self.sender.transfers:
             task.cancel()  # still prefilling: the engine drops the request (a send under way is let finish)
 
-    def _first_send(self, key, engine_id: str, req: TransferRequest, prompt,
-                    arrived: float) -> tuple[KVSend, asyncio.Future]:
-        """Where the engine writes the prompt's first rows as it computes them (the receiver's first run), and
-        the future of that send's end. An abort is acknowledged only once the engine says no write of it runs
-        (`TransferSender.settling`); an engine that stopped answering leaves it unacknowledged (the receiver's
-        quarantine frees those blocks). Every check comes first: a request refused here leaves nothing behind."""
+    async def _blocks(self, key, req: TransferRequest, prompt) -> list[int]:
+        """The receiver's blocks for every row of the prompt: its first run came with the request; what more the
+        prompt needs the receiver appends when asked (`RowsWanted`), so the rows fill them in one chunk."""
         total, tail = prompt.num_tokens, PREFILL_PEERS.tail_rows(self.engine.cfg)
-        end = RowMap(prompt.mm_items, True, tail).chunk_end(0, len(req.block_ids) * req.block_tokens, total)
-        if end <= 0:
+        rows = RowMap(prompt.mm_items, True, tail).rows_through(total, total)
+        blocks = list(req.block_ids)
+        if not blocks:
             raise ServiceUnavailableError(f"the decode instance offered no room for the first of {total} tokens")
-        destination = encode_destination(req.target, req.block_ids, self.transport.name)
+        have = len(blocks) * req.block_tokens
+        if rows > have:
+            blocks += await self.sender.ask_rows(key, rows - have)
+            if len(blocks) * req.block_tokens < rows:
+                raise ServiceUnavailableError(f"the decode instance gave {len(blocks)} blocks of "
+                                              f"{req.block_tokens} rows for a prompt of {rows} rows")
+        return blocks
+
+    def _send_of(self, key, engine_id: str, req: TransferRequest, prompt, blocks: list[int],
+                 arrived: float) -> tuple[KVSend, asyncio.Future]:
+        """Where the engine writes the prompt's rows as it computes them, and the future of that send's end. An
+        abort is acknowledged only once the engine says no write of it runs (`TransferSender.settling`); an engine
+        that stopped answering leaves it unacknowledged (the receiver's quarantine frees those blocks). Every check
+        comes first: a request refused here leaves nothing behind."""
+        destination = encode_destination(req.target, blocks, self.transport.name)
         not_after = send_deadline(arrived, req.write_within_s, self.timeout)
         write_id, sent = self.engine.kv_writes.expect(engine_id)
         settled = self.sender.settling[key] = asyncio.get_running_loop().create_future()
@@ -120,7 +133,7 @@ class PrefillService(SenderService):
             settled.set_result(None)
 
         sent.add_done_callback(on_sent)
-        return KVSend(write_id, end, destination, not_after), sent
+        return KVSend(write_id, prompt.num_tokens, destination, not_after), sent
 
     async def _prefill(self, key, req: TransferRequest, arrived: float) -> None:
         self.metrics.state(TransferState.WAITING_FOR_INPUT)
@@ -133,37 +146,25 @@ class PrefillService(SenderService):
             with await self.engine.prepare(prompt, req.mm_processor_kwargs, request_id=engine_id,
                                            adapter=adapter) as prepared:
                 computed = with_adapter(prepared.prompt, adapter)  # the item hashes the decode side keys by
-                kv_send, sent = self._first_send(key, engine_id, req, computed, arrived)
+                blocks = await self._blocks(key, req, computed)
+                kv_send, sent = self._send_of(key, engine_id, req, computed, blocks, arrived)
                 handoff = await self.engine.prefill(prepared, req.params, engine_id, adapter,  # takes it over
                                                     kv_send=kv_send)
             transfer = OutgoingTransfer(key, computed, req.block_tokens, every_token=True,
                                         tail_rows=PREFILL_PEERS.tail_rows(self.engine.cfg), target=req.target,
                                         handoff=handoff)
-            # Kept by the engine, which writes each chunk itself: dropped when the transfer ends. The first chunk
-            # is being written already (`kv_send`): it is sent once that write has ended.
+            # The engine writes every row as it computes the prompt (`kv_send`); the chunk's header goes once that
+            # send has ended. What it keeps of the request goes when the transfer ends.
             transfer.on_end = functools.partial(self.engine.kv_writes.release, engine_id)
-            transfer.write_rows = functools.partial(self._write_rows, key, engine_id, req.target, kv_send, sent)
+            transfer.write_rows = lambda start, end, block_ids: asyncio.shield(sent)
             if self.sender.hold(transfer):
-                await self.sender.send_chunk(transfer, 0, req.block_ids)
-            elif transfer.on_end is not None:
+                await self.sender.send_chunk(transfer, 0, blocks)
+            else:
                 transfer.on_end()  # aborted while it was prefilled
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - every failure must reach the receiver, which frees its blocks
             await self.request_failed(key, e)
-
-    async def _write_rows(self, key, engine_id: str, target, first: KVSend, sent: asyncio.Future, start: int,
-                          end: int, block_ids: list[int]) -> int:
-        if start == 0:  # the first chunk: written by the engine as it computed the prompt
-            if end != first.end:
-                raise RuntimeError(f"the first chunk ends at token {end}, its send at {first.end}")
-            return await asyncio.shield(sent)
-        destination = encode_destination(target, block_ids, self.transport.name)
-        try:
-            return await self.engine.kv_writes.write(engine_id, start, end, destination, write_deadline())
-        except KVWriteUnsettled:
-            self.sender.unsettle(key)  # the receiver must not hear its blocks are free
-            raise
 
     def _adapter(self, named: PeerAdapter) -> AdapterRef:
         """The adapter of this instance's own catalogue (--lora-modules) the request names, or a 503 (its limit,

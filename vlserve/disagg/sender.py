@@ -1,11 +1,13 @@
 """The sending side of a transfer into a receiver's blocks, shared by encode services (embedding rows) and
 prefill instances (KV rows): chunk by chunk into the run of blocks the receiver offered, a resume when it
-offers more, an abort that waits for any write in flight, and expiry of transfers nobody resumes.
+offers more (an encoder's), more blocks asked for before any row is written (a prefill instance's), an abort
+that waits for any write in flight, and expiry of transfers nobody resumes.
 
 What a transfer sends is the prompt's fill ids and positions for every token, and rows for some tokens: media
 tokens' embeddings (`rows_of`, written by this process's transport), or every token's KV (`write_rows`: written
-by the prefill instance's engine process). Each chunk goes as far as the receiver's run holds its rows
-(disagg.row_map): text tokens take no room in the receiver's blocks.
+by the prefill instance's engine process, into runs it asked for before computing the prompt: `ask_rows`). Each
+chunk goes as far as the receiver's run holds its rows (disagg.row_map): text tokens take no room in the
+receiver's blocks.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from vlserve.disagg.messages import (
     ReceiverToSender,
     ResumeRequest,
     RowSegment,
+    RowsGiven,
+    RowsWanted,
     TransferChunk,
     TransferFailed,
     TransferRequest,
@@ -99,9 +103,10 @@ class TransferSender:
         # A write into the receiver's blocks may still land (its writer stopped answering): an abort is not
         # acknowledged, the receiver's quarantine frees the blocks. Until when.
         self.unsettled: dict[Key, float] = {}
-        # Transfers whose rows are being written before they are held (a prefill engine writes the first run as
-        # it computes the prompt): done once none is; an abort is acknowledged only then.
+        # Transfers whose rows are being written before they are held (a prefill engine writes them as it
+        # computes the prompt): done once none is; an abort is acknowledged only then.
         self.settling: dict[Key, asyncio.Future] = {}
+        self.rows_given: dict[Key, asyncio.Future] = {}  # runs asked of receivers (`ask_rows`), not given yet
 
     async def reply(self, peer: bytes, msg) -> None:
         await self.sock.send_multipart([peer, *self.replies.encode(msg)])
@@ -158,6 +163,27 @@ class TransferSender:
         else:
             self.metrics.state(TransferState.SUCCESS)
             self.end(transfer.key)
+
+    async def ask_rows(self, key: Key, num_rows: int) -> list[int]:
+        """A run of the receiver's blocks for `num_rows` more rows (RowsWanted -> RowsGiven), within the timeout."""
+        given = self.rows_given[key] = asyncio.get_running_loop().create_future()
+        self.metrics.resume()
+        try:
+            await self.reply(key[0], RowsWanted(key[1], key[2], num_rows))
+            async with asyncio.timeout(self.timeout):
+                return await given
+        except TimeoutError:
+            raise VlserveError(f"the receiver gave no blocks for {num_rows} more rows within {self.timeout:g}s") \
+                from None
+        finally:
+            self.rows_given.pop(key, None)
+
+    def given(self, peer: bytes, msg: RowsGiven) -> None:
+        """A receiver's run for `ask_rows` (one nobody waits for any more is dropped: its transfer failed or was
+        aborted, and the receiver frees the run with it)."""
+        future = self.rows_given.get((peer, msg.request_id, msg.transfer_id))
+        if future is not None and not future.done():
+            future.set_result(list(msg.block_ids))
 
     async def resume(self, peer: bytes, msg: ResumeRequest) -> None:
         key = (peer, msg.request_id, msg.transfer_id)
@@ -280,6 +306,8 @@ class SenderService:
             self.on_request(peer, msg)
         elif isinstance(msg, ResumeRequest):
             self.spawn(self.sender.resume(peer, msg))
+        elif isinstance(msg, RowsGiven):
+            self.sender.given(peer, msg)
         elif isinstance(msg, AbortTransfer):
             self.on_abort((peer, msg.request_id, msg.transfer_id))
             self.spawn(self.sender.abort(peer, msg))

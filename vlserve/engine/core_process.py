@@ -43,7 +43,6 @@ from vlserve.core.wire import (
     RequestRejected,
     ReserveKV,
     Shutdown,
-    WriteKV,
     prompt_from_wire,
     request_id_of,
 )
@@ -86,7 +85,7 @@ class EngineCoreLoop:
         self.connector = core.connector  # its own messages (a prefill engine's row writes) pass it by
         self.held_reported = (0, 0)  # (requests whose KV rows are kept, KV blocks reserved), as last reported
         self.loading_reported = 0  # requests waiting for their LoRA adapter, as last reported (they count as waiting)
-        self.refused_writes: list[KVWritten] = []  # row writes answered as they came (they could not start)
+        self.refused_writes: list[KVWritten] = []  # sends of requests not admitted (nothing was written)
         self.reserved: list[KVReserved] = []  # answers to the front end's KV block reservations
         # requests whose LoRA adapter is not in host memory wait for its read here, off this loop
         self.loader = AdapterLoader(core.lora) if core.lora is not None else None
@@ -163,12 +162,6 @@ class EngineCoreLoop:
                 self.core.stop_requests(msg.request_ids)
             else:
                 self.core.abort_requests(msg.request_ids)
-        elif isinstance(msg, WriteKV):
-            if self.connector is None:
-                self.refused_writes.append(KVWritten(msg.request_id, msg.write_id,
-                                                     error="this engine has no KV connector"))
-            elif (refused := self.connector.write(msg)) is not None:
-                self.refused_writes.append(refused)
         elif isinstance(msg, (ReserveKV, ReleaseKV, CancelReserveKV)):
             self._reserve_or_release(msg)
         elif isinstance(msg, Shutdown):

@@ -1,7 +1,7 @@
-"""A prefill instance's KV row writes, seen from its front end: the engine process keeps a finished prefill's KV
-rows and writes them into a decode instance's blocks itself (kv_connector.PrefillConnector with a row writer);
-the front end, which runs the transfer's protocol, asks for each chunk and awaits its end here. No KV byte passes
-through this process."""
+"""A prefill instance's KV sends, seen from its front end: the engine process keeps a prompt's KV rows and writes
+them into a decode instance's blocks itself, as it computes the prompt (kv_connector.PrefillConnector with a row
+writer, told where by the request's `KVSend`); the front end, which runs the transfer's protocol, awaits each
+send's end here. No KV byte passes through this process."""
 
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ import itertools
 from collections.abc import Callable
 
 from vlserve.core.errors import EngineDeadError, VlserveError
-from vlserve.core.wire import FinishRequests, KVWritten, WriteKV
+from vlserve.core.wire import FinishRequests, KVWritten
 
 
 class KVWriteFailed(VlserveError):
-    """The engine could not write a chunk's rows (the receiver gone, a bad address, ...): that transfer fails."""
+    """The engine could not write a send's rows (the receiver gone, a bad address, ...): that transfer fails."""
 
 
 class KVWriteUnsettled(VlserveError):
-    """The engine stopped answering while a write was asked of it: the write may still start (until its
+    """The engine stopped answering while a send was under way: a write may still start (until its
     `not_after`) and land, so that transfer fails without telling the receiver its blocks are free (its
     quarantine frees them)."""
 
@@ -30,23 +30,11 @@ class KVWrites:
         self._ids = itertools.count()
         self._waiting: dict[tuple[str, int], asyncio.Future] = {}
 
-    async def write(self, request_id: str, start: int, end: int, destination: bytes, not_after: float) -> int:
-        """Rows of tokens [start, end) of the engine's kept request `request_id` (its states too when `end` is its
-        last token) written to `destination`, if the engine starts before `not_after` (time.time()); returns the
-        bytes written. Cancelling waits for nothing: the engine may still write (see the sender's abort)."""
-        if not self._alive():
-            raise EngineDeadError("the engine is gone: nothing can be written")
-        write_id = next(self._ids)
-        future = self._waiting[(request_id, write_id)] = asyncio.get_running_loop().create_future()
-        try:
-            self._send(WriteKV(request_id, write_id, start, end, destination, not_after))
-            return await future
-        finally:
-            self._waiting.pop((request_id, write_id), None)
-
     def expect(self, request_id: str) -> tuple[int, asyncio.Future]:
-        """A write the engine starts by itself (a `KVSend` sent with the request, carrying this id): its future
-        gives the bytes written, or fails like `write`'s; it settles once the engine answers (or dies)."""
+        """A send the engine makes by itself (a `KVSend` sent with the request, carrying this id): its future
+        gives the bytes written, or fails (KVWriteFailed; KVWriteUnsettled when the engine stopped answering);
+        it settles once the engine answers (or dies). Cancelling waits for nothing: the engine may still write
+        (see the sender's abort)."""
         write_id = next(self._ids)
         future = self._waiting[(request_id, write_id)] = asyncio.get_running_loop().create_future()
         return write_id, future
@@ -67,7 +55,7 @@ class KVWrites:
                 future.set_exception(KVWriteFailed(f"the KV rows could not be written: {w.error}"))
 
     def fail_all(self, reason: str) -> None:
-        """The engine died or stopped answering: no write's end will be reported."""
+        """The engine died or stopped answering: no send's end will be reported."""
         for future in self._waiting.values():
             if not future.done():
                 future.set_exception(KVWriteUnsettled(f"the engine stopped ({reason}) while writing KV rows"))

@@ -55,9 +55,8 @@ class TransportRowWriter:
 def row_writer_maker(backend: str, host: str, transfer_timeout: float, secret: str | None = None,
                      by_layer: bool = True) -> Callable[[], TransportRowWriter]:
     """What the engine process makes its writer with (picklable). `host`: this instance's address as peers
-    reach it; `transfer_timeout`: how long the front end keeps a transfer nobody resumes (rows are kept twice
-    that at most, a backstop for a release that never came); `secret`: --disagg-secret; `by_layer`:
-    --kv-send-by-layer."""
+    reach it; `transfer_timeout`: how long a transfer may take (rows are kept twice that at most, a backstop for
+    a send that never ended); `secret`: --disagg-secret; `by_layer`: --kv-send-by-layer."""
     return functools.partial(TransportRowWriter, backend, host, 2 * transfer_timeout + 10.0, secret, by_layer)
 
 
@@ -69,13 +68,6 @@ def send_deadline(arrived: float, within_s: float, transfer_timeout: float) -> f
     that nothing more is written (disagg.peer_client)."""
     within = within_s if 0 < within_s <= transfer_timeout else transfer_timeout  # (NaN too: the peer's word)
     return arrived + within
-
-
-def write_deadline() -> float:
-    """The `WriteKV.not_after` of a write asked for now. A write starts by then or never, and the slowest one
-    (a NIXL write, `write_timeout_s`) lands within the receiver's quarantine of its blocks counted from now: the
-    receiver, which can only fail the transfer after this, keeps them at least that long."""
-    return time.time() + quarantine_s() - write_timeout_s()
 
 
 class TransportKVReceiver:

@@ -7,8 +7,8 @@ that moves KV between instances plugs one in (our own take on vLLM v1's KV conne
   (`keeps_kv_on_preempt`); and when one finishes, whether the connector keeps its blocks (`request_finished`);
 - the engine core lets it check and prepare a request as it arrives (`check_request`, `admit`), move KV around a
   step's forward pass (`move_kv`), and export KV after the step (`after_step`); the engine process takes the
-  exports (`take_exported`) and passes the connector its own messages (`write`, `take_written`, `reserve`,
-  `release`).
+  exports (`take_exported`) and the sends' ends (`take_written`), and passes the connector its own messages
+  (`reserve`, `release`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from vlserve.core.prompt import ProcessedPrompt
 from vlserve.core.request import Request, RequestStatus
 from vlserve.core.sampling_params import SamplingParams
 from vlserve.core.errors import InvalidInputError
-from vlserve.core.wire import CancelReserveKV, KVReserved, KVSend, KVWritten, ReleaseKV, ReserveKV, WriteKV
+from vlserve.core.wire import CancelReserveKV, KVReserved, KVSend, KVWritten, ReleaseKV, ReserveKV
 
 if TYPE_CHECKING:
     from vlserve.engine.scheduler_output import SchedulerOutput
@@ -160,13 +160,8 @@ class KVConnector:
         return []
 
     # ---- the engine process's own messages (engine.core_process) ---------------------------------------------
-    def write(self, msg: WriteKV) -> KVWritten | None:
-        """Starts writing exported rows where `msg` says (a connector with a row writer): None, and `take_written`
-        answers once it has ended; or the answer now, when it cannot start."""
-        return KVWritten(msg.request_id, msg.write_id, error="this engine writes no KV rows to other instances")
-
     def take_written(self) -> list[KVWritten]:
-        """Writes that ended since the last call."""
+        """Sends (`will_send`) that ended since the last call."""
         return []
 
     @property

@@ -1,14 +1,14 @@
 """A prefill engine's sends: a prompt's KV rows written into the decode instance's blocks from this engine
-process as the prompt is computed, instead of after it, when the front end asks (vLLM's `save_kv_layer`).
+process as the prompt is computed, instead of after it (vLLM's `save_kv_layer`).
 
-The front end names the receiver's first run of blocks with the request (`core.wire.KVSend`: tokens [0, end) and
-where they go, opaque here). Each step that computes some of those tokens queues, after each layer with a KV
+The front end names the receiver's blocks for every row of the prompt with the request (`core.wire.KVSend`:
+tokens [0, end) and where they go, opaque here). Each step that computes some of those tokens queues, after each layer with a KV
 cache has run (`AttentionMetadata.after_kv_layer`), a write of that layer's keys and values of those tokens on the
 connector's writer thread, while the engine computes the next layers. When the request finishes, the tokens no
 layer write covered (a prefix from the prefix cache, a restart after a preemption) and a hybrid model's state
 rows follow from its kept blocks, and the send is answered (`KVWritten`, its `write_id`) once every write has
 ended: the front end then sends the chunk's header. A transport that cannot write some planes of some rows
-(zmq) gets the whole run at the finish instead, in one write, still without the front end asking.
+(zmq) gets the whole prompt at the finish instead, in one write, still without the front end asking.
 
 Writes start only until `not_after` (the front end's deadline: a stuck engine must not write into blocks the
 receiver gave up on), the first failure fails the send, and a send released meanwhile (its request aborted)

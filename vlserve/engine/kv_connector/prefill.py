@@ -3,15 +3,15 @@ its blocks are kept. A hybrid model's linear states follow its KV rows as rows (
 state slot is freed). A hold nobody takes (the step's outputs were lost) expires.
 
 Where the KV goes: with a row writer (made by the disaggregation layer for the instance's transport) it stays in
-this process, and the front end, which runs the transfer's protocol, asks for each chunk to be written into the
-decode instance's blocks (`write`): the writes run on a thread of their own while the engine steps on, and end
-in `take_written`. The first run of blocks comes with the request (`will_send`): its rows go out as the prompt
-is computed, each layer's as soon as that layer ran, without the front end asking (layer_sends). On the CPU (one rank, or several whose KV files rank 0 maps: engine.ranked_kv) the blocks
-themselves are kept until the transfer is over (vLLM's delayed free) and each write reads its chunk's rows out
-of them on the writer thread: the engine's own thread spends nothing on the export. Elsewhere (a GPU; ranks
-torchrun started, whose heads are gathered) the rows are read out after the step and the blocks freed then.
-What is kept goes when the front end says the transfer is over (`forget`, blocks freed once no write reads
-them) or after the same expiry. Without a writer (an engine driven directly) the rows go out with the first
+this process, which writes it into the decode instance's blocks itself. Those blocks, for every row, come with
+the request (`will_send`): its rows go out as the prompt is computed, each layer's as soon as that layer ran, on a
+thread of their own while the engine steps on (layer_sends), and the send ends in `take_written`. What no layer
+write covered is written from the finished request's kept KV: on the CPU (one rank, or several whose KV files
+rank 0 maps: engine.ranked_kv) its blocks themselves, kept until the send has ended (vLLM's delayed free) and
+read on the writer thread, so the engine's own thread spends nothing on the export; elsewhere (a GPU; ranks
+torchrun started, whose heads are gathered) rows read out after the step, the blocks freed then. What is kept
+goes when the send has ended, when the front end drops the request (`forget`, blocks freed once no write reads
+them), or after the same expiry. Without a writer (an engine driven directly) the rows go out with the first
 token."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +31,7 @@ from vlserve.core.messages import EngineCoreOutput
 from vlserve.core.prompt import ProcessedPrompt
 from vlserve.core.request import Request, RequestStatus
 from vlserve.core.sampling_params import SamplingParams
-from vlserve.core.wire import KVSend, KVWritten, WriteKV
+from vlserve.core.wire import KVSend, KVWritten
 from vlserve.engine.kv_connector.base import ExportedKV, KVConnector, KVTransfer, MovedKV, RowWriter
 from vlserve.engine.kv_connector.layer_sends import LayerSend
 from vlserve.engine.transfer_buffers import all_finite
@@ -85,8 +85,7 @@ class PrefillConnector(KVConnector):
         # With a writer: what it writes from, per request.
         self.kept: dict[str, KeptKV] = {}
         self._free_after_writes: list[tuple[str, Request]] = []  # blocks a write under way still reads
-        self._writes: list[tuple[WriteKV, Future]] = []  # under way, oldest first
-        # One thread: a transfer's chunks land in order, and a write never competes with the next for memory.
+        # One thread: a send's writes land in order, and a write never competes with the next for memory.
         self._pool = None if writer is None else ThreadPoolExecutor(1, thread_name_prefix="vlserve-kv-write")
         self.sends: dict[str, LayerSend] = {}  # requests whose KV goes out as it is computed (layer_sends)
         self.by_layer = False  # (bind) each layer's KV is written as soon as it is computed
@@ -103,7 +102,7 @@ class PrefillConnector(KVConnector):
         if self.writer is not None:
             why = "" if self.by_layer or not can else \
                 " (the computation uses every core here: a writer thread beside it would slow it more than it saves)"
-            logger.info("KV of a prompt's first run of decode blocks: sent %s%s", "layer by layer as it is computed"
+            logger.info("KV of a prompt: sent into the decode blocks %s%s", "layer by layer as it is computed"
                         if self.by_layer else "when the prompt is computed", why)
 
     def check_request(self, prompt: ProcessedPrompt, params: SamplingParams, kv_transfer: KVTransfer | None) -> None:
@@ -120,15 +119,13 @@ class PrefillConnector(KVConnector):
             raise InvalidInputError("this engine writes no KV rows to other instances")
         if not 0 < send.end <= req.num_prompt_tokens:
             raise InvalidInputError(f"tokens 0..{send.end} of a {req.num_prompt_tokens}-token prompt cannot be sent")
-        # Layer by layer only into rows stored by plane like this KV cache (a KV cache, not receive blocks).
-        by_layer = self.by_layer and self.writer.planes_of(send.destination) == self.kv_planes
+        # Layer by layer only through a writer that writes some planes of some rows (not zmq's), into rows stored
+        # by plane like this KV cache (a KV cache, not receive blocks).
+        by_layer = self.by_layer and getattr(self.writer, "writes_layers", False) \
+            and self.writer.planes_of(send.destination) == self.kv_planes
         self.sends[req.request_id] = LayerSend(send, req.request_id, by_layer=by_layer)
 
     def forget(self, request_ids: list[str]) -> None:
-        gone = set(request_ids)
-        for msg, future in self._writes:
-            if msg.request_id in gone:
-                future.cancel()  # not started yet: it never will (answered as released)
         for rid in request_ids:
             if (send := self.sends.get(rid)) is not None:
                 send.release()  # answered once no write of it runs (take_written)
@@ -186,6 +183,7 @@ class PrefillConnector(KVConnector):
             send.futures.append(self._pool.submit(self._send_state, send, kept))
 
     def _send_rows(self, send: LayerSend, kept: KeptKV, start: int, end: int) -> int:
+        """Tokens [start, end) (with the state rows when `end` is the prompt's last token)."""
         def write() -> int:
             rows = kept.rows_of(start, end)
             if not all_finite(rows[: end - start]):  # (state rows are float32 bytes: checked as states)
@@ -194,6 +192,7 @@ class PrefillConnector(KVConnector):
         return self._sending(send, write)
 
     def _send_state(self, send: LayerSend, kept: KeptKV) -> int:
+        """A hybrid model's state rows, after the last token's row."""
         return self._sending(send, lambda: self.writer.write(send.msg.destination, kept.state_rows, kept.num_tokens))
 
     @staticmethod
@@ -210,8 +209,7 @@ class PrefillConnector(KVConnector):
     def _writing(self, request_id: str) -> bool:
         """A write under way may still read this request's blocks."""
         send = self.sends.get(request_id)
-        return (send is not None and send.writing) or any(
-            msg.request_id == request_id and not future.done() for msg, future in self._writes)
+        return send is not None and send.writing
 
     def request_finished(self, req: Request, status: RequestStatus) -> bool:
         if status == RequestStatus.FINISHED_ABORTED or not req.block_ids:
@@ -260,7 +258,7 @@ class PrefillConnector(KVConnector):
                     continue
                 num_tokens = self.held[out.request_id][0].num_prompt_tokens
                 kv = self.export(out.request_id)
-                if self.writer is not None:  # written from here, chunk by chunk, when the front end asks
+                if self.writer is not None:  # written from here, what no layer write covered
                     self.kept[kv.request_id] = KeptKV.of_rows(kv.rows, num_tokens)
                     kv.rows = None
                     self._send_rest(kv.request_id, self.kept[kv.request_id])
@@ -294,44 +292,15 @@ class PrefillConnector(KVConnector):
         failed, self._failed = self._failed, []
         return failed
 
-    def write(self, msg: WriteKV) -> KVWritten | None:
-        kept = self.kept.get(msg.request_id)
-        if self._pool is None or kept is None:
-            why = "this engine writes no KV rows" if self._pool is None else "no KV rows kept (expired or released)"
-            return KVWritten(msg.request_id, msg.write_id, error=why)
-        if not 0 <= msg.start < msg.end <= kept.num_tokens:
-            return KVWritten(msg.request_id, msg.write_id,
-                             error=f"tokens {msg.start}..{msg.end} of a {kept.num_tokens}-token prompt")
-        kept.last_used = time.monotonic()
-        self._writes.append((msg, self._pool.submit(self._write, msg, kept)))
-        return None
-
-    def _write(self, msg: WriteKV, kept: KeptKV) -> int:
-        if time.time() > msg.not_after:  # queued too long (a slow or stuck engine): its front end gave up on it
-            raise TimeoutError("the write was asked for too long ago; not started")
-        rows = kept.rows_of(msg.start, msg.end)
-        # Its token rows only: a hybrid model's state rows after them are float32 bytes, not values (the decode
-        # engine checks the states it unpacks). A failed write fails the transfer, retried on another instance.
-        if not all_finite(rows[: msg.end - msg.start]):
-            raise ValueError(f"the KV rows of tokens {msg.start}..{msg.end} hold NaN or infinite values: not written")
-        return self.writer.write(msg.destination, rows)
-
     def take_written(self) -> list[KVWritten]:
         done = []
-        while self._writes and self._writes[0][1].done():  # in order: the pool runs them one after another
-            msg, future = self._writes.pop(0)
-            error = RuntimeError("released before it started") if future.cancelled() else future.exception()
-            if error is None:
-                done.append(KVWritten(msg.request_id, msg.write_id, future.result()))
-            else:  # that transfer fails (the front end tells the receiver), the engine goes on
-                logger.warning("request %s: a KV write failed: %s", msg.request_id, error)
-                done.append(KVWritten(msg.request_id, msg.write_id, error=f"{type(error).__name__}: {error}"))
         for rid, send in list(self.sends.items()):
             if (answer := send.answer()) is not None:
                 del self.sends[rid]
-                if answer.error is not None:
+                if answer.error is not None:  # that transfer fails (the front end tells the receiver)
                     logger.warning("request %s: its KV send failed: %s", rid, answer.error)
                 done.append(answer)
+                self._drop_kept(rid)  # every row it had to write is written (or never will be)
         if self._free_after_writes:  # blocks whose last write reading them has ended
             still = []
             for rid, req in self._free_after_writes:
@@ -344,7 +313,7 @@ class PrefillConnector(KVConnector):
 
     @property
     def writes_in_flight(self) -> bool:
-        return bool(self._writes) or bool(self.sends)
+        return bool(self.sends)
 
     @property
     def num_kept(self) -> int:
