@@ -3,7 +3,8 @@
 Setups: `vlserve serve` (aggregated), `serve --disagg --num-encoders 1` (1E+1L, i.e. E->PD), the same with 2
 encoders (2E+1L), 1E+1L with a 16-token default allocation so every request resumes (resume overhead), and
 E->P->D (`--num-prefill 1 --num-decode 1`: 1E+1P+1D, the prompt's KV moved to the decode instance; "at end": its
-KV sent once the prompt is computed rather than layer by layer; "tp2": every role at `--tensor-parallel-size 2`,
+KV sent once the prompt is computed rather than layer by layer; "small run": a first run of 16 tokens, so every
+prompt needs more of the decode instance's blocks; "tp2": every role at `--tensor-parallel-size 2`,
 the KV moving between a prefill's and a decode's two ranks). Each gets
 the same `vlserve bench serve` load (fresh pictures, so encoders really work). Also measures the ZeroMQ
 transport's loopback bandwidth for embedding rows, receiver scatter included.
@@ -127,7 +128,11 @@ def main() -> None:
                                 "--transfer-backend", "shm"], 1, 1),
               # the prefill sends its KV when the prompt is computed, not layer by layer as it is (#67)
               ("1E+1P+1D shm at end", ["--disagg", "--num-encoders", "1", "--num-prefill", "1", "--num-decode", "1",
-                                       "--transfer-backend", "shm", "--no-kv-send-by-layer"], 1, 1)]
+                                       "--transfer-backend", "shm", "--no-kv-send-by-layer"], 1, 1),
+              # a first run of 16 tokens: every prompt needs more of the decode instance's blocks (before #67's
+              # RowsWanted, the rows past the first run were written after the prompt, on the front end's word)
+              ("1E+1P+1D shm small run", ["--disagg", "--num-encoders", "1", "--num-prefill", "1", "--num-decode",
+                                          "1", "--transfer-backend", "shm", "--kv-allocate-tokens", "16"], 1, 1)]
     # every role at two ranks (a prefill and a decode instance at 2: the handoff between ranks' KV files)
     setups += [(f"{name} tp2", [*extra, "--tensor-parallel-size", "2"], encoders, prefills)
                for name, extra, encoders, prefills in setups if prefills]

@@ -1,6 +1,6 @@
 """What sending a prompt's KV layer by layer as it is computed saves a prefill instance (#67 item 3), timed in one
 run on the same prompts: a prefill engine with the shm row writer (as `vlserve prefill --transfer-backend shm`
-makes it) computes a fresh prompt and sends its first run of decode blocks into a decode KV file
+makes it) computes a fresh prompt and sends its rows into a decode KV file
 (engine.kv_connector.layer_sends), either
 
 - by layer: each layer's keys and values of each step's tokens are queued for the writer thread right after the

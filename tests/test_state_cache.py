@@ -20,6 +20,7 @@ from vlserve.engine import config as engine_config
 from vlserve.engine.config import kv_bytes_per_token, resolve_config
 from vlserve.engine.forward_batch import attention_metadata, batch_from_wire, batch_to_wire
 from vlserve.engine.kv_connector import make_connector
+from vlserve.engine.block_tables import BlockTables
 from vlserve.engine.model_runner import ModelRunner
 from vlserve.engine.scheduler import Scheduler
 from vlserve.model.config_types import LinearAttentionConfig
@@ -256,6 +257,7 @@ def test_forward_batch_carries_the_states_in_batch_order_and_over_the_wire(base_
     out = s.schedule()
     runner = ModelRunner.__new__(ModelRunner)
     runner.cfg, runner.block_size, runner.device = cfg, BS, torch.device("cpu")
+    runner.block_tables = BlockTables(cfg.max_num_seqs, cfg.max_model_len // BS + 2)
     ordered, batch = runner._prepare(out.chunks, out.state)
     assert [c.num_tokens for c in ordered] == [1, 1, 10]  # decode rows first (the resumed one: 1 token left)
     assert batch.state_slots.tolist() == [out.state.slots[c.req.request_id] for c in ordered]
@@ -282,6 +284,7 @@ def test_other_models_carry_no_state(base_cfg):
     assert s.state is None and out.state is None
     runner = ModelRunner.__new__(ModelRunner)
     runner.cfg, runner.block_size, runner.device = cfg, BS, torch.device("cpu")
+    runner.block_tables = BlockTables(cfg.max_num_seqs, cfg.max_model_len // BS + 2)
     _, batch = runner._prepare(out.chunks, out.state)
     assert batch.state_slots is None and attention_metadata(batch, BS, torch.device("cpu")).linear is None
 

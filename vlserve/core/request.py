@@ -37,6 +37,7 @@ class Request:
         self.params = sampling_params
         self.eos_token_ids = eos_token_ids
         self.mm_items = prompt.mm_items
+        self._media_end = max((it.end for it in self.mm_items), default=0)  # no item past this token
         self.lora = prompt.lora
         self.positions = prompt.positions
         self.position_delta = prompt.position_delta
@@ -44,6 +45,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_pending = 0  # tokens being sampled on the device, not read yet (async scheduling: up to 2)
+        # only ever extended in place; any other change assigns a new list (engine.block_tables relies on it)
         self.block_ids: list[int] = []
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
@@ -68,6 +70,8 @@ class Request:
 
     def items_overlapping(self, start: int, end: int) -> list[int]:
         """Indices of mm items whose placeholder intersects token range [start, end)."""
+        if start >= self._media_end:  # (every decode step: once per running request and more)
+            return []
         return [i for i, it in enumerate(self.mm_items) if it.offset < end and it.end > start]
 
     def __repr__(self) -> str:

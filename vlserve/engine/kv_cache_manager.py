@@ -58,11 +58,13 @@ class KVCacheManager:
         """A request that arrived holding its blocks, written elsewhere: its leading full blocks already cached
         here are swapped for the cached ones (same content) and its own copies freed. Returns the tokens shared."""
         hits = self.find_cached_prefix(req)
+        block_ids = list(req.block_ids)  # a new list: block ids are only ever appended in place (BlockTables)
         for i, b in enumerate(hits):
-            if req.block_ids[i] != b:
+            if block_ids[i] != b:
                 self.pool.touch([b])
-                self.pool.free([req.block_ids[i]])
-                req.block_ids[i] = b
+                self.pool.free([block_ids[i]])
+                block_ids[i] = b
+        req.block_ids = block_ids
         req.num_cached_blocks = len(hits)
         return len(hits) * self.block_size
 

@@ -9,6 +9,8 @@ logits only for rows that sample → sampler.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from vlserve.core.messages import TokenLogprobs
@@ -17,6 +19,7 @@ from vlserve.engine.config import VlserveConfig
 from vlserve.engine.executor import encodes_whole_step
 from vlserve.engine.forward_batch import ForwardBatch
 from vlserve.engine.kv_handoff import kv_to_rows
+from vlserve.engine.block_tables import BlockTables
 from vlserve.engine.sampler import Sampler, SamplerOutput, SamplingMetadata, TokenBitmask
 from vlserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from vlserve.engine.state_cache import StateStep
@@ -44,6 +47,8 @@ class ModelRunner:
         self.encoders = EncoderRunner(executor, cfg.device, whole_step) if has_encoder else None
         self.device = cfg.device
         self.block_size = cfg.block_size
+        # each running request's block ids, kept between steps (a step writes only what was appended)
+        self.block_tables = BlockTables(cfg.max_num_seqs, -(-cfg.max_model_len // cfg.block_size) + 2)
         self.sampler = Sampler()
         self.acc = getattr(executor, "acc", None) or Accelerator(cfg.device)  # the shard's, where there is one
         self._last: LaunchedStep | None = None  # the most recent launch that samples
@@ -152,12 +157,11 @@ class ModelRunner:
         positions = torch.cat([self._decode_positions(decode, self.cfg.model.position_rows)]
                               + [self._positions(c.req, c.start, c.end) for c in prefill], dim=1)
         bs = self.block_size
-        rows = [c.req.block_ids[: -(-c.end // bs)] for c in ordered]  # the blocks each context spans
-        max_blocks = max(map(len, rows))
-        table = torch.tensor([r + [0] * (max_blocks - len(r)) for r in rows], dtype=torch.long)
+        # the blocks each context spans
+        table = self.block_tables.gather([c.req for c in ordered], [-(-c.end // bs) for c in ordered])
         ctx = torch.tensor([c.end for c in ordered], dtype=torch.long)
         # each new token's KV slot: a decode row's one token by hand, a prompt chunk's tokens at once
-        slots = [rows[i][(c.end - 1) // bs] * bs + (c.end - 1) % bs for i, c in enumerate(decode)]
+        slots = [c.req.block_ids[(c.end - 1) // bs] * bs + (c.end - 1) % bs for c in decode]
         slot_parts = [torch.tensor(slots, dtype=torch.long)]
         spans, row = [], len(decode)
         for i, c in enumerate(prefill, start=len(decode)):
@@ -298,7 +302,7 @@ class ModelRunner:
                 generators[i] = req.generator
         meta = SamplingMetadata.build(
             [r.params for r in reqs],
-            [r.output_token_ids for r in reqs],
+            _OutputTokens(reqs),  # read only by penalties and min_tokens: a copy each would cost O(context) a step
             [r.prompt_token_ids for r in reqs],
             [r.eos_token_ids for r in reqs],
             generators,
@@ -306,6 +310,19 @@ class ModelRunner:
             bitmask,
         )
         return self.sampler(logits, meta)
+
+
+class _OutputTokens(Sequence):
+    """The requests' output token ids, each list made only when read."""
+
+    def __init__(self, reqs: list[Request]):
+        self.reqs = reqs
+
+    def __len__(self) -> int:
+        return len(self.reqs)
+
+    def __getitem__(self, i: int) -> list[int]:
+        return self.reqs[i].output_token_ids
 
 
 def _adapter_order(chunk: ScheduledChunk) -> str:

@@ -74,7 +74,7 @@ class SamplingMetadata:
 
         blocked: dict[int, list[int]] = {}
         for i, p in enumerate(params):
-            if len(output_token_ids[i]) < p.min_tokens:
+            if p.min_tokens and len(output_token_ids[i]) < p.min_tokens:
                 ids = set(p.stop_token_ids or ())
                 if not p.ignore_eos:
                     ids.update(eos_token_ids[i])
