@@ -38,7 +38,7 @@ def test_the_engine_takes_the_cuda_path(references):
     assert executor.device.type == "cuda" and executor.acc.attention == "triton"
     graphs = executor.graphs
     assert graphs.sizes == (1, 2, 4, 8, 16) and all(isinstance(g, CudaGraph) for g in graphs.graphs.values())
-    assert graphs.stage_ids.is_pinned() and graphs.token_ids.is_cuda
+    assert graphs.inputs.host_bytes.is_pinned() and graphs.token_ids.is_cuda and graphs.inputs.device_bytes.is_cuda
     assert not torch.backends.cudnn.allow_tf32  # float32 convolutions (audio stems) stay IEEE, as on the CPU
     _check(_run(llm, _prompts()[:5], GREEDY), expected, range(5))
     assert graphs.replays.get(8, 0) >= MAX_NEW - 2

@@ -181,3 +181,37 @@ def test_graph_flags_parse_and_bad_sizes_are_refused():
     for bad in ((0,), (2, -1), (True,), "4"):
         with pytest.raises(InvalidInputError, match="cuda_graph_sizes"):
             EngineArgs(model="m", cuda_graph_sizes=bad).check()
+
+
+def test_packed_inputs_move_every_per_row_input_in_one_copy():
+    """The graph path's per-row inputs share one staging buffer and one device buffer (each view 8-byte aligned,
+    whatever its dtype): one copy moves them all, each landing in its own view (#70 item 1: 5 copies a step, 7 for
+    a hybrid model, were 2 counting the block table's)."""
+    from vlserve.engine.decode_graphs import PackedInputs
+    from vlserve.model.accelerator import Accelerator
+
+    fields = {"ids": ((5,), torch.long), "fresh": ((5,), torch.bool), "positions": ((3, 5), torch.long),
+              "state": ((5,), torch.long)}
+    packed = PackedInputs(fields, Accelerator(torch.device("cpu")))
+    for name, (shape, dtype) in fields.items():
+        assert packed.host[name].shape == shape and packed.host[name].dtype == dtype
+        assert packed.device[name].data_ptr() % 8 == 0
+    packed.host["ids"][:] = torch.arange(5)
+    packed.host["fresh"][:] = torch.tensor([True, False, True, False, True])
+    packed.host["positions"][:] = torch.arange(15).view(3, 5) * 7
+    packed.host["state"][:] = -3
+    copies = []
+    original = torch.Tensor.copy_
+
+    def counting(self, src, *args, **kwargs):
+        copies.append(self.shape)
+        return original(self, src, *args, **kwargs)
+
+    torch.Tensor.copy_ = counting
+    try:
+        packed.upload()
+    finally:
+        torch.Tensor.copy_ = original
+    assert len(copies) == 1
+    for name in fields:
+        assert torch.equal(packed.device[name], packed.host[name])

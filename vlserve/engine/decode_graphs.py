@@ -2,7 +2,9 @@
 eagerly, which is how the bookkeeping here is tested).
 
 A decode-only step of b sequences runs the graph of the smallest captured size >= b. Its inputs are copied into
-static device buffers (from pinned host staging, without blocking); the rows past b are padding: token 0 at
+static device buffers from pinned host staging, without blocking, in two copies whatever the model: every
+per-row input (token ids, slots, lengths, positions, a hybrid model's state slots) lives in one packed buffer on
+each side (`PackedInputs`), the block table in its own; the rows past b are padding: token 0 at
 position 0 writing its K/V into a scratch block no request owns and attending to that slot alone, and, for a
 hybrid model, reading and writing a scratch state slot. Their hidden states are dropped. The replay then computes
 exactly what an eager pass over the b real rows computes.
@@ -53,27 +55,25 @@ class DecodeGraphs:
         n, dev = self.sizes[-1], accelerator.device
         hidden = model.cfg.text.hidden_size
         dtype = model.language_model.embed_tokens.weight.dtype
-        self.token_ids = torch.zeros(n, dtype=torch.long, device=dev)
         rows = model.cfg.position_rows  # the model's position rows (M-RoPE: 3)
-        self.positions = torch.zeros(rows, n, dtype=torch.long, device=dev)
-        self.slot_mapping = torch.full((n,), scratch_block * block_size, dtype=torch.long, device=dev)
-        self.block_table = torch.full((n, max_blocks), scratch_block, dtype=torch.long, device=dev)
-        self.seq_lens = torch.ones(n, dtype=torch.long, device=dev)
-        self.query_start = torch.arange(n + 1, dtype=torch.long, device=dev)  # one query token per row
         self.hybrid = scratch_state_slot is not None
+        fields = {"ids": ((n,), torch.long), "positions": ((rows, n), torch.long), "slots": ((n,), torch.long),
+                  "lens": ((n,), torch.long)}
         if self.hybrid:
-            self.state_slots = torch.full((n,), scratch_state_slot, dtype=torch.long, device=dev)
-            self.state_fresh = torch.ones(n, dtype=torch.bool, device=dev)
+            fields |= {"state": ((n,), torch.long), "fresh": ((n,), torch.bool)}
+        self.inputs = PackedInputs(fields, accelerator)
+        dev_in, self.stage = self.inputs.device, self.inputs.host
+        self.token_ids, self.positions, self.seq_lens = dev_in["ids"], dev_in["positions"], dev_in["lens"]
+        self.slot_mapping = dev_in["slots"].fill_(scratch_block * block_size)
+        self.seq_lens.fill_(1)
+        if self.hybrid:
+            self.state_slots = dev_in["state"].fill_(scratch_state_slot)
+            self.state_fresh = dev_in["fresh"].fill_(True)
+        self.inputs.host_bytes.copy_(self.inputs.device_bytes)  # rows no step fills keep these (padding) values
+        self.block_table = torch.full((n, max_blocks), scratch_block, dtype=torch.long, device=dev)
+        self.query_start = torch.arange(n + 1, dtype=torch.long, device=dev)  # one query token per row
         self.hidden = torch.zeros(n, hidden, dtype=dtype, device=dev)
-        # host staging: one pinned buffer per input, filled for each step and copied in one go
-        self.stage_ids = accelerator.staging((n,), torch.long)
-        self.stage_pos = accelerator.staging((rows, n), torch.long)
-        self.stage_slots = accelerator.staging((n,), torch.long)
-        self.stage_lens = accelerator.staging((n,), torch.long)
         self.stage_table = accelerator.staging((n, max_blocks), torch.long)
-        if self.hybrid:
-            self.stage_state = accelerator.staging((n,), torch.long)
-            self.stage_fresh = accelerator.staging((n,), torch.bool)
         self.staged = accelerator.event()  # after the last step's copies out of the staging buffers
         self.graphs: dict[int, object] = {}
         self.replays: dict[int, int] = {}  # size -> steps it ran (tests and logs read it)
@@ -110,27 +110,23 @@ class DecodeGraphs:
         self.staged.synchronize()
         bs = self.block_size
         width = batch.block_table.shape[1]
-        self.stage_ids[:b] = batch.token_ids
-        self.stage_ids[b:size] = 0
-        self.stage_pos[:, :b] = batch.positions
-        self.stage_pos[:, b:size] = 0
-        self.stage_slots[:b] = batch.slot_mapping
-        self.stage_slots[b:size] = self.scratch_block * bs
-        self.stage_lens[:b] = batch.context_lens
-        self.stage_lens[b:size] = 1
+        stage = self.stage
+        stage["ids"][:b] = batch.token_ids
+        stage["ids"][b:size] = 0
+        stage["positions"][:, :b] = batch.positions
+        stage["positions"][:, b:size] = 0
+        stage["slots"][:b] = batch.slot_mapping
+        stage["slots"][b:size] = self.scratch_block * bs
+        stage["lens"][:b] = batch.context_lens
+        stage["lens"][b:size] = 1
+        if self.hybrid:
+            stage["state"][:b] = batch.state_slots
+            stage["state"][b:size] = self.scratch_state_slot
+            stage["fresh"][:b] = batch.state_fresh
+            stage["fresh"][b:size] = True
+        self.inputs.upload()  # every per-row input in one copy (rows past `size` are never read)
         self.stage_table[:b, :width] = batch.block_table
         self.stage_table[b:size, 0] = self.scratch_block
-        copies = [(self.stage_ids, self.token_ids), (self.stage_slots, self.slot_mapping),
-                  (self.stage_lens, self.seq_lens)]
-        if self.hybrid:
-            self.stage_state[:b] = batch.state_slots
-            self.stage_state[b:size] = self.scratch_state_slot
-            self.stage_fresh[:b] = batch.state_fresh
-            self.stage_fresh[b:size] = True
-            copies += [(self.stage_state, self.state_slots), (self.stage_fresh, self.state_fresh)]
-        for host, static in copies:
-            static[:size].copy_(host[:size], non_blocking=self.acc.is_cuda)
-        self.positions[:, :size].copy_(self.stage_pos[:, :size], non_blocking=self.acc.is_cuda)
         # Only the columns the step uses: beyond them a row keeps older block ids, which it never reads (it
         # reads the blocks its length spans), and every one of them is a valid block.
         self.block_table[:size, :width].copy_(self.stage_table[:size, :width], non_blocking=self.acc.is_cuda)
@@ -158,6 +154,32 @@ class DecodeGraphs:
             meta = self._metadata(size)
             embeds = self.model.embed_tokens(self.token_ids[:size])
             self.hidden[:size] = self.model(embeds, self.positions[:, :size], self.kv_caches, meta)
+
+
+class PackedInputs:
+    """Named tensors laid out one after another (each 8-byte aligned) in one host staging buffer and one device
+    buffer of the same layout: filling the host views and calling `upload` moves them all in one copy, where a
+    copy per tensor cost a host-to-device call each (#70 item 1)."""
+
+    ALIGN = 8
+
+    def __init__(self, fields: dict[str, tuple[tuple[int, ...], torch.dtype]], accelerator: Accelerator):
+        self.acc, spans, offset = accelerator, {}, 0
+        for name, (shape, dtype) in fields.items():
+            nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            spans[name] = (offset, nbytes, shape, dtype)
+            offset += -(-nbytes // self.ALIGN) * self.ALIGN
+        self.host_bytes = accelerator.staging((offset,), torch.uint8)
+        self.device_bytes = torch.zeros(offset, dtype=torch.uint8, device=accelerator.device)
+        self.host = {name: self._view(self.host_bytes, *span) for name, span in spans.items()}
+        self.device = {name: self._view(self.device_bytes, *span) for name, span in spans.items()}
+
+    @staticmethod
+    def _view(buffer: torch.Tensor, offset: int, nbytes: int, shape, dtype) -> torch.Tensor:
+        return buffer[offset : offset + nbytes].view(dtype).view(shape)
+
+    def upload(self) -> None:
+        self.device_bytes.copy_(self.host_bytes, non_blocking=self.acc.is_cuda)
 
 
 def _ranges(sizes: tuple[int, ...]) -> str:
