@@ -37,7 +37,7 @@ class Request:
         self.params = sampling_params
         self.eos_token_ids = eos_token_ids
         self.mm_items = prompt.mm_items
-        self._media_end = max((it.end for it in self.mm_items), default=0)  # no item past this token
+        self.media_end = max((it.end for it in self.mm_items), default=0)  # no media item past this token
         self.lora = prompt.lora
         self.positions = prompt.positions
         self.position_delta = prompt.position_delta
@@ -70,7 +70,7 @@ class Request:
 
     def items_overlapping(self, start: int, end: int) -> list[int]:
         """Indices of mm items whose placeholder intersects token range [start, end)."""
-        if start >= self._media_end:  # (every decode step: once per running request and more)
+        if start >= self.media_end:  # (every decode step: once per running request and more)
             return []
         return [i for i, it in enumerate(self.mm_items) if it.offset < end and it.end > start]
 

@@ -207,6 +207,8 @@ class Scheduler:
         cache = self.encoder_cache
         # a token still being sampled (async scheduling) counts: the step that reads it is scheduled now
         end = start + min(req.num_tokens + req.num_pending - start, token_budget)
+        if start >= req.media_end:  # past its media (every decode row): nothing to encode
+            return end - start, []
         encode: list[int] = []
         new_hashes: set[str] = set()
         available = {req.mm_items[i].mm_hash for i in req.items_overlapping(start, end)
@@ -245,6 +247,8 @@ class Scheduler:
             out.state.slots[req.request_id] = self.state.slot(req)
             if self.kv.enable_prefix_caching:
                 self.state.checkpoints(req, start, start + n, out.state)
+        if start >= req.media_end:  # past its media (every decode row): no encoder-cache entry to hold
+            return
         cache, rid, items = self.encoder_cache, req.request_id, req.mm_items
         pending = [i for i in req.items_overlapping(start, start + n)
                    if items[i].needs_encoder and not cache.holds((rid, i), items[i]) and i not in encode]
