@@ -213,6 +213,7 @@ class NonsenseEncoder:
         from vlserve.disagg.auth import PeerAuth
         from vlserve.disagg.bootstrap import BootstrapClient, InstanceInfo, new_instance_id
         from vlserve.disagg.messages import (
+            PROTOCOL,
             TransferRequest,
             SenderToReceiver,
             ItemMeta,
@@ -239,7 +240,8 @@ class NonsenseEncoder:
             peer, *frames = await sock.recv_multipart()
             msg = inbox.decode(frames)
             if isinstance(msg, Ping):
-                pong = Pong(msg.nonce, 0, self.architecture, self.hidden, self.levels, modalities=["image", "video"])
+                pong = Pong(msg.nonce, 0, self.architecture, self.hidden, self.levels, modalities=["image", "video"],
+                            protocol=PROTOCOL)
                 await sock.send_multipart([peer, *outbox.encode(pong)])
             elif isinstance(msg, TransferRequest):
                 kind = self.KINDS[self.served % len(self.KINDS)]

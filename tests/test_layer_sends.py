@@ -396,6 +396,7 @@ def test_a_prefill_asks_for_every_row_before_it_computes_so_one_chunk_fills_them
         asked.clear()
         req = SimpleNamespace(block_ids=[7, 8], block_tokens=block)
         prompt = SimpleNamespace(num_tokens=total, mm_items=[])
-        blocks = asyncio.run(PrefillService._blocks(service, ("peer", "r", 0), req, prompt))
+        blocks, since = asyncio.run(PrefillService._blocks(service, ("peer", "r", 0), req, prompt, 5.0))
         assert asked == more and blocks[:2] == [7, 8] and len(blocks) * block >= total + tail
+        assert (since == 5.0) is not bool(more)  # the writing time counts from the receiver's answer
         assert RowMap([], True, tail).chunk_end(0, len(blocks) * block, total) == total  # one chunk for all

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from vlserve.core.config import DisaggArgs
 from vlserve.core.wire import Framer
 from vlserve.disagg.messages import (
+    PROTOCOL,
     Ping,
     Pong,
     ReceiverToSender,
@@ -26,6 +27,7 @@ from vlserve.disagg.messages import (
     RowsGiven,
     RowsWanted,
     TransferChunk,
+    TransferFailed,
     TransferRequest,
 )
 from vlserve.disagg.metrics import TransferMetrics
@@ -48,17 +50,19 @@ class FakePrefill:
     """A prefill instance's data socket on loopback: answers pings (with its boot id) and each request by asking
     for the blocks its prompt's KV needs beyond the first run, then with the rows in one chunk written through the
     receiver's row socket. `messages`: how many it sends before it dies (its socket closed, nothing more
-    answered); `silent`: it takes requests and never answers them (alive: its pings are answered)."""
+    answered); `silent`: it takes requests and never answers them (alive: its pings are answered); `gives_up`:
+    it fails each request right after asking for more blocks (as its timeout waiting for them would)."""
 
     def __init__(self, port: int | None = None, boot: str = "b1", messages: int | None = None,
-                 silent: bool = False):
+                 silent: bool = False, gives_up: bool = False):
         self.sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
         self.sock.linger = 0
         if port is None:
             port = self.sock.bind_to_random_port("tcp://127.0.0.1")
         else:
             _bind_again(self.sock, port)
-        self.port, self.boot, self.messages, self.silent = port, boot, messages, silent
+        self.port, self.boot, self.messages, self.silent, self.gives_up = port, boot, messages, silent, gives_up
+        self.given: list[RowsGiven] = []
         self.transport = ZmqTransport("127.0.0.1")
         self.requests: dict[tuple[str, int], TransferRequest] = {}
         self.sent = 0
@@ -72,7 +76,7 @@ class FakePrefill:
                 msg = framer.decode(frames)
                 if isinstance(msg, Ping):
                     await self.sock.send_multipart([peer, *Framer(Pong).encode(
-                        Pong(msg.nonce, 0, "arch", 8, 0, kv_width=WIDTH, boot=self.boot))])
+                        Pong(msg.nonce, 0, "arch", 8, 0, kv_width=WIDTH, boot=self.boot, protocol=PROTOCOL))])
                 elif isinstance(msg, TransferRequest):
                     self.requests[(msg.request_id, msg.transfer_id)] = msg
                     if self.silent:
@@ -82,7 +86,13 @@ class FakePrefill:
                             else await self._chunk(peer, msg, msg.block_ids))
                     if not sent:
                         return
+                    if self.gives_up:  # a moment later: the receiver waits for those blocks by then
+                        await asyncio.sleep(0.3)
+                        await self._send(peer, TransferFailed(msg.request_id, msg.transfer_id, "gave up", 503))
                 elif isinstance(msg, RowsGiven):
+                    self.given.append(msg)
+                    if self.gives_up:
+                        continue
                     req = self.requests[(msg.request_id, msg.transfer_id)]
                     if not await self._chunk(peer, req, req.block_ids + msg.block_ids):
                         return
@@ -96,7 +106,7 @@ class FakePrefill:
         """False once it is meant to die instead."""
         if self._dies_now():
             return False
-        await self.sock.send_multipart([peer, *Framer(RowsWanted).encode(msg)])
+        await self.sock.send_multipart([peer, *Framer(RowsWanted | TransferFailed).encode(msg)])
         self.sent += 1
         return True
 
@@ -323,8 +333,8 @@ def test_blocks_of_a_request_that_never_went_out_are_freed_at_once():
         peer_a = _connect(client, a, "A")
         allocate = client._allocate
 
-        async def allocated_as_it_drops(holder, rows, peer):
-            run = await allocate(holder, rows, peer)
+        async def allocated_as_it_drops(holder, rows, peer, queue=None):
+            run = await allocate(holder, rows, peer, queue)
             if peer is peer_a:
                 _connect(client, b, "B")
                 client._drop(peer_a, "missed 3 heartbeats")
@@ -364,5 +374,54 @@ def test_a_peer_writes_nothing_into_a_run_once_its_chunk_header_came():
         assert client.buffers.rows_finite(processed.block_rows, torch.arange(TOKENS))
         client.take_release(processed)()
         a.die()
+
+    _run(scenario)
+
+
+def test_a_peer_of_another_transfer_protocol_is_not_paired():
+    """A deployment in the middle of an upgrade: a prefill instance that speaks the older protocol (it would
+    send its KV in parts, which this receiver refuses; or never answer `RowsWanted`) is not paired, with why."""
+    client = _client()
+    client.cfg = SimpleNamespace(max_model_len=1024, model=SimpleNamespace(
+        modalities=("image",), is_hybrid=False, architecture="arch", text=SimpleNamespace(hidden_size=8), side_rows=0,
+        kv_row_width=WIDTH))  # what the fake's Pong says it serves
+
+    async def go():
+        sockets = []
+        for name, protocol in (("O", None), ("N", PROTOCOL)):
+            sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+            sockets.append(sock)
+            peer = client.conns[name] = PeerConn(InstanceInfo(name, "prefill", "127.0.0.1:2"), sock)
+            extra = {} if protocol is None else {"protocol": protocol}  # (none sent: an older one)
+            client._pair(peer, Pong(1, 0, "arch", 8, 0, kv_width=WIDTH, boot=name, **extra))
+            assert peer.paired is (protocol is not None) and (name in client.conns) is peer.paired
+        for sock in sockets:
+            sock.close(0)
+
+    try:
+        asyncio.run(go())
+    finally:
+        client.transport.close()
+
+
+def test_a_prefill_that_fails_while_its_blocks_are_awaited_gets_none_of_them():
+    """It asked for more blocks, then gave up (its own wait timed out, or its engine died) while this server's
+    pool was full: the wait for them ends at its failure, and the blocks freed later go to the retry, not to the
+    transfer that is over (before, they were reserved for it and sent to a peer that no longer wanted them)."""
+    @_scenario(threshold=1000)
+    async def scenario(client):
+        a = FakePrefill(gives_up=True)
+        _connect(client, a, "A")
+        held = client.buffers.allocate(6 * BLOCK)  # room for the first run (2 blocks) and no more
+        ask = asyncio.create_task(client.send_prompt("r1", "p", {}, {}, {}))
+        await _until(lambda: a.requests, "the request reached A")
+        b = FakePrefill(boot="bb")
+        _connect(client, b, "B")
+        await asyncio.sleep(1.0)  # A's failure came (0.3 s after its ask) while its blocks were awaited
+        client.pool.free("", held)
+        await _answered_by(client, ask, b)
+        assert a.given == [], "blocks freed later went to the transfer that had failed"
+        a.die()
+        b.die()
 
     _run(scenario)

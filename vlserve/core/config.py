@@ -417,7 +417,8 @@ class DisaggArgs:
         {SERVE, PREFILL}, flag="--no-kv-send-by-layer", negate=True)
     kv_allocate_tokens: int = option(
         2048, "KV rows (prompt tokens) reserved per request on a decode instance before its prefill says how many "
-        "(a longer prompt resumes into more; the rest is freed when its transfer ends)", {SERVE, DECODE})
+        "(a longer prompt's prefill asks for the rest before computing it; what a prompt did not fill is freed when "
+        "its transfer ends)", {SERVE, DECODE})
     receive_block_rows: int = option(16, "rows per receive buffer block (media and KV) (--embedding-block-tokens: "
                                      "deprecated alias)", {SERVE, LANGUAGE, PREFILL, DECODE},
                                      aliases=("--embedding-block-tokens",), bounds=COUNT)

@@ -9,8 +9,10 @@ Receiver -> sender (DEALER -> ROUTER): TransferRequest, ResumeRequest, RowsGiven
 Sender -> receiver (the same connection back): TransferChunk (+ tensor frames), RowsWanted, TransferFailed, Pong.
 
 An encoder's rows follow a run at a time (a partial chunk, then the receiver resumes with the next run). A prefill
-instance asks for every run before it computes the prompt (`RowsWanted` -> `RowsGiven`), so that its engine
-writes all of them as it computes; its chunks' headers then follow one per run.
+instance asks for the blocks beyond the first run before it computes the prompt (`RowsWanted` -> `RowsGiven`,
+appended to the first run), so that its engine writes every row as it computes; one chunk's header follows.
+Peers pair only when they speak the same `PROTOCOL` (a `Pong` says which): a mixed deployment in the middle of an
+upgrade sends each request to a peer of its own version, or fails it over with a clear 503.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ from vlserve.core.messages import Handoff
 from vlserve.core.sampling_params import SamplingParams
 from vlserve.core.wire import TensorRef
 from vlserve.engine.transfer_buffers import BufferLayout
+
+
+PROTOCOL = 2  # 2: RowsWanted/RowsGiven (a prefill asks for its blocks first), no KV resume
 
 
 class TransferState(str, enum.Enum):
@@ -180,6 +185,7 @@ class Pong(msgspec.Struct, tag="pong"):
     state_rows: int = 0  # a prefill instance of a hybrid model: rows of linear states after the prompt's KV rows
     modalities: list[str] = []  # an encoder: the media kinds its towers encode (a prefill instance: none)
     boot: str = ""  # random per process: a receiver tells a peer restarted at the same address by it
+    protocol: int = 1  # the transfer protocol it speaks (`PROTOCOL`; before it was sent, 1)
 
 
 SenderToReceiver = TransferChunk | RowsWanted | TransferFailed | Pong

@@ -158,18 +158,28 @@ class PeerClient(PeerLinks):
                                           f"--peer-wait-timeout {self.opts.peer_wait_timeout:g}s); retry later")
         raise ServiceUnavailableError(f"the {self.kind.name} failed after {len(tried)} attempt(s): {last}")
 
-    async def _allocate(self, holder: str, rows: int, peer: PeerConn) -> list[int]:
+    async def _allocate(self, holder: str, rows: int, peer: PeerConn, queue: asyncio.Queue | None = None
+                        ) -> list[int]:
         """Blocks for `rows` more rows of the transfer to `peer`. A wait for them (a full pool) ends when the peer
-        is dropped: its transfer fails over now, not at the end of the wait (--transfer-timeout)."""
+        is dropped: its transfer fails over now, not at the end of the wait (--transfer-timeout); and, given the
+        transfer's `queue`, when the peer says something meanwhile (its failure: the blocks are not wanted)."""
         allocating = asyncio.ensure_future(self.pool.allocate(holder, rows, self.opts.transfer_timeout))
         gone = asyncio.ensure_future(peer.dropped.wait())
+        said = asyncio.ensure_future(queue.get()) if queue is not None else None
+        waits = (allocating, gone) if said is None else (allocating, gone, said)
         try:
-            await asyncio.wait((allocating, gone), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
             self._drop_allocation(holder, allocating)
             raise
         finally:
             gone.cancel()
+            if said is not None and not said.done():
+                said.cancel()  # (an item is taken off the queue only when the get completes)
+        if said is not None and said.done() and not said.cancelled():
+            self._drop_allocation(holder, allocating)
+            msg, _ = self._as_chunk(said.result())  # its failure raises here
+            raise PeerFailure(f"the {self.kind.name} sent {type(msg).__name__} while waiting for its blocks")
         if not allocating.done():
             allocating.cancel()
             await asyncio.gather(allocating, return_exceptions=True)
@@ -233,10 +243,13 @@ class PeerClient(PeerLinks):
                     if received.tokens or len(run) != len(blocks) or extended:
                         raise PeerFailure(f"the {self.kind.name} asked for more blocks twice, or after its rows")
                     extended = True
-                    more = await self._more_rows(holder, header, peer, tail)
+                    more = await self._more_rows(holder, header, peer, tail, queue)
                     self.metrics.resume()
                     blocks += more
                     run = run + more  # its one chunk fills the first run and these, in order
+                    # Its engine writes every block from when this reaches it, for the time it was given: they are
+                    # kept that long after now if the transfer fails (`_quarantine_until`).
+                    asked_at = time.monotonic()
                     await self._send(peer, RowsGiven(request_id, tid, more))
                     named = len(blocks)
                     continue
@@ -301,20 +314,23 @@ class PeerClient(PeerLinks):
             peer.in_flight -= 1
             peer.transfers.pop((request_id, tid), None)
 
-    async def _more_rows(self, holder: str, msg: RowsWanted, peer: PeerConn, tail: int) -> list[int]:
-        """Blocks for the `num_rows` more rows a prefill instance asks for, once it knows its prompt's length."""
+    async def _more_rows(self, holder: str, msg: RowsWanted, peer: PeerConn, tail: int,
+                         queue: asyncio.Queue) -> list[int]:
+        """Blocks for the `num_rows` more rows a prefill instance asks for, once it knows its prompt's length (a
+        failure it reports meanwhile ends the wait: `_allocate`)."""
         if not self.kind.rows_for_every_token:
             raise PeerFailure(f"the {self.kind.name} asked for more blocks")
         if not 0 < msg.num_rows <= self.cfg.max_model_len + tail:
             raise PeerFailure(f"the {self.kind.name} asked for {msg.num_rows} more rows (a prompt holds "
                               f"{self.cfg.max_model_len} tokens at most)")
-        return await self._allocate(holder, msg.num_rows, peer)
+        return await self._allocate(holder, msg.num_rows, peer, queue)
 
     def _quarantine_until(self, asked_at: float) -> float:
-        """When a failed transfer's blocks go back without the peer's word. A prefill engine writes the first
-        run while it computes the prompt, starting writes until `TransferRequest.write_within_s` (the transfer's
-        timeout) after the request reached it (transports.row_writer.send_deadline): its blocks wait that long
-        after it was sent, then the quarantine (longer than a write may take, and than the request's way)."""
+        """When a failed transfer's blocks go back without the peer's word. A prefill engine writes them while it
+        computes the prompt, starting writes until `TransferRequest.write_within_s` (the transfer's timeout) after
+        the request, or the `RowsGiven` that completed its blocks, reached it (transports.row_writer.send_deadline):
+        its blocks wait that long after that message was sent (`asked_at`), then the quarantine (longer than a
+        write may take, and than the message's way)."""
         until = time.monotonic() + self.quarantine_s
         if self.kind.rows_for_every_token:
             until = max(until, asked_at + self.opts.transfer_timeout + self.quarantine_s)
@@ -358,6 +374,10 @@ class PeerClient(PeerLinks):
             got = await asyncio.wait_for(queue.get(), self.opts.transfer_timeout)
         except asyncio.TimeoutError:
             raise PeerFailure(f"no answer within {self.opts.transfer_timeout:.0f}s") from None
+        return self._as_chunk(got)
+
+    def _as_chunk(self, got) -> tuple[TransferChunk | RowsWanted, list]:
+        """What the peer sent for this transfer; its failure (or the reader's) raised as the transfer's."""
         if isinstance(got, Exception):
             raise got
         msg, frames = got

@@ -18,7 +18,7 @@ import zmq.asyncio
 from vlserve.core.config import DisaggArgs
 from vlserve.core.wire import Framer
 from vlserve.disagg.auth import PeerAuth, require_secret_off_loopback
-from vlserve.disagg.messages import Ping, Pong, ReceiverToSender, SenderToReceiver
+from vlserve.disagg.messages import PROTOCOL, Ping, Pong, ReceiverToSender, SenderToReceiver
 from vlserve.disagg.peer_kinds import PeerKind, rendezvous_score
 from vlserve.disagg.registries import open_registry
 from vlserve.disagg.registry import InstanceInfo, registry_target
@@ -207,6 +207,12 @@ class PeerLinks:
 
     def _pair(self, peer: PeerConn, pong: Pong) -> None:
         if peer.paired:
+            return
+        if pong.protocol != PROTOCOL:
+            logger.error("%s %s speaks transfer protocol %d; this server speaks %d (a deployment mid-upgrade: run "
+                         "the same vlserve version on every role): not paired", self.kind.name, peer.info.address,
+                         pong.protocol, PROTOCOL)
+            self._drop(peer, "it speaks another transfer protocol", quiet=True, for_s=300.0)
             return
         ours = self.kind.expects(self.cfg)
         theirs = (pong.architecture, pong.hidden_size, pong.side_rows, pong.kv_width, pong.state_rows)

@@ -98,9 +98,12 @@ class PrefillService(SenderService):
         if task is not None and key not in self.sender.transfers:
             task.cancel()  # still prefilling: the engine drops the request (a send under way is let finish)
 
-    async def _blocks(self, key, req: TransferRequest, prompt) -> list[int]:
-        """The receiver's blocks for every row of the prompt: its first run came with the request; what more the
-        prompt needs the receiver appends when asked (`RowsWanted`), so the rows fill them in one chunk."""
+    async def _blocks(self, key, req: TransferRequest, prompt, arrived: float) -> tuple[list[int], float]:
+        """The receiver's blocks for every row of the prompt, and from when (time.time()) its writes may start
+        for the time it gives (`write_within_s`): its first run came with the request (`arrived`); what more the
+        prompt needs the receiver appends when asked (`RowsWanted`), so the rows fill them in one chunk, and the
+        time counts from its answer (the receiver keeps every block that long after it answered: a wait for its
+        blocks does not eat the prompt's writing time)."""
         total, tail = prompt.num_tokens, PREFILL_PEERS.tail_rows(self.engine.cfg)
         rows = RowMap(prompt.mm_items, True, tail).rows_through(total, total)
         blocks = list(req.block_ids)
@@ -109,19 +112,20 @@ class PrefillService(SenderService):
         have = len(blocks) * req.block_tokens
         if rows > have:
             blocks += await self.sender.ask_rows(key, rows - have)
+            arrived = time.time()
             if len(blocks) * req.block_tokens < rows:
                 raise ServiceUnavailableError(f"the decode instance gave {len(blocks)} blocks of "
                                               f"{req.block_tokens} rows for a prompt of {rows} rows")
-        return blocks
+        return blocks, arrived
 
     def _send_of(self, key, engine_id: str, req: TransferRequest, prompt, blocks: list[int],
-                 arrived: float) -> tuple[KVSend, asyncio.Future]:
+                 since: float) -> tuple[KVSend, asyncio.Future]:
         """Where the engine writes the prompt's rows as it computes them, and the future of that send's end. An
         abort is acknowledged only once the engine says no write of it runs (`TransferSender.settling`); an engine
         that stopped answering leaves it unacknowledged (the receiver's quarantine frees those blocks). Every check
         comes first: a request refused here leaves nothing behind."""
         destination = encode_destination(req.target, blocks, self.transport.name)
-        not_after = send_deadline(arrived, req.write_within_s, self.timeout)
+        not_after = send_deadline(since, req.write_within_s, self.timeout)
         write_id, sent = self.engine.kv_writes.expect(engine_id)
         settled = self.sender.settling[key] = asyncio.get_running_loop().create_future()
 
@@ -146,8 +150,8 @@ class PrefillService(SenderService):
             with await self.engine.prepare(prompt, req.mm_processor_kwargs, request_id=engine_id,
                                            adapter=adapter) as prepared:
                 computed = with_adapter(prepared.prompt, adapter)  # the item hashes the decode side keys by
-                blocks = await self._blocks(key, req, computed)
-                kv_send, sent = self._send_of(key, engine_id, req, computed, blocks, arrived)
+                blocks, since = await self._blocks(key, req, computed, arrived)
+                kv_send, sent = self._send_of(key, engine_id, req, computed, blocks, since)
                 handoff = await self.engine.prefill(prepared, req.params, engine_id, adapter,  # takes it over
                                                     kv_send=kv_send)
             transfer = OutgoingTransfer(key, computed, req.block_tokens, every_token=True,

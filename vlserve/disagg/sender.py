@@ -30,6 +30,7 @@ from vlserve.core.prompt import ProcessedPrompt
 from vlserve.core.wire import Framer
 from vlserve.disagg.auth import PeerAuth
 from vlserve.disagg.messages import (
+    PROTOCOL,
     AbortTransfer,
     ItemMeta,
     Ping,
@@ -300,7 +301,7 @@ class SenderService:
     def _dispatch(self, peer: bytes, msg) -> None:
         if isinstance(msg, Ping):
             pong = self.pong(msg.nonce)
-            pong.boot = self.boot
+            pong.boot, pong.protocol = self.boot, PROTOCOL
             self.spawn(self.sender.reply(peer, pong))
         elif isinstance(msg, TransferRequest):
             self.on_request(peer, msg)
