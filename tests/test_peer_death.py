@@ -411,13 +411,14 @@ def test_a_prefill_that_fails_while_its_blocks_are_awaited_gets_none_of_them():
     @_scenario(threshold=1000)
     async def scenario(client):
         a = FakePrefill(gives_up=True)
-        _connect(client, a, "A")
+        peer_a = _connect(client, a, "A")
         held = client.buffers.allocate(6 * BLOCK)  # room for the first run (2 blocks) and no more
         ask = asyncio.create_task(client.send_prompt("r1", "p", {}, {}, {}))
         await _until(lambda: a.requests, "the request reached A")
         b = FakePrefill(boot="bb")
         _connect(client, b, "B")
-        await asyncio.sleep(1.0)  # A's failure came (0.3 s after its ask) while its blocks were awaited
+        # A's failure (0.3 s after its ask) ends its transfer while its blocks are awaited; then blocks come free
+        await _until(lambda: not peer_a.transfers, "A's transfer ended at its failure")
         client.pool.free("", held)
         await _answered_by(client, ask, b)
         assert a.given == [], "blocks freed later went to the transfer that had failed"
