@@ -260,7 +260,7 @@ def test_what_layer_writes_cover_follows_the_steps_and_a_preemption_starts_it_af
     assert send.computed(0, 8) == (0, 8) and send.computed(8, 16) == (8, 16)
     assert send.rest() == [(16, 24)]
     assert send.computed(16, 40) == (16, 24) and send.rest() == [] and send.computed(24, 30) is None
-    send.covered = None  # preempted (PrefillConnector.move_kv): recomputed from a cached prefix of 8 tokens
+    send.restart()  # preempted (PrefillConnector.move_kv): recomputed from a cached prefix of 8 tokens
     assert send.computed(8, 20) == (8, 20) and send.rest() == [(0, 8), (20, 24)]
     assert send.computed(4, 12) == (4, 12) and send.rest() == [(0, 4), (12, 24)]  # a step that does not follow
 
@@ -400,3 +400,23 @@ def test_a_prefill_asks_for_every_row_before_it_computes_so_one_chunk_fills_them
         assert asked == more and blocks[:2] == [7, 8] and len(blocks) * block >= total + tail
         assert (since == 5.0) is not bool(more)  # the writing time counts from the receiver's answer
         assert RowMap([], True, tail).chunk_end(0, len(blocks) * block, total) == total  # one chunk for all
+
+
+def test_a_preempted_sends_bytes_count_each_row_once():
+    """After a preemption every row is written again (recomputed layers, the rest at the finish): the answer
+    reports the bytes of the writes after it, not those it replaced too."""
+    from concurrent.futures import Future
+
+    from vlserve.engine.kv_connector.layer_sends import LayerSend
+
+    def done(nbytes: int) -> Future:
+        f = Future()
+        f.set_result(nbytes)
+        return f
+
+    send = LayerSend(KVSend(3, 24, b"", NEVER), "r", by_layer=True)
+    send.futures += [done(100), done(100)]  # two layers of tokens 0..8
+    send.restart()
+    send.futures += [done(100), done(100), done(200)]  # again, and the rest at the finish
+    send.finished = True
+    assert send.answer() == KVWritten("r", 3, 400)

@@ -36,6 +36,7 @@ class LayerSend:
     # Tokens [lo, hi) whose every layer was queued for writing, from one run of consecutive steps.
     covered: tuple[int, int] | None = None
     futures: list[Future] = field(default_factory=list)
+    counted_from: int = 0  # futures[counted_from:] count in the answer's bytes (what came before is written again)
     finished: bool = False  # its request finished and the rest is queued: answered once the writes have ended
     released: bool = False  # its request left before that: nothing more is written, answered as failed
     error: str | None = None  # the first failure (set on the writer thread, read once its writes are done)
@@ -52,6 +53,12 @@ class LayerSend:
         else:
             self.covered = (lo, hi)
         return lo, hi
+
+    def restart(self) -> None:
+        """Its request was preempted: every row is written again (what it recomputes layer by layer, the rest at
+        the finish), so only the writes from here count in the bytes it reports."""
+        self.covered = None
+        self.counted_from = len(self.futures)
 
     def rest(self) -> list[tuple[int, int]]:
         """Token ranges of the send that no layer write covered, written whole at the finish."""
@@ -84,12 +91,12 @@ class LayerSend:
         if not (self.finished or self.released) or self.writing:
             return None
         nbytes, error = 0, self.error
-        for f in self.futures:
+        for i, f in enumerate(self.futures):
             if f.cancelled():
                 error = error or "released before it was written"
             elif f.exception() is not None:
                 error = error or f"{type(f.exception()).__name__}: {f.exception()}"
-            else:
+            elif i >= self.counted_from:
                 nbytes += f.result()
         if self.released and error is None:
             error = "released before it was written"

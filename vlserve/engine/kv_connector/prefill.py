@@ -138,7 +138,7 @@ class PrefillConnector(KVConnector):
         tokens the step computes for sends (AttentionMetadata.after_kv_layer)."""
         for rid in sched.preempted:  # its blocks are freed: layer writes queued before may read others' KV
             if (send := self.sends.get(rid)) is not None:
-                send.covered = None  # what it recomputes is written again, the rest at the finish
+                send.restart()  # what it recomputes is written again, the rest at the finish
         if self.by_layer and self.sends:
             jobs = []
             for chunk in sched.chunks:
