@@ -240,7 +240,7 @@ class PeerClient(PeerLinks):
             while True:
                 header, frames = await self._next_chunk(queue, enter)
                 if isinstance(header, RowsWanted):  # a prefill instance that knows its prompt's length
-                    if received.tokens or len(run) != len(blocks) or extended:
+                    if received.tokens or extended:
                         raise PeerFailure(f"the {self.kind.name} asked for more blocks twice, or after its rows")
                     extended = True
                     more = await self._more_rows(holder, header, peer, tail, queue)

@@ -6,8 +6,8 @@ its own receive blocks, exactly like a language server), runs the prompt through
 token as the whole request would, and writes every prompt token's KV row (engine.kv_handoff) into the decode
 instance's blocks over the transport (a hybrid model's linear states follow as rows, engine.state_rows): once the
 prompt's length is known it asks the decode instance for the blocks beyond its first run (`RowsWanted`), so that
-its engine writes every run as it computes the prompt, each layer as soon as it ran (engine.kv_connector); the
-chunks' headers follow, the last with the first token and the random state. It speaks the peers' protocol
+its engine writes every row as it computes the prompt, each layer as soon as it ran (engine.kv_connector); one
+chunk's header follows, with the first token and the random state. It speaks the peers' protocol
 (disagg.messages) as the sender, with the same abort and expiry (disagg.sender).
 
 A request may name the LoRA adapter the decode instance accepted it with (`--enable-lora` on both), by name and
