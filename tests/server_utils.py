@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from vlserve.core.processes import die_with_parent, free_port
+from vlserve.core.processes import ENGINE_PROCESS_NAME, die_with_parent, free_port
 
 LOG_DIR_ENV = "VLSERVE_TEST_LOG_DIR"
 
@@ -45,6 +45,14 @@ def start_vlserve(args: list[str], **popen_kwargs) -> subprocess.Popen:
             f.write(f"{os.environ.get('PYTEST_CURRENT_TEST', '?')}\t{' '.join(args)[:160]}\n")
     return subprocess.Popen([sys.executable, "-m", "vlserve", *args], start_new_session=True,
                             preexec_fn=die_with_parent, **popen_kwargs)
+
+
+def is_engine_process(pid: int) -> bool:
+    """An engine-core process (forked or spawned, it names itself; not the resource tracker)."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip() == ENGINE_PROCESS_NAME
+    except (FileNotFoundError, ProcessLookupError):
+        return False
 
 
 def descendants(pid: int) -> set[int]:
@@ -136,7 +144,7 @@ class RemoteServer:
     def engine_pid(self) -> int:
         children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
         for pid in children:
-            if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text():  # not the resource tracker
+            if is_engine_process(int(pid)):
                 return int(pid)
         raise RuntimeError("no engine process")
 

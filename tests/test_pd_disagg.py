@@ -22,7 +22,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_utils import (descendants, free_port, log_file, scrape, socket_inodes, start_vlserve, stop,
+from tests.server_utils import (descendants, free_port, is_engine_process, log_file, scrape, socket_inodes, start_vlserve, stop,
                                 wait_healthy)
 from tests.test_disagg import (
     BACKENDS,
@@ -253,8 +253,7 @@ def _direct_engine(pid: int) -> int:
     """The engine process a role started itself (not its tensor-parallel ranks below it)."""
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
     for child in map(int, out.split()):
-        cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
-        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+        if is_engine_process(child):
             return child
     raise AssertionError(f"no engine process under {pid}")
 

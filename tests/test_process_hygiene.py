@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from tests.server_utils import HTTP, RemoteServer, descendants, free_port, start_vlserve
+from tests.server_utils import HTTP, RemoteServer, descendants, free_port, is_engine_process, start_vlserve
 from vlserve.core.errors import EXIT_CONFIG
 
 START_FAILURE_TRIES = 2  # the note reports 10; two keep the suite fast and still catch a hang that comes and goes
@@ -66,11 +66,8 @@ def _engine_child(pid: int, timeout: float = 60) -> int:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for child in descendants(pid):
-            try:
-                if "spawn_main" in open(f"/proc/{child}/cmdline").read():
-                    return child
-            except FileNotFoundError:
-                pass
+            if is_engine_process(child):
+                return child
         time.sleep(0.02)
     raise AssertionError("no engine process appeared")
 

@@ -37,6 +37,7 @@ FILE_TIERS = {
     "test_llava_processor.py": "unit",
     "test_internvl_processor.py": "unit",
     "test_encoder_budgets.py": "unit",
+    "test_engine_zygote.py": "unit",
     "test_block_tables.py": "unit",
     "test_family_neutral.py": "unit",
     "test_kernel_build.py": "unit",

@@ -13,15 +13,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from vlserve.bench.dataset import RandomMMConfig, build_requests, parse_audio_seconds, parse_image_sizes
-from vlserve.bench.serve import (
-    RunOptions,
-    compute_metrics,
-    error_counts,
-    format_table,
-    request_summaries,
-    run_benchmark,
-)
 
 log = logging.getLogger("vlserve.bench")
 
@@ -44,7 +35,20 @@ def parse_count_per_request(text: str) -> tuple[int, int | None]:
         raise argparse.ArgumentTypeError("expected N or MIN-MAX, such as 1 or 1-3") from None
 
 
+# The workload and the client (numpy, PIL, httpx) are imported when the command runs: every vlserve process
+# builds this parser.
+def _image_sizes(text: str) -> list[tuple[int, int]]:
+    from vlserve.bench.dataset import parse_image_sizes
+
+    try:
+        return parse_image_sizes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _audio_seconds(text: str) -> list[float]:
+    from vlserve.bench.dataset import parse_audio_seconds
+
     try:
         return parse_audio_seconds(text)
     except ValueError as e:
@@ -72,7 +76,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--output-len", type=_positive_int, default=64, help="max_tokens per request")
     g.add_argument("--range-ratio", type=float, default=0.0,
                    help="0: fixed lengths; r: lengths uniform in [len*(1-r), len*(1+r)]")
-    g.add_argument("--image-sizes", type=parse_image_sizes, default="448x448",
+    g.add_argument("--image-sizes", type=_image_sizes, default="448x448",
                    help="comma list of WIDTHxHEIGHT, one picked at random per image")
     g.add_argument("--images-per-request", type=parse_count_per_request, default="1",
                    help="N, or MIN-MAX for a uniform count per request")
@@ -112,6 +116,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Build the workload, run it, print the table; exit 1 if no request succeeded."""
+    from vlserve.bench.dataset import RandomMMConfig, build_requests
+    from vlserve.bench.serve import (RunOptions, compute_metrics, error_counts, format_table, request_summaries,
+                                     run_benchmark)
+
     if args.burstiness <= 0 or args.request_rate <= 0:
         log.error("--burstiness and --request-rate must be > 0")
         return 2

@@ -63,6 +63,20 @@ def die_with_parent() -> None:
         pass
 
 
+ENGINE_PROCESS_NAME = "vlserve-engine"
+
+
+def name_process(name: str) -> None:
+    """The name `ps -o comm`, `top` and /proc/PID/comm show for this process (at most 15 bytes; Linux only): a
+    forked engine process's command line is its front end's, so the name is what tells them apart."""
+    if sys.platform != "linux":
+        return
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
 def _ephemeral_ports() -> range:
     """The ports the kernel hands out for a bind to port 0 or an outgoing connection."""
     try:

@@ -34,10 +34,13 @@ def run_encode(ns: argparse.Namespace) -> int:
 
 
 def run_prefill(ns: argparse.Namespace) -> int:
+    from vlserve.engine.zygote import prefork
+
+    opts = options_from(ns, PREFILL)
+    prefork(("vlserve.disagg.prefill_service",))  # its engine process, forked before any work (engine/zygote.py)
     from vlserve.disagg.prefill_service import run_prefill as run
     from vlserve.disagg.transports import require_backend
 
-    opts = options_from(ns, PREFILL)
     require_backend(opts.disagg.transfer_backend)
     opts.engine.load_vision = False  # media go to encoder services
     # Embedding entries reach a prefill instance only from a decode instance whose own --enable-mm-embeds let

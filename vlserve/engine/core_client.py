@@ -38,6 +38,7 @@ from vlserve.core.wire import (
 )
 from vlserve.engine.private_sockets import PrivateSockets
 from vlserve.engine.transfer_buffers import BufferLayout
+from vlserve.engine.zygote import start_process
 from vlserve.model.facts import ModelFacts, encode_facts
 
 if TYPE_CHECKING:
@@ -105,14 +106,12 @@ class EngineCoreClient:
             self.hb_sock = self._async_ctx.socket(zmq.PAIR)
             addresses = {name: self._private.bind(sock, name) for name, sock in
                          (("input", self.in_sock), ("output", self.out_sock), ("heartbeat", self.hb_sock))}
-            self.proc = multiprocessing.get_context("spawn").Process(  # its arguments travel through a pipe
-                target=_engine_process,
-                args=(encode_args(self.args), encode_facts(self.facts), addresses, self.log_level,
-                      None if self.transfer_layout is None else msgspec.msgpack.encode(self.transfer_layout),
-                      os.getpid(), self.kv_role, self.media_pool, self.kv_writer, self.kv_receiver,
-                      self._private.token),
-                name="vlserve-engine-core", daemon=True)
-            self.proc.start()
+            self.proc = start_process(  # forked early (engine/zygote.py) or spawned; arguments through a pipe
+                _engine_process,
+                (encode_args(self.args), encode_facts(self.facts), addresses, self.log_level,
+                 None if self.transfer_layout is None else msgspec.msgpack.encode(self.transfer_layout),
+                 os.getpid(), self.kv_role, self.media_pool, self.kv_writer, self.kv_receiver, self._private.token),
+                name="vlserve-engine-core")
             ready = await self._wait_ready()
         except BaseException:  # failed, or cancelled (SIGTERM) while it loads: stop it (it reads no message yet),
             # and free the sockets, the folder and the token checker

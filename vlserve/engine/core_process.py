@@ -23,7 +23,7 @@ import zmq
 
 from vlserve.core.config import PREFILL, decode_args, kv_cache_shared
 from vlserve.core.errors import ConfigurationError, InvalidInputError, VlserveError
-from vlserve.core.processes import die_with_parent, freeze_startup_heap, log_format
+from vlserve.core.processes import ENGINE_PROCESS_NAME, die_with_parent, freeze_startup_heap, log_format, name_process
 from vlserve.core.wire import (
     AddRequest,
     CancelReserveKV,
@@ -256,6 +256,7 @@ def run_engine_core(args_json: bytes, facts_json: bytes, addresses: dict[str, st
     logging.basicConfig(level=log_level, format=log_format())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the front-end, which shuts us down in order
     die_with_parent()
+    name_process(ENGINE_PROCESS_NAME)
     parent_pid = parent_pid or os.getppid()
     if os.getppid() != parent_pid:  # the front-end died while this process was still importing: nobody to serve
         logger.warning("front-end process is gone before the engine started; exiting")

@@ -59,16 +59,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     check_cheap_flags(opts)
     if (code := tensor_parallel_worker(opts.engine)) is not None:
         return code
-    return_large_blocks()  # uploads of tens of MB must not stay in the allocator's arenas
     sock = bind_socket(opts.server.host, opts.server.port)  # a taken port is reported before anything loads
-    if opts.engine.model is None:
-        from vlserve.tools.demo_checkpoint import demo_checkpoint
-
-        opts.engine.model = str(demo_checkpoint())
-        opts.server.served_model_name = opts.server.served_model_name or DEMO_NAME
-        logger.warning("no --model given: serving a RANDOM demo checkpoint (%s) as %r; it answers with random "
-                       "text. To serve a real model: vlserve serve --model Qwen/Qwen2-VL-2B-Instruct (hub id or "
-                       "local folder)", opts.engine.model, opts.server.served_model_name)
     if (opts.disagg.num_prefill or opts.disagg.num_decode) and not opts.disagg.disagg:
         sock.close()
         raise InvalidInputError("--num-prefill/--num-decode start an E->P->D deployment: add --disagg")
@@ -76,24 +67,50 @@ def run_serve(ns: argparse.Namespace) -> int:
     if opts.disagg.disagg:
         from vlserve.disagg.launcher import run_roles
 
+        use_demo_checkpoint(opts)
         sock.close()  # free now, as checked: the language server's own process listens on it
         return run_roles(opts, ns.log_level)
+    start_front_end(sock)
+    use_demo_checkpoint(opts)  # (building it runs torch: after the fork)
     from vlserve.server.api_server import serve
 
     return asyncio.run(serve(opts, ns.log_level, sock=sock))
 
 
+def start_front_end(sock=None, imports: tuple[str, ...] = ("vlserve.server.api_server",)) -> None:
+    """What a front end does before it works: fork its engine process's zygote once `imports` (its own heavy
+    modules) are loaded (engine/zygote.py; before any thread or kernel), then fix its allocator's threshold for
+    large blocks (after the fork: the engine keeps glibc's default)."""
+    from vlserve.engine.zygote import prefork
+
+    prefork(imports, close=() if sock is None else (sock,))
+    return_large_blocks()  # uploads of tens of MB must not stay in the allocator's arenas
+
+
+def use_demo_checkpoint(opts) -> None:
+    """Without --model: the demo checkpoint (built at its first use), under its own name."""
+    if opts.engine.model is not None:
+        return
+    from vlserve.tools.demo_checkpoint import demo_checkpoint
+
+    opts.engine.model = str(demo_checkpoint())
+    opts.server.served_model_name = opts.server.served_model_name or DEMO_NAME
+    logger.warning("no --model given: serving a RANDOM demo checkpoint (%s) as %r; it answers with random "
+                   "text. To serve a real model: vlserve serve --model Qwen/Qwen2-VL-2B-Instruct (hub id or "
+                   "local folder)", opts.engine.model, opts.server.served_model_name)
+
+
 def run_language(ns: argparse.Namespace, role: str = LANGUAGE) -> int:
     opts = options_from(ns, role)
     check_cheap_flags(opts)  # before torch is imported (the transports import it)
-    from vlserve.disagg.transports import require_backend
-
-    require_backend(opts.disagg.transfer_backend)
     opts.engine.load_vision = False
     if (code := tensor_parallel_worker(opts.engine)) is not None:
         return code
-    return_large_blocks()
     sock = bind_socket(opts.server.host, opts.server.port)
+    start_front_end(sock, ("vlserve.disagg.transports", "vlserve.server.api_server"))
+    from vlserve.disagg.transports import require_backend
+
+    require_backend(opts.disagg.transfer_backend)
     from vlserve.server.api_server import serve
 
     return asyncio.run(serve(opts, ns.log_level, role=role, sock=sock))

@@ -20,7 +20,6 @@ import threading
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from vlserve.core.allocator import return_large_blocks
 from vlserve.core.config import SERVE, Options
 from vlserve.core.errors import ConfigurationError, VlserveError
 from vlserve.core.options import add_options, options_from
@@ -124,7 +123,7 @@ def register_cli(subparsers) -> None:
 
 
 def run(ns: argparse.Namespace) -> int:
-    from vlserve.server.cli import check_cheap_flags, tensor_parallel_worker
+    from vlserve.server.cli import check_cheap_flags, start_front_end, tensor_parallel_worker
 
     opts = options_from(ns, SERVE)
     check_cheap_flags(opts)
@@ -134,7 +133,7 @@ def run(ns: argparse.Namespace) -> int:
     max_concurrency = positive(ns.max_concurrency, "--max-concurrency")
     if (code := tensor_parallel_worker(opts.engine)) is not None:
         return code
-    return_large_blocks()  # lines of tens of MB must not stay in the allocator's arenas
+    start_front_end(imports=("vlserve.frontend.async_llm",))  # lines of tens of MB: see core/allocator.py
     source = open_input(ns.input_file)  # files first: a wrong path is reported before any model loads
     output = None
     try:
