@@ -3,7 +3,8 @@
 #   benchmarks/gpu_check.sh [OUT_DIR]        (default: $OUT if set, else ./gpu_check_out)
 # 1. installs what the machine's image lacks from wheels carried in .whl/ (benchmarks/gpu_wheels.txt lists them
 #    and says how to download them; nothing is fetched here: GPU machines may have no network);
-# 2. runs the tests that need CUDA (-m cuda) and the varlen-kernel tests on the GPU;
+# 2. runs the tests that need CUDA (-m cuda) and the Triton kernels' tests (attention, fused MoE) on the GPU, and
+#    times the fused MoE layer against the expert loop (benchmarks/moe_kernel.py);
 # 3. runs the parity suites (Qwen2-VL, Qwen2.5-VL, Qwen3-VL(-MoE), Qwen3.5(-MoE), LLaVA-OneVision/NeXT-Video,
 #    Qwen2-Audio, Qwen2.5-Omni, async scheduling) against transformers on the GPU, with CUDA graphs (the default)
 #    and with VLSERVE_ENFORCE_EAGER=1, and beside them the serving suites (HTTP server, P/D disaggregation, audio,
@@ -83,8 +84,10 @@ PYTEST="$PY -m pytest -p no:cacheprovider -rfE --timeout 300"  # pyproject's -q:
 XDIST="-n 4 --dist loadfile"
 $PY -c "import xdist" 2> /dev/null || XDIST=""
 
-step cuda_tests 240 $PYTEST tests/test_cuda.py tests/test_triton_attention.py \
+step cuda_tests 240 $PYTEST tests/test_cuda.py tests/test_triton_attention.py tests/test_triton_moe.py \
     tests/test_gated_delta.py::test_chunked_rule_on_cuda tests/test_sampler.py::test_cuda_matches_device $XDIST
+step moe_kernel 60 $PY benchmarks/moe_kernel.py
+grep "^|" "$OUT_DIR/moe_kernel.log" >> "$SUMMARY" 2>/dev/null
 # The parity runs (graphs, eager) and the serving suites (the HTTP server, P/D and E->P->D moving KV between two
 # engines on the GPU, audio) run side by side: 12 workers on the 16 cores; each worker's CPU references get 2 threads.
 OMP_NUM_THREADS=2 step parity_graphs 300 $PYTEST -m engine $PARITY $XDIST &

@@ -38,6 +38,7 @@ FILE_TIERS = {
     "test_internvl_processor.py": "unit",
     "test_encoder_budgets.py": "unit",
     "test_engine_zygote.py": "unit",
+    "test_triton_moe.py": "engine",
     "test_block_tables.py": "unit",
     "test_family_neutral.py": "unit",
     "test_kernel_build.py": "unit",

@@ -19,73 +19,12 @@ same program on the CPU with numpy: slow, and only for tests of this kernel's lo
 
 from __future__ import annotations
 
-import logging
-import os
-
 import torch
 
-try:
-    if not torch.cuda.is_available():  # must be set before @triton.jit runs (it is read at decoration time)
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    import triton
-    import triton.language as tl
-except ImportError:  # a CPU install without Triton: the CPU attention paths never need it
-    triton = None
-
-
-def _interpreter_compat() -> None:
-    """Two mends to Triton 3.6's interpreter, for the CPU tests of this kernel:
-    - triton.language may have been imported before TRITON_INTERPRET was set (torch._dynamo imports it): its
-      library functions (tl.max, tl.sum, tl.zeros, ...) are then compiled-mode functions that refuse to run in
-      the interpreter; they are wrapped as interpreted ones;
-    - the interpreter holds scalars as 1-element arrays and turns them into loop bounds with `int()`, which
-      numpy >= 2.4 refuses for arrays that are not 0-d: the one element is taken instead;
-    - it holds bf16 as raw uint16 bits and multiplies those bits in `tl.dot`: bf16 operands are widened to fp32
-      (exactly) first, which is what the tensor cores' bf16 products accumulated in fp32 compute."""
-    from triton.runtime import interpreter
-    from triton.runtime.jit import JITFunction
-
-    for module in {tl, tl.core, tl.standard, tl.math}:
-        for name, value in list(vars(module).items()):
-            if isinstance(value, JITFunction):
-                setattr(module, name, interpreter.InterpretedFunction(value.fn))
-    original = interpreter._patch_lang_tensor
-
-    def patch(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    if getattr(original, "__name__", "") != "patch":
-        interpreter._patch_lang_tensor = patch
-
-    builder = interpreter.InterpreterBuilder
-    dot = builder.create_dot
-
-    def widen(handle):
-        if handle.dtype != tl.bfloat16:
-            return handle
-        return interpreter.TensorHandle((handle.data.astype("uint32") << 16).view("float32"), tl.float32)
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
-
-    if getattr(dot, "__name__", "") != "create_dot_widened":
-        create_dot.__name__ = "create_dot_widened"
-        builder.create_dot = create_dot
-
-
-if triton is not None and os.environ.get("TRITON_INTERPRET") == "1":
-    try:
-        _interpreter_compat()
-    except (AttributeError, ImportError) as e:  # another Triton's interpreter internals: run it as it is
-        logging.getLogger("vlserve.kernels").warning("Triton %s interpreter not adapted (%s)", triton.__version__, e)
+from vlserve.model.kernels.triton_runtime import available, tl, triton
 
 BLOCK_ROWS_PREFILL = 64  # tile rows (query tokens x grouped heads) of a prefill program
 BLOCK_KEYS = 32  # keys per inner step
-
-
-def available() -> bool:
-    return triton is not None
 
 
 if triton is not None:

@@ -9,9 +9,10 @@ low-rank delta of the expert it runs: one pair of GEMMs per (expert, adapter) ov
 adapter. A pass captured as a graph (`static_shapes`) cannot read the counts: it runs each
 (token, expert) pair on its expert's gathered weights when that gathers no more than every expert once, else every
 expert on every token with zero weight where it was not chosen; both add a token's experts in ascending order, as
-the reference does. On CPU, `pack` swaps each expert's two matrices for oneDNN-prepacked copies (see
-packed_linear.py: bf16 where the CPU has it natively, bit-identical; fp32 everywhere, within an ulp), as the
-dense linears get.
+the reference does. On CUDA (no adapter running) both kinds of pass are two grouped GEMM launches instead
+(kernels/triton_moe.py: no loop, no host sync). On CPU, `pack` swaps each expert's two matrices for
+oneDNN-prepacked copies (see packed_linear.py: bf16 where the CPU has it natively, bit-identical; fp32
+everywhere, within an ulp), as the dense linears get.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from vlserve.model.kernels import fused_moe_wanted, triton_moe_kernels
 from vlserve.model.layers.lora_rows import active_rows
 from vlserve.model.layers.mlp import GatedMLP, get_activation
 from vlserve.model.layers.parallel import Column, Row, current_tp, even_split
@@ -114,6 +116,9 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """experts, weights: [T, k] -> sum over k of weight * expert(x)."""
         token_slots = self._token_slots(x.shape[0], x.device) if self.lora else None
+        if token_slots is None and self.packed is None and fused_moe_wanted(x):  # CUDA: two grouped GEMMs
+            return triton_moe_kernels().fused_experts(x, experts, weights, self.gate_up_proj, self.down_proj,
+                                                      self.act)
         if static_shapes_active():
             if token_slots is not None:  # graphs are off with LoRA (vlserve.engine.config): never reached
                 raise RuntimeError("LoRA adapters of MoE experts cannot run in a captured graph")
