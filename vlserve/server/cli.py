@@ -95,9 +95,9 @@ def use_demo_checkpoint(opts) -> None:
 
     opts.engine.model = str(demo_checkpoint())
     opts.server.served_model_name = opts.server.served_model_name or DEMO_NAME
-    logger.warning("no --model given: serving a RANDOM demo checkpoint (%s) as %r; it answers with random "
-                   "text. To serve a real model: vlserve serve --model Qwen/Qwen2-VL-2B-Instruct (hub id or "
-                   "local folder)", opts.engine.model, opts.server.served_model_name)
+    logger.warning("no --model given: using a RANDOM demo checkpoint (%s) as %r; its answers are random text. "
+                   "For a real model give --model, a hub id (Qwen/Qwen2-VL-2B-Instruct) or a local folder",
+                   opts.engine.model, opts.server.served_model_name)
 
 
 def run_language(ns: argparse.Namespace, role: str = LANGUAGE) -> int:

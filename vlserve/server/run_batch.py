@@ -123,7 +123,7 @@ def register_cli(subparsers) -> None:
 
 
 def run(ns: argparse.Namespace) -> int:
-    from vlserve.server.cli import check_cheap_flags, start_front_end, tensor_parallel_worker
+    from vlserve.server.cli import check_cheap_flags, start_front_end, tensor_parallel_worker, use_demo_checkpoint
 
     opts = options_from(ns, SERVE)
     check_cheap_flags(opts)
@@ -138,8 +138,7 @@ def run(ns: argparse.Namespace) -> int:
     output = None
     try:
         done, output = open_output(ns.output_file, ns.input_file)
-        if opts.engine.model is None:
-            use_demo_checkpoint(opts)
+        use_demo_checkpoint(opts)
         return asyncio.run(run_batch(opts, ns.log_level, source, output, done, max_line_bytes, max_concurrency,
                                      ns.input_file))
     finally:
@@ -239,16 +238,6 @@ def _lock(fd: int, path: str) -> None:
     except OSError as e:  # a file system without locks: the run goes on, unguarded
         logger.warning("cannot lock the output file %s (%s): make sure no other run writes to it", path,
                        e.strerror or e)
-
-
-def use_demo_checkpoint(opts: Options) -> None:
-    from vlserve.tools.demo_checkpoint import DEMO_NAME, demo_checkpoint
-
-    opts.engine.model = str(demo_checkpoint())
-    opts.server.served_model_name = opts.server.served_model_name or DEMO_NAME
-    logger.warning("no --model given: answering with a RANDOM demo checkpoint (%s) as %r: its answers are random "
-                   "text. Give --model (a hub id or a local folder) for a real model.", opts.engine.model,
-                   opts.server.served_model_name)
 
 
 # ---- the run ---------------------------------------------------------------------------------------------------
