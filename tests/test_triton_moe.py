@@ -50,7 +50,7 @@ def test_the_layout_holds_every_pair_once_in_blocks_of_one_expert():
         pair_ids, block_experts = expert_layout(experts, 8)
         pairs = tokens * top_k
         assert pair_ids.numel() == block_experts.numel() * BLOCK_M  # sizes from the token count alone
-        assert block_experts.numel() == (pairs + 8 * (BLOCK_M - 1)) // BLOCK_M + 1
+        assert block_experts.numel() == (pairs + min(8, pairs) * (BLOCK_M - 1)) // BLOCK_M + 1
         ids, owners = pair_ids.cpu().view(-1, BLOCK_M), block_experts.cpu()
         real = ids[ids < pairs]
         assert sorted(real.tolist()) == list(range(pairs)), "each pair exactly once"
@@ -65,8 +65,8 @@ def test_the_layout_holds_every_pair_once_in_blocks_of_one_expert():
         assert owners[: len(used)].tolist() == sorted(owners[: len(used)].tolist())
 
 
-@pytest.mark.parametrize("tokens,top_k,only", [(1, 2, None), (3, 1, None), (37, 2, None), (24, 4, [5]),
-                                               (17, 2, [1, 6])])
+@pytest.mark.parametrize("tokens,top_k,only", [(0, 2, None), (1, 2, None), (3, 1, None), (37, 2, None),
+                                               (24, 4, [5]), (17, 2, [1, 6])])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_experts_match_the_expert_loop(monkeypatch, tokens, top_k, only, dtype):
     """H and I that are no multiple of the tiles; experts that get nothing, or every pair."""
@@ -83,6 +83,9 @@ def test_fused_experts_match_the_expert_loop(monkeypatch, tokens, top_k, only, d
         with static_shapes():  # a graph-captured pass takes the same path (nothing read on the host)
             static = layer(x, experts, weights)
     assert torch.equal(static, got)
+    if tokens == 0:  # an empty pass gives an empty answer
+        assert got.shape == want.shape == (0, 72)
+        return
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
     else:  # bf16 rounds each step's output: the fused path is as near the fp32 answer as the loop is

@@ -15,6 +15,7 @@ spawned as before. A zygote serves one start (a front end starts one engine; a s
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import logging
 import multiprocessing
@@ -43,7 +44,7 @@ def unsafe_reason() -> str | None:
         return f"{START_METHOD_ENV}=spawn"
     if "torch" in sys.modules:
         return "torch was imported before (a kernel may have run: OpenMP does not survive a fork)"
-    if threading.active_count() > 1:
+    if threading.active_count() > 1:  # (native threads are not seen: numpy's OpenBLAS pool handles a fork)
         return "a thread runs"
     return None
 
@@ -115,4 +116,7 @@ def _wait_for_engine(receiving, sending, close_fds: list[int], parent_pid: int, 
         return
     finally:
         receiving.close()
-    target(*args)
+    try:
+        target(*args)
+    finally:  # a forked child ends with os._exit: run what a spawned one's exit runs (KV files, ranks' stop)
+        atexit._run_exitfuncs()

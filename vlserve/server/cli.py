@@ -102,7 +102,7 @@ def use_demo_checkpoint(opts) -> None:
 
 def run_language(ns: argparse.Namespace, role: str = LANGUAGE) -> int:
     opts = options_from(ns, role)
-    check_cheap_flags(opts)  # before torch is imported (the transports import it)
+    check_cheap_flags(opts)  # before torch is imported
     opts.engine.load_vision = False
     if (code := tensor_parallel_worker(opts.engine)) is not None:
         return code

@@ -25,6 +25,15 @@ def triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+@functools.cache
+def _triton_usable() -> bool:
+    """Triton imports (installed is not enough: a broken install keeps the MoE loop rather than fail every
+    layer)."""
+    from vlserve.model.kernels.triton_runtime import available
+
+    return available()
+
+
 def fused_moe_wanted(x) -> bool:
     """Mixture-of-experts layers run triton_moe for this pass's input: on CUDA unless VLSERVE_FUSED_MOE=0 (or
     Triton is missing); elsewhere only with VLSERVE_FUSED_MOE=1 (Triton's interpreter, for tests). Decided
@@ -32,7 +41,7 @@ def fused_moe_wanted(x) -> bool:
     setting = os.environ.get(FUSED_MOE_ENV, "")
     if setting == "0" or not (x.is_cuda or setting == "1"):
         return False
-    return triton_installed()
+    return triton_installed() and _triton_usable()
 
 
 @functools.cache

@@ -37,11 +37,11 @@ if triton is not None:
         """out[pair] = a[row of pair] @ w[expert of its block]^T for the pairs of block program_id(0), columns
         of tile program_id(1). ROWS_PER_TOKEN: `a` has a row per token (pair // TOP_K), else one per pair."""
         block = tl.program_id(0)
-        expert = tl.load(block_experts_ptr + block)
+        expert = tl.load(block_experts_ptr + block).to(tl.int64)
         if expert < 0:  # a spare block of the worst-case layout
             return
         offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
-        pairs = tl.load(pair_ids_ptr + offs_m)
+        pairs = tl.load(pair_ids_ptr + offs_m).to(tl.int64)  # offsets past 2^31 elements on big passes
         valid = pairs < num_pairs  # the sentinel pads an expert's last block
         if ROWS_PER_TOKEN:
             rows = pairs // TOP_K
@@ -71,7 +71,7 @@ def expert_layout(experts: torch.Tensor, num_experts: int, block_m: int = BLOCK_
     is the most any routing of T*k pairs can need; only tensor ops of fixed sizes (no host sync: graph-safe)."""
     flat = experts.reshape(-1).long()
     pairs = flat.numel()
-    max_blocks = (pairs + num_experts * (block_m - 1)) // block_m + 1
+    max_blocks = (pairs + min(num_experts, pairs) * (block_m - 1)) // block_m + 1  # at most one part-block each
     counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     blocks = (counts + block_m - 1) // block_m
@@ -116,7 +116,7 @@ def fused_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
     gate, up = gate_up.chunk(2, dim=-1)
     hidden = (act(gate) * up).contiguous()
     y = _grouped_gemm(hidden, down_proj, pair_ids, block_experts, num_pairs, top_k, rows_per_token=False)
-    y = (y * weights.reshape(-1, 1)).view(T, top_k, -1)
+    y = (y * weights.reshape(-1, 1)).view(T, top_k, y.shape[-1])
     out = y[:, 0]
     for j in range(1, top_k):
         out = out + y[:, j]
