@@ -98,3 +98,20 @@ def test_an_unused_zygote_ends_with_its_front_end():
     for how in ({}, {"EXIT_NOW": "1"}):  # exiting normally (multiprocessing ends it), or outright
         pid = int(_python(UNUSED, env=how).split()[0])
         assert _gone(pid, 10), f"a zygote outlived its front end ({how or 'normal exit'})"
+
+
+KILLED = """
+    import os, signal
+    from vlserve.engine import zygote
+    assert zygote.prefork(("json",), warm=())
+    proc = zygote._zygote[0]
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(10)
+    started = zygote.start_process(os.getppid, (), name="test")
+    started.join(60)
+    print(type(started._popen).__module__.rsplit(".", 1)[-1], started.exitcode, zygote._zygote)
+"""
+
+
+def test_a_zygote_killed_before_its_use_gives_way_to_a_spawned_engine():
+    assert _python(KILLED).split() == ["popen_spawn_posix", "0", "None"]

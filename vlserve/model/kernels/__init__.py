@@ -28,7 +28,7 @@ def triton_installed() -> bool:
 @functools.cache
 def _triton_usable() -> bool:
     """Triton imports (installed is not enough: a broken install keeps the MoE loop rather than fail every
-    layer)."""
+    layer). Imported only here, on the first pass that would use it."""
     from vlserve.model.kernels.triton_runtime import available
 
     return available()
@@ -36,12 +36,12 @@ def _triton_usable() -> bool:
 
 def fused_moe_wanted(x) -> bool:
     """Mixture-of-experts layers run triton_moe for this pass's input: on CUDA unless VLSERVE_FUSED_MOE=0 (or
-    Triton is missing); elsewhere only with VLSERVE_FUSED_MOE=1 (Triton's interpreter, for tests). Decided
-    without importing Triton."""
+    Triton is missing or broken); elsewhere only with VLSERVE_FUSED_MOE=1 (Triton's interpreter, for tests).
+    A CPU pass decides without importing Triton."""
     setting = os.environ.get(FUSED_MOE_ENV, "")
     if setting == "0" or not (x.is_cuda or setting == "1"):
         return False
-    return triton_installed() and _triton_usable()
+    return _triton_usable()
 
 
 @functools.cache
