@@ -23,6 +23,7 @@ from vlserve.disagg.transports.base import (
     write_timeout_s,
 )
 from vlserve.disagg.transports.loopback import Loopback, media_chunk
+from vlserve.core.private_dirs import HALF_MADE_AGE_S
 from vlserve.engine.transfer_buffers import TRANSFER_FILE_PREFIX, TransferBuffers, slot_runs
 
 WIDTH, BLOCK_TOKENS = 48, 16
@@ -161,14 +162,19 @@ def test_zmq_refuses_rows_that_do_not_match_the_segments():
 
 
 def test_stale_buffer_files_are_swept_and_live_ones_kept(tmp_path):
-    """A file whose owner still holds its lock stays (whatever its pid says); an unlocked one goes."""
+    """A file whose owner still holds its lock stays (whatever its pid says); an unlocked one goes. A hidden one (made,
+    not yet locked and named: CI once lost one to a sweep in that gap) stays while it is young, and goes when old."""
     import fcntl
 
     dead = tmp_path / f"{TRANSFER_FILE_PREFIX}1-abc"
     alive = tmp_path / f"{TRANSFER_FILE_PREFIX}1-def"
     other = tmp_path / "unrelated-1-abc"
-    for f in (dead, alive, other):
+    being_made = tmp_path / f".{TRANSFER_FILE_PREFIX}1-ghi"
+    abandoned = tmp_path / f".{TRANSFER_FILE_PREFIX}1-jkl"
+    for f in (dead, alive, other, being_made, abandoned):
         f.write_bytes(b"x")
+    old = time.time() - HALF_MADE_AGE_S - 5
+    os.utime(abandoned, (old, old))
     owner = os.open(alive, os.O_RDONLY)
     fcntl.flock(owner, fcntl.LOCK_EX)
     child = __import__("subprocess").run(  # another process sweeps, as a restarted server would
@@ -177,6 +183,7 @@ def test_stale_buffer_files_are_swept_and_live_ones_kept(tmp_path):
     os.close(owner)
     assert child.returncode == 0
     assert not dead.exists() and alive.exists() and other.exists()
+    assert being_made.exists() and not abandoned.exists()
 
 
 def test_remote_writes_coalesce_consecutive_slots():

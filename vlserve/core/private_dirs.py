@@ -19,7 +19,7 @@ import time
 import weakref
 
 MAX_PARENT_CHARS = 60  # a Unix socket's path fits in 107 bytes: the parent, the folder's name and the socket's
-HALF_MADE_AGE_S = 60.0  # a hidden folder this old was left by a crash between its making and its naming
+HALF_MADE_AGE_S = 60.0  # a hidden folder (or transfer file) this old was left by a crash between its making and its naming
 
 
 def runtime_dir() -> str:

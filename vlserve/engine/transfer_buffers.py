@@ -27,12 +27,14 @@ import logging
 import os
 import stat
 import tempfile
+import time
 import weakref
 
 import msgspec
 import torch
 
 from vlserve.core.errors import ConfigurationError
+from vlserve.core.private_dirs import HALF_MADE_AGE_S
 from vlserve.engine.block_pool import BlockPool
 from vlserve.engine.write_grants import WriteGrants
 
@@ -82,15 +84,19 @@ def shm_dir() -> str | None:
 def sweep_stale_files(folder: str) -> None:
     """Removes buffer files nobody owns any more (a file keeps its name while same-host encoders map it, so a
     crash can leave one behind). The owner holds an exclusive lock on its file for as long as it lives, which
-    works across PID namespaces sharing the folder."""
+    works across PID namespaces sharing the folder. A hidden file (not named yet) is made before its owner can lock
+    it, so it is left alone until it is old enough that its owner must have died between the two."""
+    now = time.time()
     for name in os.listdir(folder):
-        if not name.removeprefix(".").startswith(TRANSFER_FILE_PREFIX):  # (hidden: not named yet)
+        if not name.removeprefix(".").startswith(TRANSFER_FILE_PREFIX):
             continue
         try:
             fd = os.open(os.path.join(folder, name), os.O_RDONLY | os.O_NOFOLLOW)
         except OSError:
             continue
         try:
+            if name.startswith(".") and now - os.fstat(fd).st_mtime < HALF_MADE_AGE_S:
+                continue
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             continue  # locked: its owner is alive
