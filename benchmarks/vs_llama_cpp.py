@@ -3,6 +3,11 @@ client in one run: the same random Qwen2-VL (medium by default), 8-bit weights o
 vlserve's `--quantization int8`), the vision projector as an f32 mmproj; batch-1 (concurrency 1) and concurrency 8,
 one 336x336 picture + 48 prompt tokens, 48 output tokens. Prints both, the ratios and the int8 decode bound.
 
+Quality beside it, each side against its own unquantized model on the same text (this file's docs, teacher-forced
+in 48 chunks of 128 tokens, the second half of each scored as llama.cpp's `llama-perplexity --kl-divergence` does):
+mean KL divergence of the next-token distributions and top-1 agreement; llama.cpp: Q8_0 against the f32 GGUF,
+vlserve: `--quantization int8` (int8 activations in prefill) against the fp32 checkpoint.
+
     .venv/bin/python benchmarks/vs_llama_cpp.py --vllm-venv /path/peer/venv [--llama-cpp DIR] [--model DIR]
 
 llama.cpp comes from the source package of `llama-cpp-python` on the package index (it vendors llama.cpp; nothing
@@ -15,11 +20,14 @@ Qwen2's (the pre-tokenizer the Qwen tokenizers use).
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 import tarfile
 import tempfile
 from pathlib import Path
+
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -32,6 +40,9 @@ from tests.server_utils import free_port  # noqa: E402
 from vlserve.core.cpu_budget import cpu_budget  # noqa: E402
 
 SERVER = "build/bin/llama-server"
+PERPLEXITY = "build/bin/llama-perplexity"
+QUALITY_CONTEXT = 128  # tokens per chunk; the second half of each is scored
+QUALITY_CHUNKS = 48  # chunks scored (~3,000 positions; every one keeps a vocabulary of log-probabilities)
 # Run inside the llama.cpp tree's converter: a fresh BPE tokenizer declared Qwen2's, and no sentencepiece model
 # looked for (byte-level BPE; the converter would need the sentencepiece package just to find none).
 CONVERT = """import sys
@@ -47,7 +58,12 @@ convert_hf_to_gguf.main()
 """
 
 
-def build_llama_cpp(work: Path) -> Path:
+# ggml's AMX matmul crashed (SIGSEGV in ggml_backend_amx_mul_mat at the first batch) on a 2-core Xeon with AMX,
+# 2026-11-29; built without it, llama.cpp keeps its repacked AVX-512 VNNI Q8_0 kernels.
+WITHOUT_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+def build_llama_cpp(work: Path, without_amx: bool = False) -> Path:
     """llama.cpp from the llama-cpp-python source package, `llama-server` built; returns the tree."""
     subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", "-d", str(work),
                     "llama-cpp-python"], check=True)
@@ -56,11 +72,17 @@ def build_llama_cpp(work: Path) -> Path:
         tar.extractall(work, filter="data")
     tree = next(work.glob("llama_cpp_python-*/vendor/llama.cpp"))
     print(f"building llama-server in {tree} (about 10 minutes on 2 cores)", flush=True)
+    flags = [f"-DCMAKE_C_FLAGS={WITHOUT_AMX}", f"-DCMAKE_CXX_FLAGS={WITHOUT_AMX}"] if without_amx else []
     subprocess.run(["cmake", "-B", "build", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF",
-                    "-DCMAKE_BUILD_TYPE=Release"], cwd=tree, check=True, stdout=subprocess.DEVNULL)
-    subprocess.run(["cmake", "--build", "build", "--target", "llama-server", "-j"], cwd=tree, check=True,
-                   stdout=subprocess.DEVNULL)
+                    "-DCMAKE_BUILD_TYPE=Release", *flags], cwd=tree, check=True, stdout=subprocess.DEVNULL)
+    build_targets(tree)
     return tree
+
+
+def build_targets(tree: Path) -> None:
+    """llama-server and llama-perplexity (only what is missing is built)."""
+    subprocess.run(["cmake", "--build", "build", "--target", "llama-server", "llama-perplexity", "-j"], cwd=tree,
+                   check=True, stdout=subprocess.DEVNULL)
 
 
 def to_gguf(tree: Path, model: str, out: Path) -> tuple[Path, Path]:
@@ -72,16 +94,62 @@ def to_gguf(tree: Path, model: str, out: Path) -> tuple[Path, Path]:
     return weights, projector
 
 
+def llama_cpp_quality(tree: Path, model: str, work: Path, q8: Path, text: Path) -> tuple[float, float]:
+    """(mean KLD, same top-1 share) of Q8_0 against the f32 GGUF, as llama-perplexity reports them."""
+    f32 = work / "model-f32.gguf"
+    subprocess.run([sys.executable, "-c", CONVERT, str(tree), model, "--outfile", str(f32), "--outtype", "f32"],
+                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = work / "f32.kld"
+    common = ["-f", str(text), "-c", str(QUALITY_CONTEXT), "-b", str(QUALITY_CONTEXT), "--chunks", str(QUALITY_CHUNKS),
+              "-t", str(cpu_budget().cpus)]
+    subprocess.run([str(tree / PERPLEXITY), "-m", str(f32), "--kl-divergence-base", str(base), *common], check=True,
+                   capture_output=True)
+    out = subprocess.run([str(tree / PERPLEXITY), "-m", str(q8), "--kl-divergence-base", str(base),
+                          "--kl-divergence", *common], check=True, capture_output=True, text=True)
+    log = out.stdout + out.stderr
+    kld = re.search(r"Mean\s+KLD:\s+([-\d.]+)", log)
+    same = re.search(r"Same top p:\s+([\d.]+)", log)
+    if not (kld and same):
+        raise RuntimeError(f"llama-perplexity printed no KLD summary:\n{log[-2000:]}")
+    return float(kld.group(1)), float(same.group(1)) / 100
+
+
+def vlserve_quality(model: str, text: Path) -> tuple[float, float]:
+    """(mean KLD, same top-1 share) of `--quantization int8` against the fp32 model, scored like llama-perplexity."""
+    from transformers import AutoTokenizer
+
+    from vlserve.tools.logit_quality import deviation, teacher_forced_logits
+
+    ids = torch.tensor(AutoTokenizer.from_pretrained(model)(text.read_text())["input_ids"])
+    chunks = list(ids[: len(ids) // QUALITY_CONTEXT * QUALITY_CONTEXT].split(QUALITY_CONTEXT))[:QUALITY_CHUNKS]
+    half = QUALITY_CONTEXT // 2
+    # the logits at positions half .. end-2 of each chunk (each predicting a token of the chunk), as llama-perplexity
+    scored = [c * QUALITY_CONTEXT + p for c in range(len(chunks)) for p in range(half, QUALITY_CONTEXT - 1)]
+    ref = teacher_forced_logits(model, None, "float32", chunks)[scored]
+    d = deviation(teacher_forced_logits(model, "int8", "float32", chunks)[scored], ref)
+    return d.kl_mean, d.top1_agreement
+
+
+def quality_text(work: Path) -> Path:
+    text = work / "quality.txt"
+    text.write_text("\n\n".join(p.read_text() for p in sorted((ROOT / "docs").glob("*.md"))))
+    return text
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--vllm-venv", type=Path, required=True, help="DIR/venv of ../shared/peers/vllm_cpu/setup_venv.sh")
     ap.add_argument("--llama-cpp", type=Path, help="a llama.cpp tree with build/bin/llama-server (default: build one)")
     ap.add_argument("--model", default="medium", help="small, medium or a Qwen2-VL checkpoint folder")
     ap.add_argument("--concurrency", default="1,8")
+    ap.add_argument("--without-amx", action="store_true",
+                    help="build llama.cpp without its AMX matmul (it crashed on an AMX Xeon; see WITHOUT_AMX)")
     args = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="vs-llama-cpp-"))
-    tree = args.llama_cpp or build_llama_cpp(work)
+    tree = args.llama_cpp or build_llama_cpp(work, args.without_amx)
+    if not (tree / PERPLEXITY).exists():
+        build_targets(tree)
     model = checkpoint(args.model, work)
     weights, projector = to_gguf(tree, model, work)
     loads = [Load(c, max(16, 2 * c)) for c in (int(x) for x in args.concurrency.split(","))]
@@ -95,11 +163,17 @@ def main() -> None:
                                "--quantization", "int8", "--port", str(port), "--max-model-len", "4096",
                                "--disable-log-requests"], None, port, args.vllm_venv, model, loads)
     bound = read_bandwidth() / decode_bytes_per_token(model, QUANTIZED_WEIGHT_BYTES["int8"], head_bytes("int8", 4))
-    print(f"\n{Path(model).name} Qwen2-VL, 8-bit weights (Q8_0 / int8), fp32 activations; batch-1 decode bound "
-          f"{bound:.0f} tok/s from memory bandwidth")
+    text = quality_text(work)
+    theirs_q, ours_q = llama_cpp_quality(tree, model, work, weights, text), vlserve_quality(model, text)
+    print(f"\n{Path(model).name} Qwen2-VL, 8-bit weights (Q8_0 / int8), 8-bit activations in prefill (Q8_0 per 32 "
+          f"values / int8 per row); batch-1 decode bound {bound:.0f} tok/s from memory bandwidth")
     for load, a, b in zip(loads, ours, peer):
         print(f"\nconcurrency {load.concurrency}")
         print_rows(a, b, "llama.cpp")
+    print(f"\nquality against the unquantized model, {QUALITY_CONTEXT}-token chunks of {text.name}:")
+    print(f"{'':<28}{'mean KLD':>10}{'same top-1':>12}")
+    for name, (kld, same) in (("vlserve int8 vs fp32", ours_q), ("llama.cpp Q8_0 vs f32", theirs_q)):
+        print(f"{name:<28}{kld:>10.5f}{100 * same:>11.1f}%")
 
 
 if __name__ == "__main__":

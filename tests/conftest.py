@@ -118,3 +118,15 @@ def assert_pool_full(llm) -> None:
     assert not sched.running and not sched.waiting and not sched.requests
     sched.encoder_cache.check_integrity()
     assert not any(sched.encoder_cache._holders.values()), "an encoder-cache entry is still referenced"
+
+
+@pytest.fixture
+def weight_only_int8(monkeypatch):
+    """int8 linears keep their activations in the compute dtype on every path (VLSERVE_INT8_ACTIVATIONS=0): what
+    tests of the weight-only arithmetic (the same function on the kernel's rows and past them) need."""
+    from vlserve.model.layers import int8_gemm
+
+    monkeypatch.setenv(int8_gemm.ENV_SWITCH, "0")
+    int8_gemm.activation_bits.cache_clear()
+    yield
+    int8_gemm.activation_bits.cache_clear()

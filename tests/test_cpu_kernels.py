@@ -73,8 +73,9 @@ def test_int4_linear(isa, dtype, rows, group):
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_quantized_linears_agree_across_the_kernel_and_dense_paths(dtype):
-    """Few rows go to the kernel, many to a dense GEMM on the expanded weight: the same function either way."""
+def test_quantized_linears_agree_across_the_kernel_and_dense_paths(dtype, weight_only_int8):
+    """Few rows go to the kernel, many to a dense GEMM on the expanded weight: the same function either way (int8
+    activations past the kernel's rows are tests/test_int8_gemm.py's)."""
     torch.manual_seed(0)
     q = Int8Linear.from_linear(torch.nn.Linear(64, 32, bias=True).to(dtype))
     x = torch.randn(KERNEL_MAX_ROWS + 8, 64).to(dtype)
@@ -97,7 +98,7 @@ def test_int8_expand(isa):
 
 
 @pytest.mark.parametrize("path", ["kernel", "torch"])
-def test_int8_dense_path_expands_a_large_weight_in_pieces(monkeypatch, path):
+def test_int8_dense_path_expands_a_large_weight_in_pieces(monkeypatch, path, weight_only_int8):
     """Past the kernel's rows a weight is expanded piece by piece (a cache-sized piece with the kernels, pieces of
     an LM head's vocabulary without them): the same result as the whole dequantized weight."""
     from vlserve.model.layers import quantized_linear

@@ -136,9 +136,10 @@ def _dense_copy(model: torch.nn.Module, src, dst):
 
 
 @pytest.mark.parametrize("method", ["int8", "awq", "gptq"])
-def test_quantized_engine_matches_its_dequantized_weights(tiny_ckpt, int4_ckpt, tmp_path, method):
+def test_quantized_engine_matches_its_dequantized_weights(tiny_ckpt, int4_ckpt, tmp_path, method, weight_only_int8):
     """Pictures and text batched, prefill (dense path) and decode (kernel path); same greedy tokens as a dense
-    fp32 engine holding the dequantized weights, and the pools are full afterwards."""
+    fp32 engine holding the dequantized weights, and the pools are full afterwards. (int8 with its activations
+    quantized for prefill, as it runs by default on CPU: tests/test_int8_gemm.py bounds how far it moves.)"""
     src = tiny_ckpt("qwen2_vl") if method == "int8" else int4_ckpt("qwen2_vl", method)
     extra = {"quantization": "int8"} if method == "int8" else {}
     llm = LLM(str(src), dtype="float32", num_kv_blocks=64, **extra)
@@ -180,7 +181,7 @@ def test_int8_stays_close_to_the_full_precision_model(tiny_ckpt):
     assert isinstance(quant.lm_head, Int8Linear)
 
 
-def test_int8_lm_head_computes_the_logits_tied_or_not(tiny_ckpt):
+def test_int8_lm_head_computes_the_logits_tied_or_not(tiny_ckpt, weight_only_int8):
     """The LM head goes int8 (a tied one as its own copy: the embedding table stays in full precision), and the
     logits are the hidden states times the dequantized head, on the kernel's rows and past them."""
     from vlserve.model.quantization import quantize_int8

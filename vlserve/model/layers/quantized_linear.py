@@ -1,10 +1,11 @@
-"""Weight-only quantized linears: int8 per output channel, and int4 in groups (AWQ / GPTQ checkpoints).
+"""Quantized linears: int8 per output channel, and int4 in groups (AWQ / GPTQ checkpoints).
 
-Activations stay in the compute dtype; only the weights are small. A decode step reads every weight once for a
-few rows, so it is memory-bound and runs on vlserve's CPU kernels (fp32 accumulation, the weight expanded in
-registers: int8 reads a quarter of fp32's bytes, int4 an eighth). Past `KERNEL_MAX_ROWS` rows (prefill) a step
-is compute-bound: the weight is expanded to the compute dtype once for the call and goes through the dense GEMM.
-CUDA always takes that second path.
+A decode step reads every weight once for a few rows, so it is memory-bound and runs on vlserve's CPU kernels with
+the activations in the compute dtype (fp32 accumulation, the weight expanded in registers: int8 reads a quarter of
+fp32's bytes, int4 an eighth). Past `KERNEL_MAX_ROWS` rows (prefill) a step is compute-bound: on CPU, int8 runs as
+int8 x int8 products with the activations quantized per row (`int8_gemm`; `VLSERVE_INT8_ACTIVATIONS=0` keeps
+them in the compute dtype); otherwise (int4, CUDA, or no exact int8 products) the weight is expanded to the
+compute dtype once for the call and goes through the dense GEMM.
 
 int4 layout here (`pack_int4`): per 32 input channels, byte i holds channel i (low nibble) and channel 16 + i
 (high nibble), so one vector load unpacks into two runs of consecutive channels. Zeros are kept as floats,
@@ -23,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from vlserve.model.kernels import cpu_kernels
+from vlserve.model.layers import int8_gemm
 
 KERNEL_MAX_ROWS = 32  # up to this many rows the kernel beats expanding the weight for a dense GEMM
 DENSE_CHUNK_ROWS = 8192  # past the kernel's rows, without the kernels, a weight is expanded this many rows at a time
@@ -36,8 +38,11 @@ def interleave4(t: torch.Tensor) -> torch.Tensor:
 
 
 def deinterleave4(t: torch.Tensor) -> torch.Tensor:
+    """The inverse of `interleave4`. The 16-byte runs are moved as complex128 elements: one copy at nearly memcpy's
+    rate (moved as bytes in that order, 3-4x slower). Only bits are moved, no arithmetic: no value changes."""
     n, b = t.shape
-    return t.view(n // 4, b // 16, 4, 16).transpose(1, 2).reshape(n, b)
+    runs = torch.view_as_complex(t.contiguous().view(torch.float64).view(n // 4, b // 16, 4, 2))
+    return torch.view_as_real(runs.transpose(1, 2).contiguous()).view(t.dtype).view(n, b)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -115,6 +120,13 @@ class Int8Linear(nn.Module):
         kernels = _kernel_for(x)
         if kernels is not None:
             y = kernels.int8_linear(x.contiguous(), self.qweight, self.scale, cpu_kernels.isa_cap())
+        elif x.device.type == "cpu" and (bits := int8_gemm.activation_bits()):
+            # Many rows on CPU: int8 x int8 products with the activations quantized per row (several times fp32's
+            # GEMM rate where the CPU multiplies bytes; see int8_gemm)
+            rows = x.reshape(-1, self.in_features)
+            y = int8_gemm.int8_linear(rows, lambda a, b: deinterleave4(self.qweight[a:b]), self.out_features,
+                                      self.scale, bits, DENSE_CHUNK_ROWS).view(*x.shape[:-1], -1)
+            return y if self.bias is None else y.add_(self.bias)  # a fresh tensor: no second one for the bias
         elif (kernels := cpu_kernels.for_tensor(x, (*cpu_kernels.KERNEL_DTYPES, torch.float16))) is not None:
             # Many rows on CPU: the weight expanded a cache-sized piece at a time (scaled), each piece a dense GEMM
             # (expanding it whole and scaling the output made a prefill 1.64x fp32's time; this, 1.24x)

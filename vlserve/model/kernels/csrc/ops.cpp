@@ -5,6 +5,8 @@
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <limits>
 #include <vector>
 #include <torch/extension.h>
 
@@ -58,6 +60,83 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const 
     auto sizes = x.sizes().vec();
     sizes.back() = N;
     return y.to(x.scalar_type()).view(sizes);
+}
+
+// Per-row symmetric quantization for int8 x int8 GEMMs: x [M, K] fp32 or bf16 -> (codes [M, K] int8, scales [M, 1]
+// fp32). Each row's largest magnitude becomes `top` (127, or 63 where 8-bit products would saturate); the same
+// arithmetic as the torch fallback (fp32 division, rounding half to even), so both give the same codes.
+std::vector<torch::Tensor> quantize_rows(const torch::Tensor& x, int64_t top) {
+    check_2d(x, "x");
+    TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16, "quantize_rows: fp32 or bf16");
+    TORCH_CHECK(1 <= top && top <= 127, "quantize_rows: top in [1, 127]");
+    const long M = x.size(0), K = x.size(1);
+    auto codes = torch::empty({M, K}, x.options().dtype(torch::kChar));
+    auto scales = torch::empty({M, 1}, x.options().dtype(torch::kFloat));
+    const bool bf16 = x.scalar_type() == torch::kBFloat16;
+    const void* xp = x.data_ptr();
+    int8_t* cp = codes.data_ptr<int8_t>();
+    float* sp = scales.data_ptr<float>();
+    const float t = static_cast<float>(top), tiny = std::numeric_limits<float>::min();
+    at::parallel_for(0, M, 1, [&](int64_t b, int64_t e) {
+        std::vector<float> row(K);
+        for (int64_t m = b; m < e; m++) {
+            if (bf16) {
+                const uint16_t* src = static_cast<const uint16_t*>(xp) + m * K;
+                for (long k = 0; k < K; k++) {
+                    const uint32_t bits = static_cast<uint32_t>(src[k]) << 16;
+                    std::memcpy(&row[k], &bits, 4);
+                }
+            } else {
+                std::memcpy(row.data(), static_cast<const float*>(xp) + m * K, K * sizeof(float));
+            }
+            float amax = 0.f;
+            for (long k = 0; k < K; k++) amax = std::max(amax, std::fabs(row[k]));
+            const float scale = amax / t, divisor = std::max(scale, tiny);
+            sp[m] = scale;
+            int8_t* out = cp + m * K;
+            for (long k = 0; k < K; k++) {
+                const float q = std::nearbyint(row[k] / divisor);  // the default rounding mode: half to even
+                out[k] = static_cast<int8_t>(q > t ? t : q < -t ? -t : q == q ? q : 0.f);
+            }
+        }
+    });
+    return {codes, scales};
+}
+
+// int32 products acc [M, N] (any strides: the 7-bit path's is a transposed view), row_scale [M] and col_scale [N]
+// fp32 -> acc * row_scale * col_scale as `dtype` (fp32 or bf16) [M, N], in one pass (the torch fallback's three
+// passes, the same two fp32 products in the same order).
+torch::Tensor scale_products(const torch::Tensor& acc, const torch::Tensor& row_scale, const torch::Tensor& col_scale,
+                             at::ScalarType dtype) {
+    TORCH_CHECK(acc.dim() == 2 && acc.device().is_cpu() && acc.scalar_type() == torch::kInt, "scale_products: int32 2-D");
+    TORCH_CHECK(dtype == torch::kFloat || dtype == torch::kBFloat16, "scale_products: fp32 or bf16 out");
+    const long M = acc.size(0), N = acc.size(1), sm = acc.stride(0), sn = acc.stride(1);
+    TORCH_CHECK(row_scale.is_contiguous() && row_scale.numel() == M && col_scale.is_contiguous() &&
+                    col_scale.numel() == N && row_scale.scalar_type() == torch::kFloat &&
+                    col_scale.scalar_type() == torch::kFloat, "scale_products: fp32 scales, one a row and a column");
+    auto out = torch::empty({M, N}, acc.options().dtype(dtype));
+    const int32_t* ap = acc.data_ptr<int32_t>();
+    const float *rp = row_scale.data_ptr<float>(), *cp = col_scale.data_ptr<float>();
+    const bool bf16 = dtype == torch::kBFloat16;
+    void* op = out.data_ptr();
+    auto put = [&](long m, long n, float v) {
+        if (bf16) static_cast<at::BFloat16*>(op)[m * N + n] = at::BFloat16(v);  // rounded to nearest even
+        else static_cast<float*>(op)[m * N + n] = v;
+    };
+    constexpr long TILE = 16;  // rows read together where a row of products is not contiguous (one cache line)
+    at::parallel_for(0, (M + TILE - 1) / TILE, 1, [&](int64_t b, int64_t e) {
+        for (long m0 = b * TILE; m0 < std::min(M, e * TILE); m0 += TILE) {
+            const long m1 = std::min(M, m0 + TILE);
+            if (sn == 1) {
+                for (long m = m0; m < m1; m++)
+                    for (long n = 0; n < N; n++) put(m, n, static_cast<float>(ap[m * sm + n]) * rp[m] * cp[n]);
+            } else {
+                for (long n = 0; n < N; n++)
+                    for (long m = m0; m < m1; m++) put(m, n, static_cast<float>(ap[m * sm + n * sn]) * rp[m] * cp[n]);
+            }
+        }
+    });
+    return out;
 }
 
 // q [N, K] int8 interleaved by 4 rows, scale [N] fp32 -> rows [n0, n1) of q * scale as fp32 [n1 - n0, K]
@@ -350,6 +429,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("cpu_isa", &cpu_isa, "best kernel ISA this CPU runs: 0 generic, 1 AVX2, 2 AVX-512, 3 AVX-512-BF16");
     m.def("int8_linear", &int8_linear);
     m.def("int8_expand", &int8_expand);
+    m.def("quantize_rows", &quantize_rows);
+    m.def("scale_products", &scale_products);
     m.def("int4_linear", &int4_linear);
     m.def("paged_decode_attention", &paged_decode_attention);
     m.def("rms_norm", &rms_norm);
