@@ -166,10 +166,10 @@ class TransferBuffers(BlockRows):
             # unlocked.
             fd, hidden = tempfile.mkstemp(prefix=f".{TRANSFER_FILE_PREFIX}{os.getpid()}-", dir=folder)
             fcntl.flock(fd, fcntl.LOCK_EX)
-            if reserve:
-                _reserve(fd, hidden, layout.nbytes)
             path = os.path.join(folder, os.path.basename(hidden)[1:])
-            os.rename(hidden, path)
+            os.rename(hidden, path)  # named before the (maybe large) reservation: if this process dies in it, the
+            if reserve:  # next sweep frees the file at once (a hidden one would wait out HALF_MADE_AGE_S)
+                _reserve(fd, path, layout.nbytes)
         buffers = cls(msgspec.structs.replace(layout, path=path), owner=True)
         buffers.lock_fd = fd if shared else None
         if shared:  # the name goes at the latest when this process exits normally, whatever path it takes

@@ -125,7 +125,7 @@ class Int8Linear(nn.Module):
             # GEMM rate where the CPU multiplies bytes; see int8_gemm)
             rows = x.reshape(-1, self.in_features)
             y = int8_gemm.int8_linear(rows, lambda a, b: deinterleave4(self.qweight[a:b]), self.out_features,
-                                      self.scale, bits, DENSE_CHUNK_ROWS).view(*x.shape[:-1], -1)
+                                      self.scale, bits, DENSE_CHUNK_ROWS).view(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y.add_(self.bias)  # a fresh tensor: no second one for the bias
         elif (kernels := cpu_kernels.for_tensor(x, (*cpu_kernels.KERNEL_DTYPES, torch.float16))) is not None:
             # Many rows on CPU: the weight expanded a cache-sized piece at a time (scaled), each piece a dense GEMM

@@ -90,8 +90,16 @@ std::vector<torch::Tensor> quantize_rows(const torch::Tensor& x, int64_t top) {
                 std::memcpy(row.data(), static_cast<const float*>(xp) + m * K, K * sizeof(float));
             }
             float amax = 0.f;
-            for (long k = 0; k < K; k++) amax = std::max(amax, std::fabs(row[k]));
-            const float scale = amax / t, divisor = std::max(scale, tiny);
+            bool nan = false;
+            for (long k = 0; k < K; k++) {
+                const float a = std::fabs(row[k]);
+                nan |= a != a;
+                amax = std::max(amax, a);
+            }
+            // a NaN makes the scale NaN (the row's outputs NaN, as in the float layer); the stored scale is the one
+            // divided by (a row below FLT_MIN * top would otherwise come back smaller than it went in)
+            const float scale = nan ? std::numeric_limits<float>::quiet_NaN() : std::max(amax / t, tiny);
+            const float divisor = scale;
             sp[m] = scale;
             int8_t* out = cp + m * K;
             for (long k = 0; k < K; k++) {
