@@ -1,11 +1,12 @@
 """Quantization: prefill and batch-1 decode speed, and quality against the unquantized model, in one run.
 
-For each method (none; int8 made at load time, with its activations quantized per row for prefill as it runs by
-default on CPU; the same int8 weight-only, `VLSERVE_INT8_ACTIVATIONS=0`; AWQ and GPTQ 4-bit copies exported here
+For each method (none; int8 made at load time, with its activations quantized as it runs by default on CPU: per
+row for prefill, per 32 values in decode; the same int8 weight-only, `VLSERVE_INT8_ACTIVATIONS=0`; AWQ and GPTQ 4-bit copies exported here
 by vlserve.tools.int4_export): prefill tok/s (24 fresh text prompts), batch-1 decode tok/s beside the
 memory-bandwidth bound of its weight bytes, and quality over a few hundred positions of teacher-forced text:
 cosine of the logits, their largest deviation (over the largest reference logit), mean KL divergence of the
-next-token distributions and top-1 agreement with the unquantized model.
+next-token distributions and top-1 agreement with the unquantized model, each text in one prefill; then KL and
+top-1 again with the text in 8-token passes (the decode kernels' arithmetic: int8's dot products).
 
     .venv/bin/python benchmarks/quantization.py [--model DIR] [--methods int8,int8-wo,awq,gptq] [--positions 384]
 """
@@ -34,13 +35,14 @@ from vlserve.model.hf_config import load_model_config  # noqa: E402
 from vlserve.model.layers import int8_gemm  # noqa: E402
 from vlserve.tools.logit_quality import deviation, random_sequences, teacher_forced_logits  # noqa: E402
 
-WEIGHT_ONLY = "int8-wo"  # int8 weights, activations in the compute dtype on every path
+WEIGHT_ONLY = "int8-wo"
+DECODE_ROWS = 8  # tokens a pass for the decode-path quality (int8: the decode kernels' dot products)  # int8 weights, activations in the compute dtype on every path
 
 
 def activations_switch(method: str) -> None:
     """The int8 activation switch for `method` (it is read once per process: asked again here)."""
     os.environ[int8_gemm.ENV_SWITCH] = "0" if method == WEIGHT_ONLY else "1"
-    int8_gemm.activation_bits.cache_clear()
+    int8_gemm.clear_cached_choices()
 
 
 def main() -> None:
@@ -82,7 +84,8 @@ def main() -> None:
         speed = run_phases(llm, SamplingParams, [], args.decode_tokens, phases=("decode", "prefill"))
         del llm
         gc.collect()
-        logits = teacher_forced_logits(folders[m], None if m == "none" else load_as, dtype_name, sequences)
+        logits = [teacher_forced_logits(folders[m], None if m == "none" else load_as, dtype_name, sequences, rows)
+                  for rows in (None, DECODE_ROWS)]
         bound = bandwidth / decode_bytes_per_token(args.model, QUANTIZED_WEIGHT_BYTES.get(load_as, elt),
                                                    head_bytes(load_as, elt))
         results[m] = (speed, bound, logits)
@@ -90,14 +93,15 @@ def main() -> None:
     activations_switch("int8")
     base_speed, _, base_logits = results["none"]
     print(f"\n{'method':<9}{'prefill tok/s':>14}{'vs none':>9}{'decode tok/s':>14}{'bound':>7}{'% bound':>9}"
-          f"{'vs none':>9}{'logit cos':>11}{'max dev':>9}{'KL mean':>10}{'top-1':>8}   ({base_logits.shape[0]} "
-          "positions)")
+          f"{'vs none':>9}{'logit cos':>11}{'max dev':>9}{'KL mean':>10}{'top-1':>8}{'decode KL':>11}{'top-1':>8}"
+          f"   ({base_logits[0].shape[0]} positions; decode: {DECODE_ROWS}-token passes)")
     for m, (speed, bound, logits) in results.items():
-        d = deviation(logits, base_logits)
+        d, dd = deviation(logits[0], base_logits[0]), deviation(logits[1], base_logits[0])
         print(f"{m:<9}{speed['prefill_tok_s']:>14.0f}{speed['prefill_tok_s'] / base_speed['prefill_tok_s']:>8.2f}x"
               f"{speed['decode_tok_s']:>14.1f}{bound:>7.0f}{100 * speed['decode_tok_s'] / bound:>8.0f}%"
               f"{speed['decode_tok_s'] / base_speed['decode_tok_s']:>8.2f}x{d.cosine:>11.4f}"
-              f"{d.max_abs_relative:>9.3f}{d.kl_mean:>10.5f}{100 * d.top1_agreement:>7.1f}%")
+              f"{d.max_abs_relative:>9.3f}{d.kl_mean:>10.5f}{100 * d.top1_agreement:>7.1f}%{dd.kl_mean:>11.5f}"
+              f"{100 * dd.top1_agreement:>7.1f}%")
 
 
 if __name__ == "__main__":

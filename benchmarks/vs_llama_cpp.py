@@ -6,7 +6,8 @@ one 336x336 picture + 48 prompt tokens, 48 output tokens. Prints both, the ratio
 Quality beside it, each side against its own unquantized model on the same text (this file's docs, teacher-forced
 in 48 chunks of 128 tokens, the second half of each scored as llama.cpp's `llama-perplexity --kl-divergence` does):
 mean KL divergence of the next-token distributions and top-1 agreement; llama.cpp: Q8_0 against the f32 GGUF,
-vlserve: `--quantization int8` (int8 activations in prefill) against the fp32 checkpoint.
+vlserve: `--quantization int8` against the fp32 checkpoint, each chunk in one prefill (int8 GEMMs, activations
+quantized per row) and again in 8-token passes (the decode kernels: activations quantized per 32 values).
 
     .venv/bin/python benchmarks/vs_llama_cpp.py --vllm-venv /path/peer/venv [--llama-cpp DIR] [--model DIR]
 
@@ -42,6 +43,7 @@ from vlserve.core.cpu_budget import cpu_budget  # noqa: E402
 SERVER = "build/bin/llama-server"
 PERPLEXITY = "build/bin/llama-perplexity"
 QUALITY_CONTEXT = 128  # tokens per chunk; the second half of each is scored
+DECODE_ROWS = 8  # tokens a pass for the decode kernels' quality line (a decode step of a few rows)
 QUALITY_CHUNKS = 48  # chunks scored (~3,000 positions; every one keeps a vocabulary of log-probabilities)
 # Run inside the llama.cpp tree's converter: a fresh BPE tokenizer declared Qwen2's, and no sentencepiece model
 # looked for (byte-level BPE; the converter would need the sentencepiece package just to find none).
@@ -114,8 +116,10 @@ def llama_cpp_quality(tree: Path, model: str, work: Path, q8: Path, text: Path) 
     return float(kld.group(1)), float(same.group(1)) / 100
 
 
-def vlserve_quality(model: str, text: Path) -> tuple[float, float]:
-    """(mean KLD, same top-1 share) of `--quantization int8` against the fp32 model, scored like llama-perplexity."""
+def vlserve_quality(model: str, text: Path, rows_per_pass: int | None = None) -> tuple[float, float]:
+    """(mean KLD, same top-1 share) of `--quantization int8` against the fp32 model, scored like llama-perplexity:
+    each chunk in one prefill (int8 GEMMs, activations per row), or `rows_per_pass` tokens a pass (the decode
+    kernels' int8 dot products, activations per 32 values)."""
     from transformers import AutoTokenizer
 
     from vlserve.tools.logit_quality import deviation, teacher_forced_logits
@@ -126,7 +130,7 @@ def vlserve_quality(model: str, text: Path) -> tuple[float, float]:
     # the logits at positions half .. end-2 of each chunk (each predicting a token of the chunk), as llama-perplexity
     scored = [c * QUALITY_CONTEXT + p for c in range(len(chunks)) for p in range(half, QUALITY_CONTEXT - 1)]
     ref = teacher_forced_logits(model, None, "float32", chunks)[scored]
-    d = deviation(teacher_forced_logits(model, "int8", "float32", chunks)[scored], ref)
+    d = deviation(teacher_forced_logits(model, "int8", "float32", chunks, rows_per_pass)[scored], ref)
     return d.kl_mean, d.top1_agreement
 
 
@@ -164,15 +168,17 @@ def main() -> None:
                                "--disable-log-requests"], None, port, args.vllm_venv, model, loads)
     bound = read_bandwidth() / decode_bytes_per_token(model, QUANTIZED_WEIGHT_BYTES["int8"], head_bytes("int8", 4))
     text = quality_text(work)
-    theirs_q, ours_q = llama_cpp_quality(tree, model, work, weights, text), vlserve_quality(model, text)
-    print(f"\n{Path(model).name} Qwen2-VL, 8-bit weights (Q8_0 / int8), 8-bit activations in prefill (Q8_0 per 32 "
-          f"values / int8 per row); batch-1 decode bound {bound:.0f} tok/s from memory bandwidth")
+    theirs_q = llama_cpp_quality(tree, model, work, weights, text)
+    ours_q, ours_decode_q = vlserve_quality(model, text), vlserve_quality(model, text, DECODE_ROWS)
+    print(f"\n{Path(model).name} Qwen2-VL, 8-bit weights (Q8_0 / int8), 8-bit activations (Q8_0: per 32 values; "
+          f"int8: per row in prefill, per 32 values in decode); batch-1 decode bound {bound:.0f} tok/s from memory bandwidth")
     for load, a, b in zip(loads, ours, peer):
         print(f"\nconcurrency {load.concurrency}")
         print_rows(a, b, "llama.cpp")
     print(f"\nquality against the unquantized model, {QUALITY_CONTEXT}-token chunks of {text.name}:")
     print(f"{'':<28}{'mean KLD':>10}{'same top-1':>12}")
-    for name, (kld, same) in (("vlserve int8 vs fp32", ours_q), ("llama.cpp Q8_0 vs f32", theirs_q)):
+    for name, (kld, same) in (("vlserve int8 vs fp32", ours_q), (f"  in {DECODE_ROWS}-token passes", ours_decode_q),
+                              ("llama.cpp Q8_0 vs f32", theirs_q)):
         print(f"{name:<28}{kld:>10.5f}{100 * same:>11.1f}%")
 
 

@@ -121,12 +121,23 @@ def assert_pool_full(llm) -> None:
 
 
 @pytest.fixture
+def kernels():
+    """vlserve's compiled CPU kernels (the module), or the test is skipped where they are not built."""
+    from vlserve.model.kernels import cpu_kernels
+
+    module = cpu_kernels.load()
+    if module is None:
+        pytest.skip("vlserve CPU kernels not built here")
+    return module
+
+
+@pytest.fixture
 def weight_only_int8(monkeypatch):
     """int8 linears keep their activations in the compute dtype on every path (VLSERVE_INT8_ACTIVATIONS=0): what
     tests of the weight-only arithmetic (the same function on the kernel's rows and past them) need."""
     from vlserve.model.layers import int8_gemm
 
     monkeypatch.setenv(int8_gemm.ENV_SWITCH, "0")
-    int8_gemm.activation_bits.cache_clear()
+    int8_gemm.clear_cached_choices()
     yield
-    int8_gemm.activation_bits.cache_clear()
+    int8_gemm.clear_cached_choices()

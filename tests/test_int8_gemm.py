@@ -163,16 +163,6 @@ def test_an_int8_model_stays_close_to_its_full_precision_self(tiny_ckpt, arch, f
     assert weight_only.cosine > 0.999
 
 
-@pytest.fixture
-def kernels():
-    from vlserve.model.kernels import cpu_kernels
-
-    module = cpu_kernels.load()
-    if module is None:
-        pytest.skip("vlserve CPU kernels not built here")
-    return module
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bits", [8, 7])
 def test_the_kernels_quantize_and_scale_exactly_as_the_torch_passes(kernels, monkeypatch, dtype, bits):

@@ -40,6 +40,7 @@ FILE_TIERS = {
     "test_engine_zygote.py": "unit",
     "test_triton_moe.py": "engine",
     "test_int8_gemm.py": "engine",
+    "test_int8_dot.py": "engine",
     "test_block_tables.py": "unit",
     "test_family_neutral.py": "unit",
     "test_kernel_build.py": "unit",

@@ -24,10 +24,11 @@ class LogitDeviation(msgspec.Struct, frozen=True):
 
 
 @torch.inference_mode()
-def teacher_forced_logits(folder: str | Path, method: str | None, dtype: str,
-                          sequences: list[torch.Tensor]) -> torch.Tensor:
-    """Logits at every position of each sequence, one prefill each: [positions, vocab] fp32. `method`: None,
-    "int8" (made at load time) or a checkpoint's own quantization ("awq"/"gptq", read from its config)."""
+def teacher_forced_logits(folder: str | Path, method: str | None, dtype: str, sequences: list[torch.Tensor],
+                          rows_per_pass: int | None = None) -> torch.Tensor:
+    """Logits at every position of each sequence: [positions, vocab] fp32. `method`: None, "int8" (made at load
+    time) or a checkpoint's own quantization ("awq"/"gptq", read from its config). One prefill a sequence, or
+    `rows_per_pass` tokens a pass over the cache of the ones before (a few: the arithmetic of decode steps)."""
     cfg = load_model_config(str(folder))
     model = load_model(Path(folder), cfg, dtype, with_vision=False,
                        quantization=resolve_quantization(method if method == "int8" else None, cfg.quantization))
@@ -42,9 +43,13 @@ def teacher_forced_logits(folder: str | Path, method: str | None, dtype: str,
         n = len(ids)
         kv = [torch.zeros(2, n, t.num_kv_heads, t.head_dim, dtype=model.language_model.norm.weight.dtype)
               for _ in range(t.num_layers)]
-        meta = AttentionMetadata(slot_mapping=torch.arange(n), prefills=[build_prefill_span(0, n, n, None)])
-        hidden = model(model.embed_tokens(ids), torch.arange(n).expand(3, -1), kv, meta)
-        out.append(model.compute_logits(hidden).float())
+        step = rows_per_pass or n
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            span = build_prefill_span(0, b - a, b, torch.arange(b) if a else None)
+            meta = AttentionMetadata(slot_mapping=torch.arange(a, b), prefills=[span])
+            hidden = model(model.embed_tokens(ids[a:b]), torch.arange(a, b).expand(3, -1), kv, meta)
+            out.append(model.compute_logits(hidden).float())
     return torch.cat(out)
 
 

@@ -38,7 +38,8 @@ from vlserve.model.hardware import ISA_ORDER, detect
 
 logger = logging.getLogger("vlserve.kernels")
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("ops.cpp", "kernels_avx512bf16.cpp", "kernels_avx512.cpp", "kernels_avx2.cpp", "kernels_generic.cpp")
+SOURCES = ("ops.cpp", "int8_dot.cpp", "kernels_int8_dot.cpp", "kernels_avx512bf16.cpp", "kernels_avx512.cpp",
+           "kernels_avx2.cpp", "kernels_generic.cpp")
 NAME = "vlserve_cpu_kernels"
 LIBRARY = NAME + ".so"
 CFLAGS = ("-O3", "-fopenmp", "-std=c++17", "-ffp-contract=off")  # no FMA the reference does not do

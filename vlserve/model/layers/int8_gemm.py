@@ -51,6 +51,30 @@ def activation_bits() -> int:
     return 0
 
 
+DOT_BLOCK = 32  # activation values per scale in decode's int8 x int8 products (the kernel's; llama.cpp's Q8_0 too)
+
+
+@functools.cache
+def decode_dot_isa(cap: int) -> int:
+    """How decode rows (the CPU kernel's few rows) multiply int8 weights: 2 with AVX-512 VNNI dot products, 1 with
+    AVX2 byte products (the activations quantized in blocks of DOT_BLOCK values, each block with its own scale), 0
+    keeping them in the compute dtype (no such instructions under this ISA cap, or the switch is off). These are
+    vlserve's own kernels, so the CPU's flags decide, not a library's chosen path."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return 0
+    kernels = cpu_kernels.load()
+    isa = kernels.int8_dot_isa(cap) if kernels is not None else 0
+    logger.info("int8 decode: %s", {2: "int8 x int8 dot products (AVX-512 VNNI)", 1: "int8 x int8 byte products "
+                                    "(AVX2)", 0: "activations in the compute dtype"}[isa])
+    return isa
+
+
+def clear_cached_choices() -> None:
+    """Forget what this process chose (for a switch or an ISA cap changed in a test)."""
+    activation_bits.cache_clear()
+    decode_dot_isa.cache_clear()
+
+
 FASTER_THAN_FP32 = 0.8  # int8 products are used where they take at most this share of the fp32 GEMM's time
 SPEED_SHAPE = (128, 1024, 1024)  # rows, in, out: a small prefill GEMM
 SLOW_PATH_FACTOR = 5.0  # a first int8 call this many times fp32's best: a slow path, no more timing

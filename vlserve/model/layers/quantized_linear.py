@@ -1,11 +1,14 @@
 """Quantized linears: int8 per output channel, and int4 in groups (AWQ / GPTQ checkpoints).
 
-A decode step reads every weight once for a few rows, so it is memory-bound and runs on vlserve's CPU kernels with
-the activations in the compute dtype (fp32 accumulation, the weight expanded in registers: int8 reads a quarter of
-fp32's bytes, int4 an eighth). Past `KERNEL_MAX_ROWS` rows (prefill) a step is compute-bound: on CPU, int8 runs as
-int8 x int8 products with the activations quantized per row (`int8_gemm`; `VLSERVE_INT8_ACTIVATIONS=0` keeps
-them in the compute dtype); otherwise (int4, CUDA, or no exact int8 products) the weight is expanded to the
-compute dtype once for the call and goes through the dense GEMM.
+A decode step reads every weight once for a few rows, so it is memory-bound and runs on vlserve's CPU kernels (int8
+reads a quarter of fp32's bytes, int4 an eighth). int8 there multiplies bytes by bytes, the activations quantized in
+blocks of 32 values with a scale each (`int8_gemm.decode_dot_isa`: AVX-512 VNNI or AVX2; expanding each weight
+byte to a float took more instructions than the memory took to deliver it); int4, and int8 where neither
+instruction set is there, keep the activations in the compute dtype (fp32 accumulation, the weight expanded in
+registers). Past `KERNEL_MAX_ROWS` rows (prefill) a step is compute-bound: on CPU, int8 runs as int8 x int8 GEMMs
+with the activations quantized per row (`int8_gemm`); otherwise (int4, CUDA, or no exact int8 products) the weight
+is expanded to the compute dtype once for the call and goes through the dense GEMM. `VLSERVE_INT8_ACTIVATIONS=0`
+keeps int8's activations in the compute dtype on every path.
 
 int4 layout here (`pack_int4`): per 32 input channels, byte i holds channel i (low nibble) and channel 16 + i
 (high nibble), so one vector load unpacks into two runs of consecutive channels. Zeros are kept as floats,
@@ -119,7 +122,11 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernels = _kernel_for(x)
         if kernels is not None:
-            y = kernels.int8_linear(x.contiguous(), self.qweight, self.scale, cpu_kernels.isa_cap())
+            cap = cpu_kernels.isa_cap()
+            if self.in_features % int8_gemm.DOT_BLOCK == 0 and int8_gemm.decode_dot_isa(cap):
+                y = kernels.int8_dot_linear(x.contiguous(), self.qweight, self.scale, cap)
+            else:
+                y = kernels.int8_linear(x.contiguous(), self.qweight, self.scale, cap)
         elif x.device.type == "cpu" and (bits := int8_gemm.activation_bits()):
             # Many rows on CPU: int8 x int8 products with the activations quantized per row (several times fp32's
             # GEMM rate where the CPU multiplies bytes; see int8_gemm)

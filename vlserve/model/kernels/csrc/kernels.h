@@ -53,3 +53,14 @@ void prefill_attention_dp(const uint16_t* q, const uint16_t* kt, const uint16_t*
                           long q_stride, long out_stride, long D, long G, long p0, long p1, long last_key,
                           long visible0, bool causal, float scale, float* scratch);
 }
+
+// int8 x int8 decode linears (kernels_int8_dot.cpp): AVX-512 VNNI and AVX2 copies. x quantized in blocks of 32
+// values (codes [M, K], scales [M, K / 32]); q interleaved by 4 rows as for int8_rows.
+#define VLS_DECLARE_INT8_DOT(NS)                                                                                   \
+    namespace NS {                                                                                                 \
+    void quantize_blocks(const float* x, long M, long K, int8_t* codes, float* scales);                            \
+    void int8_dot_rows(const int8_t* xq, const float* xs, long M, long K, const int8_t* q, const float* scale,     \
+                       float* y, long N, long n0, long n1);                                                        \
+    }
+VLS_DECLARE_INT8_DOT(vls_avx512vnni)
+VLS_DECLARE_INT8_DOT(vls_avx2)

@@ -124,10 +124,22 @@ void int4_rows(const float* x, const float* xsum, long M, long K, const uint8_t*
 // q: [G, D] (the G query heads sharing this kv head); k/v rows: token t sits at slot blocks[t / bs] * bs + t % bs,
 // `stride` elements apart, already offset to this kv head. Scores come out as [G, out_stride], softmax_rows turns
 // them into probabilities in place, then values take them back: out [G, D] = p @ V.
+// A head's row is a few cache lines, the next one `stride` elements on and the next block anywhere: the hardware
+// prefetchers do not follow, so each loop asks for the row ATT_AHEAD tokens ahead while it reads this one.
+constexpr long ATT_AHEAD = 8;
+template <typename T>
+static inline void prefetch_row(const T* base, const int64_t* blocks, long t, long ctx, long bs, long stride, long D) {
+    if (t >= ctx) return;
+    const char* row = reinterpret_cast<const char*>(base + (blocks[t / bs] * bs + t % bs) * stride);
+    for (long b = 0; b < D * static_cast<long>(sizeof(T)); b += 64) __builtin_prefetch(row + b);
+}
+
 template <typename T>
 static inline void scores_impl(const float* q, const T* k, long stride, const int64_t* blocks, long ctx, long bs,
                                long D, long G, float scale, float* out, long out_stride) {
+    for (long t = 0; t < ATT_AHEAD && t < ctx; t++) prefetch_row(k, blocks, t, ctx, bs, stride, D);
     for (long t = 0; t < ctx; t++) {
+        prefetch_row(k, blocks, t + ATT_AHEAD, ctx, bs, stride, D);
         const T* row = k + (blocks[t / bs] * bs + t % bs) * stride;
         long g = 0;
         for (; g + 4 <= G; g += 4) {  // four heads share each K load and one reduction tree
@@ -157,6 +169,7 @@ static inline void values_tile(const float* p, long p_stride, const T* v, long s
     for (int g = 0; g < GB; g++)
         for (int c = 0; c < DC; c++) acc[g][c] = vzero();
     for (long t = 0; t < ctx; t++) {
+        prefetch_row(v + d0, blocks, t + ATT_AHEAD, ctx, bs, stride, DC * W);
         const T* row = v + (blocks[t / bs] * bs + t % bs) * stride + d0;
         vf vv[DC];
         for (int c = 0; c < DC; c++) vv[c] = vloadT(row + c * W);

@@ -10,20 +10,12 @@
 #include <vector>
 #include <torch/extension.h>
 
+#include "cpu_isa.h"
+#include "int8_dot.h"
 #include "kernels.h"
 
 namespace {
 
-int cpu_isa() {
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
-        return __builtin_cpu_supports("avx512bf16") ? 3 : 2;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
-    return 0;
-}
-
-int pick(int64_t cap) { return static_cast<int>(std::min<int64_t>(cap, cpu_isa())); }
 
 #define VLS_DISPATCH(isa, fn, ...)                                 \
     do {                                                           \
@@ -437,6 +429,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("cpu_isa", &cpu_isa, "best kernel ISA this CPU runs: 0 generic, 1 AVX2, 2 AVX-512, 3 AVX-512-BF16");
     m.def("int8_linear", &int8_linear);
     m.def("int8_expand", &int8_expand);
+    m.def("int8_dot_isa", &int8_dot_isa);
+    m.def("int8_dot_linear", &int8_dot_linear);
     m.def("quantize_rows", &quantize_rows);
     m.def("scale_products", &scale_products);
     m.def("int4_linear", &int4_linear);
