@@ -129,7 +129,7 @@ def quantize_rows(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tenso
     torch passes (the same arithmetic)."""
     top = 2 ** (bits - 1) - 1
     if (kernels := cpu_kernels.for_tensor(x)) is not None:
-        return tuple(kernels.quantize_rows(x.contiguous(), top))
+        return tuple(kernels.quantize_rows(x.contiguous(), top, cpu_kernels.isa_cap()))
     x = x.float()
     low, high = torch.aminmax(x, dim=1, keepdim=True)
     scale = torch.maximum(-low, high).div_(top).clamp_min_(torch.finfo(torch.float32).tiny)  # (NaN stays NaN)

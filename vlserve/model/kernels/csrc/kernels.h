@@ -61,6 +61,8 @@ void prefill_attention_dp(const uint16_t* q, const uint16_t* kt, const uint16_t*
     void quantize_blocks(const float* x, long M, long K, int8_t* codes, float* scales);                            \
     void int8_dot_rows(const int8_t* xq, const float* xs, long M, long K, const int8_t* q, const float* scale,     \
                        float* y, long N, long n0, long n1);                                                        \
+    float row_absmax(const float* x, long K, bool* nan);                                                           \
+    void quantize_row(const float* x, long K, float divisor, float top, int8_t* out);                              \
     }
 VLS_DECLARE_INT8_DOT(vls_avx512vnni)
 VLS_DECLARE_INT8_DOT(vls_avx2)

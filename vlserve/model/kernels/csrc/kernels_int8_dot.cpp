@@ -19,6 +19,20 @@ namespace {
 constexpr long DOT_BLOCK = 32;  // activation values per scale
 constexpr long DOT_AHEAD = 2048;  // prefetch distance in weight bytes (as int8_rows: hardware prefetch alone lags)
 inline void dot_prefetch(const int8_t* p) { __builtin_prefetch(p + DOT_AHEAD); }
+// the scalar ends of a row past its last whole vector (row_absmax, quantize_row: the same in both copies)
+inline void absmax_tail(const float* x, long k, long K, float& amax, bool& nan) {
+    for (; k < K; k++) {
+        const float a = __builtin_fabsf(x[k]);
+        nan |= a != a;
+        amax = a > amax ? a : amax;
+    }
+}
+inline void quantize_tail(const float* x, long k, long K, float divisor, float top, int8_t* out) {
+    for (; k < K; k++) {
+        const float q = __builtin_nearbyintf(x[k] / divisor);
+        out[k] = static_cast<int8_t>(q > top ? top : q < -top ? -top : q == q ? q : 0.f);
+    }
+}
 }  // namespace
 
 #pragma GCC push_options
@@ -88,6 +102,39 @@ void int8_dot_rows(const int8_t* xq, const float* xs, long M, long K, const int8
         for (; m + 4 <= M; m += 4) dot_tile<4>(xq, xs, K, tile, scale, y, N, m, n);
         for (; m < M; m++) dot_tile<1>(xq, xs, K, tile, scale, y, N, m, n);
     }
+}
+
+
+// One row of the int8 GEMMs' per-row quantization (ops.cpp quantize_rows): its largest magnitude (and whether it
+// holds a NaN), then codes = nearbyint(x / divisor) within +-top, NaN -> 0. Division and rounding as the scalar
+// code and torch's passes do them (an IEEE division, ties to even), so the codes are the same bit for bit.
+float row_absmax(const float* x, long K, bool* nan) {
+    const __m512 sign = _mm512_set1_ps(-0.f);
+    __m512 top = _mm512_setzero_ps();
+    __mmask16 unordered = 0;
+    long k = 0;
+    for (; k + 16 <= K; k += 16) {
+        const __m512 a = _mm512_andnot_ps(sign, _mm512_loadu_ps(x + k));
+        unordered |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
+        top = _mm512_max_ps(top, a);
+    }
+    float amax = _mm512_reduce_max_ps(top);
+    bool any_nan = unordered != 0;
+    absmax_tail(x, k, K, amax, any_nan);
+    *nan = any_nan;
+    return amax;
+}
+
+void quantize_row(const float* x, long K, float divisor, float top, int8_t* out) {
+    const __m512 d = _mm512_set1_ps(divisor), hi = _mm512_set1_ps(top), lo = _mm512_set1_ps(-top);
+    long k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m512 q = _mm512_div_ps(_mm512_loadu_ps(x + k), d);
+        q = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(q, q, _CMP_ORD_Q), q);  // NaN -> 0
+        q = _mm512_min_ps(_mm512_max_ps(q, lo), hi);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(q)));
+    }
+    quantize_tail(x, k, K, divisor, top, out);
 }
 
 }  // namespace vls_avx512vnni
@@ -179,6 +226,41 @@ void int8_dot_rows(const int8_t* xq, const float* xs, long M, long K, const int8
         for (; m + 2 <= M; m += 2) dot_tile<2>(xq, xs, K, tile, scale, y, N, m, n);
         for (; m < M; m++) dot_tile<1>(xq, xs, K, tile, scale, y, N, m, n);
     }
+}
+
+
+float row_absmax(const float* x, long K, bool* nan) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 top = _mm256_setzero_ps();
+    int unordered = 0;
+    long k = 0;
+    for (; k + 8 <= K; k += 8) {
+        const __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(x + k));
+        unordered |= _mm256_movemask_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+        top = _mm256_max_ps(top, a);
+    }
+    __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+    t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+    t = _mm_max_ss(t, _mm_movehdup_ps(t));
+    float amax = _mm_cvtss_f32(t);
+    bool any_nan = unordered != 0;
+    absmax_tail(x, k, K, amax, any_nan);
+    *nan = any_nan;
+    return amax;
+}
+
+void quantize_row(const float* x, long K, float divisor, float top, int8_t* out) {
+    const __m256 d = _mm256_set1_ps(divisor), hi = _mm256_set1_ps(top), lo = _mm256_set1_ps(-top);
+    long k = 0;
+    for (; k + 8 <= K; k += 8) {
+        __m256 q = _mm256_div_ps(_mm256_loadu_ps(x + k), d);
+        q = _mm256_and_ps(q, _mm256_cmp_ps(q, q, _CMP_ORD_Q));  // NaN -> 0
+        q = _mm256_min_ps(_mm256_max_ps(q, lo), hi);
+        const __m256i c = _mm256_cvtps_epi32(q);  // within +-127: the packs below do not saturate
+        const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(out + k), _mm_packs_epi16(w, w));
+    }
+    quantize_tail(x, k, K, divisor, top, out);
 }
 
 }  // namespace vls_avx2

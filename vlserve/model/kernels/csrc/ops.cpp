@@ -57,7 +57,7 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const 
 // Per-row symmetric quantization for int8 x int8 GEMMs: x [M, K] fp32 or bf16 -> (codes [M, K] int8, scales [M, 1]
 // fp32). Each row's largest magnitude becomes `top` (127, or 63 where 8-bit products would saturate); the same
 // arithmetic as the torch fallback (fp32 division, rounding half to even), so both give the same codes.
-std::vector<torch::Tensor> quantize_rows(const torch::Tensor& x, int64_t top) {
+std::vector<torch::Tensor> quantize_rows(const torch::Tensor& x, int64_t top, int64_t cap) {
     check_2d(x, "x");
     TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16, "quantize_rows: fp32 or bf16");
     TORCH_CHECK(1 <= top && top <= 127, "quantize_rows: top in [1, 127]");
@@ -69,6 +69,7 @@ std::vector<torch::Tensor> quantize_rows(const torch::Tensor& x, int64_t top) {
     int8_t* cp = codes.data_ptr<int8_t>();
     float* sp = scales.data_ptr<float>();
     const float t = static_cast<float>(top), tiny = std::numeric_limits<float>::min();
+    const int64_t vector = int8_dot_isa(cap);  // the vector copies beside the dot products (the same arithmetic)
     at::parallel_for(0, M, 1, [&](int64_t b, int64_t e) {
         std::vector<float> row(K);
         for (int64_t m = b; m < e; m++) {
@@ -83,21 +84,27 @@ std::vector<torch::Tensor> quantize_rows(const torch::Tensor& x, int64_t top) {
             }
             float amax = 0.f;
             bool nan = false;
-            for (long k = 0; k < K; k++) {
-                const float a = std::fabs(row[k]);
-                nan |= a != a;
-                amax = std::max(amax, a);
-            }
+            if (vector == 2) amax = vls_avx512vnni::row_absmax(row.data(), K, &nan);
+            else if (vector == 1) amax = vls_avx2::row_absmax(row.data(), K, &nan);
+            else
+                for (long k = 0; k < K; k++) {
+                    const float a = std::fabs(row[k]);
+                    nan |= a != a;
+                    amax = std::max(amax, a);
+                }
             // a NaN makes the scale NaN (the row's outputs NaN, as in the float layer); the stored scale is the one
             // divided by (a row below FLT_MIN * top would otherwise come back smaller than it went in)
             const float scale = nan ? std::numeric_limits<float>::quiet_NaN() : std::max(amax / t, tiny);
             const float divisor = scale;
             sp[m] = scale;
             int8_t* out = cp + m * K;
-            for (long k = 0; k < K; k++) {
-                const float q = std::nearbyint(row[k] / divisor);  // the default rounding mode: half to even
-                out[k] = static_cast<int8_t>(q > t ? t : q < -t ? -t : q == q ? q : 0.f);
-            }
+            if (vector == 2) vls_avx512vnni::quantize_row(row.data(), K, divisor, t, out);
+            else if (vector == 1) vls_avx2::quantize_row(row.data(), K, divisor, t, out);
+            else
+                for (long k = 0; k < K; k++) {
+                    const float q = std::nearbyint(row[k] / divisor);  // the default rounding mode: half to even
+                    out[k] = static_cast<int8_t>(q > t ? t : q < -t ? -t : q == q ? q : 0.f);
+                }
         }
     });
     return {codes, scales};
@@ -188,6 +195,8 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, c
     return y.to(x.scalar_type()).view(sizes);
 }
 
+constexpr long SERIAL_TOKENS = 768;  // see paged_decode_attention
+
 // One decode token per sequence. q [B, H, D]; k/v cache [slots, KVH, D] (fp32 or bf16); block_table [B, max_blocks]
 // int64; context_lens [B] int64. Returns [B, H, D] in q's dtype.
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
@@ -221,7 +230,10 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
     const void *kp = k_cache.data_ptr(), *vp = v_cache.data_ptr();
     const float sc = static_cast<float>(scale);
     // one (sequence, kv head) at a time, spread over torch's threads: scores, softmax and values in one pass
-    at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+    // Units of less than SERIAL_TOKENS keys together run on this thread: starting torch's threads for them
+    // costs more than their work (a batch-1 step at short context)
+    const long grain = std::max<long>(1, SERIAL_TOKENS / std::max<long>(1, max_ctx));
+    at::parallel_for(0, B * KVH, grain, [&](int64_t begin, int64_t end) {
         std::vector<float> probs(G * max_ctx);
         for (int64_t u = begin; u < end; u++) {
             const long b = u / KVH, h = u % KVH, head0 = b * H + h * G, ctx = lp[b];
