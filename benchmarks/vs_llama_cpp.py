@@ -1,7 +1,9 @@
 """vlserve against llama.cpp's `llama-server` (the CPU peer many users pick), both driven by vLLM's own benchmark
 client in one run: the same random Qwen2-VL (medium by default), 8-bit weights on both sides (llama.cpp's Q8_0,
-vlserve's `--quantization int8`), the vision projector as an f32 mmproj; batch-1 (concurrency 1) and concurrency 8,
-one 336x336 picture + 48 prompt tokens, 48 output tokens. Prints both, the ratios and the int8 decode bound.
+vlserve's `--quantization int8`), the vision projector as an f32 mmproj and vlserve in fp32 (`--dtype auto
+--mmproj-type f16`: each side as it runs by default, vlserve bf16 where its measurement picks it); batch-1
+(concurrency 1) and concurrency 8, one 336x336 picture + 48 prompt tokens, 48 output tokens. Prints both, the
+ratios and the int8 decode bound.
 
 Quality beside it, each side against its own unquantized model on the same text (this file's docs, teacher-forced
 in 48 chunks of 128 tokens, the second half of each scored as llama.cpp's `llama-perplexity --kl-divergence` does):
@@ -87,10 +89,10 @@ def build_targets(tree: Path) -> None:
                    check=True, stdout=subprocess.DEVNULL)
 
 
-def to_gguf(tree: Path, model: str, out: Path) -> tuple[Path, Path]:
-    """The language model as Q8_0 and the vision tower + projector as an f32 mmproj."""
-    weights, projector = out / "model-q8_0.gguf", out / "mmproj-f32.gguf"
-    for extra, path, kind in (([], weights, "q8_0"), (["--mmproj"], projector, "f32")):
+def to_gguf(tree: Path, model: str, out: Path, mmproj_type: str = "f32") -> tuple[Path, Path]:
+    """The language model as Q8_0 and the vision tower + projector as an mmproj of `mmproj_type`."""
+    weights, projector = out / "model-q8_0.gguf", out / f"mmproj-{mmproj_type}.gguf"
+    for extra, path, kind in (([], weights, "q8_0"), (["--mmproj"], projector, mmproj_type)):
         subprocess.run([sys.executable, "-c", CONVERT, str(tree), model, *extra, "--outfile", str(path), "--outtype",
                         kind], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return weights, projector
@@ -146,6 +148,10 @@ def main() -> None:
     ap.add_argument("--llama-cpp", type=Path, help="a llama.cpp tree with build/bin/llama-server (default: build one)")
     ap.add_argument("--model", default="medium", help="small, medium or a Qwen2-VL checkpoint folder")
     ap.add_argument("--concurrency", default="1,8")
+    ap.add_argument("--dtype", default="float32",
+                    help="vlserve's --dtype (auto: what it picks on this CPU, bf16 where measured faster)")
+    ap.add_argument("--mmproj-type", default="f32", choices=("f32", "f16", "q8_0"),
+                    help="llama.cpp's vision tower + projector file (f16 is what its converter writes by default)")
     ap.add_argument("--without-amx", action="store_true",
                     help="build llama.cpp without its AMX matmul (it crashed on an AMX Xeon; see WITHOUT_AMX)")
     args = ap.parse_args()
@@ -155,7 +161,7 @@ def main() -> None:
     if not (tree / PERPLEXITY).exists():
         build_targets(tree)
     model = checkpoint(args.model, work)
-    weights, projector = to_gguf(tree, model, work)
+    weights, projector = to_gguf(tree, model, work, args.mmproj_type)
     loads = [Load(c, max(16, 2 * c)) for c in (int(x) for x in args.concurrency.split(","))]
     port, slots = free_port(), max(load.concurrency for load in loads)
     # Threads: one per core, as vlserve's budget gives; a slot per request in flight.
@@ -163,14 +169,15 @@ def main() -> None:
                                  str(port), "-t", str(cpu_budget().cpus), "-c", "16384", "--parallel", str(slots),
                                  "--jinja", "--no-webui"], None, port, args.vllm_venv, model, loads)
     port = free_port()
-    ours = measure("vlserve", [sys.executable, "-m", "vlserve", "serve", "--model", model, "--dtype", "float32",
+    ours = measure("vlserve", [sys.executable, "-m", "vlserve", "serve", "--model", model, "--dtype", args.dtype,
                                "--quantization", "int8", "--port", str(port), "--max-model-len", "4096",
                                "--disable-log-requests"], None, port, args.vllm_venv, model, loads)
     bound = read_bandwidth() / decode_bytes_per_token(model, QUANTIZED_WEIGHT_BYTES["int8"], head_bytes("int8", 4))
     text = quality_text(work)
     theirs_q = llama_cpp_quality(tree, model, work, weights, text)
     ours_q, ours_decode_q = vlserve_quality(model, text), vlserve_quality(model, text, DECODE_ROWS)
-    print(f"\n{Path(model).name} Qwen2-VL, 8-bit weights (Q8_0 / int8), 8-bit activations (Q8_0: per 32 values; "
+    print(f"\nvlserve --dtype {args.dtype}, llama.cpp mmproj {args.mmproj_type}")
+    print(f"{Path(model).name} Qwen2-VL, 8-bit weights (Q8_0 / int8), 8-bit activations (Q8_0: per 32 values; "
           f"int8: per row in prefill, per 32 values in decode); batch-1 decode bound {bound:.0f} tok/s from memory bandwidth")
     for load, a, b in zip(loads, ours, peer):
         print(f"\nconcurrency {load.concurrency}")

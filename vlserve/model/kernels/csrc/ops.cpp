@@ -195,8 +195,6 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, c
     return y.to(x.scalar_type()).view(sizes);
 }
 
-constexpr long SERIAL_TOKENS = 768;  // see paged_decode_attention
-
 // One decode token per sequence. q [B, H, D]; k/v cache [slots, KVH, D] (fp32 or bf16); block_table [B, max_blocks]
 // int64; context_lens [B] int64. Returns [B, H, D] in q's dtype.
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
@@ -230,10 +228,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
     const void *kp = k_cache.data_ptr(), *vp = v_cache.data_ptr();
     const float sc = static_cast<float>(scale);
     // one (sequence, kv head) at a time, spread over torch's threads: scores, softmax and values in one pass
-    // Units of less than SERIAL_TOKENS keys together run on this thread: starting torch's threads for them
-    // costs more than their work (a batch-1 step at short context)
-    const long grain = std::max<long>(1, SERIAL_TOKENS / std::max<long>(1, max_ctx));
-    at::parallel_for(0, B * KVH, grain, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> probs(G * max_ctx);
         for (int64_t u = begin; u < end; u++) {
             const long b = u / KVH, h = u % KVH, head0 = b * H + h * G, ctx = lp[b];
