@@ -1,9 +1,9 @@
 """Quantization: prefill and batch-1 decode speed, and quality against the unquantized model, in one run.
 
 For each method (none; int8 made at load time, with its activations quantized as it runs by default on CPU: per
-row for prefill, per 32 values in decode; the same int8 weight-only, `VLSERVE_INT8_ACTIVATIONS=0`; AWQ and GPTQ 4-bit copies exported here
-by vlserve.tools.int4_export): prefill tok/s (24 fresh text prompts), batch-1 decode tok/s beside the
-memory-bandwidth bound of its weight bytes, and quality over a few hundred positions of teacher-forced text:
+row for prefill, per 32 values in decode; the same int8 weight-only, `VLSERVE_INT8_ACTIVATIONS=0`; AWQ and GPTQ
+4-bit copies exported here by vlserve.tools.int4_export): prefill tok/s (24 fresh text prompts), batch-1 decode
+tok/s beside the memory-bandwidth bound of its weight bytes, and quality over a few hundred positions of teacher-forced text:
 cosine of the logits, their largest deviation (over the largest reference logit), mean KL divergence of the
 next-token distributions and top-1 agreement with the unquantized model, each text in one prefill; then KL and
 top-1 again with the text in 8-token passes (the decode kernels' arithmetic: int8's dot products).
@@ -35,8 +35,8 @@ from vlserve.model.hf_config import load_model_config  # noqa: E402
 from vlserve.model.layers import int8_gemm  # noqa: E402
 from vlserve.tools.logit_quality import deviation, random_sequences, teacher_forced_logits  # noqa: E402
 
-WEIGHT_ONLY = "int8-wo"
-DECODE_ROWS = 8  # tokens a pass for the decode-path quality (int8: the decode kernels' dot products)  # int8 weights, activations in the compute dtype on every path
+WEIGHT_ONLY = "int8-wo"  # int8 weights, activations in the compute dtype on every path
+DECODE_ROWS = 8  # tokens a pass for the decode-path quality (int8: the decode kernels' dot products)
 
 
 def activations_switch(method: str) -> None:

@@ -178,7 +178,8 @@ def main() -> None:
     ours_q, ours_decode_q = vlserve_quality(model, text), vlserve_quality(model, text, DECODE_ROWS)
     print(f"\nvlserve --dtype {args.dtype}, llama.cpp mmproj {args.mmproj_type}")
     print(f"{Path(model).name} Qwen2-VL, 8-bit weights (Q8_0 / int8), 8-bit activations (Q8_0: per 32 values; "
-          f"int8: per row in prefill, per 32 values in decode); batch-1 decode bound {bound:.0f} tok/s from memory bandwidth")
+          f"int8: per row in prefill, per 32 values in decode); batch-1 decode bound {bound:.0f} tok/s from memory "
+          "bandwidth")
     for load, a, b in zip(loads, ours, peer):
         print(f"\nconcurrency {load.concurrency}")
         print_rows(a, b, "llama.cpp")

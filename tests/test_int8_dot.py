@@ -38,7 +38,8 @@ def reference(x: torch.Tensor, linear: Int8Linear) -> torch.Tensor:
     m, k = x.shape
     blocks = x.float().view(m, k // BLOCK, BLOCK)
     top = blocks.abs().amax(-1, keepdim=True)
-    inv = torch.where(top > 0, 127.0 / top, torch.zeros_like(top))
+    inv = 127.0 / top
+    inv = torch.where(inv.isfinite(), inv, torch.zeros_like(inv))  # zero blocks, and ones too small to invert
     codes = torch.round(blocks * inv).double()
     w = deinterleave4(linear.qweight).double().view(-1, k // BLOCK, BLOCK)
     sums = torch.einsum("mbk,nbk->mnb", codes, w)  # exact: integers far below 2^53
@@ -73,16 +74,19 @@ def test_a_row_is_the_same_whatever_rows_share_its_call(kernels):
     for cap in caps_with_dot_products(kernels):
         together = kernels.int8_dot_linear(x, linear.qweight, linear.scale, cap)
         for i in range(7):
-            assert torch.equal(kernels.int8_dot_linear(x[i:i + 1], linear.qweight, linear.scale, cap), together[i:i + 1])
+            alone = kernels.int8_dot_linear(x[i:i + 1], linear.qweight, linear.scale, cap)
+            assert torch.equal(alone, together[i:i + 1])
 
 
 def test_non_finite_values_make_their_row_nan_and_zero_rows_zero(kernels):
     linear = int8_linear(8, 64, 1)
-    x = torch.randn(4, 64)
+    x = torch.randn(5, 64)
     x[1, 40], x[2, 3], x[3] = float("nan"), float("inf"), 0.0
+    x[4], x[4, :32] = 0.0, 1e-37  # a block too small to invert (127 / 1e-37 overflows): zeros, not saturated codes
     for cap in caps_with_dot_products(kernels):
         y = kernels.int8_dot_linear(x, linear.qweight, linear.scale, cap)
         assert y[0].isfinite().all() and y[1].isnan().all() and y[2].isnan().all() and torch.equal(y[3], torch.zeros(8))
+        assert torch.equal(y[4], torch.zeros(8))
 
 
 def test_widths_the_kernel_cannot_take_are_refused(kernels):
@@ -90,12 +94,13 @@ def test_widths_the_kernel_cannot_take_are_refused(kernels):
     for cap in caps_with_dot_products(kernels):
         with pytest.raises(RuntimeError, match="K % 32"):
             kernels.int8_dot_linear(torch.randn(1, 48), linear.qweight, linear.scale, cap)
-    assert kernels.int8_dot_isa(0) == 0  # the generic copy has none
 
 
 def test_the_linear_takes_dot_products_for_decode_rows_unless_switched_off(kernels, monkeypatch, fresh_choice):
     from vlserve.model.kernels import cpu_kernels
 
+    monkeypatch.setenv(int8_gemm.ENV_SWITCH, "1")  # (whatever the runner's environment says)
+    int8_gemm.clear_cached_choices()
     cap = cpu_kernels.isa_cap()
     linear = Int8Linear.from_weight(torch.randn(16, 64), torch.randn(16))
     x = torch.randn(3, 64)

@@ -18,9 +18,9 @@ from vlserve.tools.logit_quality import deviation, random_sequences, teacher_for
 @pytest.fixture
 def fresh_probe():
     """activation_bits() asked again in the test and again after it (it is cached per process)."""
-    int8_gemm.activation_bits.cache_clear()
+    int8_gemm.clear_cached_choices()
     yield
-    int8_gemm.activation_bits.cache_clear()
+    int8_gemm.clear_cached_choices()
 
 
 def skip_unless_exact(bits: int) -> None:
@@ -156,7 +156,7 @@ def test_an_int8_model_stays_close_to_its_full_precision_self(tiny_ckpt, arch, f
     with_activations = deviation(teacher_forced_logits(path, "int8", "float32", sequences), reference)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(int8_gemm.ENV_SWITCH, "0")
-        int8_gemm.activation_bits.cache_clear()
+        int8_gemm.clear_cached_choices()
         weight_only = deviation(teacher_forced_logits(path, "int8", "float32", sequences), reference)
     for d in (with_activations, weight_only):
         assert d.cosine > 0.99 and d.top1_agreement > 0.75 and d.max_abs_relative < 0.3, d
@@ -165,15 +165,19 @@ def test_an_int8_model_stays_close_to_its_full_precision_self(tiny_ckpt, arch, f
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bits", [8, 7])
-def test_the_kernels_quantize_and_scale_exactly_as_the_torch_passes(kernels, monkeypatch, dtype, bits):
-    """The one-pass kernels and the torch fallback give the same codes, scales and outputs, bit for bit (ties
-    rounded half to even, zero rows, both product layouts)."""
+@pytest.mark.parametrize("cap", [0, 1, 3])
+def test_the_kernels_quantize_and_scale_exactly_as_the_torch_passes(kernels, monkeypatch, dtype, bits, cap):
+    """The one-pass kernels (scalar, AVX2 and AVX-512 row quantization: the ISA cap picks) and the torch fallback
+    give the same codes, scales and outputs, bit for bit (ties rounded half to even, zero rows, NaN and infinite
+    values, a width no vector divides, both product layouts)."""
     from vlserve.model.kernels import cpu_kernels
 
+    monkeypatch.setattr(cpu_kernels, "isa_cap", lambda: cap)
     torch.manual_seed(bits)
-    x = (torch.randn(37, 200) * torch.logspace(-4, 3, 37)[:, None]).to(dtype)
+    x = (torch.randn(37, 203) * torch.logspace(-4, 3, 37)[:, None]).to(dtype)
     x[5] = 0
     x[7, 3] = float("nan")  # its row's scale is NaN, its codes 0, either way
+    x[8, 200] = float("inf")  # its row's scale is infinite, its codes 0
     x[6, :4] = torch.tensor([2.5, -2.5, 0.5, 2.0 ** (bits - 1) - 1]).to(dtype)  # ties at scale 1 (its largest: top)
     acc = torch.randint(-2**20, 2**20, (37, 70), dtype=torch.int32)
     row, col = torch.rand(37, 1), torch.rand(70)
@@ -181,7 +185,7 @@ def test_the_kernels_quantize_and_scale_exactly_as_the_torch_passes(kernels, mon
                                                (acc, acc.t().contiguous().t())]
     monkeypatch.setattr(cpu_kernels, "for_tensor", lambda t, dtypes=None: None)
     slow = int8_gemm.quantize_rows(x, bits), [int8_gemm.scale_products(acc, row, col, dtype)]
-    assert torch.equal(fast[0][0], slow[0][0]) and fast[0][1][7].isnan().all()
+    assert torch.equal(fast[0][0], slow[0][0]) and fast[0][1][7].isnan().all() and not fast[0][0][7:9].any()
     torch.testing.assert_close(fast[0][1], slow[0][1], rtol=0, atol=0, equal_nan=True)
     assert fast[0][0][6, :3].tolist() == [2, -2, 0] and fast[0][1][6].item() == 1  # half to even
     for out in fast[1]:

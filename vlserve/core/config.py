@@ -102,9 +102,10 @@ class EngineArgs:
                         choices=("auto", "float32", "bfloat16", "float16"))
     quantization: str | None = option(
         None, "quantization: int8 (made at load time from a full-precision checkpoint, decoder linears and LM "
-        "head; on CPU a decode step also quantizes its activations per 32 values for int8 dot products (AVX2, "
-        "AVX-512 VNNI), a prefill per row where int8 GEMMs are fast; VLSERVE_INT8_ACTIVATIONS=0 keeps them in the "
-        "dtype); awq and gptq 4-bit checkpoints are detected from their quantization_config", LM_ROLES,
+        "head; on CPU with vlserve's kernels built a decode step also quantizes its activations per 32 values "
+        "for int8 dot products (AVX2, AVX-512 VNNI), a prefill per row where int8 GEMMs are fast; "
+        "VLSERVE_INT8_ACTIVATIONS=0 keeps them in the dtype); awq and gptq 4-bit checkpoints are detected from "
+        "their quantization_config", LM_ROLES,
         choices=("int8", "awq", "gptq"))
     device: str = option("auto", "auto (cuda when available, else cpu), cpu, cuda, cuda:1, ...",
                          MODEL_ROLES)

@@ -1,5 +1,6 @@
 """How far a quantized model's logits are from the unquantized model's, on teacher-forced text (the same token
-sequences through both, one prefill each): what `benchmarks/quantization.py` prints and the test suite bounds."""
+sequences through both, one prefill each or a few tokens a pass): what `benchmarks/quantization.py` prints and the
+test suite bounds."""
 
 from __future__ import annotations
 

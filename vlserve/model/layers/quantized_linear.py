@@ -5,10 +5,11 @@ reads a quarter of fp32's bytes, int4 an eighth). int8 there multiplies bytes by
 blocks of 32 values with a scale each (`int8_gemm.decode_dot_isa`: AVX-512 VNNI or AVX2; expanding each weight
 byte to a float took more instructions than the memory took to deliver it); int4, and int8 where neither
 instruction set is there, keep the activations in the compute dtype (fp32 accumulation, the weight expanded in
-registers). Past `KERNEL_MAX_ROWS` rows (prefill) a step is compute-bound: on CPU, int8 runs as int8 x int8 GEMMs
-with the activations quantized per row (`int8_gemm`); otherwise (int4, CUDA, or no exact int8 products) the weight
-is expanded to the compute dtype once for the call and goes through the dense GEMM. `VLSERVE_INT8_ACTIVATIONS=0`
-keeps int8's activations in the compute dtype on every path.
+registers), as do int8 linears whose input width is not a multiple of 32. Past `KERNEL_MAX_ROWS` rows (prefill) a
+step is compute-bound: on CPU, int8 runs as int8 x int8 GEMMs with the activations quantized per row
+(`int8_gemm`); otherwise (int4, CUDA, or no exact int8 products) the weight is expanded to the compute dtype once
+for the call and goes through the dense GEMM. `VLSERVE_INT8_ACTIVATIONS=0` keeps int8's activations in the compute
+dtype on every path.
 
 int4 layout here (`pack_int4`): per 32 input channels, byte i holds channel i (low nibble) and channel 16 + i
 (high nibble), so one vector load unpacks into two runs of consecutive channels. Zeros are kept as floats,

@@ -131,7 +131,9 @@ template <typename T>
 static inline void prefetch_row(const T* base, const int64_t* blocks, long t, long ctx, long bs, long stride, long D) {
     if (t >= ctx) return;
     const char* row = reinterpret_cast<const char*>(base + (blocks[t / bs] * bs + t % bs) * stride);
-    for (long b = 0; b < D * static_cast<long>(sizeof(T)); b += 64) __builtin_prefetch(row + b);
+    const char* end = row + D * static_cast<long>(sizeof(T));
+    for (const char* line = row - reinterpret_cast<uintptr_t>(row) % 64; line < end; line += 64)
+        __builtin_prefetch(line);  // every line the row touches, its first and last included
 }
 
 template <typename T>

@@ -19,6 +19,13 @@ namespace {
 constexpr long DOT_BLOCK = 32;  // activation values per scale
 constexpr long DOT_AHEAD = 2048;  // prefetch distance in weight bytes (as int8_rows: hardware prefetch alone lags)
 inline void dot_prefetch(const int8_t* p) { __builtin_prefetch(p + DOT_AHEAD); }
+// 127 / a block's largest magnitude; 0 for a block of zeros, a bad block (NaN or infinity: its scale is NaN), and
+// one so small that the inverse overflows (below 127 / FLT_MAX: its codes would all saturate; its values are
+// below 4e-37, so zeros lose nothing)
+inline float block_inverse(float amax, bool bad) {
+    const float inv = 127.f / amax;
+    return bad || !(inv <= 3.4028235e38f) ? 0.f : inv;
+}
 // the scalar ends of a row past its last whole vector (row_absmax, quantize_row: the same in both copies)
 inline void absmax_tail(const float* x, long k, long K, float& amax, bool& nan) {
     for (; k < K; k++) {
@@ -49,13 +56,14 @@ void quantize_blocks(const float* x, long M, long K, int8_t* codes, float* scale
         const __m512 aa = _mm512_andnot_ps(sign, a), ab = _mm512_andnot_ps(sign, b);
         const bool bad = _mm512_cmp_ps_mask(aa, big, _CMP_NLE_UQ) | _mm512_cmp_ps_mask(ab, big, _CMP_NLE_UQ);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(aa, ab));
-        const float inv = bad || amax == 0.f ? 0.f : 127.f / amax;
+        const float inv = block_inverse(amax, bad);
         scales[r] = bad ? __builtin_nanf("") : amax / 127.f;
         const __m512 s = _mm512_set1_ps(inv);
+        const __mmask16 keep = bad ? 0 : 0xFFFF;  // a bad block's codes are zeros (its values times 0 are NaN)
         _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + r * DOT_BLOCK),
-                         _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, s))));
+                         _mm512_cvtsepi32_epi8(_mm512_maskz_cvtps_epi32(keep, _mm512_mul_ps(a, s))));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + r * DOT_BLOCK + 16),
-                         _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(b, s))));
+                         _mm512_cvtsepi32_epi8(_mm512_maskz_cvtps_epi32(keep, _mm512_mul_ps(b, s))));
     }
 }
 
@@ -161,11 +169,12 @@ void quantize_blocks(const float* x, long M, long K, int8_t* codes, float* scale
         t = _mm_max_ps(t, _mm_movehl_ps(t, t));
         t = _mm_max_ss(t, _mm_movehdup_ps(t));
         const float amax = _mm_cvtss_f32(t);
-        const float inv = bad || amax == 0.f ? 0.f : 127.f / amax;
+        const float inv = block_inverse(amax, bad);
         scales[r] = bad ? __builtin_nanf("") : amax / 127.f;
         const __m256 s = _mm256_set1_ps(inv);
         __m256i c[4];
-        for (int j = 0; j < 4; j++) c[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], s));
+        for (int j = 0; j < 4; j++)  // a bad block's codes are zeros (its values times 0 are NaN)
+            c[j] = bad ? _mm256_setzero_si256() : _mm256_cvtps_epi32(_mm256_mul_ps(v[j], s));
         // two packs interleave the 128-bit lanes: 4-byte groups come out as c0 c1 c2 c3 (low halves), then the
         // high halves; the permute puts each vector's 8 bytes back together
         const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
@@ -190,7 +199,8 @@ static inline void dot_tile(const int8_t* xq, const float* xs, long K, const int
             const int8_t* line = tile + k * 4;
             dot_prefetch(line);
             __m128i xk[MB];
-            for (int i = 0; i < MB; i++) xk[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + (m + i) * K + k));
+            for (int i = 0; i < MB; i++)
+                xk[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + (m + i) * K + k));
             for (int h = 0; h < 2; h++) {
                 const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 32 * h));
                 const __m256i magnitude = _mm256_abs_epi8(w);
