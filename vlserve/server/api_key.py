@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hmac
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 
 from vlserve.server.errors import error_response, log_client_error
 
@@ -17,12 +17,25 @@ DOC_PATHS = ("/docs", "/redoc", "/openapi.json")
 
 
 def install_api_key_check(app: FastAPI, api_key: str | None) -> None:
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        path = request.url.path
-        if api_key and (path.startswith("/v1") or path in DOC_PATHS):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                log_client_error(f"{request.method} {path}", 401, "invalid or missing API key")
-                return error_response("invalid or missing API key", 401)
-        return await call_next(request)
+    """Nothing to install without a key."""
+    if api_key:
+        app.add_middleware(ApiKeyCheck, api_key=api_key)
+
+
+class ApiKeyCheck:
+    """ASGI middleware, not Starlette's `@app.middleware("http")`: that one relays every chunk of a streamed answer
+    through a memory stream and a task of its own (measured: ~1 ms of the front end's CPU a token at batch 1, taken
+    from the engine's cores on a small machine). This one reads the headers once and passes the rest through."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (path.startswith("/v1") or path in DOC_PATHS):
+            given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+            if not hmac.compare_digest(given, self.expected):
+                log_client_error(f"{scope['method']} {path}", 401, "invalid or missing API key")
+                await error_response("invalid or missing API key", 401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
