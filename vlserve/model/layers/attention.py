@@ -111,12 +111,15 @@ def paged_attention(
                                           vb.seq_lens, vb.block_table, meta.block_size, out=out, work_cache=vb.work)
         return out.view(num_tokens, num_heads * head_dim)
 
-    out = torch.empty_like(q)
     nd = meta.num_decode_tokens
     kernels = _decode_kernels(q, kv_cache, meta) if nd else None
     if kernels is not None:
         od = kernels.paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_blocks.view(nd, -1),
                                             meta.decode_context_lens, meta.block_size, scale, cpu_kernels.isa_cap())
+        if nd == num_tokens:  # a decode-only step: the kernel's output is the whole answer (no copy)
+            return od.view(num_tokens, num_heads * head_dim)
+    out = torch.empty_like(q)
+    if kernels is not None:
         out[:nd] = od
     elif nd:
         # GQA without repeating K/V: the query heads sharing a KV head become that head's "query rows".
