@@ -16,7 +16,6 @@
 
 namespace {
 
-
 #define VLS_DISPATCH(isa, fn, ...)                                 \
     do {                                                           \
         if ((isa) >= 2) vls_avx512::fn(__VA_ARGS__);               \
