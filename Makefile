@@ -4,9 +4,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 RUNTIME_STAMP := $(VENV)/.installed-runtime
 DISAGG_STAMP := $(VENV)/.installed-disagg
+DYNAMO_STAMP := $(VENV)/.installed-dynamo
 STAMP := $(VENV)/.installed
 
-.PHONY: install install-runtime install-disagg test test-fast serve bench clean
+.PHONY: install install-runtime install-disagg install-dynamo test test-fast serve bench clean
 
 # The CPU kernels are built (or found already built) on every install: a build is cached by a hash of its
 # sources, compiler and torch, so a checkout whose kernel sources changed gets its own build, and no server ever
@@ -52,8 +53,22 @@ $(DISAGG_STAMP): $(RUNTIME_STAMP) pyproject.toml
 		echo "libibverbs1 missing: --transfer-backend mooncake will not start (apt-get install libibverbs1)"
 	touch $(DISAGG_STAMP)
 
-$(STAMP): $(DISAGG_STAMP) pyproject.toml
-	$(PY) -m pip install --quiet -e '.[test,disagg]'
+# `vlserve dynamo-worker` (docs/dynamo.md): Dynamo's runtime and Python package, and the NATS server its KV
+# router's events travel through (Debian's nats-server, where we may install it; etcd comes with `make install`).
+install-dynamo: $(DYNAMO_STAMP)
+	$(call finish_install,)
+
+$(DYNAMO_STAMP): $(RUNTIME_STAMP) pyproject.toml
+	$(PY) -m pip install --quiet -e '.[dynamo]'
+	$(PY) -m pip install --quiet --no-deps ai-dynamo==1.6.1
+	@command -v nats-server >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		{ apt-get install -y -qq --no-install-recommends nats-server >/dev/null 2>&1 || \
+		  { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq --no-install-recommends nats-server >/dev/null; }; }; } || \
+		echo "nats-server missing: Dynamo's KV events need one (apt-get install nats-server)"
+	touch $(DYNAMO_STAMP)
+
+$(STAMP): $(DISAGG_STAMP) $(DYNAMO_STAMP) pyproject.toml
+	$(PY) -m pip install --quiet -e '.[test,disagg,dynamo]'
 	@# Triton: the CUDA attention path's kernels (vlserve.model.kernels.triton_attention). A CUDA torch brings the
 	@# Triton it needs; with a CPU torch the tests run those kernels in Triton's interpreter, on the version the GPU
 	@# machines' images carry.

@@ -24,6 +24,7 @@ FILE_TIERS = {
     "test_detokenizer.py": "unit",
     "test_disagg_auth.py": "unit",
     "test_disagg_bootstrap.py": "unit",
+    "test_dynamo_backend.py": "unit",
     "test_etcd_cluster.py": "multiprocess",
     "test_etcd_registry.py": "multiprocess",
     "test_kubernetes.py": "unit",
@@ -183,6 +184,10 @@ TEST_TIERS = {
     "test_internvl_serving.py::test_int8_loads_and_generates_with_pictures_and_videos": "engine",
     "test_llava_parity.py::test_two_ranks_match_transformers": "multiprocess",
     "test_internvl_parity.py::test_two_ranks_match_transformers": "multiprocess",
+    "test_dynamo_backend.py::test_pictures_through_dynamos_frontend_get_the_plain_servers_greedy_answers":
+        "multiprocess",
+    "test_dynamo_backend.py::test_dynamos_kv_router_sends_a_repeated_picture_to_the_worker_that_holds_it":
+        "multiprocess",
 }
 
 

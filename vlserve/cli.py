@@ -13,6 +13,7 @@ from vlserve.core.cpu_budget import short_spin_waits
 from vlserve.core.errors import VlserveError, exit_code
 from vlserve.core.processes import log_format
 from vlserve.disagg import cli as disagg_cli
+from vlserve.dynamo import cli as dynamo_cli
 from vlserve.router import cli as router_cli
 from vlserve.server import cli as server_cli
 from vlserve.server import demo, run_batch
@@ -20,7 +21,7 @@ from vlserve.tools import cli as tools_cli
 from vlserve.tools.tiny_arches import family_names
 
 COMMANDS = [server_cli.register_cli, demo.register_cli, tools_cli.register_cli, bench_cli.register_cli,
-            disagg_cli.register_cli, router_cli.register_cli, run_batch.register_cli]
+            disagg_cli.register_cli, router_cli.register_cli, run_batch.register_cli, dynamo_cli.register_cli]
 LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
 
 

@@ -9,6 +9,7 @@ import math
 import os
 
 from vlserve.core.config import (
+    DERIVED_ROLES,
     OPTION_GROUPS,
     DisaggArgs,
     EngineArgs,
@@ -24,7 +25,12 @@ def _flag(f: dataclasses.Field) -> str:
     return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
 
 
+def _base(role: str) -> str:
+    return DERIVED_ROLES.get(role, (role,))[0]
+
+
 def _default(f: dataclasses.Field, role: str):
+    role = _base(role)
     if role in f.metadata.get("role_defaults", {}):
         return f.metadata["role_defaults"][role]
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
@@ -41,10 +47,11 @@ def _is_bool(f: dataclasses.Field) -> bool:
 
 
 def role_fields(role: str):
-    """(group title, dataclass, field) for every option `role` honours."""
+    """(group title, dataclass, field) for every option `role` honours (a derived role: its base's, less some)."""
+    base, left_out = _base(role), DERIVED_ROLES.get(role, (role, frozenset()))[1]
     for title, cls in OPTION_GROUPS:
         for f in dataclasses.fields(cls):
-            if role in f.metadata.get("roles", ()):
+            if base in f.metadata.get("roles", ()) and f.name not in left_out:
                 yield title, cls, f
 
 
@@ -110,8 +117,8 @@ def options_from(ns: argparse.Namespace, role: str) -> Options:
             value = os.environ.get(f.metadata["env"]) or None
             if value is not None:
                 value = _arg_parser(f)(value)
-        if value is None and role in f.metadata.get("role_defaults", {}):
-            value = f.metadata["role_defaults"][role]
+        if value is None and _base(role) in f.metadata.get("role_defaults", {}):
+            value = f.metadata["role_defaults"][_base(role)]
         if value is not None:
             check_range(f, value)
             values[cls][f.name] = tuple(value) if isinstance(value, list) else value

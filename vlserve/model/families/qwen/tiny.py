@@ -69,6 +69,10 @@ def model_config(arch: str, spec, vocab_size: int, ids: dict[str, int], init_ran
     if arch == "qwen3_vl_moe":
         text["num_experts"], text["num_experts_per_tok"], text["moe_intermediate_size"] = shape.experts
         text["decoder_sparse_step"] = 1
+    # Released Qwen2-VL / Qwen2.5-VL configs name <|vision_pad|> too, at both levels (Dynamo's media routing
+    # reads the text config's)
+    vision_pad = {} if arch in QWEN3 or arch in QWEN3_5 else {"vision_token_id": ids["<|vision_pad|>"]}
+    text.update(vision_pad)
     return config_cls(
         text_config=text,
         vision_config=vision_config(arch, spec, shape, init_range),
@@ -79,6 +83,7 @@ def model_config(arch: str, spec, vocab_size: int, ids: dict[str, int], init_ran
         tie_word_embeddings=spec.tie_embeddings,
         # Duplicated at the top level because flat (hub-style) readers look for them there.
         **token_ids,
+        **vision_pad,
     )
 
 

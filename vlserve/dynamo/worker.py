@@ -1,0 +1,224 @@
+"""vlserve as a backend of NVIDIA Dynamo: an `LLMEngine` of Dynamo's Python backend SDK around our `AsyncLLM`.
+
+Dynamo's `Worker` (Rust) registers the model card (the checkpoint folder: tokenizer and chat template, which its
+frontend uses), serves the `generate` endpoint and calls `generate` per request with the frontend's token ids;
+pictures come as URLs beside one placeholder token each, which our prompt encoder fetches (under the media
+policy flags), decodes and expands. Tokens stream back as they come; Dynamo's frontend detokenizes them.
+KV events reach Dynamo's router through `KVEventRelay`; load through its snapshot publisher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import socket
+import uuid
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import msgspec
+from dynamo.common.backend import EngineConfig, LLMEngine, WorkerConfig
+from dynamo.common.backend.engine import LlmRegistration
+from dynamo.common.backend.health_check import build_health_check_payload
+from dynamo.common.backend.logprobs import extract_from_completion_output
+from dynamo.common.backend.publisher import ComponentSnapshot, PushSource
+from dynamo.llm.exceptions import EngineShutdown, InvalidArgument, Unknown
+
+from vlserve.core.config import SERVE, Options
+from vlserve.core.errors import EngineDeadError, InvalidInputError, VlserveError
+from vlserve.dynamo.kv_relay import KVEventRelay, routing_tokens
+from vlserve.dynamo.request import dynamo_prompt
+
+logger = logging.getLogger("vlserve.dynamo")
+
+SNAPSHOT_INTERVAL_S = 0.25  # how often the router's load view (used KV blocks) is refreshed
+RELAY_BLOCKS_PER_POOL_BLOCK = 4  # blocks whose routing tokens are kept, per block of the engine's pool
+
+
+def free_local_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def dynamo_error(error: Exception) -> Exception:
+    """Ours as Dynamo's typed errors (its frontend maps them to HTTP statuses)."""
+    if isinstance(error, InvalidInputError):
+        return InvalidArgument(str(error))
+    if isinstance(error, EngineDeadError):
+        return EngineShutdown(str(error))
+    return Unknown(str(error))
+
+
+class VlserveEngine(LLMEngine):
+    def __init__(self, opts: Options, worker: WorkerConfig, log_level: str = "INFO"):
+        from vlserve.server.api_server import make_engine
+
+        self.opts = opts
+        if opts.engine.enable_prefix_caching and worker.enable_kv_routing:
+            # The engine's KV events, on loopback, for the relay (Dynamo's router never reads them itself).
+            opts.engine = dataclasses.replace(opts.engine, kv_events_endpoint=f"tcp://127.0.0.1:{free_local_port()}")
+        self.engine = make_engine(opts, log_level, SERVE)  # config and tokenizer now; the engine process at start
+        self.model_path = str(self.engine.cfg.model_path)
+        self.served_name = opts.server.served_model_name or opts.engine.model
+        worker.model_name, worker.served_model_name = self.model_path, self.served_name
+        self.worker = worker
+        self.relay: KVEventRelay | None = None
+        self._snapshots: Any = None
+        self._snapshot_task: asyncio.Task | None = None
+        self._started = False
+        self._live: set[str] = set()
+
+    # ---- lifecycle ---------------------------------------------------------------------------------------
+    @classmethod
+    async def from_args(cls, argv: list[str] | None = None):
+        from vlserve.dynamo.cli import parse_worker_args
+
+        return parse_worker_args(argv)
+
+    async def start(self, worker_id: int) -> EngineConfig:
+        await self.engine.start()
+        self._started = True
+        cfg, args = self.engine.cfg, self.opts.engine
+        if args.kv_events_endpoint is not None:
+            self.relay = KVEventRelay(args.kv_events_endpoint, args.block_size,
+                                      RELAY_BLOCKS_PER_POOL_BLOCK * max(self.engine.num_kv_blocks, 1))
+        self._snapshot_task = asyncio.get_running_loop().create_task(self._publish_load())
+        logger.info("vlserve worker %s ready for Dynamo: %s as %r, %d KV blocks of %d tokens", worker_id,
+                    self.model_path, self.served_name, self.engine.num_kv_blocks, args.block_size)
+        return EngineConfig(model=self.model_path, served_model_name=self.served_name,
+                            llm=LlmRegistration(context_length=cfg.max_model_len, kv_cache_block_size=args.block_size,
+                                                total_kv_blocks=self.engine.num_kv_blocks,
+                                                max_num_seqs=cfg.max_num_seqs,
+                                                max_num_batched_tokens=args.max_num_batched_tokens))
+
+    async def cleanup(self) -> None:
+        if self._snapshot_task is not None:
+            self._snapshot_task.cancel()
+            self._snapshot_task = None
+        if self.relay is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.relay.stop)
+            self.relay = None
+        if self._started:
+            self._started = False
+            await self.engine.shutdown()
+
+    async def kv_event_sources(self) -> list:
+        if self.relay is None:
+            return []
+        return [PushSource(on_ready=self.relay.start, dp_rank=0)]
+
+    async def register_prometheus(self, metrics: Any) -> None:
+        """vlserve's own metrics (the server's /metrics: prefix-cache hits, TTFT, encoder time ...) on the worker's
+        /metrics (Dynamo's system port, DYN_SYSTEM_PORT), labelled by Dynamo."""
+        from dynamo.common.backend.metrics import register_engine_registry
+
+        register_engine_registry(metrics, self.engine.metrics.registry)
+
+    def component_metrics_dp_ranks(self) -> list[int]:
+        return [0]
+
+    def attach_snapshot_publisher(self, publisher: Any) -> None:
+        self._snapshots = publisher
+
+    async def health_check_payload(self) -> dict[str, Any] | None:
+        tok = self.engine.tokenizer
+        bos = getattr(tok, "bos_token_id", None)
+        return build_health_check_payload(bos_token_id=bos if isinstance(bos, int) else 0)
+
+    async def _publish_load(self) -> None:
+        while True:
+            await asyncio.sleep(SNAPSHOT_INTERVAL_S)
+            if self._snapshots is None:
+                continue
+            stats, total = self.engine.stats, self.engine.num_kv_blocks
+            queries = stats.prefix_cache_queries_total
+            try:
+                self._snapshots.publish(0, ComponentSnapshot(
+                    kv_used_blocks=round(stats.kv_cache_usage_perc * total), kv_total_blocks=total,
+                    gpu_cache_usage=stats.kv_cache_usage_perc, dp_rank=0,
+                    kv_cache_hit_rate=stats.prefix_cache_hits_total / queries if queries else None))
+            except Exception:
+                logger.exception("the load snapshot could not be published")
+
+    # ---- requests ----------------------------------------------------------------------------------------
+    async def abort(self, context) -> None:
+        rid = _request_id(context)
+        if rid in self._live:
+            self.engine.abort(rid)
+
+    async def generate(self, request: dict, context) -> AsyncGenerator[dict, None]:
+        rid = _request_id(context)
+        try:
+            handle, params, prompt_tokens = await self._submit(request, rid)
+        except VlserveError as e:
+            raise dynamo_error(e) from None
+        self._live.add(rid)
+        sent = 0
+        try:
+            async for out in handle:
+                done = out.outputs[0]
+                chunk: dict[str, Any] = {"token_ids": done.token_ids[sent:], "index": 0}
+                if params.logprobs is not None:
+                    log_probs, top = extract_from_completion_output(done, sent)
+                    if log_probs is not None:
+                        chunk["log_probs"] = log_probs
+                        if top:
+                            chunk["top_logprobs"] = top
+                sent = len(done.token_ids)
+                if done.finish_reason is not None:
+                    chunk["finish_reason"] = done.finish_reason
+                    chunk["completion_usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": sent,
+                                                 "total_tokens": prompt_tokens + sent}
+                    yield chunk
+                    return
+                if chunk["token_ids"]:
+                    yield chunk
+        except VlserveError as e:
+            raise dynamo_error(e) from None
+        finally:
+            self._live.discard(rid)
+            handle.close()  # aborts it in the engine unless it finished
+
+    async def _submit(self, request: dict, rid: str):
+        engine, server = self.engine, self.opts.server
+        asked = dynamo_prompt(request, set(engine.cfg.model.eos_token_ids))
+        params = asked.params
+        stops = [params.stop] if isinstance(params.stop, str) else params.stop or []
+        if len(stops) > server.max_stop_strings or len(params.stop_token_ids or []) > server.max_stop_strings:
+            raise InvalidInputError(f"at most {server.max_stop_strings} stop strings and stop token ids each "
+                                    "(--max-stop-strings)")
+        if any(len(s) > server.max_stop_string_chars for s in stops):
+            raise InvalidInputError(f"a stop string may be at most {server.max_stop_string_chars} characters long "
+                                    "(--max-stop-string-chars)")
+        if params.structured_outputs is not None:
+            await engine.grammar_compiler.check(params.structured_outputs)
+        prepared = await engine.prepare(asked.prompt, None, request_id=rid, params=params)
+        with prepared:  # closed here unless handed to the engine
+            room = engine.cfg.max_model_len - prepared.num_tokens
+            max_tokens = asked.max_tokens if asked.max_tokens is not None else room
+            if max_tokens > room or room < 1:
+                raise InvalidInputError(f"this model's maximum context length is {engine.cfg.max_model_len} tokens; "
+                                        f"the prompt has {prepared.num_tokens} tokens and max_tokens is "
+                                        f"{max_tokens}: reduce one of them")
+            params = msgspec.structs.replace(params, max_tokens=max_tokens)
+            if params.logprobs is not None and max_tokens * (params.logprobs + 1) > server.max_logprob_entries:
+                raise InvalidInputError(f"max_tokens {max_tokens} x {params.logprobs + 1} log-probabilities per "
+                                        f"token is over the {server.max_logprob_entries} one request may ask for "
+                                        "(--max-logprob-entries)")
+            if self.relay is not None:
+                prompt = prepared.prompt
+                m = engine.cfg.model
+                placeholders = {t for t in (m.image_token_id, m.video_token_id, m.audio_token_id) if t is not None}
+                await asyncio.get_running_loop().run_in_executor(
+                    engine.executor, lambda: self.relay.remember(
+                        prompt.prompt_token_ids, prompt.mm_items,
+                        routing_tokens(prompt.prompt_token_ids, prompt.mm_items, asked.mm_hashes, placeholders)))
+            handle = engine.generate(prepared, params, rid)
+        return handle, params, prepared.num_tokens
+
+
+def _request_id(context) -> str:
+    rid = context.id() if context is not None else None
+    return f"dyn-{rid or uuid.uuid4().hex}"
