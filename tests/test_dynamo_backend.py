@@ -64,6 +64,10 @@ def test_sampling_stops_and_media_map_onto_ours():
     ({"multi_modal_data": {"point_cloud": []}}, "multi_modal_data.point_cloud"),
     ({"stop_conditions": {"max_tokens": 0}}, "stop_conditions.max_tokens"),
     ({"token_ids": []}, "token_ids"),
+    ({"output_options": {"prompt_logprobs": 0}}, "output_options.prompt_logprobs"),
+    ({"sampling_options": {"guided_decoding": {"structural_tag": "{}"}}}, "guided_decoding.structural_tag"),
+    ({"prefill_result": {"x": 1}}, "prefill_result"),
+    ({"encoder_result": {"x": 1}}, "encoder_result"),
     ({"sampling_options": {"guided_decoding": {"json": "{not json"}}}, "guided_decoding.json"),
 ])
 def test_what_cannot_be_honoured_is_refused_by_name(part, field):
@@ -102,8 +106,11 @@ class _Publisher:
         self.calls.append(("removed", kw))
 
 
-def _batch(*events) -> bytes:
-    return encode_batch(KVEventBatch("r", 0, 0.0, list(events)))
+_seq = iter(range(10**6))
+
+
+def _batch(*events, seq: int | None = None) -> bytes:
+    return encode_batch(KVEventBatch("r", next(_seq) if seq is None else seq, 0.0, list(events)))
 
 
 def test_the_relay_publishes_known_blocks_with_their_tokens_and_removes_only_what_it_published():
@@ -135,6 +142,21 @@ def test_the_relay_publishes_known_blocks_with_their_tokens_and_removes_only_wha
     assert sorted(pub.calls[1][1]["block_hashes"]) == sorted(as_i64(h) for h in hashes[1:])
     relay.apply(b"not msgpack", pub)  # dropped with a warning
     assert len(pub.calls) == 2
+
+
+def test_a_lost_batch_makes_the_router_forget_what_it_was_told():
+    relay = KVEventRelay("tcp://127.0.0.1:1", 2, max_blocks=8)
+    relay.remember([1, 2, 3, 4], [], [1, 2, 3, 4])
+    from vlserve.core.block_hash import chain_root, extend_block_hashes
+
+    hashes: list[bytes] = []
+    extend_block_hashes([1, 2, 3, 4], [], 2, hashes, [], chain_root(None))
+    pub = _Publisher()
+    relay.apply(_batch(BlockStored(hashes, None, 2), seq=5), pub)
+    relay.apply(_batch(seq=6), pub)
+    assert [c[0] for c in pub.calls] == ["stored"]
+    relay.apply(_batch(seq=8), pub)  # 7 never came
+    assert pub.calls[-1][0] == "removed" and sorted(pub.calls[-1][1]["block_hashes"]) == sorted(map(as_i64, hashes))
 
 
 def test_the_relay_forgets_the_oldest_blocks_past_its_bound():
@@ -188,9 +210,11 @@ class DynamoCluster:
                                         str(tmp / "nats")], self.env)]
         self.frontend = _Process("frontend", [sys.executable, "-m", "dynamo.frontend", "--http-host", "127.0.0.1",
                                               "--http-port", str(self.port), "--router-mode", "kv"], self.env)
+        self.system_ports = [free_port(), free_port()]  # each worker's /metrics (vlserve's counters among them)
         self.workers = [_Process(f"worker{i}", ["dynamo-worker", "--model", str(model), "--served-model-name",
                                                 "tiny", "--max-model-len", "4096", "--num-kv-blocks", "512",
-                                                "--cpu-threads", "1"], self.env, vlserve=True) for i in range(2)]
+                                                "--cpu-threads", "1"], {**self.env, "DYN_SYSTEM_PORT": str(port)},
+                                 vlserve=True) for i, port in enumerate(self.system_ports)]
         self.procs += [self.frontend, *self.workers]
         self.url = f"http://127.0.0.1:{self.port}"
 
@@ -300,3 +324,31 @@ def test_dynamos_kv_router_sends_a_repeated_picture_to_the_worker_that_holds_it(
     time.sleep(1.0)  # the stored events reach the router
     for i in (0, 1, 1, 0, 0, 1):  # not alternating: round-robin or a coin would not pass
         assert served_by(pictures[i]) == cluster.worker_ids[i]
+
+
+def _running(cluster: DynamoCluster) -> float:
+    total = 0.0
+    for port in cluster.system_ports:
+        for line in HTTP.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text.splitlines():
+            if line.startswith("vlserve:num_requests_running"):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@needs_dynamo
+def test_a_client_that_leaves_mid_stream_frees_the_workers_engine(deployment):
+    cluster, _ = deployment
+    stream = cluster.client().chat.completions.create(
+        model="tiny", messages=_chat([_picture(30)], "tell me a long story"), max_tokens=3000, temperature=0,
+        stream=True, extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    assert _running(cluster) == 1  # still generating when the client leaves
+    stream.close()
+    deadline = time.monotonic() + 20
+    while _running(cluster) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _running(cluster) == 0  # aborted in the engine, not generated to max_tokens for nobody
+    assert cluster.client().chat.completions.create(model="tiny", messages=_chat([], "still there?"),
+                                                    max_tokens=2).choices

@@ -29,6 +29,7 @@ LAYERS = [
     {"vlserve.disagg"},
     {"vlserve.server"},
     {"vlserve.router"},  # the OpenAI front of several replicas: the server's parsing, the registry, the index
+    {"vlserve.dynamo"},  # a backend of NVIDIA Dynamo: the server's engine set-up behind Dynamo's frontend
     {"vlserve.cli", "vlserve"},
     {"vlserve.__main__"},
 ]

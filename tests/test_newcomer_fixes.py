@@ -191,8 +191,10 @@ def test_make_serve_installs_what_serving_needs_and_make_test_the_rest(tmp_path)
     for extra in ("[test", "disagg]", "triton", "apt-get", "chromium", "etcd"):
         assert extra not in serve, extra
     test = planned("test")
-    for extra in ("'.[test,disagg]'", "triton==", "etcd-server", "libibverbs1"):
+    for extra in ("'.[test,disagg,dynamo]'", "triton==", "etcd-server", "libibverbs1", "ai-dynamo==1.6.1",
+                  "nats-server"):
         assert extra in test, extra
+    assert "dynamo" not in serve
     assert "'.[disagg]'" in planned("install-disagg")
 
 

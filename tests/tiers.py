@@ -188,6 +188,7 @@ TEST_TIERS = {
         "multiprocess",
     "test_dynamo_backend.py::test_dynamos_kv_router_sends_a_repeated_picture_to_the_worker_that_holds_it":
         "multiprocess",
+    "test_dynamo_backend.py::test_a_client_that_leaves_mid_stream_frees_the_workers_engine": "multiprocess",
 }
 
 

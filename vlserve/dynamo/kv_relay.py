@@ -70,6 +70,7 @@ class KVEventRelay:
         self._tokens: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()  # our block hash -> its routing tokens
         self._lock = threading.Lock()
         self._published: set[bytes] = set()  # blocks the router was told about (relay thread only)
+        self._next: tuple[str, int] | None = None  # the batch expected next: (publisher run, seq)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.relayed_stored = self.relayed_removed = self.unknown_blocks = 0
@@ -102,6 +103,7 @@ class KVEventRelay:
     def run(self, publisher: Any, on_tick: Callable[[], None] | None = None, poll_ms: int = 100) -> None:
         sock = zmq.Context.instance().socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 10_000)  # batches buffered before ZeroMQ drops (the seq gap then says so)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         sock.connect(self.endpoint)
         try:
@@ -124,6 +126,12 @@ class KVEventRelay:
         except msgspec.DecodeError as e:
             logger.warning("undecodable KV events message dropped: %s", e)
             return
+        if self._next is not None and (batch.replica_id, batch.seq) != self._next and self._published:
+            # A lost batch (or a restarted engine): what the router was told may be stale; start over.
+            logger.warning("KV events %s lost before seq %d: the router forgets this worker's blocks",
+                           batch.replica_id, batch.seq)
+            self._removed(list(self._published), publisher)
+        self._next = (batch.replica_id, batch.seq + 1)
         for event in batch.events:
             try:
                 if isinstance(event, BlockStored):

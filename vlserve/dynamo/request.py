@@ -29,9 +29,11 @@ STOPS = {"max_tokens", "stop", "stop_token_ids", "stop_token_ids_visible", "stop
 NEUTRAL_STOPS = {"max_thinking_tokens": (None,)}
 # The frontend detokenizes and formats; these change nothing the engine does.
 FRONTEND_OUTPUT = {"skip_special_tokens", "formatted_prompt", "return_tokens_as_token_ids"}
-NEUTRAL_OUTPUT = {"prompt_logprobs": (None, 0)}
+NEUTRAL_OUTPUT = {"prompt_logprobs": (None,)}  # 0 asks for them too
+# Parts of a request for roles this worker does not play (disaggregated prefill/decode, an encoder before it)
+UNSUPPORTED_PARTS = ("prefill_result", "bootstrap_info", "encoder_result")
 GUIDED = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar"}
-GUIDED_NEUTRAL = {"backend", "whitespace_pattern", "structural_tag"}
+GUIDED_NEUTRAL = {"backend"}  # which grammar engine: ours is the one there is
 
 
 @dataclass
@@ -40,6 +42,7 @@ class DynamoPrompt:
     params: SamplingParams
     max_tokens: int | None  # as asked (None: what the context leaves)
     mm_hashes: list[str]  # the frontend's per-item content hashes (hex), in prompt order, for KV routing
+    mm_processor_kwargs: dict | None = None  # checked against the family's processor by the prompt encoder
 
 
 def _group(request: dict, name: str) -> dict:
@@ -109,6 +112,10 @@ def structured_outputs_of(guided: dict | None) -> dict | None:
 
 def dynamo_prompt(request: dict, eos_token_ids: set[int]) -> DynamoPrompt:
     """Raises InvalidInputError naming the field for anything it cannot honour."""
+    for part in UNSUPPORTED_PARTS:
+        if request.get(part):
+            raise InvalidInputError(f"{part} is not supported by the vlserve backend (it serves aggregated "
+                                    "requests: no --disaggregation-mode, no --route-to-encoder)")
     token_ids = _int_list(request.get("token_ids"), "token_ids")
     if not token_ids:
         raise InvalidInputError("token_ids is empty")
@@ -148,4 +155,4 @@ def dynamo_prompt(request: dict, eos_token_ids: set[int]) -> DynamoPrompt:
     hashes = (_group(request, "extra_args").get("mm_hashes") or []) if media else []
     if not isinstance(hashes, list) or not all(isinstance(h, str) for h in hashes):
         raise InvalidInputError("extra_args.mm_hashes must be a list of strings")
-    return DynamoPrompt(prompt, params, max_tokens, hashes)
+    return DynamoPrompt(prompt, params, max_tokens, hashes, _group(request, "mm_processor_kwargs") or None)

@@ -9,9 +9,11 @@ KV events reach Dynamo's router through `KVEventRelay`; load through its snapsho
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 import logging
+import os
 import socket
 import uuid
 from collections.abc import AsyncGenerator
@@ -21,12 +23,14 @@ import msgspec
 from dynamo.common.backend import EngineConfig, LLMEngine, WorkerConfig
 from dynamo.common.backend.engine import LlmRegistration
 from dynamo.common.backend.health_check import build_health_check_payload
-from dynamo.common.backend.logprobs import extract_from_completion_output
 from dynamo.common.backend.publisher import ComponentSnapshot, PushSource
-from dynamo.llm.exceptions import EngineShutdown, InvalidArgument, Unknown
+from dynamo.common.utils.token_ids import normalize_request_token_ids
+from dynamo.llm.exceptions import EngineShutdown, InvalidArgument, Unknown, WorkerUnavailable
 
-from vlserve.core.config import SERVE, Options
-from vlserve.core.errors import EngineDeadError, InvalidInputError, VlserveError
+from vlserve.core.config import DYNAMO, SERVE, Options
+from vlserve.core.errors import ConfigurationError, EngineDeadError, InvalidInputError, ServiceUnavailableError, VlserveError
+from vlserve.core.options import options_from
+from vlserve.dynamo.flags import add_worker_flags
 from vlserve.dynamo.kv_relay import KVEventRelay, routing_tokens
 from vlserve.dynamo.request import dynamo_prompt
 
@@ -34,6 +38,10 @@ logger = logging.getLogger("vlserve.dynamo")
 
 SNAPSHOT_INTERVAL_S = 0.25  # how often the router's load view (used KV blocks) is refreshed
 RELAY_BLOCKS_PER_POOL_BLOCK = 4  # blocks whose routing tokens are kept, per block of the engine's pool
+
+
+class ClientGone(Exception):
+    """Dynamo cancelled the request (its client left, or it stopped it): the stream ends as cancelled."""
 
 
 def free_local_port() -> int:
@@ -48,6 +56,8 @@ def dynamo_error(error: Exception) -> Exception:
         return InvalidArgument(str(error))
     if isinstance(error, EngineDeadError):
         return EngineShutdown(str(error))
+    if isinstance(error, ServiceUnavailableError):  # overloaded or stopping: another worker may take it
+        return WorkerUnavailable(str(error))
     return Unknown(str(error))
 
 
@@ -68,14 +78,38 @@ class VlserveEngine(LLMEngine):
         self._snapshots: Any = None
         self._snapshot_task: asyncio.Task | None = None
         self._started = False
-        self._live: set[str] = set()
+        # Dynamo's request id -> our engine request (None while it is being prepared); an abort that comes
+        # before the request reached the engine is remembered in `_cancelled`.
+        self._live: dict[str, Any] = {}
+        self._cancelled: set[str] = set()
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     @classmethod
     async def from_args(cls, argv: list[str] | None = None):
-        from vlserve.dynamo.cli import parse_worker_args
+        """(engine, WorkerConfig) from a command line (`vlserve dynamo-worker`'s flags), as Dynamo's contract has it."""
+        parser = argparse.ArgumentParser(prog="vlserve dynamo-worker")
+        add_worker_flags(parser)
+        return cls.from_namespace(parser.parse_args(argv))
 
-        return parse_worker_args(argv)
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace, log_level: str = "INFO"):
+        opts = options_from(ns, DYNAMO)
+        from vlserve.server.cli import check_cheap_flags, use_demo_checkpoint
+
+        check_cheap_flags(opts)
+        use_demo_checkpoint(opts)
+        worker = WorkerConfig(namespace=ns.namespace, component=ns.component, endpoint=ns.endpoint,
+                              endpoint_types=ns.endpoint_types, discovery_backend=ns.discovery_backend,
+                              request_plane=ns.request_plane, event_plane=ns.event_plane,
+                              enable_kv_routing=not ns.disable_kv_routing)
+        if opts.server.chat_template is not None:
+            if not os.path.isfile(opts.server.chat_template):
+                raise ConfigurationError("--chat-template for a Dynamo worker must be a file (its frontend reads it)")
+            from vlserve.frontend.tokenizer import load_chat_template
+
+            load_chat_template(opts.server.chat_template)
+            worker.custom_jinja_template = os.path.abspath(opts.server.chat_template)
+        return cls(opts, worker, log_level), worker
 
     async def start(self, worker_id: int) -> EngineConfig:
         await self.engine.start()
@@ -144,28 +178,49 @@ class VlserveEngine(LLMEngine):
 
     # ---- requests ----------------------------------------------------------------------------------------
     async def abort(self, context) -> None:
-        rid = _request_id(context)
-        if rid in self._live:
-            self.engine.abort(rid)
+        key = context.id()
+        if key not in self._live:
+            return
+        handle = self._live[key]
+        if handle is None:
+            self._cancelled.add(key)  # still being prepared: never sent
+            return
+        handle.close()  # out of the engine; its stream is woken to end the generator
+        handle.stream.fail(ClientGone("cancelled"))
 
     async def generate(self, request: dict, context) -> AsyncGenerator[dict, None]:
-        rid = _request_id(context)
+        key, rid = context.id(), f"dyn-{uuid.uuid4().hex}"  # ours is unique even if Dynamo retries an id here
+        if key in self._live:
+            raise InvalidArgument(f"request {key} is already running on this worker")
+        self._live[key] = None
+        handle = None
         try:
-            handle, params, prompt_tokens = await self._submit(request, rid)
-        except VlserveError as e:
-            raise dynamo_error(e) from None
-        self._live.add(rid)
+            try:
+                handle, params, prompt_tokens = await self._submit(normalize_request_token_ids(request), rid)
+            except VlserveError as e:
+                raise dynamo_error(e) from None
+            if key in self._cancelled or context.is_stopped():
+                yield _cancelled(prompt_tokens)
+                return
+            self._live[key] = handle
+            async for chunk in self._stream(handle, params, prompt_tokens):
+                yield chunk
+        except ClientGone:
+            yield _cancelled(prompt_tokens)
+        finally:
+            self._live.pop(key, None)
+            self._cancelled.discard(key)
+            if handle is not None:
+                handle.close()  # aborts it in the engine unless it finished
+
+    async def _stream(self, handle, params, prompt_tokens: int) -> AsyncGenerator[dict, None]:
         sent = 0
         try:
             async for out in handle:
                 done = out.outputs[0]
                 chunk: dict[str, Any] = {"token_ids": done.token_ids[sent:], "index": 0}
-                if params.logprobs is not None:
-                    log_probs, top = extract_from_completion_output(done, sent)
-                    if log_probs is not None:
-                        chunk["log_probs"] = log_probs
-                        if top:
-                            chunk["top_logprobs"] = top
+                if params.logprobs is not None and done.logprobs:
+                    chunk.update(_logprobs(done, sent))
                 sent = len(done.token_ids)
                 if done.finish_reason is not None:
                     chunk["finish_reason"] = done.finish_reason
@@ -175,11 +230,10 @@ class VlserveEngine(LLMEngine):
                     return
                 if chunk["token_ids"]:
                     yield chunk
+        except ClientGone:
+            raise
         except VlserveError as e:
             raise dynamo_error(e) from None
-        finally:
-            self._live.discard(rid)
-            handle.close()  # aborts it in the engine unless it finished
 
     async def _submit(self, request: dict, rid: str):
         engine, server = self.engine, self.opts.server
@@ -194,7 +248,7 @@ class VlserveEngine(LLMEngine):
                                     "(--max-stop-string-chars)")
         if params.structured_outputs is not None:
             await engine.grammar_compiler.check(params.structured_outputs)
-        prepared = await engine.prepare(asked.prompt, None, request_id=rid, params=params)
+        prepared = await engine.prepare(asked.prompt, asked.mm_processor_kwargs, request_id=rid, params=params)
         with prepared:  # closed here unless handed to the engine
             room = engine.cfg.max_model_len - prepared.num_tokens
             max_tokens = asked.max_tokens if asked.max_tokens is not None else room
@@ -219,6 +273,17 @@ class VlserveEngine(LLMEngine):
         return handle, params, prepared.num_tokens
 
 
-def _request_id(context) -> str:
-    rid = context.id() if context is not None else None
-    return f"dyn-{rid or uuid.uuid4().hex}"
+def _cancelled(prompt_tokens: int) -> dict:
+    return {"token_ids": [], "index": 0, "finish_reason": "cancelled",
+            "completion_usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 0, "total_tokens": prompt_tokens}}
+
+
+def _logprobs(done, sent: int) -> dict:
+    """Dynamo's wire form of the new tokens' logprobs (only the new part: no work that grows per chunk)."""
+    log_probs, top = [], []
+    for token, alternatives in zip(done.token_ids[sent:], done.logprobs[sent:]):
+        chosen = alternatives.get(token)
+        log_probs.append(chosen.logprob if chosen is not None else float("-inf"))
+        top.append([{"rank": lp.rank, "token_id": t, "token": lp.decoded_token, "logprob": lp.logprob}
+                    for t, lp in sorted(alternatives.items(), key=lambda kv: -kv[1].logprob)])
+    return {"log_probs": log_probs, "top_logprobs": top}
