@@ -215,7 +215,20 @@ class DynamoCluster:
                                                 "tiny", "--max-model-len", "4096", "--num-kv-blocks", "512",
                                                 "--cpu-threads", "1"], {**self.env, "DYN_SYSTEM_PORT": str(port)},
                                  vlserve=True) for i, port in enumerate(self.system_ports)]
-        self.procs += [self.frontend, *self.workers]
+        # E->PD: a vlserve encoder found through vlserve's registry on the same etcd, and a worker serving the same
+        # checkpoint as "tiny-epd" that sends its pictures there (rows over zmq)
+        secret = {"VLSERVE_DISAGG_SECRET": "dynamo-test-secret-0123456789abcdef"}
+        registry = ["--registry", f"etcd://127.0.0.1:{self.etcd.port}", "--transfer-backend", "zmq"]
+        enc_port = free_port()
+        self.encoder_metrics = f"http://127.0.0.1:{enc_port}/metrics"
+        self.encoder = _Process("encoder", ["encode", "--model", str(model), "--port", str(enc_port), "--data-port",
+                                            str(free_port()), "--cpu-threads", "1", *registry],
+                                {**self.env, **secret}, vlserve=True)
+        self.epd_worker = _Process("worker-epd", ["dynamo-worker", "--model", str(model), "--served-model-name",
+                                                  "tiny-epd", "--max-model-len", "4096", "--num-kv-blocks", "512",
+                                                  "--cpu-threads", "1", *registry], {**self.env, **secret},
+                                   vlserve=True)
+        self.procs += [self.frontend, *self.workers, self.encoder, self.epd_worker]
         self.url = f"http://127.0.0.1:{self.port}"
 
     def wait_ready(self, timeout: float = 240) -> None:
@@ -226,12 +239,12 @@ class DynamoCluster:
                 if p.proc.poll() is not None:
                     raise RuntimeError(f"{p.name} exited with {p.proc.returncode}:\n{p.text()[-3000:]}")
             ids = [re.search(r"vlserve worker (\d+) ready for Dynamo", w.text()) for w in self.workers]
-            if all(ids):
+            if all(ids) and "ready for Dynamo" in self.epd_worker.text():
                 try:
-                    models = HTTP.get(self.url + "/v1/models", timeout=2).json()["data"]
+                    models = {m["id"] for m in HTTP.get(self.url + "/v1/models", timeout=2).json()["data"]}
                 except Exception:
-                    models = []
-                if any(m["id"] == "tiny" for m in models):
+                    models = set()
+                if {"tiny", "tiny-epd"} <= models:
                     self.worker_ids = [int(m.group(1)) for m in ids]
                     return
             time.sleep(0.5)
@@ -352,3 +365,24 @@ def test_a_client_that_leaves_mid_stream_frees_the_workers_engine(deployment):
     assert _running(cluster) == 0  # aborted in the engine, not generated to max_tokens for nobody
     assert cluster.client().chat.completions.create(model="tiny", messages=_chat([], "still there?"),
                                                     max_tokens=2).choices
+
+
+@needs_dynamo
+def test_e_pd_behind_dynamo_pictures_encoded_by_a_vlserve_encoder(deployment):
+    """Dynamo's frontend in front of a worker whose pictures go to a vlserve encoder (found in vlserve's registry
+    on the same etcd), the embeddings over vlserve's transport: the plain server's greedy answers."""
+    cluster, plain = deployment
+
+    def encoded() -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in HTTP.get(cluster.encoder_metrics, timeout=10).text
+                   .splitlines() if line.startswith('vlserve:embedding_transfers_total{role="encode",state="success"'))
+
+    before = encoded()
+    for pictures, text in (([_picture(40)], "what is this?"), ([_picture(41, 84), _picture(42)], "and these?"),
+                           ([], "no picture")):
+        kw = dict(messages=_chat(pictures, text), max_tokens=8, temperature=0)
+        want = plain.client().chat.completions.create(model="tiny", **kw)
+        got = cluster.client().chat.completions.create(model="tiny-epd", **kw)
+        assert got.choices[0].message.content == want.choices[0].message.content, (pictures, text)
+        assert got.usage.prompt_tokens == want.usage.prompt_tokens
+    assert encoded() - before >= 2  # the pictured prompts' embeddings came from the encoder

@@ -189,6 +189,7 @@ TEST_TIERS = {
     "test_dynamo_backend.py::test_dynamos_kv_router_sends_a_repeated_picture_to_the_worker_that_holds_it":
         "multiprocess",
     "test_dynamo_backend.py::test_a_client_that_leaves_mid_stream_frees_the_workers_engine": "multiprocess",
+    "test_dynamo_backend.py::test_e_pd_behind_dynamo_pictures_encoded_by_a_vlserve_encoder": "multiprocess",
 }
 
 

@@ -38,20 +38,18 @@ KV_ROLES = frozenset({PREFILL, DECODE})  # roles whose engine moves KV between i
 LORA_ROLES = frozenset({SERVE, DEMO, LANGUAGE, ENCODE, PREFILL, DECODE})
 LORA_API_ROLES = frozenset({SERVE, LANGUAGE, DECODE})
 # A worker behind NVIDIA Dynamo's frontend (`vlserve dynamo-worker`): the aggregated server's engine and media
-# options, none of its HTTP server's (Dynamo's frontend answers HTTP and renders the chat template), nor LoRA (a
-# request's model is not routed to adapters there yet), nor the KV events socket (the worker binds its own).
+# options, or a language server's with encoders found through the registry (E->PD), none of the HTTP server's
+# (Dynamo's frontend answers HTTP and renders the chat template), nor LoRA (a request's model is not routed to
+# adapters there yet), nor the KV events socket (the worker binds its own), nor the prefill/decode split's.
 DYNAMO = "dynamo"
-DERIVED_ROLES = {DYNAMO: (SERVE, frozenset({
+DERIVED_ROLES = {DYNAMO: ((SERVE, LANGUAGE), frozenset({
     "kv_events_endpoint", "enable_lora", "lora_modules", "max_loras", "max_lora_rank", "max_cpu_loras",
     "max_cpu_lora_memory_gb", "host", "port", "api_key", "max_request_bytes", "max_n", "header_read_timeout",
     "body_read_timeout", "shutdown_timeout", "trust_request_chat_template", "enable_api_docs",
     "allow_runtime_lora", "lora_dir", "playground", "allowed_hosts", "disagg", "num_encoders", "num_prefill",
     "num_decode", "prefill_tensor_parallel_size", "decode_tensor_parallel_size", "disagg_base_port",
-    "bootstrap", "registry", "registry_namespace", "registry_user", "registry_password", "registry_ca",
-    "registry_cert", "registry_key", "advertise_host", "media_buffer_blocks", "media_allocate_rows",
-    "kv_buffer_blocks", "kv_send_by_layer", "kv_allocate_tokens", "receive_block_rows", "heartbeat_interval",
-    "heartbeat_failure_threshold", "peer_wait_timeout", "transfer_timeout", "transfer_backend", "disagg_secret",
-    "enable_mm_embeds"}))}  # role -> (the role whose options it takes, those it leaves)
+    "kv_buffer_blocks", "kv_send_by_layer", "kv_allocate_tokens", "enable_mm_embeds"}))}
+# role -> (the roles whose options it takes, the first giving their defaults; those it leaves out)  # role -> (the role whose options it takes, those it leaves)
 DEFAULT_MAX_CPU_LORAS = 8  # at least; twice --max-loras when that is more
 # Kinds a user does not name keep these. Audio: 4 clips of at most --max-audio-seconds (30 s) each, 3000 audio
 # tokens at 25 a second, less than one large picture may take.
@@ -268,7 +266,8 @@ class EngineArgs:
         if self.towers is not None and (isinstance(self.towers, str) or not self.towers
                                         or not set(self.towers) <= set(TOWERS)):
             raise InvalidInputError(f"towers takes one or more of {', '.join(TOWERS)}, got {self.towers!r}")
-        if self.kv_events_endpoint is not None:
+        if self.kv_events_endpoint is not None and not self.kv_events_endpoint.startswith("ipc:///"):
+            # (ipc:///PATH: a local subscriber only, as a Dynamo worker's relay; not advertised)
             host, _, port = self.kv_events_endpoint.removeprefix("tcp://").rpartition(":")
             if not self.kv_events_endpoint.startswith("tcp://") or not host or not (port.isdigit() or port == "*"):
                 raise InvalidInputError("kv_events_endpoint takes tcp://HOST:PORT (PORT * picks a free one), got "

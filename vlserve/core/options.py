@@ -26,7 +26,8 @@ def _flag(f: dataclasses.Field) -> str:
 
 
 def _base(role: str) -> str:
-    return DERIVED_ROLES.get(role, (role,))[0]
+    """The role whose defaults a derived role takes (itself for any other)."""
+    return DERIVED_ROLES[role][0][0] if role in DERIVED_ROLES else role
 
 
 def _default(f: dataclasses.Field, role: str):
@@ -48,10 +49,10 @@ def _is_bool(f: dataclasses.Field) -> bool:
 
 def role_fields(role: str):
     """(group title, dataclass, field) for every option `role` honours (a derived role: its base's, less some)."""
-    base, left_out = _base(role), DERIVED_ROLES.get(role, (role, frozenset()))[1]
+    bases, left_out = DERIVED_ROLES.get(role, ((role,), frozenset()))
     for title, cls in OPTION_GROUPS:
         for f in dataclasses.fields(cls):
-            if base in f.metadata.get("roles", ()) and f.name not in left_out:
+            if any(b in f.metadata.get("roles", ()) for b in bases) and f.name not in left_out:
                 yield title, cls, f
 
 

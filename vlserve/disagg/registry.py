@@ -218,7 +218,7 @@ def advertised_events_endpoint(endpoint: str | None, host: str) -> str:
     """The KV events endpoint a router connects to: `endpoint` (tcp://HOST:PORT as bound) with a wildcard host
     replaced by this instance's advertised `host`; "" when off, or when its port is `*` (known only to the engine
     process, so a router could not find it: give a fixed port)."""
-    if not endpoint:
+    if not endpoint or endpoint.startswith("ipc://"):  # (a local subscriber's, e.g. a Dynamo worker's relay)
         return ""
     bind_host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
     if port == "*":

@@ -13,6 +13,7 @@ guarded by a lock, the ZeroMQ socket lives in the relay thread alone.
 
 from __future__ import annotations
 
+import array
 import logging
 import threading
 from collections import OrderedDict
@@ -67,7 +68,8 @@ class KVEventRelay:
         """`endpoint`: the engine's KV events socket; `max_blocks`: blocks whose tokens are kept (LRU), a few
         times the engine's pool so every cached block stays known."""
         self.endpoint, self.block_size, self.max_blocks = endpoint, block_size, max_blocks
-        self._tokens: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()  # our block hash -> its routing tokens
+        # our block hash -> its routing tokens (int64 bytes: a block is one small object, not block_size ints)
+        self._tokens: OrderedDict[bytes, bytes] = OrderedDict()
         self._lock = threading.Lock()
         self._published: set[bytes] = set()  # blocks the router was told about (relay thread only)
         self._next: tuple[str, int] | None = None  # the batch expected next: (publisher run, seq)
@@ -82,7 +84,7 @@ class KVEventRelay:
         bs = self.block_size
         with self._lock:
             for i, h in enumerate(hashes):
-                self._tokens[h] = tuple(routing[i * bs:(i + 1) * bs])
+                self._tokens[h] = array.array("q", routing[i * bs:(i + 1) * bs]).tobytes()
                 self._tokens.move_to_end(h)
             while len(self._tokens) > self.max_blocks:
                 self._tokens.popitem(last=False)
@@ -148,13 +150,13 @@ class KVEventRelay:
         if parent is not None and parent not in self._published:
             self.unknown_blocks += len(event.block_hashes)
             return  # the router would not find the parent: this chain is not relayed
-        run: list[tuple[bytes, tuple[int, ...]]] = []
+        run: list[tuple[bytes, array.array]] = []
         with self._lock:
             for h in event.block_hashes:
-                tokens = self._tokens.get(h)
-                if tokens is None or len(tokens) != self.block_size:
+                packed = self._tokens.get(h)
+                if packed is None or len(packed) != 8 * self.block_size:
                     break
-                run.append((h, tokens))
+                run.append((h, array.array("q", packed)))
         self.unknown_blocks += len(event.block_hashes) - len(run)
         if not run:
             return

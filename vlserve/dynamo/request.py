@@ -43,6 +43,7 @@ class DynamoPrompt:
     max_tokens: int | None  # as asked (None: what the context leaves)
     mm_hashes: list[str]  # the frontend's per-item content hashes (hex), in prompt order, for KV routing
     mm_processor_kwargs: dict | None = None  # checked against the family's processor by the prompt encoder
+    text: str | None = None  # the rendered chat template the frontend tokenized (extra_args.formatted_prompt)
 
 
 def _group(request: dict, name: str) -> dict:
@@ -155,4 +156,6 @@ def dynamo_prompt(request: dict, eos_token_ids: set[int]) -> DynamoPrompt:
     hashes = (_group(request, "extra_args").get("mm_hashes") or []) if media else []
     if not isinstance(hashes, list) or not all(isinstance(h, str) for h in hashes):
         raise InvalidInputError("extra_args.mm_hashes must be a list of strings")
-    return DynamoPrompt(prompt, params, max_tokens, hashes, _group(request, "mm_processor_kwargs") or None)
+    text = _group(request, "extra_args").get("formatted_prompt")
+    return DynamoPrompt(prompt, params, max_tokens, hashes, _group(request, "mm_processor_kwargs") or None,
+                        text if isinstance(text, str) else None)

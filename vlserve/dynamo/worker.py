@@ -14,7 +14,6 @@ import asyncio
 import dataclasses
 import logging
 import os
-import socket
 import uuid
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -27,9 +26,10 @@ from dynamo.common.backend.publisher import ComponentSnapshot, PushSource
 from dynamo.common.utils.token_ids import normalize_request_token_ids
 from dynamo.llm.exceptions import EngineShutdown, InvalidArgument, Unknown, WorkerUnavailable
 
-from vlserve.core.config import DYNAMO, SERVE, Options
+from vlserve.core.config import DYNAMO, LANGUAGE, SERVE, Options
 from vlserve.core.errors import ConfigurationError, EngineDeadError, InvalidInputError, ServiceUnavailableError, VlserveError
 from vlserve.core.options import options_from
+from vlserve.core.private_dirs import PrivateDir
 from vlserve.dynamo.flags import add_worker_flags
 from vlserve.dynamo.kv_relay import KVEventRelay, routing_tokens
 from vlserve.dynamo.request import dynamo_prompt
@@ -44,12 +44,6 @@ class ClientGone(Exception):
     """Dynamo cancelled the request (its client left, or it stopped it): the stream ends as cancelled."""
 
 
-def free_local_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def dynamo_error(error: Exception) -> Exception:
     """Ours as Dynamo's typed errors (its frontend maps them to HTTP statuses)."""
     if isinstance(error, InvalidInputError):
@@ -62,14 +56,22 @@ def dynamo_error(error: Exception) -> Exception:
 
 
 class VlserveEngine(LLMEngine):
-    def __init__(self, opts: Options, worker: WorkerConfig, log_level: str = "INFO"):
+    def __init__(self, opts: Options, worker: WorkerConfig, log_level: str = "INFO", role: str = SERVE):
+        """`role`: SERVE (media handled here) or LANGUAGE (media go to vlserve encoders found in the registry)."""
         from vlserve.server.api_server import make_engine
 
         self.opts = opts
+        self._events_dir: PrivateDir | None = None
         if opts.engine.enable_prefix_caching and worker.enable_kv_routing:
-            # The engine's KV events, on loopback, for the relay (Dynamo's router never reads them itself).
-            opts.engine = dataclasses.replace(opts.engine, kv_events_endpoint=f"tcp://127.0.0.1:{free_local_port()}")
-        self.engine = make_engine(opts, log_level, SERVE)  # config and tokenizer now; the engine process at start
+            # The engine's KV events, for the relay only (Dynamo's router never reads them): a socket in a folder
+            # of this process's own, no port to race for.
+            self._events_dir = PrivateDir("vlserve-dynamo-")
+            opts.engine = dataclasses.replace(
+                opts.engine, kv_events_endpoint=f"ipc://{os.path.join(self._events_dir.path, 'kv-events')}")
+        self.role = role
+        if self.role == LANGUAGE:  # its registry entry names Dynamo's system port (health, metrics), if any
+            opts.server = dataclasses.replace(opts.server, port=int(os.environ.get("DYN_SYSTEM_PORT") or 0))
+        self.engine = make_engine(opts, log_level, self.role)  # config and tokenizer now; the engine process later
         self.model_path = str(self.engine.cfg.model_path)
         self.served_name = opts.server.served_model_name or opts.engine.model
         worker.model_name, worker.served_model_name = self.model_path, self.served_name
@@ -109,7 +111,10 @@ class VlserveEngine(LLMEngine):
 
             load_chat_template(opts.server.chat_template)
             worker.custom_jinja_template = os.path.abspath(opts.server.chat_template)
-        return cls(opts, worker, log_level), worker
+        # With --registry or --bootstrap, media go to vlserve encoders found there (E->PD), the rows over vlserve's
+        # transports.
+        role = LANGUAGE if ns.registry is not None or ns.bootstrap is not None else SERVE
+        return cls(opts, worker, log_level, role), worker
 
     async def start(self, worker_id: int) -> EngineConfig:
         await self.engine.start()
@@ -137,6 +142,9 @@ class VlserveEngine(LLMEngine):
         if self._started:
             self._started = False
             await self.engine.shutdown()
+        if self._events_dir is not None:
+            self._events_dir.remove()
+            self._events_dir = None
 
     async def kv_event_sources(self) -> list:
         if self.relay is None:
@@ -213,6 +221,18 @@ class VlserveEngine(LLMEngine):
             if handle is not None:
                 handle.close()  # aborts it in the engine unless it finished
 
+    def _check_same_tokens(self, prompt, frontend_ids: list[int]) -> None:
+        """The encoder's tokens of the frontend's text are the frontend's own, or the request is refused (a
+        tokenizer or template that differs between them would otherwise answer another prompt)."""
+        placeholders = self._placeholders()
+        if _collapsed(prompt.prompt_token_ids, placeholders) != _collapsed(frontend_ids, placeholders):
+            raise InvalidInputError("the encoder's tokens of extra_args.formatted_prompt differ from token_ids: "
+                                    "the frontend and the workers must use the same checkpoint's tokenizer")
+
+    def _placeholders(self) -> set[int]:
+        m = self.engine.cfg.model
+        return {t for t in (m.image_token_id, m.video_token_id, m.audio_token_id) if t is not None}
+
     async def _stream(self, handle, params, prompt_tokens: int) -> AsyncGenerator[dict, None]:
         sent = 0
         try:
@@ -248,8 +268,15 @@ class VlserveEngine(LLMEngine):
                                     "(--max-stop-string-chars)")
         if params.structured_outputs is not None:
             await engine.grammar_compiler.check(params.structured_outputs)
+        remote = self.role == LANGUAGE and "multi_modal_data" in asked.prompt
+        if remote:  # an encoder tokenizes the text itself (placeholders expanded there): the frontend's text
+            if asked.text is None:
+                raise InvalidInputError("extra_args.formatted_prompt is missing: the encoders need the prompt's text")
+            asked.prompt["prompt"] = asked.text
         prepared = await engine.prepare(asked.prompt, asked.mm_processor_kwargs, request_id=rid, params=params)
         with prepared:  # closed here unless handed to the engine
+            if remote:
+                self._check_same_tokens(prepared.prompt, asked.prompt["prompt_token_ids"])
             room = engine.cfg.max_model_len - prepared.num_tokens
             max_tokens = asked.max_tokens if asked.max_tokens is not None else room
             if max_tokens > room or room < 1:
@@ -262,15 +289,22 @@ class VlserveEngine(LLMEngine):
                                         f"token is over the {server.max_logprob_entries} one request may ask for "
                                         "(--max-logprob-entries)")
             if self.relay is not None:
-                prompt = prepared.prompt
-                m = engine.cfg.model
-                placeholders = {t for t in (m.image_token_id, m.video_token_id, m.audio_token_id) if t is not None}
+                prompt, placeholders = prepared.prompt, self._placeholders()
                 await asyncio.get_running_loop().run_in_executor(
                     engine.executor, lambda: self.relay.remember(
                         prompt.prompt_token_ids, prompt.mm_items,
                         routing_tokens(prompt.prompt_token_ids, prompt.mm_items, asked.mm_hashes, placeholders)))
             handle = engine.generate(prepared, params, rid)
         return handle, params, prepared.num_tokens
+
+
+def _collapsed(ids, placeholders: set[int]) -> list[int]:
+    """Token ids with each run of placeholder tokens as one (the frontend's form: one per item)."""
+    out: list[int] = []
+    for t in ids:
+        if not (t in placeholders and out and out[-1] == t):
+            out.append(t)
+    return out
 
 
 def _cancelled(prompt_tokens: int) -> dict:
