@@ -228,7 +228,21 @@ class DynamoCluster:
                                                   "tiny-epd", "--max-model-len", "4096", "--num-kv-blocks", "512",
                                                   "--cpu-threads", "1", *registry], {**self.env, **secret},
                                    vlserve=True)
-        self.procs += [self.frontend, *self.workers, self.encoder, self.epd_worker]
+        # Dynamo's own E->PD: an encode worker (a vlserve encoder inside) that Dynamo's frontend sends pictures to
+        # first, and a language worker (--route-to-encoder) that takes the rows from the encoder Dynamo chose
+        own = [*registry, "--registry-namespace", "dynamo-e-pd"]
+        self.encode_system_port = free_port()
+        self.encode_worker = _Process("encode-worker", ["dynamo-worker", "--disaggregation-mode", "encode",
+                                                        "--model", str(model), "--served-model-name", "tiny-e",
+                                                        "--cpu-threads", "1", *own],
+                                      {**self.env, **secret, "DYN_SYSTEM_PORT": str(self.encode_system_port)},
+                                      vlserve=True)
+        self.routed_worker = _Process("worker-routed", ["dynamo-worker", "--route-to-encoder", "--model", str(model),
+                                                        "--served-model-name", "tiny-e", "--max-model-len", "4096",
+                                                        "--num-kv-blocks", "512", "--cpu-threads", "1", *own],
+                                      {**self.env, **secret}, vlserve=True)
+        self.procs += [self.frontend, *self.workers, self.encoder, self.epd_worker, self.encode_worker,
+                       self.routed_worker]
         self.url = f"http://127.0.0.1:{self.port}"
 
     def wait_ready(self, timeout: float = 240) -> None:
@@ -239,12 +253,13 @@ class DynamoCluster:
                 if p.proc.poll() is not None:
                     raise RuntimeError(f"{p.name} exited with {p.proc.returncode}:\n{p.text()[-3000:]}")
             ids = [re.search(r"vlserve worker (\d+) ready for Dynamo", w.text()) for w in self.workers]
-            if all(ids) and "ready for Dynamo" in self.epd_worker.text():
+            others = (self.epd_worker, self.encode_worker, self.routed_worker)
+            if all(ids) and all("ready for Dynamo" in w.text() for w in others):
                 try:
                     models = {m["id"] for m in HTTP.get(self.url + "/v1/models", timeout=2).json()["data"]}
                 except Exception:
                     models = set()
-                if {"tiny", "tiny-epd"} <= models:
+                if {"tiny", "tiny-epd", "tiny-e"} <= models:
                     self.worker_ids = [int(m.group(1)) for m in ids]
                     return
             time.sleep(0.5)
@@ -386,3 +401,38 @@ def test_e_pd_behind_dynamo_pictures_encoded_by_a_vlserve_encoder(deployment):
         assert got.choices[0].message.content == want.choices[0].message.content, (pictures, text)
         assert got.usage.prompt_tokens == want.usage.prompt_tokens
     assert encoded() - before >= 2  # the pictured prompts' embeddings came from the encoder
+
+
+@needs_dynamo
+def test_dynamos_e_pd_pattern_its_encode_worker_first_then_the_language_worker_takes_the_rows(deployment):
+    """The frontend sends a picture request to the encode worker (a vlserve encoder: it encodes into its cache and
+    names itself in encoder_result), then to the language worker, which takes the rows from that encoder: its
+    cache hits, and the answers are the plain server's."""
+    cluster, plain = deployment
+
+    def hits() -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in HTTP.get(
+            f"http://127.0.0.1:{cluster.encode_system_port}/metrics", timeout=10).text.splitlines()
+            if line.startswith("vlserve:encoder_cache_hits_total"))
+
+    before = hits()
+    for pictures, text in (([_picture(50)], "what is this?"), ([_picture(51, 84), _picture(52)], "and these?")):
+        kw = dict(messages=_chat(pictures, text), max_tokens=8, temperature=0)
+        want = plain.client().chat.completions.create(model="tiny", **kw)
+        got = cluster.client().chat.completions.create(model="tiny-e", **kw)
+        assert got.choices[0].message.content == want.choices[0].message.content, (pictures, text)
+    assert hits() - before >= 3  # each picture encoded at Dynamo's encode step, then found by the transfer
+
+
+@pytest.mark.skipif(_dynamo_missing() is not None and "wheels" in str(_dynamo_missing()), reason="no Dynamo wheels")
+@pytest.mark.parametrize("flags", [["--disaggregation-mode", "encode"], ["--route-to-encoder"]])
+def test_encode_routing_without_a_registry_is_refused_at_start(flags):
+    import argparse
+
+    from vlserve.core.errors import ConfigurationError
+    from vlserve.dynamo.flags import add_worker_flags, worker_setup
+
+    parser = argparse.ArgumentParser()
+    add_worker_flags(parser)
+    with pytest.raises(ConfigurationError, match="--registry"):
+        worker_setup(parser.parse_args(["--model", "some/model", *flags]))

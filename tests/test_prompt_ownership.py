@@ -112,7 +112,7 @@ class LeasingEncoder:
         return None
 
     async def encode(self, prompt: dict, mm_processor_kwargs, request_id: str, params=None,
-                     lora=None) -> EncodedPrompt:
+                     lora=None, peer=None) -> EncodedPrompt:
         processed = (await self.local.encode(prompt, mm_processor_kwargs, request_id)).prompt
         pool = self.pool  # each test has its own: a leak fails that test only
         blocks = pool.allocate(processed.num_tokens)

@@ -190,6 +190,8 @@ TEST_TIERS = {
         "multiprocess",
     "test_dynamo_backend.py::test_a_client_that_leaves_mid_stream_frees_the_workers_engine": "multiprocess",
     "test_dynamo_backend.py::test_e_pd_behind_dynamo_pictures_encoded_by_a_vlserve_encoder": "multiprocess",
+    "test_dynamo_backend.py::test_dynamos_e_pd_pattern_its_encode_worker_first_then_the_language_worker_takes_the_rows":
+        "multiprocess",
 }
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import secrets
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
@@ -182,6 +183,26 @@ class EncodeService(SenderService):
                 self.adapters_in_flight[adapter.key] -= 1
                 if not self.adapters_in_flight[adapter.key]:
                     del self.adapters_in_flight[adapter.key]
+
+    async def warm(self, prompt: dict, mm_processor_kwargs: dict | None, request_id: str) -> int:
+        """Encodes a prompt's media into the encoder cache now, for the language server that asks for them next
+        (Dynamo's encode step, vlserve.dynamo.encode_worker): they stay there as any cached item, unheld. Returns
+        how many items the prompt has."""
+        self.in_flight += 1
+        try:
+            processed = (await self.prompts.encode(prompt, mm_processor_kwargs, request_id)).prompt
+            for item in processed.mm_items:
+                if item.modality not in self.modalities:
+                    raise InvalidInputError(f"this encoder does not encode {item.modality} (--towers)")
+                self.mm_items.labels(item.modality).inc()
+            holder = f"warm/{request_id}/{secrets.token_hex(4)}"
+            try:
+                await self._embeddings(processed, holder)
+            finally:
+                self.encoders.free(self.cache.release_all(holder, processed.mm_items))
+            return len(processed.mm_items)
+        finally:
+            self.in_flight -= 1
 
     def _adapter(self, named: PeerAdapter) -> AdapterRef:
         """The adapter of this encoder's own catalogue (--lora-modules) a request names, or a 503: what keeps it

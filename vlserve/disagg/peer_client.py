@@ -127,11 +127,12 @@ class PeerClient(PeerLinks):
 
     # ---- transfers ---------------------------------------------------------------------------------------------
     async def send_prompt(self, request_id: str, prompt: str, media: dict, uuids: dict, mm_kwargs: dict,
-                          params: SamplingParams | None = None, lora: AdapterRef | None = None
-                          ) -> tuple[ProcessedPrompt, Handoff | None]:
+                          params: SamplingParams | None = None, lora: AdapterRef | None = None,
+                          prefer: str | None = None) -> tuple[ProcessedPrompt, Handoff | None]:
         """The processed prompt, its rows in receive blocks (`block_rows`) the caller must free; from a prefill
         instance (`params` given) also its first token and random state. `lora`: to an encoder, a tower adapter it
-        runs the media with; to a prefill instance, the adapter it computes the prompt with."""
+        runs the media with; to a prefill instance, the adapter it computes the prompt with. `prefer`: the
+        instance id of a peer to try first if it is paired (one that holds the work already), else the usual."""
         if self.kind.key_is_costly(media):
             key = await in_thread(self.kind.affinity_key, prompt, media, uuids)
         else:
@@ -141,7 +142,8 @@ class PeerClient(PeerLinks):
         tried: set[str] = set()
         last: Exception | None = None
         for _ in range(2):  # the first try and one retry on another peer
-            peer = self._pick(key, tried, needs) if tried else await self._first_peer(key, needs)
+            peer = (self._pick(key, tried, needs) if tried else
+                    self._paired(prefer, needs) or await self._first_peer(key, needs))
             if peer is None:
                 break
             tried.add(peer.info.instance_id)

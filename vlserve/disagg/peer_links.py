@@ -241,6 +241,13 @@ class PeerLinks:
         near = [p for p in live if p.in_flight <= least + 1]
         return max(near, key=lambda p: rendezvous_score(key, p.info.instance_id))
 
+    def _paired(self, instance_id: str | None, needs: frozenset[str] = frozenset()) -> PeerConn | None:
+        """Peer `instance_id` if it is live, paired and encodes every kind in `needs`."""
+        if instance_id is None:
+            return None
+        return next((p for p in self.conns.values() if p.info.instance_id == instance_id and p.alive and p.paired
+                     and needs <= p.modalities), None)
+
     async def _first_peer(self, key: str, needs: frozenset[str] = frozenset()) -> PeerConn | None:
         """A peer for a request's first try: when none is paired (a start-up race, a peer restarting), wait up
         to --peer-wait-timeout for one to pair rather than refuse at once."""

@@ -107,7 +107,7 @@ class RemotePromptEncoder:
             self.client.transport.close()  # its row socket, listening since it was made
 
     async def encode(self, prompt: dict, mm_processor_kwargs: dict | None, request_id: str,
-                     params=None, lora: AdapterRef | None = None) -> EncodedPrompt:
+                     params=None, lora: AdapterRef | None = None, peer: str | None = None) -> EncodedPrompt:
         media = prompt.get("multi_modal_data") or {}
         prefill = self.kind.rows_for_every_token
         if not (_has_urls(media) or (prefill and "prompt" in prompt)):
@@ -131,7 +131,7 @@ class RemotePromptEncoder:
         sent = lora if lora is not None and (prefill or lora.towers) else None
         processed, handoff = await self.client.send_prompt(request_id or "prompt", prompt["prompt"], media,
                                                       prompt.get("multi_modal_uuids") or {}, mm_processor_kwargs or {},
-                                                      params if prefill else None, sent)
+                                                      params if prefill else None, sent, prefer=peer)
         if sent is not None:
             processed.lora = lora  # the peer gave its items the adapter's own hashes: not salted again here
         # Called once, by the prompt's owner (frontend.prepared_prompt): the engine is done with the rows, or

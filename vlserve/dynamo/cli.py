@@ -16,10 +16,13 @@ INSTALL_HINT = "the Dynamo runtime is not installed: `make install-dynamo` (ai-d
 
 def build_worker(ns: argparse.Namespace, log_level: str = "INFO"):
     try:
-        from vlserve.dynamo.worker import VlserveEngine
+        if ns.disaggregation_mode == "encode":
+            from vlserve.dynamo.encode_worker import VlserveEncodeEngine as engine_class
+        else:
+            from vlserve.dynamo.worker import VlserveEngine as engine_class
     except ImportError as e:
         raise ConfigurationError(f"{INSTALL_HINT} ({e})") from None
-    return VlserveEngine.from_namespace(ns, log_level)
+    return engine_class.from_namespace(ns, log_level)
 
 
 def run_worker(ns: argparse.Namespace) -> int:

@@ -6,8 +6,9 @@ from __future__ import annotations
 import argparse
 import os
 
-from vlserve.core.config import DYNAMO
-from vlserve.core.options import add_options
+from vlserve.core.config import DYNAMO, LANGUAGE, SERVE
+from vlserve.core.errors import ConfigurationError
+from vlserve.core.options import add_options, options_from
 
 
 def add_worker_flags(parser: argparse.ArgumentParser) -> None:
@@ -30,3 +31,47 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
                        help="how KV events reach the router (default: $DYN_EVENT_PLANE, else Dynamo's choice)")
     group.add_argument("--disable-kv-routing", action="store_true",
                        help="publish no KV events or load to Dynamo's router")
+    group.add_argument("--disaggregation-mode", default="agg", choices=("agg", "encode"),
+                       help="agg: the model (default); encode: a vlserve encoder that Dynamo's frontend sends media to "
+                            "first (needs --registry or --bootstrap, where language workers find it)")
+    group.add_argument("--route-to-encoder", action="store_true",
+                       help="media go to an encode worker first (Dynamo's E->PD); the rows come from the encoder it "
+                            "names (needs --registry or --bootstrap)")
+
+
+class FromFlags:
+    """Dynamo's `from_args(argv)` contract, for an engine class with `from_namespace(ns)`."""
+
+    @classmethod
+    async def from_args(cls, argv: list[str] | None = None):
+        parser = argparse.ArgumentParser(prog="vlserve dynamo-worker")
+        add_worker_flags(parser)
+        return cls.from_namespace(parser.parse_args(argv))
+
+
+def worker_setup(ns: argparse.Namespace):
+    """(Options, Dynamo's WorkerConfig, role) from the flags: LANGUAGE with --registry or --bootstrap (media go to
+    vlserve encoders found there: E->PD), else SERVE. Cheap checks first (before torch loads)."""
+    from dynamo.common.backend import WorkerConfig
+
+    from vlserve.server.cli import check_cheap_flags, use_demo_checkpoint
+
+    opts = options_from(ns, DYNAMO)
+    check_cheap_flags(opts)
+    use_demo_checkpoint(opts)
+    role = LANGUAGE if ns.registry is not None or ns.bootstrap is not None else SERVE
+    if (ns.disaggregation_mode == "encode" or ns.route_to_encoder) and role != LANGUAGE:
+        raise ConfigurationError("--disaggregation-mode encode and --route-to-encoder need --registry (or "
+                                 "--bootstrap): the language workers find the encoders there")
+    worker = WorkerConfig(namespace=ns.namespace, component=ns.component, endpoint=ns.endpoint,
+                          endpoint_types=ns.endpoint_types, discovery_backend=ns.discovery_backend,
+                          request_plane=ns.request_plane, event_plane=ns.event_plane,
+                          enable_kv_routing=not ns.disable_kv_routing)
+    if opts.server.chat_template is not None:
+        if not os.path.isfile(opts.server.chat_template):
+            raise ConfigurationError("--chat-template for a Dynamo worker must be a file (its frontend reads it)")
+        from vlserve.frontend.tokenizer import load_chat_template
+
+        load_chat_template(opts.server.chat_template)
+        worker.custom_jinja_template = os.path.abspath(opts.server.chat_template)
+    return opts, worker, role

@@ -30,6 +30,8 @@ NEUTRAL_STOPS = {"max_thinking_tokens": (None,)}
 # The frontend detokenizes and formats; these change nothing the engine does.
 FRONTEND_OUTPUT = {"skip_special_tokens", "formatted_prompt", "return_tokens_as_token_ids"}
 NEUTRAL_OUTPUT = {"prompt_logprobs": (None,)}  # 0 asks for them too
+# Dynamo's encode step's result (encode_worker): {ENCODER_RESULT_KEY: the vlserve encoder's instance id, "items": n}
+ENCODER_RESULT_KEY = "vlserve_encoder"
 # Parts of a request for roles this worker does not play (disaggregated prefill/decode, an encoder before it)
 UNSUPPORTED_PARTS = ("prefill_result", "bootstrap_info", "encoder_result")
 GUIDED = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar"}

@@ -26,13 +26,13 @@ from dynamo.common.backend.publisher import ComponentSnapshot, PushSource
 from dynamo.common.utils.token_ids import normalize_request_token_ids
 from dynamo.llm.exceptions import EngineShutdown, InvalidArgument, Unknown, WorkerUnavailable
 
-from vlserve.core.config import DYNAMO, LANGUAGE, SERVE, Options
-from vlserve.core.errors import ConfigurationError, EngineDeadError, InvalidInputError, ServiceUnavailableError, VlserveError
-from vlserve.core.options import options_from
+from vlserve.core.config import LANGUAGE, SERVE, Options
+from vlserve.core.errors import (ConfigurationError, EngineDeadError, InvalidInputError, ServiceUnavailableError,
+                                 VlserveError)
 from vlserve.core.private_dirs import PrivateDir
-from vlserve.dynamo.flags import add_worker_flags
+from vlserve.dynamo.flags import FromFlags, worker_setup
 from vlserve.dynamo.kv_relay import KVEventRelay, routing_tokens
-from vlserve.dynamo.request import dynamo_prompt
+from vlserve.dynamo.request import ENCODER_RESULT_KEY, dynamo_prompt
 
 logger = logging.getLogger("vlserve.dynamo")
 
@@ -55,9 +55,10 @@ def dynamo_error(error: Exception) -> Exception:
     return Unknown(str(error))
 
 
-class VlserveEngine(LLMEngine):
+class VlserveEngine(FromFlags, LLMEngine):
     def __init__(self, opts: Options, worker: WorkerConfig, log_level: str = "INFO", role: str = SERVE):
-        """`role`: SERVE (media handled here) or LANGUAGE (media go to vlserve encoders found in the registry)."""
+        """`role`: SERVE (media handled here) or LANGUAGE (media go to vlserve encoders found in the registry;
+        with `worker.route_to_encoder`, first to the one Dynamo's encode step names)."""
         from vlserve.server.api_server import make_engine
 
         self.opts = opts
@@ -87,33 +88,12 @@ class VlserveEngine(LLMEngine):
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     @classmethod
-    async def from_args(cls, argv: list[str] | None = None):
-        """(engine, WorkerConfig) from a command line (`vlserve dynamo-worker`'s flags), as Dynamo's contract has it."""
-        parser = argparse.ArgumentParser(prog="vlserve dynamo-worker")
-        add_worker_flags(parser)
-        return cls.from_namespace(parser.parse_args(argv))
-
-    @classmethod
     def from_namespace(cls, ns: argparse.Namespace, log_level: str = "INFO"):
-        opts = options_from(ns, DYNAMO)
-        from vlserve.server.cli import check_cheap_flags, use_demo_checkpoint
-
-        check_cheap_flags(opts)
-        use_demo_checkpoint(opts)
-        worker = WorkerConfig(namespace=ns.namespace, component=ns.component, endpoint=ns.endpoint,
-                              endpoint_types=ns.endpoint_types, discovery_backend=ns.discovery_backend,
-                              request_plane=ns.request_plane, event_plane=ns.event_plane,
-                              enable_kv_routing=not ns.disable_kv_routing)
-        if opts.server.chat_template is not None:
-            if not os.path.isfile(opts.server.chat_template):
-                raise ConfigurationError("--chat-template for a Dynamo worker must be a file (its frontend reads it)")
-            from vlserve.frontend.tokenizer import load_chat_template
-
-            load_chat_template(opts.server.chat_template)
-            worker.custom_jinja_template = os.path.abspath(opts.server.chat_template)
-        # With --registry or --bootstrap, media go to vlserve encoders found there (E->PD), the rows over vlserve's
-        # transports.
-        role = LANGUAGE if ns.registry is not None or ns.bootstrap is not None else SERVE
+        opts, worker, role = worker_setup(ns)
+        if ns.disaggregation_mode != "agg":
+            raise ConfigurationError(f"--disaggregation-mode {ns.disaggregation_mode} is served by another engine "
+                                     "class: start it with `vlserve dynamo-worker`")
+        worker.route_to_encoder = ns.route_to_encoder
         return cls(opts, worker, log_level, role), worker
 
     async def start(self, worker_id: int) -> EngineConfig:
@@ -257,6 +237,12 @@ class VlserveEngine(LLMEngine):
 
     async def _submit(self, request: dict, rid: str):
         engine, server = self.engine, self.opts.server
+        encoder = None
+        if self.worker.route_to_encoder:  # the encoder Dynamo's encode step used (it holds the items now)
+            result = request.pop("encoder_result", None) or {}
+            encoder = result.get(ENCODER_RESULT_KEY) if isinstance(result, dict) else None
+            if encoder is not None and not isinstance(encoder, str):
+                raise InvalidInputError(f"encoder_result.{ENCODER_RESULT_KEY} must be an encoder's instance id")
         asked = dynamo_prompt(request, set(engine.cfg.model.eos_token_ids))
         params = asked.params
         stops = [params.stop] if isinstance(params.stop, str) else params.stop or []
@@ -273,7 +259,8 @@ class VlserveEngine(LLMEngine):
             if asked.text is None:
                 raise InvalidInputError("extra_args.formatted_prompt is missing: the encoders need the prompt's text")
             asked.prompt["prompt"] = asked.text
-        prepared = await engine.prepare(asked.prompt, asked.mm_processor_kwargs, request_id=rid, params=params)
+        prepared = await engine.prepare(asked.prompt, asked.mm_processor_kwargs, request_id=rid, params=params,
+                                        peer=encoder)
         with prepared:  # closed here unless handed to the engine
             if remote:
                 self._check_same_tokens(prepared.prompt, asked.prompt["prompt_token_ids"])

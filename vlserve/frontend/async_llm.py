@@ -249,16 +249,17 @@ class AsyncLLM:
     # ---- requests ----------------------------------------------------------------------------------------
     async def prepare(self, prompt: dict, mm_processor_kwargs: dict | None = None, arrival: float | None = None,
                       request_id: str = "", params: SamplingParams | None = None,
-                      adapter: AdapterRef | None = None) -> PreparedPrompt:
+                      adapter: AdapterRef | None = None, peer: str | None = None) -> PreparedPrompt:
         """Media, tokenization and placeholder expansion through the prompt encoder (off the event loop).
         `params`: the request's sampling parameters as far as known (all but a defaulted max_tokens); a prompt
         encoder that prefills elsewhere (decode instance) samples the first token with them. `adapter`: the LoRA
-        adapter `generate` will be given (an encoder elsewhere runs the towers with it).
+        adapter `generate` will be given (an encoder elsewhere runs the towers with it). `peer`: the instance id of
+        the encoder to ask first (one that encoded the items already: Dynamo's encode step), if it is paired.
 
         The caller owns the result: it sends it (`generate` / `prefill`) or closes it (`with prepared:`)."""
         self.check_accepting()
         arrival = arrival if arrival is not None else time.monotonic()
-        encoded = await self.prompt_encoder.encode(prompt, mm_processor_kwargs, request_id, params, adapter)
+        encoded = await self.prompt_encoder.encode(prompt, mm_processor_kwargs, request_id, params, adapter, peer)
         return PreparedPrompt.from_encoded(encoded, arrival)
 
     def check_accepting(self) -> None:

@@ -42,11 +42,13 @@ class PromptEncoder(Protocol):
     transfer_buffers: TransferBuffers | None
 
     async def encode(self, prompt: dict, mm_processor_kwargs: dict | None, request_id: str,
-                     params: SamplingParams | None = None, lora: AdapterRef | None = None) -> EncodedPrompt:
+                     params: SamplingParams | None = None, lora: AdapterRef | None = None,
+                     peer: str | None = None) -> EncodedPrompt:
         """`prompt`: {"prompt": text | "prompt_token_ids": ids, "multi_modal_data": {kind: [url, ...]},
         "multi_modal_uuids": {...}}; media sources are URLs (http(s), data:, file://) or embedding entries.
         `params`: the request's sampling parameters (all but a defaulted max_tokens), when known. `lora`: the
-        request's LoRA adapter (an encoder elsewhere runs its towers with it; here the engine does)."""
+        request's LoRA adapter (an encoder elsewhere runs its towers with it; here the engine does). `peer`: the
+        instance id of the peer to ask first, if paired (one that did the work already; unused here)."""
 
     async def start(self) -> None: ...
 
@@ -75,8 +77,9 @@ class LocalPromptEncoder:
         return None
 
     async def encode(self, prompt: dict, mm_processor_kwargs: dict | None, request_id: str,
-                     params: SamplingParams | None = None, lora: AdapterRef | None = None) -> EncodedPrompt:
-        # `lora` is not needed here: the engine runs the towers, with the adapter `generate` gives the prompt
+                     params: SamplingParams | None = None, lora: AdapterRef | None = None,
+                     peer: str | None = None) -> EncodedPrompt:
+        # `lora` and `peer` are not needed here: the engine runs the towers, with the adapter `generate` gives the prompt
         media = prompt.get("multi_modal_data") or {}
         if media:
             prompt = {**prompt, "multi_modal_data": await self.fetch_all(media)}
