@@ -115,6 +115,8 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--concurrency", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--router-event-threads", type=int, default=None,
+                   help="the kv frontend's --router-event-threads (default: Dynamo's)")
     a = p.parse_args()
     for binary in ("etcd", "nats-server"):
         if shutil.which(binary) is None:
@@ -143,9 +145,10 @@ def main() -> None:
                       "m", "--cpu-threads", "1"], {**env, "DYN_SYSTEM_PORT": str(port)}, tmp / f"worker{i}.log")
                for i, port in enumerate(system_ports)]
     policies = {"round-robin": free_port(), "kv": free_port()}
+    threads = ([] if a.router_event_threads is None else ["--router-event-threads", str(a.router_event_threads)])
     frontends = [start([sys.executable, "-m", "dynamo.frontend", "--http-host", "127.0.0.1", "--http-port",
-                        str(port), "--router-mode", mode], env, tmp / f"frontend-{mode}.log")
-                 for mode, port in policies.items()]
+                        str(port), "--router-mode", mode, *(threads if mode == "kv" else [])], env,
+                       tmp / f"frontend-{mode}.log") for mode, port in policies.items()]
     procs += workers + frontends
     try:
         deadline = time.monotonic() + 300
@@ -176,6 +179,14 @@ def main() -> None:
             print(f"{mode:<12} {hit:>9.3f} {bound:>7.3f} {ttft * 1000:>8.0f}ms {spread}")
         rr, kv = rows["round-robin"], rows["kv"]
         print(f"kv / round-robin: hit rate {kv[0] / max(rr[0], 1e-9):.2f}x, TTFT p50 {kv[1] / rr[1]:.2f}x")
+        applied: dict[str, float] = {}  # the KV router's verdict on the workers' events, by event and status
+        for line in httpx.get(f"http://127.0.0.1:{policies['kv']}/metrics", timeout=10).text.splitlines():
+            if line.startswith("dynamo_component_kv_cache_events_applied{"):
+                labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+                key = f"{labels.get('event_type')}/{labels.get('status')}"
+                applied[key] = applied.get(key, 0) + float(line.rsplit(" ", 1)[1])
+        print("KV events the router applied:", ", ".join(f"{k} {v:.0f}" for k, v in sorted(applied.items()) if v)
+              or "none")
     finally:
         for proc in reversed(procs):
             proc.terminate()
