@@ -226,7 +226,8 @@ class DynamoCluster:
                                 {**self.env, **secret}, vlserve=True)
         self.epd_worker = _Process("worker-epd", ["dynamo-worker", "--model", str(model), "--served-model-name",
                                                   "tiny-epd", "--max-model-len", "4096", "--num-kv-blocks", "512",
-                                                  "--cpu-threads", "1", *registry], {**self.env, **secret},
+                                                  "--cpu-threads", "1", "--host", "0.0.0.0", *registry],
+                                   {**self.env, **secret},
                                    vlserve=True)
         # Dynamo's own E->PD: an encode worker (a vlserve encoder inside) that Dynamo's frontend sends pictures to
         # first, and a language worker (--route-to-encoder) that takes the rows from the encoder Dynamo chose
@@ -425,7 +426,8 @@ def test_dynamos_e_pd_pattern_its_encode_worker_first_then_the_language_worker_t
 
 
 @pytest.mark.skipif(_dynamo_missing() is not None and "wheels" in str(_dynamo_missing()), reason="no Dynamo wheels")
-@pytest.mark.parametrize("flags", [["--disaggregation-mode", "encode"], ["--route-to-encoder"]])
+@pytest.mark.parametrize("flags", [["--disaggregation-mode", "encode"], ["--route-to-encoder"],
+                                   ["--host", "0.0.0.0"]])
 def test_encode_routing_without_a_registry_is_refused_at_start(flags):
     import argparse
 
@@ -434,5 +436,5 @@ def test_encode_routing_without_a_registry_is_refused_at_start(flags):
 
     parser = argparse.ArgumentParser()
     add_worker_flags(parser)
-    with pytest.raises(ConfigurationError, match="--registry"):
+    with pytest.raises(ConfigurationError, match="needs? --registry"):
         worker_setup(parser.parse_args(["--model", "some/model", *flags]))

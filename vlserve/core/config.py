@@ -44,7 +44,7 @@ LORA_API_ROLES = frozenset({SERVE, LANGUAGE, DECODE})
 DYNAMO = "dynamo"
 DERIVED_ROLES = {DYNAMO: ((SERVE, LANGUAGE), frozenset({
     "kv_events_endpoint", "enable_lora", "lora_modules", "max_loras", "max_lora_rank", "max_cpu_loras",
-    "max_cpu_lora_memory_gb", "host", "port", "api_key", "max_request_bytes", "max_n", "header_read_timeout",
+    "max_cpu_lora_memory_gb", "port", "api_key", "max_request_bytes", "max_n", "header_read_timeout",
     "body_read_timeout", "shutdown_timeout", "trust_request_chat_template", "enable_api_docs",
     "allow_runtime_lora", "lora_dir", "playground", "allowed_hosts", "disagg", "num_encoders", "num_prefill",
     "num_decode", "prefill_tensor_parallel_size", "decode_tensor_parallel_size", "disagg_base_port",

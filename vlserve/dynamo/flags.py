@@ -63,6 +63,9 @@ def worker_setup(ns: argparse.Namespace):
     if (ns.disaggregation_mode == "encode" or ns.route_to_encoder) and role != LANGUAGE:
         raise ConfigurationError("--disaggregation-mode encode and --route-to-encoder need --registry (or "
                                  "--bootstrap): the language workers find the encoders there")
+    if ns.host is not None and role != LANGUAGE:  # (Dynamo's runtime listens where DYN_TCP_RPC_HOST says)
+        raise ConfigurationError("--host is where an E->PD worker's vlserve sockets listen (the rows encoders "
+                                 "write, an encode worker's data socket): it needs --registry or --bootstrap")
     worker = WorkerConfig(namespace=ns.namespace, component=ns.component, endpoint=ns.endpoint,
                           endpoint_types=ns.endpoint_types, discovery_backend=ns.discovery_backend,
                           request_plane=ns.request_plane, event_plane=ns.event_plane,
