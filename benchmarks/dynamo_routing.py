@@ -6,7 +6,9 @@ same workload shape with its own pictures and system prompt (no policy inherits 
 chat `--turns` turns about their own picture, each turn resending the conversation so far, `--concurrency` users
 at once. Reported per policy: the workers' prefix-cache hit rate (hit tokens / looked-up tokens, from vlserve's
 counters on the workers' /metrics), TTFT p50 (first streamed content, at the client) and requests per worker; the
-bound beside it: the hit rate if every turn found its previous turn cached.
+reference beside it ("prev turn"): the hit rate if every turn found its own previous turn cached (the system
+prompt and text that users share can add to it). With `--kill-after S`, a failover run follows: one worker killed
+S seconds into a load through the kv frontend.
 
     .venv/bin/python benchmarks/dynamo_routing.py [--model DIR | --arch qwen2_vl --size small] [--users 6]
 
@@ -95,6 +97,47 @@ async def one_user(client, url: str, seed: int, system: str, a, out: list) -> No
                      {"role": "user", "content": f"Tell me more about it (turn {turn + 2})."}]
 
 
+async def failover(url: str, victim: subprocess.Popen, a) -> None:
+    """Load through the kv frontend; SIGKILL one worker (and its engine) `--kill-after` seconds in: how many
+    requests fail, and how long the slowest one took, before and after."""
+    log: list[tuple[float, float, str]] = []
+    killed_at: list[float] = []
+    sem = asyncio.Semaphore(4)
+    body = lambda i: {"model": "m", "max_tokens": a.max_tokens, "temperature": 0, "messages": [  # noqa: E731
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(5000 + i % 8)}},
+                                     {"type": "text", "text": "Describe it."}]}]}
+
+    async with httpx.AsyncClient() as client:
+        async def one(i: int) -> None:
+            async with sem:
+                t0 = time.perf_counter()
+                try:
+                    r = await client.post(url + "/v1/chat/completions", json=body(i), timeout=a.client_timeout)
+                    status = str(r.status_code)
+                except httpx.HTTPError as e:
+                    status = type(e).__name__
+                log.append((t0, time.perf_counter() - t0, status))
+
+        async def kill() -> None:
+            await asyncio.sleep(a.kill_after)
+            os.killpg(victim.pid, 9)
+            killed_at.append(time.perf_counter())
+
+        killer = asyncio.create_task(kill())
+        deadline = time.perf_counter() + a.kill_after * 3
+        i = 0
+        while time.perf_counter() < deadline:
+            await asyncio.gather(*(one(i + k) for k in range(8)))
+            i += 8
+        await killer
+    after = [r for r in log if r[0] >= killed_at[0]]
+    for name, part in (("before the kill", [r for r in log if r[0] < killed_at[0]]), ("after the kill", after)):
+        failed = [r for r in part if r[2] != "200"]
+        print(f"failover, {name}: {len(part)} requests, {len(failed)} failed "
+              f"({', '.join(sorted(set(r[2] for r in failed))) or '-'}), slowest {max(r[1] for r in part):.2f}s "
+              f"(client timeout {a.client_timeout:g}s)")
+
+
 async def run_policy(url: str, seed0: int, system: str, a) -> list[dict]:
     out: list[dict] = []
     sem = asyncio.Semaphore(a.concurrency)
@@ -115,6 +158,9 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--concurrency", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--kill-after", type=float, default=0.0,
+                   help="then a failover run: SIGKILL one worker this many seconds into a load (0: none)")
+    p.add_argument("--client-timeout", type=float, default=60.0)
     p.add_argument("--router-event-threads", type=int, default=None,
                    help="the kv frontend's --router-event-threads (default: Dynamo's)")
     a = p.parse_args()
@@ -174,9 +220,9 @@ def main() -> None:
                 per_worker[r["worker"]] = per_worker.get(r["worker"], 0) + 1
             rows[mode] = ((h1 - h0) / max(q1 - q0, 1), statistics.median(r["ttft"] for r in results), bound,
                           sorted(per_worker.values()))
-        print(f"{'policy':<12} {'hit rate':>9} {'bound':>7} {'TTFT p50':>10} requests per worker")
+        print(f"{'policy':<12} {'hit rate':>9} {'prev turn':>9} {'TTFT p50':>10} requests per worker")
         for mode, (hit, ttft, bound, spread) in rows.items():
-            print(f"{mode:<12} {hit:>9.3f} {bound:>7.3f} {ttft * 1000:>8.0f}ms {spread}")
+            print(f"{mode:<12} {hit:>9.3f} {bound:>9.3f} {ttft * 1000:>8.0f}ms {spread}")
         rr, kv = rows["round-robin"], rows["kv"]
         print(f"kv / round-robin: hit rate {kv[0] / max(rr[0], 1e-9):.2f}x, TTFT p50 {kv[1] / rr[1]:.2f}x")
         applied: dict[str, float] = {}  # the KV router's verdict on the workers' events, by event and status
@@ -187,6 +233,8 @@ def main() -> None:
                 applied[key] = applied.get(key, 0) + float(line.rsplit(" ", 1)[1])
         print("KV events the router applied:", ", ".join(f"{k} {v:.0f}" for k, v in sorted(applied.items()) if v)
               or "none")
+        if a.kill_after > 0:
+            asyncio.run(failover(f"http://127.0.0.1:{policies['kv']}", workers[1], a))
     finally:
         for proc in reversed(procs):
             proc.terminate()
