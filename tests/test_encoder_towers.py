@@ -57,6 +57,10 @@ def _wav(seconds: float, seed: int) -> str:
     return audio_data_url(encode_audio(noise(int(16000 * seconds), seed), 16000))
 
 
+def _check(service, req) -> None:
+    service.check_kinds(req.media, req.mm_processor_kwargs)
+
+
 def _request(media: dict, prompt: str, mm_kwargs: dict | None = None) -> TransferRequest:
     return TransferRequest("r", 0, prompt, media, {k: [None] * len(v) for k, v in media.items()}, mm_kwargs or {},
                            [0], 16)
@@ -104,16 +108,16 @@ def test_media_of_another_kind_is_refused_clearly(omni_services):
     picture = {"image": [data_url(noise_image(56, 56, 4))]}
     with pytest.raises(ServiceUnavailableError, match=r"no tower for image items \(its --towers: audio, encoding "
                                                       r"audio\)"):
-        audio.check_kinds(_request(picture, OMNI_IMAGE))
+        _check(audio, _request(picture, OMNI_IMAGE))
     with pytest.raises(ServiceUnavailableError, match="no tower for audio items"):
-        vision.check_kinds(_request({"audio": [_wav(1, 1)], **picture}, OMNI_AUDIO + OMNI_IMAGE))
+        _check(vision, _request({"audio": [_wav(1, 1)], **picture}, OMNI_AUDIO + OMNI_IMAGE))
     # a video heard with its sound needs the audio tower too; seen only, the vision tower is enough
     video = {"video": ["data:video/mp4;base64,AAAA"]}
     with pytest.raises(ServiceUnavailableError, match="no tower for audio items"):
-        vision.check_kinds(_request(video, "<|VIDEO|>", {"use_audio_in_video": True}))
-    vision.check_kinds(_request(video, "<|VIDEO|>"))
-    both.check_kinds(_request(video, "<|VIDEO|>", {"use_audio_in_video": True}))
-    audio.check_kinds(_request({"audio": [_wav(1, 1)]}, OMNI_AUDIO))
+        _check(vision, _request(video, "<|VIDEO|>", {"use_audio_in_video": True}))
+    _check(vision, _request(video, "<|VIDEO|>"))
+    _check(both, _request(video, "<|VIDEO|>", {"use_audio_in_video": True}))
+    _check(audio, _request({"audio": [_wav(1, 1)]}, OMNI_AUDIO))
 
 
 def test_media_kinds_needed():

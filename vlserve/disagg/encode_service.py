@@ -98,7 +98,7 @@ class EncodeService(SenderService):
         self.encoding: dict[str, asyncio.Future] = {}  # mm_hash -> its vision call, while it runs
         self.width = self.cfg.model.embedding_width
         self.registry = CollectorRegistry()
-        self._setup(server.host, d.data_port or server.port + 1, auth, transport,
+        self._setup(server.host, d.data_port if d.data_port is not None else server.port + 1, auth, transport,
                     TransferMetrics(self.registry, None, "encode"), d.transfer_timeout, d.transfer_failure_prob)
         self.address = f"{advertised_host(d, server.host)}:{self.data_port}"  # how refusals name this encoder
         self.lora = getattr(self.tower, "lora", None)  # tower adapter slots (--enable-lora); the vision thread's
@@ -132,11 +132,10 @@ class EncodeService(SenderService):
         return Pong(nonce, self.in_flight, m.architecture, m.text.hidden_size, m.side_rows,
                     modalities=list(self.modalities))
 
-    def check_kinds(self, req: TransferRequest) -> None:
+    def check_kinds(self, media: dict, mm_processor_kwargs: dict | None) -> None:
         """Refuses media this encoder has no tower for. A 503 (not the request's fault): the receiver tries an
         encoder that announced those kinds, if any (it should only ever have sent it to one)."""
-        missing = media_kinds_needed(req.media, req.mm_processor_kwargs, self.cfg.model.modalities) - set(
-            self.modalities)
+        missing = media_kinds_needed(media, mm_processor_kwargs, self.cfg.model.modalities) - set(self.modalities)
         if missing:
             raise ServiceUnavailableError(
                 f"this encoder has no tower for {' and '.join(sorted(missing))} items (its --towers: "
@@ -154,7 +153,7 @@ class EncodeService(SenderService):
         try:
             if req.params is not None:
                 raise InvalidInputError("this is an encoder, not a prefill instance: check the roles' registry")
-            self.check_kinds(req)
+            self.check_kinds(req.media, req.mm_processor_kwargs)
             if req.lora is not None:
                 adapter = self._adapter(req.lora)
                 self.adapters_in_flight[adapter.key] += 1
@@ -188,13 +187,11 @@ class EncodeService(SenderService):
         """Encodes a prompt's media into the encoder cache now, for the language server that asks for them next
         (Dynamo's encode step, vlserve.dynamo.encode_worker): they stay there as any cached item, unheld. Returns
         how many items the prompt has."""
+        self.check_kinds(prompt.get("multi_modal_data") or {}, mm_processor_kwargs)
         self.in_flight += 1
         try:
+            # (its items are counted in `mm_items` by the transfer that follows, not here)
             processed = (await self.prompts.encode(prompt, mm_processor_kwargs, request_id)).prompt
-            for item in processed.mm_items:
-                if item.modality not in self.modalities:
-                    raise InvalidInputError(f"this encoder does not encode {item.modality} (--towers)")
-                self.mm_items.labels(item.modality).inc()
             holder = f"warm/{request_id}/{secrets.token_hex(4)}"
             try:
                 await self._embeddings(processed, holder)

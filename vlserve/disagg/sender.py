@@ -257,7 +257,9 @@ class SenderService:
         """Bound before registering, so a receiver that finds us can connect at once."""
         self.sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
         self.auth.secure_server(self.sock)
-        self.sock.bind(f"tcp://{self.host}:{self.data_port}")
+        self.sock.bind(f"tcp://{self.host}:{self.data_port or '*'}")  # 0: a free port, read back
+        if not self.data_port:
+            self.data_port = int(self.sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
         self.sender = TransferSender(self.sock, self.transport, self.metrics, self.timeout)
 
     async def serve(self) -> None:

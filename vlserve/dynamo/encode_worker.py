@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -43,25 +44,27 @@ class VlserveEncodeEngine(FromFlags, LLMEngine):
     def from_namespace(cls, ns: argparse.Namespace, log_level: str = "INFO"):
         from dynamo.common.constants import DisaggregationMode
 
+        from vlserve.model.checkpoint_path import resolve_model_path
+
         opts, worker, _ = worker_setup(ns)
         if ns.disaggregation_mode != "encode":
             raise ConfigurationError("the encode worker is for --disaggregation-mode encode")
+        if opts.engine.encoder_cache_size == 0:
+            raise ConfigurationError("--disaggregation-mode encode keeps what it encodes in its encoder cache for the "
+                                     "language worker: --encoder-cache-size 0 would encode every item twice")
         worker.disaggregation_mode, worker.enable_kv_routing = DisaggregationMode.ENCODE, False
-        worker.model_name = opts.engine.model
+        worker.model_name = str(resolve_model_path(opts.engine.model))  # the folder, as the language worker's
         worker.served_model_name = opts.server.served_model_name or opts.engine.model
         return cls(opts, worker), worker
 
     async def start(self, worker_id: int) -> EngineConfig:
-        from vlserve.core.processes import free_port
         from vlserve.disagg.encode_service import EncodeService
         from vlserve.disagg.registries import open_registry
         from vlserve.disagg.registry import InstanceInfo, advertised_host, new_instance_id
 
         opts = self.opts
-        if opts.disagg.data_port is None:  # (no HTTP server of ours: the data socket takes any free port)
-            import dataclasses
-
-            opts.disagg = dataclasses.replace(opts.disagg, data_port=free_port())
+        # (no HTTP server of ours: the data socket takes a free port, read back once bound)
+        opts.disagg = dataclasses.replace(opts.disagg, data_port=0)
         self.service = EncodeService(opts)
         self.service.bind()
         host = advertised_host(opts.disagg, opts.server.host)
@@ -76,15 +79,23 @@ class VlserveEncodeEngine(FromFlags, LLMEngine):
         return EngineConfig(model=self.worker.model_name, served_model_name=self.worker.served_model_name)
 
     async def cleanup(self) -> None:
-        if self._serving is not None:
-            self._serving.cancel()
-            self._serving = None
-        if self.registry is not None:
-            await finish(self.registry.stop())
-            self.registry = None
-        if self.service is not None:
-            await finish(self.service.aclose())
-            self.service = None
+        """Null-safe and idempotent: out of the registry, the data socket and its transfers stopped, the tower
+        shut down; each step runs whatever the one before it raised."""
+        try:
+            if self.registry is not None:
+                registry, self.registry = self.registry, None
+                await finish(registry.stop())
+        finally:
+            service, self.service = self.service, None
+            serving, self._serving = self._serving, None
+            tasks = [serving] if serving is not None else []
+            if service is not None:
+                tasks += list(service.tasks)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if service is not None:
+                await finish(service.aclose())
 
     async def register_prometheus(self, metrics: Any) -> None:
         """The encoder's metrics (encoder-cache hits, tower latency, transfers) on the worker's /metrics."""

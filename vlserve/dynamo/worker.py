@@ -113,18 +113,23 @@ class VlserveEngine(FromFlags, LLMEngine):
                                                 max_num_batched_tokens=args.max_num_batched_tokens))
 
     async def cleanup(self) -> None:
+        """Null-safe and idempotent; each step runs whatever the one before it raised."""
         if self._snapshot_task is not None:
             self._snapshot_task.cancel()
             self._snapshot_task = None
-        if self.relay is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self.relay.stop)
-            self.relay = None
-        if self._started:
-            self._started = False
-            await self.engine.shutdown()
-        if self._events_dir is not None:
-            self._events_dir.remove()
-            self._events_dir = None
+        try:
+            if self.relay is not None:
+                relay, self.relay = self.relay, None
+                await asyncio.get_running_loop().run_in_executor(None, relay.stop)
+        finally:
+            try:
+                if self._started:
+                    self._started = False
+                    await self.engine.shutdown()
+            finally:
+                if self._events_dir is not None:
+                    self._events_dir.remove()
+                    self._events_dir = None
 
     async def kv_event_sources(self) -> list:
         if self.relay is None:
@@ -178,8 +183,8 @@ class VlserveEngine(FromFlags, LLMEngine):
 
     async def generate(self, request: dict, context) -> AsyncGenerator[dict, None]:
         key, rid = context.id(), f"dyn-{uuid.uuid4().hex}"  # ours is unique even if Dynamo retries an id here
-        if key in self._live:
-            raise InvalidArgument(f"request {key} is already running on this worker")
+        if key in self._live:  # (a retry racing the first try's end here: another worker may take it now)
+            raise WorkerUnavailable(f"request {key} is still running on this worker")
         self._live[key] = None
         handle = None
         try:
@@ -187,7 +192,7 @@ class VlserveEngine(FromFlags, LLMEngine):
                 handle, params, prompt_tokens = await self._submit(normalize_request_token_ids(request), rid)
             except VlserveError as e:
                 raise dynamo_error(e) from None
-            if key in self._cancelled or context.is_stopped():
+            if key in self._cancelled or context.is_stopped() or context.is_killed():
                 yield _cancelled(prompt_tokens)
                 return
             self._live[key] = handle
@@ -230,6 +235,7 @@ class VlserveEngine(FromFlags, LLMEngine):
                     return
                 if chunk["token_ids"]:
                     yield chunk
+            raise ClientGone("aborted")  # the handle ended unfinished: `abort` closed it
         except ClientGone:
             raise
         except VlserveError as e:
