@@ -268,8 +268,10 @@ class VlserveEngine(FromFlags, LLMEngine):
         prepared = await engine.prepare(asked.prompt, asked.mm_processor_kwargs, request_id=rid, params=params,
                                         peer=encoder)
         with prepared:  # closed here unless handed to the engine
-            if remote:
-                self._check_same_tokens(prepared.prompt, asked.prompt["prompt_token_ids"])
+            loop = asyncio.get_running_loop()
+            if remote:  # (off the event loop: it grows with the prompt)
+                await loop.run_in_executor(engine.executor, self._check_same_tokens, prepared.prompt,
+                                           asked.prompt["prompt_token_ids"])
             room = engine.cfg.max_model_len - prepared.num_tokens
             max_tokens = asked.max_tokens if asked.max_tokens is not None else room
             if max_tokens > room or room < 1:
@@ -283,7 +285,7 @@ class VlserveEngine(FromFlags, LLMEngine):
                                         "(--max-logprob-entries)")
             if self.relay is not None:
                 prompt, placeholders = prepared.prompt, self._placeholders()
-                await asyncio.get_running_loop().run_in_executor(
+                await loop.run_in_executor(
                     engine.executor, lambda: self.relay.remember(
                         prompt.prompt_token_ids, prompt.mm_items,
                         routing_tokens(prompt.prompt_token_ids, prompt.mm_items, asked.mm_hashes, placeholders)))
