@@ -23,6 +23,7 @@ Qwen2's (the pre-tokenizer the Qwen tokenizers use).
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -152,6 +153,9 @@ def main() -> None:
                     help="vlserve's --dtype (auto: what it picks on this CPU, bf16 where measured faster)")
     ap.add_argument("--mmproj-type", default="f32", choices=("f32", "f16", "q8_0"),
                     help="llama.cpp's vision tower + projector file (f16 is what its converter writes by default)")
+    ap.add_argument("--baseline-env", default="",
+                    help="also run vlserve with these variables (KEY=VALUE,...), e.g. what turns a change off, and "
+                         "print it beside llama.cpp too")
     ap.add_argument("--without-amx", action="store_true",
                     help="build llama.cpp without its AMX matmul (it crashed on an AMX Xeon; see WITHOUT_AMX)")
     args = ap.parse_args()
@@ -172,6 +176,14 @@ def main() -> None:
     ours = measure("vlserve", [sys.executable, "-m", "vlserve", "serve", "--model", model, "--dtype", args.dtype,
                                "--quantization", "int8", "--port", str(port), "--max-model-len", "4096",
                                "--disable-log-requests"], None, port, args.vllm_venv, model, loads)
+    baseline = None
+    if args.baseline_env:
+        port = free_port()
+        env = {**os.environ, **dict(kv.split("=", 1) for kv in args.baseline_env.split(","))}
+        baseline = measure("vlserve-baseline", [sys.executable, "-m", "vlserve", "serve", "--model", model, "--dtype",
+                                                args.dtype, "--quantization", "int8", "--port", str(port),
+                                                "--max-model-len", "4096", "--disable-log-requests"], env, port,
+                           args.vllm_venv, model, loads)
     bound = read_bandwidth() / decode_bytes_per_token(model, QUANTIZED_WEIGHT_BYTES["int8"], head_bytes("int8", 4))
     text = quality_text(work)
     theirs_q = llama_cpp_quality(tree, model, work, weights, text)
@@ -180,9 +192,12 @@ def main() -> None:
     print(f"{Path(model).name} Qwen2-VL, 8-bit weights (Q8_0 / int8), 8-bit activations (Q8_0: per 32 values; "
           f"int8: per row in prefill, per 32 values in decode); batch-1 decode bound {bound:.0f} tok/s from memory "
           "bandwidth")
-    for load, a, b in zip(loads, ours, peer):
+    for i, (load, a, b) in enumerate(zip(loads, ours, peer)):
         print(f"\nconcurrency {load.concurrency}")
         print_rows(a, b, "llama.cpp")
+        if baseline is not None:
+            print(f"  vlserve with {args.baseline_env}:")
+            print_rows(baseline[i], b, "llama.cpp")
     print(f"\nquality against the unquantized model, {QUALITY_CONTEXT}-token chunks of {text.name}:")
     print(f"{'':<28}{'mean KLD':>10}{'same top-1':>12}")
     for name, (kld, same) in (("vlserve int8 vs fp32", ours_q), (f"  in {DECODE_ROWS}-token passes", ours_decode_q),

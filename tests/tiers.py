@@ -41,6 +41,8 @@ FILE_TIERS = {
     "test_engine_zygote.py": "unit",
     "test_triton_moe.py": "engine",
     "test_int8_gemm.py": "engine",
+    "test_huge_pages.py": "unit",
+    "test_http_protocol.py": "unit",
     "test_int8_dot.py": "engine",
     "test_block_tables.py": "unit",
     "test_family_neutral.py": "unit",

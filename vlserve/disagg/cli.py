@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 
 from vlserve.core.config import BOOTSTRAP, ENCODE, PREFILL
 from vlserve.core.errors import InvalidInputError
+from vlserve.core.http_protocol import http_protocol, run as run_loop
 from vlserve.core.options import add_options, options_from
 
 logger = logging.getLogger("vlserve.disagg")
@@ -30,7 +30,7 @@ def run_encode(ns: argparse.Namespace) -> int:
         code = run_if_worker(opts.engine)
         if code is not None:
             return code
-    return asyncio.run(run_encoder(opts, ns.log_level))
+    return run_loop(run_encoder(opts, ns.log_level))
 
 
 def run_prefill(ns: argparse.Namespace) -> int:
@@ -46,7 +46,7 @@ def run_prefill(ns: argparse.Namespace) -> int:
     # Embedding entries reach a prefill instance only from a decode instance whose own --enable-mm-embeds let
     # them in.
     opts.engine.enable_mm_embeds = True
-    return asyncio.run(run(opts, ns.log_level))
+    return run_loop(run(opts, ns.log_level))
 
 
 def run_bootstrap(ns: argparse.Namespace) -> int:
@@ -65,7 +65,8 @@ def run_bootstrap(ns: argparse.Namespace) -> int:
     logger.info("bootstrap registry on http://%s:%d (drop after %.1fs without heartbeat)", server.host, server.port,
                 d.heartbeat_interval * d.heartbeat_failure_threshold)
     # log_config=None: keep the logging set up by vlserve.cli instead of uvicorn's own.
-    uvicorn.run(app, host=server.host, port=server.port, access_log=False, log_config=None)
+    uvicorn.run(app, host=server.host, port=server.port, access_log=False, log_config=None,
+                http=http_protocol(None))
     return 0
 
 

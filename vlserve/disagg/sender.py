@@ -282,9 +282,11 @@ class SenderService:
         stopped or `stop` is set (its engine died)."""
         import uvicorn
 
+        from vlserve.core.http_protocol import http_protocol
+
         data = asyncio.create_task(self.serve())
         http = uvicorn.Server(uvicorn.Config(app, host=self.host, port=port, log_level=log_level.lower(),
-                                             access_log=False, log_config=None))
+                                             access_log=False, log_config=None, http=http_protocol(None)))
 
         async def stop_when_set() -> None:
             await stop.wait()

@@ -30,6 +30,7 @@ from vlserve.engine.encoder_runner import cpu_budget, groups_of
 from vlserve.engine.kv_handoff import kv_to_rows
 from vlserve.engine.transfer_buffers import TransferBuffers, slot_runs
 from vlserve.engine.state_rows import pack_parts, state_parts, unpack_parts, unpack_state
+from vlserve.model import huge_pages
 from vlserve.model.accelerator import Accelerator, to_device
 from vlserve.model.decoder import SideRows
 from vlserve.model.layers.linear_state import LinearLayerState, copy_state_slots, new_layer_states
@@ -122,6 +123,9 @@ class ModelShard:
             if cfg.kv_cache_file:
                 kv = self._kv_in_shared_file(cfg, len(self.kv_layers), attn.num_kv_heads, attn.head_dim)
                 caches = iter(kv.unbind(0))
+            elif device.type == "cpu" and huge_pages.available():  # (decode reads them every token: see there)
+                caches = iter(huge_pages.zeros([(2, slots, attn.num_kv_heads, attn.head_dim)] * len(self.kv_layers),
+                                               cfg.dtype))
             else:
                 caches = (torch.zeros(2, slots, attn.num_kv_heads, attn.head_dim, dtype=cfg.dtype, device=device)
                           for _ in self.kv_layers)

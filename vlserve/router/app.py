@@ -26,6 +26,7 @@ import vlserve
 from vlserve.core.config import Options
 from vlserve.core.cpu_budget import size_default_executor
 from vlserve.core.errors import InvalidInputError
+from vlserve.core.http_protocol import http_protocol, run as run_loop
 from vlserve.core.processes import SigtermStop, finish
 from vlserve.disagg.auth import PeerAuth, require_secret_off_loopback
 from vlserve.disagg.bootstrap import OPEN_CHECK_HEADER
@@ -211,7 +212,6 @@ def check_registry_trust(opts: Options) -> str:
 async def run_router(opts: Options, log_level: str = "INFO", sock: socket.socket | None = None) -> int:
     import uvicorn
 
-    from vlserve.server.slow_clients import header_timeout_protocol
 
     server = opts.server
     hosts = HostPolicy.of(server)  # a wrong --allowed-hosts, or an open registry, is refused before any work
@@ -228,7 +228,7 @@ async def run_router(opts: Options, log_level: str = "INFO", sock: socket.socket
                 app = DrainGate(build_router_app(opts, hasher, replicas, drain), drain)
                 config = uvicorn.Config(HostCheck(app, hosts), log_level=log_level.lower(), access_log=False,
                                         timeout_graceful_shutdown=UVICORN_BACKSTOP_S, log_config=None,
-                                        http=header_timeout_protocol(server.header_read_timeout))
+                                        http=http_protocol(server.header_read_timeout))
                 http = graceful_server(config, drain)
                 sigterm.serving()
                 stopper = asyncio.create_task(drain.run(http))
@@ -245,4 +245,4 @@ async def run_router(opts: Options, log_level: str = "INFO", sock: socket.socket
 
 
 def main(opts: Options, log_level: str, sock: socket.socket) -> int:
-    return asyncio.run(run_router(opts, log_level, sock))
+    return run_loop(run_router(opts, log_level, sock))

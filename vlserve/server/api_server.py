@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 import vlserve
 from vlserve.core.config import DECODE, DISAGG_ROLES, KV_ROLES, SERVE, Options, ServerArgs
 from vlserve.core.cpu_budget import size_default_executor
+from vlserve.core.http_protocol import http_protocol, parser_name
 from vlserve.core.processes import SigtermStop, finish, freeze_startup_heap, read_degraded
 from vlserve.core.prompt import MEDIA_KINDS
 from vlserve.frontend.async_llm import AsyncLLM
@@ -98,7 +99,8 @@ def build_app(engine: AsyncLLM, server: ServerArgs) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
-        logger.info("serving %r on http://%s:%d", model_name, server.host, server.port)
+        logger.info("serving %r on http://%s:%d (HTTP: %s on %s)", model_name, server.host, server.port,
+                    parser_name(), type(asyncio.get_running_loop()).__module__.split(".")[0])
         yield
 
     docs = server.enable_api_docs
@@ -186,7 +188,6 @@ async def serve(opts: Options, log_level: str = "INFO", role: str = SERVE, sock:
     for ever)."""
     import uvicorn
 
-    from vlserve.server.slow_clients import header_timeout_protocol
 
     server = opts.server
     hosts = HostPolicy.of(server, opts.disagg.advertise_host)  # a wrong --allowed-hosts is refused before any work
@@ -202,7 +203,7 @@ async def serve(opts: Options, log_level: str = "INFO", role: str = SERVE, sock:
                 config = uvicorn.Config(HostCheck(DrainGate(build_app(engine, server), drain), hosts),
                                         log_level=log_level.lower(), access_log=False,
                                         timeout_graceful_shutdown=UVICORN_BACKSTOP_S, log_config=None,
-                                        http=header_timeout_protocol(server.header_read_timeout))
+                                        http=http_protocol(server.header_read_timeout))
                 http = graceful_server(config, drain)
                 freeze_startup_heap()
                 sigterm.serving()

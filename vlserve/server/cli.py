@@ -5,13 +5,13 @@ server whose prompts are prefilled by `vlserve prefill` instances)."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 
 from vlserve.core.allocator import return_large_blocks
 from vlserve.core.config import DECODE, LANGUAGE, SERVE, EngineArgs
 from vlserve.core.errors import ConfigurationError, InvalidInputError
+from vlserve.core.http_protocol import run as run_loop
 from vlserve.core.options import add_options, options_from
 from vlserve.server.listen import bind_socket
 from vlserve.tools.demo_checkpoint import DEMO_NAME
@@ -74,7 +74,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     use_demo_checkpoint(opts)  # (building it runs torch: after the fork)
     from vlserve.server.api_server import serve
 
-    return asyncio.run(serve(opts, ns.log_level, sock=sock))
+    return run_loop(serve(opts, ns.log_level, sock=sock))
 
 
 def start_front_end(sock=None, imports: tuple[str, ...] = ("vlserve.server.api_server",)) -> None:
@@ -113,7 +113,7 @@ def run_language(ns: argparse.Namespace, role: str = LANGUAGE) -> int:
     require_backend(opts.disagg.transfer_backend)
     from vlserve.server.api_server import serve
 
-    return asyncio.run(serve(opts, ns.log_level, role=role, sock=sock))
+    return run_loop(serve(opts, ns.log_level, role=role, sock=sock))
 
 
 def run_decode(ns: argparse.Namespace) -> int:
