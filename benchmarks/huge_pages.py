@@ -29,7 +29,7 @@ from vlserve.model import huge_pages  # noqa: E402
 
 def two_copies(model: torch.nn.Module, kv_caches: list) -> list[tuple[torch.Tensor, tuple, tuple]]:
     """For each tensor: (the tensor, where it is now, where its huge-page copy is), as set_ arguments."""
-    tensors = [t for t in huge_pages._module_tensors(model) if t.device.type == "cpu"]
+    tensors = huge_pages._module_tensors(model)
     tensors += [c for c in kv_caches if isinstance(c, torch.Tensor)]
     total = sum(-(-t.untyped_storage().nbytes() // 64) * 64 for t in tensors)
     whole, pos, out, copies = huge_pages.arena(total), 0, [], {}

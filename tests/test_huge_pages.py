@@ -93,3 +93,11 @@ def test_a_model_too_small_for_one_huge_page_stays(monkeypatch):
     model = nn.Linear(8, 8)
     ptr = model.weight.data_ptr()
     assert huge_pages.move_model(model) == 0 and model.weight.data_ptr() == ptr
+
+
+def test_tensors_of_another_layout_stay_where_they_are(monkeypatch):
+    _force_available(monkeypatch)
+    model = Tied()
+    model.packed = torch.randn(64, 64).to_mkldnn()  # oneDNN-packed (the vision tower's PackedLinear): its own memory
+    assert huge_pages.move_model(model) > 0
+    assert model.packed.is_mkldnn and model.packed.to_dense().shape == (64, 64)

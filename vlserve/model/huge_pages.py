@@ -72,11 +72,13 @@ def zeros(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tenso
 
 
 def _module_tensors(model: nn.Module) -> list[torch.Tensor]:
-    """Every tensor the modules hold: parameters, buffers and plain tensor attributes (views made at load)."""
+    """Every plain CPU tensor the modules hold: parameters, buffers and tensor attributes (views made at load);
+    not those of another layout (oneDNN-packed weights own their memory)."""
     seen, out = set(), []
     for module in model.modules():
         for t in (*module._parameters.values(), *module._buffers.values(), *module.__dict__.values()):
-            if isinstance(t, torch.Tensor) and id(t) not in seen:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.layout == torch.strided \
+                    and not t.is_mkldnn and not t.is_quantized and id(t) not in seen:
                 seen.add(id(t))
                 out.append(t)
     return out
@@ -91,8 +93,7 @@ def move_model(model: nn.Module) -> int:
         return 0
     groups: dict[int, list[torch.Tensor]] = {}  # storage -> the tensors on it
     for t in _module_tensors(model):
-        if t.device.type == "cpu" and not t.is_quantized:
-            groups.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+        groups.setdefault(t.untyped_storage().data_ptr(), []).append(t)
     sizes = {ptr: -(-ts[0].untyped_storage().nbytes() // ALIGN) * ALIGN for ptr, ts in groups.items()}
     total = sum(sizes.values())
     if total < HUGE_PAGE:
