@@ -3,8 +3,8 @@ on what a client may take (slow-loris connections are closed, not kept).
 
 Parser: httptools (llhttp, C) where installed, else h11 (pure Python); event loop: uvloop where installed, else
 asyncio's (VLSERVE_HTTP_PARSER=h11 and VLSERVE_EVENT_LOOP=asyncio force the others). On a 2-core machine serving one stream, the front end's per-token work (an SSE chunk through uvicorn)
-competes with the engine's threads for the same cores: httptools and uvloop took about a third off it
-(benchmarks/front_end_cpu.py).
+competes with the engine's threads for the same cores: httptools and uvloop took an eighth off it
+(benchmarks/front_end_cpu.py: 0.66 -> 0.57 ms a token).
 
 Bounds: a request's line and headers must arrive within `header_timeout` seconds (counted from the connection,
 or from the end of the previous response on a kept-alive one: uvicorn itself has no such limit, so a client

@@ -2,9 +2,9 @@
 
 Batch-1 decode streams every weight once a token. With 4 KiB pages that is a TLB miss every 4 KiB, and in a
 virtual machine (nested page tables) each miss walks two sets of tables; in 2 MiB pages the weights of a
-layer need a handful of entries. Measured on the 2-core Intel VM (medium random Qwen2-VL, int8, one process
-switching between the two copies of the same weights: benchmarks/huge_pages.py): decode 1.05x faster with its
-large weights alone moved, the int8 GEMVs over 200 MB 1.08-1.28x.
+layer need a handful of entries. Measured on a 2-core Intel VM (medium random Qwen2-VL, one process switching
+the same tensors between the two kinds of pages: benchmarks/huge_pages.py): int8 decode 1.13x faster; fp32
+decode, whose GEMV torch runs at the memory's rate either way, unchanged.
 
 Where the kernel allows it (`enabled` is "always" or "madvise": most distributions' default is madvise, under
 which glibc's and torch's allocations get none), one anonymous mapping is made per call, aligned to 2 MiB and
