@@ -98,6 +98,26 @@ def test_oversized_headers_are_refused(server):
         assert out.startswith(b"HTTP/1.1 ")
 
 
+def test_an_endless_header_line_is_cut_off_as_it_streams_in(server):
+    """httptools keeps a header it has not seen the end of in memory: the bytes awaiting the headers are counted."""
+    port, parser = server
+    if parser != "httptools":
+        pytest.skip("h11 bounds its own buffer")
+    with socket.create_connection(("127.0.0.1", port)) as conn:
+        conn.sendall(b"GET /x HTTP/1.1\r\nHost: a\r\nX-Endless: ")
+        sent = 0
+        try:
+            while sent < 4 * http_protocol.HEADER_BYTES:
+                conn.sendall(b"a" * 1024)  # never ends the line
+                sent += 1024
+                time.sleep(0.001)
+        except OSError:
+            pass  # closed by the server
+        conn.settimeout(3)
+        out = conn.recv(65536)
+    assert out.startswith(b"HTTP/1.1 431")
+
+
 def test_a_request_under_the_bound_passes(server):
     port, _ = server
     header = b"X-Fit: " + b"a" * (http_protocol.HEADER_BYTES - 200) + b"\r\n"

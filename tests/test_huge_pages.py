@@ -101,3 +101,31 @@ def test_tensors_of_another_layout_stay_where_they_are(monkeypatch):
     model.packed = torch.randn(64, 64).to_mkldnn()  # oneDNN-packed (the vision tower's PackedLinear): its own memory
     assert huge_pages.move_model(model) > 0
     assert model.packed.is_mkldnn and model.packed.to_dense().shape == (64, 64)
+
+
+def test_an_engine_moves_its_weights_after_packing_them_and_answers_the_same(tiny_ckpt, monkeypatch):
+    """The engine moves what is left once oneDNN has packed its linears (moved before, the weights packing
+    replaces would stay in the arena, a second copy of the model), and answers token for token as in small pages."""
+    from vlserve import LLM, SamplingParams
+
+    path = str(tiny_ckpt("qwen2_vl"))
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    monkeypatch.setenv(huge_pages.ENV, "0")
+    expected = LLM(path, dtype="float32").generate(["a b c"], params, use_tqdm=False)[0].outputs[0].token_ids
+    monkeypatch.delenv(huge_pages.ENV)
+    _force_available(monkeypatch)
+    monkeypatch.setattr(huge_pages, "HUGE_PAGE", 4096)  # a tiny model fills no 2 MiB page
+    llm = LLM(path, dtype="float32")
+    shard = llm.engine.core.runner.executor
+    tensors = huge_pages._module_tensors(shard.model)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    assert len(storages) == 1  # every plain tensor in the arena
+    # The bytes the model's tensors still cover make up the arena (packed away: uncovered, a second copy)
+    covered, end = 0, 0
+    for lo, hi in sorted((t.storage_offset() * t.element_size(),
+                          (t.storage_offset() + 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())))
+                          * t.element_size()) for t in tensors if t.numel()):
+        covered += max(0, hi - max(lo, end))
+        end = max(end, hi)
+    assert shard.huge_page_bytes > 0 and covered >= 0.95 * shard.huge_page_bytes, (covered, shard.huge_page_bytes)
+    assert llm.generate(["a b c"], params, use_tqdm=False)[0].outputs[0].token_ids == expected

@@ -83,19 +83,24 @@ def http_protocol(header_timeout: float | None, parser: str | None = None) -> ty
 
 
 def _bounded_httptools(base: type) -> type:
-    """httptools' protocol, refusing a request whose line and headers pass HEADER_BYTES (h11 bounds them itself)."""
+    """httptools' protocol, refusing a request whose line and headers pass HEADER_BYTES (h11 bounds them itself).
+    Counted twice: the bytes received while a request's headers are awaited (httptools builds a header it has not
+    seen the end of in memory, so one endless header line must be cut off as it streams in), and the parsed line
+    and headers (a request that arrived whole in one read)."""
 
     class BoundedHttpTools(base):
-        _header_bytes = 0
+        _awaiting_headers = True  # from the connection, and after each request, until its headers are complete
+        _received = 0  # bytes received while awaiting them
+        _parsed = 0  # bytes of its line and headers parsed
         _too_big = False
 
         def on_message_begin(self) -> None:
-            self._header_bytes = 0
+            self._parsed = 0
             super().on_message_begin()
 
         def _count(self, n: int) -> None:
-            self._header_bytes += n
-            if self._header_bytes > HEADER_BYTES:
+            self._parsed += n
+            if self._parsed > HEADER_BYTES:
                 self._too_big = True
                 raise ValueError("request headers too large")  # stops the parser (HttpParserCallbackError)
 
@@ -104,12 +109,27 @@ def _bounded_httptools(base: type) -> type:
             super().on_url(url)
 
         def on_header(self, name: bytes, value: bytes) -> None:
-            self._count(len(name) + len(value) + 4)
+            if self._awaiting_headers:  # (not a chunked body's trailers)
+                self._count(len(name) + len(value) + 4)
             super().on_header(name, value)
 
+        def on_headers_complete(self) -> None:
+            self._awaiting_headers, self._received = False, 0
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            self._awaiting_headers = True  # the next request on this connection (pipelined, or kept alive)
+            super().on_message_complete()
+
         def data_received(self, data: bytes) -> None:
-            if not self._too_big:  # (refused already: the connection is closing)
-                super().data_received(data)
+            if self._too_big:
+                return  # refused already: the connection is closing
+            if self._awaiting_headers:
+                self._received += len(data)
+            super().data_received(data)
+            if self._awaiting_headers and self._received > HEADER_BYTES and not self.transport.is_closing():
+                self._too_big = True  # still no end of the headers past the bound
+                self._refuse_oversized()
 
         def send_400_response(self, msg: str) -> None:  # uvicorn's answer to any parser error, ours included
             if self._too_big:

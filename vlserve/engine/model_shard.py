@@ -92,6 +92,11 @@ class ModelShard:
         device = device or cfg.device
         if packed_linear_supported(device, cfg.dtype) and hasattr(model, "pack_for_cpu"):
             logger.info("packed %d linears into oneDNN's layout", model.pack_for_cpu())
+        # After packing (the weights it replaces must be freed, not kept in the arena) and before LoRA's slots
+        # (views of its own it keeps must not be left on the old memory).
+        self.huge_page_bytes = huge_pages.move_model(model) if device.type == "cpu" else 0
+        if self.huge_page_bytes:
+            logger.info("weights in huge pages: %.0f MiB", self.huge_page_bytes / 2**20)
         self.model = model
         self.lora = lora_slots(model, cfg, device) if cfg.lora is not None else None  # after packing: wraps them
         self.tp = tp

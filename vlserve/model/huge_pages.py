@@ -10,6 +10,9 @@ Where the kernel allows it (`enabled` is "always" or "madvise": most distributio
 which glibc's and torch's allocations get none), one anonymous mapping is made per call, aligned to 2 MiB and
 advised MADV_HUGEPAGE; the kernel backs it with huge pages where it can, else with small ones (nothing fails).
 Elsewhere (no THP, not Linux, VLSERVE_HUGE_PAGES=0) tensors stay where they are.
+
+The arena is one storage, alive while any tensor on it is: a weight replaced after the move (oneDNN packing,
+MoE experts packed) would keep its bytes there, so the engine moves its model last (engine.model_shard).
 """
 
 from __future__ import annotations
@@ -110,4 +113,15 @@ def move_model(model: nn.Module) -> int:
         for t in ts:
             t.set_(store, at // t.element_size() + t.storage_offset(), t.shape, t.stride())
         pos += sizes[ptr]
+    _return_freed_memory()
     return total
+
+
+def _return_freed_memory() -> None:
+    """The old storages below glibc's mmap threshold were freed into its heap, which keeps them (RSS 245 MB over
+    the model for the medium int8 one): malloc_trim gives the free pages back. Nothing where the C library has
+    no malloc_trim (not glibc)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -20,7 +20,6 @@ from tqdm import tqdm
 
 from vlserve.core.errors import ModelLoadError
 from vlserve.model.families import family_of
-from vlserve.model import huge_pages
 from vlserve.model.hardware import resolve_dtype
 from vlserve.model.kernels import cpu_kernels
 from vlserve.model.hf_config import ModelConfig, load_model_config
@@ -231,9 +230,6 @@ def load_model(
     load_weights(model, folder, files, quantization, our_name)
     if quantization is not None and quantization.method == "int8":
         logger.info("int8: %d decoder linears quantized at load time", quantize_int8(model))
-    model = model.eval().requires_grad_(False)
     if device.type == "cpu":
         cpu_kernels.load()  # now, not inside the first request (and the log says at start if they are missing)
-        if moved := huge_pages.move_model(model):
-            logger.info("weights in huge pages: %.0f MiB", moved / 2**20)
-    return model
+    return model.eval().requires_grad_(False)
