@@ -2,9 +2,10 @@
 on what a client may take (slow-loris connections are closed, not kept).
 
 Parser: httptools (llhttp, C) where installed, else h11 (pure Python); event loop: uvloop where installed, else
-asyncio's (VLSERVE_HTTP_PARSER=h11 and VLSERVE_EVENT_LOOP=asyncio force the others). On a 2-core machine serving one stream, the front end's per-token work (an SSE chunk through uvicorn)
-competes with the engine's threads for the same cores: httptools and uvloop took an eighth off it
-(benchmarks/front_end_cpu.py: 0.66 -> 0.57 ms a token).
+asyncio's (VLSERVE_HTTP_PARSER=h11 and VLSERVE_EVENT_LOOP=asyncio force the others). On a 2-core machine
+serving one stream, the front end's per-token work (an SSE chunk through uvicorn) competes with the engine's
+threads for the same cores: httptools and uvloop took an eighth off it (benchmarks/front_end_cpu.py: 0.66 ->
+0.57 ms a token).
 
 Bounds: a request's line and headers must arrive within `header_timeout` seconds (counted from the connection,
 or from the end of the previous response on a kept-alive one: uvicorn itself has no such limit, so a client
@@ -26,8 +27,6 @@ from vlserve.core.errors import ConfigurationError
 
 logger = logging.getLogger("vlserve.server")
 HEADER_BYTES = 16 * 1024  # a request's line and headers, at most (h11's default bound)
-
-
 PARSER_ENV, LOOP_ENV = "VLSERVE_HTTP_PARSER", "VLSERVE_EVENT_LOOP"  # a choice to force (benchmarks, a bug)
 
 
@@ -72,13 +71,13 @@ def http_protocol(header_timeout: float | None, parser: str | None = None) -> ty
     time bound (a peer-facing server's own); `parser`: "httptools" or "h11" (default: `parser_name()`)."""
     parser = parser or parser_name()
     if parser == "httptools":
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+        base = _bounded_httptools(HttpToolsProtocol)
     elif parser == "h11":
         from uvicorn.protocols.http.h11_impl import H11Protocol as base
     else:
         raise ValueError(f"unknown HTTP parser {parser!r}")
-    if parser == "httptools":
-        base = _bounded_httptools(base)
     return base if header_timeout is None else _with_header_timer(base, header_timeout, parser)
 
 

@@ -188,7 +188,6 @@ async def serve(opts: Options, log_level: str = "INFO", role: str = SERVE, sock:
     for ever)."""
     import uvicorn
 
-
     server = opts.server
     hosts = HostPolicy.of(server, opts.disagg.advertise_host)  # a wrong --allowed-hosts is refused before any work
     size_default_executor(opts.engine.cpu_threads)

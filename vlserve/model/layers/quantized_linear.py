@@ -142,7 +142,7 @@ class Int8Linear(nn.Module):
             rows = x.reshape(-1, self.in_features)
             y = int8_gemm.int8_linear(rows, lambda a, b: deinterleave4(self.qweight[a:b]), self.out_features,
                                       self.scale, bits, DENSE_CHUNK_ROWS).view(*x.shape[:-1], self.out_features)
-            return y if self.bias is None else y.add_(self.bias)  # a fresh tensor: no second one for the bias
+            return _add_bias(y, self.bias)
         elif (kernels := cpu_kernels.for_tensor(x, (*cpu_kernels.KERNEL_DTYPES, torch.float16))) is not None:
             # Many rows on CPU: the weight expanded a cache-sized piece at a time (scaled), each piece a dense GEMM
             # (expanding it whole and scaling the output made a prefill 1.64x fp32's time; this, 1.24x)
